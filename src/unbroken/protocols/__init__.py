@@ -1,0 +1,92 @@
+"""Per-protocol stream knowledge: which classifier, which native error (sans-IO)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from unbroken.protocols import anthropic, chat, responses
+from unbroken.protocols.base import Classifier, Kind, kind_names
+from unbroken.sse import Event
+
+__all__ = [
+    "ANTHROPIC",
+    "CHAT",
+    "GENERIC",
+    "RESPONSES",
+    "Classifier",
+    "Kind",
+    "Protocol",
+    "kind_names",
+    "protocol_for_path",
+]
+
+
+class GenericClassifier:
+    """Any other ``text/event-stream``: every frame is UNKNOWN (it commits)."""
+
+    __slots__ = ()
+
+    def classify(self, event: Event) -> tuple[int, int]:
+        if event.data is None and event.name is None:
+            return Kind.CONTROL, 0
+        return Kind.UNKNOWN, 0
+
+
+@dataclass(frozen=True, slots=True)
+class Protocol:
+    name: str
+    #: True when the protocol has a success terminal frame: a stream that ends
+    #: without it was truncated.  Generic SSE has none, so its clean end is success.
+    has_terminal: bool
+    new_classifier: Callable[[], Classifier]
+    anthropic_errors: bool = False
+
+    def error_frame(self, message: str, classifier: Classifier, last_raw: bytes | None) -> bytes:
+        """The protocol-native, retryable error event that ends a truncated turn."""
+        if self is CHAT:
+            return chat.error_frame(message)
+        if self is ANTHROPIC:
+            return anthropic.error_frame(message)
+        if self is RESPONSES:
+            rid = model = None
+            if isinstance(classifier, responses.ResponsesClassifier):
+                rid, model = classifier.response_id, classifier.model
+            return responses.error_frame(
+                message,
+                response_id=rid,
+                model=model,
+                sequence_number=responses.next_sequence_number(last_raw),
+            )
+        return b"event: error\ndata: " + json.dumps({"error": {"message": message}}).encode() + (
+            b"\n\n"
+        )
+
+    def error_body(self, message: str, *, type_: str = "upstream_unavailable") -> bytes:
+        """A JSON error body in the protocol's style (for non-streamed failures)."""
+        if self.anthropic_errors:
+            return json.dumps(
+                {"type": "error", "error": {"type": "api_error", "message": message}}
+            ).encode()
+        return json.dumps(
+            {"error": {"message": message, "type": "server_error", "code": type_}}
+        ).encode()
+
+
+CHAT = Protocol("chat", True, chat.ChatClassifier)
+RESPONSES = Protocol("responses", True, responses.ResponsesClassifier)
+ANTHROPIC = Protocol("anthropic", True, anthropic.AnthropicClassifier, anthropic_errors=True)
+GENERIC = Protocol("generic", False, GenericClassifier)
+
+
+def protocol_for_path(path: str) -> Protocol:
+    """Pick the protocol from the request path (the part after the route name)."""
+    p = path.rstrip("/")
+    if p.endswith("chat/completions"):
+        return CHAT
+    if p.endswith("/responses") or p == "responses":
+        return RESPONSES
+    if p.endswith("/messages") or p == "messages":
+        return ANTHROPIC
+    return GENERIC
