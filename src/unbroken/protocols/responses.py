@@ -20,7 +20,7 @@ from typing import Any
 from unbroken.protocols.base import Kind, error_is_retryable, loads_object
 from unbroken.sse import Event
 
-C, O, R = Kind.CONTROL, Kind.OUTPUT, Kind.REASONING
+C, OUT, R = Kind.CONTROL, Kind.OUTPUT, Kind.REASONING
 TD = Kind.TOOL_DELTA
 
 # event name -> kind.  Names not here (and not parsed below) are UNKNOWN.
@@ -30,12 +30,12 @@ EVENTS: dict[str, int] = {
     "response.in_progress": C,
     "response.content_part.added": C,
     "response.reasoning_summary_part.added": C,  # an empty summary part opens
-    "response.output_text.delta": O,
-    "response.output_text.done": O,
-    "response.output_text.annotation.added": O,
-    "response.content_part.done": O,
-    "response.refusal.delta": O,
-    "response.refusal.done": O,
+    "response.output_text.delta": OUT,
+    "response.output_text.done": OUT,
+    "response.output_text.annotation.added": OUT,
+    "response.content_part.done": OUT,
+    "response.refusal.delta": OUT,
+    "response.refusal.done": OUT,
     "response.reasoning_summary_text.delta": R,
     "response.reasoning_summary_text.done": R,
     "response.reasoning_summary_part.done": R,
@@ -125,8 +125,8 @@ class ResponsesClassifier:
                 return Kind.TOOL_END, len(self.open_items)
             return Kind.UNKNOWN, len(self.open_items)  # done without added
         if itype in INERT_ITEMS:
-            return (C if added else O), len(self.open_items)
-        return O, len(self.open_items)  # server-side tool items and others: commit
+            return (C if added else OUT), len(self.open_items)
+        return OUT, len(self.open_items)  # server-side tool items and others: commit
 
     @staticmethod
     def _error(data: str | None) -> int:
@@ -169,10 +169,8 @@ def next_sequence_number(last_raw: bytes | None) -> int | None:
     """One past the sequence_number of the last frame, if it carried one."""
     if not last_raw:
         return None
-    m = None
-    for m in _SEQ.finditer(last_raw):
-        pass
-    return int(m.group(1)) + 1 if m is not None else None
+    found = _SEQ.findall(last_raw)
+    return int(found[-1]) + 1 if found else None
 
 
 def failed_payload(
