@@ -50,13 +50,12 @@ class Protocol:
         if self is ANTHROPIC:
             return anthropic.error_frame(message)
         if self is RESPONSES:
-            rid = model = None
+            snapshot = None
             if isinstance(classifier, responses.ResponsesClassifier):
-                rid, model = classifier.response_id, classifier.model
+                snapshot = classifier.snapshot
             return responses.error_frame(
                 message,
-                response_id=rid,
-                model=model,
+                snapshot=snapshot,
                 sequence_number=responses.next_sequence_number(last_raw),
             )
         return b"event: error\ndata: " + json.dumps({"error": {"message": message}}).encode() + (

@@ -85,7 +85,11 @@ def error_frame(message: str) -> bytes:
     """``event: error`` that ends a truncated Messages stream.
 
     ``overloaded_error`` is what Anthropic itself sends for transient failures:
-    the anthropic SDK raises, OpenCode retries it (its message says overloaded).
+    the anthropic SDK raises ``APIStatusError`` (type overloaded_error) and
+    OpenCode's retry rules match "Overloaded".  The ``event:`` line is required.
     """
-    payload = {"type": "error", "error": {"type": "overloaded_error", "message": message}}
-    return b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
+    payload = {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": f"Overloaded ({message})"},
+    }
+    return b"event: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

@@ -104,14 +104,17 @@ class ChatClassifier:
 def error_frame(message: str) -> bytes:
     """The in-band error chunk that ends a truncated Chat Completions stream.
 
-    OpenCode (Vercel AI SDK) retries an error whose type is ``server_error``;
-    the openai SDK raises ``APIError``.  No ``[DONE]`` follows.
+    The openai SDK raises ``APIError`` on it; the Vercel AI SDK (OpenCode)
+    yields an error part that OpenCode retries: type ``server_error``, and a
+    code containing ``unavailable`` (see docs/protocols.md, section 6).
+    No ``[DONE]`` follows.
     """
     payload = {
         "error": {
             "message": message,
             "type": "server_error",
-            "code": "upstream_disconnected",
+            "param": None,
+            "code": "upstream_unavailable",
         }
     }
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

@@ -68,13 +68,12 @@ _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
 
 
 class ResponsesClassifier:
-    __slots__ = ("last_seq", "model", "open_items", "response_id")
+    __slots__ = ("open_items", "snapshot")
 
     def __init__(self) -> None:
         self.open_items: set[str] = set()
-        self.response_id: str | None = None
-        self.model: str | None = None
-        self.last_seq: int | None = None
+        #: the ``response`` object of ``response.created``, reused by a failure event
+        self.snapshot: dict[str, Any] | None = None
 
     def classify(self, event: Event) -> tuple[int, int]:
         name = event.name
@@ -103,9 +102,7 @@ class ResponsesClassifier:
             return
         resp = obj.get("response")
         if isinstance(resp, dict):
-            rid, model = resp.get("id"), resp.get("model")
-            self.response_id = rid if isinstance(rid, str) else None
-            self.model = model if isinstance(model, str) else None
+            self.snapshot = resp
 
     def _item(self, data: str | None, *, added: bool) -> tuple[int, int]:
         obj = loads_object(data)
@@ -173,38 +170,46 @@ def next_sequence_number(last_raw: bytes | None) -> int | None:
     return int(found[-1]) + 1 if found else None
 
 
-def failed_payload(
-    message: str, *, response_id: str | None, model: str | None, sequence_number: int | None
-) -> dict[str, Any]:
-    """A ``response.failed`` event object for a truncated turn (server_error)."""
-    response: dict[str, Any] = {
-        "id": response_id or f"resp_unbroken_{int(time.time() * 1000)}",
-        "object": "response",
-        "created_at": int(time.time()),
-        "status": "failed",
-        "error": {"code": "server_error", "message": message},
-        "incomplete_details": None,
-        "model": model or "",
-        "output": [],
-        "parallel_tool_calls": True,
-        "tool_choice": "auto",
-        "tools": [],
-        "usage": None,
-    }
-    event: dict[str, Any] = {"type": "response.failed", "response": response}
-    if sequence_number is not None:
-        event["sequence_number"] = sequence_number
-    return event
-
-
 def error_frame(
     message: str,
     *,
-    response_id: str | None = None,
-    model: str | None = None,
+    snapshot: dict[str, Any] | None = None,
     sequence_number: int | None = None,
 ) -> bytes:
-    payload = failed_payload(
-        message, response_id=response_id, model=model, sequence_number=sequence_number
+    """The events that end a truncated Responses turn: ``error`` then ``response.failed``.
+
+    The ``error`` event is a hybrid: flat ``code``/``message`` (what the Vercel
+    AI SDK's schema requires) and a nested ``error`` (what makes the openai SDK
+    raise).  ``response.failed`` reuses the upstream ``response.created``
+    snapshot, because the openai SDK's stream helper rejects a changed id.
+    See docs/protocols.md, section 6.
+    """
+    seq = 0 if sequence_number is None else sequence_number
+    nested = {"type": "server_error", "code": "server_error", "message": message, "param": None}
+    error_event = {
+        "type": "error",
+        "sequence_number": seq,
+        "code": "upstream_unavailable",
+        "message": message,
+        "param": None,
+        "error": nested,
+    }
+    response: dict[str, Any] = dict(snapshot or {})
+    response.setdefault("id", f"resp_unbroken_{int(time.time() * 1000)}")
+    response.setdefault("object", "response")
+    response.setdefault("created_at", int(time.time()))
+    response.update(
+        status="failed",
+        output=[],
+        error={"code": "server_error", "message": message},
+        incomplete_details=None,
     )
-    return b"event: response.failed\ndata: " + json.dumps(payload).encode() + b"\n\n"
+    failed = {"type": "response.failed", "sequence_number": seq + 1, "response": response}
+    return (
+        b"event: error\ndata: " + _dumps(error_event) + b"\n\n"
+        b"event: response.failed\ndata: " + _dumps(failed) + b"\n\n"
+    )
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()

@@ -1,0 +1,549 @@
+"""One client turn: attempts over a route's upstreams, streamed through the ledger.
+
+This is the I/O shell around the sans-IO core.  It opens upstream requests,
+feeds every SSE frame to the `Ledger`, writes what the ledger releases, and
+does what the ledger's verdict says (continue, replay, end with an error).  It
+makes no replay decision of its own: `policy` says when and where to retry,
+the ledger says whether a retry is still allowed.
+
+Non-SSE bodies (JSON answers, files) are forwarded as they arrive: status and
+headers go out with the first body byte, so a failure before it is retried; a
+failure after it aborts the client connection, so it can never look like a
+complete answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from unbroken.config import Config, Route, Upstream
+from unbroken.hooks import Hooks, TurnInfo
+from unbroken.ledger import Hold, Ledger, State, Verdict
+from unbroken.policy import (
+    Failure,
+    FailureClass,
+    RetryState,
+    classify_exception,
+    is_retryable_status,
+    parse_retry_after,
+)
+from unbroken.protocols import Protocol, protocol_for_path
+from unbroken.sse import SSESplitter
+from unbroken.upstream import (
+    UpstreamClient,
+    body_for,
+    request_headers,
+    response_headers,
+    upstream_url,
+)
+
+__all__ = ["ClientGone", "Relay"]
+
+KEEPALIVE = b": keepalive\n\n"
+MAX_ERROR_BODY = 1024 * 1024  # bytes of a retryable error answer kept for pass-through
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+class ClientGone(Exception):
+    """The client went away while we were writing to it."""
+
+
+class Relay:
+    """Shared state of the relay: config, outbound client, hooks."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        hooks: Hooks | None = None,
+        client: UpstreamClient | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.hooks = hooks or Hooks()
+        self.client = client or UpstreamClient(connect_timeout_s=config.stream.connect_timeout_s)
+        self.rng = rng or random.Random()
+        self.hold = Hold(config.stream.hold)
+        self.inflight: set[TurnInfo] = set()
+
+    async def handle(
+        self, request: web.Request, route: Route, rest: str, body: bytes
+    ) -> web.StreamResponse:
+        return await _Turn(self, request, route, rest, body).run()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def _parse_json(body: bytes, content_type: str) -> dict[str, Any] | None:
+    if not body or "json" not in content_type:
+        return None
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+class _Turn:
+    """The attempts of one client request."""
+
+    def __init__(
+        self, relay: Relay, request: web.Request, route: Route, rest: str, body: bytes
+    ) -> None:
+        self.relay = relay
+        self.cfg = relay.config
+        self.request = request
+        self.route = route
+        self.rest = rest
+        self.body = body
+        self.protocol: Protocol = protocol_for_path(rest)
+        self.parsed = _parse_json(body, request.headers.get("content-type", ""))
+        if self.parsed is not None:
+            self.stream = self.parsed.get("stream") is True
+        else:
+            self.stream = "text/event-stream" in request.headers.get("accept", "")
+        self.info = TurnInfo(
+            route=route.name,
+            path=rest,
+            protocol=self.protocol.name,
+            stream=self.stream,
+            session_id=request.headers.get("x-session-id")
+            or request.headers.get("x-session-affinity"),
+        )
+        self.retry = RetryState(relay.config.retry, len(route.upstreams), rng=relay.rng)
+        self.ledger: Ledger | None = None
+        self.response: web.StreamResponse | None = None  # the client response, once prepared
+        self._prepare_lock = asyncio.Lock()
+        self.pending_headers: tuple[int, CIMultiDict[str]] | None = None
+        self.loop = asyncio.get_running_loop()
+        self.t0 = self.loop.time()
+        self.last_tx = self.t0
+        self.last_rx = self.t0
+        self.rx_started = False  # a body byte of the current attempt arrived
+        self.reading: aiohttp.ClientResponse | None = None  # attempt being read (for stalls)
+        self.stalled = False
+        self.failure: Failure | None = None
+        self.last_answer: tuple[int, CIMultiDict[str], bytes] | None = None
+        self._bodies: dict[int, bytes] = {}
+
+    # -- the loop ------------------------------------------------------------------
+    async def run(self) -> web.StreamResponse:
+        relay = self.relay
+        relay.inflight.add(self.info)
+        relay.hooks.turn_started(self.info)
+        watchdog = asyncio.ensure_future(self._watchdog())
+        try:
+            return await self._attempts()
+        except (asyncio.CancelledError, ClientGone):
+            self.info.outcome = "aborted_by_client"
+            raise
+        finally:
+            watchdog.cancel()
+            relay.inflight.discard(self.info)
+            if self.info.outcome is None:
+                self.info.outcome = "aborted_by_client"
+            self.info.state = "done"
+            relay.hooks.turn_ended(self.info)
+
+    async def _attempts(self) -> web.StreamResponse:
+        route, retry = self.route, self.retry
+        while True:
+            if retry.exhausted():
+                return await self._give_up()
+            idx = retry.next_upstream(self.loop.time())
+            up = route.upstreams[idx]
+            self.info.attempts = retry.attempts
+            self.info.upstream = up.name
+            self.info.next_retry_at = None
+            self.info.state = "waiting"
+            self.relay.hooks.attempt_started(self.info, up.name)
+            self.failure = None
+            phase = "connect"
+            try:
+                resp = await self._open(up)
+            except Exception as exc:
+                failure = self._classify(exc, header_phase=True)
+                phase = "headers" if failure.cls is FailureClass.HEADER_TIMEOUT else "connect"
+                await self._after_failure(up, failure, phase)
+                continue
+            try:
+                result = await self._answer(resp)
+            finally:
+                self.reading = None
+                resp.close()
+            if result is not None:
+                return result
+            assert self.failure is not None
+            phase = "stall" if self.failure.cls is FailureClass.STALL else (
+                "headers" if self.failure.cls is FailureClass.STATUS else "pending"
+            )
+            await self._after_failure(up, self.failure, phase)
+
+    async def _open(self, up: Upstream) -> aiohttp.ClientResponse:
+        req = self.request
+        body = self._bodies.get(id(up))
+        if body is None:
+            body = self._bodies[id(up)] = body_for(self.body, self.parsed, up)
+        headers = request_headers(
+            req.headers, up, anthropic=self.protocol.anthropic_errors
+        )
+        url = upstream_url(up, self.rest, req.query_string)
+        s = self.cfg.stream
+        # A non-streamed answer arrives only once generated: allow it the first-frame time.
+        timeout = s.header_timeout_s if self.stream else max(
+            s.header_timeout_s, s.first_frame_timeout_s
+        )
+        async with asyncio.timeout(timeout):
+            return await self.relay.client.request(req.method, url, headers, body)
+
+    def _classify(self, exc: BaseException, *, header_phase: bool = False) -> Failure:
+        if self.stalled:
+            self.stalled = False
+            return Failure(FailureClass.STALL, "stall: no bytes within the timeout")
+        if header_phase and isinstance(exc, TimeoutError) and not isinstance(
+            exc, aiohttp.ServerTimeoutError
+        ):
+            return Failure(FailureClass.HEADER_TIMEOUT, "no response headers within the timeout")
+        failure = classify_exception(exc)
+        if failure is None:
+            raise exc
+        return failure
+
+    async def _after_failure(self, up: Upstream, failure: Failure, phase: str) -> None:
+        self.info.last_failure = failure.label
+        if self.retry.exhausted():
+            self.failure = failure
+            self.relay.hooks.attempt_failed(self.info, up.name, failure, phase=phase, wait_s=None)
+            return
+        wait = self.retry.record_failure(failure, self.loop.time())
+        self.info.next_retry_at = time.time() + wait
+        self.info.state = "waiting"
+        self.relay.hooks.attempt_failed(self.info, up.name, failure, phase=phase, wait_s=wait)
+        self.failure = failure
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    async def _give_up(self) -> web.StreamResponse:
+        failure = self.failure
+        reason = failure.reason if failure else "retries exhausted"
+        if self.response is not None:
+            # Headers are out (early headers): the client gets the native error event.
+            ledger = self.ledger or Ledger(self.protocol, hold=self.relay.hold)
+            out = ledger.give_up(f"retries exhausted ({reason})")
+            await self._write(out)
+            self.info.outcome = "ended_with_error"
+            return await self._finish()
+        if self.last_answer is not None and failure is not None and failure.status is not None:
+            status, headers, body = self.last_answer
+            self.info.outcome = "passed_through_error"
+            return web.Response(status=status, headers=headers, body=body)
+        self.info.outcome = "passed_through_error"
+        return web.Response(
+            status=502,
+            body=self.protocol.error_body(f"unbroken: all upstream attempts failed ({reason})"),
+            content_type="application/json",
+        )
+
+    # -- one answer ----------------------------------------------------------------
+    async def _answer(self, resp: aiohttp.ClientResponse) -> web.StreamResponse | None:
+        """Handle one upstream response.  None means: failed, ``self.failure`` says why."""
+        status = resp.status
+        if is_retryable_status(status):
+            try:
+                body = await self._read_error_body(resp)
+            except Exception as exc:
+                self.failure = self._classify(exc)
+                return None
+            self.last_answer = (status, response_headers(resp.headers, keep_length=False), body)
+            self.failure = Failure(
+                FailureClass.STATUS,
+                f"HTTP {status}",
+                status=status,
+                retry_after_s=parse_retry_after(resp.headers, now_wall=time.time()),
+            )
+            return None
+        ctype = resp.headers.get("content-type", "")
+        if status < 300 and ctype.startswith("text/event-stream"):
+            return await self._stream_sse(resp)
+        if self.response is not None:
+            # Early SSE headers are out: a final error must be an in-stream event.
+            return await self._error_after_early_headers(resp)
+        return await self._pass_through(resp)
+
+    async def _read_error_body(self, resp: aiohttp.ClientResponse) -> bytes:
+        self._start_reading(resp)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.content.iter_any():
+            self.last_rx = self.loop.time()
+            if size < MAX_ERROR_BODY:
+                chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)[:MAX_ERROR_BODY]
+
+    def _start_reading(self, resp: aiohttp.ClientResponse) -> None:
+        self.reading = resp
+        self.rx_started = False
+        self.last_rx = self.loop.time()
+
+    async def _pass_through(self, resp: aiohttp.ClientResponse) -> web.StreamResponse | None:
+        self._start_reading(resp)
+        keep_length = "content-length" in resp.headers
+        headers = response_headers(resp.headers, keep_length=keep_length)
+        self.pending_headers = (resp.status, headers)
+        sent = False
+        try:
+            async for chunk in resp.content.iter_any():
+                self.last_rx = self.loop.time()
+                self.rx_started = True
+                await self._write(chunk)
+                sent = True
+        except ClientGone:
+            raise
+        except Exception as exc:
+            failure = self._classify(exc)
+            if not sent:
+                self.failure = failure
+                return None
+            # Bytes are out: never let a cut body look complete.
+            self.info.outcome = "ended_with_error"
+            self.relay.hooks.attempt_failed(
+                self.info, self.info.upstream, failure, phase="committed", wait_s=None
+            )
+            return self._abort_client()
+        if self.stalled:
+            self.failure = self._classify(TimeoutError())
+            if not sent:
+                return None
+            self.info.outcome = "ended_with_error"
+            return self._abort_client()
+        self.info.outcome = self._ok_outcome() if resp.status < 400 else "passed_through_error"
+        return await self._finish()
+
+    async def _error_after_early_headers(self, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+        body = await self._read_error_body(resp)
+        obj = _parse_json(body, "json")
+        err: Any = obj.get("error") if obj else None
+        if self.protocol.anthropic_errors:
+            payload = obj if obj and obj.get("type") == "error" else {
+                "type": "error",
+                "error": {"type": "api_error", "message": f"upstream HTTP {resp.status}"},
+            }
+            frame = b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
+        elif self.protocol.name == "responses":
+            e = err if isinstance(err, dict) else {}
+            payload = {
+                "type": "error",
+                "code": e.get("code") or e.get("type") or str(resp.status),
+                "message": e.get("message") or f"upstream HTTP {resp.status}",
+                "param": e.get("param"),
+            }
+            frame = b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
+        else:
+            payload = {"error": err} if isinstance(err, dict) else {
+                "error": {"message": f"upstream HTTP {resp.status}", "type": "upstream_error"}
+            }
+            frame = b"data: " + json.dumps(payload).encode() + b"\n\n"
+        await self._write(frame)
+        self.info.outcome = "passed_through_error"
+        return await self._finish()
+
+    async def _stream_sse(self, resp: aiohttp.ClientResponse) -> web.StreamResponse | None:
+        ledger = self.ledger
+        if ledger is None:
+            ledger = self.ledger = Ledger(
+                self.protocol,
+                hold=self.relay.hold,
+                max_hold_bytes=self.cfg.stream.max_hold_bytes,
+                clock=self.loop.time,
+            )
+        else:
+            ledger.start_attempt()
+        self.pending_headers = (resp.status, response_headers(resp.headers, keep_length=False))
+        self._start_reading(resp)
+        info = self.info
+        info.state = "holding" if ledger.state is State.PENDING else "streaming"
+        splitter = SSESplitter()
+        feed = ledger.feed
+        loop_time = self.loop.time
+        overflow_reported = False
+        try:
+            async for chunk in resp.content.iter_any():
+                self.last_rx = loop_time()
+                self.rx_started = True
+                events = splitter.feed(chunk)
+                if not events:
+                    continue
+                out: list[bytes] = []
+                for event in events:
+                    released = feed(event)
+                    if released:
+                        out.append(released)
+                    if ledger.verdict is Verdict.REPLAY or ledger.verdict is Verdict.FAIL:
+                        break
+                if out:
+                    await self._write(b"".join(out) if len(out) > 1 else out[0])
+                    info.state = "streaming"
+                if ledger.hold_overflowed and not overflow_reported:
+                    overflow_reported = True
+                    self.relay.hooks.hold_overflow(info, ledger.max_hold_bytes)
+                verdict = ledger.verdict
+                if verdict is Verdict.REPLAY:
+                    self.failure = Failure(
+                        FailureClass.MALFORMED
+                        if ledger.fail_reason == "malformed frame"
+                        else FailureClass.STREAM_ERROR,
+                        ledger.fail_reason,
+                    )
+                    return None
+                if verdict is Verdict.FAIL:
+                    return await self._ended_with_error(ledger)
+        except ClientGone:
+            raise
+        except Exception as exc:
+            failure = self._classify(exc)
+            out_bytes = ledger.failed(failure.reason)
+            return await self._after_stream_failure(ledger, failure, out_bytes)
+        if self.stalled:
+            failure = self._classify(TimeoutError())
+            out_bytes = ledger.failed(failure.reason)
+            return await self._after_stream_failure(ledger, failure, out_bytes)
+        out_bytes = ledger.ended(splitter.pending)
+        if ledger.verdict is Verdict.DONE:
+            info.outcome = self._ok_outcome()
+            return await self._finish()
+        failure = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
+        return await self._after_stream_failure(ledger, failure, out_bytes)
+
+    async def _after_stream_failure(
+        self, ledger: Ledger, failure: Failure, out: bytes
+    ) -> web.StreamResponse | None:
+        verdict = ledger.verdict
+        if verdict is Verdict.REPLAY:
+            self.failure = failure
+            return None
+        if verdict is Verdict.DONE:
+            self.info.outcome = self._ok_outcome()
+            return await self._finish()
+        self.relay.hooks.attempt_failed(
+            self.info, self.info.upstream, failure, phase="committed", wait_s=None
+        )
+        if out:
+            await self._write(out)
+        self.info.outcome = "ended_with_error"
+        return await self._finish()
+
+    async def _ended_with_error(self, ledger: Ledger) -> web.StreamResponse:
+        """FAIL verdict from a frame: the error bytes were already written with the frame."""
+        if ledger.fail_reason == "provider error (passed through)":
+            self.info.outcome = "passed_through_error"
+        else:
+            self.info.outcome = "ended_with_error"
+            self.relay.hooks.attempt_failed(
+                self.info,
+                self.info.upstream,
+                Failure(FailureClass.STREAM_ERROR, ledger.fail_reason),
+                phase="committed",
+                wait_s=None,
+            )
+        return await self._finish()
+
+    def _ok_outcome(self) -> str:
+        return "recovered" if self.retry.retries else "ok"
+
+    # -- client side ------------------------------------------------------------------
+    async def _prepare(self, status: int, headers: CIMultiDict[str] | dict[str, str]) -> None:
+        async with self._prepare_lock:
+            if self.response is not None:
+                return
+            resp = web.StreamResponse(status=status, headers=headers)
+            try:
+                await resp.prepare(self.request)
+            except (ConnectionError, aiohttp.ClientConnectionError) as exc:
+                raise ClientGone() from exc
+            self.response = resp
+
+    async def _write(self, data: bytes) -> None:
+        if self.response is None:
+            status, headers = self.pending_headers or (200, CIMultiDict(SSE_HEADERS))
+            await self._prepare(status, headers)
+            assert self.response is not None
+        try:
+            await self.response.write(data)
+        except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError) as exc:
+            raise ClientGone() from exc
+        self.last_tx = self.loop.time()
+
+    async def _finish(self) -> web.StreamResponse:
+        if self.response is None:
+            status, headers = self.pending_headers or (200, CIMultiDict())
+            await self._prepare(status, headers)
+            assert self.response is not None
+        try:
+            await self.response.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError):
+            pass
+        return self.response
+
+    def _abort_client(self) -> web.StreamResponse:
+        """Kill the client connection so a cut body cannot pass for a complete one."""
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
+        assert self.response is not None
+        return self.response
+
+    # -- timers: early headers, keepalive, stalls ------------------------------------
+    async def _watchdog(self) -> None:
+        s = self.cfg.stream
+        loop = self.loop
+        while True:
+            now = loop.time()
+            deadlines: list[float] = []
+            if self.stream:
+                if self.response is None:
+                    due = self.t0 + s.early_headers_s
+                    if now >= due and (self.ledger is None or self.ledger.state is State.PENDING):
+                        # Retries or held frames have lasted long: send SSE headers now so
+                        # the client's header timer does not fire; keepalives follow.
+                        try:
+                            await self._prepare(200, CIMultiDict(SSE_HEADERS))
+                        except ClientGone:
+                            return
+                        self.last_tx = loop.time()
+                        continue
+                    deadlines.append(due)
+                else:
+                    due = self.last_tx + s.keepalive_s
+                    if now >= due:
+                        try:
+                            await self._write(KEEPALIVE)
+                        except ClientGone:
+                            return
+                        continue
+                    deadlines.append(due)
+            reading = self.reading
+            if reading is not None and not self.stalled:
+                limit = s.idle_timeout_s if self.rx_started else s.first_frame_timeout_s
+                due = self.last_rx + limit
+                if now >= due:
+                    self.stalled = True
+                    reading.close()
+                    continue
+                deadlines.append(due)
+            else:
+                deadlines.append(now + min(s.idle_timeout_s, 1.0))
+            await asyncio.sleep(max(0.0, min(deadlines) - now))

@@ -1,0 +1,182 @@
+"""Client-facing aiohttp server: routing, body limits, health, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from collections.abc import Callable
+
+from aiohttp import web
+
+from unbroken import __version__
+from unbroken.config import Config
+from unbroken.hooks import Hooks, LogHooks, MultiHooks
+from unbroken.relay import Relay
+
+__all__ = ["RelayServer", "build_app", "serve"]
+
+log = logging.getLogger("unbroken")
+
+RELAY_KEY = web.AppKey("relay", Relay)
+
+
+def _json(status: int, payload: object) -> web.Response:
+    return web.Response(status=status, text=json.dumps(payload), content_type="application/json")
+
+
+def _route_list(relay: Relay) -> list[str]:
+    return [f"/{name}/..." for name in sorted(relay.config.routes)]
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    relay = request.app[RELAY_KEY]
+    return _json(
+        200,
+        {
+            "status": "ok",
+            "version": __version__,
+            "routes": sorted(relay.config.routes),
+            "inflight": len(relay.inflight),
+        },
+    )
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes | None:
+    """The whole request body, or None when it exceeds ``limit`` bytes."""
+    if request.content_length is not None and request.content_length > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _relay(request: web.Request) -> web.StreamResponse:
+    relay = request.app[RELAY_KEY]
+    name = request.match_info["route"]
+    route = relay.config.routes.get(name)
+    if route is None:
+        return _not_found(relay, request.path)
+    limit = relay.config.max_body_bytes
+    body = await _read_body(request, limit)
+    if body is None:
+        mb = relay.config.max_body_mb
+        return _json(
+            413,
+            {
+                "error": {
+                    "message": f"request body exceeds retry.max_body_mb ({mb:g} MB)",
+                    "type": "invalid_request_error",
+                    "code": "request_too_large",
+                }
+            },
+        )
+    return await relay.handle(request, route, request.match_info["rest"], body)
+
+
+def _not_found(relay: Relay, path: str) -> web.Response:
+    return _json(
+        404,
+        {
+            "error": {
+                "message": f"no route for {path!r}; call /<route>/<upstream path>",
+                "type": "not_found",
+                "code": "unknown_route",
+            },
+            "routes": _route_list(relay),
+            "endpoints": ["/healthz"],
+        },
+    )
+
+
+async def _unknown(request: web.Request) -> web.Response:
+    return _not_found(request.app[RELAY_KEY], request.path)
+
+
+def build_app(relay: Relay) -> web.Application:
+    # Bodies are read by _read_body with our own limit and a JSON 413.
+    app = web.Application(client_max_size=2**63)
+    app[RELAY_KEY] = relay
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_route("*", r"/{route}/{rest:.*}", _relay)
+    app.router.add_route("*", r"/{tail:.*}", _unknown)
+
+    async def _close(app: web.Application) -> None:
+        await relay.close()
+
+    app.on_cleanup.append(_close)
+    return app
+
+
+class RelayServer:
+    """A started relay on a host and port (port 0 picks a free one)."""
+
+    def __init__(self, config: Config, *, hooks: Hooks | None = None) -> None:
+        log_hooks = LogHooks(verbose=config.verbose)
+        self.relay = Relay(config, hooks=MultiHooks(log_hooks, hooks) if hooks else log_hooks)
+        self.app = build_app(self.relay)
+        self.runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,  # a client that goes away cancels its turn at once
+            access_log=None,
+            shutdown_timeout=config.grace_s,
+        )
+        self.host = config.host
+        self.port = config.port
+        self.url = ""
+
+    async def start(self) -> None:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{self.port}"
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight turns finish within the grace period, close."""
+        await self.runner.cleanup()
+
+    async def __aenter__(self) -> RelayServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def serve(
+    config: Config,
+    *,
+    ready: Callable[[str], None] | None = None,
+    stop_event: asyncio.Event | None = None,
+) -> int:
+    """Run until SIGINT/SIGTERM (or ``stop_event``), then shut down gracefully."""
+    server = RelayServer(config)
+    await server.start()
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready(server.url)
+    try:
+        await stop.wait()
+        log.info("shutting down: waiting up to %gs for in-flight turns", config.grace_s)
+    finally:
+        await server.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+    return 0
