@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from unbroken.protocols.base import Kind, error_is_retryable, loads_object
+from unbroken.protocols.base import Kind, error_is_retryable, loads_object, looks_like_object
 from unbroken.sse import Event
 
 C = Kind.CONTROL
@@ -47,6 +47,8 @@ class AnthropicClassifier:
             if event.data is None:
                 return C, self.open_tools
             return Kind.UNKNOWN, self.open_tools
+        if not looks_like_object(event.data):
+            return Kind.MALFORMED, self.open_tools
         if name == "content_block_delta":
             block = self.block
             return (block[1] if block is not None else Kind.UNKNOWN), self.open_tools

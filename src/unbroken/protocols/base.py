@@ -68,6 +68,15 @@ class Classifier(Protocol):
     def classify(self, event: Event) -> tuple[int, int]: ...
 
 
+def looks_like_object(data: str | None) -> bool:
+    """Cheap shape check for frames the event name classifies without parsing.
+
+    A cut or garbled JSON payload almost always loses its closing brace; this
+    catches it without paying for ``json.loads`` on every text delta.
+    """
+    return data is not None and data.startswith("{") and data.rstrip().endswith("}")
+
+
 def loads_object(data: str | None) -> dict[str, Any] | None:
     """Parse a JSON object, or return None when it is not one."""
     if not data:
@@ -79,33 +88,27 @@ def loads_object(data: str | None) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-# Error types / codes that name a transient provider failure.  Shared by every
-# protocol's classifier to decide whether an in-stream error may be replayed.
-RETRYABLE_ERROR_WORDS: frozenset[str] = frozenset(
-    {
-        "server_error",
-        "api_error",
-        "overloaded_error",
-        "overloaded",
-        "rate_limit_error",
-        "rate_limit_exceeded",
-        "rate_limited",
-        "timeout_error",
-        "timeout",
-        "service_unavailable",
-        "service_unavailable_error",
-        "internal_error",
-        "internal_server_error",
-        "bad_gateway",
-        "gateway_timeout",
-        "upstream_error",
-        "websocket_connection_limit_reached",
-        "resource_exhausted",
-        "unavailable",
-        "too_many_requests",
-    }
+# Fragments of error types / codes that name a transient provider failure, e.g.
+# server_error, overloaded_error, server_is_overloaded, rate_limit_exceeded,
+# service_unavailable, websocket_connection_limit_reached, timeout_error.
+RETRYABLE_ERROR_FRAGMENTS: tuple[str, ...] = (
+    "server_error",
+    "server_is",
+    "api_error",
+    "overload",
+    "rate_limit",
+    "rate_limited",
+    "too_many_requests",
+    "unavailable",
+    "timeout",
+    "internal",
+    "bad_gateway",
+    "upstream",
+    "connection_limit",
+    "capacity",
+    "resource_exhausted",
+    "slow_down",
 )
-
 
 
 def error_is_retryable(error: object) -> bool:
@@ -114,10 +117,12 @@ def error_is_retryable(error: object) -> bool:
         return False
     for key in ("type", "code", "status"):
         value = error.get(key)
-        if isinstance(value, str) and value.lower() in RETRYABLE_ERROR_WORDS:
-            return True
-        if isinstance(value, int) and value in RETRY_STATUSES:
-            return True
-        if isinstance(value, str) and value.isdigit() and int(value) in RETRY_STATUSES:
+        if isinstance(value, str):
+            low = value.lower()
+            if any(f in low for f in RETRYABLE_ERROR_FRAGMENTS):
+                return True
+            if low.isdigit() and int(low) in RETRY_STATUSES:
+                return True
+        elif isinstance(value, int) and value in RETRY_STATUSES:
             return True
     return False

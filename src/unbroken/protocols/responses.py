@@ -17,7 +17,7 @@ import re
 import time
 from typing import Any
 
-from unbroken.protocols.base import Kind, error_is_retryable, loads_object
+from unbroken.protocols.base import Kind, error_is_retryable, loads_object, looks_like_object
 from unbroken.sse import Event
 
 C, OUT, R = Kind.CONTROL, Kind.OUTPUT, Kind.REASONING
@@ -85,6 +85,8 @@ class ResponsesClassifier:
                 return Kind.MALFORMED, len(self.open_items)
         kind = EVENTS.get(name)
         if kind is not None:
+            if not looks_like_object(event.data):
+                return Kind.MALFORMED, len(self.open_items)
             if name == "response.created":
                 self._remember(event.data)
             return kind, len(self.open_items)

@@ -1,0 +1,61 @@
+"""Shared test helpers: start a relay in-process in front of the mock provider."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from unbroken.config import parse_config
+from unbroken.hooks import Hooks, TurnInfo
+from unbroken.server import RelayServer
+
+
+class Recorder(Hooks):
+    """Collects hook calls; lets tests wait for a turn to end without sleeping."""
+
+    def __init__(self) -> None:
+        self.ended: list[TurnInfo] = []
+        self.failures: list[tuple[str, str, float | None]] = []
+        self._ended = asyncio.Event()
+
+    def attempt_failed(self, turn, upstream, failure, *, phase, wait_s):  # type: ignore[no-untyped-def]
+        self.failures.append((failure.label, phase, wait_s))
+
+    def turn_ended(self, turn: TurnInfo) -> None:
+        self.ended.append(turn)
+        self._ended.set()
+
+    async def wait_turns(self, n: int, timeout: float = 30) -> list[TurnInfo]:
+        async def _wait() -> None:
+            while len(self.ended) < n:
+                self._ended.clear()
+                await self._ended.wait()
+
+        await asyncio.wait_for(_wait(), timeout)
+        return self.ended
+
+
+def make_config(
+    upstreams: list[Any],
+    *,
+    retry: dict[str, Any] | None = None,
+    stream: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    route: str = "mock",
+) -> Any:
+    data: dict[str, Any] = {
+        "retry": {"delay_ms": 5, **(retry or {})},
+        "routes": {route: {"upstreams": upstreams}},
+    }
+    if stream:
+        data["stream"] = stream
+    cfg = parse_config(data, env=env or {})
+    return dataclasses.replace(cfg, port=0, grace_s=5.0)
+
+
+async def start_relay(config: Any) -> tuple[RelayServer, Recorder]:
+    rec = Recorder()
+    server = RelayServer(config, hooks=rec)
+    await server.start()
+    return server, rec

@@ -1,0 +1,150 @@
+"""`unbroken serve` as a real process: config errors, env aliases, logs, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
+    env.update(extra)
+    return env
+
+
+async def _run(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "unbroken", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+class Served:
+    """A `unbroken serve` subprocess; its URL comes from the ready line."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+        self.proc, self.url = proc, url
+
+    @classmethod
+    async def start(cls, config: Path, env: dict[str, str]) -> Served:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "unbroken", "serve", "--config", str(config), "--port", "0",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        )
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        m = re.search(r"(http://\S+)", line)
+        assert m, line
+        return cls(proc, m.group(1))
+
+    async def stop(self) -> tuple[int, str]:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(self.proc.communicate(), 60)
+        return self.proc.returncode or 0, err.decode()
+
+
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ("[retry]\ndelai_ms = 5\n", "retry.delai_ms"),
+        ("[retry]\ndelay_ms = 'soon'\n", "retry.delay_ms"),
+        ("[routes.x]\nupstreams = [{ url = 'ftp://nope' }]\n", "routes.x.upstreams[0].url"),
+        ("[stream]\nhold = ['everything']\n", "stream.hold"),
+        ("[bogus]\n", "bogus"),
+    ],
+)
+async def test_invalid_config_exits_2_naming_the_key(tmp_path, toml, key):
+    cfg = tmp_path / "unbroken.toml"
+    cfg.write_text(toml)
+    code, out, err = await _run(["serve", "--config", str(cfg), "--port", "0"], _env())
+    assert code == 2
+    assert key in err
+    assert "relaying on" not in out  # nothing started
+
+
+async def test_config_from_env_var_and_port_flag(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[retry]\nmax_attempts = 'x'\n")
+    code, _, err = await _run(["serve", "--port", "0"], _env(UNBROKEN_CONFIG=str(cfg)))
+    assert code == 2 and "retry.max_attempts" in err
+
+
+async def test_env_alias_invalid_value_is_named():
+    code, _, err = await _run(["serve", "--port", "0"], _env(OPENCODE_RETRY_DELAY_MS="soon"))
+    assert code == 2 and "OPENCODE_RETRY_DELAY_MS" in err
+
+
+async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, tmp_path):
+    canary = "sk-canary-55aa11"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}, '
+        f'{{ url = "{mock.url}", api_key_env = "KEY2" }}]\n'
+    )
+    # the alias sets the delay; the UNBROKEN_ name wins for verbosity
+    env = _env(
+        KEY2=canary + "-cfg",
+        OPENCODE_RETRY_DELAY_MS="7",
+        OPENCODE_RETRY_VERBOSE="false",
+        UNBROKEN_RETRY_VERBOSE="true",
+    )
+    served = await Served.start(cfg, env)
+    try:
+        mock.script([{"status": 503}, {"fault": "close_before_headers"}, {"status": 429}])
+        async with aiohttp.ClientSession() as s, s.post(
+            f"{served.url}/mock/v1/chat/completions",
+            json=CHAT,
+            headers={"Authorization": f"Bearer {canary}"},
+        ) as r:
+            assert r.status == 200
+            await r.read()
+        async with aiohttp.ClientSession() as s, s.get(f"{served.url}/healthz") as r:
+            assert (await r.json())["status"] == "ok"
+    finally:
+        code, err = await served.stop()
+    assert code == 0
+    retries = [ln for ln in err.splitlines() if "retry route=mock" in ln]
+    assert len(retries) == 3
+    assert all("wait_ms=7" in ln or "wait_ms=0" in ln for ln in retries)
+    assert "reason=503" in err and "reason=429" in err
+    assert canary not in err
+
+
+async def test_sigterm_lets_inflight_stream_finish(mock, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n')
+    served = await Served.start(cfg, _env())
+    try:
+        action = json.dumps({"deltas": 20, "chunk_delay_ms": 50})
+        async with aiohttp.ClientSession() as s, s.post(
+            f"{served.url}/mock/v1/chat/completions",
+            json=CHAT,
+            headers={"x-mock-action": action},
+        ) as r:
+            first = await r.content.readany()
+            assert first
+            served.proc.send_signal(signal.SIGTERM)
+            rest = await r.read()
+        body = first + rest
+        assert body.rstrip().endswith(b"data: [DONE]")
+    finally:
+        code, _ = await served.stop()
+    assert code == 0
+
+
+async def test_python_m_help():
+    code, out, _ = await _run(["--help"], _env())
+    assert code == 0 and "serve" in out
