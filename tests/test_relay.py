@@ -11,6 +11,7 @@ import time
 import aiohttp
 import openai
 import pytest
+
 from relayfix import make_config, start_relay
 
 CHAT = {"model": "m-1", "messages": [{"role": "user", "content": "hi"}]}

@@ -12,8 +12,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from relayfix import make_config, start_relay
 
+from relayfix import make_config, start_relay
 from unbroken.protocols import Kind, protocol_for_path
 from unbroken.sse import SSESplitter
 
