@@ -26,13 +26,11 @@ class Recorder(Hooks):
         self.ended.append(turn)
         self._ended.set()
 
-    async def wait_turns(self, n: int, timeout: float = 30) -> list[TurnInfo]:
-        async def _wait() -> None:
+    async def wait_turns(self, n: int) -> list[TurnInfo]:
+        async with asyncio.timeout(30):
             while len(self.ended) < n:
                 self._ended.clear()
                 await self._ended.wait()
-
-        await asyncio.wait_for(_wait(), timeout)
         return self.ended
 
 

@@ -127,7 +127,7 @@ async def test_dns_failure_is_retryable(mock, http):
 
 
 async def test_max_attempts_passes_last_answer_through(mock, http):
-    server, rec = await start_relay(make_config([{"url": mock.url}], retry={"max_attempts": 3}))
+    server, _ = await start_relay(make_config([{"url": mock.url}], retry={"max_attempts": 3}))
     try:
         mock.script(
             [{"status": 503, "body": f'{{"n": {i}}}', "headers": {"x-n": str(i)}} for i in range(5)]
