@@ -1,0 +1,25 @@
+"""The code base stays ruff-clean and the sans-IO core passes mypy --strict."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_ruff_clean() -> None:
+    result = _run("ruff", "check", "src", "tests", "bench")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_strict_on_the_sans_io_core() -> None:
+    result = _run("mypy")  # files and strictness come from pyproject.toml
+    assert result.returncode == 0, result.stdout + result.stderr
