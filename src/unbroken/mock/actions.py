@@ -1,0 +1,296 @@
+"""Per-request actions of the mock provider: parsing, validation and normalisation.
+
+An action is a plain dict (so it can come from JSON or TOML script files) that
+chooses the reply shape and, optionally, a fault. ``parse_action`` validates it
+once and returns an immutable :class:`Action` the server uses on the hot path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+__all__ = [
+    "ACTION_KEYS",
+    "DEFAULT_TEXT",
+    "ERROR_KINDS",
+    "FAULTS",
+    "REPLIES",
+    "Action",
+    "ActionError",
+    "expand_actions",
+    "parse_action",
+]
+
+DEFAULT_TEXT: Final = "Hello from the mock provider."
+DEFAULT_DELTAS: Final = 8
+DEFAULT_STALL_SECONDS: Final = 3600.0
+MAX_DELTAS: Final = 1_000_000
+
+REPLIES: Final = ("text", "tool", "tools")
+FAULTS: Final = (
+    "close_before_headers",
+    "reset_after_headers",
+    "reset",
+    "stall",
+    "end",
+    "error_event",
+    "malformed",
+)
+#: Faults that take ``after_frame``.
+FRAME_FAULTS: Final = frozenset({"reset", "stall", "end", "error_event", "malformed"})
+ERROR_KINDS: Final = (
+    "overloaded",
+    "server_error",
+    "rate_limit",
+    "invalid_request",
+    "context_length",
+)
+ERROR_STYLES: Final = ("failed", "error")
+
+#: Keys that shape a successful reply. Only these (plus the request) feed the ids,
+#: so a faulted reply is a byte-exact prefix of the clean reply to the same request
+#: (and timing keys such as chunk_delay_ms do not change the bytes either).
+SHAPE_KEYS: Final = ("reply", "text", "deltas", "tool_name", "tool_args", "seed")
+
+ACTION_KEYS: Final = frozenset(
+    {
+        *SHAPE_KEYS,
+        "chunk_delay_ms",
+        "delay_ms",
+        "status",
+        "headers",
+        "body",
+        "fault",
+        "after_frame",
+        "seconds",
+        "error",
+        "error_style",
+        "rst",
+        "count",
+    }
+)
+
+
+class ActionError(ValueError):
+    """An action (or script) is invalid. The message names the offending key."""
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """A validated, normalised action. Build it with :func:`parse_action`."""
+
+    raw: Mapping[str, Any] = field(default_factory=dict)
+    reply: str = "text"
+    text: str = DEFAULT_TEXT
+    deltas: int = DEFAULT_DELTAS
+    tool_names: tuple[str, ...] = ()
+    tool_args: tuple[Mapping[str, Any], ...] = ()
+    seed: str | None = None
+    chunk_delay: float = 0.0
+    delay: float = 0.0
+    status: int | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    body: str | None = None
+    fault: str | None = None
+    after_frame: int = 0
+    seconds: float = DEFAULT_STALL_SECONDS
+    error: str = "server_error"
+    error_style: str = "failed"
+    rst: bool = False
+    count: int = 1
+    shape_key: str = ""
+
+    @property
+    def is_error_status(self) -> bool:
+        """True when the action asks for a complete non-2xx response."""
+        return self.status is not None and not 200 <= self.status < 300
+
+
+def _where(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _int(value: Any, name: str, *, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ActionError(f"{name}: expected an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise ActionError(f"{name}: must be {bound}, got {value}")
+    return value
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ActionError(f"{name}: expected a number, got {value!r}")
+    result = float(value)
+    if not math.isfinite(result) or result < 0:
+        raise ActionError(f"{name}: must be a finite number >= 0, got {value!r}")
+    return result
+
+
+def _choice(value: Any, name: str, options: Iterable[str]) -> str:
+    opts = tuple(options)
+    if value not in opts:
+        raise ActionError(f"{name}: must be one of {', '.join(opts)}; got {value!r}")
+    return str(value)
+
+
+def _tool_names(value: Any, name: str) -> tuple[str, ...]:
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise ActionError(f"{name}: must not be an empty list")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ActionError(f"{name}: expected a non-empty string or a list of them")
+    return tuple(items)
+
+
+def _tool_args(value: Any, name: str) -> tuple[Mapping[str, Any], ...]:
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise ActionError(f"{name}: must not be an empty list")
+    for item in items:
+        if not isinstance(item, dict):
+            raise ActionError(f"{name}: expected a JSON object or a list of them, got {item!r}")
+        try:
+            json.dumps(item)
+        except (TypeError, ValueError) as exc:
+            raise ActionError(f"{name}: not JSON-serialisable: {exc}") from None
+    return tuple(items)
+
+
+def _headers(value: Any, name: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict):
+        raise ActionError(f"{name}: expected an object of header names to values")
+    out: list[tuple[str, str]] = []
+    for hname, hvalue in value.items():
+        if not isinstance(hname, str) or not hname:
+            raise ActionError(f"{name}: header names must be non-empty strings")
+        if isinstance(hvalue, bool) or not isinstance(hvalue, (str, int, float)):
+            raise ActionError(f"{name}.{hname}: header values must be strings or numbers")
+        text = str(hvalue)
+        if any(c in text for c in "\r\n\x00") or any(c in hname for c in "\r\n\x00: "):
+            raise ActionError(f"{name}.{hname}: illegal character in header")
+        out.append((hname, text))
+    return tuple(out)
+
+
+def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") -> Action:
+    """Validate ``data`` and return an :class:`Action`.
+
+    ``None`` or ``{}`` is the plain OK reply. Keys starting with ``_`` are ignored
+    (comments in script files). Raises :class:`ActionError` naming the bad key;
+    ``where`` prefixes key names in messages (e.g. ``"actions[2]"``).
+    """
+    if isinstance(data, Action):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ActionError(f"{where or 'action'}: expected an object, got {type(data).__name__}")
+    for key in data:
+        if not isinstance(key, str):
+            raise ActionError(f"{where or 'action'}: keys must be strings, got {key!r}")
+        if key not in ACTION_KEYS and not key.startswith("_"):
+            known = ", ".join(sorted(ACTION_KEYS))
+            raise ActionError(f"{_where(where, key)}: unknown action key (known keys: {known})")
+
+    kw: dict[str, Any] = {}
+    get = data.get
+
+    if "reply" in data:
+        kw["reply"] = _choice(get("reply"), _where(where, "reply"), REPLIES)
+    if "text" in data:
+        if not isinstance(get("text"), str):
+            raise ActionError(f"{_where(where, 'text')}: expected a string")
+        kw["text"] = get("text")
+    if "deltas" in data:
+        kw["deltas"] = _int(get("deltas"), _where(where, "deltas"), lo=1, hi=MAX_DELTAS)
+    if "tool_name" in data:
+        kw["tool_names"] = _tool_names(get("tool_name"), _where(where, "tool_name"))
+    if "tool_args" in data:
+        kw["tool_args"] = _tool_args(get("tool_args"), _where(where, "tool_args"))
+    if "seed" in data:
+        seed = get("seed")
+        if isinstance(seed, bool) or not isinstance(seed, (str, int)):
+            raise ActionError(f"{_where(where, 'seed')}: expected a string or integer")
+        kw["seed"] = str(seed)
+    if "chunk_delay_ms" in data:
+        kw["chunk_delay"] = _number(get("chunk_delay_ms"), _where(where, "chunk_delay_ms")) / 1000
+    if "delay_ms" in data:
+        kw["delay"] = _number(get("delay_ms"), _where(where, "delay_ms")) / 1000
+    if "status" in data:
+        kw["status"] = _int(get("status"), _where(where, "status"), lo=200, hi=599)
+    if "headers" in data:
+        kw["headers"] = _headers(get("headers"), _where(where, "headers"))
+    if "body" in data:
+        if not isinstance(get("body"), str):
+            raise ActionError(f"{_where(where, 'body')}: expected a string")
+        kw["body"] = get("body")
+    fault: str | None = None
+    if "fault" in data and get("fault") is not None:
+        fault = _choice(get("fault"), _where(where, "fault"), FAULTS)
+        kw["fault"] = fault
+    if "after_frame" in data:
+        if fault not in FRAME_FAULTS:
+            raise ActionError(
+                f"{_where(where, 'after_frame')}: only valid with fault "
+                f"{', '.join(sorted(FRAME_FAULTS))}"
+            )
+        kw["after_frame"] = _int(get("after_frame"), _where(where, "after_frame"), lo=0)
+    if "seconds" in data:
+        if fault != "stall":
+            raise ActionError(f"{_where(where, 'seconds')}: only valid with fault 'stall'")
+        seconds = _number(get("seconds"), _where(where, "seconds"))
+        kw["seconds"] = seconds
+    if "error" in data:
+        if fault != "error_event":
+            raise ActionError(f"{_where(where, 'error')}: only valid with fault 'error_event'")
+        kw["error"] = _choice(get("error"), _where(where, "error"), ERROR_KINDS)
+    if "error_style" in data:
+        if fault != "error_event":
+            raise ActionError(
+                f"{_where(where, 'error_style')}: only valid with fault 'error_event'"
+            )
+        kw["error_style"] = _choice(get("error_style"), _where(where, "error_style"), ERROR_STYLES)
+    if "rst" in data:
+        if not isinstance(get("rst"), bool):
+            raise ActionError(f"{_where(where, 'rst')}: expected true or false")
+        kw["rst"] = get("rst")
+    if "count" in data:
+        kw["count"] = _int(get("count"), _where(where, "count"), lo=1, hi=1_000_000)
+
+    status = kw.get("status")
+    if fault == "error_event" and status is not None and not 200 <= status < 300:
+        raise ActionError(
+            f"{_where(where, 'fault')}: 'error_event' cannot be combined with a non-2xx status"
+        )
+    if "body" in kw and status is None:
+        raise ActionError(f"{_where(where, 'body')}: only valid together with 'status'")
+
+    # Normalised, so {} and {"deltas": 8} (the default) give the same ids.
+    shape = [
+        kw.get("reply", "text"),
+        kw.get("text", DEFAULT_TEXT),
+        kw.get("deltas", DEFAULT_DELTAS),
+        list(kw.get("tool_names", ())),
+        list(kw.get("tool_args", ())),
+        kw.get("seed"),
+    ]
+    kw["shape_key"] = json.dumps(shape, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return Action(raw=dict(data), **kw)
+
+
+def expand_actions(items: Iterable[Mapping[str, Any] | Action], *, where: str = "") -> list[Action]:
+    """Parse a list of actions, expanding ``count: N`` into N queue entries."""
+    if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+        raise ActionError(f"{where or 'actions'}: expected a list of actions")
+    out: list[Action] = []
+    for index, item in enumerate(items):
+        action = parse_action(item, where=f"{where or 'actions'}[{index}]")
+        out.extend([action] * action.count)
+    return out

@@ -1,0 +1,141 @@
+"""``unbroken mock``: run the mock provider from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from unbroken.mock.actions import ActionError, expand_actions, parse_action
+from unbroken.mock.server import MockProvider
+
+__all__ = ["ScriptFile", "load_script", "main_mock", "serve_mock"]
+
+DEFAULT_PORT = 4781
+_SCRIPT_KEYS = ("default", "actions", "queues")
+
+
+class ScriptFile:
+    """A validated script file: ``{"default": {...}, "actions": [...], "queues": {K: [...]}}``."""
+
+    def __init__(self, data: Any, source: str = "script") -> None:
+        if not isinstance(data, dict):
+            raise ActionError(f"{source}: top level must be an object")
+        for key in data:
+            if key not in _SCRIPT_KEYS:
+                raise ActionError(
+                    f"{key}: unknown top-level key (expected {', '.join(_SCRIPT_KEYS)})"
+                )
+        self.default: dict[str, Any] | None = data.get("default")
+        parse_action(self.default, where="default")
+        self.actions: list[Any] = data.get("actions") or []
+        expand_actions(self.actions, where="actions")
+        queues = data.get("queues") or {}
+        if not isinstance(queues, dict):
+            raise ActionError("queues: expected an object of queue name to action list")
+        self.queues: dict[str, list[Any]] = {}
+        for name, items in queues.items():
+            expand_actions(items, where=f"queues.{name}")
+            self.queues[str(name)] = items
+
+    def apply(self, mock: MockProvider) -> None:
+        mock.script(self.actions)
+        for name, items in self.queues.items():
+            mock.script(items, key=name)
+
+
+def load_script(path: str | Path) -> ScriptFile:
+    """Load and validate a JSON or TOML script file (raises ActionError / OSError)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    data: Any
+    if path.suffix.lower() == ".toml":
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ActionError(f"invalid TOML: {exc}") from None
+    else:
+        try:
+            data = json.loads(raw)
+        except ValueError as json_exc:
+            try:
+                data = tomllib.loads(raw.decode("utf-8"))
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+                raise ActionError(f"invalid JSON: {json_exc}") from None
+    return ScriptFile(data, source=str(path))
+
+
+async def serve_mock(
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    script_path: str | Path | None = None,
+    *,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run the mock until ``stop`` is set, SIGINT/SIGTERM, or cancellation.
+
+    Prints ``unbroken mock listening on http://HOST:PORT`` once ready.
+    """
+    script = load_script(script_path) if script_path is not None else None
+    mock = MockProvider(host=host, port=port, default=script.default if script else None)
+    if script is not None:
+        script.apply(mock)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    try:
+        async with mock:
+            print(f"unbroken mock listening on {mock.url}", flush=True)
+            await stop.wait()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+def main_mock(argv: list[str] | None = None) -> int:
+    """Entry point for ``unbroken mock [--host H] [--port P] [--script FILE]``."""
+    parser = argparse.ArgumentParser(
+        prog="unbroken mock",
+        description="Run a deterministic, fault-injecting fake LLM provider "
+        "(OpenAI Chat Completions, OpenAI Responses, Anthropic Messages).",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any)"
+    )
+    parser.add_argument(
+        "--script",
+        metavar="FILE",
+        help='JSON or TOML file: {"default": {...}, "actions": [...], "queues": {"K": [...]}}',
+    )
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:  # --help or a usage error: report the code, don't exit
+        return exc.code if isinstance(exc.code, int) else 2
+    if args.script is not None:
+        try:
+            load_script(args.script)
+        except OSError as exc:
+            print(f"unbroken mock: cannot read script {args.script}: {exc}", file=sys.stderr)
+            return 2
+        except ActionError as exc:
+            print(f"unbroken mock: invalid script {args.script}: {exc}", file=sys.stderr)
+            return 2
+    try:
+        asyncio.run(serve_mock(args.host, args.port, args.script))
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        print(f"unbroken mock: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0

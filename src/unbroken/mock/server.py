@@ -1,0 +1,595 @@
+"""The mock provider: an aiohttp server with a FIFO of per-request actions."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import struct
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final, Self
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from multidict import CIMultiDict, MultiDict
+
+from unbroken.mock.actions import Action, ActionError, expand_actions, parse_action
+from unbroken.mock.wire import (
+    ANTHROPIC,
+    Reply,
+    canonical_json,
+    error_body,
+    error_frame,
+    garbage_frame,
+    halves,
+    protocol_for_path,
+    render,
+    status_error_body,
+)
+
+__all__ = ["MockProvider", "RecordedRequest"]
+
+KEY_HEADER: Final = "x-mock-key"
+ACTION_HEADER: Final = "x-mock-action"
+SSE_CONTENT_TYPE: Final = "text/event-stream; charset=utf-8"
+JSON_CONTENT_TYPE: Final = "application/json"
+
+_HEADER_CACHE_MAX: Final = 128
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRequest:
+    """One provider request as the mock received it."""
+
+    method: str
+    path: str
+    query: MultiDict[str]
+    headers: CIMultiDict[str]
+    body: bytes
+    key: str | None = None
+    protocol: str | None = None
+    action: Mapping[str, Any] | None = None
+
+    def json(self) -> Any:
+        """The body parsed as JSON."""
+        return json.loads(self.body)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form used by ``GET /_mock/requests``."""
+        headers: dict[str, str] = {}
+        for name, value in self.headers.items():
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        out: dict[str, Any] = {
+            "method": self.method,
+            "path": self.path,
+            "query": {
+                k: self.query.getall(k) if len(self.query.getall(k)) > 1 else v
+                for k, v in self.query.items()
+            },
+            "headers": headers,
+            "key": self.key,
+            "protocol": self.protocol,
+            "action": dict(self.action) if self.action is not None else None,
+        }
+        try:
+            out["body"] = self.body.decode("utf-8")
+        except UnicodeDecodeError:
+            out["body"] = None
+            out["body_b64"] = base64.b64encode(self.body).decode("ascii")
+        return out
+
+
+def _format_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class MockProvider:
+    """A deterministic, fault-injecting fake LLM provider.
+
+    ``async with MockProvider() as mock:`` starts it on ``127.0.0.1`` on an
+    ephemeral port; ``mock.url`` is its base URL.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        default: Mapping[str, Any] | Action | None = None,
+        *,
+        record: bool = True,
+    ) -> None:
+        """``record=False`` skips request recording (flat memory for long benchmarks;
+        ``requests`` stays empty and ``wait_for_requests`` cannot be used)."""
+        self.host = host
+        self.record = record
+        self.port = port
+        self._initial_default = parse_action(default, where="default")
+        self._default = self._initial_default
+        self._queues: dict[str | None, deque[Action]] = {}
+        self.requests: list[RecordedRequest] = []
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._header_actions: dict[str, Action] = {}
+        self._active: set[asyncio.Transport] = set()
+        self._runner: web.AppRunner | None = None
+        self._stopping: asyncio.Event | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:41234`` (valid once started)."""
+        return f"http://{_format_host(self.host)}:{self.port}"
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/_mock/health", self._h_health)
+        app.router.add_get("/_mock/requests", self._h_requests)
+        app.router.add_post("/_mock/reset", self._h_reset)
+        app.router.add_post("/_mock/script", self._h_script)
+        app.router.add_post("/_mock/default", self._h_default)
+        app.router.add_route("*", "/{tail:.*}", self._h_provider)
+        return app
+
+    async def start(self) -> None:
+        if self._runner is not None:
+            return
+        self._stopping = asyncio.Event()
+        runner = web.AppRunner(
+            self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        for address in runner.addresses:
+            if isinstance(address, tuple) and len(address) >= 2:
+                self.port = int(address[1])
+                break
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        if self._stopping is not None:
+            self._stopping.set()
+        for transport in list(self._active):
+            transport.abort()
+        self._active.clear()
+        await runner.cleanup()
+        for _, fut in self._waiters:
+            if not fut.done():
+                fut.cancel()
+        self._waiters.clear()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # -- scripting -----------------------------------------------------------
+
+    def script(self, actions: Iterable[Mapping[str, Any] | Action], key: str | None = None) -> None:
+        """Append actions to the queue (the named queue ``key`` if given).
+
+        Validates all actions first: on :class:`ActionError` nothing is queued.
+        """
+        parsed = expand_actions(actions)
+        self._queues.setdefault(key, deque()).extend(parsed)
+
+    def set_default(self, action: Mapping[str, Any] | Action | None) -> None:
+        """Action used when a request's queue is empty."""
+        self._default = parse_action(action, where="default")
+
+    def pending(self, key: str | None = None) -> int:
+        """Number of queued, not yet consumed actions in queue ``key``."""
+        queue = self._queues.get(key)
+        return len(queue) if queue else 0
+
+    def reset(self) -> None:
+        """Clear all queues and recorded requests; restore the initial default action."""
+        self._queues.clear()
+        self.requests.clear()
+        self._default = self._initial_default
+
+    async def wait_for_requests(
+        self,
+        n: int,
+        timeout: float = 10.0,  # noqa: ASYNC109 - part of the public API
+    ) -> list[RecordedRequest]:
+        """Wait until at least ``n`` provider requests have been recorded."""
+        if not self.record:
+            raise RuntimeError("wait_for_requests() needs MockProvider(record=True)")
+        if len(self.requests) >= n:
+            return list(self.requests)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            async with asyncio.timeout(timeout):
+                await fut
+        except TimeoutError:
+            raise TimeoutError(
+                f"only {len(self.requests)} of {n} requests arrived within {timeout}s"
+            ) from None
+        finally:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+        return list(self.requests)
+
+    def _next_action(self, key: str | None) -> Action:
+        queue = self._queues.get(key)
+        if queue:
+            return queue.popleft()
+        return self._default
+
+    def _record(self, rec: RecordedRequest) -> None:
+        self.requests.append(rec)
+        if self._waiters:
+            count = len(self.requests)
+            for n, fut in self._waiters:
+                if n <= count and not fut.done():
+                    fut.set_result(None)
+
+    def _header_action(self, raw: str) -> Action:
+        action = self._header_actions.get(raw)
+        if action is None:
+            try:
+                data = json.loads(raw)
+            except ValueError as exc:
+                raise ActionError(f"{ACTION_HEADER}: invalid JSON: {exc}") from None
+            action = parse_action(data, where=ACTION_HEADER)
+            if len(self._header_actions) >= _HEADER_CACHE_MAX:
+                self._header_actions.clear()
+            self._header_actions[raw] = action
+        return action
+
+    # -- control API ---------------------------------------------------------
+
+    async def _h_health(self, request: web.Request) -> web.Response:
+        pending = {("" if k is None else k): len(q) for k, q in self._queues.items() if q}
+        return web.json_response(
+            {"ok": True, "url": self.url, "requests": len(self.requests), "pending": pending}
+        )
+
+    async def _h_requests(self, request: web.Request) -> web.Response:
+        return web.json_response([r.to_dict() for r in self.requests])
+
+    async def _h_reset(self, request: web.Request) -> web.Response:
+        self.reset()
+        return web.json_response({"ok": True})
+
+    async def _read_json(self, request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read() or b"null")
+        except ValueError as exc:
+            raise ActionError(f"invalid JSON body: {exc}") from None
+
+    async def _h_script(self, request: web.Request) -> web.Response:
+        try:
+            data = await self._read_json(request)
+            if isinstance(data, list):
+                data = {"actions": data}
+            if not isinstance(data, dict):
+                raise ActionError('expected {"actions": [...], "key": optional}')
+            unknown = set(data) - {"actions", "key"}
+            if unknown:
+                raise ActionError(f"{sorted(unknown)[0]}: unknown key (expected actions, key)")
+            key = data.get("key")
+            if key is not None and not isinstance(key, str):
+                raise ActionError("key: expected a string")
+            self.script(data.get("actions") or [], key=key)
+        except ActionError as exc:
+            return web.json_response({"ok": False, "error": str(exc)}, status=400)
+        return web.json_response({"ok": True, "pending": self.pending(key)})
+
+    async def _h_default(self, request: web.Request) -> web.Response:
+        try:
+            self.set_default(await self._read_json(request))
+        except ActionError as exc:
+            return web.json_response({"ok": False, "error": str(exc)}, status=400)
+        return web.json_response({"ok": True})
+
+    # -- provider endpoints --------------------------------------------------
+
+    async def _h_provider(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        protocol = protocol_for_path(path)
+        if protocol is None or path.startswith("/_mock/"):
+            return web.json_response(
+                {"error": {"message": f"mock: no route for {path}", "type": "not_found"}},
+                status=404,
+            )
+        if request.method != "POST":
+            return web.Response(
+                status=405,
+                body=status_error_body(protocol, 405),
+                content_type=JSON_CONTENT_TYPE,
+                headers={"Allow": "POST"},
+            )
+        body = await request.read()
+        key = request.headers.get(KEY_HEADER)
+        action: Action | None = None
+        problem: str | None = None
+        req_json: Any = None
+        try:
+            req_json = json.loads(body)
+            if not isinstance(req_json, dict):
+                problem = "request body must be a JSON object"
+        except ValueError as exc:
+            problem = f"request body is not valid JSON: {exc}"
+        if problem is None:
+            raw_action = request.headers.get(ACTION_HEADER)
+            try:
+                action = (
+                    self._header_action(raw_action)
+                    if raw_action is not None
+                    else self._next_action(key)
+                )
+            except ActionError as exc:
+                problem = str(exc)
+        if self.record:
+            self._record(
+                RecordedRequest(
+                    method=request.method,
+                    path=path,
+                    query=MultiDict(request.query),
+                    headers=CIMultiDict(request.headers),
+                    body=body,
+                    key=key,
+                    protocol=protocol,
+                    action=action.raw if action is not None else None,
+                )
+            )
+        if action is None:
+            return web.Response(
+                status=400,
+                body=_mock_error_body(protocol, problem or "invalid request"),
+                content_type=JSON_CONTENT_TYPE,
+            )
+        transport = request.transport
+        if transport is None:
+            return web.Response()
+        self._active.add(transport)
+        try:
+            return await self._respond(request, protocol, action, req_json)
+        except ConnectionError:
+            # The client went away mid-reply; aiohttp handles this quietly.
+            return web.Response()
+        finally:
+            self._active.discard(transport)
+
+    async def _respond(
+        self, request: web.Request, protocol: str, action: Action, req_json: dict[str, Any]
+    ) -> web.StreamResponse:
+        if action.delay:
+            await asyncio.sleep(action.delay)
+        fault = action.fault
+        if fault == "close_before_headers":
+            _abort(request, action.rst)
+            return web.Response()
+
+        reply = Reply(protocol, action, req_json, canonical_json(req_json))
+        request_id_header = "request-id" if protocol == ANTHROPIC else "x-request-id"
+        headers: CIMultiDict[str] = CIMultiDict()
+        error_kind = action.error if fault == "error_event" else None
+
+        if (
+            action.body is not None
+            or action.is_error_status
+            or (error_kind is not None and not reply.stream)
+        ):
+            # A complete (usually non-2xx) JSON response.
+            if action.body is not None:
+                status = action.status or 200
+                payload = action.body.encode()
+                ctype = (
+                    JSON_CONTENT_TYPE
+                    if action.body.lstrip()[:1] in ("{", "[")
+                    else "text/plain; charset=utf-8"
+                )
+            elif error_kind is not None:
+                status, payload = error_body(protocol, error_kind)
+                ctype = JSON_CONTENT_TYPE
+            else:
+                status = action.status or 500
+                payload = status_error_body(protocol, status)
+                ctype = JSON_CONTENT_TYPE
+            headers["Content-Type"] = ctype
+            headers[request_id_header] = reply.request_id
+            for name, value in action.headers:
+                headers[name] = value
+            if fault in (None, "error_event"):
+                return web.Response(status=status, body=payload, headers=headers)
+            return await self._send_frames(
+                request, action, status, headers, halves(payload), stream=False, reply=reply
+            )
+
+        rendered = render(reply)
+        status = action.status or 200
+        if rendered.stream:
+            headers["Content-Type"] = SSE_CONTENT_TYPE
+            headers["Cache-Control"] = "no-cache"
+        else:
+            headers["Content-Type"] = JSON_CONTENT_TYPE
+        headers[request_id_header] = rendered.request_id
+        for name, value in action.headers:
+            headers[name] = value
+        if fault is None and not rendered.stream:
+            return web.Response(status=status, body=rendered.body, headers=headers)
+        return await self._send_frames(
+            request,
+            action,
+            status,
+            headers,
+            rendered.frames,
+            stream=rendered.stream,
+            reply=reply,
+            chunked_frames=rendered.chunked,
+        )
+
+    async def _send_frames(
+        self,
+        request: web.Request,
+        action: Action,
+        status: int,
+        headers: CIMultiDict[str],
+        frames: tuple[bytes, ...],
+        *,
+        stream: bool,
+        reply: Reply,
+        chunked_frames: tuple[bytes, ...] | None = None,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(status=status, headers=headers)
+        chunked = request.version >= (1, 1)
+        if chunked:
+            resp.enable_chunked_encoding()
+        writer = await resp.prepare(request)  # sends the headers
+        transport = request.transport
+        assert writer is not None
+        if transport is None:
+            return resp
+        fault = action.fault
+        if fault == "reset_after_headers":
+            await _flush(request, writer)
+            _abort(request, action.rst)
+            return resp
+
+        k = len(frames) if fault is None else min(action.after_frame, len(frames))
+        if fault is None and chunked and chunked_frames is not None:
+            wire = chunked_frames
+        else:
+            seq = list(frames[:k])
+            if fault == "error_event":
+                seq.append(error_frame(reply, action.error, k, action.error_style))
+            elif fault == "malformed":
+                seq.append(garbage_frame(reply.protocol, stream))
+                seq.extend(frames[k:])
+            wire = tuple(_chunk(f) for f in seq) if chunked else tuple(seq)
+        await _pump(transport, wire, action.chunk_delay)
+
+        if fault in ("reset", "stall"):
+            await _flush(request, writer)
+            if fault == "stall":
+                stopping = self._stopping
+                if stopping is not None and not stopping.is_set():
+                    try:
+                        async with asyncio.timeout(action.seconds):
+                            await stopping.wait()
+                    except TimeoutError:
+                        pass
+            _abort(request, action.rst)
+            return resp
+        await resp.write_eof()
+        return resp
+
+
+def _mock_error_body(protocol: str, message: str) -> bytes:
+    if protocol == ANTHROPIC:
+        payload: dict[str, Any] = {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": f"mock: {message}"},
+        }
+    else:
+        payload = {
+            "error": {
+                "message": f"mock: {message}",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        }
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def _chunk(frame: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(frame), frame)
+
+
+async def _pump(transport: asyncio.Transport, frames: tuple[bytes, ...], delay: float) -> None:
+    """Write each frame with its own ``transport.write``, ``delay`` seconds apart.
+
+    The delayed case runs as a chain of ``call_later`` callbacks instead of one
+    task wake-up per frame, which keeps the per-frame cost low when thousands of
+    slow streams run at once. There is no back-pressure: replies are finite and
+    already in memory, so at worst the whole rest of a reply sits in the
+    transport buffer.
+    """
+    if not frames:
+        return
+    if not delay:
+        for frame in frames:
+            if transport.is_closing():
+                raise ConnectionResetError("mock: client went away")
+            transport.write(frame)
+        return
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    total = len(frames)
+    index = 0
+    handle: asyncio.TimerHandle | None = None
+
+    def step() -> None:
+        nonlocal index, handle
+        handle = None
+        if done.done():
+            return
+        if transport.is_closing():
+            done.set_exception(ConnectionResetError("mock: client went away"))
+            return
+        transport.write(frames[index])
+        index += 1
+        if index < total:
+            handle = loop.call_later(delay, step)
+        else:
+            done.set_result(None)
+
+    step()
+    try:
+        await done
+    finally:
+        if handle is not None:
+            handle.cancel()
+        if not done.done():
+            done.cancel()
+
+
+async def _flush(request: web.Request, writer: AbstractStreamWriter) -> None:
+    """Wait until everything written so far has left the user-space buffer."""
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        return
+    if transport.get_write_buffer_size():
+        # With a zero high-water mark the protocol pauses while anything is
+        # buffered, so drain() returns only once the buffer is empty.
+        transport.set_write_buffer_limits(high=0, low=0)
+        await writer.drain()
+
+
+def _abort(request: web.Request, rst: bool) -> None:
+    """Abort the connection: no more bytes, no chunked terminator."""
+    transport = request.transport
+    if transport is None:
+        return
+    if rst:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+    transport.abort()
