@@ -94,6 +94,8 @@ class Config:
     max_body_mb: float = 32
     stream: StreamSettings = field(default_factory=StreamSettings)
     routes: Mapping[str, Route] = field(default_factory=dict)
+    #: after an upstream refuses WebSocket, serve its turns over HTTP this long
+    websocket_fallback_cooldown_s: float = 300.0
 
     @property
     def max_body_bytes(self) -> int:
@@ -124,8 +126,9 @@ STREAM_KEYS: dict[str, str] = {
     "keepalive_s": _FLOAT,
     "early_headers_s": _FLOAT,
 }
+WEBSOCKET_KEYS: dict[str, str] = {"fallback_cooldown_s": _FLOAT}
 UPSTREAM_KEYS = {"url", "api_key_env", "models"}
-SECTIONS = {"server", "retry", "stream", "routes"}
+SECTIONS = {"server", "retry", "stream", "websocket", "routes"}
 
 
 def _check(key: str, value: Any, kind: str) -> Any:
@@ -258,6 +261,7 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
     server = _section(data, "server", SERVER_KEYS)
     retry = _section(data, "retry", RETRY_KEYS)
     stream = _section(data, "stream", STREAM_KEYS)
+    websocket = _section(data, "websocket", WEBSOCKET_KEYS)
     _env_overrides(retry, env)
 
     backoff = retry.get("backoff", "fixed")
@@ -295,6 +299,7 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
         max_body_mb=retry.get("max_body_mb", 32),
         stream=stream_settings,
         routes=_routes(data, env),
+        websocket_fallback_cooldown_s=float(websocket.get("fallback_cooldown_s", 300.0)),
     )
 
 

@@ -15,6 +15,7 @@ from unbroken import __version__
 from unbroken.config import Config
 from unbroken.hooks import Hooks, LogHooks, MultiHooks
 from unbroken.relay import Relay
+from unbroken.websocket import handle_websocket, is_websocket_request
 
 __all__ = ["RelayServer", "build_app", "serve"]
 
@@ -64,6 +65,15 @@ async def _relay(request: web.Request) -> web.StreamResponse:
     route = relay.config.routes.get(name)
     if route is None:
         return _not_found(relay, request.path)
+    if is_websocket_request(request):
+        rest = request.match_info["rest"]
+        if not rest.rstrip("/").endswith("responses"):
+            return _json(
+                400,
+                {"error": {"message": "WebSocket is relayed on <route>/v1/responses only",
+                           "type": "invalid_request_error", "code": "websocket_unsupported"}},
+            )
+        return await handle_websocket(relay, request, route, rest)
     limit = relay.config.max_body_bytes
     body = await _read_body(request, limit)
     if body is None:
