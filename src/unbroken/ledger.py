@@ -121,6 +121,8 @@ class Ledger:
         "_held",
         "_held_since",
         "_last_raw",
+        "_tool_mark",
+        "_tools_held",
         "error_bytes",
         "fail_reason",
         "held_bytes",
@@ -170,6 +172,8 @@ class Ledger:
         self._held: list[bytes] = []
         self._held_since: float | None = None
         self._last_raw: bytes | None = None
+        self._tool_mark = 0
+        self._tools_held = False
         self.held_bytes = 0
         self.open_tools = 0
         self.received_frames = 0
@@ -207,7 +211,7 @@ class Ledger:
             # The provider's final answer: pass it through with what was held,
             # except a partial tool call, which no client may see.
             if self.open_tools:
-                self._drop_held()
+                del self._held[self._tool_mark :]
             out = self._release_held(raw)
             self.state = State.FAILED
             self.verdict = Verdict.FAIL
@@ -220,12 +224,16 @@ class Ledger:
             return out
 
         hold = self.hold
+        if kinds & Kind.TOOL_START and self.open_tools == 1 and not self._tools_held:
+            self._tool_mark = len(self._held)  # where the (first) open tool call begins
         if (
             hold.all
             or (self.open_tools and hold.tools)
             or (state is State.PENDING and not kinds & ~hold.pending_mask)
         ):
+            self._tools_held = bool(self.open_tools)
             return self._hold(raw)
+        self._tools_held = False
         return self._release_held(raw)
 
     def _hold(self, raw: bytes) -> bytes:

@@ -91,7 +91,12 @@ class SSESplitter:
                 block = buf[start:end]
                 events.append(self._event(buf[start:stop], block))
                 start = stop
-            self._buf = buf[start:]
+            rest = buf[start:]
+            if rest and not rest.strip(b"\n"):
+                # Only blank lines: each one dispatches an empty event (no fields).
+                events.append(Event(rest, None, None))
+                rest = b""
+            self._buf = rest
             return events
         return self._feed_general(buf, events)
 

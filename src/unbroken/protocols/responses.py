@@ -61,8 +61,6 @@ CLIENT_TOOL_ITEMS = frozenset(
         "mcp_approval_request",
     }
 )
-# Item types that open without content of their own.
-INERT_ITEMS = frozenset({"message", "reasoning"})
 
 _SEQ = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
 
@@ -123,7 +121,10 @@ class ResponsesClassifier:
                 self.open_items.discard(key)
                 return Kind.TOOL_END, len(self.open_items)
             return Kind.UNKNOWN, len(self.open_items)  # done without added
-        if itype in INERT_ITEMS:
+        if itype == "reasoning":
+            # Its .done repeats the reasoning: thinking, if it carries any text.
+            return (R if not added and _has_reasoning(item) else C), len(self.open_items)
+        if itype == "message":
             return (C if added else OUT), len(self.open_items)
         return OUT, len(self.open_items)  # server-side tool items and others: commit
 
@@ -144,6 +145,17 @@ class ResponsesClassifier:
         if error_is_retryable(err):
             kinds |= Kind.RETRYABLE
         return kinds
+
+
+def _has_reasoning(item: dict[str, Any]) -> bool:
+    """Whether a reasoning item carries summary or content text."""
+    for key in ("summary", "content"):
+        parts = item.get(key)
+        if isinstance(parts, list) and any(
+            isinstance(p, dict) and p.get("text") for p in parts
+        ):
+            return True
+    return False
 
 
 _TYPE_RE = re.compile(r'"type"\s*:\s*"([^"]+)"')
