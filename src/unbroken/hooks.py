@@ -15,10 +15,32 @@ from dataclasses import dataclass, field
 
 from unbroken.policy import Failure
 
-__all__ = ["Hooks", "LogHooks", "MultiHooks", "TurnInfo"]
+__all__ = ["AttemptInfo", "Hooks", "LogHooks", "MultiHooks", "TurnInfo"]
 
 log = logging.getLogger("unbroken")
 _ids = itertools.count(1)
+
+
+@dataclass(slots=True)
+class AttemptInfo:
+    """Structural facts about one upstream attempt (no content, no keys)."""
+
+    number: int
+    upstream: str
+    started: float = field(default_factory=time.time)
+    ended: float | None = None
+    status: int | None = None  # upstream HTTP status, when one arrived
+    reason: str = ""  # "ok", or the failure label: 503, connection_reset, stall, ...
+    phase: str = ""  # failures: connect | headers | pending | committed | stall
+    frames_received: int = 0
+    bytes_received: int = 0
+    frames_released: int = 0
+    bytes_released: int = 0
+    hold_seconds: float = 0.0
+    input_tokens: int | None = None  # as reported by the provider
+    output_tokens: int | None = None
+    #: output frames this attempt generated (about one token each): the waste of a replay
+    est_output_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +61,11 @@ class TurnInfo:
     next_retry_at: float | None = None  # wall clock
     # ok | recovered | ended_with_error | passed_through_error | aborted_by_client
     outcome: str | None = None
+    ended: float | None = None
+    first_byte_at: float | None = None  # wall clock of the first byte sent to the client
+    attempt_log: list[AttemptInfo] = field(default_factory=list)
+    #: the turn's ledger while it streams (live held bytes for status and metrics)
+    ledger: object | None = field(default=None, repr=False)
 
 
 class Hooks:
@@ -55,11 +82,14 @@ class Hooks:
     ) -> None:
         """``wait_s`` is the wait before the next attempt, or None when none follows."""
 
+    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+        """Every attempt, successful or not, once its outcome is known."""
+
     def hold_overflow(self, turn: TurnInfo, held_bytes: int) -> None:
         pass
 
     def turn_ended(self, turn: TurnInfo) -> None:
-        pass
+        """``turn.outcome`` and ``turn.attempt_log`` are final."""
 
 
 class MultiHooks(Hooks):
@@ -79,6 +109,10 @@ class MultiHooks(Hooks):
     ) -> None:
         for h in self.hooks:
             h.attempt_failed(turn, upstream, failure, phase=phase, wait_s=wait_s)
+
+    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+        for h in self.hooks:
+            h.attempt_ended(turn, attempt)
 
     def hold_overflow(self, turn: TurnInfo, held_bytes: int) -> None:
         for h in self.hooks:

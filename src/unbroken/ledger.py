@@ -56,6 +56,7 @@ the provider's answer: it is released as it is, with whatever was held.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from unbroken.protocols import Protocol
@@ -125,15 +126,18 @@ class Ledger:
         "_tools_held",
         "error_bytes",
         "fail_reason",
+        "first_raw",
         "held_bytes",
         "hold",
         "hold_overflowed",
         "hold_seconds",
         "max_hold_bytes",
         "open_tools",
+        "output_frames",
         "protocol",
         "received_bytes",
         "received_frames",
+        "recent",
         "released_bytes",
         "released_frames",
         "state",
@@ -178,6 +182,10 @@ class Ledger:
         self.open_tools = 0
         self.received_frames = 0
         self.received_bytes = 0
+        self.output_frames = 0  # frames of output, reasoning or tool calls this attempt
+        #: the first frame and the last few of this attempt (where providers report usage)
+        self.first_raw = b""
+        self.recent: deque[bytes] = deque(maxlen=4)
         self.verdict = Verdict.CONTINUE
 
     @property
@@ -194,12 +202,17 @@ class Ledger:
         self.received_frames += 1
         self.received_bytes += len(raw)
         self._last_raw = raw
+        if self.received_frames == 1:
+            self.first_raw = raw
+        self.recent.append(raw)
         state = self.state
         if state is State.DONE:  # trailing frames after the terminal (usage, [DONE])
             return self._emit(raw, 1)
         if state is State.FAILED:
             return b""
         kinds, self.open_tools = self._classifier.classify(event)
+        if kinds & Kind.COMMITTING:
+            self.output_frames += 1
 
         if kinds & Kind.MALFORMED:
             self.fail_reason = "malformed frame"

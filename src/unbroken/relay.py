@@ -25,7 +25,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from unbroken.config import Config, Route, Upstream
-from unbroken.hooks import Hooks, TurnInfo
+from unbroken.hooks import AttemptInfo, Hooks, TurnInfo
 from unbroken.ledger import Hold, Ledger, State, Verdict
 from unbroken.policy import (
     Failure,
@@ -35,7 +35,7 @@ from unbroken.policy import (
     is_retryable_status,
     parse_retry_after,
 )
-from unbroken.protocols import Protocol, protocol_for_path
+from unbroken.protocols import Protocol, protocol_for_path, usage_from
 from unbroken.sse import SSESplitter
 from unbroken.upstream import (
     UpstreamClient,
@@ -138,6 +138,11 @@ class _Turn:
         self.failure: Failure | None = None
         self.last_answer: tuple[int, CIMultiDict[str], bytes] | None = None
         self._bodies: dict[int, bytes] = {}
+        self.attempt: AttemptInfo | None = None
+        self.status: int | None = None  # the current attempt's upstream status
+        self._released_at_start = (0, 0, 0.0)  # ledger counters when the attempt began
+        self.reading_sse = False  # the current attempt streams through the ledger
+        self.passed_bytes = 0  # non-SSE body bytes forwarded in this attempt
 
     # -- the loop ------------------------------------------------------------------
     async def run(self) -> web.StreamResponse:
@@ -153,10 +158,16 @@ class _Turn:
         finally:
             watchdog.cancel()
             relay.inflight.discard(self.info)
-            if self.info.outcome is None:
-                self.info.outcome = "aborted_by_client"
-            self.info.state = "done"
-            relay.hooks.turn_ended(self.info)
+            info = self.info
+            if info.outcome is None:
+                info.outcome = "aborted_by_client"
+            if self.attempt is not None and self.attempt.ended is None:
+                ok = info.outcome in ("ok", "recovered")
+                self._end_attempt("ok" if ok else info.outcome, "" if ok else "committed")
+            info.state = "done"
+            info.ended = time.time()
+            info.ledger = None
+            relay.hooks.turn_ended(info)
 
     async def _attempts(self) -> web.StreamResponse:
         route, retry = self.route, self.retry
@@ -169,8 +180,9 @@ class _Turn:
             self.info.upstream = up.name
             self.info.next_retry_at = None
             self.info.state = "waiting"
-            self.relay.hooks.attempt_started(self.info, up.name)
+            self._begin_attempt(up)
             self.failure = None
+            self.status = None
             phase = "connect"
             try:
                 resp = await self._open(up)
@@ -222,7 +234,42 @@ class _Turn:
             raise exc
         return failure
 
+    def _begin_attempt(self, up: Upstream) -> None:
+        self.attempt = AttemptInfo(number=self.retry.attempts, upstream=up.name)
+        self.info.attempt_log.append(self.attempt)
+        ledger = self.ledger
+        if ledger is not None:
+            self._released_at_start = (
+                ledger.released_frames, ledger.released_bytes, ledger.hold_seconds
+            )
+        self.reading_sse = False
+        self.passed_bytes = 0
+        self.relay.hooks.attempt_started(self.info, up.name)
+
+    def _end_attempt(self, reason: str, phase: str) -> None:
+        """Fill in the current attempt's record and report it."""
+        a = self.attempt
+        if a is None or a.ended is not None:
+            return
+        a.ended = time.time()
+        a.reason, a.phase = reason, phase
+        if self.status is not None:
+            a.status = self.status
+        ledger = self.ledger
+        if ledger is not None and self.reading_sse:
+            frames0, bytes0, hold0 = self._released_at_start
+            a.frames_received, a.bytes_received = ledger.received_frames, ledger.received_bytes
+            a.frames_released = ledger.released_frames - frames0
+            a.bytes_released = ledger.released_bytes - bytes0
+            a.hold_seconds = ledger.hold_seconds - hold0
+            a.input_tokens, a.output_tokens = usage_from([ledger.first_raw, *ledger.recent])
+            a.est_output_tokens = ledger.output_frames
+        else:
+            a.bytes_received = a.bytes_released = self.passed_bytes
+        self.relay.hooks.attempt_ended(self.info, a)
+
     async def _after_failure(self, up: Upstream, failure: Failure, phase: str) -> None:
+        self._end_attempt(failure.label, phase)
         self.info.last_failure = failure.label
         if self.retry.exhausted():
             self.failure = failure
@@ -260,7 +307,7 @@ class _Turn:
     # -- one answer ----------------------------------------------------------------
     async def _answer(self, resp: aiohttp.ClientResponse) -> web.StreamResponse | None:
         """Handle one upstream response.  None means: failed, ``self.failure`` says why."""
-        status = resp.status
+        status = self.status = resp.status
         if is_retryable_status(status):
             try:
                 body = await self._read_error_body(resp)
@@ -309,6 +356,7 @@ class _Turn:
             async for chunk in resp.content.iter_any():
                 self.last_rx = self.loop.time()
                 self.rx_started = True
+                self.passed_bytes += len(chunk)
                 await self._write(chunk)
                 sent = True
         except ClientGone:
@@ -319,16 +367,13 @@ class _Turn:
                 self.failure = failure
                 return None
             # Bytes are out: never let a cut body look complete.
-            self.info.outcome = "ended_with_error"
-            self.relay.hooks.attempt_failed(
-                self.info, self.info.upstream, failure, phase="committed", wait_s=None
-            )
+            self._committed_failure(failure)
             return self._abort_client()
         if self.stalled:
             self.failure = self._classify(TimeoutError())
             if not sent:
                 return None
-            self.info.outcome = "ended_with_error"
+            self._committed_failure(self.failure)
             return self._abort_client()
         self.info.outcome = self._ok_outcome() if resp.status < 400 else "passed_through_error"
         return await self._finish()
@@ -374,7 +419,9 @@ class _Turn:
             ledger.start_attempt()
         self.pending_headers = (resp.status, response_headers(resp.headers, keep_length=False))
         self._start_reading(resp)
+        self.reading_sse = True
         info = self.info
+        info.ledger = ledger
         info.state = "holding" if ledger.state is State.PENDING else "streaming"
         splitter = SSESplitter()
         feed = ledger.feed
@@ -438,12 +485,9 @@ class _Turn:
         if verdict is Verdict.DONE:
             self.info.outcome = self._ok_outcome()
             return await self._finish()
-        self.relay.hooks.attempt_failed(
-            self.info, self.info.upstream, failure, phase="committed", wait_s=None
-        )
+        self._committed_failure(failure)
         if out:
             await self._write(out)
-        self.info.outcome = "ended_with_error"
         return await self._finish()
 
     async def _ended_with_error(self, ledger: Ledger) -> web.StreamResponse:
@@ -451,15 +495,17 @@ class _Turn:
         if ledger.fail_reason == "provider error (passed through)":
             self.info.outcome = "passed_through_error"
         else:
-            self.info.outcome = "ended_with_error"
-            self.relay.hooks.attempt_failed(
-                self.info,
-                self.info.upstream,
-                Failure(FailureClass.STREAM_ERROR, ledger.fail_reason),
-                phase="committed",
-                wait_s=None,
-            )
+            self._committed_failure(Failure(FailureClass.STREAM_ERROR, ledger.fail_reason))
         return await self._finish()
+
+    def _committed_failure(self, failure: Failure) -> None:
+        """The attempt failed after output reached the client: no replay, ever."""
+        self.info.outcome = "ended_with_error"
+        self.info.last_failure = failure.label
+        self._end_attempt(failure.label, "committed")
+        self.relay.hooks.attempt_failed(
+            self.info, self.info.upstream, failure, phase="committed", wait_s=None
+        )
 
     def _ok_outcome(self) -> str:
         return "recovered" if self.retry.retries else "ok"
@@ -475,6 +521,7 @@ class _Turn:
             except (ConnectionError, aiohttp.ClientConnectionError) as exc:
                 raise ClientGone() from exc
             self.response = resp
+            self.info.first_byte_at = time.time()
 
     async def _write(self, data: bytes) -> None:
         if self.response is None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from unbroken.protocols import anthropic, chat, responses
@@ -20,6 +21,7 @@ __all__ = [
     "Protocol",
     "kind_names",
     "protocol_for_path",
+    "usage_from",
 ]
 
 
@@ -77,6 +79,26 @@ CHAT = Protocol("chat", True, chat.ChatClassifier)
 RESPONSES = Protocol("responses", True, responses.ResponsesClassifier)
 ANTHROPIC = Protocol("anthropic", True, anthropic.AnthropicClassifier, anthropic_errors=True)
 GENERIC = Protocol("generic", False, GenericClassifier)
+
+
+_USAGE_IN = re.compile(rb'"(?:prompt_tokens|input_tokens)"\s*:\s*(\d+)')
+_USAGE_OUT = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d+)')
+
+
+def usage_from(frames: Iterable[bytes]) -> tuple[int | None, int | None]:
+    """(input, output) tokens reported in the given frames; the last report wins."""
+    tokens_in: int | None = None
+    tokens_out: int | None = None
+    for raw in frames:
+        if b"tokens" not in raw:
+            continue
+        found = _USAGE_IN.findall(raw)
+        if found:
+            tokens_in = int(found[-1])
+        found = _USAGE_OUT.findall(raw)
+        if found:
+            tokens_out = int(found[-1])
+    return tokens_in, tokens_out
 
 
 def protocol_for_path(path: str) -> Protocol:
