@@ -77,6 +77,8 @@ class Relay:
         self.rng = rng or random.Random()
         self.hold = Hold(config.stream.hold)
         self.inflight: set[TurnInfo] = set()
+        #: route -> upstream index -> monotonic time until which it asked to be left alone
+        self.cooloffs: dict[str, dict[int, float]] = {}
 
     async def handle(
         self, request: web.Request, route: Route, rest: str, body: bytes
@@ -123,7 +125,12 @@ class _Turn:
             session_id=request.headers.get("x-session-id")
             or request.headers.get("x-session-affinity"),
         )
-        self.retry = RetryState(relay.config.retry, len(route.upstreams), rng=relay.rng)
+        self.retry = RetryState(
+            relay.config.retry,
+            len(route.upstreams),
+            rng=relay.rng,
+            cooloff_until=relay.cooloffs.setdefault(route.name, {}),  # shared by all turns
+        )
         self.ledger: Ledger | None = None
         self.response: web.StreamResponse | None = None  # the client response, once prepared
         self._prepare_lock = asyncio.Lock()

@@ -250,7 +250,12 @@ class _Turn:
             max_hold_bytes=conn.cfg.stream.max_hold_bytes,
             clock=conn.loop.time,
         )
-        self.retry = RetryState(conn.cfg.retry, len(conn.route.upstreams), rng=self.relay.rng)
+        self.retry = RetryState(
+            conn.cfg.retry,
+            len(conn.route.upstreams),
+            rng=self.relay.rng,
+            cooloff_until=self.relay.cooloffs.setdefault(conn.route.name, {}),
+        )
         self.retry.current = conn.upstream_idx - 1 if conn.upstream_idx >= 0 else -1
         self.info = TurnInfo(
             route=conn.route.name,

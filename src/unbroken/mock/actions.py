@@ -19,10 +19,15 @@ __all__ = [
     "ERROR_KINDS",
     "FAULTS",
     "REPLIES",
+    "UPGRADE_KEYS",
+    "WS_DEFAULT_CLOSE_CODE",
+    "WS_LIMIT_CLOSE_CODE",
     "Action",
     "ActionError",
     "expand_actions",
+    "expand_upgrade_actions",
     "parse_action",
+    "parse_upgrade_action",
 ]
 
 DEFAULT_TEXT: Final = "Hello from the mock provider."
@@ -39,9 +44,20 @@ FAULTS: Final = (
     "end",
     "error_event",
     "malformed",
+    "close",
+    "connection_limit",
 )
 #: Faults that take ``after_frame``.
-FRAME_FAULTS: Final = frozenset({"reset", "stall", "end", "error_event", "malformed"})
+FRAME_FAULTS: Final = frozenset({"reset", "stall", "end", "error_event", "malformed", "close"})
+#: Faults that take ``code`` (a WebSocket close code).
+CODE_FAULTS: Final = frozenset({"close", "connection_limit"})
+#: Default close code of the WebSocket ``close`` fault (1011 "internal error").
+WS_DEFAULT_CLOSE_CODE: Final = 1011
+#: Default close code of the ``connection_limit`` fault. OpenAI documents the
+#: ``websocket_connection_limit_reached`` error but not the close code that follows
+#: it, so the mock uses 1013 "try again later" (a code the openai SDK's
+#: ``on_reconnecting`` treats as reconnectable).
+WS_LIMIT_CLOSE_CODE: Final = 1013
 ERROR_KINDS: Final = (
     "overloaded",
     "server_error",
@@ -71,8 +87,14 @@ ACTION_KEYS: Final = frozenset(
         "error_style",
         "rst",
         "count",
+        "code",
     }
 )
+
+#: Keys allowed in a WebSocket upgrade action (``script_upgrades``).
+UPGRADE_KEYS: Final = frozenset({"status", "headers", "body", "fault", "delay_ms", "rst", "count"})
+#: The only fault an upgrade action may use.
+UPGRADE_FAULTS: Final = ("close_before_headers",)
 
 
 class ActionError(ValueError):
@@ -102,6 +124,7 @@ class Action:
     error_style: str = "failed"
     rst: bool = False
     count: int = 1
+    code: int | None = None
     shape_key: str = ""
 
     @property
@@ -263,6 +286,12 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
         kw["rst"] = get("rst")
     if "count" in data:
         kw["count"] = _int(get("count"), _where(where, "count"), lo=1, hi=1_000_000)
+    if "code" in data:
+        if fault not in CODE_FAULTS:
+            raise ActionError(
+                f"{_where(where, 'code')}: only valid with fault {', '.join(sorted(CODE_FAULTS))}"
+            )
+        kw["code"] = _int(get("code"), _where(where, "code"), lo=1000, hi=4999)
 
     status = kw.get("status")
     if fault == "error_event" and status is not None and not 200 <= status < 300:
@@ -283,6 +312,45 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
     ]
     kw["shape_key"] = json.dumps(shape, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return Action(raw=dict(data), **kw)
+
+
+def parse_upgrade_action(data: Mapping[str, Any] | Action | None, *, where: str = "") -> Action:
+    """Validate a WebSocket upgrade action.
+
+    ``{}`` accepts the upgrade; ``{"status": N}`` refuses it with HTTP status N
+    (optionally ``headers`` / ``body``); ``{"fault": "close_before_headers"}``
+    drops the connection without an answer (``rst`` for a TCP RST). ``delay_ms``
+    and ``count`` work as for request actions.
+    """
+    if isinstance(data, Action):
+        return data
+    if isinstance(data, Mapping):
+        for key in data:
+            if isinstance(key, str) and key not in UPGRADE_KEYS and not key.startswith("_"):
+                known = ", ".join(sorted(UPGRADE_KEYS))
+                raise ActionError(
+                    f"{_where(where, key)}: not valid in an upgrade action (known keys: {known})"
+                )
+        fault = data.get("fault")
+        if fault is not None and fault not in UPGRADE_FAULTS:
+            raise ActionError(
+                f"{_where(where, 'fault')}: an upgrade action only supports "
+                f"{', '.join(UPGRADE_FAULTS)}; got {fault!r}"
+            )
+    return parse_action(data, where=where)
+
+
+def expand_upgrade_actions(
+    items: Iterable[Mapping[str, Any] | Action], *, where: str = ""
+) -> list[Action]:
+    """Parse a list of upgrade actions, expanding ``count: N`` into N queue entries."""
+    if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+        raise ActionError(f"{where or 'upgrades'}: expected a list of upgrade actions")
+    out: list[Action] = []
+    for index, item in enumerate(items):
+        action = parse_upgrade_action(item, where=f"{where or 'upgrades'}[{index}]")
+        out.extend([action] * action.count)
+    return out
 
 
 def expand_actions(items: Iterable[Mapping[str, Any] | Action], *, where: str = "") -> list[Action]:

@@ -17,7 +17,13 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict, MultiDict
 
-from unbroken.mock.actions import Action, ActionError, expand_actions, parse_action
+from unbroken.mock.actions import (
+    Action,
+    ActionError,
+    expand_actions,
+    expand_upgrade_actions,
+    parse_action,
+)
 from unbroken.mock.wire import (
     ANTHROPIC,
     Reply,
@@ -31,7 +37,7 @@ from unbroken.mock.wire import (
     status_error_body,
 )
 
-__all__ = ["MockProvider", "RecordedRequest"]
+__all__ = ["MockProvider", "RecordedRequest", "RecordedUpgrade"]
 
 KEY_HEADER: Final = "x-mock-key"
 ACTION_HEADER: Final = "x-mock-action"
@@ -39,6 +45,10 @@ SSE_CONTENT_TYPE: Final = "text/event-stream; charset=utf-8"
 JSON_CONTENT_TYPE: Final = "application/json"
 
 _HEADER_CACHE_MAX: Final = 128
+#: At most this many response ids are remembered (globally, and per socket) for
+#: ``previous_response_id``; the oldest are forgotten first.
+_STORE_MAX: Final = 65_536
+_WS_MAX_MSG_SIZE: Final = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +63,12 @@ class RecordedRequest:
     key: str | None = None
     protocol: str | None = None
     action: Mapping[str, Any] | None = None
+    #: WebSocket messages (method ``"WS"``): the 1-based number of the socket.
+    socket: int | None = None
+    #: The request's ``previous_response_id`` (Responses only; None if absent).
+    previous_response_id: str | None = None
+    #: Whether that id was known (None when there was no ``previous_response_id``).
+    previous_response_found: bool | None = None
 
     def json(self) -> Any:
         """The body parsed as JSON."""
@@ -74,6 +90,9 @@ class RecordedRequest:
             "key": self.key,
             "protocol": self.protocol,
             "action": dict(self.action) if self.action is not None else None,
+            "socket": self.socket,
+            "previous_response_id": self.previous_response_id,
+            "previous_response_found": self.previous_response_found,
         }
         try:
             out["body"] = self.body.decode("utf-8")
@@ -81,6 +100,73 @@ class RecordedRequest:
             out["body"] = None
             out["body_b64"] = base64.b64encode(self.body).decode("ascii")
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedUpgrade:
+    """One WebSocket upgrade attempt (``GET .../v1/responses`` with ``Upgrade: websocket``).
+
+    ``status`` is 101 when accepted, the HTTP status when refused, None when the
+    connection was dropped (``close_before_headers``); ``socket`` is the 1-based
+    socket number of an accepted upgrade (None otherwise).
+    """
+
+    path: str
+    query: MultiDict[str]
+    headers: CIMultiDict[str]
+    status: int | None
+    socket: int | None
+    key: str | None = None
+    action: Mapping[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form used by ``GET /_mock/upgrades``."""
+        headers: dict[str, str] = {}
+        for name, value in self.headers.items():
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        return {
+            "path": self.path,
+            "query": {
+                k: self.query.getall(k) if len(self.query.getall(k)) > 1 else v
+                for k, v in self.query.items()
+            },
+            "headers": headers,
+            "status": self.status,
+            "socket": self.socket,
+            "key": self.key,
+            "action": dict(self.action) if self.action is not None else None,
+        }
+
+
+class _Socket:
+    """State of one accepted Responses WebSocket."""
+
+    __slots__ = ("closed", "completed", "header_action", "key", "number", "request", "ws")
+
+    def __init__(
+        self,
+        number: int,
+        request: web.Request,
+        ws: web.WebSocketResponse,
+        key: str | None,
+        header_action: Action | None,
+    ) -> None:
+        self.number = number
+        self.request = request
+        self.ws = ws
+        self.key = key
+        self.header_action = header_action
+        #: Set once the socket is closed (by either side) or lost.
+        self.closed = asyncio.Event()
+        #: Response ids completed on this socket (for ``previous_response_id``).
+        self.completed: dict[str, None] = {}
+
+
+def _remember(store: dict[str, None], response_id: str) -> None:
+    store.pop(response_id, None)
+    store[response_id] = None
+    if len(store) > _STORE_MAX:
+        del store[next(iter(store))]
 
 
 def _format_host(host: str) -> str:
@@ -110,7 +196,15 @@ class MockProvider:
         self._initial_default = parse_action(default, where="default")
         self._default = self._initial_default
         self._queues: dict[str | None, deque[Action]] = {}
+        self._upgrade_queues: dict[str | None, deque[Action]] = {}
         self.requests: list[RecordedRequest] = []
+        #: WebSocket upgrade attempts, accepted or not.
+        self.upgrades: list[RecordedUpgrade] = []
+        #: Number of WebSocket upgrades accepted so far (never reset).
+        self.sockets_accepted = 0
+        #: Response ids stored globally (HTTP replies unless ``store: false``;
+        #: socket replies created with ``store: true``).
+        self._stored: dict[str, None] = {}
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._header_actions: dict[str, Action] = {}
         self._active: set[asyncio.Transport] = set()
@@ -128,6 +222,7 @@ class MockProvider:
         app = web.Application(client_max_size=1 << 30)
         app.router.add_get("/_mock/health", self._h_health)
         app.router.add_get("/_mock/requests", self._h_requests)
+        app.router.add_get("/_mock/upgrades", self._h_upgrades)
         app.router.add_post("/_mock/reset", self._h_reset)
         app.router.add_post("/_mock/script", self._h_script)
         app.router.add_post("/_mock/default", self._h_default)
@@ -191,6 +286,24 @@ class MockProvider:
         parsed = expand_actions(actions)
         self._queues.setdefault(key, deque()).extend(parsed)
 
+    def script_upgrades(
+        self, actions: Iterable[Mapping[str, Any] | Action], key: str | None = None
+    ) -> None:
+        """Append WebSocket upgrade actions to the upgrade queue (``key``: the named one).
+
+        Each upgrade attempt pops one: ``{}`` accepts, ``{"status": N}`` refuses with
+        HTTP N and a JSON error body (``headers`` / ``body`` optional),
+        ``{"fault": "close_before_headers"}`` drops the connection. An empty queue
+        accepts. Validates all first: on :class:`ActionError` nothing is queued.
+        """
+        parsed = expand_upgrade_actions(actions)
+        self._upgrade_queues.setdefault(key, deque()).extend(parsed)
+
+    def pending_upgrades(self, key: str | None = None) -> int:
+        """Number of queued, not yet consumed upgrade actions in queue ``key``."""
+        queue = self._upgrade_queues.get(key)
+        return len(queue) if queue else 0
+
     def set_default(self, action: Mapping[str, Any] | Action | None) -> None:
         """Action used when a request's queue is empty."""
         self._default = parse_action(action, where="default")
@@ -201,9 +314,14 @@ class MockProvider:
         return len(queue) if queue else 0
 
     def reset(self) -> None:
-        """Clear all queues and recorded requests; restore the initial default action."""
+        """Clear all queues, recorded requests and upgrades and the global response
+        store; restore the initial default action. (``sockets_accepted`` keeps
+        counting; open sockets keep their own response ids.)"""
         self._queues.clear()
+        self._upgrade_queues.clear()
         self.requests.clear()
+        self.upgrades.clear()
+        self._stored.clear()
         self._default = self._initial_default
 
     async def wait_for_requests(
@@ -262,12 +380,24 @@ class MockProvider:
 
     async def _h_health(self, request: web.Request) -> web.Response:
         pending = {("" if k is None else k): len(q) for k, q in self._queues.items() if q}
+        upgrades = {("" if k is None else k): len(q) for k, q in self._upgrade_queues.items() if q}
         return web.json_response(
-            {"ok": True, "url": self.url, "requests": len(self.requests), "pending": pending}
+            {
+                "ok": True,
+                "url": self.url,
+                "requests": len(self.requests),
+                "pending": pending,
+                "upgrades": len(self.upgrades),
+                "pending_upgrades": upgrades,
+                "sockets": self.sockets_accepted,
+            }
         )
 
     async def _h_requests(self, request: web.Request) -> web.Response:
         return web.json_response([r.to_dict() for r in self.requests])
+
+    async def _h_upgrades(self, request: web.Request) -> web.Response:
+        return web.json_response([u.to_dict() for u in self.upgrades])
 
     async def _h_reset(self, request: web.Request) -> web.Response:
         self.reset()
@@ -285,17 +415,28 @@ class MockProvider:
             if isinstance(data, list):
                 data = {"actions": data}
             if not isinstance(data, dict):
-                raise ActionError('expected {"actions": [...], "key": optional}')
-            unknown = set(data) - {"actions", "key"}
+                raise ActionError(
+                    'expected {"actions": [...], "upgrades": [...], "key": optional}'
+                )
+            unknown = set(data) - {"actions", "upgrades", "key"}
             if unknown:
-                raise ActionError(f"{sorted(unknown)[0]}: unknown key (expected actions, key)")
+                raise ActionError(
+                    f"{sorted(unknown)[0]}: unknown key (expected actions, upgrades, key)"
+                )
             key = data.get("key")
             if key is not None and not isinstance(key, str):
                 raise ActionError("key: expected a string")
-            self.script(data.get("actions") or [], key=key)
+            actions = data.get("actions") or []
+            upgrades = data.get("upgrades") or []
+            expand_actions(actions)  # validate both before queuing either
+            expand_upgrade_actions(upgrades)
+            self.script(actions, key=key)
+            self.script_upgrades(upgrades, key=key)
         except ActionError as exc:
             return web.json_response({"ok": False, "error": str(exc)}, status=400)
-        return web.json_response({"ok": True, "pending": self.pending(key)})
+        return web.json_response(
+            {"ok": True, "pending": self.pending(key), "pending_upgrades": self.pending_upgrades(key)}
+        )
 
     async def _h_default(self, request: web.Request) -> web.Response:
         try:
