@@ -63,13 +63,13 @@ class Health(Hooks):
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         h = self._get(turn.route, attempt.upstream)
-        if attempt.reason == "ok" or (attempt.phase in ("", "committed") and attempt.status):
+        if attempt.reason == "aborted_by_client":
+            return  # not the upstream's doing
+        if attempt.reason in ("ok", "passed_through_error"):  # it answered
             h.ok += 1
             h.consecutive_failures = 0
             h.last_ok = attempt.ended or self.wall()
             return
-        if attempt.reason in ("aborted_by_client", "passed_through_error"):
-            return  # neither the upstream's fault nor a sign of health
         h.failed += 1
         h.consecutive_failures += 1
         h.recent.append((attempt.ended or self.wall(), attempt.reason))

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from unbroken import __version__
 from unbroken.config import Config
+from unbroken.health import Health
 from unbroken.hooks import Hooks, LogHooks, MultiHooks
 from unbroken.relay import Relay
 from unbroken.websocket import handle_websocket, is_websocket_request
@@ -129,8 +130,15 @@ class RelayServer:
     """A started relay on a host and port (port 0 picks a free one)."""
 
     def __init__(self, config: Config, *, hooks: Hooks | None = None) -> None:
-        log_hooks = LogHooks(verbose=config.verbose)
-        self.relay = Relay(config, hooks=MultiHooks(log_hooks, hooks) if hooks else log_hooks)
+        self.hooks = MultiHooks(LogHooks(verbose=config.verbose))
+        self.relay = Relay(config, hooks=self.hooks)
+        self.health = Health(
+            {name: [u.name for u in r.upstreams] for name, r in config.routes.items()},
+            self.relay.cooloffs,
+        )
+        self.hooks.hooks.append(self.health)
+        if hooks is not None:
+            self.hooks.hooks.append(hooks)
         self.app = build_app(self.relay)
         self.runner = web.AppRunner(
             self.app,
