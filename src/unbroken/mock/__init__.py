@@ -23,10 +23,13 @@ Action keys (all optional):
 * timing: ``chunk_delay_ms`` (between frames), ``delay_ms`` (before the headers);
 * HTTP: ``status``, ``headers``, ``body`` (with ``status``);
 * faults: ``fault`` = close_before_headers | reset_after_headers | reset | stall |
-  end | error_event | malformed, with ``after_frame`` (frames sent before the
-  fault), ``seconds`` (stall), ``error`` (overloaded | server_error | rate_limit |
-  invalid_request | context_length), ``error_style`` (Responses: "failed" ->
-  ``response.failed``, "error" -> ``error`` event), ``rst`` (abort with a TCP RST);
+  end | error_event | malformed | close | connection_limit, with ``after_frame``
+  (frames sent before the fault), ``seconds`` (stall), ``error`` (overloaded |
+  server_error | rate_limit | invalid_request | context_length), ``error_style``
+  (Responses: "failed" -> ``response.failed``, "error" -> ``error`` event), ``rst``
+  (abort with a TCP RST), ``code`` (WebSocket close code 1000-4999 of ``close`` /
+  ``connection_limit``). Over HTTP, ``close`` acts like ``end`` and
+  ``connection_limit`` is a 400 with code ``websocket_connection_limit_reached``;
 * ``count``: repeat the action N times in the queue. Keys starting with ``_`` are
   ignored (comments).
 
@@ -35,6 +38,27 @@ the usage chunk and ``data: [DONE]`` are frames too); a non-streamed body is two
 frames (its two halves). :func:`frames_for` gives the exact bytes of a clean
 reply, which are a function of the protocol, the reply-shape keys and the
 request JSON only.
+
+Responses WebSocket mode: a ``GET .../v1/responses`` with ``Upgrade: websocket``
+first pops an *upgrade action* from a separate queue (``script_upgrades``; ``{}``
+accepts, ``{"status": N}`` refuses, ``{"fault": "close_before_headers"}`` drops;
+recorded in ``mock.upgrades``). Each ``response.create`` message on the socket
+then pops a normal action (``x-mock-action`` on the upgrade applies to every
+create) and is recorded in ``mock.requests`` with method ``"WS"`` and
+``socket`` = the socket number. The reply is one TEXT message per event, byte-
+identical to the SSE ``data:`` of ``POST /v1/responses`` with the body
+``ws_request(message)`` (the message minus ``type``, plus ``"stream": true``);
+frame k is the event with ``sequence_number`` k-1. Faults: ``reset`` (abort, the
+client sees 1006), ``close`` (close frame, ``code`` default 1011), ``stall``
+(then abort), ``end`` (socket stays open, idle), ``error_event`` (an ``error``
+message with ``status`` and ``sequence_number`` k; the socket stays open),
+``malformed`` (a broken JSON message after frame k, then the rest),
+``connection_limit`` (``websocket_connection_limit_reached`` error, then close
+with ``code`` default 1013); a non-2xx ``status`` sends an ``error`` message.
+``previous_response_id`` must name a response completed on the same socket or
+stored globally (HTTP replies unless ``store: false``; socket replies only with
+``store: true``); otherwise the reply is a 400 ``previous_response_not_found``
+error (over HTTP too).
 """
 
 from unbroken.mock.actions import (
@@ -48,7 +72,7 @@ from unbroken.mock.actions import (
     parse_action,
 )
 from unbroken.mock.cli import load_script, main_mock, serve_mock
-from unbroken.mock.server import MockProvider, RecordedRequest
+from unbroken.mock.server import MockProvider, RecordedRequest, RecordedUpgrade
 from unbroken.mock.wire import (
     ANTHROPIC,
     CHAT,
@@ -58,6 +82,8 @@ from unbroken.mock.wire import (
     events_for,
     frames_for,
     responses_events,
+    ws_messages_for,
+    ws_request,
 )
 
 __all__ = [
@@ -73,6 +99,7 @@ __all__ = [
     "ActionError",
     "MockProvider",
     "RecordedRequest",
+    "RecordedUpgrade",
     "encode_sse",
     "events_for",
     "expand_actions",
@@ -82,4 +109,6 @@ __all__ = [
     "parse_action",
     "responses_events",
     "serve_mock",
+    "ws_messages_for",
+    "ws_request",
 ]

@@ -12,17 +12,37 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from unbroken.mock.actions import ActionError, expand_actions, parse_action
+from unbroken.mock.actions import (
+    ActionError,
+    expand_actions,
+    expand_upgrade_actions,
+    parse_action,
+)
 from unbroken.mock.server import MockProvider
 
 __all__ = ["ScriptFile", "load_script", "main_mock", "serve_mock"]
 
 DEFAULT_PORT = 4781
-_SCRIPT_KEYS = ("default", "actions", "queues")
+_SCRIPT_KEYS = ("default", "actions", "queues", "upgrades", "upgrade_queues")
+
+
+def _queue_map(value: Any, name: str, expand: Any) -> dict[str, list[Any]]:
+    if not isinstance(value, dict):
+        raise ActionError(f"{name}: expected an object of queue name to action list")
+    out: dict[str, list[Any]] = {}
+    for queue, items in value.items():
+        expand(items, where=f"{name}.{queue}")
+        out[str(queue)] = items
+    return out
 
 
 class ScriptFile:
-    """A validated script file: ``{"default": {...}, "actions": [...], "queues": {K: [...]}}``."""
+    """A validated script file.
+
+    ``{"default": {...}, "actions": [...], "queues": {K: [...]}, "upgrades": [...],
+    "upgrade_queues": {K: [...]}}``: ``upgrades`` are WebSocket upgrade actions
+    (``{}`` accept, ``{"status": N}`` refuse, ``{"fault": "close_before_headers"}``).
+    """
 
     def __init__(self, data: Any, source: str = "script") -> None:
         if not isinstance(data, dict):
@@ -36,18 +56,20 @@ class ScriptFile:
         parse_action(self.default, where="default")
         self.actions: list[Any] = data.get("actions") or []
         expand_actions(self.actions, where="actions")
-        queues = data.get("queues") or {}
-        if not isinstance(queues, dict):
-            raise ActionError("queues: expected an object of queue name to action list")
-        self.queues: dict[str, list[Any]] = {}
-        for name, items in queues.items():
-            expand_actions(items, where=f"queues.{name}")
-            self.queues[str(name)] = items
+        self.queues = _queue_map(data.get("queues") or {}, "queues", expand_actions)
+        self.upgrades: list[Any] = data.get("upgrades") or []
+        expand_upgrade_actions(self.upgrades, where="upgrades")
+        self.upgrade_queues = _queue_map(
+            data.get("upgrade_queues") or {}, "upgrade_queues", expand_upgrade_actions
+        )
 
     def apply(self, mock: MockProvider) -> None:
         mock.script(self.actions)
         for name, items in self.queues.items():
             mock.script(items, key=name)
+        mock.script_upgrades(self.upgrades)
+        for name, items in self.upgrade_queues.items():
+            mock.script_upgrades(items, key=name)
 
 
 def load_script(path: str | Path) -> ScriptFile:
@@ -116,7 +138,8 @@ def main_mock(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--script",
         metavar="FILE",
-        help='JSON or TOML file: {"default": {...}, "actions": [...], "queues": {"K": [...]}}',
+        help='JSON or TOML file: {"default": {...}, "actions": [...], "queues": {"K": [...]}, '
+        '"upgrades": [...], "upgrade_queues": {"K": [...]}}',
     )
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)

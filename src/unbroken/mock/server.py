@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Self
 
-from aiohttp import web
+from aiohttp import WSMsgType, web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict, MultiDict
 
 from unbroken.mock.actions import (
+    WS_DEFAULT_CLOSE_CODE,
+    WS_LIMIT_CLOSE_CODE,
     Action,
     ActionError,
     expand_actions,
@@ -26,15 +28,27 @@ from unbroken.mock.actions import (
 )
 from unbroken.mock.wire import (
     ANTHROPIC,
+    RESPONSES,
+    WS_GARBAGE,
     Reply,
     canonical_json,
+    connection_limit_body,
     error_body,
     error_frame,
     garbage_frame,
     halves,
+    previous_not_found_body,
     protocol_for_path,
     render,
     status_error_body,
+    ws_connection_limit,
+    ws_error,
+    ws_error_kind,
+    ws_failed_event,
+    ws_messages,
+    ws_previous_not_found,
+    ws_request,
+    ws_status_error,
 )
 
 __all__ = ["MockProvider", "RecordedRequest", "RecordedUpgrade"]
@@ -45,6 +59,7 @@ SSE_CONTENT_TYPE: Final = "text/event-stream; charset=utf-8"
 JSON_CONTENT_TYPE: Final = "application/json"
 
 _HEADER_CACHE_MAX: Final = 128
+_FRAME_FAULTS: Final = frozenset({"reset", "stall", "end", "error_event", "close"})
 #: At most this many response ids are remembered (globally, and per socket) for
 #: ``previous_response_id``; the oldest are forgotten first.
 _STORE_MAX: Final = 65_536
@@ -415,9 +430,7 @@ class MockProvider:
             if isinstance(data, list):
                 data = {"actions": data}
             if not isinstance(data, dict):
-                raise ActionError(
-                    'expected {"actions": [...], "upgrades": [...], "key": optional}'
-                )
+                raise ActionError('expected {"actions": [...], "upgrades": [...], "key": optional}')
             unknown = set(data) - {"actions", "upgrades", "key"}
             if unknown:
                 raise ActionError(
@@ -435,7 +448,11 @@ class MockProvider:
         except ActionError as exc:
             return web.json_response({"ok": False, "error": str(exc)}, status=400)
         return web.json_response(
-            {"ok": True, "pending": self.pending(key), "pending_upgrades": self.pending_upgrades(key)}
+            {
+                "ok": True,
+                "pending": self.pending(key),
+                "pending_upgrades": self.pending_upgrades(key),
+            }
         )
 
     async def _h_default(self, request: web.Request) -> web.Response:
@@ -455,6 +472,12 @@ class MockProvider:
                 {"error": {"message": f"mock: no route for {path}", "type": "not_found"}},
                 status=404,
             )
+        if (
+            protocol == RESPONSES
+            and request.method == "GET"
+            and request.headers.get("Upgrade", "").lower() == "websocket"
+        ):
+            return await self._h_websocket(request)
         if request.method != "POST":
             return web.Response(
                 status=405,
@@ -483,6 +506,11 @@ class MockProvider:
                 )
             except ActionError as exc:
                 problem = str(exc)
+        previous: str | None = None
+        found: bool | None = None
+        if protocol == RESPONSES and isinstance(req_json, dict):
+            previous = _previous_id(req_json)
+            found = None if previous is None else previous in self._stored
         if self.record:
             self._record(
                 RecordedRequest(
@@ -494,6 +522,8 @@ class MockProvider:
                     key=key,
                     protocol=protocol,
                     action=action.raw if action is not None else None,
+                    previous_response_id=previous,
+                    previous_response_found=found,
                 )
             )
         if action is None:
@@ -507,7 +537,9 @@ class MockProvider:
             return web.Response()
         self._active.add(transport)
         try:
-            return await self._respond(request, protocol, action, req_json)
+            return await self._respond(
+                request, protocol, action, req_json, None if found is not False else previous
+            )
         except ConnectionError:
             # The client went away mid-reply; aiohttp handles this quietly.
             return web.Response()
@@ -515,7 +547,12 @@ class MockProvider:
             self._active.discard(transport)
 
     async def _respond(
-        self, request: web.Request, protocol: str, action: Action, req_json: dict[str, Any]
+        self,
+        request: web.Request,
+        protocol: str,
+        action: Action,
+        req_json: dict[str, Any],
+        unknown_previous: str | None = None,
     ) -> web.StreamResponse:
         if action.delay:
             await asyncio.sleep(action.delay)
@@ -533,6 +570,7 @@ class MockProvider:
             action.body is not None
             or action.is_error_status
             or (error_kind is not None and not reply.stream)
+            or fault == "connection_limit"
         ):
             # A complete (usually non-2xx) JSON response.
             if action.body is not None:
@@ -546,6 +584,9 @@ class MockProvider:
             elif error_kind is not None:
                 status, payload = error_body(protocol, error_kind)
                 ctype = JSON_CONTENT_TYPE
+            elif fault == "connection_limit":
+                status, payload = 400, connection_limit_body(protocol)
+                ctype = JSON_CONTENT_TYPE
             else:
                 status = action.status or 500
                 payload = status_error_body(protocol, status)
@@ -554,14 +595,33 @@ class MockProvider:
             headers[request_id_header] = reply.request_id
             for name, value in action.headers:
                 headers[name] = value
-            if fault in (None, "error_event"):
+            if fault in (None, "error_event", "connection_limit"):
                 return web.Response(status=status, body=payload, headers=headers)
             return await self._send_frames(
                 request, action, status, headers, halves(payload), stream=False, reply=reply
             )
 
+        if unknown_previous is not None:
+            headers["Content-Type"] = JSON_CONTENT_TYPE
+            headers[request_id_header] = reply.request_id
+            for name, value in action.headers:
+                headers[name] = value
+            return web.Response(
+                status=400, body=previous_not_found_body(unknown_previous), headers=headers
+            )
+
         rendered = render(reply)
         status = action.status or 200
+        if (
+            protocol == RESPONSES
+            and req_json.get("store") is not False
+            and (
+                fault in (None, "malformed")
+                or (fault in _FRAME_FAULTS and action.after_frame >= len(rendered.frames))
+            )
+        ):
+            # The whole reply goes out: remember its id before the client can see it.
+            _remember(self._stored, reply.response_id)
         if rendered.stream:
             headers["Content-Type"] = SSE_CONTENT_TYPE
             headers["Cache-Control"] = "no-cache"
@@ -637,6 +697,291 @@ class MockProvider:
             return resp
         await resp.write_eof()
         return resp
+
+    # -- Responses WebSocket mode ----------------------------------------------
+
+    def _next_upgrade(self, key: str | None) -> Action:
+        queue = self._upgrade_queues.get(key)
+        if queue:
+            return queue.popleft()
+        return _ACCEPT
+
+    async def _h_websocket(self, request: web.Request) -> web.StreamResponse:
+        """A WebSocket upgrade on ``.../v1/responses``: pop an upgrade action, then serve."""
+        key = request.headers.get(KEY_HEADER)
+        upgrade = self._next_upgrade(key)
+
+        def note(status: int | None, number: int | None = None) -> None:
+            self.upgrades.append(
+                RecordedUpgrade(
+                    path=request.path,
+                    query=MultiDict(request.query),
+                    headers=CIMultiDict(request.headers),
+                    status=status,
+                    socket=number,
+                    key=key,
+                    action=upgrade.raw,
+                )
+            )
+
+        if upgrade.delay:
+            await asyncio.sleep(upgrade.delay)
+        if upgrade.fault == "close_before_headers":
+            note(None)
+            _abort(request, upgrade.rst)
+            return web.Response()
+        if upgrade.status is not None:
+            note(upgrade.status)
+            headers: CIMultiDict[str] = CIMultiDict()
+            if upgrade.body is not None:
+                payload = upgrade.body.encode()
+                headers["Content-Type"] = (
+                    JSON_CONTENT_TYPE
+                    if upgrade.body.lstrip()[:1] in ("{", "[")
+                    else "text/plain; charset=utf-8"
+                )
+            else:
+                payload = status_error_body(RESPONSES, upgrade.status)
+                headers["Content-Type"] = JSON_CONTENT_TYPE
+            for name, value in upgrade.headers:
+                headers[name] = value
+            return web.Response(status=upgrade.status, body=payload, headers=headers)
+
+        header_action: Action | None = None
+        raw_action = request.headers.get(ACTION_HEADER)
+        if raw_action is not None:
+            try:
+                header_action = self._header_action(raw_action)
+            except ActionError as exc:
+                note(400)
+                return web.Response(
+                    status=400,
+                    body=_mock_error_body(RESPONSES, str(exc)),
+                    content_type=JSON_CONTENT_TYPE,
+                )
+        ws = web.WebSocketResponse(
+            heartbeat=None, autoping=True, max_msg_size=_WS_MAX_MSG_SIZE, decode_text=False
+        )
+        for name, value in upgrade.headers:
+            ws.headers[name] = value
+        transport = request.transport
+        if not ws.can_prepare(request).ok or transport is None:
+            note(400)
+            return web.Response(
+                status=400,
+                body=_mock_error_body(RESPONSES, "invalid WebSocket handshake"),
+                content_type=JSON_CONTENT_TYPE,
+            )
+        self.sockets_accepted += 1
+        sock = _Socket(self.sockets_accepted, request, ws, key, header_action)
+        # Recorded before the 101 goes out, so a client that sees the socket open
+        # also sees the record.
+        note(101, sock.number)
+        self._active.add(transport)
+        inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        responder: asyncio.Task[None] | None = None
+        try:
+            writer = await ws.prepare(request)
+            responder = asyncio.create_task(self._ws_responder(sock, writer, inbox))
+            async for msg in ws:
+                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    inbox.put_nowait(msg.data)
+                elif msg.type == WSMsgType.ERROR:
+                    break
+        except ConnectionError:
+            pass
+        finally:
+            sock.closed.set()
+            inbox.put_nowait(None)
+            self._active.discard(transport)
+            if responder is not None:
+                await responder
+        return ws if ws.prepared else web.Response()
+
+    async def _ws_responder(
+        self, sock: _Socket, writer: AbstractStreamWriter, inbox: asyncio.Queue[bytes | None]
+    ) -> None:
+        """Answer the socket's messages one at a time, in order.
+
+        Messages the client sent before it closed the socket are still recorded
+        (they consume their actions); after the mock itself killed the socket
+        (``reset``, ``close``, ``stall``, ``connection_limit``) the rest are dropped.
+        """
+        while True:
+            data = await inbox.get()
+            if data is None:
+                return
+            if not await self._ws_message(sock, writer, data):
+                return
+
+    async def _ws_message(self, sock: _Socket, writer: AbstractStreamWriter, data: bytes) -> bool:
+        """Handle one client message; False when the mock has closed the socket."""
+        body = bytes(data)
+        problem: str | None = None
+        message: Any = None
+        try:
+            message = json.loads(body)
+            if not isinstance(message, dict):
+                problem = "message must be a JSON object"
+            elif message.get("type") != "response.create":
+                problem = (
+                    f"unsupported message type {message.get('type')!r} "
+                    "(the mock only serves 'response.create')"
+                )
+        except ValueError as exc:
+            problem = f"message is not valid JSON: {exc}"
+        action: Action | None = None
+        previous: str | None = None
+        found: bool | None = None
+        if problem is None:
+            action = sock.header_action or self._next_action(sock.key)
+            previous = _previous_id(message)
+            if previous is not None:
+                found = previous in sock.completed or previous in self._stored
+        if self.record:
+            request = sock.request
+            self._record(
+                RecordedRequest(
+                    method="WS",
+                    path=request.path,
+                    query=MultiDict(request.query),
+                    headers=CIMultiDict(request.headers),
+                    body=body,
+                    key=sock.key,
+                    protocol=RESPONSES,
+                    action=action.raw if action is not None else None,
+                    socket=sock.number,
+                    previous_response_id=previous,
+                    previous_response_found=found,
+                )
+            )
+        if action is None:
+            error = ws_error(400, "invalid_request_error", None, f"mock: {problem}")
+            await _ws_send(sock, error)
+            return True
+        return await self._ws_reply(
+            sock, writer, action, message, previous if found is False else None
+        )
+
+    async def _ws_reply(
+        self,
+        sock: _Socket,
+        writer: AbstractStreamWriter,
+        action: Action,
+        message: dict[str, Any],
+        unknown_previous: str | None,
+    ) -> bool:
+        if action.delay and not await _ws_wait(sock, action.delay):
+            return True
+        fault = action.fault
+        if fault in ("close_before_headers", "reset_after_headers"):
+            await _ws_kill(sock, writer, action.rst)
+            return False
+        if fault == "connection_limit":
+            await _ws_send(sock, ws_connection_limit())
+            await _ws_close(sock, action.code or WS_LIMIT_CLOSE_CODE)
+            return False
+        if action.body is not None:
+            await _ws_send(sock, action.body.encode())
+            return True
+        if action.is_error_status:
+            assert action.status is not None
+            await _ws_send(sock, ws_status_error(action.status))
+            return True
+        if unknown_previous is not None:
+            await _ws_send(sock, ws_previous_not_found(unknown_previous))
+            return True
+
+        request_json = ws_request(message)
+        reply = Reply(RESPONSES, action, request_json, canonical_json(request_json))
+        events = ws_messages(reply)
+        total = len(events)
+        k = total if fault is None else min(action.after_frame, total)
+        seq = list(events[:k])
+        if fault == "error_event":
+            if action.raw.get("error_style") == "failed":
+                seq.append(ws_failed_event(reply, action.error, k))
+            else:
+                seq.append(ws_error_kind(action.error, k))
+        elif fault == "malformed":
+            seq.append(WS_GARBAGE)
+            seq.extend(events[k:])
+        # Index in ``seq`` of the terminal response.completed event, if it goes out.
+        last = len(seq) - 1 if fault == "malformed" else (k - 1 if k == total else -1)
+        stored = message.get("store") is True
+        for index, payload in enumerate(seq):
+            if index and action.chunk_delay and not await _ws_wait(sock, action.chunk_delay):
+                return True
+            if index == last:
+                # Remember the id before the client can see the completion.
+                _remember(sock.completed, reply.response_id)
+                if stored:
+                    _remember(self._stored, reply.response_id)
+            if not await _ws_send(sock, payload):
+                return True
+
+        if fault == "reset":
+            await _ws_kill(sock, writer, action.rst)
+            return False
+        if fault == "close":
+            await _ws_close(sock, action.code or WS_DEFAULT_CLOSE_CODE)
+            return False
+        if fault == "stall":
+            await _flush(sock.request, writer)
+            if await _ws_wait(sock, action.seconds):
+                _abort(sock.request, action.rst)
+            return False
+        return True
+
+
+_ACCEPT: Final = parse_action({})
+
+
+def _previous_id(request: Mapping[str, Any]) -> str | None:
+    value = request.get("previous_response_id")
+    if value is None:
+        return None
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+async def _ws_send(sock: _Socket, payload: bytes) -> bool:
+    """Send one TEXT message; False if the socket is gone."""
+    ws = sock.ws
+    if ws.closed or sock.closed.is_set():
+        return False
+    try:
+        await ws.send_frame(payload, WSMsgType.TEXT)
+    except (ConnectionError, RuntimeError):
+        return False
+    return True
+
+
+async def _ws_wait(sock: _Socket, seconds: float) -> bool:
+    """Sleep ``seconds``; False (early) if the socket closes meanwhile."""
+    if sock.closed.is_set():
+        return False
+    try:
+        async with asyncio.timeout(seconds):
+            await sock.closed.wait()
+    except TimeoutError:
+        return True
+    return False
+
+
+async def _ws_close(sock: _Socket, code: int) -> None:
+    """Send a close frame with ``code`` and close the connection."""
+    if sock.ws.closed or sock.closed.is_set():
+        return
+    try:
+        await sock.ws.close(code=code, message=b"mock: close fault")
+    except (ConnectionError, RuntimeError):
+        pass
+
+
+async def _ws_kill(sock: _Socket, writer: AbstractStreamWriter, rst: bool) -> None:
+    """Flush what was sent, then abort the TCP connection (no close frame: 1006)."""
+    await _flush(sock.request, writer)
+    _abort(sock.request, rst)
 
 
 def _mock_error_body(protocol: str, message: str) -> bytes:

@@ -1153,4 +1153,3 @@ def connection_limit_body(protocol: str) -> bytes:
 
 #: The broken JSON text message of the WebSocket ``malformed`` fault.
 WS_GARBAGE: Final = b'{"type": "response.output_text.delta", "delta": "x"'
-
