@@ -246,15 +246,6 @@ def test_valid_edge_values() -> None:
     assert parse({"stream": {"hold": []}}).stream.hold == ()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: config.py _check accepts non-finite floats (TOML nan/inf): the `< 0` and "
-        "`<= 0` checks are False for NaN, so e.g. stream.idle_timeout_s = nan passes, and "
-        "retry.max_body_mb = inf passes but Config.max_body_bytes then raises "
-        "OverflowError at run time instead of a ConfigError at start."
-    ),
-)
 @pytest.mark.parametrize(
     ("section", "key", "value"),
     [
@@ -312,15 +303,6 @@ def test_bad_urls(url: str) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: config.py Upstream.name promises 'a log-safe label: scheme://host[:port]"
-        "[/path]' but returns self.url verbatim, so credentials embedded in an upstream "
-        "URL (https://user:password@host) reach logs and repr(config); validate_url "
-        "neither rejects nor strips userinfo."
-    ),
-)
 def test_url_credentials_never_in_logs() -> None:
     try:
         config = parse({"routes": {"r": {"upstreams": ["https://user:s3cr3t@example.com/v1"]}}})

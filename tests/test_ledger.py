@@ -875,16 +875,6 @@ def test_non_retryable_error_keeps_a_complete_held_call_and_drops_the_partial_on
     check_tool_calls(proto, visible_events(out)[:-1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: ledger.py Ledger.feed sets _tool_mark only when a TOOL_START frame leaves "
-        "open_tools == 1; a Chat chunk that starts two calls at once (open_tools jumps "
-        "0 -> 2, as servers that send whole tool calls in one chunk do) leaves the mark "
-        "at 0 (or stale), so a final error drops the held role chunk (with hold 'all', "
-        "the held text too) along with the partial calls."
-    ),
-)
 @pytest.mark.parametrize("hold", [("control", "tool_calls"), ("all",)])
 def test_non_retryable_error_after_a_chunk_starting_two_calls(hold: tuple[str, ...]) -> None:
     text = 1 if hold == ("all",) else 0

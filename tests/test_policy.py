@@ -33,6 +33,7 @@ CONNECT_LEVEL = {
     FailureClass.DNS,
     FailureClass.REFUSED,
     FailureClass.UNREACHABLE,
+    FailureClass.CONNECT_FAILED,
     FailureClass.CONNECT_TIMEOUT,
     FailureClass.TLS,
 }
@@ -448,16 +449,6 @@ def test_not_transport_failures(exc: BaseException) -> None:
         assert classify_exception(exc) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "GAP: policy.py classify_exception: a ClientConnectorError whose os_error carries "
-        "no errno (aiohappyeyeballs raises OSError('Multiple exceptions: ...') when the "
-        "addresses failed with different errnos, e.g. 'localhost' -> ::1 EADDRNOTAVAIL + "
-        "127.0.0.1 ECONNREFUSED) is classified other_network, which does not reroute at "
-        "once although the upstream could not be reached."
-    ),
-)
 def test_connector_error_with_mixed_errnos_reroutes_at_once() -> None:
     os_error = OSError(
         "Multiple exceptions: [Errno 111] Connect call failed ('127.0.0.1', 9), "

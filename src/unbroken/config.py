@@ -8,6 +8,7 @@ any repr, message or log.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -61,7 +62,7 @@ class Upstream:
 
     @property
     def name(self) -> str:
-        """A log-safe label: scheme://host[:port][/path]."""
+        """A log-safe label: scheme://host[:port][/path] (URLs never carry credentials)."""
         return self.url
 
 
@@ -140,6 +141,8 @@ def _check(key: str, value: Any, kind: str) -> Any:
     }.get(kind, True)
     if not ok:
         raise ConfigError(key, f"expected {kind}, got {value!r}")
+    if kind in (_INT, _FLOAT) and not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value!r}")
     if kind in (_INT, _FLOAT) and value < 0:
         raise ConfigError(key, f"must not be negative, got {value!r}")
     return value
@@ -199,6 +202,9 @@ def validate_url(key: str, url: Any) -> str:
         raise ConfigError(key, f"expected an http:// or https:// URL, got {url!r}")
     if parts.query or parts.fragment:
         raise ConfigError(key, "a base URL may not carry a query or fragment")
+    if parts.username is not None or parts.password is not None:
+        # Credentials in a URL would leak into logs and status: keys go in api_key_env.
+        raise ConfigError(key, "credentials in the URL are not allowed; use api_key_env")
     try:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:

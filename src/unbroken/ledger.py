@@ -123,7 +123,6 @@ class Ledger:
         "_held_since",
         "_last_raw",
         "_tool_mark",
-        "_tools_held",
         "error_bytes",
         "fail_reason",
         "first_raw",
@@ -177,7 +176,6 @@ class Ledger:
         self._held_since: float | None = None
         self._last_raw: bytes | None = None
         self._tool_mark = 0
-        self._tools_held = False
         self.held_bytes = 0
         self.open_tools = 0
         self.received_frames = 0
@@ -210,6 +208,7 @@ class Ledger:
             return self._emit(raw, 1)
         if state is State.FAILED:
             return b""
+        tools_before = self.open_tools
         kinds, self.open_tools = self._classifier.classify(event)
         if kinds & Kind.COMMITTING:
             self.output_frames += 1
@@ -237,16 +236,14 @@ class Ledger:
             return out
 
         hold = self.hold
-        if kinds & Kind.TOOL_START and self.open_tools == 1 and not self._tools_held:
-            self._tool_mark = len(self._held)  # where the (first) open tool call begins
+        if self.open_tools and not tools_before:
+            self._tool_mark = len(self._held)  # where the open tool calls begin
         if (
             hold.all
             or (self.open_tools and hold.tools)
             or (state is State.PENDING and not kinds & ~hold.pending_mask)
         ):
-            self._tools_held = bool(self.open_tools)
             return self._hold(raw)
-        self._tools_held = False
         return self._release_held(raw)
 
     def _hold(self, raw: bytes) -> bytes:
@@ -292,6 +289,7 @@ class Ledger:
         self._held = []
         self.held_bytes = 0
         self._held_since = None
+        self._tool_mark = 0
 
     def _end_with_error(self, message: str) -> bytes:
         """Committed: drop anything held (a partial tool call) and emit the native error."""

@@ -54,6 +54,7 @@ class FailureClass(enum.Enum):
     ABORTED = "connection_aborted"
     BROKEN_PIPE = "broken_pipe"
     UNREACHABLE = "unreachable"
+    CONNECT_FAILED = "connect_failed"  # connect failed, no single errno (happy eyeballs)
     CONNECT_TIMEOUT = "connect_timeout"
     TLS = "tls"
     DISCONNECTED = "server_disconnected"  # closed before/while sending the response
@@ -76,6 +77,7 @@ _CONNECT_LEVEL = frozenset(
         FailureClass.DNS,
         FailureClass.REFUSED,
         FailureClass.UNREACHABLE,
+        FailureClass.CONNECT_FAILED,
         FailureClass.CONNECT_TIMEOUT,
         FailureClass.TLS,
     }
@@ -167,6 +169,9 @@ def classify_exception(exc: BaseException) -> Failure | None:
     for etype, cls in EXCEPTION_CLASSES:
         if isinstance(exc, etype):
             return Failure(cls, f"{cls.value}: {type(exc).__name__}")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        # e.g. "Multiple exceptions": every address failed, with different errnos
+        return Failure(FailureClass.CONNECT_FAILED, "connect_failed: no address connected")
     if isinstance(exc, (aiohttp.ClientError, OSError)):
         return Failure(FailureClass.OTHER, f"network: {type(exc).__name__}")
     return None
