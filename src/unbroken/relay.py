@@ -56,6 +56,24 @@ SSE_HEADERS = {
 }
 
 
+def ledger_mark(ledger: Ledger | None) -> tuple[int, int, float]:
+    """The ledger's cumulative release counters, taken when an attempt begins."""
+    if ledger is None:
+        return (0, 0, 0.0)
+    return (ledger.released_frames, ledger.released_bytes, ledger.hold_seconds)
+
+
+def fill_from_ledger(a: AttemptInfo, ledger: Ledger, mark: tuple[int, int, float]) -> None:
+    """Copy one attempt's structural counters from the ledger into its record."""
+    frames0, bytes0, hold0 = mark
+    a.frames_received, a.bytes_received = ledger.received_frames, ledger.received_bytes
+    a.frames_released = ledger.released_frames - frames0
+    a.bytes_released = ledger.released_bytes - bytes0
+    a.hold_seconds = ledger.hold_seconds - hold0
+    a.input_tokens, a.output_tokens = usage_from([ledger.first_raw, *ledger.recent])
+    a.est_output_tokens = ledger.output_frames
+
+
 class ClientGone(Exception):
     """The client went away while we were writing to it."""
 
@@ -244,11 +262,7 @@ class _Turn:
     def _begin_attempt(self, up: Upstream) -> None:
         self.attempt = AttemptInfo(number=self.retry.attempts, upstream=up.name)
         self.info.attempt_log.append(self.attempt)
-        ledger = self.ledger
-        if ledger is not None:
-            self._released_at_start = (
-                ledger.released_frames, ledger.released_bytes, ledger.hold_seconds
-            )
+        self._released_at_start = ledger_mark(self.ledger)
         self.reading_sse = False
         self.passed_bytes = 0
         self.relay.hooks.attempt_started(self.info, up.name)
@@ -262,15 +276,8 @@ class _Turn:
         a.reason, a.phase = reason, phase
         if self.status is not None:
             a.status = self.status
-        ledger = self.ledger
-        if ledger is not None and self.reading_sse:
-            frames0, bytes0, hold0 = self._released_at_start
-            a.frames_received, a.bytes_received = ledger.received_frames, ledger.received_bytes
-            a.frames_released = ledger.released_frames - frames0
-            a.bytes_released = ledger.released_bytes - bytes0
-            a.hold_seconds = ledger.hold_seconds - hold0
-            a.input_tokens, a.output_tokens = usage_from([ledger.first_raw, *ledger.recent])
-            a.est_output_tokens = ledger.output_frames
+        if self.ledger is not None and self.reading_sse:
+            fill_from_ledger(a, self.ledger, self._released_at_start)
         else:
             a.bytes_received = a.bytes_released = self.passed_bytes
         self.relay.hooks.attempt_ended(self.info, a)

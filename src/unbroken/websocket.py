@@ -35,10 +35,11 @@ from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 
 from unbroken.config import Route, Upstream
-from unbroken.hooks import TurnInfo
+from unbroken.hooks import AttemptInfo, TurnInfo
 from unbroken.ledger import Ledger, Verdict
 from unbroken.policy import Failure, FailureClass, RetryState, classify_exception
 from unbroken.protocols import RESPONSES
+from unbroken.relay import fill_from_ledger, ledger_mark
 from unbroken.sse import Event, SSESplitter
 from unbroken.upstream import request_headers, upstream_url
 
@@ -267,6 +268,9 @@ class _Turn:
         self.failure: Failure | None = None
         self.completed: dict[str, Any] | None = None
         self.fallback_reason = ""
+        self.attempt: AttemptInfo | None = None
+        self._mark = ledger_mark(None)
+        self.socket: int | None = None  # the upstream socket of this attempt (None: HTTP)
 
     async def run(self) -> None:
         relay, info = self.relay, self.info
@@ -280,9 +284,31 @@ class _Turn:
         except (ConnectionError, RuntimeError):
             info.outcome = "aborted_by_client"  # writing to the client failed
         finally:
+            if info.outcome is None:
+                info.outcome = "aborted_by_client"
+            ok = info.outcome in ("ok", "recovered")
+            self._end_attempt("ok" if ok else info.outcome, "")
             relay.inflight.discard(info)
             info.state = "done"
+            info.ended = time.time()
             relay.hooks.turn_ended(info)
+
+    def _begin_attempt(self, up: Upstream) -> None:
+        self.attempt = AttemptInfo(number=self.retry.attempts, upstream=up.name)
+        self.info.attempt_log.append(self.attempt)
+        self._mark = ledger_mark(self.ledger)
+        self.relay.hooks.attempt_started(self.info, up.name)
+
+    def _end_attempt(self, reason: str, phase: str) -> None:
+        a = self.attempt
+        if a is None or a.ended is not None:
+            return
+        a.ended = time.time()
+        a.reason, a.phase = reason, phase
+        if self.failure is not None and self.failure.status is not None:
+            a.status = self.failure.status
+        fill_from_ledger(a, self.ledger, self._mark)
+        self.relay.hooks.attempt_ended(self.info, a)
 
     async def _attempts(self) -> None:
         conn, retry, info = self.conn, self.retry, self.info
@@ -296,10 +322,12 @@ class _Turn:
             idx = retry.next_upstream(conn.loop.time())
             up = conn.route.upstreams[idx]
             info.attempts, info.upstream, info.state = retry.attempts, up.name, "waiting"
-            self.relay.hooks.attempt_started(info, up.name)
+            info.ledger = self.ledger
             if retry.attempts > 1:
                 self.ledger.start_attempt()
-            phase = "pending"
+            self._begin_attempt(up)
+            self.failure = None
+            self.socket = None
             try:
                 if conn.loop.time() < conn.http_until:
                     verdict = await self._over_http(up)
@@ -319,7 +347,6 @@ class _Turn:
                 if failure is None:
                     raise
                 self.failure = failure
-                phase = "connect" if self.ledger.received_frames == 0 else "pending"
                 verdict = await self._transport_failed()
             if verdict is Verdict.DONE:
                 info.outcome = "recovered" if retry.retries else "ok"
@@ -329,6 +356,15 @@ class _Turn:
             # REPLAY: nothing of this attempt reached the client.
             await conn._drop_upstream()
             failure = self.failure or Failure(FailureClass.STREAM_ERROR, self.ledger.fail_reason)
+            if failure.cls is FailureClass.STALL:
+                phase = "stall"
+            elif failure.status is not None:
+                phase = "headers"
+            elif self.ledger.received_frames == 0 and failure.cls.reroutes_at_once:
+                phase = "connect"
+            else:
+                phase = "pending"
+            self._end_attempt(failure.label, phase)
             if retry.exhausted():
                 self.relay.hooks.attempt_failed(info, up.name, failure, phase=phase, wait_s=None)
                 continue
@@ -344,6 +380,9 @@ class _Turn:
         self.fallback_reason = reason
 
     async def _end_with_error(self, out: bytes, failure: Failure) -> None:
+        self.info.outcome = "ended_with_error"
+        self.failure = failure
+        self._end_attempt(failure.label, "committed")
         self.relay.hooks.attempt_failed(
             self.info, self.info.upstream, failure, phase="committed", wait_s=None
         )
@@ -382,15 +421,15 @@ class _Turn:
         response = obj.get("response") if isinstance(obj, dict) else None
         if isinstance(response, dict) and obj.get("type") == "response.completed":
             self.completed = response
-            socket = None if self.conn.upstream is None else self.conn.socket_gen
-            self.conn.history.record(self.create, response, socket)
+            self.conn.history.record(self.create, response, self.socket)
 
     async def _over_websocket(self, up: Upstream, idx: int) -> Verdict:
         conn = self.conn
         ws = conn.upstream
         if ws is None or ws.closed or conn.upstream_idx != idx:
             ws = await conn.connect(up, idx)
-        request = conn.history.request_for(self.create, conn.socket_gen)
+        self.socket = conn.socket_gen
+        request = conn.history.request_for(self.create, self.socket)
         await ws.send_str(json.dumps(request, separators=(",", ":")))
         self.info.state = "holding"
         s = conn.cfg.stream
