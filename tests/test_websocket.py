@@ -239,3 +239,42 @@ async def test_pings_are_answered_while_retrying(mock):
             assert msg.type is aiohttp.WSMsgType.PONG and msg.data == b"are-you-there"
     finally:
         await server.stop()
+
+
+# -- History: the socket-local state model (pure) ----------------------------------------
+def _resp(rid: str, text: str) -> dict[str, Any]:
+    return {"id": rid, "output": [{"type": "message", "content": [{"text": text}]}]}
+
+
+def test_history_rebuilds_a_chain_only_off_its_socket() -> None:
+    from unbroken.websocket import History
+
+    h = History()
+    h.record({"input": "a"}, _resp("r1", "A"), socket=1)
+    h.record({"input": [{"role": "user", "content": "b"}], "previous_response_id": "r1"},
+             _resp("r2", "B"), socket=1)
+    nxt = {"type": "response.create", "input": "c", "previous_response_id": "r2", "store": False}
+    assert h.request_for(nxt, socket=1) is nxt  # same socket: it still holds the state
+    rebuilt = h.request_for(nxt, socket=2)
+    assert "previous_response_id" not in rebuilt and rebuilt["store"] is False
+    assert rebuilt["input"] == [
+        {"role": "user", "content": "a"}, *_resp("r1", "A")["output"],
+        {"role": "user", "content": "b"}, *_resp("r2", "B")["output"],
+        {"role": "user", "content": "c"},
+    ]
+    assert h.request_for(nxt, socket=None) == rebuilt  # HTTP fallback: always self-contained
+    unknown = {"input": "x", "previous_response_id": "elsewhere"}
+    assert h.request_for(unknown, socket=2) is unknown
+
+
+def test_history_is_bounded() -> None:
+    from unbroken.websocket import History
+
+    h = History(limit=3)
+    for i in range(5):
+        prev = {"previous_response_id": f"r{i - 1}"} if i else {}
+        h.record({"input": str(i), **prev}, _resp(f"r{i}", str(i)), socket=1)
+    assert list(h.turns) == ["r2", "r3", "r4"]
+    # the chain behind r4 is incomplete now: send as the client wrote it
+    req = {"input": "z", "previous_response_id": "r4"}
+    assert h.request_for(req, socket=2) is req

@@ -76,14 +76,17 @@ def _as_items(value: Any) -> list[Any]:
 
 @dataclass
 class History:
-    """Per client connection: the full item list behind each completed response.
+    """Per client connection: what each completed response's state consists of.
 
-    ``items[rid]`` is everything a self-contained request needs to continue
-    from response ``rid``: the chain's inputs and outputs, in order.  ``where``
-    says which upstream socket holds that response's state (``None``: none).
+    ``turns[rid]`` keeps the link to the previous response and this turn's own
+    input and output items, so the full item list behind a response is the
+    chain walked back to its start.  ``where[rid]`` says which upstream socket
+    holds that response's state (``None``: none, e.g. an HTTP fallback turn).
+    At most ``limit`` responses are kept (oldest dropped first).
     """
 
-    items: dict[str, list[Any]] = field(default_factory=dict)
+    limit: int = 512
+    turns: dict[str, tuple[str | None, list[Any], list[Any]]] = field(default_factory=dict)
     where: dict[str, int | None] = field(default_factory=dict)
 
     def record(self, create: dict[str, Any], response: dict[str, Any], socket: int | None) -> None:
@@ -91,24 +94,42 @@ class History:
         if not isinstance(rid, str):
             return
         prev = create.get("previous_response_id")
-        before = self.items.get(prev, []) if isinstance(prev, str) else []
         output = response.get("output")
-        self.items[rid] = [
-            *before,
-            *_as_items(create.get("input")),
-            *(output if isinstance(output, list) else []),
-        ]
+        self.turns[rid] = (
+            prev if isinstance(prev, str) else None,
+            _as_items(create.get("input")),
+            list(output) if isinstance(output, list) else [],
+        )
         self.where[rid] = socket
+        while len(self.turns) > self.limit:
+            oldest = next(iter(self.turns))
+            del self.turns[oldest], self.where[oldest]
+
+    def items(self, rid: str) -> list[Any] | None:
+        """Every item of the conversation up to and including response ``rid``."""
+        chain: list[tuple[list[Any], list[Any]]] = []
+        cur: str | None = rid
+        while cur is not None:
+            entry = self.turns.get(cur)
+            if entry is None:
+                return None  # the chain starts somewhere we never saw
+            prev, inputs, outputs = entry
+            chain.append((inputs, outputs))
+            cur = prev
+        return [item for inputs, outputs in reversed(chain) for item in (*inputs, *outputs)]
 
     def request_for(self, create: dict[str, Any], socket: int | None) -> dict[str, Any]:
         """The request to send on ``socket``: as it is, or rebuilt self-contained."""
         prev = create.get("previous_response_id")
-        if not isinstance(prev, str) or prev not in self.items:
+        if not isinstance(prev, str) or prev not in self.turns:
             return create
         if socket is not None and self.where.get(prev) == socket:
             return create  # that socket still holds the state
+        items = self.items(prev)
+        if items is None:
+            return create
         rebuilt = {k: v for k, v in create.items() if k != "previous_response_id"}
-        rebuilt["input"] = [*self.items[prev], *_as_items(create.get("input"))]
+        rebuilt["input"] = [*items, *_as_items(create.get("input"))]
         return rebuilt
 
 
