@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -49,8 +50,8 @@ class Served:
         assert m, line
         return cls(proc, m.group(1))
 
-    async def stop(self) -> tuple[int, str]:
-        if self.proc.returncode is None:
+    async def stop(self, *, signal_it: bool = True) -> tuple[int, str]:
+        if signal_it and self.proc.returncode is None:
             self.proc.send_signal(signal.SIGTERM)
         _, err = await asyncio.wait_for(self.proc.communicate(), 60)
         return self.proc.returncode or 0, err.decode()
@@ -141,8 +142,37 @@ async def test_sigterm_lets_inflight_stream_finish(mock, tmp_path):
         body = first + rest
         assert body.rstrip().endswith(b"data: [DONE]")
     finally:
-        code, _ = await served.stop()
+        code, _ = await served.stop(signal_it=False)
     assert code == 0
+
+
+async def test_second_signal_cuts_the_grace_period_short(mock, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n')
+    served = await Served.start(cfg, _env())
+    try:
+        action = json.dumps({"deltas": 5, "fault": "stall", "after_frame": 2, "seconds": 600})
+        async with aiohttp.ClientSession() as s, s.post(
+            f"{served.url}/mock/v1/chat/completions",
+            json=CHAT,
+            headers={"x-mock-action": action},
+        ) as r:
+            assert r.status == 200  # headers are out only once output was released
+            served.proc.send_signal(signal.SIGTERM)
+            # the same signal twice in a row may coalesce: wait until the first is handled
+            assert served.proc.stderr is not None
+            seen = b""
+            while b"shutting down" not in seen:
+                line = await asyncio.wait_for(served.proc.stderr.readline(), 30)
+                assert line, "the relay exited before the second signal"
+                seen += line
+            served.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(aiohttp.ClientError):
+                await asyncio.wait_for(r.read(), 30)
+    finally:
+        code, err = await served.stop(signal_it=False)
+    assert code == 0
+    assert "second signal" in err
 
 
 async def test_python_m_help():

@@ -16,7 +16,8 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_ruff_clean() -> None:
-    result = _run("ruff", "check", "src", "tests", "bench")
+    paths = [p for p in ("src", "tests", "bench") if (ROOT / p).is_dir()]
+    result = _run("ruff", "check", *paths)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -7,15 +7,19 @@ import contextlib
 import json
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
 from unbroken import __version__
 from unbroken.config import Config
+from unbroken.guard import Guarded
 from unbroken.health import Health
 from unbroken.hooks import Hooks, LogHooks, MultiHooks
+from unbroken.journal import Journal, journal_path
+from unbroken.metrics import CONTENT_TYPE_LATEST, Metrics
 from unbroken.relay import Relay
+from unbroken.status import StatusTracker
 from unbroken.websocket import handle_websocket, is_websocket_request
 
 __all__ = ["RelayServer", "build_app", "serve"]
@@ -102,7 +106,7 @@ def _not_found(relay: Relay, path: str) -> web.Response:
                 "code": "unknown_route",
             },
             "routes": _route_list(relay),
-            "endpoints": ["/healthz"],
+            "endpoints": ["/healthz", "/status", "/metrics"],
         },
     )
 
@@ -111,11 +115,17 @@ async def _unknown(request: web.Request) -> web.Response:
     return _not_found(request.app[RELAY_KEY], request.path)
 
 
-def build_app(relay: Relay) -> web.Application:
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(relay: Relay, endpoints: Mapping[str, Handler] | None = None) -> web.Application:
+    """``endpoints``: extra GET routes (path -> handler), matched before the relay routes."""
     # Bodies are read by _read_body with our own limit and a JSON 413.
     app = web.Application(client_max_size=2**63)
     app[RELAY_KEY] = relay
     app.router.add_get("/healthz", _healthz)
+    for path, handler in (endpoints or {}).items():
+        app.router.add_get(path, handler)
     app.router.add_route("*", r"/{route}/{rest:.*}", _relay)
     app.router.add_route("*", r"/{tail:.*}", _unknown)
 
@@ -137,9 +147,22 @@ class RelayServer:
             self.relay.cooloffs,
         )
         self.hooks.hooks.append(self.health)
+        self.journal: Journal | None = None
+        if config.journal.enabled:
+            self.journal = Journal(
+                journal_path(config.journal.path), retention_days=config.journal.retention_days
+            )
+        inflight = self.relay.inflight.copy
+        self.metrics = Metrics(inflight, self.health.snapshot)
+        self.status = StatusTracker(inflight, self.health.snapshot, extra=self._status_extra)
+        for observer in (self.status, self.metrics, self.journal):
+            if observer is not None:
+                self.hooks.hooks.append(Guarded(observer))
         if hooks is not None:
             self.hooks.hooks.append(hooks)
-        self.app = build_app(self.relay)
+        self.app = build_app(
+            self.relay, {"/status": self._get_status, "/metrics": self._get_metrics}
+        )
         self.runner = web.AppRunner(
             self.app,
             handler_cancellation=True,  # a client that goes away cancels its turn at once
@@ -150,7 +173,20 @@ class RelayServer:
         self.port = config.port
         self.url = ""
 
+    def _status_extra(self) -> dict[str, object]:
+        return {"journal": self.journal.status() if self.journal is not None else None}
+
+    async def _get_status(self, request: web.Request) -> web.Response:
+        return _json(200, self.status.snapshot())
+
+    async def _get_metrics(self, request: web.Request) -> web.Response:
+        body = self.metrics.expose()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     async def start(self) -> None:
+        if self.journal is not None:
+            self.journal.start()
+            log.info("journal: %s", self.journal.path)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
         await site.start()
@@ -163,7 +199,11 @@ class RelayServer:
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight turns finish within the grace period, close."""
-        await self.runner.cleanup()
+        try:
+            await self.runner.cleanup()
+        finally:
+            if self.journal is not None:
+                await self.journal.aclose()
 
     async def __aenter__(self) -> RelayServer:
         await self.start()
@@ -179,22 +219,38 @@ async def serve(
     ready: Callable[[str], None] | None = None,
     stop_event: asyncio.Event | None = None,
 ) -> int:
-    """Run until SIGINT/SIGTERM (or ``stop_event``), then shut down gracefully."""
+    """Run until SIGINT/SIGTERM (or ``stop_event``), then shut down gracefully.
+
+    The first signal stops accepting and lets in-flight turns finish within
+    ``grace_s``; a second one cuts the grace period short.  Either way the exit
+    status is 0.
+    """
     server = RelayServer(config)
     await server.start()
     stop = stop_event or asyncio.Event()
+    force = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def _signal() -> None:
+        (force if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, _signal)
     if ready is not None:
         ready(server.url)
     try:
         await stop.wait()
         log.info("shutting down: waiting up to %gs for in-flight turns", config.grace_s)
     finally:
-        await server.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(sig)
+        cleanup = asyncio.ensure_future(server.stop())
+        forced = asyncio.ensure_future(force.wait())
+        await asyncio.wait({cleanup, forced}, return_when=asyncio.FIRST_COMPLETED)
+        forced.cancel()
+        if not cleanup.done():
+            log.info("second signal: not waiting for in-flight turns")
+            cleanup.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await cleanup
+    # The signal handlers stay until the loop closes: a late signal is harmless.
     return 0
