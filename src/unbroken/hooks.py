@@ -132,7 +132,13 @@ class LogHooks(Hooks):
     def attempt_failed(
         self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
     ) -> None:
-        if wait_s is None:
+        if wait_s is None and phase == "committed":
+            log.warning(
+                "stream cut after output route=%s upstream=%s attempt=%d reason=%s: "
+                "not replayable, ended with a native error",
+                turn.route, upstream, turn.attempts, failure.label,
+            )
+        elif wait_s is None:
             log.warning(
                 "giving up route=%s upstream=%s attempt=%d reason=%s phase=%s",
                 turn.route, upstream, turn.attempts, failure.label, phase,
