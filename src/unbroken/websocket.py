@@ -162,6 +162,8 @@ class _Connection:
         self.http_until = 0.0  # monotonic time until which turns go over HTTP
         self.history = History()
         self.loop = asyncio.get_running_loop()
+        self._out: list[bytes] = []  # encoded frames not yet written (see send_to_client)
+        self._flush_scheduled = False
 
     async def run(self) -> web.StreamResponse:
         await self.client.prepare(self.request)
@@ -230,8 +232,41 @@ class _Connection:
         return ws
 
     async def send_to_client(self, released: bytes, *, sse: bool) -> None:
+        """Queue text messages for the client; they leave together, in order."""
+        if self.client.closed:
+            raise ConnectionResetError("the client socket is closed")
+        out = self._out
         for message in _messages(released, sse=sse):
-            await self.client.send_frame(message, WSMsgType.TEXT)
+            n = len(message)
+            if n < 126:
+                out.append(bytes((0x81, n)))
+            elif n < 65536:
+                out.append(b"\x81\x7e" + n.to_bytes(2, "big"))
+            else:
+                out.append(b"\x81\x7f" + n.to_bytes(8, "big"))
+            out.append(message)
+        if out and not self._flush_scheduled:
+            # Frames released while upstream messages are already buffered go out
+            # in one write, after this burst: one syscall instead of one each.
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+        transport = self.request.transport
+        if transport is not None and transport.get_write_buffer_size() > 1 << 20:
+            # A slow client: stop reading upstream until its buffer drains.
+            self._flush()
+            drain = getattr(self.request.protocol, "_drain_helper", None)
+            if drain is not None:
+                await drain()
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._out:
+            return
+        data = b"".join(self._out)
+        self._out.clear()
+        transport = self.request.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
 
 
 def _messages(released: bytes, *, sse: bool) -> Iterator[bytes]:
@@ -257,6 +292,40 @@ def _ws_error_frames(error_bytes: bytes) -> bytes:
             obj["status"] = 500  # the WebSocket error shape carries the status
         out.append(json.dumps(obj, separators=(",", ":")).encode())
     return _SEP.join(out)
+
+
+class _StallTimer:
+    """Closes the upstream socket when it goes quiet past the phase's timeout.
+
+    ``alive()`` only stores a timestamp (cheap, per message); the timer re-arms
+    itself lazily when it fires, so a busy socket costs no timer churn.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, ws: Any, s: Any) -> None:
+        self.loop, self.ws = loop, ws
+        self.first, self.idle = s.first_frame_timeout_s, s.idle_timeout_s
+        self.last: float | None = None  # time of the last message; None: none yet
+        self.started = loop.time()
+        self.stalled = False
+        self.handle = loop.call_at(self.started + self.first, self._check)
+        self._closing: asyncio.Future[Any] | None = None
+
+    def alive(self) -> None:
+        self.last = self.loop.time()
+
+    def _check(self) -> None:
+        due = self.started + self.first if self.last is None else self.last + self.idle
+        if self.loop.time() < due:
+            self.handle = self.loop.call_at(due, self._check)
+            return
+        self.stalled = True
+        self._closing = asyncio.ensure_future(self.ws.close(code=1001))
+
+    def __enter__(self) -> _StallTimer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.cancel()
 
 
 class _Turn:
@@ -453,29 +522,28 @@ class _Turn:
         request = conn.history.request_for(self.create, self.socket)
         await ws.send_str(json.dumps(request, separators=(",", ":")))
         self.info.state = "holding"
-        s = conn.cfg.stream
-        timeout = s.first_frame_timeout_s
-        while True:
-            try:
-                msg = await ws.receive(timeout=timeout)
-            except TimeoutError:
-                self.failure = Failure(FailureClass.STALL, "stall: no message within the timeout")
+        with _StallTimer(conn.loop, ws, conn.cfg.stream) as timer:
+            while True:
+                msg = await ws.receive()
+                if msg.type is WSMsgType.TEXT or msg.type is WSMsgType.BINARY:
+                    timer.alive()
+                    data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
+                    verdict = await self._feed(
+                        Event(data + _SEP, None, data.decode("utf-8", "replace")), sse=False
+                    )
+                    if verdict is Verdict.CONTINUE:
+                        continue
+                    return verdict
+                # closed or errored: a transport failure of this attempt
+                if timer.stalled:
+                    self.failure = Failure(
+                        FailureClass.STALL, "stall: no message within the timeout"
+                    )
+                else:
+                    code = ws.close_code
+                    label = f"websocket closed ({code})" if code else "websocket error"
+                    self.failure = Failure(FailureClass.RESET, label)
                 return await self._transport_failed()
-            timeout = s.idle_timeout_s
-            if msg.type is WSMsgType.TEXT or msg.type is WSMsgType.BINARY:
-                data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
-                event = Event(data + _SEP, None, data.decode("utf-8", "replace"))
-                verdict = await self._feed(event, sse=False)
-                if verdict is Verdict.DONE or verdict is Verdict.FAIL:
-                    return verdict
-                if verdict is Verdict.REPLAY:
-                    return verdict
-                continue
-            # closed or errored: a transport failure of this attempt
-            code = ws.close_code
-            label = f"websocket closed ({code})" if code else "websocket error"
-            self.failure = Failure(FailureClass.RESET, label)
-            return await self._transport_failed()
 
     async def _transport_failed(self) -> Verdict:
         assert self.failure is not None
@@ -514,7 +582,7 @@ class _Turn:
                     # A final answer: pass it on as the WebSocket error event.
                     err = {"type": "error", "status": resp.status,
                            "error": {"type": "invalid_request_error", "message": text}}
-                    await conn.client.send_str(json.dumps(err))
+                    await conn.send_to_client(json.dumps(err).encode(), sse=False)
                     self.info.outcome = "passed_through_error"
                     return Verdict.FAIL
                 return Verdict.REPLAY

@@ -163,6 +163,10 @@ _TYPE_RE = re.compile(r'"type"\s*:\s*"([^"]+)"')
 
 def _type_of(data: str) -> str | None:
     """The ``type`` of a nameless event (WebSocket messages carry it in the JSON)."""
+    if data.startswith('{"type":"'):  # how OpenAI serialises every event: type first
+        end = data.find('"', 9)
+        if end > 9 and "\\" not in data[9:end]:
+            return data[9:end]
     m = _TYPE_RE.search(data, 0, 200)
     if m is not None and data.lstrip().startswith("{"):
         # The first "type" key of an event object is the event's type: Responses
