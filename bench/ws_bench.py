@@ -180,7 +180,7 @@ def run(quick: bool) -> dict[str, Any]:
             "unbroken": f"ws://127.0.0.1:{rport}/mock/v1/responses",
         }
         res: dict[str, Any] = {"throughput": {}, "rtt": {}}
-        for name, url in urls.items():  # warm up
+        for url in urls.values():  # warm up
             _loadgen(url, {"deltas": 1}, 0.5, 2)
         for _ in range(reps):  # interleave the paths so noise hits them alike
             for name, url in urls.items():

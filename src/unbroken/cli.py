@@ -21,7 +21,7 @@ from unbroken.config import ConfigError, load_config
 __all__ = ["main", "setup_logging"]
 
 #: Feature modules whose ``register(subparsers)`` adds commands.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("unbroken.stats", "unbroken.status", "unbroken.demo")
 
 
 def setup_logging() -> None:

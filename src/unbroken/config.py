@@ -20,7 +20,15 @@ from urllib.parse import urlsplit
 from unbroken.ledger import HOLD_CHOICES
 from unbroken.policy import RetryPolicy
 
-__all__ = ["BUILTIN_ROUTES", "Config", "ConfigError", "Route", "Upstream", "load_config"]
+__all__ = [
+    "BUILTIN_ROUTES",
+    "Config",
+    "ConfigError",
+    "JournalSettings",
+    "Route",
+    "Upstream",
+    "load_config",
+]
 
 BUILTIN_ROUTES: dict[str, str] = {
     "openai": "https://api.openai.com",
@@ -86,6 +94,14 @@ class StreamSettings:
 
 
 @dataclass(frozen=True)
+class JournalSettings:
+    enabled: bool = True
+    #: None: ``$XDG_STATE_HOME/unbroken/journal.sqlite3``, resolved when the journal opens
+    path: str | None = None
+    retention_days: float = 14.0  # 0 keeps every row
+
+
+@dataclass(frozen=True)
 class Config:
     host: str = "127.0.0.1"
     port: int = 4780
@@ -97,6 +113,7 @@ class Config:
     routes: Mapping[str, Route] = field(default_factory=dict)
     #: after an upstream refuses WebSocket, serve its turns over HTTP this long
     websocket_fallback_cooldown_s: float = 300.0
+    journal: JournalSettings = field(default_factory=JournalSettings)
 
     @property
     def max_body_bytes(self) -> int:
@@ -128,8 +145,9 @@ STREAM_KEYS: dict[str, str] = {
     "early_headers_s": _FLOAT,
 }
 WEBSOCKET_KEYS: dict[str, str] = {"fallback_cooldown_s": _FLOAT}
+JOURNAL_KEYS: dict[str, str] = {"enabled": _BOOL, "path": _STR, "retention_days": _FLOAT}
 UPSTREAM_KEYS = {"url", "api_key_env", "models"}
-SECTIONS = {"server", "retry", "stream", "websocket", "routes"}
+SECTIONS = {"server", "retry", "stream", "websocket", "journal", "routes"}
 
 
 def _check(key: str, value: Any, kind: str) -> Any:
@@ -268,6 +286,7 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
     retry = _section(data, "retry", RETRY_KEYS)
     stream = _section(data, "stream", STREAM_KEYS)
     websocket = _section(data, "websocket", WEBSOCKET_KEYS)
+    journal = _section(data, "journal", JOURNAL_KEYS)
     _env_overrides(retry, env)
 
     backoff = retry.get("backoff", "fixed")
@@ -284,6 +303,9 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
               "keepalive_s"):
         if k in stream and stream[k] <= 0:
             raise ConfigError(f"stream.{k}", "must be greater than 0")
+    journal_path = journal.get("path")
+    if journal_path is not None and not journal_path.strip():
+        raise ConfigError("journal.path", "must not be empty")
     port = server.get("port", 4780)
     if not 0 <= port <= 65535:
         raise ConfigError("server.port", f"expected 0..65535, got {port}")
@@ -306,6 +328,11 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
         stream=stream_settings,
         routes=_routes(data, env),
         websocket_fallback_cooldown_s=float(websocket.get("fallback_cooldown_s", 300.0)),
+        journal=JournalSettings(
+            enabled=journal.get("enabled", True),
+            path=None if journal_path is None else os.path.expanduser(journal_path),
+            retention_days=float(journal.get("retention_days", 14.0)),
+        ),
     )
 
 
