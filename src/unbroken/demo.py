@@ -551,7 +551,7 @@ def _run_demo_command(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         console.print()
-        console.print(format_summary(summary), highlight=False)
+        console.print(format_summary(summary), highlight=False, soft_wrap=True)
     ok = summary["completed"] == summary["turns"] and summary["duplicates"] == 0
     return 0 if ok else 1
 

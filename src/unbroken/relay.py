@@ -372,7 +372,9 @@ class _Turn:
                 self.rx_started = True
                 self.passed_bytes += len(chunk)
                 await self._write(chunk)
-                sent = True
+                if not sent:
+                    sent = True
+                    self.info.state = "streaming"
         except ClientGone:
             raise
         except Exception as exc:
