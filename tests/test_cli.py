@@ -175,6 +175,27 @@ async def test_second_signal_cuts_the_grace_period_short(mock, tmp_path):
     assert "second signal" in err
 
 
+async def test_grace_period_cuts_a_stalled_stream(mock, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[server]\ngrace_s = 0.5\n[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n'
+    )
+    served = await Served.start(cfg, _env())
+    try:
+        action = json.dumps({"deltas": 5, "fault": "stall", "after_frame": 3, "seconds": 600})
+        async with aiohttp.ClientSession() as s, s.post(
+            f"{served.url}/mock/v1/chat/completions", json=CHAT, headers={"x-mock-action": action}
+        ) as r:
+            assert await r.content.readany()
+            served.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(aiohttp.ClientError):
+                await asyncio.wait_for(r.read(), 30)
+    finally:
+        code, err = await served.stop(signal_it=False)
+    assert code == 0
+    assert "grace period over: 1 request(s) cut short" in err
+
+
 async def test_python_m_help():
     code, out, _ = await _run(["--help"], _env())
     assert code == 0 and "serve" in out

@@ -15,9 +15,11 @@ complete answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -95,13 +97,48 @@ class Relay:
         self.rng = rng or random.Random()
         self.hold = Hold(config.stream.hold)
         self.inflight: set[TurnInfo] = set()
+        #: the tasks running client requests (turns, WebSocket connections): cancelled
+        #: when the grace period of a shutdown runs out
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.idle = asyncio.Event()  # set while no request is running
+        self.idle.set()
         #: route -> upstream index -> monotonic time until which it asked to be left alone
         self.cooloffs: dict[str, dict[int, float]] = {}
 
     async def handle(
         self, request: web.Request, route: Route, rest: str, body: bytes
     ) -> web.StreamResponse:
-        return await _Turn(self, request, route, rest, body).run()
+        with self.running():
+            return await _Turn(self, request, route, rest, body).run()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Track the current task as a running client request."""
+        task = asyncio.current_task()
+        if task is None:
+            yield
+            return
+        self.tasks.add(task)
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.tasks.discard(task)
+            if not self.tasks:
+                self.idle.set()
+
+    async def drain(self, grace_s: float) -> int:
+        """Wait up to ``grace_s`` for running requests; cancel the rest.  Returns that count."""
+        try:
+            await asyncio.wait_for(self.idle.wait(), grace_s)
+            return 0
+        except TimeoutError:
+            pass
+        left = list(self.tasks)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        return len(left)
 
     async def close(self) -> None:
         await self.client.close()

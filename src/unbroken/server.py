@@ -167,7 +167,7 @@ class RelayServer:
             self.app,
             handler_cancellation=True,  # a client that goes away cancels its turn at once
             access_log=None,
-            shutdown_timeout=config.grace_s,
+            shutdown_timeout=1.0,  # our own drain() has already waited the grace period
         )
         self.host = config.host
         self.port = config.port
@@ -200,6 +200,11 @@ class RelayServer:
     async def stop(self) -> None:
         """Stop accepting, let in-flight turns finish within the grace period, close."""
         try:
+            for site in list(self.runner.sites):
+                await site.stop()  # stop accepting
+            cut = await self.relay.drain(self.relay.config.grace_s)
+            if cut:
+                log.warning("grace period over: %d request(s) cut short", cut)
             await self.runner.cleanup()
         finally:
             if self.journal is not None:

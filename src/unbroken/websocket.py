@@ -140,7 +140,8 @@ class _Refused(Exception):
 async def handle_websocket(
     relay: Any, request: web.Request, route: Route, rest: str
 ) -> web.StreamResponse:
-    return await _Connection(relay, request, route, rest).run()
+    with relay.running():
+        return await _Connection(relay, request, route, rest).run()
 
 
 class _Connection:
@@ -175,6 +176,11 @@ class _Connection:
                     queue.put_nowait(msg.data)
                 elif msg.type is WSMsgType.BINARY:
                     queue.put_nowait(msg.data.decode("utf-8", "replace"))
+        except asyncio.CancelledError:
+            # Shutdown after the grace period: tell the client to come back later.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.client.close(code=1001, message=b"relay shutting down"))
+            raise
         finally:
             # The client is gone: stop the turn and every retry at once.
             worker.cancel()
