@@ -214,7 +214,11 @@ class _Turn:
         watchdog = asyncio.ensure_future(self._watchdog())
         try:
             return await self._attempts()
-        except (asyncio.CancelledError, ClientGone):
+        except asyncio.CancelledError:
+            self.info.outcome = "aborted_by_client"
+            await self._cancelled()
+            raise
+        except ClientGone:
             self.info.outcome = "aborted_by_client"
             raise
         finally:
@@ -559,6 +563,24 @@ class _Turn:
         self.relay.hooks.attempt_failed(
             self.info, self.info.upstream, failure, phase="committed", wait_s=None
         )
+
+    async def _cancelled(self) -> None:
+        """Cancelled (client gone, or shutdown past its grace period).
+
+        If the client is still there and saw output, end its stream with the
+        native error, as for any failure after commit, rather than just vanish.
+        """
+        ledger, response = self.ledger, self.response
+        if ledger is None or response is None or ledger.state is not State.COMMITTED:
+            return
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            return
+        out = ledger.failed("the relay is shutting down")
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1):
+                await response.write(out)
+                await response.write_eof()
 
     def _ok_outcome(self) -> str:
         return "recovered" if self.retry.retries else "ok"
