@@ -127,6 +127,23 @@ class SSESplitter:
 
     @staticmethod
     def _event(raw: bytes, block: bytes) -> Event:
+        # Fast paths for the two shapes providers send: one `data:` line (Chat
+        # Completions), and `event:` + `data:` (Responses, Anthropic).
+        if block.startswith(b"data: ") and b"\n" not in block and b"\r" not in block:
+            return Event(raw, None, block[6:].decode("utf-8", "replace"))
+        if block.startswith(b"event: "):
+            nl = block.find(b"\n")
+            if (
+                nl > 0
+                and block.startswith(b"data: ", nl + 1)
+                and b"\n" not in block[nl + 1 :]
+                and b"\r" not in block
+            ):
+                return Event(
+                    raw,
+                    block[7:nl].decode("utf-8", "replace"),
+                    block[nl + 7 :].decode("utf-8", "replace"),
+                )
         if block.startswith(b"\xef\xbb\xbf"):
             block = block[3:]
         name, data = _parse_fields(block)

@@ -14,15 +14,17 @@ from typing import Any
 from unbroken.protocols.base import Kind, error_is_retryable, loads_object
 from unbroken.sse import Event
 
-# delta field -> kind when the field holds a non-empty string
-DELTA_TEXT_FIELDS: tuple[tuple[str, int], ...] = (
-    ("content", Kind.OUTPUT),
-    ("refusal", Kind.OUTPUT),
-    ("reasoning_content", Kind.REASONING),  # DeepSeek, vLLM, Groq
-    ("reasoning", Kind.REASONING),  # OpenRouter and others
-)
-# delta fields that carry nothing the client can act on
-DELTA_INERT_FIELDS = frozenset({"role", "content", "refusal", "reasoning_content", "reasoning"})
+# delta field -> kind, when the field holds a non-empty value.  Fields not here
+# (legacy function_call, audio, ...) are UNKNOWN: they commit.
+DELTA_FIELDS: dict[str, int] = {
+    "role": 0,  # carries nothing by itself
+    "content": Kind.OUTPUT,
+    "refusal": Kind.OUTPUT,
+    "reasoning_content": Kind.REASONING,  # DeepSeek, vLLM, Groq
+    "reasoning": Kind.REASONING,  # OpenRouter and others
+    "reasoning_details": Kind.REASONING,  # OpenRouter's structured reasoning
+}
+_TEXT_FIELDS = frozenset({"content", "refusal", "reasoning_content", "reasoning"})
 
 
 class ChatClassifier:
@@ -63,16 +65,16 @@ class ChatClassifier:
         kinds = 0
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            for field, kind in DELTA_TEXT_FIELDS:
-                value = delta.get(field)
-                if isinstance(value, str) and value:
-                    kinds |= kind
-            calls = delta.get("tool_calls")
-            if calls:
-                kinds |= self._tool_calls(calls)
             for key, value in delta.items():
-                if key not in DELTA_INERT_FIELDS and key != "tool_calls" and value:
-                    kinds |= Kind.UNKNOWN  # e.g. legacy function_call, audio
+                if not value:
+                    continue  # "", None, [] carry nothing
+                kind = DELTA_FIELDS.get(key)
+                if kind is None:
+                    kinds |= self._tool_calls(value) if key == "tool_calls" else Kind.UNKNOWN
+                elif key in _TEXT_FIELDS and not isinstance(value, str):
+                    kinds |= Kind.UNKNOWN
+                else:
+                    kinds |= kind
         elif delta is not None:
             kinds |= Kind.UNKNOWN
         if choice.get("finish_reason") is not None:
