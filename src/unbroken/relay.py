@@ -205,13 +205,16 @@ class _Turn:
         self._released_at_start = (0, 0, 0.0)  # ledger counters when the attempt began
         self.reading_sse = False  # the current attempt streams through the ledger
         self.passed_bytes = 0  # non-SSE body bytes forwarded in this attempt
+        self._timer: asyncio.TimerHandle | None = None
+        self._side_task: asyncio.Future[Any] | None = None  # an early-headers/keepalive write
+        self._closed = False
 
     # -- the loop ------------------------------------------------------------------
     async def run(self) -> web.StreamResponse:
         relay = self.relay
         relay.inflight.add(self.info)
         relay.hooks.turn_started(self.info)
-        watchdog = asyncio.ensure_future(self._watchdog())
+        self._tick()
         try:
             return await self._attempts()
         except asyncio.CancelledError:
@@ -222,7 +225,11 @@ class _Turn:
             self.info.outcome = "aborted_by_client"
             raise
         finally:
-            watchdog.cancel()
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+            if self._side_task is not None:
+                self._side_task.cancel()
             relay.inflight.discard(self.info)
             info = self.info
             if info.outcome is None:
@@ -400,6 +407,7 @@ class _Turn:
         self.reading = resp
         self.rx_started = False
         self.last_rx = self.loop.time()
+        self._rearm()
 
     async def _pass_through(self, resp: aiohttp.ClientResponse) -> web.StreamResponse | None:
         self._start_reading(resp)
@@ -629,43 +637,59 @@ class _Turn:
         return self.response
 
     # -- timers: early headers, keepalive, stalls ------------------------------------
-    async def _watchdog(self) -> None:
+    def _tick(self) -> None:
+        """Timer callback: early headers, keepalives, stalls.  Re-arms itself lazily.
+
+        Activity only stores timestamps; the timer checks them when it fires, so
+        a busy stream costs no timer churn.  Writing needs a task, spawned only
+        when there is something to write.
+        """
+        self._timer = None
+        if self._closed or self._side_task is not None:
+            return
         s = self.cfg.stream
-        loop = self.loop
-        while True:
-            now = loop.time()
-            deadlines: list[float] = []
-            if self.stream:
-                if self.response is None:
-                    due = self.t0 + s.early_headers_s
-                    if now >= due and (self.ledger is None or self.ledger.state is State.PENDING):
-                        # Retries or held frames have lasted long: send SSE headers now so
-                        # the client's header timer does not fire; keepalives follow.
-                        try:
-                            await self._prepare(200, CIMultiDict(SSE_HEADERS))
-                        except ClientGone:
-                            return
-                        self.last_tx = loop.time()
-                        continue
-                    deadlines.append(due)
-                else:
-                    due = self.last_tx + s.keepalive_s
-                    if now >= due:
-                        try:
-                            await self._write(KEEPALIVE)
-                        except ClientGone:
-                            return
-                        continue
-                    deadlines.append(due)
-            reading = self.reading
-            if reading is not None and not self.stalled:
-                limit = s.idle_timeout_s if self.rx_started else s.first_frame_timeout_s
-                due = self.last_rx + limit
-                if now >= due:
-                    self.stalled = True
-                    reading.close()
-                    continue
+        now = self.loop.time()
+        deadlines: list[float] = []
+        if self.stream:
+            if self.response is None:
+                due = self.t0 + s.early_headers_s
+                if now >= due and (self.ledger is None or self.ledger.state is State.PENDING):
+                    # Retries or held frames have lasted long: send SSE headers now so
+                    # the client's header timer does not fire; keepalives follow.
+                    self._spawn(self._prepare(200, CIMultiDict(SSE_HEADERS)))
+                    return
                 deadlines.append(due)
             else:
-                deadlines.append(now + min(s.idle_timeout_s, 1.0))
-            await asyncio.sleep(max(0.0, min(deadlines) - now))
+                due = self.last_tx + s.keepalive_s
+                if now >= due:
+                    self._spawn(self._write(KEEPALIVE))
+                    return
+                deadlines.append(due)
+        reading = self.reading
+        if reading is not None and not self.stalled:
+            limit = s.idle_timeout_s if self.rx_started else s.first_frame_timeout_s
+            due = self.last_rx + limit
+            if now >= due:
+                self.stalled = True
+                reading.close()  # the reader sees the connection end: a stall
+            else:
+                deadlines.append(due)
+        if deadlines:
+            self._timer = self.loop.call_at(min(deadlines), self._tick)
+
+    def _rearm(self) -> None:
+        """Re-check the timers now (a new phase began)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._tick()
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._side_task = asyncio.ensure_future(coro)
+
+        def done(t: asyncio.Future[Any]) -> None:
+            self._side_task = None
+            if not t.cancelled() and t.exception() is None:
+                self.last_tx = self.loop.time()
+                self._rearm()
+
+        task.add_done_callback(done)
