@@ -58,22 +58,51 @@ SSE_HEADERS = {
 }
 
 
-def ledger_mark(ledger: Ledger | None) -> tuple[int, int, float]:
-    """The ledger's cumulative release counters, taken when an attempt begins."""
-    if ledger is None:
-        return (0, 0, 0.0)
-    return (ledger.released_frames, ledger.released_bytes, ledger.hold_seconds)
+class AttemptLog:
+    """The attempt records of one turn (HTTP or WebSocket): begin, end, report."""
 
+    __slots__ = ("_mark", "current", "hooks", "info")
 
-def fill_from_ledger(a: AttemptInfo, ledger: Ledger, mark: tuple[int, int, float]) -> None:
-    """Copy one attempt's structural counters from the ledger into its record."""
-    frames0, bytes0, hold0 = mark
-    a.frames_received, a.bytes_received = ledger.received_frames, ledger.received_bytes
-    a.frames_released = ledger.released_frames - frames0
-    a.bytes_released = ledger.released_bytes - bytes0
-    a.hold_seconds = ledger.hold_seconds - hold0
-    a.input_tokens, a.output_tokens = usage_from([ledger.first_raw, *ledger.recent])
-    a.est_output_tokens = ledger.output_frames
+    def __init__(self, info: TurnInfo, hooks: Hooks) -> None:
+        self.info, self.hooks = info, hooks
+        self.current: AttemptInfo | None = None
+        self._mark = (0, 0, 0.0)  # the ledger's cumulative release counters at the start
+
+    def begin(self, number: int, upstream: str, ledger: Ledger | None) -> None:
+        self.current = AttemptInfo(number=number, upstream=upstream)
+        self.info.attempt_log.append(self.current)
+        if ledger is not None:
+            self._mark = (ledger.released_frames, ledger.released_bytes, ledger.hold_seconds)
+        self.hooks.attempt_started(self.info, upstream)
+
+    def end(
+        self,
+        reason: str,
+        phase: str,
+        *,
+        status: int | None,
+        ledger: Ledger | None,
+        passed_bytes: int = 0,
+    ) -> None:
+        """Fill in the current attempt's record from the ledger (if it streamed) and report."""
+        a = self.current
+        if a is None or a.ended is not None:
+            return
+        a.ended = time.time()
+        a.reason, a.phase = reason, phase
+        if status is not None:
+            a.status = status
+        if ledger is not None:
+            frames0, bytes0, hold0 = self._mark
+            a.frames_received, a.bytes_received = ledger.received_frames, ledger.received_bytes
+            a.frames_released = ledger.released_frames - frames0
+            a.bytes_released = ledger.released_bytes - bytes0
+            a.hold_seconds = ledger.hold_seconds - hold0
+            a.input_tokens, a.output_tokens = usage_from([ledger.first_raw, *ledger.recent])
+            a.est_output_tokens = ledger.output_frames
+        else:
+            a.bytes_received = a.bytes_released = passed_bytes
+        self.hooks.attempt_ended(self.info, a)
 
 
 class ClientGone(Exception):
@@ -200,9 +229,8 @@ class _Turn:
         self.failure: Failure | None = None
         self.last_answer: tuple[int, CIMultiDict[str], bytes] | None = None
         self._bodies: dict[int, bytes] = {}
-        self.attempt: AttemptInfo | None = None
+        self.attempts = AttemptLog(self.info, relay.hooks)
         self.status: int | None = None  # the current attempt's upstream status
-        self._released_at_start = (0, 0, 0.0)  # ledger counters when the attempt began
         self.reading_sse = False  # the current attempt streams through the ledger
         self.passed_bytes = 0  # non-SSE body bytes forwarded in this attempt
         self._timer: asyncio.TimerHandle | None = None
@@ -234,9 +262,8 @@ class _Turn:
             info = self.info
             if info.outcome is None:
                 info.outcome = "aborted_by_client"
-            if self.attempt is not None and self.attempt.ended is None:
-                ok = info.outcome in ("ok", "recovered")
-                self._end_attempt("ok" if ok else info.outcome, "" if ok else "committed")
+            ok = info.outcome in ("ok", "recovered")
+            self._end_attempt("ok" if ok else info.outcome, "" if ok else "committed")
             info.state = "done"
             info.ended = time.time()
             info.ledger = None
@@ -308,27 +335,18 @@ class _Turn:
         return failure
 
     def _begin_attempt(self, up: Upstream) -> None:
-        self.attempt = AttemptInfo(number=self.retry.attempts, upstream=up.name)
-        self.info.attempt_log.append(self.attempt)
-        self._released_at_start = ledger_mark(self.ledger)
         self.reading_sse = False
         self.passed_bytes = 0
-        self.relay.hooks.attempt_started(self.info, up.name)
+        self.attempts.begin(self.retry.attempts, up.name, self.ledger)
 
     def _end_attempt(self, reason: str, phase: str) -> None:
-        """Fill in the current attempt's record and report it."""
-        a = self.attempt
-        if a is None or a.ended is not None:
-            return
-        a.ended = time.time()
-        a.reason, a.phase = reason, phase
-        if self.status is not None:
-            a.status = self.status
-        if self.ledger is not None and self.reading_sse:
-            fill_from_ledger(a, self.ledger, self._released_at_start)
-        else:
-            a.bytes_received = a.bytes_released = self.passed_bytes
-        self.relay.hooks.attempt_ended(self.info, a)
+        self.attempts.end(
+            reason,
+            phase,
+            status=self.status,
+            ledger=self.ledger if self.reading_sse else None,
+            passed_bytes=self.passed_bytes,
+        )
 
     async def _after_failure(self, up: Upstream, failure: Failure, phase: str) -> None:
         self._end_attempt(failure.label, phase)

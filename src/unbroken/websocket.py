@@ -35,11 +35,11 @@ from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 
 from unbroken.config import Route, Upstream
-from unbroken.hooks import AttemptInfo, TurnInfo
+from unbroken.hooks import TurnInfo
 from unbroken.ledger import Ledger, Verdict
 from unbroken.policy import Failure, FailureClass, RetryState, classify_exception
 from unbroken.protocols import RESPONSES
-from unbroken.relay import fill_from_ledger, ledger_mark
+from unbroken.relay import AttemptLog
 from unbroken.sse import Event, SSESplitter
 from unbroken.upstream import request_headers, upstream_url
 
@@ -364,8 +364,7 @@ class _Turn:
         self.failure: Failure | None = None
         self.completed: dict[str, Any] | None = None
         self.fallback_reason = ""
-        self.attempt: AttemptInfo | None = None
-        self._mark = ledger_mark(None)
+        self.attempts = AttemptLog(self.info, self.relay.hooks)
         self.socket: int | None = None  # the upstream socket of this attempt (None: HTTP)
 
     async def run(self) -> None:
@@ -390,21 +389,11 @@ class _Turn:
             relay.hooks.turn_ended(info)
 
     def _begin_attempt(self, up: Upstream) -> None:
-        self.attempt = AttemptInfo(number=self.retry.attempts, upstream=up.name)
-        self.info.attempt_log.append(self.attempt)
-        self._mark = ledger_mark(self.ledger)
-        self.relay.hooks.attempt_started(self.info, up.name)
+        self.attempts.begin(self.retry.attempts, up.name, self.ledger)
 
     def _end_attempt(self, reason: str, phase: str) -> None:
-        a = self.attempt
-        if a is None or a.ended is not None:
-            return
-        a.ended = time.time()
-        a.reason, a.phase = reason, phase
-        if self.failure is not None and self.failure.status is not None:
-            a.status = self.failure.status
-        fill_from_ledger(a, self.ledger, self._mark)
-        self.relay.hooks.attempt_ended(self.info, a)
+        status = self.failure.status if self.failure is not None else None
+        self.attempts.end(reason, phase, status=status, ledger=self.ledger)
 
     async def _attempts(self) -> None:
         conn, retry, info = self.conn, self.retry, self.info
