@@ -56,7 +56,6 @@ the provider's answer: it is released as it is, with whatever was held.
 from __future__ import annotations
 
 import enum
-from collections import deque
 from collections.abc import Callable, Iterable
 
 from unbroken.protocols import Protocol
@@ -183,7 +182,7 @@ class Ledger:
         self.output_frames = 0  # frames of output, reasoning or tool calls this attempt
         #: the first frame and the last few of this attempt (where providers report usage)
         self.first_raw = b""
-        self.recent: deque[bytes] = deque(maxlen=4)
+        self.recent: list[bytes] = []  # at most 4 (a list: a deque allocates 64 slots)
         self.verdict = Verdict.CONTINUE
 
     @property
@@ -202,7 +201,10 @@ class Ledger:
         self._last_raw = raw
         if self.received_frames == 1:
             self.first_raw = raw
-        self.recent.append(raw)
+        recent = self.recent
+        recent.append(raw)
+        if len(recent) > 4:
+            del recent[0]
         state = self.state
         if state is State.DONE:  # trailing frames after the terminal (usage, [DONE])
             return self._emit(raw, 1)

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -177,7 +178,7 @@ def _parse_json(body: bytes, content_type: str) -> dict[str, Any] | None:
     if not body or "json" not in content_type:
         return None
     try:
-        obj = json.loads(body)
+        obj = orjson.loads(body)
     except ValueError:
         return None
     return obj if isinstance(obj, dict) else None
@@ -185,6 +186,41 @@ def _parse_json(body: bytes, content_type: str) -> dict[str, Any] | None:
 
 class _Turn:
     """The attempts of one client request."""
+
+    __slots__ = (
+        "_bodies",
+        "_closed",
+        "_prepare_lock",
+        "_side_task",
+        "_timer",
+        "attempts",
+        "body",
+        "cfg",
+        "failure",
+        "info",
+        "last_answer",
+        "last_rx",
+        "last_tx",
+        "ledger",
+        "loop",
+        "parsed",
+        "passed_bytes",
+        "pending_headers",
+        "protocol",
+        "reading",
+        "reading_sse",
+        "relay",
+        "request",
+        "response",
+        "rest",
+        "retry",
+        "route",
+        "rx_started",
+        "stalled",
+        "status",
+        "stream",
+        "t0",
+    )
 
     def __init__(
         self, relay: Relay, request: web.Request, route: Route, rest: str, body: bytes
@@ -196,11 +232,14 @@ class _Turn:
         self.rest = rest
         self.body = body
         self.protocol: Protocol = protocol_for_path(rest)
-        self.parsed = _parse_json(body, request.headers.get("content-type", ""))
-        if self.parsed is not None:
-            self.stream = self.parsed.get("stream") is True
+        parsed = _parse_json(body, request.headers.get("content-type", ""))
+        if parsed is not None:
+            self.stream = parsed.get("stream") is True
         else:
             self.stream = "text/event-stream" in request.headers.get("accept", "")
+        # Keep the parsed body only if an upstream renames models: a late-session
+        # agent body is hundreds of KiB, and its parsed form is larger still.
+        self.parsed = parsed if any(u.models for u in route.upstreams) else None
         self.info = TurnInfo(
             route=route.name,
             path=rest,
