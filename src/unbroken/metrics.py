@@ -79,6 +79,7 @@ class Metrics(Hooks):
         upstreams: Callable[[], list[dict[str, Any]]] = list,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.turns = Counter(
             "unbroken_turns", "Turns by final outcome.", ["route", "outcome"], registry=r
@@ -120,23 +121,33 @@ class Metrics(Hooks):
     def expose(self) -> bytes:
         return generate_latest(self.registry)
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: label sets are few, lookups are per turn."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     # -- hooks ---------------------------------------------------------------------------
     def attempt_failed(
         self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
     ) -> None:
         if wait_s is None:
             return
-        self.replays.labels(phase or "unknown").inc()
-        self.retry_wait.labels(turn.route).observe(wait_s)
+        self._child(self.replays, phase or "unknown").inc()
+        self._child(self.retry_wait, turn.route).observe(wait_s)
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         reason = attempt.reason or "unknown"
-        self.attempts.labels(turn.route, attempt.upstream, reason).inc()
+        self._child(self.attempts, turn.route, attempt.upstream, reason).inc()
         if reason not in NOT_FAILURES and attempt.phase != "committed":
             if attempt.est_output_tokens:
-                self.wasted.labels(turn.route).inc(attempt.est_output_tokens)
+                self._child(self.wasted, turn.route).inc(attempt.est_output_tokens)
 
     def turn_ended(self, turn: TurnInfo) -> None:
-        self.turns.labels(turn.route, turn.outcome or "unknown").inc()
+        self._child(self.turns, turn.route, turn.outcome or "unknown").inc()
         if turn.first_byte_at is not None:
-            self.ttfb.labels(turn.route).observe(max(0.0, turn.first_byte_at - turn.started))
+            self._child(self.ttfb, turn.route).observe(
+                max(0.0, turn.first_byte_at - turn.started)
+            )
