@@ -334,8 +334,7 @@ EXCEPTION_FACTORIES: dict[type[BaseException], object] = {
         "Timeout on reading data from socket"),
     aiohttp.ServerDisconnectedError: lambda: aiohttp.ServerDisconnectedError(),
     aiohttp.ClientPayloadError: lambda: aiohttp.ClientPayloadError(
-        "Response payload is not completed: <TransferEncodingError: 400, message='Not "
-        "enough data to satisfy transfer length header.'>"),
+        "400, message: Can not decode content-encoding: br"),
     aiohttp.ClientConnectionResetError: lambda: aiohttp.ClientConnectionResetError(
         "Cannot write to closing transport"),
     ConnectionRefusedError: lambda: ConnectionRefusedError(),
@@ -401,7 +400,9 @@ def test_classify_every_errno(code: int, cls: FailureClass) -> None:
         (ssl.SSLEOFError(8, "EOF occurred in violation of protocol"), FailureClass.TLS),
         (ssl.SSLCertVerificationError(1, "certificate verify failed"), FailureClass.TLS),
         (aiohttp.ServerTimeoutError("timeout"), FailureClass.HEADER_TIMEOUT),
-        (aiohttp.ClientPayloadError("Response payload is not completed"), FailureClass.PAYLOAD),
+        # the connection closed before the body's end: the server went away mid-body
+        (aiohttp.ClientPayloadError("Response payload is not completed"),
+         FailureClass.DISCONNECTED),
         (aiohttp.ServerDisconnectedError("Server disconnected"), FailureClass.DISCONNECTED),
         (OSError(errno.EINVAL, "Invalid argument"), FailureClass.OTHER),
         (OSError("no errno"), FailureClass.OTHER),
@@ -415,11 +416,11 @@ def test_classify_specific_exceptions(exc: BaseException, cls: FailureClass) -> 
     assert failure.cls is cls
 
 
-def test_payload_error_caused_by_a_reset_stays_payload() -> None:
+def test_payload_error_caused_by_a_reset_is_a_reset() -> None:
     exc = aiohttp.ClientPayloadError("Response payload is not completed")
     exc.__cause__ = ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
     failure = classify_exception(exc)
-    assert failure is not None and failure.cls is FailureClass.PAYLOAD
+    assert failure is not None and failure.cls is FailureClass.RESET
 
 
 def test_self_referencing_cause_chain_terminates() -> None:

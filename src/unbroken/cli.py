@@ -21,7 +21,13 @@ from unbroken.config import ConfigError, load_config
 __all__ = ["main", "setup_logging"]
 
 #: Feature modules whose ``register(subparsers)`` adds commands.
-COMMAND_MODULES: tuple[str, ...] = ("unbroken.stats", "unbroken.status", "unbroken.demo")
+COMMAND_MODULES: tuple[str, ...] = (
+    "unbroken.stats",
+    "unbroken.status",
+    "unbroken.demo",
+    "unbroken.opencode",
+    "unbroken.resume",
+)
 
 
 def setup_logging() -> None:

@@ -166,10 +166,14 @@ def classify_exception(exc: BaseException) -> Failure | None:
     if code is not None and isinstance(exc, (aiohttp.ClientConnectorError, OSError)):
         cls = ERRNO_CLASSES[code]
         return Failure(cls, f"{cls.value} ({errno.errorcode.get(code, code)})")
-    if isinstance(exc, aiohttp.ClientPayloadError) and "not completed" in str(exc):
-        # The connection closed before the body's end (no chunked terminator, short
-        # Content-Length): the server went away mid-body.
-        return Failure(FailureClass.DISCONNECTED, "server_disconnected: body cut short")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        if code is not None:  # e.g. ECONNRESET underneath: say what it was
+            cls = ERRNO_CLASSES[code]
+            return Failure(cls, f"{cls.value} ({errno.errorcode.get(code, code)}) mid-body")
+        if "not completed" in str(exc):
+            # The connection closed before the body's end (no chunked terminator,
+            # short Content-Length): the server went away mid-body.
+            return Failure(FailureClass.DISCONNECTED, "server_disconnected: body cut short")
     for etype, cls in EXCEPTION_CLASSES:
         if isinstance(exc, etype):
             return Failure(cls, f"{cls.value}: {type(exc).__name__}")

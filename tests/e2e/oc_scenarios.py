@@ -1,0 +1,322 @@
+"""The end-to-end scenarios, each with and (where it proves something) without unbroken.
+
+Each scenario is a coroutine returning plain facts; the tests assert on them.  They
+all run concurrently (see conftest.py), so the suite pays for the slowest only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oc_harness import (
+    Background,
+    Finished,
+    OpenCodeClient,
+    Sandbox,
+    TimedMock,
+    fake_provider,
+    free_port,
+    max_per_second,
+    opencode,
+    run_args,
+    run_to_end,
+    turn_requests,
+    unbroken_run,
+)
+
+from unbroken.config import parse_config
+from unbroken.hooks import Hooks, TurnInfo
+from unbroken.server import RelayServer
+
+TEXT = "Hello from the mock provider."
+SEED_FAILURES = 20
+#: A stream that emits text ("Hello f"), then dies with no finish chunk.
+CUT_AFTER_TEXT = {"fault": "reset", "after_frame": 3}
+
+
+#: Every sandbox made (about 100 MB each: OpenCode unpacks its native libraries).
+SANDBOXES: list[Path] = []
+
+
+def _box(tag: str) -> Sandbox:
+    root = Path(tempfile.mkdtemp(prefix=f"unbroken-e2e-{tag}-"))
+    SANDBOXES.append(root)
+    return Sandbox(root)
+
+
+def remove_sandboxes() -> None:
+    """Delete the sandboxes (kept when ``UNBROKEN_E2E_KEEP`` is set, for a post-mortem)."""
+    if os.environ.get("UNBROKEN_E2E_KEEP"):
+        return
+    while SANDBOXES:
+        shutil.rmtree(SANDBOXES.pop(), ignore_errors=True)
+
+
+@dataclass
+class SessionRun:
+    """One prompt through an OpenCode server."""
+
+    outcome: str  # completed | dead | timeout
+    turns: int  # provider requests that carried the turn
+    recovered_on: int | None  # the turn request that succeeded
+    resumes: int
+    elapsed: float
+    max_per_second: int
+    times: list[float] = field(default_factory=list)
+    log: str = ""
+
+
+async def _session(
+    *, with_unbroken: bool, script: list[dict[str, Any]], env: dict[str, str], limit_s: float
+) -> SessionRun:
+    box = _box("seed-with" if with_unbroken else "seed-without")
+    async with TimedMock() as mock:
+        mock.script(script)
+        box.write_global_config(fake_provider(mock.url + "/v1"))
+        port = free_port()
+        make = unbroken_run if with_unbroken else opencode
+        start = time.monotonic()
+        async with Background(make("serve", "--port", str(port)), box, env) as bg:
+            client = OpenCodeClient(f"http://127.0.0.1:{port}")
+            try:
+                assert bg.proc is not None
+                proc = bg.proc
+                await client.wait_healthy(alive=lambda: proc.returncode is None)
+                await client.subscribe()
+                sid = await client.create_session()
+                await client.prompt_async(sid, "say hi")
+
+                def ended() -> str | None:
+                    for e in client.events.of("message.updated", sid):
+                        info = e["properties"]["info"]
+                        if info.get("role") == "assistant" and info.get("finish") == "stop":
+                            return "completed"
+                    if not with_unbroken and client.events.of("session.error", sid):
+                        if client.events.of("session.idle", sid):
+                            return "dead"
+                    return None
+
+                try:
+                    outcome = await client.events.wait_for(ended, limit_s)
+                except TimeoutError:
+                    outcome = "timeout"
+                if outcome == "dead":
+                    await asyncio.sleep(6)  # a dead session stays dead: no further requests
+            finally:
+                await client.close()
+        log = bg.output()
+    turns = turn_requests(mock)
+    first = mock.times[0] if mock.times else start
+    return SessionRun(
+        outcome=outcome,
+        turns=len(turns),
+        recovered_on=len(turns) if outcome == "completed" else None,
+        resumes=len(re.findall(r"resumed session=", log)),
+        elapsed=time.monotonic() - start,
+        max_per_second=max_per_second(mock.times),
+        times=[round(t - first, 1) for t in mock.times],
+        log=log,
+    )
+
+
+async def seed() -> dict[str, SessionRun]:
+    """The plugin's verification: a provider that opens a stream, emits text, then dies
+    with no finish chunk, 20 times in a row, then answers."""
+    script = [{**CUT_AFTER_TEXT, "count": SEED_FAILURES}]
+    env = {"UNBROKEN_RESUME_DELAY_MS": "1000"}
+    without, with_ = await asyncio.gather(
+        _session(with_unbroken=False, script=script, env={}, limit_s=150),
+        _session(with_unbroken=True, script=script, env=env, limit_s=330),
+    )
+    return {"without": without, "with": with_}
+
+
+@dataclass
+class CliRun:
+    finished: Finished
+    requests: int
+    times: list[float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def _cli(
+    tag: str,
+    script: list[dict[str, Any]],
+    *,
+    with_unbroken: bool,
+    prompt: tuple[str, ...] = (),
+    default: dict[str, Any] | None = None,
+    limit_s: float = 200,
+    window: float | None = None,
+) -> CliRun:
+    """``opencode run`` once, directly or through ``unbroken run``."""
+    box = _box(tag)
+    async with TimedMock() as mock:
+        mock.script(script)
+        if default is not None:
+            mock.set_default(default)
+        box.write_global_config(fake_provider(mock.url + "/v1"))
+        args = run_args(*prompt)
+        argv = unbroken_run(*args) if with_unbroken else opencode(*args)
+        if window is None:
+            finished = await run_to_end(argv, box, limit_s=limit_s)
+        else:
+            finished = await _for_window(argv, box, mock, window)
+        first = mock.times[0] if mock.times else 0.0
+        return CliRun(finished, len(turn_requests(mock)), [t - first for t in mock.times])
+
+
+async def _for_window(argv: list[str], box: Sandbox, mock: TimedMock, window: float) -> Finished:
+    """Run until ``window`` seconds after the first provider request, then stop it."""
+    start = time.monotonic()
+    async with Background(argv, box) as bg:
+        await mock.wait_for_requests(1, timeout=120)
+        await asyncio.sleep(window)
+        assert bg.proc is not None
+        code = bg.proc.returncode
+    return Finished(-1 if code is None else code, "", bg.output(), time.monotonic() - start)
+
+
+async def storm() -> dict[str, CliRun]:
+    """503s that outlast OpenCode's own 5 retries."""
+    script = [{"status": 503, "count": 30}]
+    without, with_ = await asyncio.gather(
+        _cli("storm-without", script, with_unbroken=False),
+        _cli("storm-with", script, with_unbroken=True),
+    )
+    return {"without": without, "with": with_}
+
+
+async def reset_before_output() -> dict[str, CliRun]:
+    """Resets before any output: right after the headers, and after the role chunk."""
+    script = [
+        {"fault": "reset", "after_frame": 0},
+        {"fault": "reset", "after_frame": 1},
+    ]
+    without, with_ = await asyncio.gather(
+        _cli("reset-without", script, with_unbroken=False),
+        _cli("reset-with", script, with_unbroken=True),
+    )
+    return {"without": without, "with": with_}
+
+
+async def tool_reset() -> dict[str, CliRun]:
+    """A reset in the middle of a bash tool call's arguments (after 2 of 8 fragments)."""
+    box = _box("tool-with")
+    async with TimedMock() as mock:
+        marker = box.project / "marker.txt"
+        tool = {
+            "reply": "tool",
+            "tool_name": "bash",
+            "tool_args": {"command": f"echo ran >> {marker}", "description": "Append a line"},
+        }
+        mock.script([{**tool, "fault": "reset", "after_frame": 5}, tool])
+        box.write_global_config(fake_provider(mock.url + "/v1"))
+        args = run_args("append", "a", "line", "to", "marker.txt")
+        finished = await run_to_end(unbroken_run(*args), box, limit_s=120)
+        lines = marker.read_text().splitlines() if marker.exists() else []
+        run = CliRun(finished, len(turn_requests(mock)), [], {"marker_lines": lines})
+    return {"with": run}
+
+
+async def drop_after_output() -> dict[str, CliRun]:
+    """Every stream emits text, then ends cleanly with no finish chunk: OpenCode alone
+    re-prompts at once, without limit.  Count upstream requests per second."""
+    default = {**CUT_AFTER_TEXT, "fault": "end"}
+    window = 15.0
+    without, with_ = await asyncio.gather(
+        _cli("drop-without", [], with_unbroken=False, default=default, window=window),
+        _cli("drop-with", [], with_unbroken=True, default=default, window=window),
+    )
+    for run in (without, with_):
+        inside = [t for t in run.times if t <= window]
+        run.extra["per_second"] = len(inside) / window
+        run.extra["max_per_second"] = max_per_second(inside)
+    return {"without": without, "with": with_}
+
+
+class _Turns(Hooks):
+    def __init__(self) -> None:
+        self.ended: list[TurnInfo] = []
+
+    def turn_ended(self, turn: TurnInfo) -> None:
+        self.ended.append(turn)
+
+
+async def setup_undo() -> dict[str, Any]:
+    """``unbroken opencode setup --project`` then ``undo`` on a real opencode.json."""
+    box = _box("setup")
+    async with TimedMock() as mock:
+        toml = box.root / "unbroken.toml"
+        toml.write_text(f'[routes.fake]\nupstreams = [{{ url = "{mock.url}/v1" }}]\n')
+        config = dataclasses.replace(
+            parse_config({"routes": {"fake": {"upstreams": [f"{mock.url}/v1"]}}}, env={}),
+            port=0,
+            grace_s=1.0,
+        )
+        turns = _Turns()
+        relay = RelayServer(config, hooks=turns)
+        await relay.start()
+        try:
+            path = box.project / "opencode.json"
+            original = (
+                "// my project's OpenCode config\n"
+                + _indent_json(fake_provider(mock.url + "/v1"))
+            ).encode()
+            path.write_bytes(original)
+            cmd = [sys.executable, "-m", "unbroken", "opencode"]
+            setup_cmd = [*cmd, "setup", "--project", "--config", str(toml), "--relay", relay.url]
+            first = await run_to_end(setup_cmd, box, limit_s=30)
+            patched = path.read_bytes()
+            second = await run_to_end(setup_cmd, box, limit_s=30)
+            patched_again = path.read_bytes()
+            backup = path.with_name("opencode.json.unbroken-backup").read_bytes()
+            through = await run_to_end(opencode(*run_args()), box, limit_s=60)
+            turns_via_relay = len(turns.ended)
+            undone = await run_to_end([*cmd, "undo", "--project"], box, limit_s=30)
+            restored = path.read_bytes()
+            direct = await run_to_end(opencode(*run_args()), box, limit_s=60)
+            return {
+                "original": original,
+                "first": first,
+                "patched": patched,
+                "second": second,
+                "patched_again": patched_again,
+                "backup": backup,
+                "through": through,
+                "turns_via_relay": turns_via_relay,
+                "undone": undone,
+                "restored": restored,
+                "backup_left": path.with_name("opencode.json.unbroken-backup").exists(),
+                "direct": direct,
+                "turns_after_undo": len(turns.ended),
+                "requests": len(mock.requests),
+            }
+        finally:
+            await relay.stop()
+
+
+def _indent_json(data: Any) -> str:
+    return json.dumps(data, indent=2) + "\n"
+
+
+SCENARIOS: dict[str, Callable[[], Awaitable[Any]]] = {
+    "seed": seed,
+    "storm": storm,
+    "reset_before_output": reset_before_output,
+    "tool_reset": tool_reset,
+    "drop_after_output": drop_after_output,
+    "setup_undo": setup_undo,
+}

@@ -1,0 +1,154 @@
+"""The real OpenCode CLI, with and without unbroken, against the fault-injecting mock.
+
+Every test prints what it measured (provider turns, outcome, requests per second).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from oc_scenarios import SEED_FAILURES, TEXT, CliRun, SessionRun
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+
+def report(capsys: pytest.CaptureFixture[str], text: str) -> None:
+    with capsys.disabled():
+        print(f"\n    e2e: {text}", flush=True)
+
+
+def _fails(run: CliRun) -> str:
+    f = run.finished
+    return (
+        f"exit {f.code}, {run.requests} requests\n"
+        f"stdout: {f.stdout[-1500:]}\nstderr: {f.stderr[-3000:]}"
+    )
+
+
+@pytest.mark.scenario("storm")
+def test_503_storm_kills_opencode_alone_but_not_through_unbroken(
+    scenarios: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = scenarios.result("storm", timeout=300)
+    alone, relayed = runs["without"], runs["with"]
+    died_after = alone.times[-1] if alone.times else 0.0
+    report(
+        capsys,
+        f"503 storm: OpenCode alone: exit {alone.finished.code} after {alone.requests} requests "
+        f"({died_after:.0f} s from the first to the last); through unbroken: exit "
+        f"{relayed.finished.code}, {relayed.requests} upstream requests, "
+        f"{relayed.finished.stream_errors()} errors seen by OpenCode",
+    )
+    assert alone.finished.code == 1, _fails(alone)
+    assert alone.requests == 6, _fails(alone)  # the first try and OpenCode's 5 retries
+    assert 45 < died_after < 120, alone.times
+    assert relayed.finished.code == 0, _fails(relayed)
+    assert TEXT in relayed.finished.stdout
+    assert relayed.finished.stream_errors() == 0, _fails(relayed)  # OpenCode saw no error
+    assert relayed.requests == 31  # 30 503s absorbed by the relay, then the answer
+
+
+@pytest.mark.scenario("reset_before_output")
+def test_reset_before_output_completes_without_an_opencode_retry(
+    scenarios: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = scenarios.result("reset_before_output", timeout=300)
+    alone, relayed = runs["without"], runs["with"]
+    report(
+        capsys,
+        f"reset before output: OpenCode alone retried {alone.finished.stream_errors()} times "
+        f"(backoff {alone.times[-1]:.1f} s); through unbroken: {relayed.requests} upstream "
+        f"requests in {relayed.times[-1]:.1f} s, {relayed.finished.stream_errors()} OpenCode "
+        "retries",
+    )
+    assert relayed.finished.code == 0, _fails(relayed)
+    assert relayed.finished.stdout.strip().endswith(TEXT), _fails(relayed)
+    assert relayed.finished.stream_errors() == 0, _fails(relayed)
+    assert relayed.requests == 3
+    assert alone.finished.stream_errors() == 2  # the contrast: OpenCode had to retry
+
+
+@pytest.mark.scenario("tool_reset")
+def test_reset_mid_tool_arguments_runs_the_tool_exactly_once(
+    scenarios: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = scenarios.result("tool_reset", timeout=300)["with"]
+    lines = run.extra["marker_lines"]
+    report(
+        capsys,
+        f"reset mid tool arguments: bash ran {len(lines)} time(s); {run.requests} upstream "
+        f"requests; {run.finished.stream_errors()} errors seen by OpenCode",
+    )
+    assert run.finished.code == 0, _fails(run)
+    assert lines == ["ran"], _fails(run)
+    assert run.finished.stream_errors() == 0, _fails(run)
+    assert run.requests == 3  # cut call, its replay, then the turn after the tool result
+
+
+@pytest.mark.scenario("drop_after_output")
+def test_drop_after_output_causes_no_hot_reprompt_loop(
+    scenarios: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = scenarios.result("drop_after_output", timeout=300)
+    alone, relayed = runs["without"], runs["with"]
+    report(
+        capsys,
+        f"drop after output (clean end, no finish), 15 s window: OpenCode alone "
+        f"{alone.extra['per_second']:.1f} requests/s (peak {alone.extra['max_per_second']} in "
+        f"one second); through unbroken {relayed.extra['per_second']:.2f} requests/s (peak "
+        f"{relayed.extra['max_per_second']})",
+    )
+    # The hot loop unbroken exists to prevent (its rate depends on the CPU OpenCode gets).
+    assert alone.extra["per_second"] >= 3 * relayed.extra["per_second"]
+    assert relayed.extra["max_per_second"] <= 2
+    assert relayed.extra["per_second"] < 0.5
+
+
+@pytest.mark.scenario("setup_undo")
+def test_setup_and_undo_round_trip_a_real_opencode_json(
+    scenarios: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = scenarios.result("setup_undo", timeout=300)
+    report(
+        capsys,
+        f"setup/undo: patched, second setup changed nothing, OpenCode went through the relay "
+        f"({r['turns_via_relay']} turn), undo restored {len(r['restored'])} bytes exactly",
+    )
+    assert r["first"].code == 0, r["first"]
+    assert r["patched"] != r["original"]
+    assert b"// my project's OpenCode config" in r["patched"]  # comments kept
+    assert r["backup"] == r["original"]
+    assert r["second"].code == 0 and "nothing to change" in r["second"].stdout
+    assert r["patched_again"] == r["patched"]
+    assert r["through"].code == 0 and TEXT in r["through"].stdout, r["through"]
+    assert r["turns_via_relay"] == 1
+    assert r["undone"].code == 0, r["undone"]
+    assert r["restored"] == r["original"]
+    assert not r["backup_left"]
+    assert r["direct"].code == 0 and TEXT in r["direct"].stdout, r["direct"]
+    assert r["turns_after_undo"] == 1  # the relay saw nothing more
+    assert r["requests"] == 2
+
+
+@pytest.mark.run_last
+@pytest.mark.scenario("seed")
+def test_seed_twenty_drops_after_output_kill_opencode_alone_and_resume_recovers(
+    scenarios: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs: dict[str, SessionRun] = scenarios.result("seed", timeout=400)
+    alone, resumed = runs["without"], runs["with"]
+    report(
+        capsys,
+        f"{SEED_FAILURES} drops after output: without unbroken {alone.turns} provider turns, "
+        f"session {alone.outcome}; with unbroken (relay + resume) {resumed.turns} provider "
+        f"turns, {resumed.outcome} on turn {resumed.recovered_on} after {resumed.resumes} "
+        f"resumes ({resumed.elapsed:.0f} s; peak {resumed.max_per_second} requests/s)",
+    )
+    assert alone.outcome == "dead", alone
+    assert alone.turns == 6, alone.times
+    assert resumed.outcome == "completed", resumed.log[-4000:]
+    assert resumed.turns == SEED_FAILURES + 1, resumed.times
+    assert resumed.recovered_on == SEED_FAILURES + 1
+    assert resumed.resumes == 3  # one per OpenCode retry cycle of 6 failures
+    assert resumed.max_per_second <= 2  # no hot loop
