@@ -165,10 +165,10 @@ def run(quick: bool) -> dict[str, Any]:
         procs.start([*_pin(1), sys.executable, "-m", "unbroken", "mock", "--port", str(mport)],
                     "listening")
         cfg = Path(procs.tmp) / "unbroken.toml"
+        # As shipped (journal on, in a temporary XDG_STATE_HOME), but quiet logs.
         cfg.write_text(
             "[retry]\nverbose = false\n"
             f'[routes.mock]\nupstreams = [{{ url = "http://127.0.0.1:{mport}" }}]\n'
-            + ("[journal]\nenabled = false\n" if "journal" in _config_sections() else "")
         )
         procs.start([*_pin(0), sys.executable, "-m", "unbroken", "serve", "--config", str(cfg),
                      "--port", str(rport)], "relaying on")
@@ -191,12 +191,6 @@ def run(quick: bool) -> dict[str, Any]:
         return res
     finally:
         procs.stop()
-
-
-def _config_sections() -> set[str]:
-    from unbroken import config
-
-    return set(getattr(config, "SECTIONS", set()))
 
 
 def render(res: dict[str, Any], argv: list[str]) -> str:
@@ -236,9 +230,13 @@ def render(res: dict[str, Any], argv: list[str]) -> str:
         f"| messages/s ≥ 0.85× direct | {ratio:.2f}× | {'PASS' if ok_tp else 'MISS'} |",
         f"| added round trip ≤ 0.3 ms | {added:+.2f} ms | {'PASS' if ok_rtt else 'MISS'} |",
         "",
-        "unbroken classifies every message through the commit ledger (control frames are "
-        "held until the first output), keeps per-connection history for "
-        "`previous_response_id`, and answers pings; the bare relay only copies frames.",
+        "unbroken runs as shipped (journal on, in a temporary directory): it classifies every "
+        "message through the commit ledger (control frames are held until the first output), "
+        "keeps per-connection history for `previous_response_id`, journals each turn, and "
+        "answers pings; the bare relay only copies frames. unbroken can exceed direct in "
+        "messages/s because it coalesces the messages that one upstream read delivers into one "
+        "write, which also saves the client a read per message; the mock writes each message "
+        "on its own.",
         "",
     ]
     return "\n".join(lines)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 
@@ -193,11 +194,11 @@ class _Connection:
         while True:
             text = await queue.get()
             try:
-                obj = json.loads(text)
+                obj = orjson.loads(text)
             except ValueError:
                 obj = None
             if isinstance(obj, dict) and obj.get("type") == "response.create":
-                await _Turn(self, obj).run()
+                await _Turn(self, obj, text).run()
             elif self.upstream is not None and not self.upstream.closed:
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     await self.upstream.send_str(text)
@@ -337,10 +338,11 @@ class _StallTimer:
 class _Turn:
     """One ``response.create``: attempts over upstream sockets, one ledger."""
 
-    def __init__(self, conn: _Connection, create: dict[str, Any]) -> None:
+    def __init__(self, conn: _Connection, create: dict[str, Any], text: str) -> None:
         self.conn = conn
         self.relay = conn.relay
         self.create = create
+        self.text = text  # the client's message, forwarded as it is unless rebuilt
         self.ledger = Ledger(
             RESPONSES,
             hold=self.relay.hold,
@@ -515,7 +517,10 @@ class _Turn:
             ws = await conn.connect(up, idx)
         self.socket = conn.socket_gen
         request = conn.history.request_for(self.create, self.socket)
-        await ws.send_str(json.dumps(request, separators=(",", ":")))
+        if request is self.create:
+            await ws.send_str(self.text)
+        else:
+            await ws.send_str(json.dumps(request, separators=(",", ":")))
         self.info.state = "holding"
         with _StallTimer(conn.loop, ws, conn.cfg.stream) as timer:
             while True:
