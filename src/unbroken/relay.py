@@ -38,8 +38,8 @@ from unbroken.policy import (
     is_retryable_status,
     parse_retry_after,
 )
-from unbroken.protocols import Protocol, protocol_for_path, usage_from
-from unbroken.sse import SSESplitter
+from unbroken.protocols import BODY, Protocol, protocol_for_path, usage_from
+from unbroken.sse import Event, SSESplitter
 from unbroken.upstream import (
     UpstreamClient,
     body_for,
@@ -51,6 +51,7 @@ from unbroken.upstream import (
 __all__ = ["ClientGone", "Relay"]
 
 KEEPALIVE = b": keepalive\n\n"
+NO_HOLD = Hold(())
 MAX_ERROR_BODY = 1024 * 1024  # bytes of a retryable error answer kept for pass-through
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -83,7 +84,6 @@ class AttemptLog:
         *,
         status: int | None,
         ledger: Ledger | None,
-        passed_bytes: int = 0,
     ) -> None:
         """Fill in the current attempt's record from the ledger (if it streamed) and report."""
         a = self.current
@@ -101,8 +101,6 @@ class AttemptLog:
             a.hold_seconds = ledger.hold_seconds - hold0
             a.input_tokens, a.output_tokens = usage_from([ledger.first_raw, *ledger.recent])
             a.est_output_tokens = ledger.output_frames
-        else:
-            a.bytes_received = a.bytes_released = passed_bytes
         self.hooks.attempt_ended(self.info, a)
 
 
@@ -193,6 +191,7 @@ class _Turn:
         "_prepare_lock",
         "_side_task",
         "_timer",
+        "attempt_ledger",
         "attempts",
         "body",
         "cfg",
@@ -204,11 +203,9 @@ class _Turn:
         "ledger",
         "loop",
         "parsed",
-        "passed_bytes",
         "pending_headers",
         "protocol",
         "reading",
-        "reading_sse",
         "relay",
         "request",
         "response",
@@ -270,8 +267,7 @@ class _Turn:
         self._bodies: dict[int, bytes] = {}
         self.attempts = AttemptLog(self.info, relay.hooks)
         self.status: int | None = None  # the current attempt's upstream status
-        self.reading_sse = False  # the current attempt streams through the ledger
-        self.passed_bytes = 0  # non-SSE body bytes forwarded in this attempt
+        self.attempt_ledger: Ledger | None = None  # the ledger this attempt's body went through
         self._timer: asyncio.TimerHandle | None = None
         self._side_task: asyncio.Future[Any] | None = None  # an early-headers/keepalive write
         self._closed = False
@@ -374,8 +370,7 @@ class _Turn:
         return failure
 
     def _begin_attempt(self, up: Upstream) -> None:
-        self.reading_sse = False
-        self.passed_bytes = 0
+        self.attempt_ledger = None
         self.attempts.begin(self.retry.attempts, up.name, self.ledger)
 
     def _end_attempt(self, reason: str, phase: str) -> None:
@@ -383,8 +378,7 @@ class _Turn:
             reason,
             phase,
             status=self.status,
-            ledger=self.ledger if self.reading_sse else None,
-            passed_bytes=self.passed_bytes,
+            ledger=self.attempt_ledger,
         )
 
     async def _after_failure(self, up: Upstream, failure: Failure, phase: str) -> None:
@@ -467,38 +461,37 @@ class _Turn:
         self._rearm()
 
     async def _pass_through(self, resp: aiohttp.ClientResponse) -> web.StreamResponse | None:
+        """Forward a non-SSE body as it arrives; the ledger gates replay on the first byte."""
         self._start_reading(resp)
         keep_length = "content-length" in resp.headers
         headers = response_headers(resp.headers, keep_length=keep_length)
         self.pending_headers = (resp.status, headers)
-        sent = False
+        # Every chunk is one frame, released at once: the first byte out commits.
+        ledger = self.attempt_ledger = Ledger(BODY, hold=NO_HOLD)
+        failure: Failure | None = None
         try:
             async for chunk in resp.content.iter_any():
                 self.last_rx = self.loop.time()
                 self.rx_started = True
-                self.passed_bytes += len(chunk)
-                await self._write(chunk)
-                if not sent:
-                    sent = True
-                    self.info.state = "streaming"
+                await self._write(ledger.feed(Event(chunk, None, "")))
+                self.info.state = "streaming"
         except ClientGone:
             raise
         except Exception as exc:
             failure = self._classify(exc)
-            if not sent:
-                self.failure = failure
-                return None
-            # Bytes are out: never let a cut body look complete.
-            self._committed_failure(failure)
-            return self._abort_client()
-        if self.stalled:
-            self.failure = self._classify(TimeoutError())
-            if not sent:
-                return None
-            self._committed_failure(self.failure)
-            return self._abort_client()
-        self.info.outcome = self._ok_outcome() if resp.status < 400 else "passed_through_error"
-        return await self._finish()
+        if failure is None and self.stalled:
+            failure = self._classify(TimeoutError())
+        if failure is None:
+            ledger.ended()
+            self.info.outcome = self._ok_outcome() if resp.status < 400 else "passed_through_error"
+            return await self._finish()
+        ledger.failed(failure.reason)
+        if ledger.verdict is Verdict.REPLAY:
+            self.failure = failure
+            return None
+        # Bytes are out: never let a cut body look complete.
+        self._committed_failure(failure)
+        return self._abort_client()
 
     async def _error_after_early_headers(self, resp: aiohttp.ClientResponse) -> web.StreamResponse:
         body = await self._read_error_body(resp)
@@ -541,7 +534,7 @@ class _Turn:
             ledger.start_attempt()
         self.pending_headers = (resp.status, response_headers(resp.headers, keep_length=False))
         self._start_reading(resp)
-        self.reading_sse = True
+        self.attempt_ledger = ledger
         info = self.info
         info.ledger = ledger
         info.state = "holding" if ledger.state is State.PENDING else "streaming"

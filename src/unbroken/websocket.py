@@ -38,7 +38,13 @@ from multidict import CIMultiDict
 from unbroken.config import Route, Upstream
 from unbroken.hooks import TurnInfo
 from unbroken.ledger import Ledger, Verdict
-from unbroken.policy import Failure, FailureClass, RetryState, classify_exception
+from unbroken.policy import (
+    Failure,
+    FailureClass,
+    RetryState,
+    classify_exception,
+    is_retryable_status,
+)
 from unbroken.protocols import RESPONSES
 from unbroken.relay import AttemptLog
 from unbroken.sse import Event, SSESplitter
@@ -578,7 +584,7 @@ class _Turn:
                 text = (await resp.read())[:4096].decode("utf-8", "replace")
                 self.failure = Failure(FailureClass.STATUS, f"HTTP {resp.status}",
                                        status=resp.status)
-                if resp.status < 500 and resp.status not in (408, 409, 425, 429):
+                if not is_retryable_status(resp.status):
                     # A final answer: pass it on as the WebSocket error event.
                     err = {"type": "error", "status": resp.status,
                            "error": {"type": "invalid_request_error", "message": text}}

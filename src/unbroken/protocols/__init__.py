@@ -13,6 +13,7 @@ from unbroken.sse import Event
 
 __all__ = [
     "ANTHROPIC",
+    "BODY",
     "CHAT",
     "GENERIC",
     "RESPONSES",
@@ -60,6 +61,8 @@ class Protocol:
                 snapshot=snapshot,
                 sequence_number=responses.next_sequence_number(last_raw),
             )
+        if self is BODY:
+            return b""  # a plain body has no error frame: the shell aborts the connection
         return b"event: error\ndata: " + json.dumps({"error": {"message": message}}).encode() + (
             b"\n\n"
         )
@@ -79,6 +82,9 @@ CHAT = Protocol("chat", True, chat.ChatClassifier)
 RESPONSES = Protocol("responses", True, responses.ResponsesClassifier)
 ANTHROPIC = Protocol("anthropic", True, anthropic.AnthropicClassifier, anthropic_errors=True)
 GENERIC = Protocol("generic", False, GenericClassifier)
+#: A non-SSE body (JSON answer, file): each chunk is one UNKNOWN frame, so the
+#: first forwarded byte commits; a failure after it ends with an abort.
+BODY = Protocol("body", False, GenericClassifier)
 
 
 _USAGE_IN = re.compile(rb'"(?:prompt_tokens|input_tokens)"\s*:\s*(\d+)')
