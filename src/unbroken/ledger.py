@@ -51,6 +51,11 @@ in-stream error, a malformed frame):
 
 A terminal error that is not retryable (invalid request, context too long) is
 the provider's answer: it is released as it is, with whatever was held.
+
+Non-SSE bodies (JSON answers, files) go through a ledger too, with protocol
+``BODY`` and nothing held: each chunk is one UNKNOWN frame, so the first byte
+forwarded commits; before it a failure replays, after it the native "error"
+of a plain body is an aborted connection.
 """
 
 from __future__ import annotations
