@@ -365,8 +365,8 @@ async def test_a_dead_turn_is_resumed_with_the_users_prompt(
         "model": {"providerID": "fake", "modelID": "fake-model"},
         "agent": "build",
     })]
-    await asyncio.sleep(0.05)
-    assert resumer.resumes == 1
+    await until(lambda: bool(resumer.outcomes))
+    assert resumer.outcomes == [(SID, "resumed")] and resumer.resumes == 1
     await stopped(resumer, task)
     assert "resume session=ses_1 attempt=1" in caplog.text
     assert "retryable UnknownError" in caplog.text
@@ -381,9 +381,8 @@ async def test_an_abort_is_never_resumed_and_the_reason_is_logged(
     await until(lambda: len(resumer.decisions) >= 1)
     fake.emit(user("msg_u2"), status("busy"), assistant("msg_a2"), text("msg_a2"), RETRY, *IDLE)
     await until(lambda: len(resumer.decisions) >= 2)
-    await asyncio.sleep(0.05)
-    await stopped(resumer, task)
-    assert fake.prompts == []
+    await stopped(resumer, task)  # both decisions are Skips: nothing can follow them
+    assert fake.prompts == [] and resumer.outcomes == []
     assert "no resume session=ses_1 reason='the user aborted the turn" in caplog.text
     assert "aborted during a retry" in caplog.text
 
@@ -397,8 +396,7 @@ async def test_resumes_stop_at_max_attempts_in_a_row(fake: FakeOpenCode) -> None
     fake.on_prompt = again
     fake.emit(*failed_turn())
     await until(lambda: len(resumer.decisions) >= 3)
-    await asyncio.sleep(0.05)
-    await stopped(resumer, task)
+    await stopped(resumer, task)  # the third decision is a Skip: nothing follows it
     assert len(fake.prompts) == 2
     last = resumer.decisions[-1][1]
     assert isinstance(last, Skip) and "UNBROKEN_RESUME_MAX_ATTEMPTS" in last.reason
@@ -409,18 +407,19 @@ async def test_a_new_user_prompt_during_the_delay_cancels_the_resume(fake: FakeO
     fake.emit(*failed_turn())
     await until(lambda: bool(resumer.decisions))
     fake.emit(user("msg_u9"), status("busy"))  # the user typed something else
-    await asyncio.sleep(0.5)
+    await until(lambda: bool(resumer.outcomes))
     await stopped(resumer, task)
     assert fake.prompts == []
+    assert resumer.outcomes[0][1].startswith("cancelled")
 
 
 async def test_a_busy_session_at_send_time_is_left_alone(fake: FakeOpenCode) -> None:
     resumer, task = await started(fake, ResumeSettings(delay_ms=50))
     fake.emit(*failed_turn())
     fake.status[SID] = {"type": "busy"}  # e.g. the TUI started a turn we did not see
-    await asyncio.sleep(0.3)
+    await until(lambda: bool(resumer.outcomes))
     await stopped(resumer, task)
-    assert fake.prompts == []
+    assert fake.prompts == [] and resumer.outcomes == [(SID, "busy")]
 
 
 async def test_reconnects_after_the_event_stream_drops(fake: FakeOpenCode) -> None:

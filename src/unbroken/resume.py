@@ -422,6 +422,8 @@ class Resumer:
         self.sessions: dict[str, _Session] = {}
         self.resumes = 0
         self.decisions: list[tuple[str, Decision]] = []
+        #: how each decided resume ended: resumed | cancelled: why | busy | no prompt | failed
+        self.outcomes: list[tuple[str, str]] = []
         self.connected = asyncio.Event()
         self._stop = asyncio.Event()
         self._http: aiohttp.ClientSession | None = None
@@ -549,6 +551,7 @@ class Resumer:
             state.pending.cancel()
             if state.decided:
                 log.info("no resume session=%s reason=%r", sid, f"cancelled: {why}")
+                self.outcomes.append((sid, f"cancelled: {why}"))
         state.pending = None
         state.decided = False
 
@@ -591,10 +594,12 @@ class Resumer:
             if await self._busy(http, sid):
                 log.info("no resume session=%s reason=%r", sid,
                          "the session is busy again: the user moved on")
+                self.outcomes.append((sid, "busy"))
                 return
             body = await self._last_prompt(http, sid)
             if body is None:
                 log.info("no resume session=%s reason=%r", sid, "no user prompt to re-send")
+                self.outcomes.append((sid, "no prompt"))
                 return
             state.own_prompt = True
             state.attempts = attempt
@@ -605,11 +610,14 @@ class Resumer:
                     text = _short(await r.text(), 200)
                     log.warning("resume session=%s failed: POST prompt_async answered %d %s",
                                 sid, r.status, text)
+                    self.outcomes.append((sid, "failed"))
                     return
             self.resumes += 1
+            self.outcomes.append((sid, "resumed"))
             log.info("resumed session=%s attempt=%d: re-sent the last prompt", sid, attempt)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             state.own_prompt = False
+            self.outcomes.append((sid, "failed"))
             log.warning("resume session=%s failed: %s", sid, type(exc).__name__)
         finally:
             state.sending = False
