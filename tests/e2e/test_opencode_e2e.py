@@ -57,7 +57,7 @@ def test_reset_before_output_completes_without_an_opencode_retry(
     alone, relayed = runs["without"], runs["with"]
     report(
         capsys,
-        f"reset before output: OpenCode alone retried {alone.finished.stream_errors()} times "
+        f"reset before output: OpenCode alone retried {alone.requests - 1} times "
         f"(backoff {alone.times[-1]:.1f} s); through unbroken: {relayed.requests} upstream "
         f"requests in {relayed.times[-1]:.1f} s, {relayed.finished.stream_errors()} OpenCode "
         "retries",
@@ -66,7 +66,10 @@ def test_reset_before_output_completes_without_an_opencode_retry(
     assert relayed.finished.stdout.strip().endswith(TEXT), _fails(relayed)
     assert relayed.finished.stream_errors() == 0, _fails(relayed)
     assert relayed.requests == 3
-    assert alone.finished.stream_errors() == 2  # the contrast: OpenCode had to retry
+    # The contrast: alone, OpenCode saw the failures and had to retry twice itself.
+    # (Its "stream error" log line is not printed for every failure: count requests.)
+    assert alone.requests == 3, _fails(alone)
+    assert alone.finished.stream_errors() >= 1, _fails(alone)
 
 
 @pytest.mark.scenario("tool_reset")
