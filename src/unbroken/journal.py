@@ -18,9 +18,9 @@ See docs/observability.md for the schema.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
-import queue
 import sqlite3
 import threading
 import time
@@ -148,7 +148,11 @@ class Journal(Hooks):
         self.batch_window_s = batch_window_s
         self.max_pending = max_pending
         self._connect = connect
-        self._q: queue.SimpleQueue[_Op] = queue.SimpleQueue()
+        # A deque, not a queue.Queue: appending never wakes the writer thread (which
+        # would fight the event loop for the GIL on every hook call); the writer
+        # drains it every batch window, or at once when _wake is set (flush, stop).
+        self._q: collections.deque[_Op] = collections.deque()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
         self._waits: dict[int, float] = {}
@@ -179,7 +183,8 @@ class Journal(Hooks):
             if not done.done():
                 done.set_result(None)
 
-        self._q.put(("flush", lambda: loop.call_soon_threadsafe(_set)))
+        self._q.append(("flush", lambda: loop.call_soon_threadsafe(_set)))
+        self._wake.set()
         await done
 
     async def aclose(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109
@@ -190,7 +195,8 @@ class Journal(Hooks):
         thread = self._thread
         if thread is None:
             return
-        self._q.put(("stop", None))
+        self._q.append(("stop", None))
+        self._wake.set()
         await asyncio.to_thread(thread.join, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -199,7 +205,8 @@ class Journal(Hooks):
             return
         self._closed = True
         if self._thread is not None:
-            self._q.put(("stop", None))
+            self._q.append(("stop", None))
+            self._wake.set()
             self._thread.join(timeout)
 
     def status(self) -> dict[str, Any]:
@@ -207,18 +214,18 @@ class Journal(Hooks):
             "path": str(self.path),
             "healthy": self.healthy,
             "dropped": self.dropped,
-            "pending": self._q.qsize(),
+            "pending": len(self._q),
         }
 
     # -- hooks (event loop: copy facts, enqueue, return) --------------------------------
     def _put(self, op: _Op) -> None:
         if self._closed:
             return
-        if self._q.qsize() >= self.max_pending:
+        if len(self._q) >= self.max_pending:
             self.dropped += 1
             self._warn("the writer is behind (queue full)")
             return
-        self._q.put(op)
+        self._q.append(op)
 
     def _uid(self, turn: TurnInfo) -> str:
         return f"{self.run}:{turn.id}"
@@ -274,29 +281,24 @@ class Journal(Hooks):
     # -- writer thread -------------------------------------------------------------------
     def _run(self) -> None:
         stopping = False
+        q = self._q
         while not stopping:
-            try:
-                item = self._q.get(timeout=PRUNE_EVERY_S)
-            except queue.Empty:
-                self._maintain()
-                continue
+            self._wake.wait(self.batch_window_s)
+            self._wake.clear()
             batch: list[_Op] = []
             waiters: list[Callable[[], None]] = []
-            deadline = time.monotonic() + self.batch_window_s
-            while True:
+            while q:
+                item = q.popleft()
                 kind = item[0]
                 if kind == "stop":
                     stopping = True
                     break
                 if kind == "flush":
                     waiters.append(item[1])
-                    break
+                    break  # rows queued after the flush wait for the next round
                 batch.append(item)
-                remaining = deadline - time.monotonic()
-                try:
-                    item = self._q.get(timeout=remaining) if remaining > 0 else self._q.get_nowait()
-                except queue.Empty:
-                    break
+            if q and not stopping:
+                self._wake.set()  # more to do: no need to wait out the window
             if batch:
                 self._write(batch)
             self._maintain()
