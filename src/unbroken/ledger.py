@@ -67,7 +67,7 @@ from unbroken.protocols import Protocol
 from unbroken.protocols.base import Classifier, Kind
 from unbroken.sse import Event
 
-__all__ = ["HOLD_CHOICES", "Hold", "Ledger", "State", "Verdict"]
+__all__ = ["HOLD_CHOICES", "MALFORMED", "PASSED_THROUGH", "Hold", "Ledger", "State", "Verdict"]
 
 
 class State(enum.Enum):
@@ -75,6 +75,12 @@ class State(enum.Enum):
     COMMITTED = "committed"  # something released; never replay
     DONE = "done"  # the success terminal was released
     FAILED = "failed"  # ended with an error event (ours or the provider's)
+
+
+#: ``fail_reason`` of a frame the classifier could not parse
+MALFORMED = "malformed frame"
+#: ``fail_reason`` when the provider's own final error was released as it was
+PASSED_THROUGH = "provider error (passed through)"
 
 
 class Verdict(enum.Enum):
@@ -194,6 +200,11 @@ class Ledger:
     def replayable(self) -> bool:
         return self.state is State.PENDING
 
+    @property
+    def passed_through(self) -> bool:
+        """The turn ended with the provider's own final error, released as it was."""
+        return self.fail_reason == PASSED_THROUGH
+
     # -- frames -----------------------------------------------------------------
     def feed(self, event: Event) -> bytes:
         """Classify one upstream frame; return the bytes to release now.
@@ -221,7 +232,7 @@ class Ledger:
             self.output_frames += 1
 
         if kinds & Kind.MALFORMED:
-            self.fail_reason = "malformed frame"
+            self.fail_reason = MALFORMED
             return self._fail("malformed frame from upstream")
         if kinds & Kind.TERMINAL_ERROR:
             if kinds & Kind.RETRYABLE:
@@ -234,7 +245,7 @@ class Ledger:
             out = self._release_held(raw)
             self.state = State.FAILED
             self.verdict = Verdict.FAIL
-            self.fail_reason = "provider error (passed through)"
+            self.fail_reason = PASSED_THROUGH
             return out
         if kinds & Kind.TERMINAL_OK:
             out = self._release_held(raw)

@@ -23,13 +23,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
 from unbroken.config import Config, Route, Upstream
 from unbroken.hooks import AttemptInfo, Hooks, TurnInfo
-from unbroken.ledger import Hold, Ledger, State, Verdict
+from unbroken.ledger import MALFORMED, Hold, Ledger, State, Verdict
 from unbroken.policy import (
     Failure,
     FailureClass,
@@ -39,6 +38,7 @@ from unbroken.policy import (
     parse_retry_after,
 )
 from unbroken.protocols import BODY, Protocol, protocol_for_path, usage_from
+from unbroken.protocols.base import loads_object
 from unbroken.sse import Event, SSESplitter
 from unbroken.upstream import (
     UpstreamClient,
@@ -172,16 +172,6 @@ class Relay:
         await self.client.close()
 
 
-def _parse_json(body: bytes, content_type: str) -> dict[str, Any] | None:
-    if not body or "json" not in content_type:
-        return None
-    try:
-        obj = orjson.loads(body)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
 class _Turn:
     """The attempts of one client request."""
 
@@ -229,7 +219,8 @@ class _Turn:
         self.rest = rest
         self.body = body
         self.protocol: Protocol = protocol_for_path(rest)
-        parsed = _parse_json(body, request.headers.get("content-type", ""))
+        ctype = request.headers.get("content-type", "")
+        parsed = loads_object(body) if "json" in ctype else None
         if parsed is not None:
             self.stream = parsed.get("stream") is True
         else:
@@ -318,7 +309,6 @@ class _Turn:
             self._begin_attempt(up)
             self.failure = None
             self.status = None
-            phase = "connect"
             try:
                 resp = await self._open(up)
             except Exception as exc:
@@ -495,7 +485,7 @@ class _Turn:
 
     async def _error_after_early_headers(self, resp: aiohttp.ClientResponse) -> web.StreamResponse:
         body = await self._read_error_body(resp)
-        obj = _parse_json(body, "json")
+        obj = loads_object(body)
         err: Any = obj.get("error") if obj else None
         if self.protocol.anthropic_errors:
             payload = obj if obj and obj.get("type") == "error" else {
@@ -566,7 +556,7 @@ class _Turn:
                 if verdict is Verdict.REPLAY:
                     self.failure = Failure(
                         FailureClass.MALFORMED
-                        if ledger.fail_reason == "malformed frame"
+                        if ledger.fail_reason == MALFORMED
                         else FailureClass.STREAM_ERROR,
                         ledger.fail_reason,
                     )
@@ -607,7 +597,7 @@ class _Turn:
 
     async def _ended_with_error(self, ledger: Ledger) -> web.StreamResponse:
         """FAIL verdict from a frame: the error bytes were already written with the frame."""
-        if ledger.fail_reason == "provider error (passed through)":
+        if ledger.passed_through:
             self.info.outcome = "passed_through_error"
         else:
             self._committed_failure(Failure(FailureClass.STREAM_ERROR, ledger.fail_reason))

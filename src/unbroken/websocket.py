@@ -488,7 +488,8 @@ class _Turn:
         ledger = self.ledger
         released = ledger.feed(event)
         verdict = ledger.verdict
-        if verdict is Verdict.FAIL and ledger.error_bytes and released == ledger.error_bytes:
+        if verdict is Verdict.FAIL and not ledger.passed_through:
+            # our own native error (a retryable failure after commit), not the provider's
             await self._end_with_error(released, Failure(FailureClass.STREAM_ERROR,
                                                          ledger.fail_reason))
             return verdict

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from unbroken.policy import RETRY_STATUSES
 from unbroken.sse import Event
 
-_loads: Callable[[str], Any]
+_loads: Callable[[str | bytes], Any]
 try:  # orjson parses a stream chunk several times faster; json is the fallback
     import orjson
 
@@ -86,7 +86,7 @@ def looks_like_object(data: str | None) -> bool:
     return data is not None and data.startswith("{") and data.rstrip().endswith("}")
 
 
-def loads_object(data: str | None) -> dict[str, Any] | None:
+def loads_object(data: str | bytes | None) -> dict[str, Any] | None:
     """Parse a JSON object, or return None when it is not one."""
     if not data:
         return None
