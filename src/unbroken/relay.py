@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import time
 from collections.abc import Iterator
@@ -485,29 +484,7 @@ class _Turn:
 
     async def _error_after_early_headers(self, resp: aiohttp.ClientResponse) -> web.StreamResponse:
         body = await self._read_error_body(resp)
-        obj = loads_object(body)
-        err: Any = obj.get("error") if obj else None
-        if self.protocol.anthropic_errors:
-            payload = obj if obj and obj.get("type") == "error" else {
-                "type": "error",
-                "error": {"type": "api_error", "message": f"upstream HTTP {resp.status}"},
-            }
-            frame = b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
-        elif self.protocol.name == "responses":
-            e = err if isinstance(err, dict) else {}
-            payload = {
-                "type": "error",
-                "code": e.get("code") or e.get("type") or str(resp.status),
-                "message": e.get("message") or f"upstream HTTP {resp.status}",
-                "param": e.get("param"),
-            }
-            frame = b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
-        else:
-            payload = {"error": err} if isinstance(err, dict) else {
-                "error": {"message": f"upstream HTTP {resp.status}", "type": "upstream_error"}
-            }
-            frame = b"data: " + json.dumps(payload).encode() + b"\n\n"
-        await self._write(frame)
+        await self._write(self.protocol.final_error_frame(resp.status, body))
         self.info.outcome = "passed_through_error"
         return await self._finish()
 

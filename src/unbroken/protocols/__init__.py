@@ -6,9 +6,10 @@ import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from unbroken.protocols import anthropic, chat, responses
-from unbroken.protocols.base import Classifier, Kind, kind_names
+from unbroken.protocols.base import Classifier, Kind, kind_names, loads_object
 from unbroken.sse import Event
 
 __all__ = [
@@ -66,6 +67,34 @@ class Protocol:
         return b"event: error\ndata: " + json.dumps({"error": {"message": message}}).encode() + (
             b"\n\n"
         )
+
+    def final_error_frame(self, status: int, body: bytes) -> bytes:
+        """A non-retryable HTTP answer, re-sent as the protocol's in-stream error event.
+
+        Used when SSE headers already went out (early headers), so the status can
+        no longer be sent as a status.  The provider's own error object is kept.
+        """
+        obj = loads_object(body)
+        err: Any = obj.get("error") if obj else None
+        if self.anthropic_errors:
+            payload: dict[str, Any] = obj if obj and obj.get("type") == "error" else {
+                "type": "error",
+                "error": {"type": "api_error", "message": f"upstream HTTP {status}"},
+            }
+            return b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
+        if self is RESPONSES:
+            e = err if isinstance(err, dict) else {}
+            payload = {
+                "type": "error",
+                "code": e.get("code") or e.get("type") or str(status),
+                "message": e.get("message") or f"upstream HTTP {status}",
+                "param": e.get("param"),
+            }
+            return b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
+        payload = {"error": err} if isinstance(err, dict) else {
+            "error": {"message": f"upstream HTTP {status}", "type": "upstream_error"}
+        }
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
     def error_body(self, message: str, *, type_: str = "upstream_unavailable") -> bytes:
         """A JSON error body in the protocol's style (for non-streamed failures)."""
