@@ -102,6 +102,53 @@ class AttemptLog:
             a.est_output_tokens = ledger.output_frames
         self.hooks.attempt_ended(self.info, a)
 
+    def failed(
+        self,
+        failure: Failure,
+        phase: str,
+        retry: RetryState,
+        now: float,
+        *,
+        status: int | None,
+        ledger: Ledger | None,
+    ) -> float | None:
+        """An attempt failed before commit: record it; return the wait, or None to give up."""
+        info = self.info
+        upstream = self.current.upstream if self.current is not None else info.upstream
+        self.end(failure.label, phase, status=status, ledger=ledger)
+        info.last_failure = failure.label
+        if retry.exhausted():
+            self.hooks.attempt_failed(info, upstream, failure, phase=phase, wait_s=None)
+            return None
+        wait = retry.record_failure(failure, now)
+        info.next_retry_at = time.time() + wait
+        info.state = "waiting"
+        self.hooks.attempt_failed(info, upstream, failure, phase=phase, wait_s=wait)
+        return wait
+
+    def open(self, inflight: set[TurnInfo]) -> None:
+        """The turn starts: it is in flight."""
+        inflight.add(self.info)
+        self.hooks.turn_started(self.info)
+
+    def close(
+        self, inflight: set[TurnInfo], *, phase: str, status: int | None, ledger: Ledger | None
+    ) -> None:
+        """The turn ends: settle its outcome and its last attempt, and report it.
+
+        ``phase`` labels a last attempt still open when the turn did not end ok.
+        """
+        info = self.info
+        if info.outcome is None:
+            info.outcome = "aborted_by_client"
+        ok = info.outcome in ("ok", "recovered")
+        self.end("ok" if ok else info.outcome, "" if ok else phase, status=status, ledger=ledger)
+        inflight.discard(info)
+        info.state = "done"
+        info.ended = time.time()
+        info.ledger = None
+        self.hooks.turn_ended(info)
+
 
 class ClientGone(Exception):
     """The client went away while we were writing to it."""
@@ -264,9 +311,7 @@ class _Turn:
 
     # -- the loop ------------------------------------------------------------------
     async def run(self) -> web.StreamResponse:
-        relay = self.relay
-        relay.inflight.add(self.info)
-        relay.hooks.turn_started(self.info)
+        self.attempts.open(self.relay.inflight)
         self._tick()
         try:
             return await self._attempts()
@@ -283,16 +328,12 @@ class _Turn:
                 self._timer.cancel()
             if self._side_task is not None:
                 self._side_task.cancel()
-            relay.inflight.discard(self.info)
-            info = self.info
-            if info.outcome is None:
-                info.outcome = "aborted_by_client"
-            ok = info.outcome in ("ok", "recovered")
-            self._end_attempt("ok" if ok else info.outcome, "" if ok else "committed")
-            info.state = "done"
-            info.ended = time.time()
-            info.ledger = None
-            relay.hooks.turn_ended(info)
+            self.attempts.close(
+                self.relay.inflight,
+                phase="committed",
+                status=self.status,
+                ledger=self.attempt_ledger,
+            )
 
     async def _attempts(self) -> web.StreamResponse:
         route, retry = self.route, self.retry
@@ -313,7 +354,7 @@ class _Turn:
             except Exception as exc:
                 failure = self._classify(exc, header_phase=True)
                 phase = "headers" if failure.cls is FailureClass.HEADER_TIMEOUT else "connect"
-                await self._after_failure(up, failure, phase)
+                await self._after_failure(failure, phase)
                 continue
             try:
                 result = await self._answer(resp)
@@ -326,7 +367,7 @@ class _Turn:
             phase = "stall" if self.failure.cls is FailureClass.STALL else (
                 "headers" if self.failure.cls is FailureClass.STATUS else "pending"
             )
-            await self._after_failure(up, self.failure, phase)
+            await self._after_failure(self.failure, phase)
 
     async def _open(self, up: Upstream) -> aiohttp.ClientResponse:
         req = self.request
@@ -370,19 +411,17 @@ class _Turn:
             ledger=self.attempt_ledger,
         )
 
-    async def _after_failure(self, up: Upstream, failure: Failure, phase: str) -> None:
-        self._end_attempt(failure.label, phase)
-        self.info.last_failure = failure.label
-        if self.retry.exhausted():
-            self.failure = failure
-            self.relay.hooks.attempt_failed(self.info, up.name, failure, phase=phase, wait_s=None)
-            return
-        wait = self.retry.record_failure(failure, self.loop.time())
-        self.info.next_retry_at = time.time() + wait
-        self.info.state = "waiting"
-        self.relay.hooks.attempt_failed(self.info, up.name, failure, phase=phase, wait_s=wait)
+    async def _after_failure(self, failure: Failure, phase: str) -> None:
         self.failure = failure
-        if wait > 0:
+        wait = self.attempts.failed(
+            failure,
+            phase,
+            self.retry,
+            self.loop.time(),
+            status=self.status,
+            ledger=self.attempt_ledger,
+        )
+        if wait:
             await asyncio.sleep(wait)
 
     async def _give_up(self) -> web.StreamResponse:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -376,9 +375,8 @@ class _Turn:
         self.socket: int | None = None  # the upstream socket of this attempt (None: HTTP)
 
     async def run(self) -> None:
-        relay, info = self.relay, self.info
-        relay.inflight.add(info)
-        relay.hooks.turn_started(info)
+        info = self.info
+        self.attempts.open(self.relay.inflight)
         try:
             await self._attempts()
         except asyncio.CancelledError:
@@ -387,14 +385,8 @@ class _Turn:
         except (ConnectionError, RuntimeError):
             info.outcome = "aborted_by_client"  # writing to the client failed
         finally:
-            if info.outcome is None:
-                info.outcome = "aborted_by_client"
-            ok = info.outcome in ("ok", "recovered")
-            self._end_attempt("ok" if ok else info.outcome, "")
-            relay.inflight.discard(info)
-            info.state = "done"
-            info.ended = time.time()
-            relay.hooks.turn_ended(info)
+            status = self.failure.status if self.failure is not None else None
+            self.attempts.close(self.relay.inflight, phase="", status=status, ledger=self.ledger)
 
     def _begin_attempt(self, up: Upstream) -> None:
         self.attempts.begin(self.retry.attempts, up.name, self.ledger)
@@ -457,14 +449,11 @@ class _Turn:
                 phase = "connect"
             else:
                 phase = "pending"
-            self._end_attempt(failure.label, phase)
-            if retry.exhausted():
-                self.relay.hooks.attempt_failed(info, up.name, failure, phase=phase, wait_s=None)
-                continue
-            wait = retry.record_failure(failure, conn.loop.time())
-            info.last_failure, info.next_retry_at = failure.label, time.time() + wait
-            self.relay.hooks.attempt_failed(info, up.name, failure, phase=phase, wait_s=wait)
-            if wait > 0:
+            status = failure.status
+            wait = self.attempts.failed(
+                failure, phase, retry, conn.loop.time(), status=status, ledger=self.ledger
+            )
+            if wait:
                 await asyncio.sleep(wait)
 
     def _start_fallback(self, reason: str) -> None:
