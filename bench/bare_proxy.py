@@ -21,22 +21,10 @@ import signal
 import aiohttp
 from aiohttp import web
 
-_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-_DROP_REQUEST = _HOP | {"host", "content-length"}
-_DROP_RESPONSE = _HOP | {"content-length", "date", "server"}
+from unbroken.upstream import HOP_BY_HOP  # the same RFC 9110 list the relay drops
+
+_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length"}
+_DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM_KEY = web.AppKey("upstream", str)
