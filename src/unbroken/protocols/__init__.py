@@ -33,7 +33,7 @@ class GenericClassifier:
     __slots__ = ()
 
     def classify(self, event: Event) -> tuple[int, int]:
-        if event.data is None and event.name is None:
+        if event.is_comment:
             return Kind.CONTROL, 0
         return Kind.UNKNOWN, 0
 
