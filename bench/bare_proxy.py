@@ -21,7 +21,7 @@ import signal
 import aiohttp
 from aiohttp import web
 
-from unbroken.upstream import HOP_BY_HOP  # the same RFC 9110 list the relay drops
+from unbroken.relay.upstream import HOP_BY_HOP  # the same RFC 9110 list the relay drops
 
 _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length"}
 _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}

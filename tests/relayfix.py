@@ -7,8 +7,8 @@ import dataclasses
 from typing import Any
 
 from unbroken.config import parse_config
-from unbroken.hooks import Hooks, TurnInfo
-from unbroken.server import RelayServer
+from unbroken.observe.hooks import Hooks, TurnInfo
+from unbroken.relay.server import RelayServer
 
 
 class Recorder(Hooks):

@@ -16,7 +16,7 @@ from unbroken.config import (
     parse_config,
     validate_url,
 )
-from unbroken.policy import RetryPolicy
+from unbroken.core.policy import RetryPolicy
 
 SECRET = "sk-live-0123456789abcdef-SECRET"
 

@@ -9,7 +9,7 @@ import sys
 
 from unbroken.cli import main
 from unbroken.demo import run_demo, storms
-from unbroken.stats import compute_stats
+from unbroken.observe.stats import compute_stats
 
 
 async def test_demo_json_command():

@@ -22,11 +22,11 @@ __all__ = ["main", "setup_logging"]
 
 #: Feature modules whose ``register(subparsers)`` adds commands.
 COMMAND_MODULES: tuple[str, ...] = (
-    "unbroken.stats",
-    "unbroken.status",
+    "unbroken.observe.stats",
+    "unbroken.observe.status",
     "unbroken.demo",
-    "unbroken.opencode",
-    "unbroken.resume",
+    "unbroken.opencode.launcher",
+    "unbroken.opencode.resume",
 )
 
 
@@ -40,7 +40,7 @@ def setup_logging() -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from unbroken.server import serve
+    from unbroken.relay.server import serve
 
     try:
         config = load_config(args.config)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from unbroken.ledger import HOLD_CHOICES
-from unbroken.policy import RetryPolicy
+from unbroken.core.ledger import HOLD_CHOICES
+from unbroken.core.policy import RetryPolicy
 
 __all__ = [
     "BUILTIN_ROUTES",

@@ -37,8 +37,8 @@ from oc_harness import (
 )
 
 from unbroken.config import parse_config
-from unbroken.hooks import Hooks, TurnInfo
-from unbroken.server import RelayServer
+from unbroken.observe.hooks import Hooks, TurnInfo
+from unbroken.relay.server import RelayServer
 
 TEXT = "Hello from the mock provider."
 SEED_FAILURES = 20

@@ -1,0 +1,355 @@
+"""The commit ledger: the only place that decides when a turn may be replayed.
+
+Theory of operation
+===================
+A streamed turn can fail at any point: before any byte, after the provider's
+``response.created``, in the middle of a tool call's arguments, after text has
+streamed.  Replaying is safe exactly when the client has *received* nothing it
+could act on, so the ledger keys every decision on what unbroken has
+*released* to the client, never on what it received from upstream.  The proof
+of safety is therefore in this module, not in any client's parser.
+
+Each upstream frame is classified by the protocol's table (`protocols/`) and
+fed here.  The ledger answers with the bytes to release now (possibly none)
+and moves through four states::
+
+    PENDING --(first release)--> COMMITTED --(terminal ok)--> DONE
+       |  \\                         \\--(failure)--> FAILED  (native error sent)
+       |   \\--(terminal ok)--> DONE
+       \\--(failure)--> replay: held frames are dropped, a fresh attempt starts
+
+Hold rules (``[stream] hold``):
+
+* ``control``   CONTROL frames (``response.created``, ``message_start``, pings,
+  role-only chunks) are held while PENDING and released, in order, just before
+  the first release of output or of a complete tool call.  A dead attempt's
+  ``response.created`` therefore never reaches the client.
+* ``tool_calls`` a tool call is held from TOOL_START to its TOOL_END and then
+  released whole (the dispatch gate): no client can have dispatched a call it
+  never received, so a failure mid-arguments is replayable while PENDING.
+  Frames arriving while a call is open are held behind it, to keep order.
+* ``reasoning`` REASONING frames are held too while PENDING.
+* ``all``       everything is held until TERMINAL_OK: nothing streams, and
+  every failure is replayable.
+
+OUTPUT (and UNKNOWN, the conservative reading of any frame we do not know) is
+released at once and commits.  Releasing *anything* commits: once a byte of
+this attempt is visible, no other attempt's bytes may follow it.  If held
+frames exceed ``max_hold_bytes`` they are released and the turn commits.
+
+Failures (reset, stall, clean end without a terminal frame, a retryable
+in-stream error, a malformed frame):
+
+* PENDING   -> ``Verdict.REPLAY``: the shell retries the request; nothing held
+  is ever sent.
+* COMMITTED -> ``Verdict.FAIL``: never replay.  ``error_bytes`` holds the
+  protocol-native, retryable error event; the stream then ends.  A truncated
+  turn never ends with ``[DONE]``, ``finish_reason``, ``response.completed``,
+  ``message_stop`` or a bare clean end of body.
+* DONE      -> the turn completed; a failure afterwards (say before ``[DONE]``)
+  only ends the stream.
+
+A terminal error that is not retryable (invalid request, context too long) is
+the provider's answer: it is released as it is, with whatever was held.
+
+Non-SSE bodies (JSON answers, files) go through a ledger too, with protocol
+``BODY`` and nothing held: each chunk is one UNKNOWN frame, so the first byte
+forwarded commits; before it a failure replays, after it the native "error"
+of a plain body is an aborted connection.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+
+from unbroken.core.protocols import Protocol
+from unbroken.core.protocols.base import Classifier, Kind
+from unbroken.core.sse import Event
+
+__all__ = ["HOLD_CHOICES", "MALFORMED", "PASSED_THROUGH", "Hold", "Ledger", "State", "Verdict"]
+
+
+class State(enum.Enum):
+    PENDING = "pending"  # nothing released; only held frames
+    COMMITTED = "committed"  # something released; never replay
+    DONE = "done"  # the success terminal was released
+    FAILED = "failed"  # ended with an error event (ours or the provider's)
+
+
+#: ``fail_reason`` of a frame the classifier could not parse
+MALFORMED = "malformed frame"
+#: ``fail_reason`` when the provider's own final error was released as it was
+PASSED_THROUGH = "provider error (passed through)"
+
+
+class Verdict(enum.Enum):
+    CONTINUE = "continue"  # keep reading this attempt
+    DONE = "done"  # terminal ok released; forward what follows, then end cleanly
+    REPLAY = "replay"  # drop this attempt, nothing was released: retry the request
+    FAIL = "fail"  # send error_bytes (if any) and end the stream; no replay
+
+
+HOLD_CHOICES = frozenset({"control", "tool_calls", "reasoning", "all"})
+
+
+class Hold:
+    """The parsed ``[stream] hold`` setting as kind masks."""
+
+    __slots__ = ("all", "pending_mask", "tools")
+
+    def __init__(self, names: Iterable[str] = ("control", "tool_calls")) -> None:
+        names = set(names)
+        unknown = names - HOLD_CHOICES
+        if unknown:
+            raise ValueError(f"unknown hold choice(s): {sorted(unknown)}")
+        self.all = "all" in names
+        self.tools = self.all or "tool_calls" in names
+        mask = 0
+        if self.all or "control" in names:
+            mask |= Kind.CONTROL
+        if self.all or "reasoning" in names:
+            mask |= Kind.REASONING
+        #: kinds held while PENDING (a frame is held only if *all* its kinds are)
+        self.pending_mask = mask
+
+
+# What each failure does in each state: the decision table.
+_ON_FAILURE: dict[State, Verdict] = {
+    State.PENDING: Verdict.REPLAY,
+    State.COMMITTED: Verdict.FAIL,
+    State.DONE: Verdict.DONE,
+    State.FAILED: Verdict.FAIL,
+}
+
+
+class Ledger:
+    """Per-turn release/hold/replay decisions.  Feed frames, act on the answers."""
+
+    __slots__ = (
+        "_classifier",
+        "_clock",
+        "_held",
+        "_held_since",
+        "_last_raw",
+        "_tool_mark",
+        "error_bytes",
+        "fail_reason",
+        "first_raw",
+        "held_bytes",
+        "hold",
+        "hold_overflowed",
+        "hold_seconds",
+        "max_hold_bytes",
+        "open_tools",
+        "output_frames",
+        "protocol",
+        "received_bytes",
+        "received_frames",
+        "recent",
+        "released_bytes",
+        "released_frames",
+        "state",
+        "verdict",
+    )
+
+    def __init__(
+        self,
+        protocol: Protocol,
+        *,
+        hold: Hold | None = None,
+        max_hold_bytes: int = 8 * 1024 * 1024,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.protocol = protocol
+        self.hold = hold or Hold()
+        self.max_hold_bytes = max_hold_bytes
+        self._clock = clock
+        self.state = State.PENDING
+        self.verdict = Verdict.CONTINUE
+        self.error_bytes = b""
+        self.fail_reason = ""
+        self.hold_overflowed = False
+        # per-turn release accounting
+        self.released_bytes = 0
+        self.released_frames = 0
+        self.hold_seconds = 0.0
+        self.start_attempt()
+
+    # -- attempts ---------------------------------------------------------------
+    def start_attempt(self) -> None:
+        """Begin a fresh upstream attempt.  Only legal before anything was released."""
+        if self.state is not State.PENDING:
+            raise RuntimeError(f"cannot start a new attempt in state {self.state.value}")
+        self._classifier: Classifier = self.protocol.new_classifier()
+        self._held: list[bytes] = []
+        self._held_since: float | None = None
+        self._last_raw: bytes | None = None
+        self._tool_mark = 0
+        self.held_bytes = 0
+        self.open_tools = 0
+        self.received_frames = 0
+        self.received_bytes = 0
+        self.output_frames = 0  # frames of output, reasoning or tool calls this attempt
+        #: the first frame and the last few of this attempt (where providers report usage)
+        self.first_raw = b""
+        self.recent: list[bytes] = []  # at most 4 (a list: a deque allocates 64 slots)
+        self.verdict = Verdict.CONTINUE
+
+    @property
+    def replayable(self) -> bool:
+        return self.state is State.PENDING
+
+    @property
+    def passed_through(self) -> bool:
+        """The turn ended with the provider's own final error, released as it was."""
+        return self.fail_reason == PASSED_THROUGH
+
+    # -- frames -----------------------------------------------------------------
+    def feed(self, event: Event) -> bytes:
+        """Classify one upstream frame; return the bytes to release now.
+
+        After the call, ``verdict`` says what the shell must do next.
+        """
+        raw = event.raw
+        self.received_frames += 1
+        self.received_bytes += len(raw)
+        self._last_raw = raw
+        if self.received_frames == 1:
+            self.first_raw = raw
+        recent = self.recent
+        recent.append(raw)
+        if len(recent) > 4:
+            del recent[0]
+        state = self.state
+        if state is State.DONE:  # trailing frames after the terminal (usage, [DONE])
+            return self._emit(raw, 1)
+        if state is State.FAILED:
+            return b""
+        tools_before = self.open_tools
+        kinds, self.open_tools = self._classifier.classify(event)
+        if kinds & Kind.COMMITTING:
+            self.output_frames += 1
+
+        if kinds & Kind.MALFORMED:
+            self.fail_reason = MALFORMED
+            return self._fail("malformed frame from upstream")
+        if kinds & Kind.TERMINAL_ERROR:
+            if kinds & Kind.RETRYABLE:
+                self.fail_reason = "in-stream error"
+                return self._fail("upstream sent an error in the stream")
+            # The provider's final answer: pass it through with what was held,
+            # except a partial tool call, which no client may see.
+            if self.open_tools:
+                del self._held[self._tool_mark :]
+            out = self._release_held(raw)
+            self.state = State.FAILED
+            self.verdict = Verdict.FAIL
+            self.fail_reason = PASSED_THROUGH
+            return out
+        if kinds & Kind.TERMINAL_OK:
+            out = self._release_held(raw)
+            self.state = State.DONE
+            self.verdict = Verdict.DONE
+            return out
+
+        hold = self.hold
+        if self.open_tools and not tools_before:
+            self._tool_mark = len(self._held)  # where the open tool calls begin
+        if (
+            hold.all
+            or (self.open_tools and hold.tools)
+            or (state is State.PENDING and not kinds & ~hold.pending_mask)
+        ):
+            return self._hold(raw)
+        return self._release_held(raw)
+
+    def _hold(self, raw: bytes) -> bytes:
+        if not self._held and self._clock is not None:
+            self._held_since = self._clock()
+        self._held.append(raw)
+        self.held_bytes += len(raw)
+        if self.held_bytes > self.max_hold_bytes:
+            self.hold_overflowed = True
+            return self._release_held(b"")
+        return b""
+
+    def _release_held(self, raw: bytes) -> bytes:
+        held = self._held
+        if not held:
+            return self._emit(raw, 1 if raw else 0)
+        if self._held_since is not None and self._clock is not None:
+            self.hold_seconds += self._clock() - self._held_since
+        if raw:
+            held.append(raw)
+        self._drop_held()
+        return self._emit(b"".join(held), len(held))
+
+    def _emit(self, out: bytes, frames: int) -> bytes:
+        if out:
+            self.released_frames += frames
+            self.released_bytes += len(out)
+            if self.state is State.PENDING:
+                self.state = State.COMMITTED
+        return out
+
+    # -- failures -----------------------------------------------------------------
+    def _fail(self, message: str) -> bytes:
+        self.verdict = _ON_FAILURE[self.state]
+        if self.verdict is Verdict.REPLAY:
+            self._drop_held()
+            return b""
+        if self.verdict is Verdict.FAIL:
+            return self._end_with_error(message)
+        return b""
+
+    def _drop_held(self) -> None:
+        self._held = []
+        self.held_bytes = 0
+        self._held_since = None
+        self._tool_mark = 0
+
+    def _end_with_error(self, message: str) -> bytes:
+        """Committed: drop anything held (a partial tool call) and emit the native error."""
+        self._drop_held()
+        if self.state is State.FAILED:
+            return b""
+        self.state = State.FAILED
+        self.error_bytes = self.protocol.error_frame(
+            f"unbroken: {message}; the turn was cut after output reached the client. "
+            "Retry the request (server_error, upstream terminated).",
+            self._classifier,
+            self._last_raw,
+        )
+        self.released_bytes += len(self.error_bytes)
+        return self.error_bytes
+
+    def failed(self, reason: str) -> bytes:
+        """The upstream attempt broke (reset, stall, payload error, truncation).
+
+        Returns the bytes to send now.  Afterwards ``verdict`` is ``REPLAY``
+        (PENDING: nothing was released), ``FAIL`` (COMMITTED: the returned bytes
+        are the native error event; end the stream after them) or ``DONE`` (the
+        turn had already completed; just end the stream).
+        """
+        if self.state is State.PENDING or self.state is State.COMMITTED:
+            self.fail_reason = reason
+        return self._fail(reason)
+
+    def ended(self, leftover: bytes = b"") -> bytes:
+        """The upstream body ended cleanly; ``leftover`` is an unfinished event's bytes."""
+        if self.state is State.DONE or self.state is State.FAILED:
+            return b""
+        if not self.protocol.has_terminal and not leftover:
+            # Generic SSE has no terminal frame: its clean end is its success.
+            self._drop_held()
+            self.state = State.DONE
+            self.verdict = Verdict.DONE
+            return b""
+        return self.failed("stream ended without a terminal frame")
+
+    def give_up(self, reason: str) -> bytes:
+        """Retries are exhausted while PENDING: drop held frames, emit the native error."""
+        self.fail_reason = reason
+        self.verdict = Verdict.FAIL
+        return self._end_with_error(reason)

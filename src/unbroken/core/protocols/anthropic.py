@@ -1,0 +1,97 @@
+"""Anthropic Messages stream classifier (``/v1/messages``).
+
+The event name decides most frames.  ``content_block_start`` is parsed to
+learn the block type; the deltas that follow are classified by the type of
+the open block (Anthropic streams one content block at a time), so text
+deltas are never parsed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from unbroken.core.protocols.base import Kind, error_is_retryable, loads_object, looks_like_object
+from unbroken.core.sse import Event
+
+C = Kind.CONTROL
+
+EVENTS: dict[str, int] = {
+    "message_start": C,
+    "ping": C,
+    "message_delta": C,  # stop_reason + usage: released with the rest, or held while pending
+    "message_stop": Kind.TERMINAL_OK,
+}
+
+# content block type -> (kind of its start frame, kind of its deltas, kind of its stop)
+BLOCKS: dict[str, tuple[int, int, int]] = {
+    "text": (C, Kind.OUTPUT, C),
+    "thinking": (C, Kind.REASONING, C),
+    "redacted_thinking": (Kind.REASONING, Kind.REASONING, C),
+    "tool_use": (Kind.TOOL_START, Kind.TOOL_DELTA, Kind.TOOL_END),
+    "server_tool_use": (Kind.TOOL_START, Kind.TOOL_DELTA, Kind.TOOL_END),
+    "mcp_tool_use": (Kind.TOOL_START, Kind.TOOL_DELTA, Kind.TOOL_END),
+}
+_UNKNOWN_BLOCK = (Kind.UNKNOWN, Kind.UNKNOWN, Kind.UNKNOWN)
+
+
+class AnthropicClassifier:
+    __slots__ = ("block", "open_tools")
+
+    def __init__(self) -> None:
+        self.block: tuple[int, int, int] | None = None
+        self.open_tools = 0
+
+    def classify(self, event: Event) -> tuple[int, int]:
+        name = event.name
+        if name is None:
+            if event.data is None:
+                return C, self.open_tools
+            return Kind.UNKNOWN, self.open_tools
+        if not looks_like_object(event.data):
+            return Kind.MALFORMED, self.open_tools
+        if name == "content_block_delta":
+            block = self.block
+            return (block[1] if block is not None else Kind.UNKNOWN), self.open_tools
+        kind = EVENTS.get(name)
+        if kind is not None:
+            return kind, self.open_tools
+        if name == "content_block_start":
+            obj = loads_object(event.data)
+            if obj is None:
+                return Kind.MALFORMED, self.open_tools
+            cb = obj.get("content_block")
+            btype = cb.get("type") if isinstance(cb, dict) else None
+            self.block = BLOCKS.get(btype, _UNKNOWN_BLOCK) if isinstance(btype, str) else (
+                _UNKNOWN_BLOCK
+            )
+            if self.block[0] == Kind.TOOL_START:
+                self.open_tools += 1
+            return self.block[0], self.open_tools
+        if name == "content_block_stop":
+            block, self.block = self.block, None
+            if block is None:
+                return Kind.UNKNOWN, self.open_tools
+            if block[2] == Kind.TOOL_END:
+                self.open_tools -= 1
+            return block[2], self.open_tools
+        if name == "error":
+            obj = loads_object(event.data)
+            kinds = Kind.TERMINAL_ERROR
+            if obj is not None and error_is_retryable(obj.get("error")):
+                kinds |= Kind.RETRYABLE
+            return kinds, self.open_tools
+        return Kind.UNKNOWN, self.open_tools
+
+
+def error_frame(message: str) -> bytes:
+    """``event: error`` that ends a truncated Messages stream.
+
+    ``overloaded_error`` is what Anthropic itself sends for transient failures:
+    the anthropic SDK raises ``APIStatusError`` (type overloaded_error) and
+    OpenCode's retry rules match "Overloaded".  The ``event:`` line is required.
+    """
+    payload = {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": f"Overloaded ({message})"},
+    }
+    return b"event: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

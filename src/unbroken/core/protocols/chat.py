@@ -1,0 +1,122 @@
+"""OpenAI Chat Completions stream classifier (``/v1/chat/completions``).
+
+Chunks carry no SSE event name, so each ``data:`` payload is parsed.  The
+table below maps the delta fields to kinds; ``finish_reason`` closes every
+open tool call and ends the turn.  The usage chunk and ``[DONE]`` that follow
+are forwarded as they come (the ledger is already DONE by then).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from unbroken.core.protocols.base import Kind, error_is_retryable, loads_object
+from unbroken.core.sse import Event
+
+# delta field -> kind, when the field holds a non-empty value.  Fields not here
+# (legacy function_call, audio, ...) are UNKNOWN: they commit.
+DELTA_FIELDS: dict[str, int] = {
+    "role": 0,  # carries nothing by itself
+    "content": Kind.OUTPUT,
+    "refusal": Kind.OUTPUT,
+    "reasoning_content": Kind.REASONING,  # DeepSeek, vLLM, Groq
+    "reasoning": Kind.REASONING,  # OpenRouter and others
+    "reasoning_details": Kind.REASONING,  # OpenRouter's structured reasoning
+}
+_TEXT_FIELDS = frozenset({"content", "refusal", "reasoning_content", "reasoning"})
+
+
+class ChatClassifier:
+    __slots__ = ("finished", "open_indices")
+
+    def __init__(self) -> None:
+        self.open_indices: set[int] = set()
+        self.finished = False
+
+    def classify(self, event: Event) -> tuple[int, int]:
+        data = event.data
+        if data is None:  # comment-only event (keepalive)
+            return Kind.CONTROL, len(self.open_indices)
+        if data == "[DONE]":
+            self.open_indices.clear()
+            return Kind.TERMINAL_OK, 0
+        obj = loads_object(data)
+        if obj is None:
+            return Kind.MALFORMED, len(self.open_indices)
+        if "error" in obj and obj["error"] is not None:
+            kinds = Kind.TERMINAL_ERROR
+            if error_is_retryable(obj["error"]):
+                kinds |= Kind.RETRYABLE
+            return kinds, len(self.open_indices)
+        choices = obj.get("choices")
+        if not choices:
+            return Kind.CONTROL, len(self.open_indices)  # usage chunk, or an empty one
+        if not isinstance(choices, list):
+            return Kind.UNKNOWN, len(self.open_indices)
+        kinds = 0
+        for choice in choices:
+            kinds |= self._choice(choice)
+        return kinds or Kind.CONTROL, len(self.open_indices)
+
+    def _choice(self, choice: Any) -> int:
+        if not isinstance(choice, dict):
+            return Kind.UNKNOWN
+        kinds = 0
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            for key, value in delta.items():
+                if not value:
+                    continue  # "", None, [] carry nothing
+                kind = DELTA_FIELDS.get(key)
+                if kind is None:
+                    kinds |= self._tool_calls(value) if key == "tool_calls" else Kind.UNKNOWN
+                elif key in _TEXT_FIELDS and not isinstance(value, str):
+                    kinds |= Kind.UNKNOWN
+                else:
+                    kinds |= kind
+        elif delta is not None:
+            kinds |= Kind.UNKNOWN
+        if choice.get("finish_reason") is not None:
+            if self.open_indices:
+                kinds |= Kind.TOOL_END
+                self.open_indices.clear()
+            kinds |= Kind.TERMINAL_OK
+            self.finished = True
+        return kinds
+
+    def _tool_calls(self, calls: Any) -> int:
+        if not isinstance(calls, list):
+            return Kind.UNKNOWN
+        kinds = 0
+        for call in calls:
+            if not isinstance(call, dict):
+                return Kind.UNKNOWN
+            index = call.get("index", 0)
+            if not isinstance(index, int):
+                return Kind.UNKNOWN
+            if index in self.open_indices and not call.get("id"):
+                kinds |= Kind.TOOL_DELTA
+            else:
+                self.open_indices.add(index)
+                kinds |= Kind.TOOL_START
+        return kinds
+
+
+def error_frame(message: str) -> bytes:
+    """The in-band error chunk that ends a truncated Chat Completions stream.
+
+    The openai SDK raises ``APIError`` on it; the Vercel AI SDK (OpenCode)
+    yields an error part that OpenCode retries: type ``server_error``, and a
+    code containing ``unavailable`` (see docs/protocols.md, section 6).
+    No ``[DONE]`` follows.
+    """
+    payload = {
+        "error": {
+            "message": message,
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_unavailable",
+        }
+    }
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

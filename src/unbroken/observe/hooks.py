@@ -1,0 +1,163 @@
+"""Instrumentation hooks: the relay reports what happens, observers decide what to do.
+
+The relay calls these methods; nothing in the relay prints.  `Hooks` is a
+no-op base; `LogHooks` writes the retry log; later observers (metrics,
+journal, live status) subclass `Hooks` and are combined with `MultiHooks`.
+No hook ever receives a header value, a key or a body.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from unbroken.core.policy import Failure
+
+__all__ = ["AttemptInfo", "Hooks", "LogHooks", "MultiHooks", "TurnInfo"]
+
+log = logging.getLogger("unbroken")
+_ids = itertools.count(1)
+
+
+@dataclass(slots=True)
+class AttemptInfo:
+    """Structural facts about one upstream attempt (no content, no keys)."""
+
+    number: int
+    upstream: str
+    started: float = field(default_factory=time.time)
+    ended: float | None = None
+    status: int | None = None  # upstream HTTP status, when one arrived
+    reason: str = ""  # "ok", or the failure label: 503, connection_reset, stall, ...
+    phase: str = ""  # failures: connect | headers | pending | committed | stall
+    frames_received: int = 0
+    bytes_received: int = 0
+    frames_released: int = 0
+    bytes_released: int = 0
+    hold_seconds: float = 0.0
+    input_tokens: int | None = None  # as reported by the provider
+    output_tokens: int | None = None
+    #: output frames this attempt generated (about one token each): the waste of a replay
+    est_output_tokens: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class TurnInfo:
+    """Live, log-safe facts about one client turn (also what /status will show)."""
+
+    route: str
+    path: str
+    protocol: str
+    stream: bool
+    session_id: str | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    started: float = field(default_factory=time.time)
+    attempts: int = 0
+    upstream: str = ""
+    state: str = "waiting"  # waiting | holding | streaming | done
+    last_failure: str | None = None
+    next_retry_at: float | None = None  # wall clock
+    # ok | recovered | ended_with_error | passed_through_error | aborted_by_client
+    outcome: str | None = None
+    ended: float | None = None
+    first_byte_at: float | None = None  # wall clock of the first byte sent to the client
+    attempt_log: list[AttemptInfo] = field(default_factory=list)
+    #: the turn's ledger while it streams (live held bytes for status and metrics)
+    ledger: object | None = field(default=None, repr=False)
+
+
+class Hooks:
+    """Observer interface.  Every method is optional; the default does nothing."""
+
+    def turn_started(self, turn: TurnInfo) -> None:
+        pass
+
+    def attempt_started(self, turn: TurnInfo, upstream: str) -> None:
+        pass
+
+    def attempt_failed(
+        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+    ) -> None:
+        """``wait_s`` is the wait before the next attempt, or None when none follows."""
+
+    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+        """Every attempt, successful or not, once its outcome is known."""
+
+    def hold_overflow(self, turn: TurnInfo, held_bytes: int) -> None:
+        pass
+
+    def turn_ended(self, turn: TurnInfo) -> None:
+        """``turn.outcome`` and ``turn.attempt_log`` are final."""
+
+
+class MultiHooks(Hooks):
+    def __init__(self, *hooks: Hooks) -> None:
+        self.hooks = list(hooks)
+
+    def turn_started(self, turn: TurnInfo) -> None:
+        for h in self.hooks:
+            h.turn_started(turn)
+
+    def attempt_started(self, turn: TurnInfo, upstream: str) -> None:
+        for h in self.hooks:
+            h.attempt_started(turn, upstream)
+
+    def attempt_failed(
+        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+    ) -> None:
+        for h in self.hooks:
+            h.attempt_failed(turn, upstream, failure, phase=phase, wait_s=wait_s)
+
+    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+        for h in self.hooks:
+            h.attempt_ended(turn, attempt)
+
+    def hold_overflow(self, turn: TurnInfo, held_bytes: int) -> None:
+        for h in self.hooks:
+            h.hold_overflow(turn, held_bytes)
+
+    def turn_ended(self, turn: TurnInfo) -> None:
+        for h in self.hooks:
+            h.turn_ended(turn)
+
+
+class LogHooks(Hooks):
+    """One log line per retry (when verbose) and per turn that did not end ``ok``."""
+
+    def __init__(self, *, verbose: bool = True) -> None:
+        self.verbose = verbose
+
+    def attempt_failed(
+        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+    ) -> None:
+        if wait_s is None and phase == "committed":
+            log.warning(
+                "stream cut after output route=%s upstream=%s attempt=%d reason=%s: "
+                "not replayable, ended with a native error",
+                turn.route, upstream, turn.attempts, failure.label,
+            )
+        elif wait_s is None:
+            log.warning(
+                "giving up route=%s upstream=%s attempt=%d reason=%s phase=%s",
+                turn.route, upstream, turn.attempts, failure.label, phase,
+            )
+        elif self.verbose:
+            log.warning(
+                "retry route=%s upstream=%s attempt=%d reason=%s phase=%s wait_ms=%d",
+                turn.route, upstream, turn.attempts, failure.label, phase, round(wait_s * 1000),
+            )
+
+    def hold_overflow(self, turn: TurnInfo, held_bytes: int) -> None:
+        log.warning(
+            "hold limit reached route=%s turn=%d held_bytes=%d: released and committed",
+            turn.route, turn.id, held_bytes,
+        )
+
+    def turn_ended(self, turn: TurnInfo) -> None:
+        if turn.outcome not in (None, "ok"):
+            log.info(
+                "turn route=%s turn=%d outcome=%s attempts=%d",
+                turn.route, turn.id, turn.outcome, turn.attempts,
+            )

@@ -1,0 +1,385 @@
+"""The turn journal: one SQLite row per turn and per attempt, written off the event loop.
+
+A `Hooks` observer.  On the event loop it only copies structural facts (ids,
+route, upstream, status, phase, counters, token counts; never a header value
+other than the client's session id, never a key, never content) into a queue.
+A writer thread drains the queue in batches, one transaction per batch, in WAL
+mode.  A turn row is written when the turn starts and completed when it ends,
+so a crash leaves the turns that were in flight with ``outcome`` NULL and
+loses at most the last batch window (a quarter second) of rows.
+
+A journal that cannot be written (read-only directory, disk full, corrupt
+file) logs a warning (at most once a minute), drops those rows and tries again
+with the next batch: the relay never waits for it and never fails because of it.
+
+See docs/observability.md for the schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from unbroken.core.policy import Failure
+from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
+
+__all__ = ["SCHEMA", "Journal", "default_journal_path", "journal_path"]
+
+log = logging.getLogger("unbroken")
+
+SCHEMA_VERSION = 1
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS turns (
+    uid          TEXT PRIMARY KEY,   -- '<run>:<turn id>'
+    run          TEXT NOT NULL,      -- one per relay start
+    turn_id      INTEGER NOT NULL,   -- the relay's turn number (as in /status and logs)
+    route        TEXT NOT NULL,
+    path         TEXT NOT NULL,      -- upstream path after the route, no query string
+    protocol     TEXT NOT NULL,      -- chat | responses | anthropic | ... | other
+    stream       INTEGER NOT NULL,   -- 1 when the client asked for a stream
+    session_id   TEXT,               -- x-session-id or x-session-affinity, when sent
+    started      REAL NOT NULL,      -- unix time
+    ended        REAL,
+    outcome      TEXT,               -- ok | recovered | ended_with_error |
+                                     -- passed_through_error | aborted_by_client;
+                                     -- NULL: in flight, or the relay stopped hard
+    attempts     INTEGER NOT NULL DEFAULT 0,
+    upstream     TEXT,               -- of the last attempt
+    last_failure TEXT,               -- label of the last failed attempt
+    first_byte_s REAL,               -- start to the first byte sent to the client
+    wait_s       REAL NOT NULL DEFAULT 0  -- total time waited between attempts
+);
+CREATE INDEX IF NOT EXISTS turns_started ON turns (started);
+CREATE TABLE IF NOT EXISTS attempts (
+    turn_uid          TEXT NOT NULL,
+    number            INTEGER NOT NULL,  -- 1, 2, ...
+    upstream          TEXT NOT NULL,     -- base URL (never carries credentials)
+    started           REAL NOT NULL,
+    ended             REAL,
+    status            INTEGER,           -- upstream HTTP status, when one arrived
+    reason            TEXT NOT NULL,     -- ok, or the failure: 503, connection_reset, stall,
+                                         -- ..., passed_through_error, aborted_by_client
+    phase             TEXT,              -- failures: connect | headers | pending |
+                                         -- committed | stall
+    frames_received   INTEGER NOT NULL DEFAULT 0,
+    bytes_received    INTEGER NOT NULL DEFAULT 0,
+    frames_released   INTEGER NOT NULL DEFAULT 0,
+    bytes_released    INTEGER NOT NULL DEFAULT 0,
+    hold_s            REAL NOT NULL DEFAULT 0,  -- time frames were held
+    input_tokens      INTEGER,           -- as reported by the provider
+    output_tokens     INTEGER,
+    est_output_tokens INTEGER NOT NULL DEFAULT 0,  -- output frames generated (~ tokens)
+    wait_s            REAL,              -- wait before the next attempt, when one followed
+    PRIMARY KEY (turn_uid, number)
+);
+"""
+
+_SQL: dict[str, str] = {
+    "turn": (
+        "INSERT OR REPLACE INTO turns (uid, run, turn_id, route, path, protocol, stream,"
+        " session_id, started) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    ),
+    "turn_end": (
+        "UPDATE turns SET ended = ?, outcome = ?, attempts = ?, upstream = ?, last_failure = ?,"
+        " first_byte_s = ?, wait_s = ? WHERE uid = ?"
+    ),
+    "attempt": (
+        "INSERT OR REPLACE INTO attempts (turn_uid, number, upstream, started, ended, status,"
+        " reason, phase, frames_received, bytes_received, frames_released, bytes_released,"
+        " hold_s, input_tokens, output_tokens, est_output_tokens)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    ),
+    "wait": "UPDATE attempts SET wait_s = ? WHERE turn_uid = ? AND number = ?",
+}
+
+#: one log line about an unwritable journal per this many seconds
+WARN_EVERY_S = 60.0
+PRUNE_EVERY_S = 3600.0
+MAX_TEXT = 256  # session ids and paths are cut to this many characters
+
+_Op = tuple[str, Any]
+
+
+def default_journal_path(env: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_STATE_HOME/unbroken/journal.sqlite3`` (``~/.local/state`` when unset)."""
+    env = os.environ if env is None else env
+    state = env.get("XDG_STATE_HOME", "")
+    base = Path(state) if state and os.path.isabs(state) else Path.home() / ".local" / "state"
+    return base / "unbroken" / "journal.sqlite3"
+
+
+def journal_path(configured: str | None, env: Mapping[str, str] | None = None) -> Path:
+    """The configured ``[journal] path``, or the default."""
+    return Path(configured) if configured else default_journal_path(env)
+
+
+def _cut(text: str | None) -> str | None:
+    return None if text is None else text[:MAX_TEXT]
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    return sqlite3.connect(path, timeout=5.0)
+
+
+class Journal(Hooks):
+    """Batched, non-blocking SQLite journal of turns and attempts."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        retention_days: float = 14.0,
+        connect: Callable[[str], sqlite3.Connection] = _connect,
+        batch_window_s: float = 0.25,
+        max_pending: int = 200_000,
+    ) -> None:
+        self.path = Path(path)
+        self.retention_days = retention_days
+        self.run = uuid.uuid4().hex[:12]
+        self.batch_window_s = batch_window_s
+        self.max_pending = max_pending
+        self._connect = connect
+        # A deque, not a queue.Queue: appending never wakes the writer thread (which
+        # would fight the event loop for the GIL on every hook call); the writer
+        # drains it every batch window, or at once when _wake is set (flush, stop).
+        self._q: collections.deque[_Op] = collections.deque()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._waits: dict[int, float] = {}
+        self._warned_at: float | None = None
+        self._pruned_at = 0.0
+        self._closed = False
+        #: rows (operations) that could not be written, or were refused when the queue was full
+        self.dropped = 0
+        #: the last write succeeded (None: nothing written yet)
+        self.healthy: bool | None = None
+        self.last_error: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(
+                target=self._run, name=f"unbroken-journal-{self.run}", daemon=True
+            )
+            self._thread.start()
+
+    async def flush(self) -> None:
+        """Wait until every row queued before this call has been written (or dropped)."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def _set() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        self._q.append(("flush", lambda: loop.call_soon_threadsafe(_set)))
+        self._wake.set()
+        await done
+
+    async def aclose(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109
+        """Write what is queued, close the database, stop the writer thread."""
+        if self._closed:
+            return
+        self._closed = True
+        thread = self._thread
+        if thread is None:
+            return
+        self._q.append(("stop", None))
+        self._wake.set()
+        await asyncio.to_thread(thread.join, timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Blocking variant of `aclose` (for use outside an event loop)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._q.append(("stop", None))
+            self._wake.set()
+            self._thread.join(timeout)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "healthy": self.healthy,
+            "dropped": self.dropped,
+            "pending": len(self._q),
+        }
+
+    # -- hooks (event loop: copy facts, enqueue, return) --------------------------------
+    def _put(self, op: _Op) -> None:
+        if self._closed:
+            return
+        if len(self._q) >= self.max_pending:
+            self.dropped += 1
+            self._warn("the writer is behind (queue full)")
+            return
+        self._q.append(op)
+
+    def _uid(self, turn: TurnInfo) -> str:
+        return f"{self.run}:{turn.id}"
+
+    def turn_started(self, turn: TurnInfo) -> None:
+        self._put(
+            (
+                "turn",
+                (
+                    self._uid(turn), self.run, turn.id, turn.route, _cut(turn.path.split("?")[0]),
+                    turn.protocol, int(turn.stream), _cut(turn.session_id), turn.started,
+                ),
+            )
+        )
+
+    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+        a = attempt
+        self._put(
+            (
+                "attempt",
+                (
+                    self._uid(turn), a.number, a.upstream, a.started, a.ended, a.status,
+                    a.reason or "unknown", a.phase or None, a.frames_received, a.bytes_received,
+                    a.frames_released, a.bytes_released, a.hold_seconds, a.input_tokens,
+                    a.output_tokens, a.est_output_tokens,
+                ),
+            )
+        )
+
+    def attempt_failed(
+        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+    ) -> None:
+        if wait_s is None or not turn.attempt_log:
+            return
+        self._waits[turn.id] = self._waits.get(turn.id, 0.0) + wait_s
+        self._put(("wait", (wait_s, self._uid(turn), turn.attempt_log[-1].number)))
+
+    def turn_ended(self, turn: TurnInfo) -> None:
+        first_byte_s = None
+        if turn.first_byte_at is not None:
+            first_byte_s = max(0.0, turn.first_byte_at - turn.started)
+        self._put(
+            (
+                "turn_end",
+                (
+                    turn.ended if turn.ended is not None else time.time(), turn.outcome,
+                    turn.attempts, turn.upstream or None, turn.last_failure, first_byte_s,
+                    self._waits.pop(turn.id, 0.0), self._uid(turn),
+                ),
+            )
+        )
+
+    # -- writer thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        stopping = False
+        q = self._q
+        while not stopping:
+            self._wake.wait(self.batch_window_s)
+            self._wake.clear()
+            batch: list[_Op] = []
+            waiters: list[Callable[[], None]] = []
+            while q:
+                item = q.popleft()
+                kind = item[0]
+                if kind == "stop":
+                    stopping = True
+                    break
+                if kind == "flush":
+                    waiters.append(item[1])
+                    break  # rows queued after the flush wait for the next round
+                batch.append(item)
+            if q and not stopping:
+                self._wake.set()  # more to do: no need to wait out the window
+            if batch:
+                self._write(batch)
+            self._maintain()
+            for wake in waiters:
+                try:
+                    wake()
+                except RuntimeError:  # the waiting loop is closed
+                    pass
+        self._close_conn()
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        conn = self._connect(str(self.path))
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            conn.executescript(SCHEMA)
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _write(self, batch: list[_Op]) -> None:
+        conn = self._conn
+        try:
+            if conn is None:
+                conn = self._conn = self._open()
+            try:
+                for kind, params in batch:
+                    conn.execute(_SQL[kind], params)
+                conn.commit()
+            except BaseException:
+                try:
+                    conn.rollback()
+                except sqlite3.Error:
+                    pass
+                raise
+        except Exception as exc:  # sqlite3.Error, OSError, or a bug: never kill the writer
+            self.dropped += len(batch)
+            self.healthy = False
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self._close_conn()
+            self._warn(self.last_error)
+            return
+        self.healthy = True
+
+    def _maintain(self) -> None:
+        """Delete rows older than the retention period (at start, then hourly)."""
+        if self.retention_days <= 0 or self._conn is None:
+            return
+        now = time.time()
+        if now - self._pruned_at < PRUNE_EVERY_S:
+            return
+        self._pruned_at = now
+        cutoff = now - self.retention_days * 86400.0
+        try:
+            self._conn.execute(
+                "DELETE FROM attempts WHERE turn_uid IN (SELECT uid FROM turns WHERE started < ?)",
+                (cutoff,),
+            )
+            self._conn.execute("DELETE FROM turns WHERE started < ?", (cutoff,))
+            self._conn.commit()
+        except Exception as exc:
+            self._warn(f"pruning failed: {exc}")
+
+    def _close_conn(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except sqlite3.Error:
+                pass
+
+    def _warn(self, why: str) -> None:
+        now = time.monotonic()
+        if self._warned_at is None or now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning(
+                "journal %s cannot be written (%s): %d rows dropped so far; "
+                "the relay keeps serving", self.path, why, self.dropped,
+            )

@@ -1,0 +1,288 @@
+"""``unbroken stats [--since 24h] [--json]``: what the journal says happened.
+
+Reads the SQLite journal (see `unbroken.observe.journal`) and reports turns by
+outcome, the recovery rate, failures by phase, cause and upstream, retries
+per turn, time spent waiting, estimated wasted tokens and the replay-safety
+view.  `compute_stats` is the whole report as one JSON-able dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sqlite3
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from unbroken.config import ConfigError, load_config
+from unbroken.observe.journal import journal_path
+
+__all__ = ["compute_stats", "format_stats", "parse_since", "percentile", "register"]
+
+OUTCOMES = ("ok", "recovered", "ended_with_error", "passed_through_error", "aborted_by_client")
+#: attempt reasons that are not upstream failures
+NOT_FAILURES = ("ok", "passed_through_error", "aborted_by_client")
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def parse_since(text: str) -> float | None:
+    """``90s``, ``30m``, ``24h``, ``7d``, ``2w`` -> seconds; ``all`` -> None."""
+    text = text.strip().lower()
+    if text == "all":
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", text)
+    if not m:
+        raise ValueError(f"expected a duration like 30m, 24h, 7d or 'all', got {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile (``p`` in 0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * p // 100))  # ceil(n * p / 100), at least 1
+    return ordered[int(rank) - 1]
+
+
+def _dist(values: list[float], digits: int = 3) -> dict[str, float | None]:
+    def r(v: float | None) -> float | None:
+        return None if v is None else round(v, digits)
+
+    return {
+        "p50": r(percentile(values, 50)),
+        "p99": r(percentile(values, 99)),
+        "max": r(max(values) if values else None),
+    }
+
+
+def compute_stats(
+    conn: sqlite3.Connection, *, since_s: float | None = 86400.0, now: float | None = None
+) -> dict[str, Any]:
+    """The report over turns started in the last ``since_s`` seconds (None: all)."""
+    now = time.time() if now is None else now
+    cutoff = now - since_s if since_s is not None else float("-inf")
+    turns = conn.execute(
+        "SELECT uid, outcome, attempts, wait_s, first_byte_s FROM turns WHERE started >= ?",
+        (cutoff,),
+    ).fetchall()
+    attempts = conn.execute(
+        "SELECT a.turn_uid, a.upstream, a.reason, a.phase, a.est_output_tokens,"
+        " a.input_tokens, a.output_tokens"
+        " FROM attempts a JOIN turns t ON t.uid = a.turn_uid WHERE t.started >= ?",
+        (cutoff,),
+    ).fetchall()
+
+    outcome_of: dict[str, str] = {}
+    outcomes: Counter[str] = Counter({o: 0 for o in OUTCOMES})
+    retries: list[float] = []
+    waits: list[float] = []
+    ttfb: list[float] = []
+    for uid, outcome, n_attempts, wait_s, first_byte_s in turns:
+        name = outcome or "unfinished"
+        outcome_of[uid] = name
+        outcomes[name] += 1
+        if outcome is not None:
+            retries.append(max(0, (n_attempts or 1) - 1))
+            waits.append(wait_s or 0.0)
+        if first_byte_s is not None:
+            ttfb.append(first_byte_s)
+
+    by_phase: Counter[str] = Counter()
+    by_cause: Counter[str] = Counter()
+    by_upstream: Counter[str] = Counter()
+    failed_turns: set[str] = set()
+    before: dict[str, int] = {}  # turn -> failures before commit
+    after: dict[str, int] = {}
+    after_causes: Counter[str] = Counter()
+    wasted = 0
+    tokens_in = tokens_out = 0
+    n_attempts_total = 0
+    for uid, upstream, reason, phase, est, t_in, t_out in attempts:
+        n_attempts_total += 1
+        tokens_in += t_in or 0
+        tokens_out += t_out or 0
+        if reason in NOT_FAILURES:
+            continue
+        phase = phase or "unknown"
+        by_phase[phase] += 1
+        by_cause[reason] += 1
+        by_upstream[upstream] += 1
+        failed_turns.add(uid)
+        if phase == "committed":
+            after[uid] = after.get(uid, 0) + 1
+            after_causes[reason] += 1
+        else:
+            before[uid] = before.get(uid, 0) + 1
+            wasted += est or 0
+
+    settled = [u for u in failed_turns if outcome_of.get(u) not in (None, "unfinished",
+                                                                    "aborted_by_client")]
+    recovered = sum(1 for u in settled if outcome_of[u] == "recovered")
+
+    def ended(uids: dict[str, int]) -> dict[str, int]:
+        return dict(Counter(outcome_of.get(u, "unfinished") for u in uids))
+
+    return {
+        "since_s": since_s,
+        "from": None if since_s is None else cutoff,
+        "until": now,
+        "turns": len(turns),
+        "outcomes": dict(outcomes),
+        "recovery_rate": round(recovered / len(settled), 4) if settled else None,
+        "turns_with_failures": len(settled),
+        "attempts": n_attempts_total,
+        "failures": sum(by_phase.values()),
+        "failures_by_phase": dict(by_phase.most_common()),
+        "failures_by_cause": dict(by_cause.most_common()),
+        "failures_by_upstream": dict(by_upstream.most_common()),
+        "retries_per_turn": _dist(retries, 0),
+        "waiting_s": {"total": round(sum(waits), 3), **_dist(waits)},
+        "time_to_first_byte_s": _dist(ttfb),
+        "wasted_tokens_est": wasted,
+        "tokens": {"input": tokens_in, "output": tokens_out},
+        "replay_safety": {
+            "before_commit": {
+                "failures": sum(before.values()),
+                "turns": len(before),
+                "recovered": sum(1 for u in before if outcome_of.get(u) == "recovered"),
+                "ended": ended(before),
+            },
+            "after_commit": {
+                "failures": sum(after.values()),
+                "turns": len(after),
+                "ended": ended(after),
+                "by_cause": dict(after_causes.most_common()),
+            },
+        },
+    }
+
+
+# -- text output --------------------------------------------------------------------------
+def _num(v: float | None, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not v.is_integer():
+        return f"{v:.2f}{unit}"
+    return f"{int(v)}{unit}"
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items()) or "none"
+
+
+def format_stats(s: dict[str, Any], *, since: str = "", journal: str = "") -> str:
+    lines: list[str] = []
+    head = "unbroken stats"
+    if since:
+        head += f": last {since}" if since != "all" else ": everything"
+    if journal:
+        head += f" (journal {journal})"
+    lines += [head, ""]
+    lines.append(f"{'Turns':<26}{s['turns']:>8}")
+    for name, n in s["outcomes"].items():
+        if n or name in OUTCOMES[:3]:
+            lines.append(f"  {name:<24}{n:>8}")
+    rate = s["recovery_rate"]
+    if rate is None:
+        lines.append(f"{'Recovery rate':<26}{'-':>8}  (no turn hit a failure)")
+    else:
+        rec = s["replay_safety"]["before_commit"]["recovered"]
+        lines.append(
+            f"{'Recovery rate':<26}{rate * 100:>7.1f}%  "
+            f"({rec} of {s['turns_with_failures']} turns that hit a failure ended recovered)"
+        )
+    lines.append("")
+    lines.append(f"{'Failures':<26}{s['failures']:>8}  (in {s['attempts']} attempts)")
+    lines.append(f"  {'by phase':<14}{_counts(s['failures_by_phase'])}")
+    lines.append(f"  {'by cause':<14}{_counts(s['failures_by_cause'])}")
+    lines.append(f"  {'by upstream':<14}{_counts(s['failures_by_upstream'])}")
+    lines.append("")
+    r = s["retries_per_turn"]
+    lines.append(
+        f"{'Retries per turn':<26}p50 {_num(r['p50'])}  p99 {_num(r['p99'])}  max {_num(r['max'])}"
+    )
+    w = s["waiting_s"]
+    lines.append(
+        f"{'Time waiting':<26}{_num(w['total'], ' s')} in total; "
+        f"per turn p50 {_num(w['p50'], ' s')}, p99 {_num(w['p99'], ' s')}, "
+        f"max {_num(w['max'], ' s')}"
+    )
+    t = s["time_to_first_byte_s"]
+    lines.append(
+        f"{'Time to first byte':<26}p50 {_num(t['p50'], ' s')}, p99 {_num(t['p99'], ' s')}, "
+        f"max {_num(t['max'], ' s')}"
+    )
+    lines.append(
+        f"{'Wasted tokens (est.)':<26}{s['wasted_tokens_est']:>8}  "
+        "(output generated by attempts that died before commit)"
+    )
+    tok = s["tokens"]
+    lines.append(f"{'Reported usage':<26}{tok['input']:>8} in, {tok['output']} out")
+    lines.append("")
+    b = s["replay_safety"]["before_commit"]
+    a = s["replay_safety"]["after_commit"]
+    lines.append("Replay safety")
+    lines.append(
+        f"  before commit   {b['failures']} failures in {b['turns']} turns: "
+        f"{b['recovered']} recovered invisibly; ended: {_counts(b['ended'])}"
+    )
+    lines.append(
+        f"  after commit    {a['failures']} failures in {a['turns']} turns (never replayed); "
+        f"ended: {_counts(a['ended'])}"
+    )
+    if a["by_cause"]:
+        lines.append(f"                  causes: {_counts(a['by_cause'])}")
+    return "\n".join(lines)
+
+
+# -- command --------------------------------------------------------------------------------
+def _stats(args: argparse.Namespace) -> int:
+    try:
+        since_s = parse_since(args.since)
+    except ValueError as exc:
+        print(f"unbroken stats: --since: {exc}", file=sys.stderr)
+        return 2
+    if args.journal:
+        path = Path(args.journal)
+    else:
+        try:
+            config = load_config(args.config)
+        except ConfigError as exc:
+            print(f"unbroken: invalid config: {exc}", file=sys.stderr)
+            return 2
+        path = journal_path(config.journal.path)
+    if not path.is_file():
+        print(
+            f"unbroken stats: no journal at {path} (has `unbroken serve` run with "
+            "[journal] enabled?)",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+        try:
+            report = compute_stats(conn, since_s=since_s)
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        print(f"unbroken stats: cannot read {path}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_stats(report, since=args.since, journal=str(path)))
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("stats", help="what the journal says happened (outcomes, failures, waste)")
+    p.add_argument("--since", default="24h", help="window: 30m, 24h, 7d, ... or all (default 24h)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--journal", help="journal file (default: [journal] path, or the XDG state dir)")
+    p.add_argument("--config", help="TOML config file (default: $UNBROKEN_CONFIG)")
+    p.set_defaults(func=_stats)

@@ -1,0 +1,321 @@
+"""Live status: ``GET /status`` (JSON) and ``unbroken status``, a terminal view of it.
+
+`StatusTracker` is a `Hooks` observer that keeps totals since the relay
+started; `snapshot()` adds the turns in flight (read from the relay's live
+`TurnInfo` objects) and the upstreams' health.  Only structural facts are
+shown: no header value (not even the session id), no key, no content.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from unbroken import __version__
+from unbroken.core.policy import Failure
+from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
+from unbroken.observe.metrics import NOT_FAILURES, held_bytes
+
+__all__ = ["StatusTracker", "fetch_status", "register", "render", "watch"]
+
+DEFAULT_URL = "http://127.0.0.1:4780"
+OUTCOMES = ("ok", "recovered", "ended_with_error", "passed_through_error", "aborted_by_client")
+
+
+class StatusTracker(Hooks):
+    """Totals since start, plus a JSON snapshot of what is happening now."""
+
+    def __init__(
+        self,
+        inflight: Callable[[], Iterable[TurnInfo]] = tuple,
+        upstreams: Callable[[], list[dict[str, Any]]] = list,
+        *,
+        extra: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.inflight = inflight
+        self.upstreams = upstreams
+        self.extra = extra
+        self.started = time.time()
+        self.turns = 0
+        self.outcomes: Counter[str] = Counter({o: 0 for o in OUTCOMES})
+        self.attempts = 0
+        self.failures = 0
+        self.failures_by_reason: Counter[str] = Counter()
+        self.failures_by_phase: Counter[str] = Counter()
+        self.retries = 0
+        self.retry_wait_s = 0.0
+        self.wasted_tokens_est = 0
+
+    # -- hooks ---------------------------------------------------------------------------
+    def attempt_failed(
+        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+    ) -> None:
+        if wait_s is not None:
+            self.retries += 1
+            self.retry_wait_s += wait_s
+
+    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+        self.attempts += 1
+        if attempt.reason in NOT_FAILURES:
+            return
+        self.failures += 1
+        self.failures_by_reason[attempt.reason or "unknown"] += 1
+        self.failures_by_phase[attempt.phase or "unknown"] += 1
+        if attempt.phase != "committed":
+            self.wasted_tokens_est += attempt.est_output_tokens
+
+    def turn_ended(self, turn: TurnInfo) -> None:
+        self.turns += 1
+        self.outcomes[turn.outcome or "unknown"] += 1
+
+    # -- snapshot ------------------------------------------------------------------------
+    @staticmethod
+    def turn_view(turn: TurnInfo, now: float) -> dict[str, Any]:
+        next_in = None
+        if turn.next_retry_at is not None and turn.state == "waiting":
+            next_in = round(max(0.0, turn.next_retry_at - now), 3)
+        return {
+            "id": turn.id,
+            "route": turn.route,
+            "path": turn.path.split("?")[0][:256],
+            "protocol": turn.protocol,
+            "stream": turn.stream,
+            "state": turn.state,
+            "attempts": turn.attempts,
+            "upstream": turn.upstream,
+            "last_failure": turn.last_failure,
+            "next_retry_in_s": next_in,
+            "age_s": round(max(0.0, now - turn.started), 3),
+            "held_bytes": held_bytes(turn),
+        }
+
+    def totals(self) -> dict[str, Any]:
+        return {
+            "turns": self.turns,
+            "outcomes": dict(self.outcomes),
+            "attempts": self.attempts,
+            "failures": self.failures,
+            "failures_by_reason": dict(self.failures_by_reason),
+            "failures_by_phase": dict(self.failures_by_phase),
+            "retries": self.retries,
+            "retry_wait_s": round(self.retry_wait_s, 3),
+            "wasted_tokens_est": self.wasted_tokens_est,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        now = time.time()
+        turns = sorted(self.inflight(), key=lambda t: (t.started, t.id))
+        data: dict[str, Any] = {
+            "version": __version__,
+            "now": now,
+            "started": self.started,
+            "uptime_s": round(now - self.started, 3),
+            "inflight": [self.turn_view(t, now) for t in turns],
+            "upstreams": self.upstreams(),
+            "totals": self.totals(),
+        }
+        if self.extra is not None:
+            data.update(self.extra())
+        return data
+
+
+# -- the terminal view --------------------------------------------------------------------
+def _dur(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        m, s = divmod(int(seconds), 60)
+        return f"{m}m{s:02d}s" if m else f"{s}s"
+    h, rest = divmod(int(seconds), 3600)
+    return f"{h}h{rest // 60:02d}m"
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    if n < 1024 * 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / 1024 / 1024:.1f} MiB"
+
+
+STATE_STYLE = {"waiting": "yellow", "holding": "cyan", "streaming": "green", "done": "dim"}
+
+
+def render(data: dict[str, Any], url: str = "") -> Any:
+    """A rich renderable of one ``/status`` snapshot."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    totals = data.get("totals", {})
+    outcomes = totals.get("outcomes", {})
+    inflight = data.get("inflight", [])
+    head = Text()
+    head.append(f"unbroken {data.get('version', '?')}", style="bold")
+    if url:
+        head.append(f" at {url}")
+    head.append(f"  up {_dur(data.get('uptime_s'))}  ")
+    head.append(f"{len(inflight)} in flight", style="bold")
+    journal = data.get("journal")
+    if isinstance(journal, dict) and journal.get("healthy") is False:
+        dropped = journal.get("dropped", 0)
+        head.append(f"  journal NOT WRITTEN ({dropped} rows dropped)", style="red")
+
+    turns = Table(title="In flight", title_justify="left", expand=False)
+    for col in ("turn", "route", "state", "attempt", "upstream", "last failure", "next retry",
+                "age", "held"):
+        wide = col in ("upstream", "last failure")
+        turns.add_column(
+            col, no_wrap=not wide, overflow="fold", min_width=None if wide else len(col)
+        )
+    for t in inflight:
+        state = t.get("state", "")
+        turns.add_row(
+            str(t.get("id")),
+            t.get("route", ""),
+            Text(state, style=STATE_STYLE.get(state, "")),
+            str(t.get("attempts", 0)),
+            t.get("upstream", ""),
+            t.get("last_failure") or "-",
+            "in " + _dur(t["next_retry_in_s"]) if t.get("next_retry_in_s") is not None else "-",
+            _dur(t.get("age_s")),
+            _size(int(t.get("held_bytes") or 0)) if t.get("held_bytes") else "-",
+        )
+    if not inflight:
+        turns.add_row("-", "nothing in flight", "", "", "", "", "", "", "")
+
+    ups = Table(title="Upstreams", title_justify="left", expand=False)
+    for col in ("route", "upstream", "up", "ok", "failed", "recent failures", "cool-off"):
+        wide = col in ("upstream", "recent failures")
+        ups.add_column(
+            col, no_wrap=not wide, overflow="fold", min_width=None if wide else len(col)
+        )
+    now = float(data.get("now") or time.time())
+    upstreams = data.get("upstreams", [])
+    active = [u for u in upstreams if u.get("ok") or u.get("failed") or u.get("cooloff_s")]
+    for u in active:
+        recent = u.get("recent_failures", [])[-3:]
+        recent_text = "\n".join(
+            f"{r['reason']} {_dur(now - r['at'])} ago" for r in reversed(recent)
+        )
+        ups.add_row(
+            u.get("route", ""),
+            u.get("upstream", ""),
+            Text("up", style="green") if u.get("up") else Text("DOWN", style="bold red"),
+            str(u.get("ok", 0)),
+            str(u.get("failed", 0)),
+            recent_text or "-",
+            _dur(u["cooloff_s"]) if u.get("cooloff_s") else "-",
+        )
+
+    idle = len(upstreams) - len(active)
+    if not active:
+        ups.add_row("-", "no traffic yet", "", "", "", "", "")
+    if idle:
+        ups.caption = f"{idle} upstream(s) without traffic not shown"
+
+    tot = Table(title="Since start", title_justify="left", show_header=False, expand=False)
+    tot.add_column("what")
+    tot.add_column("count", justify="right")
+    tot.add_row("turns", str(totals.get("turns", 0)))
+    for name in OUTCOMES:
+        if outcomes.get(name):
+            tot.add_row(f"  {name}", str(outcomes[name]))
+    tot.add_row("attempts", str(totals.get("attempts", 0)))
+    tot.add_row("upstream failures", str(totals.get("failures", 0)))
+    by_reason = totals.get("failures_by_reason", {})
+    for reason, n in sorted(by_reason.items(), key=lambda kv: -kv[1])[:6]:
+        tot.add_row(f"  {reason}", str(n))
+    tot.add_row("retries", str(totals.get("retries", 0)))
+    tot.add_row("time waiting", _dur(totals.get("retry_wait_s", 0.0)))
+    tot.add_row("wasted tokens (est.)", str(totals.get("wasted_tokens_est", 0)))
+    return Group(head, turns, ups, tot)
+
+
+def _render_error(url: str, message: str) -> Any:
+    from rich.text import Text
+
+    return Text(f"unbroken status: cannot reach {url}/status ({message}); retrying", style="red")
+
+
+async def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:  # noqa: ASYNC109
+    import aiohttp
+
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+        session.get(f"{url}/status") as resp,
+    ):
+        resp.raise_for_status()
+        data: dict[str, Any] = await resp.json()
+        return data
+
+
+async def watch(
+    url: str, interval: float = 1.0, *, console: Any = None, max_updates: int | None = None
+) -> int:
+    """Redraw the view in place every ``interval`` seconds (until Ctrl-C or ``max_updates``)."""
+    import aiohttp
+    from rich.console import Console
+    from rich.live import Live
+
+    console = console or Console()
+    updates = 0
+    with Live(_render_error(url, "connecting"), console=console, auto_refresh=False) as live:
+        while max_updates is None or updates < max_updates:
+            try:
+                data = await fetch_status(url)
+                live.update(render(data, url), refresh=True)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                live.update(_render_error(url, type(exc).__name__), refresh=True)
+            updates += 1
+            if max_updates is None or updates < max_updates:
+                await asyncio.sleep(interval)
+    return 0
+
+
+async def _once(url: str, as_json: bool) -> int:
+    import json
+
+    import aiohttp
+    from rich.console import Console
+
+    try:
+        data = await fetch_status(url)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        print(f"unbroken status: cannot reach {url}/status: {type(exc).__name__} {exc}")
+        return 1
+    if as_json:
+        print(json.dumps(data, indent=2))
+    else:
+        Console().print(render(data, url))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/")
+    try:
+        if args.once or args.json:
+            return asyncio.run(_once(url, args.json))
+        return asyncio.run(watch(url, args.interval))
+    except KeyboardInterrupt:
+        return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("status", help="live view of a running relay (in-flight turns, upstreams)")
+    p.add_argument(
+        "--url",
+        default=os.environ.get("UNBROKEN_URL") or DEFAULT_URL,
+        help=f"the relay's base URL (default: $UNBROKEN_URL or {DEFAULT_URL})",
+    )
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--json", action="store_true", help="print the raw /status JSON once")
+    p.set_defaults(func=_status)

@@ -1,0 +1,729 @@
+"""Auto-resume for OpenCode: a turn that died after output, once OpenCode gave up, is re-sent.
+
+The relay can replay a stream only while the client has seen nothing it could act
+on.  After that, a cut stream ends with a retryable error and OpenCode retries the
+step, at most 5 times.  A provider that keeps failing still kills the session.
+This module watches OpenCode's server (``GET /event``) and, when a turn has failed
+for good, waits ``delay_ms`` and re-sends the user's last prompt with
+``POST /session/{id}/prompt_async``, as many times as allowed.  It never fights
+the user: an abort, an interrupted retry, a denied permission, a compaction, a
+context overflow or an auth error is never resumed.
+
+`decide` is the whole policy, a pure function over the events of one session's
+turn (plain dicts as OpenCode sends them).  `Resumer` is the aiohttp I/O around
+it.  Run it as ``unbroken resume --opencode URL``; ``unbroken run`` starts it for
+you whenever OpenCode exposes its server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import fnmatch
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+
+__all__ = [
+    "Resume",
+    "ResumeSettings",
+    "Resumer",
+    "Skip",
+    "decide",
+    "is_retryable",
+    "register",
+    "resume_body",
+    "settings_from_env",
+]
+
+log = logging.getLogger("unbroken.opencode.resume")
+
+# -- settings ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResumeSettings:
+    provider: str = "*"  # a glob on the provider id
+    model: str = "*"  # a prefix of the model id; "*" (or "") matches every model
+    delay_ms: int = 3000
+    max_attempts: int = 0  # consecutive resumes of one session; 0 = unlimited
+
+    def covers(self, provider: str | None, model: str | None) -> bool:
+        if not fnmatch.fnmatchcase(provider or "", self.provider or "*"):
+            return False
+        prefix = self.model.rstrip("*")
+        return not prefix or (model or "").startswith(prefix)
+
+
+#: (setting, UNBROKEN_ name, opencode-retry-forever alias)
+ENV_SETTINGS: Final = (
+    ("provider", "UNBROKEN_RESUME_PROVIDER", "OPENCODE_RESUME_PROVIDER"),
+    ("model", "UNBROKEN_RESUME_MODEL", "OPENCODE_RESUME_MODEL"),
+    ("delay_ms", "UNBROKEN_RESUME_DELAY_MS", "OPENCODE_RESUME_DELAY_MS"),
+    ("max_attempts", "UNBROKEN_RESUME_MAX_ATTEMPTS", "OPENCODE_RESUME_MAX_ATTEMPTS"),
+)
+
+
+def settings_from_env(env: Mapping[str, str] | None = None) -> ResumeSettings:
+    """Settings from ``UNBROKEN_RESUME_*`` (or the plugin's ``OPENCODE_RESUME_*``).
+
+    The ``UNBROKEN_`` name wins when both are set.  Raises ValueError naming the
+    variable on a bad number.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for key, name, alias in ENV_SETTINGS:
+        for var in (alias, name):
+            raw = env.get(var)
+            if raw is None or raw.strip() == "":
+                continue
+            if key in ("delay_ms", "max_attempts"):
+                try:
+                    number = int(raw.strip())
+                except ValueError:
+                    raise ValueError(f"{var}: expected an integer, got {raw!r}") from None
+                if number < 0:
+                    raise ValueError(f"{var}: must not be negative, got {raw!r}")
+                values[key] = number
+            else:
+                values[key] = raw.strip()
+    return ResumeSettings(**values)
+
+
+# -- the decision -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resume:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Skip:
+    reason: str
+
+
+Decision = Resume | Skip
+
+#: OpenCode 1.18's own "is this transient" patterns (session/retry.ts), so a turn is
+#: resumed exactly when OpenCode would have retried it but ran out of retries.
+RETRYABLE_PATTERNS: Final = tuple(
+    re.compile(p, re.IGNORECASE)
+    for p in (
+        r"429|500|502|503|504|524",
+        r"rate increased too quickly|rate limit|rate-limit|rate_limit|too many requests",
+        r"overloaded|service unavailable|service_unavailable|service-unavailable|"
+        r"internal error|internal_error|internal server error|server error|server_error|"
+        r"server-error|provider returned error|provider_returned_error|provider-returned-error",
+        r"terminated|fetch failed|failed to fetch|network[-_\s]error|upstream connect|"
+        r"connection error|connection refused|connection lost|socket connection was closed|"
+        r"socket hang up|reset before headers|getaddrinfo|enotfound|eai_again|econnrefused|"
+        r"econnreset|etimedout",
+        r"^timeout$|\b(?:request|response|connection|network|stream|read) "
+        r"(?:timeout|timed out|time out)\b",
+        r"try your request again|retry your request|resource exhausted|resource_exhausted",
+        r"\btry again (?:later|in\b)|\b(?:currently|temporarily) at capacity\b",
+    )
+)
+CONTEXT_OVERFLOW: Final = re.compile(
+    r"context_length_exceeded|context window|context length|maximum context|"
+    r"prompt is too long|too many tokens|input is too long|exceeds the context",
+    re.IGNORECASE,
+)
+AUTH_FAILURE: Final = re.compile(
+    r"invalid_api_key|invalid api key|incorrect api key|invalid x-api-key|unauthorized|"
+    r"authentication_error|authentication failed|permission_denied|\b401\b|\b403\b",
+    re.IGNORECASE,
+)
+#: Session errors that are never transient.
+NEVER: Final[dict[str, str]] = {
+    "MessageAbortedError": "the user aborted the turn (MessageAbortedError)",
+    "ProviderAuthError": "an auth error (ProviderAuthError)",
+    "ContextOverflowError": "the context overflowed (ContextOverflowError)",
+    "MessageOutputLengthError": "the reply hit the output length limit",
+    "ContentFilterError": "the provider's content filter stopped the reply",
+    "StructuredOutputError": "the structured output was invalid",
+}
+#: Parts that are output the user saw (step-start/step-finish/snapshot/patch are not).
+OUTPUT_PARTS: Final = frozenset({"text", "reasoning", "tool", "file"})
+
+
+def _matches(text: Any) -> bool:
+    return isinstance(text, str) and any(p.search(text) for p in RETRYABLE_PATTERNS)
+
+
+def _short(text: Any, limit: int = 120) -> str:
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def is_retryable(error: Mapping[str, Any]) -> tuple[bool, str]:
+    """Classify an OpenCode error object ``{"name", "data"}``: (transient?, why)."""
+    name = str(error.get("name") or "UnknownError")
+    data = error.get("data") if isinstance(error.get("data"), Mapping) else {}
+    assert isinstance(data, Mapping)
+    message = data.get("message")
+    body = data.get("responseBody")
+    status = data.get("statusCode")
+    if name in NEVER:
+        return False, NEVER[name]
+    texts = [t for t in (message, body) if isinstance(t, str)]
+    if isinstance(status, int) and status in (401, 403):
+        return False, f"an auth error ({name} {status})"
+    if any(CONTEXT_OVERFLOW.search(t) for t in texts):
+        return False, f"the context overflowed ({name}: {_short(message)})"
+    if any(AUTH_FAILURE.search(t) for t in texts):
+        return False, f"an auth error ({name}: {_short(message)})"
+    if name == "APIError":
+        label = f"APIError {status}" if status else "APIError"
+        if (
+            data.get("isRetryable") is True
+            or (isinstance(status, int) and status >= 500)
+            or _matches(message)
+            or _matches(body)
+        ):
+            return True, f"retryable {label}: {_short(message)}"
+        return False, f"{label} is not retryable: {_short(message)}"
+    if name == "UnknownError":
+        low = str(message or "").lower()
+        if "too_many_requests" in low or "exhausted" in low or "unavailable" in low:
+            return True, f"retryable UnknownError: {_short(message)}"
+        if _matches(message):
+            return True, f"retryable UnknownError: {_short(message)}"
+        return False, f"UnknownError is not transient: {_short(message)}"
+    return False, f"{name} is not a transient failure"
+
+
+@dataclass
+class _Turn:
+    """What one turn's events say (see `decide`)."""
+
+    session_error: Mapping[str, Any] | None = None
+    retried: bool = False
+    assistant: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> info
+    order: list[str] = field(default_factory=list)  # assistant ids, first seen
+    output: set[str] = field(default_factory=set)  # assistant ids with output
+    user: Mapping[str, Any] | None = None
+
+
+def _props(event: Mapping[str, Any]) -> Mapping[str, Any]:
+    props = event.get("properties")
+    return props if isinstance(props, Mapping) else {}
+
+
+def turn_events(events: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The events of the latest turn: from the first sight of the newest user message."""
+    seen: set[str] = set()
+    start = 0
+    for i, event in enumerate(events):
+        if event.get("type") != "message.updated":
+            continue
+        info = _props(event).get("info")
+        if isinstance(info, Mapping) and info.get("role") == "user":
+            mid = str(info.get("id"))
+            if mid not in seen:
+                seen.add(mid)
+                start = i
+    return list(events[start:])
+
+
+def _summarise(events: Sequence[Mapping[str, Any]]) -> _Turn:
+    turn = _Turn()
+    for event in events:
+        kind = event.get("type")
+        props = _props(event)
+        if kind == "session.error":
+            error = props.get("error")
+            turn.session_error = error if isinstance(error, Mapping) else {"name": "UnknownError"}
+        elif kind == "session.status":
+            status = props.get("status")
+            if isinstance(status, Mapping) and status.get("type") == "retry":
+                turn.retried = True
+        elif kind == "message.updated":
+            info = props.get("info")
+            if not isinstance(info, Mapping):
+                continue
+            if info.get("role") == "user":
+                turn.user = info
+            elif info.get("role") == "assistant":
+                mid = str(info.get("id"))
+                if mid not in turn.assistant:
+                    turn.order.append(mid)
+                turn.assistant[mid] = dict(info)
+        elif kind == "message.part.updated":
+            part = props.get("part")
+            if isinstance(part, Mapping) and part.get("type") in OUTPUT_PARTS:
+                text = part.get("text")
+                if part.get("type") in ("tool", "file") or (isinstance(text, str) and text):
+                    turn.output.add(str(part.get("messageID")))
+        elif kind == "message.part.delta":
+            if props.get("delta"):
+                turn.output.add(str(props.get("messageID")))
+    return turn
+
+
+def decide(
+    events: Sequence[Mapping[str, Any]], settings: ResumeSettings | None = None
+) -> Decision:
+    """Should the session's last turn be resumed?  Call it when the session went idle.
+
+    ``events`` are OpenCode ``/event`` payloads (``{"type", "properties"}``) of one
+    session; only the latest turn counts (see `turn_events`).  Resume when the
+    turn failed once OpenCode's own retries were spent: a ``session.error`` that is
+    transient by OpenCode's own rules (a retryable ``APIError`` or ``UnknownError``),
+    or a last assistant message that ended with finish ``unknown`` or an error
+    after producing output.  Never after an abort, an abort during a retry (idle
+    with no error), a zero-output ``unknown`` finish, a context overflow or an
+    auth error.
+    """
+    settings = settings or ResumeSettings()
+    turn = _summarise(turn_events(events))
+    last = turn.assistant[turn.order[-1]] if turn.order else None
+    provider = (last or {}).get("providerID") or _user_model(turn.user)[0]
+    model = (last or {}).get("modelID") or _user_model(turn.user)[1]
+    decision = _decide(turn, last)
+    if isinstance(decision, Resume) and not settings.covers(provider, model):
+        return Skip(
+            f"{provider}/{model} is not covered by the resume filter "
+            f"(provider {settings.provider!r}, model {settings.model!r})"
+        )
+    return decision
+
+
+def _user_model(user: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+    model = (user or {}).get("model")
+    if isinstance(model, Mapping):
+        return model.get("providerID"), model.get("modelID")
+    return None, None
+
+
+def _decide(turn: _Turn, last: Mapping[str, Any] | None) -> Decision:
+    if turn.session_error is not None:
+        ok, why = is_retryable(turn.session_error)
+        if ok:
+            return Resume(f"the turn failed after OpenCode's retries: {why}")
+        return Skip(why)
+    if last is None:
+        return Skip("no assistant reply in this turn")
+    error = last.get("error")
+    finish = last.get("finish")
+    produced = str(last.get("id")) in turn.output
+    if isinstance(error, Mapping):
+        ok, why = is_retryable(error)
+        if not ok:
+            return Skip(why)
+        if not produced:
+            return Skip(f"the reply failed before any output ({why})")
+        return Resume(f"the reply ended with an error after output: {why}")
+    if finish == "unknown":
+        if produced:
+            return Resume("the reply ended with finish 'unknown' after output")
+        return Skip(
+            "zero-output 'unknown' finish: a deliberate abort, a denied permission or a "
+            "compaction"
+        )
+    if finish is None:
+        if turn.retried:
+            return Skip("aborted during a retry: idle with no session.error")
+        return Skip("interrupted: idle with neither a finish nor an error")
+    return Skip(f"the turn completed (finish {finish!r})")
+
+
+# -- re-sending the prompt ------------------------------------------------------------
+
+_PART_KEYS: Final[dict[str, tuple[str, ...]]] = {
+    "text": ("type", "text"),
+    "file": ("type", "mime", "url", "filename", "source"),
+    "agent": ("type", "name", "source"),
+    "subtask": ("type", "prompt", "description", "agent", "model", "command"),
+}
+
+
+def resume_body(message: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``prompt_async`` body that re-sends a user message ``{info, parts}``.
+
+    Synthetic parts (OpenCode's own file-read notes) are left out: OpenCode adds
+    them again for the file parts.  None when nothing can be re-sent.
+    """
+    info = message.get("info") if isinstance(message.get("info"), Mapping) else {}
+    assert isinstance(info, Mapping)
+    parts: list[dict[str, Any]] = []
+    for part in message.get("parts") or []:
+        if not isinstance(part, Mapping) or part.get("synthetic") or part.get("ignored"):
+            continue
+        keys = _PART_KEYS.get(str(part.get("type")))
+        if keys is None:
+            continue
+        parts.append({k: part[k] for k in keys if k in part and part[k] is not None})
+    if not parts:
+        return None
+    body: dict[str, Any] = {"parts": parts}
+    model = info.get("model")
+    if isinstance(model, Mapping) and model.get("providerID") and model.get("modelID"):
+        body["model"] = {"providerID": model["providerID"], "modelID": model["modelID"]}
+        if model.get("variant"):
+            body["variant"] = model["variant"]
+    for key in ("agent", "system", "tools", "format"):
+        if info.get(key):
+            body[key] = info[key]
+    return body
+
+
+# -- the I/O loop ---------------------------------------------------------------------
+
+
+@dataclass
+class _Session:
+    events: list[Mapping[str, Any]] = field(default_factory=list)
+    busy: bool = False
+    attempts: int = 0  # consecutive resumes
+    own_prompt: bool = False  # the next new user message is our resume
+    users: set[str] = field(default_factory=set)
+    streamed: set[str] = field(default_factory=set)  # messages whose first delta is kept
+    pending: asyncio.Task[None] | None = None
+    decided: bool = False  # the pending task has logged a decision to resume
+    sending: bool = False  # past the delay: our own prompt's events must not cancel it
+
+
+MAX_EVENTS_PER_SESSION: Final = 5000
+#: After idle, wait this long for OpenCode's trailing message updates before deciding.
+SETTLE_S: Final = 0.25
+
+
+class Resumer:
+    """Watches one OpenCode server and resumes its dead turns.
+
+    ``run()`` subscribes to ``GET /event`` and reconnects until `stop` is called
+    (or ``stop_event`` is set).  ``resumes`` counts the prompts re-sent and
+    ``decisions`` every (session id, decision) taken.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        settings: ResumeSettings | None = None,
+        *,
+        password: str | None = None,
+        username: str | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.settings = settings or ResumeSettings()
+        self.sessions: dict[str, _Session] = {}
+        self.resumes = 0
+        self.decisions: list[tuple[str, Decision]] = []
+        #: how each decided resume ended: resumed | cancelled: why | busy | no prompt | failed
+        self.outcomes: list[tuple[str, str]] = []
+        self.connected = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._http: aiohttp.ClientSession | None = None
+        self.headers: dict[str, str] = {}
+        if password:
+            token = base64.b64encode(f"{username or 'opencode'}:{password}".encode()).decode()
+            self.headers["Authorization"] = f"Basic {token}"
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, stop_event: asyncio.Event | None = None) -> None:
+        """Follow the event stream until stopped, reconnecting with a short backoff."""
+        timeout = aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5)
+        stopped = asyncio.ensure_future(self._stop.wait())
+        watch = asyncio.ensure_future(stop_event.wait()) if stop_event else None
+        if watch is not None:
+            watch.add_done_callback(lambda _: self._stop.set())
+        async with aiohttp.ClientSession(timeout=timeout, headers=self.headers) as http:
+            self._http = http
+            backoff = 0.25
+            try:
+                while not self._stop.is_set():
+                    follow = asyncio.ensure_future(self._follow(http))
+                    await asyncio.wait({follow, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                    if not follow.done():
+                        follow.cancel()
+                        await asyncio.gather(follow, return_exceptions=True)
+                        break
+                    exc = follow.exception()
+                    if exc is None:
+                        backoff = 0.25
+                    elif isinstance(exc, (aiohttp.ClientError, OSError, TimeoutError)):
+                        if self.connected.is_set():
+                            log.info("resume: lost %s/event (%s); reconnecting", self.base_url,
+                                     type(exc).__name__)
+                    else:
+                        raise exc
+                    self.connected.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(backoff):
+                            await self._stop.wait()
+                    backoff = min(backoff * 2, 5.0)
+            finally:
+                stopped.cancel()
+                if watch is not None:
+                    watch.cancel()
+                pending = [s.pending for s in self.sessions.values() if s.pending]
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    await asyncio.gather(*pending, return_exceptions=True)
+                self._http = None
+
+    async def _follow(self, http: aiohttp.ClientSession) -> None:
+        async with http.get(f"{self.base_url}/event", headers={"Accept": "text/event-stream"}) as r:
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(
+                    r.request_info, r.history, status=r.status, message="GET /event"
+                )
+            if not self.connected.is_set():
+                log.info("resume: watching %s for turns that die after output (delay %d ms, "
+                         "max attempts %s)", self.base_url, self.settings.delay_ms,
+                         self.settings.max_attempts or "unlimited")
+            self.connected.set()
+            data: list[str] = []
+            async for raw in r.content:
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if line.startswith("data:"):
+                    data.append(line[5:].removeprefix(" "))
+                elif not line and data:
+                    payload, data = "\n".join(data), []
+                    try:
+                        event = json.loads(payload)
+                    except ValueError:
+                        continue
+                    if isinstance(event, dict):
+                        self.feed(event)
+            raise aiohttp.ServerDisconnectedError("the event stream ended")
+
+    def feed(self, event: Mapping[str, Any]) -> None:
+        """Take one ``/event`` payload (the sans-IO entry point)."""
+        kind = event.get("type")
+        props = _props(event)
+        sid = props.get("sessionID")
+        if not isinstance(sid, str):
+            return
+        state = self.sessions.setdefault(sid, _Session())
+        if kind == "message.part.delta":
+            mid = str(props.get("messageID"))
+            if mid in state.streamed:
+                return  # one delta per message is all `decide` needs
+            state.streamed.add(mid)
+        if kind == "message.updated":
+            info = props.get("info")
+            if isinstance(info, Mapping) and info.get("role") == "user":
+                mid = str(info.get("id"))
+                if mid not in state.users:
+                    state.users.add(mid)
+                    state.events = []  # a new turn
+                    state.streamed = set()
+                    self._cancel(state, sid, "a new prompt arrived")
+                    if state.own_prompt:
+                        state.own_prompt = False
+                    else:
+                        state.attempts = 0
+        state.events.append(event)
+        if len(state.events) > MAX_EVENTS_PER_SESSION:
+            del state.events[: len(state.events) - MAX_EVENTS_PER_SESSION]
+        if kind == "session.status":
+            status = props.get("status")
+            stype = status.get("type") if isinstance(status, Mapping) else None
+            if stype in ("busy", "retry"):
+                state.busy = True
+                self._cancel(state, sid, "the session is busy again")
+            elif stype == "idle":
+                self._idle(sid, state)
+        elif kind == "session.idle":
+            self._idle(sid, state)
+
+    def _cancel(self, state: _Session, sid: str, why: str) -> None:
+        if state.sending:
+            return
+        if state.pending is not None and not state.pending.done():
+            state.pending.cancel()
+            if state.decided:
+                log.info("no resume session=%s reason=%r", sid, f"cancelled: {why}")
+                self.outcomes.append((sid, f"cancelled: {why}"))
+        state.pending = None
+        state.decided = False
+
+    def _idle(self, sid: str, state: _Session) -> None:
+        if not state.busy:
+            return  # the second idle event of a pair, or idle before we saw any work
+        state.busy = False
+        state.decided = False
+        state.pending = asyncio.ensure_future(self._after_idle(sid, state))
+
+    async def _after_idle(self, sid: str, state: _Session) -> None:
+        await asyncio.sleep(SETTLE_S)
+        decision = decide(state.events, self.settings)
+        if isinstance(decision, Resume) and self.settings.max_attempts and (
+            state.attempts >= self.settings.max_attempts
+        ):
+            decision = Skip(
+                f"{state.attempts} resumes in a row reached UNBROKEN_RESUME_MAX_ATTEMPTS "
+                f"({decision.reason})"
+            )
+        self.decisions.append((sid, decision))
+        if isinstance(decision, Skip):
+            if decision.reason.startswith("the turn completed"):
+                state.attempts = 0
+                log.debug("no resume session=%s reason=%r", sid, decision.reason)
+            else:
+                log.info("no resume session=%s reason=%r", sid, decision.reason)
+            return
+        delay = self.settings.delay_ms / 1000
+        attempt = state.attempts + 1
+        state.decided = True
+        log.info("resume session=%s attempt=%d in=%.1fs reason=%r", sid, attempt, delay,
+                 decision.reason)
+        await asyncio.sleep(delay)
+        http = self._http
+        if http is None:
+            return
+        state.sending = True
+        try:
+            if await self._busy(http, sid):
+                log.info("no resume session=%s reason=%r", sid,
+                         "the session is busy again: the user moved on")
+                self.outcomes.append((sid, "busy"))
+                return
+            body = await self._last_prompt(http, sid)
+            if body is None:
+                log.info("no resume session=%s reason=%r", sid, "no user prompt to re-send")
+                self.outcomes.append((sid, "no prompt"))
+                return
+            state.own_prompt = True
+            state.attempts = attempt
+            url = f"{self.base_url}/session/{sid}/prompt_async"
+            async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=30)) as r:
+                if r.status >= 300:
+                    state.own_prompt = False
+                    text = _short(await r.text(), 200)
+                    log.warning("resume session=%s failed: POST prompt_async answered %d %s",
+                                sid, r.status, text)
+                    self.outcomes.append((sid, "failed"))
+                    return
+            self.resumes += 1
+            self.outcomes.append((sid, "resumed"))
+            log.info("resumed session=%s attempt=%d: re-sent the last prompt", sid, attempt)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            state.own_prompt = False
+            self.outcomes.append((sid, "failed"))
+            log.warning("resume session=%s failed: %s", sid, type(exc).__name__)
+        finally:
+            state.sending = False
+            state.decided = False
+
+    async def _busy(self, http: aiohttp.ClientSession, sid: str) -> bool:
+        async with http.get(f"{self.base_url}/session/status",
+                            timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status != 200:
+                return False
+            statuses = await r.json(content_type=None)
+        status = statuses.get(sid) if isinstance(statuses, Mapping) else None
+        return isinstance(status, Mapping) and status.get("type") in ("busy", "retry")
+
+    async def _last_prompt(self, http: aiohttp.ClientSession, sid: str) -> dict[str, Any] | None:
+        async with http.get(f"{self.base_url}/session/{sid}/message",
+                            timeout=aiohttp.ClientTimeout(total=30)) as r:
+            if r.status != 200:
+                return None
+            messages = await r.json(content_type=None)
+        if not isinstance(messages, list):
+            return None
+        for message in reversed(messages):
+            info = message.get("info") if isinstance(message, Mapping) else None
+            if isinstance(info, Mapping) and info.get("role") == "user":
+                return resume_body(message)
+        return None
+
+
+async def wait_healthy(
+    base_url: str,
+    *,
+    timeout: float = 60.0,  # noqa: ASYNC109 - a deadline, not a per-call timeout
+    headers: Mapping[str, str] | None = None,
+    alive: Any = None,
+) -> bool:
+    """Poll ``GET /global/health`` until OpenCode answers (False on timeout or when
+    ``alive()`` turns false)."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession(headers=dict(headers or {})) as http:
+        while time.monotonic() < deadline:
+            if alive is not None and not alive():
+                return False
+            try:
+                async with http.get(f"{base_url.rstrip('/')}/global/health",
+                                    timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return True
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                pass
+            await asyncio.sleep(0.25)
+    return False
+
+
+# -- command line -----------------------------------------------------------------------
+
+
+def _resume_cmd(args: argparse.Namespace) -> int:
+    from unbroken.cli import setup_logging
+
+    try:
+        settings = settings_from_env()
+    except ValueError as exc:
+        print(f"unbroken: {exc}", file=sys.stderr)
+        return 2
+    overrides = {
+        k: v
+        for k, v in (
+            ("provider", args.provider),
+            ("model", args.model),
+            ("delay_ms", args.delay_ms),
+            ("max_attempts", args.max_attempts),
+        )
+        if v is not None
+    }
+    settings = ResumeSettings(**{**settings.__dict__, **overrides})
+    setup_logging()
+    password = os.environ.get("OPENCODE_SERVER_PASSWORD")
+    username = os.environ.get("OPENCODE_SERVER_USERNAME")
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        resumer = Resumer(args.opencode, settings, password=password, username=username)
+        await resumer.run(stop)
+        return 0
+
+    return asyncio.run(main())
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "resume",
+        help="re-send OpenCode turns that died after output (against opencode serve)",
+        description="Watch an OpenCode server's /event stream; when a turn fails after "
+        "OpenCode's own retries, wait the delay and re-send the user's last prompt. "
+        "Settings also come from UNBROKEN_RESUME_PROVIDER, UNBROKEN_RESUME_MODEL, "
+        "UNBROKEN_RESUME_DELAY_MS and UNBROKEN_RESUME_MAX_ATTEMPTS (or OPENCODE_RESUME_*).",
+    )
+    p.add_argument("--opencode", required=True, metavar="URL",
+                   help="the OpenCode server, e.g. http://127.0.0.1:4096")
+    p.add_argument("--provider", help="glob on the provider id (default *)")
+    p.add_argument("--model", help="model id prefix (default *: every model)")
+    p.add_argument("--delay-ms", type=int, help="wait before re-sending (default 3000)")
+    p.add_argument("--max-attempts", type=int, help="resumes in a row per session (0 = unlimited)")
+    p.set_defaults(func=_resume_cmd)

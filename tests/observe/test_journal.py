@@ -1,0 +1,395 @@
+"""The SQLite turn journal: rows per outcome, a writer that never blocks the loop,
+degradation when the disk fails, retention, the [journal] config, and no secrets."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import sqlite3
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from relayfix import Recorder, make_config, start_relay
+from unbroken.config import ConfigError, JournalSettings, parse_config
+from unbroken.observe.hooks import AttemptInfo, TurnInfo
+from unbroken.observe.journal import SCHEMA, Journal, default_journal_path, journal_path
+from unbroken.relay.server import RelayServer
+
+CHAT = "mock/v1/chat/completions"
+STREAM = {"first_frame_timeout_s": 30, "idle_timeout_s": 30}
+
+
+def _body(stream: bool = True, usage: bool = False, text: str = "hi") -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": text}],
+        "stream": stream,
+    }
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _config(mock: Any, path: Path, **kw: Any) -> Any:
+    cfg = make_config([{"url": mock.url}], stream=STREAM, **kw)
+    return dataclasses.replace(cfg, journal=JournalSettings(path=str(path)))
+
+
+def _rows(path: Path, sql: str, *args: Any) -> list[dict[str, Any]]:
+    conn = sqlite3.connect(path)
+    conn.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in conn.execute(sql, args)]
+    finally:
+        conn.close()
+
+
+async def _post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> bytes:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body, headers=headers or {}) as r:
+        return await r.read()
+
+
+# -- rows ---------------------------------------------------------------------------------
+async def test_rows_for_each_outcome(mock, tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    server, rec = await start_relay(_config(mock, path))
+    try:
+        url = f"{server.url}/{CHAT}"
+        # ok, with the client's session id
+        await _post(url, _body(usage=True), {"x-session-id": "sess-ok"})
+        # recovered: reset mid tool arguments (role, tool start, 3 argument frames), replayed
+        mock.script([{"fault": "reset", "after_frame": 5, "reply": "tool"}, {"reply": "tool"}])
+        await _post(url, _body(usage=True), {"x-session-affinity": "sess-tool"})
+        # ended_with_error: reset after output reached the client (role + 3 text deltas)
+        mock.script([{"fault": "reset", "after_frame": 4}])
+        await _post(url, _body())
+        # passed_through_error: a 400 is not retried
+        mock.script([{"status": 400}])
+        await _post(url, _body(stream=False))
+        # aborted_by_client: the client leaves while the upstream stalls
+        mock.script([{"fault": "stall", "after_frame": 0, "seconds": 30}])
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.ensure_future(s.post(url, json=_body()))
+            await mock.wait_for_requests(len(mock.requests) + 1, timeout=30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await rec.wait_turns(5)
+        assert server.journal is not None
+        await server.journal.flush()
+    finally:
+        await server.stop()
+
+    turns = _rows(path, "SELECT * FROM turns ORDER BY turn_id")
+    assert [t["outcome"] for t in turns] == [
+        "ok", "recovered", "ended_with_error", "passed_through_error", "aborted_by_client",
+    ]
+    ok, recovered, ended, passed, aborted = turns
+    assert len({t["run"] for t in turns}) == 1
+    assert ok["session_id"] == "sess-ok" and recovered["session_id"] == "sess-tool"
+    assert ended["session_id"] is None
+    assert ok["route"] == "mock" and ok["path"] == "v1/chat/completions"
+    assert ok["protocol"] == "chat" and ok["stream"] == 1 and passed["stream"] == 0
+    assert all(t["ended"] >= t["started"] for t in turns)
+    assert ok["attempts"] == 1 and recovered["attempts"] == 2
+    assert recovered["last_failure"] and recovered["wait_s"] > 0
+    assert ok["first_byte_s"] is not None and ok["first_byte_s"] >= 0
+
+    def attempts(turn: dict[str, Any]) -> list[dict[str, Any]]:
+        return _rows(path, "SELECT * FROM attempts WHERE turn_uid = ? ORDER BY number",
+                     turn["uid"])
+
+    [a] = attempts(ok)
+    assert (a["reason"], a["status"], a["upstream"]) == ("ok", 200, mock.url)
+    assert a["frames_received"] == a["frames_released"] > 0
+    assert a["bytes_received"] == a["bytes_released"] > 0
+    assert a["input_tokens"] and a["output_tokens"]  # usage chunk requested
+
+    dead, good = attempts(recovered)
+    assert dead["phase"] == "pending" and dead["reason"] not in ("ok", "")
+    assert dead["frames_received"] == 5 and dead["frames_released"] == 0
+    assert dead["bytes_released"] == 0 and dead["hold_s"] >= 0
+    assert dead["est_output_tokens"] > 0  # the tool-call fragments the replay threw away
+    assert dead["wait_s"] is not None and dead["wait_s"] > 0
+    assert good["reason"] == "ok" and good["frames_released"] > 0 and good["wait_s"] is None
+
+    [cut] = attempts(ended)
+    assert cut["phase"] == "committed" and cut["frames_released"] == 4
+
+    [p] = attempts(passed)
+    assert p["status"] == 400 and p["reason"] == "passed_through_error"
+
+    [ab] = attempts(aborted)
+    assert ab["reason"] == "aborted_by_client"
+
+
+async def test_turn_in_flight_is_written_at_start(mock, tmp_path):
+    path = tmp_path / "j.sqlite3"
+    server, _ = await start_relay(_config(mock, path))
+    try:
+        mock.script([{"fault": "stall", "after_frame": 0, "seconds": 30}])
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.ensure_future(s.post(f"{server.url}/{CHAT}", json=_body()))
+            await mock.wait_for_requests(1, timeout=30)
+            assert server.journal is not None
+            await server.journal.flush()
+            rows = _rows(path, "SELECT outcome, ended FROM turns")
+            assert rows == [{"outcome": None, "ended": None}]  # a crash now keeps this row
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    finally:
+        await server.stop()
+
+
+# -- the writer never blocks the event loop -----------------------------------------------
+class _SlowDisk(sqlite3.Connection):
+    """A connection whose commits hang until the test opens the gate."""
+
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def commit(self) -> None:
+        type(self).entered.set()
+        if not type(self).gate.wait(60):
+            raise sqlite3.OperationalError("gate never opened")
+        super().commit()
+
+
+async def test_slow_disk_does_not_block_turns(mock, tmp_path):
+    path = tmp_path / "slow.sqlite3"
+    _SlowDisk.gate.clear()
+    _SlowDisk.entered.clear()
+    journal = Journal(path, connect=lambda p: sqlite3.connect(p, factory=_SlowDisk))
+    cfg = dataclasses.replace(
+        make_config([{"url": mock.url}]), journal=JournalSettings(enabled=False)
+    )
+    rec = Recorder()
+    server = RelayServer(cfg, hooks=journal)
+    server.hooks.hooks.append(rec)
+    journal.start()
+    await server.start()
+    try:
+        url = f"{server.url}/{CHAT}"
+        bodies = await asyncio.gather(*(_post(url, _body()) for _ in range(5)))
+        assert all(b.rstrip().endswith(b"data: [DONE]") for b in bodies)
+        await rec.wait_turns(5)
+        # the writer is stuck inside a commit while every turn went through
+        assert await asyncio.to_thread(_SlowDisk.entered.wait, 30)
+        assert not _SlowDisk.gate.is_set()
+        # a request to /status is served at once too
+        async with aiohttp.ClientSession() as s, s.get(f"{server.url}/status") as r:
+            assert r.status == 200
+        _SlowDisk.gate.set()
+        await journal.flush()
+    finally:
+        _SlowDisk.gate.set()
+        await server.stop()
+        await journal.aclose()
+    rows = _rows(path, "SELECT outcome FROM turns")
+    assert [r["outcome"] for r in rows] == ["ok"] * 5
+
+
+# -- a journal that cannot be written ----------------------------------------------------------
+class _FullDisk(sqlite3.Connection):
+    def commit(self) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+
+@pytest.mark.parametrize("failure", ["unwritable_path", "disk_full"])
+async def test_unwritable_journal_degrades_to_a_warning(mock, tmp_path, caplog, failure):
+    if failure == "unwritable_path":
+        blocker = tmp_path / "not-a-dir"
+        blocker.write_text("x")  # a file where the directory should be (fails even as root)
+        journal = Journal(blocker / "journal.sqlite3")
+    else:
+        journal = Journal(
+            tmp_path / "full.sqlite3", connect=lambda p: sqlite3.connect(p, factory=_FullDisk)
+        )
+    cfg = dataclasses.replace(
+        make_config([{"url": mock.url}]), journal=JournalSettings(enabled=False)
+    )
+    server = RelayServer(cfg, hooks=journal)
+    journal.start()
+    await server.start()
+    caplog.set_level(logging.WARNING, logger="unbroken")
+    try:
+        for _ in range(3):
+            body = await _post(f"{server.url}/{CHAT}", _body())
+            assert body.rstrip().endswith(b"data: [DONE]")
+        await journal.flush()
+        assert journal.healthy is False and journal.dropped > 0
+        async with aiohttp.ClientSession() as s, s.get(f"{server.url}/healthz") as r:
+            assert r.status == 200
+    finally:
+        await server.stop()
+        await journal.aclose()
+    warnings = [r for r in caplog.records if "journal" in r.getMessage()]
+    assert warnings and all(r.levelno == logging.WARNING for r in warnings)
+    assert len(warnings) == 1  # rate-limited: one line, not one per batch
+
+
+async def test_relay_serves_when_the_configured_journal_is_unwritable(mock, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    server, _ = await start_relay(_config(mock, blocker / "j.sqlite3"))
+    try:
+        body = await _post(f"{server.url}/{CHAT}", _body())
+        assert body.rstrip().endswith(b"data: [DONE]")
+        assert server.journal is not None
+        await server.journal.flush()
+        async with aiohttp.ClientSession() as s, s.get(f"{server.url}/status") as r:
+            status = await r.json()
+        assert status["journal"]["healthy"] is False
+    finally:
+        await server.stop()
+
+
+# -- retention, WAL ---------------------------------------------------------------------------
+def _turn(route: str = "r") -> TurnInfo:
+    return TurnInfo(route=route, path="v1/chat/completions", protocol="chat", stream=True)
+
+
+async def test_retention_prunes_old_rows_and_wal_mode(tmp_path):
+    path = tmp_path / "j.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.executescript(SCHEMA)
+    old = time.time() - 3 * 86400
+    conn.execute(
+        "INSERT INTO turns (uid, run, turn_id, route, path, protocol, stream, started, outcome)"
+        " VALUES ('old:1', 'old', 1, 'r', 'p', 'chat', 1, ?, 'ok')",
+        (old,),
+    )
+    conn.execute(
+        "INSERT INTO attempts (turn_uid, number, upstream, started, reason)"
+        " VALUES ('old:1', 1, 'u', ?, 'ok')",
+        (old,),
+    )
+    conn.commit()
+    conn.close()
+    journal = Journal(path, retention_days=1)
+    journal.start()
+    try:
+        turn = _turn()
+        journal.turn_started(turn)
+        journal.attempt_ended(turn, AttemptInfo(number=1, upstream="u", reason="ok"))
+        turn.outcome = "ok"
+        journal.turn_ended(turn)
+        await journal.flush()
+    finally:
+        await journal.aclose()
+    assert [r["uid"] for r in _rows(path, "SELECT uid FROM turns")] == [f"{journal.run}:{turn.id}"]
+    assert _rows(path, "SELECT count(*) AS n FROM attempts") == [{"n": 1}]
+    assert _rows(path, "PRAGMA journal_mode") == [{"journal_mode": "wal"}]
+
+
+async def test_queue_is_bounded(tmp_path):
+    journal = Journal(tmp_path / "j.sqlite3", max_pending=3)  # never started: nothing drains
+    for _ in range(5):
+        journal.turn_started(_turn())
+    assert journal.dropped == 2
+    await journal.aclose()
+
+
+# -- configuration -------------------------------------------------------------------------------
+def test_journal_config_defaults_and_values(tmp_path):
+    cfg = parse_config({}, env={})
+    assert cfg.journal == JournalSettings(enabled=True, path=None, retention_days=14.0)
+    cfg = parse_config(
+        {"journal": {"enabled": False, "path": "~/j.sqlite3", "retention_days": 3}}, env={}
+    )
+    assert cfg.journal.enabled is False and cfg.journal.retention_days == 3.0
+    assert cfg.journal.path == str(Path("~/j.sqlite3").expanduser())
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"retention_days": "14"}, "journal.retention_days"),
+        ({"retention_days": -1}, "journal.retention_days"),
+        ({"enabled": "yes"}, "journal.enabled"),
+        ({"path": 3}, "journal.path"),
+        ({"path": "  "}, "journal.path"),
+        ({"keep": 1}, "journal.keep"),
+    ],
+)
+def test_journal_config_errors_name_the_key(section, key):
+    with pytest.raises(ConfigError) as err:
+        parse_config({"journal": section}, env={})
+    assert err.value.key == key
+
+
+def test_journal_config_table_type():
+    with pytest.raises(ConfigError) as err:
+        parse_config({"journal": 1}, env={})
+    assert err.value.key == "journal"
+
+
+async def test_serve_exits_2_on_a_bad_journal_key(tmp_path):
+    conf = tmp_path / "u.toml"
+    conf.write_text("[journal]\nretention_days = 'two weeks'\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "unbroken", "serve", "--config", str(conf), "--port", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert "journal.retention_days" in err.decode()
+
+
+def test_default_path_follows_xdg_state_home(tmp_path):
+    assert default_journal_path({"XDG_STATE_HOME": str(tmp_path)}) == (
+        tmp_path / "unbroken" / "journal.sqlite3"
+    )
+    home = Path.home() / ".local" / "state" / "unbroken" / "journal.sqlite3"
+    assert default_journal_path({}) == home
+    assert default_journal_path({"XDG_STATE_HOME": "relative/dir"}) == home  # per the XDG spec
+    assert journal_path("/x/j.sqlite3", {}) == Path("/x/j.sqlite3")
+
+
+# -- secrets never reach the journal, /status or /metrics ------------------------------
+async def test_no_canary_in_journal_status_or_metrics(mock, tmp_path):
+    canary = "sk-canary-4242beef"
+    path = tmp_path / "j.sqlite3"
+    cfg = make_config(
+        [{"url": mock.url, "api_key_env": "CANARY_KEY"}],
+        env={"CANARY_KEY": canary + "-configured"},
+        stream=STREAM,
+    )
+    cfg = dataclasses.replace(cfg, journal=JournalSettings(path=str(path)))
+    server, rec = await start_relay(cfg)
+    try:
+        url = f"{server.url}/{CHAT}"
+        headers = {
+            "Authorization": f"Bearer {canary}",
+            "x-api-key": canary,
+            "x-session-id": "session-1",
+        }
+        mock.script([{"status": 503}, {"fault": "reset", "after_frame": 1}])
+        await _post(url, _body(text=f"my key is {canary}"), headers)
+        mock.script([{"status": 401}])
+        await _post(url, _body(stream=False, text=canary), headers)
+        await rec.wait_turns(2)
+        assert server.journal is not None
+        await server.journal.flush()
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{server.url}/status") as r:
+                status_text = await r.text()
+            async with s.get(f"{server.url}/metrics") as r:
+                metrics_text = await r.text()
+    finally:
+        await server.stop()
+    assert canary not in status_text and canary not in metrics_text
+    assert "session-1" not in status_text and "session-1" not in metrics_text
+    dump = "\n".join(sqlite3.connect(path).iterdump())
+    assert "session-1" in dump  # the journal keeps the session id, as asked
+    assert canary not in dump
+    for f in tmp_path.iterdir():  # the database file and any WAL left behind
+        assert canary.encode() not in f.read_bytes()

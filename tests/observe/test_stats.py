@@ -1,0 +1,197 @@
+"""`unbroken stats` over a seeded journal: every number checked by hand."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unbroken.cli import main
+from unbroken.observe.journal import SCHEMA
+from unbroken.observe.stats import compute_stats, format_stats, parse_since, percentile
+
+A, B = "http://a.test", "http://b.test"
+
+# (turn, outcome, started hours ago, first_byte_s, attempts: (upstream, reason, phase, status,
+#  est_output_tokens, wait_s, input_tokens, output_tokens))
+SEED: list[tuple[str, str | None, float, float | None, list[tuple[Any, ...]]]] = [
+    ("t1", "ok", 1, 0.5, [(A, "ok", None, 200, 5, None, 10, 5)]),
+    ("t2", "ok", 2, 0.7, [(A, "ok", None, 200, 5, None, 10, 5)]),
+    ("t3", "recovered", 3, 1.2, [
+        (A, "503", "headers", 503, 0, 0.25, None, None),
+        (B, "connection_reset", "pending", 200, 7, 0.25, None, None),
+        (A, "ok", None, 200, 6, None, 12, 6),
+    ]),
+    ("t4", "recovered", 4, 2.0, [
+        (A, "stall", "stall", 200, 3, 1.0, None, None),
+        (A, "ok", None, 200, 6, None, 12, 6),
+    ]),
+    ("t5", "ended_with_error", 5, 0.3, [(A, "connection_reset", "committed", 200, 20, None,
+                                         None, None)]),
+    ("t6", "passed_through_error", 6, 0.1, [(A, "passed_through_error", "committed", 400, 0,
+                                             None, None, None)]),
+    ("t7", "aborted_by_client", 7, None, [
+        (A, "503", "headers", 503, 0, 0.25, None, None),
+        (A, "aborted_by_client", "committed", None, 0, None, None, None),
+    ]),
+    ("t8", "passed_through_error", 8, 0.9, [
+        (A, "503", "headers", 503, 0, 0.25, None, None),
+        (A, "503", "headers", 503, 0, 0.25, None, None),
+        (A, "503", "headers", 503, 0, None, None, None),
+    ]),
+    ("t9", None, 0.01, None, []),  # in flight (or the relay died)
+    ("t11", "ended_with_error", 9, 0.4, [
+        (A, "payload_error", "pending", 200, 5, 0.25, None, None),
+        (A, "stall", "committed", 200, 9, None, None, None),
+    ]),
+    ("t10", "recovered", 48, 0.8, [  # outside the last 24 h
+        (A, "503", "headers", 503, 0, 0.25, None, None),
+        (A, "ok", None, 200, 5, None, 10, 5),
+    ]),
+]
+
+
+def seed(path: Path, now: float) -> None:
+    conn = sqlite3.connect(path)
+    conn.executescript(SCHEMA)
+    for n, (uid, outcome, hours, ttfb, attempts) in enumerate(SEED, 1):
+        started = now - hours * 3600
+        wait = sum(a[5] or 0 for a in attempts)
+        conn.execute(
+            "INSERT INTO turns (uid, run, turn_id, route, path, protocol, stream, started, ended,"
+            " outcome, attempts, upstream, first_byte_s, wait_s)"
+            " VALUES (?, 'run', ?, 'r', 'v1/chat/completions', 'chat', 1, ?, ?, ?, ?, ?, ?, ?)",
+            (uid, n, started, None if outcome is None else started + 3, outcome,
+             len(attempts), attempts[-1][0] if attempts else None, ttfb, wait),
+        )
+        for i, (up, reason, phase, status, est, wait_s, t_in, t_out) in enumerate(attempts, 1):
+            conn.execute(
+                "INSERT INTO attempts (turn_uid, number, upstream, started, ended, status, reason,"
+                " phase, est_output_tokens, wait_s, input_tokens, output_tokens)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (uid, i, up, started, started + 1, status, reason, phase, est, wait_s, t_in,
+                 t_out),
+            )
+    conn.commit()
+    conn.close()
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> tuple[Path, float]:
+    path = tmp_path / "journal.sqlite3"
+    now = time.time()
+    seed(path, now)
+    return path, now
+
+
+def test_stats_over_the_last_24h(journal):
+    path, now = journal
+    s = compute_stats(sqlite3.connect(path), since_s=86400, now=now)
+    assert s["turns"] == 10
+    assert s["outcomes"] == {
+        "ok": 2, "recovered": 2, "ended_with_error": 2, "passed_through_error": 2,
+        "aborted_by_client": 1, "unfinished": 1,
+    }
+    # turns that hit a failure and were not aborted: t3 t4 t5 t8 t11; recovered: t3 t4
+    assert s["turns_with_failures"] == 5
+    assert s["recovery_rate"] == 0.4
+    assert s["attempts"] == 16
+    assert s["failures"] == 10
+    assert s["failures_by_phase"] == {"headers": 5, "pending": 2, "committed": 2, "stall": 1}
+    assert s["failures_by_cause"] == {
+        "503": 5, "connection_reset": 2, "stall": 2, "payload_error": 1,
+    }
+    assert s["failures_by_upstream"] == {A: 9, B: 1}
+    assert s["retries_per_turn"] == {"p50": 1, "p99": 2, "max": 2}
+    assert s["waiting_s"] == {"total": 2.5, "p50": 0.25, "p99": 1.0, "max": 1.0}
+    assert s["time_to_first_byte_s"] == {"p50": 0.5, "p99": 2.0, "max": 2.0}
+    assert s["wasted_tokens_est"] == 15  # 7 + 3 + 5; the committed attempt's 20 is not a replay's
+    assert s["tokens"] == {"input": 44, "output": 22}
+    before = s["replay_safety"]["before_commit"]
+    assert before == {
+        "failures": 8, "turns": 5, "recovered": 2,
+        "ended": {"recovered": 2, "aborted_by_client": 1, "passed_through_error": 1,
+                  "ended_with_error": 1},
+    }
+    after = s["replay_safety"]["after_commit"]
+    assert after == {
+        "failures": 2, "turns": 2, "ended": {"ended_with_error": 2},
+        "by_cause": {"connection_reset": 1, "stall": 1},
+    }
+
+
+def test_stats_window(journal):
+    path, now = journal
+    conn = sqlite3.connect(path)
+    everything = compute_stats(conn, since_s=None, now=now)
+    assert everything["turns"] == 11
+    assert everything["outcomes"]["recovered"] == 3
+    assert everything["recovery_rate"] == 0.5
+    recent = compute_stats(conn, since_s=3600 * 2.5, now=now)  # t9, t1, t2
+    assert recent["turns"] == 3 and recent["recovery_rate"] is None
+    assert recent["failures_by_phase"] == {}
+
+
+def test_empty_journal(tmp_path):
+    conn = sqlite3.connect(tmp_path / "j.sqlite3")
+    conn.executescript(SCHEMA)
+    s = compute_stats(conn)
+    assert s["turns"] == 0 and s["recovery_rate"] is None
+    assert s["retries_per_turn"] == {"p50": None, "p99": None, "max": None}
+    assert "no turn hit a failure" in format_stats(s)
+
+
+def test_stats_json_command(journal, capsys):
+    path, _ = journal
+    assert main(["stats", "--journal", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("turns", "outcomes", "failures_by_phase", "recovery_rate"):
+        assert key in out
+    assert out["turns"] == 10 and out["recovery_rate"] == 0.4
+    assert main(["stats", "--journal", str(path), "--json", "--since", "all"]) == 0
+    assert json.loads(capsys.readouterr().out)["turns"] == 11
+
+
+def test_stats_text_command(journal, capsys):
+    path, _ = journal
+    assert main(["stats", "--journal", str(path), "--since", "24h"]) == 0
+    out = capsys.readouterr().out
+    assert "last 24h" in out
+    assert "Recovery rate" in out and "40.0%" in out
+    assert "by phase      headers 5, pending 2, committed 2, stall 1" in out
+    assert "Retries per turn          p50 1  p99 2  max 2" in out
+    assert "Wasted tokens (est.)" in out and "15" in out
+    assert "before commit   8 failures in 5 turns: 2 recovered invisibly" in out
+    assert (
+        "after commit    2 failures in 2 turns (never replayed); ended: ended_with_error 2" in out
+    )
+
+
+def test_stats_finds_the_journal_through_the_config(journal, tmp_path, capsys, monkeypatch):
+    path, _ = journal
+    conf = tmp_path / "u.toml"
+    conf.write_text(f"[journal]\npath = {json.dumps(str(path))}\n")
+    assert main(["stats", "--config", str(conf), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["turns"] == 10
+    monkeypatch.setenv("XDG_STATE_HOME", str(path.parent.parent))  # no journal there
+    assert main(["stats", "--json"]) == 1
+    assert "no journal at" in capsys.readouterr().err
+    assert main(["stats", "--since", "yesterday"]) == 2
+
+
+def test_parse_since_and_percentile():
+    assert parse_since("90s") == 90 and parse_since("30m") == 1800
+    assert parse_since("24h") == 86400 and parse_since("7d") == 7 * 86400
+    assert parse_since("2w") == 14 * 86400 and parse_since("15") == 15
+    assert parse_since("all") is None
+    with pytest.raises(ValueError):
+        parse_since("-1h")
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50 and percentile(values, 99) == 99
+    assert percentile(values, 100) == 100

@@ -1,0 +1,384 @@
+"""OpenCode integration without the real CLI: config discovery (JSONC, merge order),
+provider placement, the relay config and OPENCODE_CONFIG_CONTENT, OpenCode's argv,
+setup/undo (byte for byte, idempotent), and `unbroken run` with a stand-in binary."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unbroken.config import parse_config
+from unbroken.opencode import jsonc
+from unbroken.opencode.launcher import (
+    content_with_relay,
+    discover,
+    find_config_files,
+    load_merged,
+    merge,
+    parse_opencode_args,
+    relay_config,
+    route_name,
+    run_opencode,
+    server_args,
+    setup,
+    undo,
+)
+from unbroken.opencode.providers import OPENCODE_PROVIDERS
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> dict[str, Any]:
+    """A user: HOME, XDG config/data, and a git project with a subdirectory."""
+    env = {
+        "HOME": str(tmp_path / "home"),
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
+        "XDG_DATA_HOME": str(tmp_path / "data"),
+    }
+    project = tmp_path / "work" / "repo"
+    (project / ".git").mkdir(parents=True)
+    (project / "sub").mkdir()
+    (tmp_path / "config" / "opencode").mkdir(parents=True)
+    return {"env": env, "project": project, "gdir": tmp_path / "config" / "opencode"}
+
+
+def no_probe(url: str) -> bool:
+    return False
+
+
+# -- JSONC ------------------------------------------------------------------------------
+
+COMMENTED = """{
+  // providers I use
+  "$schema": "https://opencode.ai/config.json", /* keep */
+  "provider": {
+    "fake": {
+      "options": {"baseURL": "http://127.0.0.1:1/v1", "apiKey": "k",}, // trailing comma
+    },
+  },
+  "model": "fake/m", // "not": "this"
+}
+"""
+
+
+def test_jsonc_reads_comments_and_trailing_commas() -> None:
+    assert jsonc.loads(COMMENTED) == {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"fake": {"options": {"baseURL": "http://127.0.0.1:1/v1", "apiKey": "k"}}},
+        "model": "fake/m",
+    }
+    assert jsonc.loads('{"url": "http://x//y", "s": "/* no */"}') == {
+        "url": "http://x//y", "s": "/* no */"
+    }
+    with pytest.raises(jsonc.JsoncError, match="line 2"):
+        jsonc.loads('{\n  "a": }')
+
+
+def test_jsonc_set_path_changes_only_what_it_must() -> None:
+    replaced = jsonc.set_path(COMMENTED, ["provider", "fake", "options", "baseURL"], "http://r/f")
+    assert replaced == COMMENTED.replace("http://127.0.0.1:1/v1", "http://r/f")
+    added = jsonc.set_path(replaced, ["provider", "openai", "options", "baseURL"], "http://r/o")
+    assert "// providers I use" in added and "/* keep */" in added and "// trailing comma" in added
+    data = jsonc.loads(added)
+    assert data["provider"]["openai"] == {"options": {"baseURL": "http://r/o"}}
+    assert data["provider"]["fake"]["options"] == {"baseURL": "http://r/f", "apiKey": "k"}
+    path = ["provider", "openai", "options", "baseURL"]
+    assert jsonc.set_path(added, path, "http://r/o") == added
+    assert jsonc.loads(jsonc.set_path("{}", ["a", "b"], 1)) == {"a": {"b": 1}}
+    assert jsonc.loads(jsonc.set_path('{"a": 1}', ["a", "b"], 2)) == {"a": {"b": 2}}
+    assert jsonc.loads(jsonc.set_path("", ["a"], 1)) == {"a": 1}
+
+
+# -- discovery ------------------------------------------------------------------------------
+
+
+def test_config_files_merge_global_then_project_root_most_first(home: dict[str, Any]) -> None:
+    env, project, gdir = home["env"], home["project"], home["gdir"]
+    (gdir / "opencode.jsonc").write_text('{"model": "g/m", // c\n "provider": {"g": {}}}')
+    (project / "opencode.json").write_text('{"model": "p/m", "provider": {"p": {}}}')
+    (project / "sub" / "opencode.json").write_text('{"small_model": "s/m"}')
+    (project.parent / "opencode.json").write_text('{"model": "outside/m"}')  # above the repo
+    files = find_config_files(project / "sub", env)
+    assert files == [gdir / "opencode.jsonc", project / "opencode.json",
+                     project / "sub" / "opencode.json"]
+    merged, sources = load_merged(
+        project / "sub", {**env, "OPENCODE_CONFIG_CONTENT": '{"provider": {"c": {}}}'}
+    )
+    assert merged["model"] == "p/m" and merged["small_model"] == "s/m"
+    assert set(merged["provider"]) == {"g", "p", "c"}
+    assert sources[-1].label == "OPENCODE_CONFIG_CONTENT"
+
+
+def test_merge_is_deep() -> None:
+    base = {"provider": {"a": {"options": {"apiKey": "k", "baseURL": "u"}}}, "x": [1]}
+    over = {"provider": {"a": {"options": {"baseURL": "v"}}}, "x": [2]}
+    assert merge(base, over) == {"provider": {"a": {"options": {"apiKey": "k", "baseURL": "v"}}},
+                                 "x": [2]}
+
+
+def test_discover_finds_every_provider_in_use_with_its_real_base_url(home: dict[str, Any]) -> None:
+    env = {**home["env"], "ANTHROPIC_API_KEY": "sk-ant", "MY_URL": "http://10.0.0.5:8000/v1"}
+    data = Path(env["XDG_DATA_HOME"]) / "opencode"
+    data.mkdir(parents=True)
+    (data / "auth.json").write_text(json.dumps({
+        "openrouter": {"type": "api", "key": "sk-or"},
+        "github-copilot": {"type": "oauth", "refresh": "r"},
+    }))
+    config = {
+        "model": "deepseek/deepseek-chat",
+        "agent": {"review": {"model": "groq/llama"}},
+        "provider": {
+            "local": {"npm": "@ai-sdk/openai-compatible", "options": {"baseURL": "{env:MY_URL}"}},
+            "custom": {"npm": "@ai-sdk/openai-compatible", "api": "https://llm.example.com/v1/"},
+            "nourl": {"npm": "@ai-sdk/openai-compatible"},
+            "bedrock": {"npm": "@ai-sdk/amazon-bedrock"},
+            "mistral": {"options": {"apiKey": "{env:MISTRAL_KEY}"}},
+            "off": {"options": {"baseURL": "https://off.example.com"}},
+        },
+        "disabled_providers": ["off"],
+    }
+    found = {p.id: p for p in discover(config, env, model_arg="openai/gpt-5", probe=no_probe)}
+    assert found["local"].url == "http://10.0.0.5:8000/v1"
+    assert found["custom"].url == "https://llm.example.com/v1"
+    assert found["mistral"].url == "https://api.mistral.ai/v1"
+    assert found["deepseek"].url == "https://api.deepseek.com"
+    assert found["groq"].url == "https://api.groq.com/openai/v1"
+    assert found["openai"].url == "https://api.openai.com/v1"
+    assert found["anthropic"].url == "https://api.anthropic.com/v1"
+    assert found["openrouter"].url == "https://openrouter.ai/api/v1"
+    assert found["nourl"].url is None and "no baseURL" in found["nourl"].problem
+    assert found["bedrock"].url is None and "signed" in found["bedrock"].problem
+    assert found["github-copilot"].url is None
+    assert "off" not in found
+    assert {p.why for p in found.values()} >= {"config", "model", "env", "auth"}
+
+
+def test_discover_leaves_alone_what_already_goes_through_unbroken() -> None:
+    config = {"provider": {"fake": {"options": {"baseURL": "http://127.0.0.1:4780/fake"}}}}
+    [p] = discover(config, {}, probe=lambda url: True)
+    assert p.url is None and "already goes through unbroken" in p.problem
+    [p] = discover(config, {}, probe=no_probe)
+    assert p.url == "http://127.0.0.1:4780/fake"
+
+
+def test_openai_with_a_chatgpt_login_cannot_be_placed(home: dict[str, Any]) -> None:
+    data = Path(home["env"]["XDG_DATA_HOME"]) / "opencode"
+    data.mkdir(parents=True)
+    (data / "auth.json").write_text('{"openai": {"type": "oauth"}}')
+    [p] = discover({}, home["env"], probe=no_probe)
+    assert p.id == "openai" and p.url is None
+
+
+def test_builtin_table_is_sane() -> None:
+    assert len(OPENCODE_PROVIDERS) > 150
+    for pid, (url, env_vars) in OPENCODE_PROVIDERS.items():
+        assert url.startswith(("http://", "https://", "${")) and not url.endswith("/"), pid
+        assert env_vars and all(v == v.upper() for v in env_vars), pid
+
+
+def test_relay_config_has_one_route_per_placed_provider() -> None:
+    base = parse_config({"routes": {"openai": {"upstreams": ["https://my-gateway/v1"]}}}, env={})
+    providers = discover(
+        {"provider": {"fake": {"options": {"baseURL": "http://127.0.0.1:9/v1"}},
+                      "_odd/id": {"options": {"baseURL": "https://odd.example.com"}}}},
+        {"OPENAI_API_KEY": "k"},
+        probe=no_probe,
+    )
+    config, names = relay_config(base, providers)
+    assert config.host == "127.0.0.1" and config.port == 0
+    assert names == {"fake": "fake", "_odd/id": "odd-id", "openai": "openai"}
+    assert config.routes["fake"].upstreams[0].url == "http://127.0.0.1:9/v1"
+    assert config.routes["openai"].upstreams[0].url == "https://api.openai.com/v1"
+    assert route_name("a", {"a"}) == "a-2"
+
+
+def test_config_content_merges_with_the_users_own() -> None:
+    existing = '{"provider": {"fake": {"options": {"apiKey": "k"}}}, "model": "fake/m"}'
+    content = json.loads(content_with_relay(existing, {"fake": "http://127.0.0.1:5/fake"}))
+    assert content == {
+        "provider": {"fake": {"options": {"apiKey": "k", "baseURL": "http://127.0.0.1:5/fake"}}},
+        "model": "fake/m",
+    }
+
+
+# -- OpenCode's argv ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "sub", "project", "model", "port"),
+    [
+        ([], None, None, None, None),
+        (["./proj", "-m", "openai/gpt-5"], None, "./proj", "openai/gpt-5", None),
+        (["--model=a/b", "run", "say", "hi"], "run", None, "a/b", None),
+        (["--log-level", "WARN", "serve", "--port", "4096"], "serve", None, None, 4096),
+        (["-m", "serve/x", "run"], "run", None, "serve/x", None),  # a value is not a command
+    ],
+)
+def test_parse_opencode_args(
+    argv: list[str], sub: str | None, project: str | None, model: str | None, port: int | None
+) -> None:
+    parsed = parse_opencode_args(argv)
+    assert (parsed.subcommand, parsed.project, parsed.model, parsed.port) == (
+        sub, project, model, port
+    )
+
+
+def test_server_args_expose_the_server_for_resume() -> None:
+    args, url, _ = server_args([], parse_opencode_args([]))  # the TUI: gets a --port
+    assert args[0] == "--port" and url == f"http://127.0.0.1:{args[1]}"
+    args, url, _ = server_args(["serve", "--port", "4096"], parse_opencode_args(["serve", "--port",
+                                                                                  "4096"]))
+    assert args == ["serve", "--port", "4096"] and url == "http://127.0.0.1:4096"
+    argv = ["web", "--hostname", "0.0.0.0"]
+    args, url, _ = server_args(argv, parse_opencode_args(argv))
+    assert "--port" in args and url is not None and url.startswith("http://127.0.0.1:")
+    argv = ["serve", "--port", "0", "--print-logs"]
+    args, url, _ = server_args(argv, parse_opencode_args(argv))
+    assert args[:2] == ["serve", "--port"] and args[2] != "0" and args[3] == "--print-logs"
+    assert url == f"http://127.0.0.1:{args[2]}"
+    args, url, why = server_args(["run", "hi"], parse_opencode_args(["run", "hi"]))
+    assert args == ["run", "hi"] and url is None and "no server" in why
+
+
+# -- setup / undo -----------------------------------------------------------------------------
+
+
+ROUTES = parse_config({"routes": {"fake": {"upstreams": ["http://127.0.0.1:9/v1"]}}}, env={}).routes
+RELAY = "http://127.0.0.1:4780"
+
+
+def test_setup_patches_keeps_a_backup_is_idempotent_and_undo_restores_bytes(
+    home: dict[str, Any]
+) -> None:
+    env, project = {**home["env"], "OPENAI_API_KEY": "sk"}, home["project"]
+    path = project / "opencode.json"
+    original = (COMMENTED.replace("http://127.0.0.1:1/v1", "http://127.0.0.1:9/v1")
+                .replace("\n", "\r\n")).encode()  # CRLF and comments must survive undo
+    path.write_bytes(original)
+    first = setup("project", relay_url=RELAY, routes=ROUTES, project=project, env=env)
+    assert first.changed and first.path == path
+    assert first.routed == {"fake": f"{RELAY}/fake", "openai": f"{RELAY}/openai/v1"}
+    patched = path.read_bytes()
+    assert b"// providers I use" in patched
+    data = jsonc.loads(patched.decode())
+    assert data["provider"]["fake"]["options"] == {"baseURL": f"{RELAY}/fake", "apiKey": "k"}
+    assert (project / "opencode.json.unbroken-backup").read_bytes() == original
+
+    second = setup("project", relay_url=RELAY, routes=ROUTES, project=project, env=env)
+    assert not second.changed and sorted(second.already) == ["fake", "openai"]
+    assert path.read_bytes() == patched
+    assert (project / "opencode.json.unbroken-backup").read_bytes() == original
+
+    assert undo("project", project=project, env=env) == (path, True)
+    assert path.read_bytes() == original
+    assert not (project / "opencode.json.unbroken-backup").exists()
+    assert undo("project", project=project, env=env) == (path, False)
+
+
+def test_setup_creates_a_missing_global_file_and_undo_removes_it(home: dict[str, Any]) -> None:
+    env = {**home["env"], "ANTHROPIC_API_KEY": "sk"}
+    result = setup("global", relay_url=RELAY, routes=parse_config({}, env={}).routes,
+                   project=home["project"], env=env)
+    path = home["gdir"] / "opencode.json"
+    assert result.changed and result.path == path
+    assert jsonc.loads(path.read_text())["provider"]["anthropic"]["options"]["baseURL"] == (
+        f"{RELAY}/anthropic/v1"  # the built-in route to https://api.anthropic.com
+    )
+    assert undo("global", project=home["project"], env=env) == (path, True)
+    assert not path.exists()
+
+
+def test_setup_names_providers_no_route_reaches(home: dict[str, Any]) -> None:
+    project = home["project"]
+    (project / "opencode.json").write_text(
+        '{"provider": {"local": {"options": {"baseURL": "http://10.1.1.1:8000/v1"}}}}'
+    )
+    result = setup("project", relay_url=RELAY, routes=ROUTES, project=project, env=home["env"])
+    assert not result.changed and result.routed == {}
+    assert [p.id for p in result.missing] == ["local"]
+    assert "no route" in result.missing[0].problem
+
+
+def test_setup_cli_prints_what_it_did(home: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from unbroken.cli import main
+
+    project = home["project"]
+    (project / "opencode.json").write_text('{"provider": {"local": {"options": '
+                                           '{"baseURL": "http://10.1.1.1:8000/v1"}}}}')
+    for k, v in home["env"].items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("UNBROKEN_CONFIG", raising=False)
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("PWD", str(project))
+    assert main(["opencode", "setup", "--project", "--relay", "http://127.0.0.1:9"]) == 0
+    out = capsys.readouterr().out
+    assert "local: left alone" in out and "[routes.local]" in out
+    assert 'url = "http://10.1.1.1:8000/v1"' in out
+    assert "no unbroken relay answers" in out
+    assert main(["opencode", "undo", "--project"]) == 1
+
+
+# -- unbroken run, with a stand-in for the OpenCode binary -------------------------------------
+
+STAND_IN = r'''#!{python}
+"""Behaves like `opencode run`: one chat turn to provider "fake", then exits 3."""
+import json, os, sys, urllib.request
+content = json.loads(os.environ["OPENCODE_CONFIG_CONTENT"])
+base = content["provider"]["fake"]["options"]["baseURL"]
+body = json.dumps({{"model": "m", "messages": [{{"role": "user", "content": "hi"}}]}}).encode()
+req = urllib.request.Request(base + "/chat/completions", data=body,
+                             headers={{"content-type": "application/json",
+                                      "authorization": "Bearer sk-user"}})
+answer = json.loads(urllib.request.urlopen(req, timeout=10).read())
+print(answer["choices"][0]["message"]["content"])
+print("argv:", json.dumps(sys.argv[1:]))
+print("pwd:", os.environ.get("PWD"))
+sys.exit(3)
+'''
+
+
+async def test_run_relays_the_providers_and_returns_opencodes_exit_code(
+    mock: Any, home: dict[str, Any], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    stand_in = tmp_path / "bin" / "opencode"
+    stand_in.parent.mkdir()
+    stand_in.write_text(STAND_IN.format(python=sys.executable))
+    stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
+    project = home["project"]
+    (home["gdir"] / "opencode.json").write_text(json.dumps(
+        {"provider": {"fake": {"npm": "@ai-sdk/openai-compatible",
+                               "options": {"baseURL": f"{mock.url}/v1", "apiKey": "sk-user"}}}}
+    ))
+    mock.script([{"status": 503}, {"fault": "reset", "after_frame": 0}])
+    urls: list[str] = []
+    env = {**home["env"], "PATH": os.environ.get("PATH", "")}
+    base = parse_config({"retry": {"delay_ms": 5}}, env={})
+    code = await run_opencode(
+        [str(stand_in), "run", "hi"], base=base, env=env, cwd=project, ready=urls.append
+    )
+    assert code == 3
+    out = capfd.readouterr().out
+    assert "Hello from the mock provider." in out
+    assert 'argv: ["run", "hi"]' in out  # `opencode run` exposes no server: no --port added
+    assert f"pwd: {project}" in out
+    assert len(mock.requests) == 3  # the relay absorbed a 503 and a reset
+    assert all(r.path == "/v1/chat/completions" for r in mock.requests)
+    assert mock.requests[-1].headers["authorization"] == "Bearer sk-user"  # the user's key
+    port = int(urls[0].rsplit(":", 1)[1])
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        pass  # the relay stopped with OpenCode
+
+
+def test_run_refuses_other_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    from unbroken.cli import main
+
+    assert main(["run", "--", "python3", "-c", "pass"]) == 2
+    assert "not OpenCode" in capsys.readouterr().err
+    assert main(["run"]) == 2
