@@ -12,6 +12,7 @@ from unbroken.config import (
     BUILTIN_ROUTES,
     Config,
     ConfigError,
+    bind_problem,
     load_config,
     parse_config,
     validate_url,
@@ -273,6 +274,9 @@ def test_non_finite_numbers_rejected(section: str, key: str, value: float) -> No
         ("http://127.0.0.1:4781", "http://127.0.0.1:4781"),
         ("http://[::1]:8080/api", "http://[::1]:8080/api"),
         ("HTTPS://API.EXAMPLE.COM", "HTTPS://API.EXAMPLE.COM"),
+        ("ws://api.example.com", "ws://api.example.com"),
+        ("wss://api.example.com/v1/", "wss://api.example.com/v1"),
+        ("https://api.example.com/a%20b/~x", "https://api.example.com/a%20b/~x"),
     ],
 )
 def test_good_urls(url: str, normalised: str) -> None:
@@ -286,7 +290,6 @@ def test_good_urls(url: str, normalised: str) -> None:
     [
         "api.example.com",
         "ftp://api.example.com",
-        "ws://api.example.com",
         "https://",
         "https:///path",
         "https://api.example.com?x=1",
@@ -295,12 +298,33 @@ def test_good_urls(url: str, normalised: str) -> None:
         "https://api.example.com:port",
         "",
         "file:///etc/passwd",
+        # hostile-input review: each of these was accepted, or crashed with a traceback
+        "http://[::1",
+        "http://[nothost]:80",
+        "https://api.example.com/v1\r\nX-Injected: 1",
+        "https://api.example.com/v1\n",
+        "https://api.example.com/v1\x00",
+        "https://api.example.com/a b",
+        "https://api.exa mple.com",
+        " https://api.example.com",
+        "https://api.example.com/\u200bv1",
+        "https://user:pw@api.example.com",
+        "https://user@api.example.com",
+        "https://api.example.com:0",
+        "https://api.example.com:",
+        "https://api.example.com/%zz",
+        "https://api.example.com/caf\u00e9",
+        "https://exa\u00e9mple.com",
+        "https://api.example.com/a?",
     ],
 )
 def test_bad_urls(url: str) -> None:
     assert error_key({"routes": {"r": {"upstreams": [{"url": url}]}}}) == (
         "routes.r.upstreams[0].url"
     )
+    with pytest.raises(ConfigError) as info:
+        validate_url("k", url)
+    assert "\n" not in str(info.value)  # one line, whatever the URL held
 
 
 def test_url_credentials_never_in_logs() -> None:
@@ -440,3 +464,130 @@ def test_api_key_never_in_repr_or_errors() -> None:
 def test_api_key_does_not_affect_equality() -> None:
     data = {"routes": {"r": {"upstreams": [{"url": "https://a.example", "api_key_env": "K"}]}}}
     assert parse(data, K="one").routes["r"] == parse(data, K="two").routes["r"]
+
+
+# ---------------------------------------------------------------------------
+# Route names, access control, limits, file encoding (issue 10)
+
+
+@pytest.mark.parametrize(
+    "name", ["..", ".", "a b?#", "a b", "a?b", "a#b", "a%2fb", "é", "a\x00", "t", "healthz",
+             "status", "metrics", "_x"],
+)
+def test_bad_route_names(name: str) -> None:
+    assert error_key({"routes": {name: {"upstreams": ["https://a.example"]}}}) == (
+        f"routes.{name}"
+    )
+
+
+@pytest.mark.parametrize("name", ["a", "my-route", "v1.2", "A_b-C.d", "..x", "x.."])
+def test_good_route_names(name: str) -> None:
+    assert name in parse({"routes": {name: {"upstreams": ["https://a.example"]}}}).routes
+
+
+TOKEN = "tok-0123456789abcdef-XYZ"
+
+
+def test_token_from_unbroken_token_env() -> None:
+    config = parse({}, UNBROKEN_TOKEN=TOKEN)
+    assert config.token == TOKEN and config.token_env == "UNBROKEN_TOKEN"
+    assert TOKEN not in repr(config)
+    assert TOKEN in config.secrets()
+    assert parse({}).token is None
+    assert parse({}, UNBROKEN_TOKEN="").token is None
+
+
+def test_token_env_names_the_variable() -> None:
+    config = parse({"server": {"token_env": "MY_TOK"}}, MY_TOK=TOKEN, UNBROKEN_TOKEN="x" * 20)
+    assert config.token == TOKEN and config.token_env == "MY_TOK"
+    assert error_key({"server": {"token_env": "MY_TOK"}}) == "server.token_env"
+    assert error_key({"server": {"token_env": 5}}) == "server.token_env"
+
+
+@pytest.mark.parametrize("bad", ["short", "has space in it!!", "x" * 15, "tok\nen-0123456789ab"])
+def test_weak_or_unsafe_tokens_are_refused_without_echo(bad: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse({}, UNBROKEN_TOKEN=bad)
+    assert info.value.key == "UNBROKEN_TOKEN"
+    assert bad not in str(info.value)
+
+
+def test_server_access_and_limit_keys() -> None:
+    config = parse({"server": {
+        "allowed_hosts": ["Relay.Example.com", "box:8080", "*"],
+        "allowed_origins": ["https://App.Example.com:443", "http://localhost:3000"],
+        "header_read_timeout_s": 2, "keepalive_timeout_s": 30, "max_connections": 5,
+    }, "stream": {"max_event_bytes": 2048}, "websocket": {"max_queued_messages": 4}})
+    assert config.allowed_hosts == ("relay.example.com", "box:8080", "*")
+    assert config.allowed_origins == ("https://app.example.com", "http://localhost:3000")
+    assert (config.header_read_timeout_s, config.keepalive_timeout_s) == (2.0, 30.0)
+    assert config.max_connections == 5
+    assert config.stream.max_event_bytes == 2048
+    assert config.websocket_max_queued_messages == 4
+    d = parse({})
+    assert (d.header_read_timeout_s, d.keepalive_timeout_s, d.max_connections) == (10, 75, 1024)
+    assert d.stream.max_event_bytes == 16 * 1024 * 1024
+    assert d.allowed_hosts == () and d.allowed_origins == ()
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"server": {"allowed_hosts": "x"}}, "server.allowed_hosts"),
+        ({"server": {"allowed_hosts": ["a b"]}}, "server.allowed_hosts[0]"),
+        ({"server": {"allowed_hosts": ["ok", "http://x"]}}, "server.allowed_hosts[1]"),
+        ({"server": {"allowed_hosts": ["x:99999"]}}, "server.allowed_hosts[0]"),
+        ({"server": {"allowed_origins": ["app.example.com"]}}, "server.allowed_origins[0]"),
+        ({"server": {"allowed_origins": ["https://a.example/path"]}},
+         "server.allowed_origins[0]"),
+        ({"server": {"header_read_timeout_s": 0}}, "server.header_read_timeout_s"),
+        ({"server": {"keepalive_timeout_s": -1}}, "server.keepalive_timeout_s"),
+        ({"server": {"max_connections": 0}}, "server.max_connections"),
+        ({"server": {"max_connections": 1.5}}, "server.max_connections"),
+        ({"server": {"host": "a b"}}, "server.host"),
+        ({"server": {"host": "http://x"}}, "server.host"),
+        ({"stream": {"max_event_bytes": 10}}, "stream.max_event_bytes"),
+        ({"websocket": {"max_queued_messages": 0}}, "websocket.max_queued_messages"),
+        ({"routes": {"r": {"upstreams": [{"url": "https://a.example",
+                                          "key_headers": ["bad header"]}]}}},
+         "routes.r.upstreams[0].key_headers"),
+    ],
+)
+def test_access_and_limit_errors_are_named(data: dict[str, Any], key: str) -> None:
+    assert error_key(data) == key
+
+
+def test_key_headers_are_lower_case() -> None:
+    data = {"routes": {"r": {"upstreams": [{"url": "https://a.example",
+                                            "key_headers": ["X-Custom-Key"]}]}}}
+    assert parse(data).routes["r"].upstreams[0].key_headers == ("x-custom-key",)
+
+
+@pytest.mark.parametrize("host", ["", " ", "127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"])
+def test_loopback_hosts_need_no_token(host: str) -> None:
+    config = parse({"server": {"host": host}})
+    assert bind_problem(config) is None
+    assert config.host.strip() != ""  # "" never means "every interface"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.5", "example.com"])
+def test_non_loopback_bind_needs_a_token(host: str) -> None:
+    problem = bind_problem(parse({"server": {"host": host}}))
+    assert problem is not None and "UNBROKEN_TOKEN" in problem and "\n" not in problem
+    assert bind_problem(parse({"server": {"host": host}}, UNBROKEN_TOKEN=TOKEN)) is None
+
+
+def test_config_file_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[server]\nhost = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert info.value.key == "--config" and "UTF-8" in str(info.value)
+
+
+def test_secrets_lists_keys_and_token_longest_first() -> None:
+    data = {"routes": {"r": {"upstreams": [
+        {"url": "https://a.example", "api_key_env": "K1"},
+        {"url": "https://b.example", "api_key_env": "K2"}]}}}
+    config = parse(data, K1="sk-short-000000", K2="sk-longer-key-0000000", UNBROKEN_TOKEN=TOKEN)
+    assert config.secrets() == (TOKEN, "sk-longer-key-0000000", "sk-short-000000")

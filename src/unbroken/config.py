@@ -8,9 +8,12 @@ any repr, message or log.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
+import re
 import tomllib
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +25,18 @@ from unbroken.core.policy import RetryPolicy
 
 __all__ = [
     "BUILTIN_ROUTES",
+    "CREDENTIAL_HEADERS",
+    "TOKEN_ENV",
     "Config",
     "ConfigError",
     "JournalSettings",
     "Route",
     "Upstream",
+    "bind_problem",
+    "is_loopback_host",
     "load_config",
+    "validate_http_url",
+    "validate_url",
 ]
 
 BUILTIN_ROUTES: dict[str, str] = {
@@ -53,6 +62,21 @@ ENV_OVERRIDES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+#: The token clients must send (``x-unbroken-token``) when ``[server] token_env`` is unset.
+TOKEN_ENV = "UNBROKEN_TOKEN"
+#: Headers that carry a provider key: on a route that injects its own key, the client's
+#: values of all of them are removed (plus any an upstream entry lists in ``key_headers``).
+CREDENTIAL_HEADERS: tuple[str, ...] = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
+#: A route name: one plain path segment.
+_ROUTE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+#: Route names the relay itself answers on (``/t/<token>/...``, ``/healthz``, ...).
+RESERVED_ROUTES = frozenset({"t", "healthz", "status", "metrics"})
+_TOKEN = re.compile(r"[A-Za-z0-9._~-]{16,512}")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token
+_HOST_NAME = re.compile(r"[A-Za-z0-9._~-]+")
+_URL_PATH = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=:@/-]|%[0-9A-Fa-f]{2})*")
+
+
 class ConfigError(ValueError):
     """Invalid configuration; ``key`` names the offending setting."""
 
@@ -67,6 +91,9 @@ class Upstream:
     api_key_env: str | None = None
     models: Mapping[str, str] = field(default_factory=dict)
     api_key: str | None = field(default=None, repr=False, compare=False)
+    #: further headers that carry a credential for this provider (lower case): with
+    #: ``api_key_env`` set, the client's values are dropped like ``authorization``'s
+    key_headers: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -91,6 +118,8 @@ class StreamSettings:
     idle_timeout_s: float = 120.0
     keepalive_s: float = 15.0
     early_headers_s: float = 20.0
+    #: an upstream SSE event larger than this fails the attempt (`EventTooLarge`)
+    max_event_bytes: int = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -113,17 +142,53 @@ class Config:
     routes: Mapping[str, Route] = field(default_factory=dict)
     #: after an upstream refuses WebSocket, serve its turns over HTTP this long
     websocket_fallback_cooldown_s: float = 300.0
+    #: client messages a WebSocket connection may have queued, unprocessed (then 1008)
+    websocket_max_queued_messages: int = 16
     journal: JournalSettings = field(default_factory=JournalSettings)
+    #: the secret every request must carry (``x-unbroken-token`` or ``/t/<token>/``);
+    #: None: no token (loopback only)
+    token: str | None = field(default=None, repr=False, compare=False)
+    #: where the token came from (an environment variable name), for messages
+    token_env: str | None = None
+    #: extra ``Host`` values accepted (``name`` matches any port, ``name:port`` only
+    #: that port, ``*`` any host); the bound address, localhost and 127.0.0.1 always are
+    allowed_hosts: tuple[str, ...] = ()
+    #: ``Origin`` values accepted (``scheme://host[:port]``); any other Origin gets 403
+    allowed_origins: tuple[str, ...] = ()
+    #: a client must send a request's complete headers within this time
+    header_read_timeout_s: float = 10.0
+    #: an idle keep-alive client connection is closed after this long
+    keepalive_timeout_s: float = 75.0
+    #: client connections served at once; beyond, new connections get 503
+    max_connections: int = 1024
 
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
 
+    def secrets(self) -> tuple[str, ...]:
+        """Every secret the relay knows (injected keys, the token): never echoed or logged."""
+        found = {u.api_key for r in self.routes.values() for u in r.upstreams if u.api_key}
+        if self.token:
+            found.add(self.token)
+        return tuple(sorted(found, key=len, reverse=True))
+
 
 # -- schema ----------------------------------------------------------------------
 _INT, _FLOAT, _BOOL, _STR = "an integer", "a number", "a boolean", "a string"
 
-SERVER_KEYS: dict[str, str] = {"host": _STR, "port": _INT, "grace_s": _FLOAT}
+_STRS = "a list of strings"
+SERVER_KEYS: dict[str, str] = {
+    "host": _STR,
+    "port": _INT,
+    "grace_s": _FLOAT,
+    "token_env": _STR,
+    "allowed_hosts": _STRS,
+    "allowed_origins": _STRS,
+    "header_read_timeout_s": _FLOAT,
+    "keepalive_timeout_s": _FLOAT,
+    "max_connections": _INT,
+}
 RETRY_KEYS: dict[str, str] = {
     "delay_ms": _INT,
     "backoff": _STR,
@@ -143,10 +208,11 @@ STREAM_KEYS: dict[str, str] = {
     "idle_timeout_s": _FLOAT,
     "keepalive_s": _FLOAT,
     "early_headers_s": _FLOAT,
+    "max_event_bytes": _INT,
 }
-WEBSOCKET_KEYS: dict[str, str] = {"fallback_cooldown_s": _FLOAT}
+WEBSOCKET_KEYS: dict[str, str] = {"fallback_cooldown_s": _FLOAT, "max_queued_messages": _INT}
 JOURNAL_KEYS: dict[str, str] = {"enabled": _BOOL, "path": _STR, "retention_days": _FLOAT}
-UPSTREAM_KEYS = {"url", "api_key_env", "models"}
+UPSTREAM_KEYS = {"url", "api_key_env", "models", "key_headers"}
 SECTIONS = {"server", "retry", "stream", "websocket", "journal", "routes"}
 
 
@@ -156,6 +222,7 @@ def _check(key: str, value: Any, kind: str) -> Any:
         _FLOAT: isinstance(value, (int, float)) and not isinstance(value, bool),
         _BOOL: isinstance(value, bool),
         _STR: isinstance(value, str),
+        _STRS: isinstance(value, list) and all(isinstance(v, str) for v in value),
     }.get(kind, True)
     if not ok:
         raise ConfigError(key, f"expected {kind}, got {value!r}")
@@ -212,22 +279,152 @@ def _env_overrides(retry: dict[str, Any], env: Mapping[str, str]) -> None:
             retry[key] = _parse_bool(var, raw) if kind == _BOOL else _parse_int(var, raw)
 
 
-def validate_url(key: str, url: Any) -> str:
+def _bad_char(text: str) -> str | None:
+    """The first whitespace, control or invisible format character of ``text``, if any."""
+    for ch in text:
+        if ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp", "Zs"):
+            return ch
+    return None
+
+
+def validate_url(
+    key: str, url: Any, *, schemes: tuple[str, ...] = ("http", "https", "ws", "wss")
+) -> str:
+    """A base URL, parsed strictly; returned without its trailing slashes.
+
+    One of ``schemes``, a host, an optional port and path; no credentials, query,
+    fragment, whitespace or control character.  The path must already be in its
+    percent-encoded form: it is joined to request paths byte for byte.
+    """
     if not isinstance(url, str):
         raise ConfigError(key, f"expected a URL string, got {url!r}")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(key, f"expected an http:// or https:// URL, got {url!r}")
-    if parts.query or parts.fragment:
-        raise ConfigError(key, "a base URL may not carry a query or fragment")
-    if parts.username is not None or parts.password is not None:
+    wanted = " or ".join(f"{s}://" for s in schemes)
+    bad = _bad_char(url)
+    if bad is not None:
+        raise ConfigError(key, f"a URL may not contain whitespace or control characters "
+                               f"(found {bad!r} in {url!r})")
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(key, f"not a valid URL ({exc}): {url!r}") from None
+    if parts.scheme.lower() not in schemes or not host:
+        raise ConfigError(key, f"expected an {wanted} URL, got {url!r}")
+    if "@" in parts.netloc:
         # Credentials in a URL would leak into logs and status: keys go in api_key_env.
         raise ConfigError(key, "credentials in the URL are not allowed; use api_key_env")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise ConfigError(key, "a base URL may not carry a query or fragment")
+    if parts.netloc.startswith("["):
+        try:
+            ipaddress.IPv6Address(host.split("%", 1)[0])
+        except ValueError:
+            raise ConfigError(key, f"bad IPv6 address in {url!r}") from None
+    elif not _HOST_NAME.fullmatch(host):
+        raise ConfigError(key, f"bad host name {host!r} (use its ASCII/punycode form)")
+    if port is None and parts.netloc.endswith(":"):
+        raise ConfigError(key, f"empty port in {url!r}")
+    if port == 0:
+        raise ConfigError(key, f"bad port in {url!r}")
+    if not _URL_PATH.fullmatch(parts.path):
+        raise ConfigError(key, f"the path of {url!r} must be percent-encoded")
+    return url.rstrip("/")
+
+
+def validate_http_url(key: str, url: Any) -> str:
+    """`validate_url` for an http:// or https:// URL (where clients reach the relay)."""
+    return validate_url(key, url, schemes=("http", "https"))
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a listen address is loopback only (``""`` counts: it means loopback here)."""
+    h = host.strip().strip("[]").lower()
+    if h in ("", "localhost", "localhost."):
+        return True
     try:
+        return ipaddress.ip_address(h.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_problem(config: Config) -> str | None:
+    """Why ``config`` must not be served, or None: off loopback, a token is required."""
+    if is_loopback_host(config.host) or config.token:
+        return None
+    return (
+        f"refusing to listen on {config.host!r} (not loopback) without a token: set "
+        f"{TOKEN_ENV} (or [server] token_env) to a random string of 16+ characters "
+        "[A-Za-z0-9._~-], e.g. $(python3 -c 'import secrets; print(secrets.token_urlsafe(32))'),"
+        " and have clients send it as the x-unbroken-token header"
+    )
+
+
+def _token(server: dict[str, Any], env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    name = server.get("token_env")
+    if name is not None:
+        if not name.strip():
+            raise ConfigError("server.token_env", "must name an environment variable")
+        value = env.get(name)
+        if not value:
+            raise ConfigError("server.token_env", f"environment variable {name} is not set")
+        key = f"server.token_env ({name})"
+    else:
+        name = TOKEN_ENV
+        value = env.get(name) or None
+        if value is None:
+            return None, None
+        key = name
+    if not _TOKEN.fullmatch(value):
+        # Never echo the value: it is a secret.
+        raise ConfigError(
+            key, "the token must be 16 to 512 characters from [A-Za-z0-9._~-] "
+                 "(it travels in a header and in /t/<token>/ URLs)"
+        )
+    return value, name
+
+
+def _host_pattern(key: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value == "*":
+        return value
+    bad = _bad_char(raw)
+    if not value or bad is not None or any(c in value for c in "/?#@\\"):
+        raise ConfigError(key, f"expected a host name, host:port or '*', got {raw!r}")
+    try:
+        parts = urlsplit(f"http://{value}")
+        host = parts.hostname
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:
-        raise ConfigError(key, f"bad port in {url!r}") from None
-    return url.rstrip("/")
+        host = None
+    if not host:
+        raise ConfigError(key, f"expected a host name, host:port or '*', got {raw!r}")
+    return value
+
+
+def normalise_origin(raw: str) -> str | None:
+    """``scheme://host[:port]`` in canonical form (lower case, no default port), or None."""
+    try:
+        parts = urlsplit(raw.strip())
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    scheme = parts.scheme.lower()
+    if not scheme or not host or parts.path or parts.query or parts.fragment:
+        return None
+    if "@" in parts.netloc or _bad_char(raw.strip()) is not None:
+        return None
+    if (scheme, port) in (("http", 80), ("https", 443)):
+        port = None
+    shown = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{shown}" + (f":{port}" if port is not None else "")
+
+
+def _origin(key: str, raw: str) -> str:
+    value = normalise_origin(raw)
+    if value is None:
+        raise ConfigError(key, f"expected an origin like https://app.example.com, got {raw!r}")
+    return value
 
 
 def _upstream(key: str, raw: Any, env: Mapping[str, str]) -> Upstream:
@@ -251,7 +448,17 @@ def _upstream(key: str, raw: Any, env: Mapping[str, str]) -> Upstream:
     models = _table(f"{key}.models", table.get("models", {}))
     for m, target in models.items():
         _check(f"{key}.models.{m}", target, _STR)
-    return Upstream(url=url, api_key_env=key_env, models=dict(models), api_key=api_key)
+    headers = _check(f"{key}.key_headers", table.get("key_headers", []), _STRS)
+    for h in headers:
+        if not _HEADER_NAME.fullmatch(h):
+            raise ConfigError(f"{key}.key_headers", f"not a header name: {h!r}")
+    return Upstream(
+        url=url,
+        api_key_env=key_env,
+        models=dict(models),
+        api_key=api_key,
+        key_headers=tuple(h.lower() for h in headers),
+    )
 
 
 def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
@@ -261,8 +468,18 @@ def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
     }
     for name, raw in _table("routes", data.get("routes", {})).items():
         key = f"routes.{name}"
-        if not name or "/" in name or name.startswith("_"):
-            raise ConfigError(key, "a route name is one path segment, not starting with '_'")
+        if (
+            not _ROUTE_NAME.fullmatch(name)
+            or name in (".", "..")
+            or name.startswith("_")
+        ):
+            raise ConfigError(
+                key, "a route name is made of A-Z a-z 0-9 . _ - (not '.' or '..', "
+                     "not starting with '_')"
+            )
+        if name in RESERVED_ROUTES:
+            raise ConfigError(key, f"{name!r} is reserved (/t/<token>/, /healthz, /status, "
+                                   "/metrics)")
         table = _table(key, raw)
         for k in table:
             if k != "upstreams":
@@ -303,6 +520,27 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
               "keepalive_s"):
         if k in stream and stream[k] <= 0:
             raise ConfigError(f"stream.{k}", "must be greater than 0")
+    if stream.get("max_event_bytes", 1024) < 1024:
+        raise ConfigError("stream.max_event_bytes", "must be at least 1024")
+    for k in ("header_read_timeout_s", "keepalive_timeout_s"):
+        if k in server and server[k] <= 0:
+            raise ConfigError(f"server.{k}", "must be greater than 0")
+    if server.get("max_connections", 1) < 1:
+        raise ConfigError("server.max_connections", "must be at least 1")
+    if websocket.get("max_queued_messages", 1) < 1:
+        raise ConfigError("websocket.max_queued_messages", "must be at least 1")
+    host = server.get("host", "127.0.0.1").strip()
+    if _bad_char(host) is not None or any(c in host for c in "/?#@"):
+        raise ConfigError("server.host", f"expected an address or host name, got {host!r}")
+    token, token_env = _token(server, env)
+    allowed_hosts = tuple(
+        _host_pattern(f"server.allowed_hosts[{i}]", h)
+        for i, h in enumerate(server.get("allowed_hosts", []))
+    )
+    allowed_origins = tuple(
+        _origin(f"server.allowed_origins[{i}]", o)
+        for i, o in enumerate(server.get("allowed_origins", []))
+    )
     journal_path = journal.get("path")
     if journal_path is not None and not journal_path.strip():
         raise ConfigError("journal.path", "must not be empty")
@@ -319,15 +557,23 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
     )
     stream_settings = StreamSettings(**{**stream, "hold": tuple(hold)})
     return Config(
-        host=server.get("host", "127.0.0.1"),
+        host=host or "127.0.0.1",  # an empty host means loopback, never "all interfaces"
         port=port,
         grace_s=float(server.get("grace_s", 30.0)),
+        token=token,
+        token_env=token_env,
+        allowed_hosts=allowed_hosts,
+        allowed_origins=allowed_origins,
+        header_read_timeout_s=float(server.get("header_read_timeout_s", 10.0)),
+        keepalive_timeout_s=float(server.get("keepalive_timeout_s", 75.0)),
+        max_connections=server.get("max_connections", 1024),
         retry=policy,
         verbose=retry.get("verbose", True),
         max_body_mb=retry.get("max_body_mb", 32),
         stream=stream_settings,
         routes=_routes(data, env),
         websocket_fallback_cooldown_s=float(websocket.get("fallback_cooldown_s", 300.0)),
+        websocket_max_queued_messages=websocket.get("max_queued_messages", 16),
         journal=JournalSettings(
             enabled=journal.get("enabled", True),
             path=None if journal_path is None else os.path.expanduser(journal_path),
@@ -347,9 +593,13 @@ def load_config(
     if path is not None:
         p = Path(path)
         try:
-            text = p.read_text(encoding="utf-8")
+            text = p.read_bytes().decode("utf-8")
         except OSError as exc:
             raise ConfigError("--config", f"cannot read {p}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                "--config", f"{p} is not UTF-8 text (bad byte at offset {exc.start})"
+            ) from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
