@@ -495,3 +495,31 @@ def test_trailing_blank_lines_are_not_an_unterminated_event(stream: bytes) -> No
         assert [e.data for e in events if significant(e.raw)] == (
             ["a"] if b"a" in stream else []
         )
+
+
+# ---------------------------------------------------------------------------
+# Cost: linear in the event size (issue 10: a 50 MB line cost 14.8 s)
+
+
+def _split_seconds(size: int) -> float:
+    import time
+
+    body = b"y" * size
+    best = float("inf")
+    for _ in range(3):
+        splitter = SSESplitter(max_event_bytes=size + 64)
+        t0 = time.perf_counter()
+        splitter.feed(b"data: ")
+        for i in range(0, size, 65536):
+            splitter.feed(body[i : i + 65536])
+        (event,) = splitter.feed(b"\r\n\r\n")
+        best = min(best, time.perf_counter() - t0)
+        assert len(event.raw) == size + 10
+    return best
+
+
+def test_one_huge_event_costs_linear_time() -> None:
+    """8x the bytes may cost about 8x the time, never the 64x of a quadratic scan."""
+    small, large = _split_seconds(4 << 20), _split_seconds(32 << 20)
+    assert large / small < 24, (small, large)
+    assert large < 5.0  # the old splitter needed ~10 s for 32 MB here

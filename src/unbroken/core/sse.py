@@ -8,13 +8,37 @@ Per the SSE spec (HTML Living Standard, 9.2.6) a line ends with CRLF, LF or CR
 and an event ends at an empty line.  Lines starting with ``:`` are comments.
 A trailing CR at the end of a chunk is ambiguous (it may be the first half of
 CRLF), so the splitter waits for the next byte before deciding.
+
+Cost is linear in the bytes fed, however the stream is chunked: the pending
+bytes live in one growing buffer, and the search for the end of an event
+resumes where the previous chunk's search stopped.  An event that grows past
+``max_event_bytes`` raises `EventTooLarge`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Event", "SSESplitter"]
+__all__ = ["DEFAULT_MAX_EVENT_BYTES", "Event", "EventTooLarge", "SSESplitter"]
+
+#: ``[stream] max_event_bytes`` by default: 16 MiB.
+DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
+_BOM = b"\xef\xbb\xbf"
+
+
+class EventTooLarge(ValueError):
+    """One SSE event (terminated or still pending) is larger than the limit.
+
+    ``events`` are the complete events the same ``feed`` call found before the
+    oversized one: they are valid and come first.  The splitter is unusable
+    afterwards (every later ``feed`` raises again); the attempt has failed.
+    """
+
+    def __init__(self, size: int, limit: int, events: list[Event] | None = None) -> None:
+        super().__init__(f"an SSE event exceeds stream.max_event_bytes ({size} > {limit} bytes)")
+        self.size = size
+        self.limit = limit
+        self.events: list[Event] = events if events is not None else []
 
 
 @dataclass(slots=True)
@@ -56,77 +80,135 @@ class SSESplitter:
     ``feed`` returns the events completed by the chunk.  ``pending`` holds the
     bytes of an event not yet terminated; a stream that ends while
     ``pending`` is non-empty was cut mid-event.
+
+    An event ends at its first empty line.  Blank lines between events are
+    events of their own, with no field (``is_comment``).  A line ends where a
+    terminator byte (CR or LF) is followed by the next line, so an empty line
+    starts wherever a terminator byte follows the end of a line: right after
+    LF (``\\n\\n``, ``\\n\\r``), right after a lone CR (``\\r\\r``), or at
+    the very start of an event.
     """
 
-    __slots__ = ("_bom_checked", "_buf")
+    __slots__ = (
+        "_bom_checked",
+        "_buf",
+        "_cr",
+        "_failed",
+        "_line0",
+        "_scan",
+        "max_event_bytes",
+    )
 
-    def __init__(self) -> None:
-        self._buf = b""
+    def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+        self._buf = bytearray()  # the pending event's bytes (everything before is emitted)
+        self._scan = 0  # where the search for the pending event's end resumes
+        self._line0 = 0  # where its first line starts (3 after a stream-start BOM, else 0)
+        self._cr = False  # the pending bytes may hold a CR
         self._bom_checked = False
+        self._failed = False
+        self.max_event_bytes = max_event_bytes
 
     @property
     def pending(self) -> bytes:
-        return self._buf
+        return bytes(self._buf)
 
     def feed(self, chunk: bytes) -> list[Event]:
-        buf = self._buf + chunk if self._buf else chunk
-        if not self._bom_checked and buf:
+        if self._failed:
+            raise EventTooLarge(len(self._buf), self.max_event_bytes)
+        buf = self._buf
+        data: bytes | bytearray
+        if buf:
+            buf += chunk
+            data = buf
+            has_cr = self._cr or b"\r" in chunk
+        else:
+            data = chunk  # nothing pending: work on the chunk itself, no copy
+            has_cr = b"\r" in chunk
+        if not self._bom_checked and data:
             # A UTF-8 BOM may precede the first field; keep it in the raw bytes.
-            if len(buf) < 3 and b"\xef\xbb\xbf".startswith(buf):
-                self._buf = buf
+            if len(data) < 3 and _BOM.startswith(data):
+                self._buf = bytearray(data)
                 return []
             self._bom_checked = True
+            if data.startswith(_BOM):
+                self._line0 = self._scan = 3
         events: list[Event] = []
-        if b"\r" not in buf:
-            # Fast path: LF-only line endings, the overwhelmingly common case.
-            start = 0
-            while True:
-                end = buf.find(b"\n\n", start)
-                if end < 0:
-                    break
-                # Leading blank lines between events belong to the next event's raw
-                # bytes only if they are not the terminator; "\n\n" at start means an
-                # empty line preceded by nothing: skip empty blocks as separators.
-                stop = end + 2
-                block = buf[start:end]
-                events.append(self._event(buf[start:stop], block))
-                start = stop
-            rest = buf[start:]
-            if rest and not rest.strip(b"\n"):
-                # Only blank lines: each one dispatches an empty event (no fields).
-                events.append(Event(rest, None, None))
-                rest = b""
-            self._buf = rest
-            return events
-        return self._feed_general(buf, events)
-
-    def _feed_general(self, buf: bytes, events: list[Event]) -> list[Event]:
-        """Line-by-line scan that handles CRLF, CR and LF endings."""
-        start = 0  # start of the current event
-        pos = 0  # start of the current line
-        n = len(buf)
-        while pos < n:
-            # find end of the line starting at pos
-            i = pos
-            while i < n and buf[i] != 0x0A and buf[i] != 0x0D:
-                i += 1
-            if i >= n:
-                break  # incomplete line
-            if buf[i] == 0x0D:
-                if i + 1 >= n:
-                    break  # lone CR at the end: could be half of CRLF; wait
-                nxt = i + 2 if buf[i + 1] == 0x0A else i + 1
+        n = len(data)
+        start = 0  # start of the current event in data
+        line0, scan = self._line0, self._scan
+        limit = self.max_event_bytes
+        parse = self._parse
+        while line0 < n:
+            # An empty line ends the event.  It starts at the event's first line
+            # (line0), or right after a line's end: after LF ("\n\n", "\n\r"), or
+            # after a lone CR ("\r\r").  ``block_end``: end of the last field line.
+            first = data[line0]
+            if first == 0x0A:
+                end, block_end = line0 + 1, line0
+            elif first == 0x0D:
+                if line0 + 1 >= n:
+                    break  # a CR as the last byte: CR or the first half of CRLF?
+                block_end = line0
+                end = line0 + 2 if data[line0 + 1] == 0x0A else line0 + 1
             else:
-                nxt = i + 1
-            if i == pos:  # empty line: the event ends here
-                events.append(self._event(buf[start:nxt], buf[start:pos]))
-                start = nxt
-            pos = nxt
-        self._buf = buf[start:]
+                if scan < line0:
+                    scan = line0
+                hit = data.find(b"\n\n", scan)
+                if has_cr:
+                    # Bound the other searches by the earliest hit so far: every
+                    # byte is looked at a fixed number of times per event.
+                    bound = n if hit < 0 else hit + 1
+                    other = data.find(b"\n\r", scan, bound)
+                    if other >= 0:
+                        hit = bound = other
+                    other = data.find(b"\r\r", scan, bound)
+                    if other >= 0:
+                        hit = other
+                if hit < 0:
+                    scan = n - 1 if n > scan else scan  # the last byte may start a pattern
+                    break
+                block_end = hit
+                if has_cr and hit > line0 and data[hit - 1] == 0x0D:
+                    block_end = hit - 1  # the last field line ended with CRLF
+                p = hit + 1  # the empty line
+                if data[p] == 0x0A:
+                    end = p + 1
+                elif p + 1 >= n:
+                    scan = hit  # undecided CR: look again once the next byte is in
+                    break
+                else:
+                    end = p + 2 if data[p + 1] == 0x0A else p + 1
+            if end - start > limit:
+                self._fail(end - start, events)
+            if data is chunk:
+                raw = chunk[start:end] if start or end < n else chunk
+            else:
+                raw = bytes(buf) if not start and end == n else bytes(buf[start:end])
+            events.append(parse(raw, raw[line0 - start : block_end - start]))
+            start = line0 = scan = end
+        # Keep what is left: the start of the next event.
+        if data is buf:
+            if start:
+                del buf[:start]
+        else:
+            self._buf = bytearray(data[start:]) if start < n else bytearray()
+            buf = self._buf
+        self._line0, self._scan = line0 - start, scan - start
+        if start:
+            self._cr = has_cr and b"\r" in buf  # a short tail: a cheap look
+        else:
+            self._cr = has_cr
+        if len(buf) > limit:
+            self._fail(len(buf), events)
         return events
 
+    def _fail(self, size: int, events: list[Event]) -> None:
+        self._failed = True
+        self._buf = bytearray()
+        raise EventTooLarge(size, self.max_event_bytes, events)
+
     @staticmethod
-    def _event(raw: bytes, block: bytes) -> Event:
+    def _parse(raw: bytes, block: bytes) -> Event:
         # Fast paths for the two shapes providers send: one `data:` line (Chat
         # Completions), and `event:` + `data:` (Responses, Anthropic).
         if block.startswith(b"data: ") and b"\n" not in block and b"\r" not in block:
@@ -144,7 +226,5 @@ class SSESplitter:
                     block[7:nl].decode("utf-8", "replace"),
                     block[nl + 7 :].decode("utf-8", "replace"),
                 )
-        if block.startswith(b"\xef\xbb\xbf"):
-            block = block[3:]
         name, data = _parse_fields(block)
         return Event(raw, name, data)
