@@ -1,4 +1,4 @@
-"""Shared fixtures."""
+"""Shared fixtures; the session rule that no test may be skipped is in noskip.py."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 import pytest_asyncio
 
 from unbroken.mock import MockProvider
+
+pytest_plugins = ("noskip",)
 
 
 @pytest.fixture(autouse=True)

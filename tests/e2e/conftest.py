@@ -7,27 +7,36 @@ background event loop, each test waits only for its own, and the long verificati
 (marked ``run_last``) is moved to the end of the session: the rest of the suite
 runs while OpenCode sits in its backoff.
 
-The binary comes from ``.ci/run`` (``.ci/node``) or ``$UNBROKEN_OPENCODE_BIN``.
-When it is missing the tests fail if ``CI`` is set and are skipped otherwise.
+The CLIs come from `clis.ensure_npm_cli`: once the selection is known, the session
+installs every CLI the selected tests ask for (``pytest.mark.cli("opencode")``) into
+the test cache, once per machine, printing a line while it does.  A CLI that cannot
+be installed fails the tests that need it, with the reason; nothing is skipped.
+``UNBROKEN_OPENCODE_BIN`` (``UNBROKEN_<BIN>_BIN``) uses an installed binary instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from oc_harness import OPENCODE_VERSION, kill_leftovers, opencode_bin
+from clis import INSTALLED, PINNED, CliUnavailable, cache_root, ensure_npm_cli, installed
+from oc_harness import kill_leftovers
 from oc_scenarios import SCENARIOS, remove_sandboxes
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "scenario(name): the e2e scenario a test checks")
     config.addinivalue_line("markers", "run_last: move this test to the end of the session")
+    config.addinivalue_line(
+        "markers", "cli(name): the test drives this pinned agent CLI (see tests/e2e/clis.py)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -90,16 +99,66 @@ class Batch:
         remove_sandboxes()
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Install the CLIs the selected tests need, before the first of them runs."""
+    if session.config.option.collectonly:
+        return
+    wanted: list[str] = []
+    for item in session.items:
+        for marker in item.iter_markers("cli"):
+            if marker.args[0] not in wanted:
+                wanted.append(marker.args[0])
+    if not wanted:
+        return
+    say = _printer(session.config)
+    cache = cache_root()  # fixed now: tests change XDG_* variables in os.environ later
+    for name in wanted:
+        cli = PINNED[name]
+        override = os.environ.get(cli.override_env)
+        if override:
+            path = Path(override)
+            INSTALLED[name] = path if path.exists() else CliUnavailable(
+                f"{cli.override_env}={override}: no such file"
+            )
+            continue
+        try:
+            INSTALLED[name] = ensure_npm_cli(cli.package, cli.version, cli.bin, cache=cache,
+                                             say=say)
+        except CliUnavailable as exc:
+            INSTALLED[name] = exc
+            say(f"unbroken tests: cannot install {cli.spec}; its tests will fail: {exc}")
+
+
+def _printer(config: pytest.Config) -> Any:
+    """Print one line on the terminal, past pytest's output capture."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    def say(line: str) -> None:
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            if reporter is not None:
+                reporter.write_line(line)
+            else:
+                print(line, flush=True)
+
+    return say
+
+
+@pytest.fixture(autouse=True)
+def _clis(request: pytest.FixtureRequest) -> None:
+    """A test that needs a CLI fails at once, with the reason, when it is not installed."""
+    for marker in request.node.iter_markers("cli"):
+        problem = None
+        try:
+            installed(marker.args[0])
+        except CliUnavailable as exc:
+            problem = str(exc)
+        if problem is not None:
+            pytest.fail(problem, pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def scenarios(request: pytest.FixtureRequest) -> Iterator[Batch]:
-    if opencode_bin() is None:
-        reason = (
-            f"OpenCode {OPENCODE_VERSION} not installed: run .ci/run, or npm install --prefix "
-            f".ci/node opencode-ai@{OPENCODE_VERSION}, or set UNBROKEN_OPENCODE_BIN"
-        )
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
     batch = Batch()
     wanted: list[str] = []
     for item in request.session.items:

@@ -22,19 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from clis import PINNED, installed
 
 from unbroken.mock import MockProvider, RecordedRequest
 
-OPENCODE_VERSION = "1.18.33"
-REPO = Path(__file__).resolve().parents[2]
+OPENCODE_VERSION = PINNED["opencode"].version
 MODEL = "fake/fake-model"
 
 
-def opencode_bin() -> Path | None:
-    """The OpenCode binary: ``$UNBROKEN_OPENCODE_BIN`` or the one ``.ci/run`` installs."""
-    override = os.environ.get("UNBROKEN_OPENCODE_BIN")
-    path = Path(override) if override else REPO / ".ci/node/node_modules/.bin/opencode"
-    return path if path.exists() else None
+def opencode_bin() -> Path:
+    """The OpenCode binary the session installed (see clis.py)."""
+    return installed("opencode")
 
 
 def free_port() -> int:

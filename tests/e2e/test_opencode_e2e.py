@@ -5,12 +5,16 @@ Every test prints what it measured (provider turns, outcome, requests per second
 
 from __future__ import annotations
 
+import asyncio
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
+from oc_harness import OPENCODE_VERSION, Sandbox, opencode, run_to_end
 from oc_scenarios import SEED_FAILURES, TEXT, CliRun, SessionRun
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.e2e, pytest.mark.cli("opencode"), pytest.mark.timeout(420)]
 
 
 def report(capsys: pytest.CaptureFixture[str], text: str) -> None:
@@ -24,6 +28,14 @@ def _fails(run: CliRun) -> str:
         f"exit {f.code}, {run.requests} requests\n"
         f"stdout: {f.stdout[-1500:]}\nstderr: {f.stderr[-3000:]}"
     )
+
+
+def test_the_pinned_opencode_cli_runs() -> None:
+    """The installed CLI is the pinned one (the fresh-machine test runs this one alone)."""
+    with tempfile.TemporaryDirectory(prefix="unbroken-e2e-version-") as root:
+        finished = asyncio.run(run_to_end(opencode("--version"), Sandbox(Path(root)), limit_s=60))
+    assert finished.code == 0, finished
+    assert finished.stdout.strip() == OPENCODE_VERSION
 
 
 @pytest.mark.scenario("storm")
@@ -127,6 +139,7 @@ def test_setup_and_undo_round_trip_a_real_opencode_json(
     assert r["through"].code == 0 and TEXT in r["through"].stdout, r["through"]
     assert r["turns_via_relay"] == 1
     assert r["undone"].code == 0, r["undone"]
+    assert r["undone"].stdout.startswith("restored "), r["undone"]
     assert r["restored"] == r["original"]
     assert not r["backup_left"]
     assert r["direct"].code == 0 and TEXT in r["direct"].stdout, r["direct"]
