@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
+import sys
+import time
 from typing import Any
 
 import aiohttp
@@ -110,7 +113,8 @@ async def test_status_command_once_and_json(mock, waiting_relay, capsys, monkeyp
     code = await asyncio.to_thread(main, ["status", "--once", "--url", server.url])
     assert code == 0
     out = capsys.readouterr().out
-    assert "In flight" in out and "waiting" in out and "429" in out and "in 2" in out
+    assert "In flight" in out and "waiting" in out and "429" in out
+    assert re.search(r"│ (29|[12]\d)s ", out), out  # retry in 29 s (20-29 on a slow machine)
     assert "Upstreams" in out and mock.url in out
     code = await asyncio.to_thread(main, ["status", "--json", "--url", server.url])
     assert code == 0
@@ -154,3 +158,118 @@ def test_held_bytes_and_render():
     assert "holding" in text and "2.0 KiB" in text and "http://u.test" in text
     assert "journal NOT WRITTEN (7 rows dropped)" in text
     assert "1 in flight" in text
+
+
+# -- the terminal view fits the terminal -----------------------------------------------------
+LONG_URL = "https://openrouter.ai/api/v1/some/very/long/path"
+ROUTE = "openrouter-with-a-long-route-name"
+
+
+def _snapshot(*, inflight: bool) -> dict[str, Any]:
+    now = time.time()
+    turns = [
+        {"id": 12345, "route": ROUTE, "state": "streaming",
+         "attempts": 3, "upstream": LONG_URL, "last_failure": "server_disconnected",
+         "next_retry_in_s": None, "age_s": 1234.5, "held_bytes": 4096},
+        {"id": 7, "route": "mock", "state": "waiting", "attempts": 1,
+         "upstream": "http://127.0.0.1:43167", "last_failure": "429", "next_retry_in_s": 29.3,
+         "age_s": 0.2, "held_bytes": 0},
+    ]
+    ups = [{"route": "openrouter", "upstream": LONG_URL, "up": False, "ok": 1234, "failed": 56,
+            "recent_failures": [{"reason": "server_disconnected", "at": now - 3},
+                                {"reason": "503", "at": now - 1}], "cooloff_s": 12}]
+    return {"version": "0.1.0", "now": now, "uptime_s": 3.0,
+            "inflight": turns if inflight else [], "upstreams": ups if inflight else [],
+            "totals": {"turns": 3, "outcomes": {"ok": 3}, "failures_by_reason": {"503": 2}}}
+
+
+def _text(data: dict[str, Any], width: int) -> str:
+    console = Console(record=True, width=width, file=io.StringIO())
+    console.print(render(data, "http://127.0.0.1:4780"))
+    return console.export_text()
+
+
+def _first_row(text: str, table: str, index: int) -> list[str]:
+    """The lines of one cell of the first body row of a table in the view."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.rstrip() == table)
+    rule = next(i for i in range(start, len(lines)) if "╇" in lines[i])
+    cells: list[str] = []
+    for line in lines[rule + 1:]:
+        parts = line.split("│")
+        if len(parts) <= index or (cells and parts[0].strip()):
+            break  # the end of the table, or the next row
+        cells.append(parts[index].strip())
+    return cells
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+@pytest.mark.parametrize("inflight", [False, True])
+def test_the_live_view_fits_the_terminal(width: int, inflight: bool) -> None:
+    text = _text(_snapshot(inflight=inflight), width)
+    assert max(len(line) for line in text.splitlines()) <= width, text
+    # headers are never cut: a narrow header is whole, a wide one wraps at its space
+    for word in ("turn", "route", "state", "try", "upstream", "last", "failure", "retry",
+                 "age", "held", "failed", "recent", "failures", "cool-off"):
+        assert re.search(rf"(^|[ ┃]){word}( |$)", text, re.M), (word, text)
+    if inflight:
+        # a wide column wraps its whole value; a narrow one truncates with an ellipsis
+        assert "".join(_first_row(text, "In flight", 4)) == LONG_URL, text
+        assert "".join(_first_row(text, "Upstreams", 1)) == LONG_URL, text
+        route = _first_row(text, "In flight", 1)[0]
+        if width == 80:
+            assert route.endswith("…") and ROUTE.startswith(route[:-1]), text
+        if width == 160:
+            assert route == ROUTE, text
+        assert "streaming" in text and "DOWN" in text
+
+
+async def test_status_once_fits_80_columns_with_nothing_in_flight(mock, tmp_path):
+    server = RelayServer(make_config([{"url": mock.url}]))
+    await server.start()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "unbroken", "status", "--once", "--url", server.url,
+            env={**__import__("os").environ, "COLUMNS": "80"},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await server.stop()
+    assert proc.returncode == 0, err.decode()
+    text = out.decode()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "upstream" in text and "last" in text and "failure" in text
+    assert "nothing in flight" in text
+
+
+def test_since_start_names_the_top_reasons_and_how_many_more() -> None:
+    data = _snapshot(inflight=False)
+    data["totals"]["failures_by_reason"] = {f"r{i}": i for i in range(1, 10)}  # 9 reasons
+    text = _text(data, 80)
+    shown = re.findall(r"│   (r\d) ", text)
+    assert shown == ["r9", "r8", "r7", "r6", "r5", "r4"]
+    assert re.search(r"│   and 3 more +│ +6 │", text), text  # r3 + r2 + r1
+    data["totals"]["failures_by_reason"] = {f"r{i}": i for i in range(1, 7)}
+    assert "more" not in _text(data, 80)
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "0.1", "nan"])
+async def test_status_refuses_an_interval_below_0_2_s(interval: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "unbroken", "status", "--interval", interval,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert err.decode().splitlines() == [
+        f"unbroken status: --interval must be at least 0.2 s, got {float(interval):g}"
+    ]
+    assert out == b""
+
+
+def test_status_help_shows_the_interval_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "at least 0.2 (default: 1.0)" in help_text

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
 
 from unbroken import __version__
 from unbroken.core.policy import Failure
@@ -146,81 +148,182 @@ def _size(n: int) -> str:
 
 
 STATE_STYLE = {"waiting": "yellow", "holding": "cyan", "streaming": "green", "done": "dim"}
+#: "Since start" lists this many failure reasons, then "and N more".
+TOP_REASONS = 6
+#: A narrow column grows past its header up to this width before wide columns get space.
+NARROW_CAP = 16
 
 
-def render(data: dict[str, Any], url: str = "") -> Any:
-    """A rich renderable of one ``/status`` snapshot."""
-    from rich.console import Group
+@dataclass(frozen=True)
+class _Col:
+    header: str
+    #: wide columns (URLs, failure lists) wrap their whole value; narrow ones truncate with …
+    wide: bool = False
+    justify: str = "left"
+    #: a narrow column's floor, when its values matter more than its header's length
+    floor: int = 0
+
+
+def _lines(cell: Any) -> list[str]:
+    return str(cell.plain if hasattr(cell, "plain") else cell).split("\n")
+
+
+def fit_widths(cols: Sequence[_Col], rows: Sequence[Sequence[Any]], width: int) -> list[int]:
+    """Column widths for a table (no outer edge, see `_table`) that fits ``width`` cells.
+
+    Every column first gets its floor: a narrow column its header (so no header is
+    ever cut) or its own ``floor``, a wide one its header's longest word (it wraps).
+    Spare room goes to the narrow columns, up to their content (at most
+    `NARROW_CAP`), then to the wide ones, up to their content, then to the narrow
+    ones again.  A terminal too narrow even for the floors shrinks the widest
+    narrow columns (truncated with an ellipsis).
+    """
+    from rich.cells import cell_len
+
+    n = len(cols)
+    avail = max(n, width - (3 * n - 3))  # a border between columns, padding 1 on each side
+    natural = []
+    for i, col in enumerate(cols):
+        cells = [line for row in rows for line in _lines(row[i])]
+        natural.append(max([cell_len(col.header), *(cell_len(c) for c in cells)]))
+    floor = [
+        max(cell_len(w) for w in col.header.split())
+        if col.wide
+        else max(cell_len(col.header), col.floor)
+        for col in cols
+    ]
+    widths = list(floor)
+    narrow = [i for i, c in enumerate(cols) if not c.wide]
+    while sum(widths) > avail:
+        i = max(narrow or range(n), key=lambda j: widths[j])
+        if widths[i] <= 1:
+            break
+        widths[i] -= 1
+    spare = avail - sum(widths)
+    wide = [i for i, c in enumerate(cols) if c.wide]
+    for group, cap in ((narrow, NARROW_CAP), (wide, None), (narrow, None)):
+        target = {i: natural[i] if cap is None else min(natural[i], max(cap, floor[i]))
+                  for i in group}
+        while spare > 0:
+            short = [i for i in group if widths[i] < target[i]]
+            if not short:
+                break
+            for i in short[:spare]:
+                widths[i] += 1
+                spare -= 1
+    return widths
+
+
+def _table(title: str, cols: Sequence[_Col], rows: Sequence[Sequence[Any]], width: int) -> Any:
     from rich.table import Table
-    from rich.text import Text
 
-    totals = data.get("totals", {})
+    table = Table(
+        title=title, title_justify="left", expand=False, show_edge=False, pad_edge=False
+    )
+    for col, w in zip(cols, fit_widths(cols, rows, width), strict=True):
+        table.add_column(
+            col.header,
+            width=w,
+            no_wrap=not col.wide,
+            overflow="fold" if col.wide else "ellipsis",
+            justify=col.justify,  # type: ignore[arg-type]
+        )
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+INFLIGHT_COLS: Final = (
+    _Col("turn"), _Col("route"), _Col("state", floor=9), _Col("try", justify="right"),
+    _Col("upstream", wide=True), _Col("last failure", wide=True), _Col("retry"),
+    _Col("age", floor=6), _Col("held", floor=7),
+)
+UPSTREAM_COLS: Final = (
+    _Col("route"), _Col("upstream", wide=True), _Col("up"), _Col("ok", justify="right"),
+    _Col("failed", justify="right"), _Col("recent failures", wide=True), _Col("cool-off"),
+)
+
+
+class StatusView:
+    """The terminal view of one ``/status`` snapshot; it fits the console's width."""
+
+    def __init__(self, data: dict[str, Any], url: str = "") -> None:
+        self.data = data
+        self.url = url
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield from self.parts(options.max_width)
+
+    def parts(self, width: int) -> list[Any]:
+        from rich.text import Text
+
+        data = self.data
+        totals = data.get("totals", {})
+        inflight = data.get("inflight", [])
+        head = Text()
+        head.append(f"unbroken {data.get('version', '?')}", style="bold")
+        if self.url:
+            head.append(f" at {self.url}")
+        head.append(f"  up {_dur(data.get('uptime_s'))}  ")
+        head.append(f"{len(inflight)} in flight", style="bold")
+        journal = data.get("journal")
+        if isinstance(journal, dict) and journal.get("healthy") is False:
+            dropped = journal.get("dropped", 0)
+            head.append(f"  journal NOT WRITTEN ({dropped} rows dropped)", style="red")
+
+        rows: list[list[Any]] = []
+        for t in inflight:
+            state = t.get("state", "")
+            retry_in = t.get("next_retry_in_s")
+            rows.append([
+                str(t.get("id")),
+                t.get("route", ""),
+                Text(state, style=STATE_STYLE.get(state, "")),
+                str(t.get("attempts", 0)),
+                t.get("upstream", ""),
+                t.get("last_failure") or "-",
+                _dur(retry_in) if retry_in is not None else "-",
+                _dur(t.get("age_s")),
+                _size(int(t.get("held_bytes") or 0)) if t.get("held_bytes") else "-",
+            ])
+        if not rows:
+            rows.append(["-", "-", "idle", "", "", "", "", "", ""])
+        turns = _table("In flight", INFLIGHT_COLS, rows, width)
+        if not inflight:
+            turns.caption = "nothing in flight"
+
+        now = float(data.get("now") or time.time())
+        upstreams = data.get("upstreams", [])
+        active = [u for u in upstreams if u.get("ok") or u.get("failed") or u.get("cooloff_s")]
+        rows = []
+        for u in active:
+            recent = u.get("recent_failures", [])[-3:]
+            recent_text = "\n".join(
+                f"{r['reason']} {_dur(now - r['at'])} ago" for r in reversed(recent)
+            )
+            rows.append([
+                u.get("route", ""),
+                u.get("upstream", ""),
+                Text("up", style="green") if u.get("up") else Text("DOWN", style="bold red"),
+                str(u.get("ok", 0)),
+                str(u.get("failed", 0)),
+                recent_text or "-",
+                _dur(u["cooloff_s"]) if u.get("cooloff_s") else "-",
+            ])
+        if not rows:
+            rows.append(["-", "no traffic yet", "", "", "", "", ""])
+        ups = _table("Upstreams", UPSTREAM_COLS, rows, width)
+        idle = len(upstreams) - len(active)
+        if idle:
+            ups.caption = f"{idle} upstream(s) without traffic not shown"
+        return [head, turns, ups, since_start(totals)]
+
+
+def since_start(totals: dict[str, Any]) -> Any:
+    """The "Since start" panel: counts, the top failure reasons and "and N more"."""
+    from rich.table import Table
+
     outcomes = totals.get("outcomes", {})
-    inflight = data.get("inflight", [])
-    head = Text()
-    head.append(f"unbroken {data.get('version', '?')}", style="bold")
-    if url:
-        head.append(f" at {url}")
-    head.append(f"  up {_dur(data.get('uptime_s'))}  ")
-    head.append(f"{len(inflight)} in flight", style="bold")
-    journal = data.get("journal")
-    if isinstance(journal, dict) and journal.get("healthy") is False:
-        dropped = journal.get("dropped", 0)
-        head.append(f"  journal NOT WRITTEN ({dropped} rows dropped)", style="red")
-
-    turns = Table(title="In flight", title_justify="left", expand=False)
-    for col in ("turn", "route", "state", "attempt", "upstream", "last failure", "next retry",
-                "age", "held"):
-        wide = col in ("upstream", "last failure")
-        turns.add_column(
-            col, no_wrap=not wide, overflow="fold", min_width=None if wide else len(col)
-        )
-    for t in inflight:
-        state = t.get("state", "")
-        turns.add_row(
-            str(t.get("id")),
-            t.get("route", ""),
-            Text(state, style=STATE_STYLE.get(state, "")),
-            str(t.get("attempts", 0)),
-            t.get("upstream", ""),
-            t.get("last_failure") or "-",
-            "in " + _dur(t["next_retry_in_s"]) if t.get("next_retry_in_s") is not None else "-",
-            _dur(t.get("age_s")),
-            _size(int(t.get("held_bytes") or 0)) if t.get("held_bytes") else "-",
-        )
-    if not inflight:
-        turns.add_row("-", "nothing in flight", "", "", "", "", "", "", "")
-
-    ups = Table(title="Upstreams", title_justify="left", expand=False)
-    for col in ("route", "upstream", "up", "ok", "failed", "recent failures", "cool-off"):
-        wide = col in ("upstream", "recent failures")
-        ups.add_column(
-            col, no_wrap=not wide, overflow="fold", min_width=None if wide else len(col)
-        )
-    now = float(data.get("now") or time.time())
-    upstreams = data.get("upstreams", [])
-    active = [u for u in upstreams if u.get("ok") or u.get("failed") or u.get("cooloff_s")]
-    for u in active:
-        recent = u.get("recent_failures", [])[-3:]
-        recent_text = "\n".join(
-            f"{r['reason']} {_dur(now - r['at'])} ago" for r in reversed(recent)
-        )
-        ups.add_row(
-            u.get("route", ""),
-            u.get("upstream", ""),
-            Text("up", style="green") if u.get("up") else Text("DOWN", style="bold red"),
-            str(u.get("ok", 0)),
-            str(u.get("failed", 0)),
-            recent_text or "-",
-            _dur(u["cooloff_s"]) if u.get("cooloff_s") else "-",
-        )
-
-    idle = len(upstreams) - len(active)
-    if not active:
-        ups.add_row("-", "no traffic yet", "", "", "", "", "")
-    if idle:
-        ups.caption = f"{idle} upstream(s) without traffic not shown"
-
     tot = Table(title="Since start", title_justify="left", show_header=False, expand=False)
     tot.add_column("what")
     tot.add_column("count", justify="right")
@@ -230,13 +333,21 @@ def render(data: dict[str, Any], url: str = "") -> Any:
             tot.add_row(f"  {name}", str(outcomes[name]))
     tot.add_row("attempts", str(totals.get("attempts", 0)))
     tot.add_row("upstream failures", str(totals.get("failures", 0)))
-    by_reason = totals.get("failures_by_reason", {})
-    for reason, n in sorted(by_reason.items(), key=lambda kv: -kv[1])[:6]:
+    by_reason = sorted(totals.get("failures_by_reason", {}).items(), key=lambda kv: -kv[1])
+    for reason, n in by_reason[:TOP_REASONS]:
         tot.add_row(f"  {reason}", str(n))
+    rest = by_reason[TOP_REASONS:]
+    if rest:
+        tot.add_row(f"  and {len(rest)} more", str(sum(n for _, n in rest)))
     tot.add_row("retries", str(totals.get("retries", 0)))
     tot.add_row("time waiting", _dur(totals.get("retry_wait_s", 0.0)))
     tot.add_row("wasted tokens (est.)", str(totals.get("wasted_tokens_est", 0)))
-    return Group(head, turns, ups, tot)
+    return tot
+
+
+def render(data: dict[str, Any], url: str = "") -> StatusView:
+    """A rich renderable of one ``/status`` snapshot (it fits the console's width)."""
+    return StatusView(data, url)
 
 
 def _render_error(url: str, message: str) -> Any:
@@ -298,7 +409,15 @@ async def _once(url: str, as_json: bool) -> int:
     return 0
 
 
+#: The shortest refresh interval ``unbroken status`` accepts (seconds).
+MIN_INTERVAL_S: Final = 0.2
+
+
 def _status(args: argparse.Namespace) -> int:
+    if not args.interval >= MIN_INTERVAL_S:  # also refuses NaN
+        print(f"unbroken status: --interval must be at least {MIN_INTERVAL_S} s, "
+              f"got {args.interval:g}", file=sys.stderr)
+        return 2
     url = args.url.rstrip("/")
     try:
         if args.once or args.json:
@@ -309,13 +428,21 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("status", help="live view of a running relay (in-flight turns, upstreams)")
+    p = sub.add_parser(
+        "status",
+        help="live view of a running relay (in-flight turns, upstreams)",
+        description="A live terminal view of a relay's GET /status: the turns in flight, "
+        "each upstream's recent failures, totals since start. Redraws until Ctrl-C.",
+    )
     p.add_argument(
         "--url",
         default=os.environ.get("UNBROKEN_URL") or DEFAULT_URL,
-        help=f"the relay's base URL (default: $UNBROKEN_URL or {DEFAULT_URL})",
+        help=f"the relay's base URL (default: $UNBROKEN_URL, else {DEFAULT_URL})",
     )
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument(
+        "--interval", type=float, default=1.0, metavar="SECONDS",
+        help=f"seconds between refreshes, at least {MIN_INTERVAL_S} (default: %(default)s)",
+    )
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print the raw /status JSON once")
     p.set_defaults(func=_status)
