@@ -4,6 +4,7 @@ setup/undo (byte for byte, idempotent), and `unbroken run` with a stand-in binar
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ import pytest
 from unbroken.config import parse_config
 from unbroken.opencode import jsonc
 from unbroken.opencode.launcher import (
+    UndoResult,
     content_with_relay,
     discover,
     find_config_files,
@@ -275,10 +277,17 @@ def test_setup_patches_keeps_a_backup_is_idempotent_and_undo_restores_bytes(
     assert path.read_bytes() == patched
     assert (project / "opencode.json.unbroken-backup").read_bytes() == original
 
-    assert undo("project", project=project, env=env) == (path, True)
+    done = undo("project", project=project, env=env)
+    assert done == UndoResult(path, "restored")
+    assert done.lines() == [
+        f"restored {path} from opencode.json.unbroken-backup, the copy setup kept"
+    ]
     assert path.read_bytes() == original
     assert not (project / "opencode.json.unbroken-backup").exists()
-    assert undo("project", project=project, env=env) == (path, False)
+    again = undo("project", project=project, env=env)
+    assert again == UndoResult(path, "nothing")
+    assert again.lines() == [f"{path}: nothing to undo (no opencode.json.unbroken-backup or "
+                             "opencode.json.unbroken-created next to it)"]
 
 
 def test_setup_creates_a_missing_global_file_and_undo_removes_it(home: dict[str, Any]) -> None:
@@ -290,8 +299,48 @@ def test_setup_creates_a_missing_global_file_and_undo_removes_it(home: dict[str,
     assert jsonc.loads(path.read_text())["provider"]["anthropic"]["options"]["baseURL"] == (
         f"{RELAY}/anthropic/v1"  # the built-in route to https://api.anthropic.com
     )
-    assert undo("global", project=home["project"], env=env) == (path, True)
+    done = undo("global", project=home["project"], env=env)
+    assert done == UndoResult(path, "removed")  # the directory existed before setup
+    assert done.lines() == [f"removed {path}, which setup had created"]
+    assert not path.exists() and home["gdir"].is_dir()
+
+
+@pytest.mark.parametrize("left_behind", [False, True])
+def test_undo_removes_the_directory_setup_created_once_it_is_empty_again(
+    home: dict[str, Any], tmp_path: Path, left_behind: bool
+) -> None:
+    xdg = tmp_path / "fresh-config"  # neither it nor its opencode/ exist yet
+    env = {**home["env"], "XDG_CONFIG_HOME": str(xdg), "ANTHROPIC_API_KEY": "sk"}
+    routes = parse_config({}, env={}).routes
+    result = setup("global", relay_url=RELAY, routes=routes, project=home["project"], env=env)
+    path = xdg / "opencode" / "opencode.json"
+    assert result.changed and result.path == path
+    if left_behind:
+        (xdg / "opencode" / "notes.txt").write_text("mine")  # the user put a file there
+    done = undo("global", project=home["project"], env=env)
     assert not path.exists()
+    if left_behind:
+        assert done == UndoResult(path, "removed")
+        assert (xdg / "opencode" / "notes.txt").read_text() == "mine"
+        assert sorted(p.name for p in (xdg / "opencode").iterdir()) == ["notes.txt"]
+    else:
+        assert done == UndoResult(path, "removed", (xdg / "opencode", xdg))
+        assert done.lines() == [
+            f"removed {path}, which setup had created",
+            f"removed the directory {xdg / 'opencode'}, which setup had created and which "
+            "is empty again",
+            f"removed the directory {xdg}, which setup had created and which is empty again",
+        ]
+        assert not xdg.exists() and tmp_path.is_dir()
+
+
+def test_bare_opencode_command_prints_its_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    from unbroken.cli import main
+
+    assert main(["opencode"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: unbroken opencode [-h] {setup,undo}")
+    assert "setup" in err and "undo" in err and "opencode_command" not in err
 
 
 def test_setup_names_providers_no_route_reaches(home: dict[str, Any]) -> None:
@@ -382,3 +431,60 @@ def test_run_refuses_other_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--", "python3", "-c", "pass"]) == 2
     assert "not OpenCode" in capsys.readouterr().err
     assert main(["run"]) == 2
+
+
+# -- unbroken run when OpenCode exits: the resumer shuts down cleanly ---------------------------
+
+DYING_SERVER = r'''#!{python}
+"""Behaves like an `opencode serve` that quits: {how}."""
+import socket, sys, time
+if {at_once}:
+    sys.exit(4)
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+server = socket.create_server(("127.0.0.1", port))
+while True:
+    conn, _ = server.accept()
+    request = conn.recv(65536).decode(errors="replace")
+    path = request.split(" ")[1] if request.count(" ") >= 2 else ""
+    if path == "/event":
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+                     b'data: {{"type":"server.connected","properties":{{}}}}\n\n')
+        conn.close()  # the stream ends; a reconnect is queued, never answered,
+        time.sleep(1.5)  # while OpenCode takes its time to exit
+        server.close()
+        sys.exit(4)
+    body = b'{{"healthy":true}}' if path == "/global/health" else b""
+    status = b"200 OK" if body else b"404 Not Found"
+    conn.sendall(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+    conn.close()
+'''
+
+
+@pytest.mark.parametrize("at_once", [True, False], ids=["at-once", "after-serving"])
+async def test_the_resumer_shuts_down_cleanly_when_opencode_exits(
+    home: dict[str, Any], tmp_path: Path, at_once: bool
+) -> None:
+    fake = tmp_path / "bin" / "opencode"
+    fake.parent.mkdir()
+    how = "it exits at once" if at_once else "it ends /event, stops answering, then exits"
+    fake.write_text(DYING_SERVER.format(python=sys.executable, how=how, at_once=at_once))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    log = tmp_path / "run.log"
+    env = {**home["env"], "PATH": os.environ.get("PATH", ""), "UNBROKEN_RESUME_DELAY_MS": "10",
+           "PYTHONDEVMODE": "1"}  # dev mode: unclosed resources are reported too
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "unbroken", "run", "--log", str(log), "--", str(fake), "serve",
+        cwd=str(home["project"]), env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    text = log.read_text()
+    assert proc.returncode == 4, (out, err, text)  # OpenCode's exit code
+    if not at_once:
+        assert "resume: watching http://127.0.0.1:" in text, text
+    everything = text + out.decode() + err.decode()
+    for sign in ("Traceback", "Task exception was never retrieved", "Unclosed",
+                 "was never awaited", "Task was destroyed"):
+        assert sign not in everything, everything

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -254,6 +256,8 @@ class FakeOpenCode:
         self.messages: dict[str, list[dict[str, Any]]] = {}
         self.connected = asyncio.Event()
         self.prompted = asyncio.Event()
+        self.event_status = 200  # what GET /event answers
+        self.event_requests = 0
         self.on_prompt: Any = None
         app = web.Application()
         app.router.add_get("/event", self.event)
@@ -272,6 +276,9 @@ class FakeOpenCode:
 
     async def event(self, request: web.Request) -> web.StreamResponse:
         self.auth.append(request.headers.get("Authorization"))
+        self.event_requests += 1
+        if self.event_status != 200:
+            return web.Response(status=self.event_status)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
@@ -450,3 +457,114 @@ async def test_updates_that_trail_the_idle_event_still_count(fake: FakeOpenCode)
     await stopped(resumer, task)
     [(_, decision)] = resumer.decisions
     assert isinstance(decision, Resume) and "finish 'unknown' after output" in decision.reason
+
+
+async def test_a_cancelled_resumer_leaves_no_task_behind(fake: FakeOpenCode) -> None:
+    """Cancelled while it follows the stream (as when OpenCode exits under `unbroken run`):
+    its own tasks end with it, so none can fail later with nobody to see it."""
+    resumer, task = await started(fake, ResumeSettings(delay_ms=10_000))
+    fake.emit(*failed_turn())  # a resume waits out its delay: one more task of its own
+    await until(lambda: bool(resumer.decisions))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    mine = [t for t in asyncio.all_tasks() if "Resumer." in t.get_coro().__qualname__]
+    assert mine == []
+
+
+async def test_says_at_once_why_opencode_is_unreachable_then_one_line_per_change(
+    fake: FakeOpenCode, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "unbroken.opencode.resume")
+    fake.event_status = 401
+    resumer = Resumer(fake.url, ResumeSettings(delay_ms=1), retry_s=0.01)
+    task = asyncio.create_task(resumer.run())
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume:")]
+
+    await until(lambda: fake.event_requests >= 5)  # five tries, one line
+    assert lines() == [
+        f"resume: cannot reach OpenCode at {fake.url}/event (it answered 401: set "
+        "OPENCODE_SERVER_PASSWORD (and OPENCODE_SERVER_USERNAME) to the server's); trying "
+        "again every 0.01 s"
+    ]
+    fake.event_status = 200
+    async with asyncio.timeout(5):
+        await resumer.connected.wait()
+    fake.event_status = 503
+    fake.drop_streams()
+    seen = fake.event_requests
+    await until(lambda: fake.event_requests >= seen + 5)
+    resumer.stop()
+    async with asyncio.timeout(5):
+        await task
+    assert lines()[1:] == [
+        f"resume: watching {fake.url} for turns that die after output (delay 1 ms, max "
+        "attempts unlimited)",
+        f"resume: lost {fake.url}/event (the server closed the connection); reconnecting "
+        "every 0.01 s",
+        f"resume: cannot reach OpenCode at {fake.url}/event (it answered 503); trying again "
+        "every 0.01 s",
+    ]
+
+
+async def test_an_unreachable_server_is_named_at_once(
+    unused_tcp_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "unbroken.opencode.resume")
+    url = f"http://127.0.0.1:{unused_tcp_port}"
+    resumer = Resumer(url, retry_s=30)  # the first try decides, however long the interval
+    task = asyncio.create_task(resumer.run())
+    await until(lambda: resumer.problem is not None)
+    resumer.stop()
+    async with asyncio.timeout(5):
+        await task
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"resume: cannot reach OpenCode at {url}/event (cannot connect: ")
+    assert line.endswith("; trying again every 30 s")
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--opencode", "localhost:4096"], "--opencode: expected an http:// or https:// URL"),
+        (["--opencode", "http://"], "--opencode: expected an http"),
+        (["--opencode", "http://u:p@127.0.0.1:4096"], "--opencode: credentials in the URL"),
+        (["--opencode", "ws://127.0.0.1:4096"], "--opencode: expected an http:// or https://"),
+        (["--opencode", "http://127.0.0.1:4096", "--delay-ms", "-5"],
+         "--delay-ms must not be negative, got -5"),
+        (["--opencode", "http://127.0.0.1:4096", "--max-attempts", "-1"],
+         "--max-attempts must not be negative, got -1"),
+    ],
+)
+async def test_cli_refuses_bad_input_in_one_line(args: list[str], says: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "unbroken", "resume", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    [line] = err.decode().splitlines()
+    assert line.startswith("unbroken resume: ") and says in line, line
+    assert out == b""
+
+
+async def test_cli_says_at_once_when_opencode_is_unreachable(unused_tcp_port: int) -> None:
+    url = f"http://127.0.0.1:{unused_tcp_port}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "unbroken", "resume", "--opencode", url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    seen = []
+    try:
+        async with asyncio.timeout(20):
+            while not any("cannot reach" in line for line in seen):
+                seen.append((await proc.stderr.readline()).decode())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert f"cannot reach OpenCode at {url}/event (cannot connect: " in seen[-1]
+    assert proc.returncode == 0
+    assert "Traceback" not in "".join(seen) + rest.decode()

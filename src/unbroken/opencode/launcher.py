@@ -42,6 +42,7 @@ __all__ = [
     "ConfigFile",
     "OpenCodeArgs",
     "Provider",
+    "UndoResult",
     "discover",
     "find_config_files",
     "load_merged",
@@ -607,12 +608,15 @@ async def run_opencode(
             )
 
             async def follow() -> None:
-                assert resumer is not None
+                assert resumer is not None and watch is not None
                 headers = dict(resumer.headers)
                 if await wait_healthy(
                     watch, timeout=120, headers=headers, alive=lambda: proc.returncode is None
                 ):
                     await resumer.run()
+                elif proc.returncode is None:
+                    log.warning("opencode: auto-resume off: %s/global/health did not answer "
+                                "in 120 s", watch)
 
             resume_task = asyncio.create_task(follow())
         try:
@@ -624,8 +628,14 @@ async def run_opencode(
             if resumer is not None:
                 resumer.stop()
             if resume_task is not None:
-                resume_task.cancel()
-                await asyncio.gather(resume_task, return_exceptions=True)
+                # stop() ends the resumer's own tasks; cancel only if that hangs.
+                done, _ = await asyncio.wait({resume_task}, timeout=5)
+                if not done:
+                    resume_task.cancel()
+                result = await asyncio.gather(resume_task, return_exceptions=True)
+                if isinstance(result[0], Exception):
+                    log.warning("opencode: auto-resume failed: %s: %s",
+                                type(result[0]).__name__, result[0])
         return _exit_code(code)
     finally:
         await server.stop()
@@ -750,12 +760,16 @@ def setup(
     else:
         changed = text.encode("utf-8") != original
     if changed:
+        new_dirs = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
         path.parent.mkdir(parents=True, exist_ok=True)
         backup = path.with_name(path.name + BACKUP_SUFFIX)
         created = path.with_name(path.name + CREATED_SUFFIX)
         if not backup.exists() and not created.exists():
             if original is None:
-                created.write_bytes(b"")
+                # The directories setup created, innermost first: undo removes them
+                # again when they are empty.
+                marker = {"created_dirs": [str(d) for d in new_dirs]}
+                created.write_text(json.dumps(marker) + "\n", encoding="utf-8")
             else:
                 backup.write_bytes(original)
         tmp = path.with_name(path.name + ".unbroken-tmp")
@@ -772,20 +786,65 @@ def _current_base(config: Mapping[str, Any], pid: str) -> str | None:
     return url if isinstance(url, str) else None
 
 
-def undo(scope: str, *, project: Path, env: Mapping[str, str]) -> tuple[Path, bool]:
-    """Restore the file ``setup`` patched, byte for byte.  (path, whether anything changed)."""
+@dataclass(frozen=True)
+class UndoResult:
+    """What `undo` did: ``action`` is ``restored``, ``removed`` or ``nothing``."""
+
+    path: Path
+    action: str
+    removed_dirs: tuple[Path, ...] = ()
+
+    def lines(self) -> list[str]:
+        """What to tell the user, one line per thing done."""
+        if self.action == "restored":
+            return [f"restored {self.path} from {self.path.name}{BACKUP_SUFFIX}, the copy "
+                    "setup kept"]
+        if self.action == "removed":
+            out = [f"removed {self.path}, which setup had created"]
+            out += [f"removed the directory {d}, which setup had created and which is empty "
+                    "again" for d in self.removed_dirs]
+            return out
+        return [f"{self.path}: nothing to undo (no {self.path.name}{BACKUP_SUFFIX} or "
+                f"{self.path.name}{CREATED_SUFFIX} next to it)"]
+
+
+def undo(scope: str, *, project: Path, env: Mapping[str, str]) -> UndoResult:
+    """Put back what ``setup`` changed: the original bytes of the file from its backup,
+    or, when setup created the file, no file (and no directory setup created for it,
+    once that is empty again)."""
     path = target_file(scope, project, env)
     backup = path.with_name(path.name + BACKUP_SUFFIX)
     created = path.with_name(path.name + CREATED_SUFFIX)
     if backup.exists():
         os.replace(backup, path)
-        return path, True
-    if created.exists():
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        created.unlink()
-        return path, True
-    return path, False
+        return UndoResult(path, "restored")
+    if not created.exists():
+        return UndoResult(path, "nothing")
+    made = _created_dirs(created)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    created.unlink()
+    removed: list[Path] = []
+    for d in made:  # innermost first
+        try:
+            d.rmdir()
+        except OSError:  # not empty (or gone): leave it, and everything above it
+            break
+        removed.append(d)
+    return UndoResult(path, "removed", tuple(removed))
+
+
+def _created_dirs(marker: Path) -> list[Path]:
+    """The directories setup recorded as created (an empty marker, from an older
+    version, records none)."""
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        return []
+    dirs = data.get("created_dirs") if isinstance(data, dict) else None
+    if not isinstance(dirs, list):
+        return []
+    return [Path(d) for d in dirs if isinstance(d, str)]
 
 
 def _relay_routes(url: str) -> list[str] | None:
@@ -844,12 +903,10 @@ def _setup_cmd(args: argparse.Namespace) -> int:
 
 def _undo_cmd(args: argparse.Namespace) -> int:
     scope = "project" if args.project else "global"
-    path, changed = undo(scope, project=Path.cwd(), env=dict(os.environ))
-    if changed:
-        print(f"restored {path}")
-        return 0
-    print(f"{path}: no unbroken backup to restore")
-    return 1
+    result = undo(scope, project=Path.cwd(), env=dict(os.environ))
+    for line in result.lines():
+        print(line)
+    return 1 if result.action == "nothing" else 0
 
 
 # -- registration ----------------------------------------------------------------------
@@ -862,16 +919,30 @@ def register(sub: Any) -> None:
         description="Launch OpenCode through a private relay: `unbroken run -- opencode "
         "[args...]`. No unbroken config needed.",
     )
-    p_run.add_argument("--config", help="unbroken TOML config for retry settings (optional)")
+    p_run.add_argument("--config", metavar="FILE",
+                       help="unbroken TOML config for the retry settings (default: "
+                       "$UNBROKEN_CONFIG, else the built-in defaults)")
     p_run.add_argument("--no-resume", action="store_true",
                        help="do not re-send turns that die after output")
     p_run.add_argument("--log", metavar="FILE",
-                       help="write the relay's log here (default: stderr, or a file for the TUI)")
+                       help="write the relay's log here (default: stderr; under the TUI, "
+                       "$XDG_STATE_HOME/unbroken/run.log)")
     p_run.add_argument("command", nargs=argparse.REMAINDER, help="-- opencode [args...]")
     p_run.set_defaults(func=_run_cmd)
 
-    p_oc = sub.add_parser("opencode", help="install unbroken into OpenCode's config")
-    oc_sub = p_oc.add_subparsers(dest="opencode_command", required=True)
+    p_oc = sub.add_parser(
+        "opencode",
+        help="install unbroken into OpenCode's config (setup, undo)",
+        description="Make the relay permanent in OpenCode's config for a running "
+        "`unbroken serve` (setup), or put the config back (undo).",
+    )
+    oc_sub = p_oc.add_subparsers(dest="opencode_command", metavar="{setup,undo}")
+
+    def usage(args: argparse.Namespace) -> int:
+        p_oc.print_help(sys.stderr)
+        return 2
+
+    p_oc.set_defaults(func=usage)
     for name, helptext in (
         ("setup", "point OpenCode's providers at a running `unbroken serve` (keeps a backup)"),
         ("undo", "restore opencode.json byte for byte from the backup"),
@@ -879,11 +950,13 @@ def register(sub: Any) -> None:
         p = oc_sub.add_parser(name, help=helptext, description=helptext)
         scope = p.add_mutually_exclusive_group()
         scope.add_argument("--global", dest="global_", action="store_true",
-                           help="the global config (~/.config/opencode; the default)")
+                           help="the global config, $XDG_CONFIG_HOME/opencode (the default)")
         scope.add_argument("--project", action="store_true",
                            help="./opencode.json in the current directory")
         if name == "setup":
-            p.add_argument("--config", help="the unbroken config `unbroken serve` runs with")
+            p.add_argument("--config", metavar="FILE",
+                           help="the unbroken config `unbroken serve` runs with (default: "
+                           "$UNBROKEN_CONFIG, else the built-in routes)")
             p.add_argument("--relay", metavar="URL",
                            help="the relay's URL (default: from the config, "
                            "http://127.0.0.1:4780)")

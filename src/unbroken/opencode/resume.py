@@ -22,6 +22,7 @@ import asyncio
 import base64
 import contextlib
 import fnmatch
+import functools
 import json
 import logging
 import os
@@ -397,6 +398,22 @@ class _Session:
 
 
 MAX_EVENTS_PER_SESSION: Final = 5000
+
+
+def _describe(exc: BaseException | None) -> str:
+    """Why the event stream could not be followed, in a few words (stable per cause)."""
+    if isinstance(exc, aiohttp.ClientResponseError):
+        if exc.status in (401, 403):
+            return (f"it answered {exc.status}: set OPENCODE_SERVER_PASSWORD (and "
+                    "OPENCODE_SERVER_USERNAME) to the server's")
+        return f"it answered {exc.status}"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect: {exc.os_error.strerror or type(exc.os_error).__name__}"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection"
+    if exc is None:
+        return "the event stream ended"
+    return type(exc).__name__
 #: After idle, wait this long for OpenCode's trailing message updates before deciding.
 SETTLE_S: Final = 0.25
 
@@ -404,9 +421,11 @@ SETTLE_S: Final = 0.25
 class Resumer:
     """Watches one OpenCode server and resumes its dead turns.
 
-    ``run()`` subscribes to ``GET /event`` and reconnects until `stop` is called
-    (or ``stop_event`` is set).  ``resumes`` counts the prompts re-sent and
-    ``decisions`` every (session id, decision) taken.
+    ``run()`` subscribes to ``GET /event`` and, when it cannot (or loses it), tries
+    again every ``retry_s`` until `stop` is called (or ``stop_event`` is set).  It
+    logs one line per change of state: watching, lost, cannot reach (and why).
+    ``resumes`` counts the prompts re-sent and ``decisions`` every (session id,
+    decision) taken.
     """
 
     def __init__(
@@ -416,15 +435,19 @@ class Resumer:
         *,
         password: str | None = None,
         username: str | None = None,
+        retry_s: float = 1.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.settings = settings or ResumeSettings()
+        self.retry_s = retry_s
         self.sessions: dict[str, _Session] = {}
         self.resumes = 0
         self.decisions: list[tuple[str, Decision]] = []
         #: how each decided resume ended: resumed | cancelled: why | busy | no prompt | failed
         self.outcomes: list[tuple[str, str]] = []
         self.connected = asyncio.Event()
+        #: why the event stream is not followed right now (None: it is, or not tried yet)
+        self.problem: str | None = None
         self._stop = asyncio.Event()
         self._http: aiohttp.ClientSession | None = None
         self.headers: dict[str, str] = {}
@@ -436,47 +459,56 @@ class Resumer:
         self._stop.set()
 
     async def run(self, stop_event: asyncio.Event | None = None) -> None:
-        """Follow the event stream until stopped, reconnecting with a short backoff."""
+        """Follow the event stream until stopped, trying again every ``retry_s``.
+
+        Every task it starts is finished before it returns, also when it is
+        cancelled: nothing is left to fail unobserved once OpenCode is gone.
+        """
         timeout = aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5)
         stopped = asyncio.ensure_future(self._stop.wait())
         watch = asyncio.ensure_future(stop_event.wait()) if stop_event else None
         if watch is not None:
             watch.add_done_callback(lambda _: self._stop.set())
+        follow: asyncio.Future[None] | None = None
         async with aiohttp.ClientSession(timeout=timeout, headers=self.headers) as http:
             self._http = http
-            backoff = 0.25
             try:
                 while not self._stop.is_set():
                     follow = asyncio.ensure_future(self._follow(http))
                     await asyncio.wait({follow, stopped}, return_when=asyncio.FIRST_COMPLETED)
                     if not follow.done():
-                        follow.cancel()
-                        await asyncio.gather(follow, return_exceptions=True)
                         break
                     exc = follow.exception()
-                    if exc is None:
-                        backoff = 0.25
-                    elif isinstance(exc, (aiohttp.ClientError, OSError, TimeoutError)):
-                        if self.connected.is_set():
-                            log.info("resume: lost %s/event (%s); reconnecting", self.base_url,
-                                     type(exc).__name__)
-                    else:
+                    follow = None
+                    if exc is not None and not isinstance(
+                        exc, (aiohttp.ClientError, OSError, TimeoutError)
+                    ):
                         raise exc
-                    self.connected.clear()
+                    self._failed(exc)
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(backoff):
+                        async with asyncio.timeout(self.retry_s):
                             await self._stop.wait()
-                    backoff = min(backoff * 2, 5.0)
             finally:
-                stopped.cancel()
-                if watch is not None:
-                    watch.cancel()
                 pending = [s.pending for s in self.sessions.values() if s.pending]
-                for task in pending:
+                tasks = [t for t in (follow, stopped, watch, *pending) if t is not None]
+                for task in tasks:
                     task.cancel()
-                if pending:
-                    await asyncio.gather(*pending, return_exceptions=True)
+                # Shielded: a second cancellation must not leave these unawaited.
+                await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
                 self._http = None
+
+    def _failed(self, exc: BaseException | None) -> None:
+        """Log a change of state: the stream was lost, or cannot be had (and why)."""
+        why = _describe(exc)
+        if self.connected.is_set():
+            self.connected.clear()
+            log.info("resume: lost %s/event (%s); reconnecting every %g s",
+                        self.base_url, why, self.retry_s)
+            self.problem = "lost"
+        elif why != self.problem:
+            log.warning("resume: cannot reach OpenCode at %s/event (%s); trying again every "
+                        "%g s", self.base_url, why, self.retry_s)
+            self.problem = why
 
     async def _follow(self, http: aiohttp.ClientSession) -> None:
         async with http.get(f"{self.base_url}/event", headers={"Accept": "text/event-stream"}) as r:
@@ -484,11 +516,11 @@ class Resumer:
                 raise aiohttp.ClientResponseError(
                     r.request_info, r.history, status=r.status, message="GET /event"
                 )
-            if not self.connected.is_set():
-                log.info("resume: watching %s for turns that die after output (delay %d ms, "
-                         "max attempts %s)", self.base_url, self.settings.delay_ms,
-                         self.settings.max_attempts or "unlimited")
+            log.info("resume: watching %s for turns that die after output (delay %d ms, "
+                     "max attempts %s)", self.base_url, self.settings.delay_ms,
+                     self.settings.max_attempts or "unlimited")
             self.connected.set()
+            self.problem = None
             data: list[str] = []
             async for raw in r.content:
                 line = raw.decode("utf-8", "replace").rstrip("\r\n")
@@ -561,6 +593,7 @@ class Resumer:
         state.busy = False
         state.decided = False
         state.pending = asyncio.ensure_future(self._after_idle(sid, state))
+        state.pending.add_done_callback(functools.partial(_reap, sid))
 
     async def _after_idle(self, sid: str, state: _Session) -> None:
         await asyncio.sleep(SETTLE_S)
@@ -647,6 +680,13 @@ class Resumer:
         return None
 
 
+def _reap(sid: str, task: asyncio.Future[None]) -> None:
+    """Log what a resume task failed with (nothing it raises goes unobserved)."""
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        log.warning("resume session=%s failed: %s: %s", sid, type(exc).__name__, exc)
+
+
 async def wait_healthy(
     base_url: str,
     *,
@@ -677,7 +717,21 @@ async def wait_healthy(
 
 def _resume_cmd(args: argparse.Namespace) -> int:
     from unbroken.cli import setup_logging
+    from unbroken.config import ConfigError, validate_url
 
+    try:
+        if not args.opencode.lower().startswith(("http://", "https://")):
+            raise ConfigError(
+                "--opencode", f"expected an http:// or https:// URL, got {args.opencode!r}"
+            )
+        url = validate_url("--opencode", args.opencode)
+    except ConfigError as exc:
+        print(f"unbroken resume: {exc}", file=sys.stderr)
+        return 2
+    for flag, value in (("--delay-ms", args.delay_ms), ("--max-attempts", args.max_attempts)):
+        if value is not None and value < 0:
+            print(f"unbroken resume: {flag} must not be negative, got {value}", file=sys.stderr)
+            return 2
     try:
         settings = settings_from_env()
     except ValueError as exc:
@@ -704,7 +758,8 @@ def _resume_cmd(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
-        resumer = Resumer(args.opencode, settings, password=password, username=username)
+        resumer = Resumer(url, settings, password=password, username=username)
+        log.info("resume: connecting to %s/event", url)
         await resumer.run(stop)
         return 0
 
@@ -712,18 +767,25 @@ def _resume_cmd(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
+    defaults = ResumeSettings()
     p = sub.add_parser(
         "resume",
         help="re-send OpenCode turns that died after output (against opencode serve)",
         description="Watch an OpenCode server's /event stream; when a turn fails after "
         "OpenCode's own retries, wait the delay and re-send the user's last prompt. "
         "Settings also come from UNBROKEN_RESUME_PROVIDER, UNBROKEN_RESUME_MODEL, "
-        "UNBROKEN_RESUME_DELAY_MS and UNBROKEN_RESUME_MAX_ATTEMPTS (or OPENCODE_RESUME_*).",
+        "UNBROKEN_RESUME_DELAY_MS and UNBROKEN_RESUME_MAX_ATTEMPTS (or OPENCODE_RESUME_*); "
+        "a flag wins over its variable.",
     )
     p.add_argument("--opencode", required=True, metavar="URL",
-                   help="the OpenCode server, e.g. http://127.0.0.1:4096")
-    p.add_argument("--provider", help="glob on the provider id (default *)")
-    p.add_argument("--model", help="model id prefix (default *: every model)")
-    p.add_argument("--delay-ms", type=int, help="wait before re-sending (default 3000)")
-    p.add_argument("--max-attempts", type=int, help="resumes in a row per session (0 = unlimited)")
+                   help="the OpenCode server, e.g. http://127.0.0.1:4096 (required)")
+    p.add_argument("--provider",
+                   help=f"glob on the provider id (default: {defaults.provider})")
+    p.add_argument("--model",
+                   help=f"model id prefix (default: {defaults.model}, every model)")
+    p.add_argument("--delay-ms", type=int, metavar="MS",
+                   help=f"wait before re-sending, >= 0 (default: {defaults.delay_ms})")
+    p.add_argument("--max-attempts", type=int, metavar="N",
+                   help="resumes in a row per session, 0 = unlimited "
+                   f"(default: {defaults.max_attempts})")
     p.set_defaults(func=_resume_cmd)
