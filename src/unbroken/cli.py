@@ -14,6 +14,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from unbroken import __version__
 from unbroken.config import ConfigError, load_config
@@ -47,7 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"unbroken: invalid config: {exc}", file=sys.stderr)
         return 2
-    overrides: dict[str, object] = {}
+    overrides: dict[str, Any] = {}
     if args.host is not None:
         overrides["host"] = args.host
     if args.port is not None:

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unbroken.core.ledger import Hold, Ledger, State, Verdict
+from unbroken.core.ledger import Hold, Ledger, LedgerError, State, Verdict
 from unbroken.core.protocols import ANTHROPIC, CHAT, GENERIC, RESPONSES, Kind, Protocol
 from unbroken.core.sse import Event, SSESplitter
 
@@ -257,7 +257,7 @@ def kinds_of(protocol: Protocol, frames: list[bytes]) -> list[int]:
 
 
 def feed_all(ledger: Ledger, frames: list[bytes]) -> list[bytes]:
-    return [ledger.feed(to_event(f)) for f in frames]
+    return [ledger.feed_bytes(to_event(f)) for f in frames]
 
 
 def first_index(kinds: list[int], mask: int) -> int:
@@ -393,7 +393,7 @@ def test_control_frames_held_then_released_in_order_with_first_output(proto: str
     assert outs[first_out] == b"".join(frames[: first_out + 1])
     assert b"".join(outs) == b"".join(frames)
     assert ledger.state is State.DONE and ledger.verdict is Verdict.DONE
-    assert ledger.released_bytes == len(b"".join(frames))
+    assert ledger.stats.released_bytes == len(b"".join(frames))
     assert ledger.released_frames == len(frames)
 
 
@@ -404,7 +404,7 @@ def test_state_commits_exactly_at_first_release(proto: str) -> None:
     ledger = Ledger(protocol)
     for f in frames:
         before = ledger.state
-        out = ledger.feed(to_event(f))
+        out = ledger.feed_bytes(to_event(f))
         if before is State.PENDING and out and ledger.state is not State.DONE:
             assert ledger.state is State.COMMITTED
         if not out:
@@ -415,7 +415,7 @@ def test_state_commits_exactly_at_first_release(proto: str) -> None:
 def test_without_control_hold_control_frames_commit() -> None:
     frames = responses_frames("A0Z", Shape(text=1))
     ledger = Ledger(RESPONSES, hold=Hold(["tool_calls"]))
-    assert ledger.feed(to_event(frames[0])) == frames[0]  # response.created released at once
+    assert ledger.feed_bytes(to_event(frames[0])) == frames[0]  # response.created released at once
     assert ledger.state is State.COMMITTED
     assert ledger.failed("reset") != b""
     assert ledger.verdict is Verdict.FAIL
@@ -481,13 +481,13 @@ def test_failure_while_pending_replays_and_releases_nothing(proto: str, how: str
         elif how == "cut":
             out = ledger.ended(frames[k][:7])
         elif how == "retryable":
-            out = ledger.feed(to_event(RETRYABLE_ERROR[proto]))
+            out = ledger.feed_bytes(to_event(RETRYABLE_ERROR[proto]))
         else:
-            out = ledger.feed(to_event(MALFORMED[proto]))
+            out = ledger.feed_bytes(to_event(MALFORMED[proto]))
         assert out == b""
         assert ledger.verdict is Verdict.REPLAY
         assert ledger.state is State.PENDING and ledger.replayable
-        assert ledger.released_bytes == 0
+        assert ledger.stats.released_bytes == 0
         assert ledger.held_bytes == 0
         assert ledger.fail_reason
 
@@ -535,9 +535,9 @@ def test_failure_after_commit_ends_with_native_error(proto: str, how: str) -> No
         elif how == "cut":
             tail = ledger.ended(frames[k][:5])
         elif how == "retryable":
-            tail = ledger.feed(to_event(RETRYABLE_ERROR[proto]))
+            tail = ledger.feed_bytes(to_event(RETRYABLE_ERROR[proto]))
         else:
-            tail = ledger.feed(to_event(MALFORMED[proto]))
+            tail = ledger.feed_bytes(to_event(MALFORMED[proto]))
         assert ledger.verdict is Verdict.FAIL and ledger.state is State.FAILED
         assert tail == ledger.error_bytes != b""
         assert RETRYABLE_ERROR[proto] not in tail  # ours, not the provider's frame
@@ -546,10 +546,10 @@ def test_failure_after_commit_ends_with_native_error(proto: str, how: str) -> No
         assert is_error_event(proto, client[-1])
         check_tool_calls(proto, client)  # a cut tool call is never visible
         # nothing more after the error, whatever arrives
-        assert ledger.feed(to_event(frames[k])) == b""
+        assert ledger.feed_bytes(to_event(frames[k])) == b""
         assert ledger.failed("again") == b""
         assert ledger.ended(b"") == b""
-        assert ledger.released_bytes == len(out + tail)
+        assert ledger.stats.released_bytes == len(out + tail)
 
 
 def test_chat_native_error_shape() -> None:
@@ -657,16 +657,16 @@ def test_trailing_frames_after_terminal_ok_are_released() -> None:
     ledger = Ledger(CHAT)
     feed_all(ledger, frames[:-2])
     assert ledger.verdict is Verdict.DONE
-    assert ledger.feed(to_event(frames[-2])) == frames[-2]  # usage chunk
-    assert ledger.feed(to_event(frames[-1])) == frames[-1]  # [DONE]
-    assert ledger.feed(to_event(b": trailing\n\n")) == b": trailing\n\n"
+    assert ledger.feed_bytes(to_event(frames[-2])) == frames[-2]  # usage chunk
+    assert ledger.feed_bytes(to_event(frames[-1])) == frames[-1]  # [DONE]
+    assert ledger.feed_bytes(to_event(b": trailing\n\n")) == b": trailing\n\n"
     assert ledger.verdict is Verdict.DONE and ledger.state is State.DONE
 
 
 def test_generic_protocol() -> None:
     ledger = Ledger(GENERIC)
-    assert ledger.feed(to_event(b": hello\n\n")) == b""  # CONTROL held while pending
-    assert ledger.feed(to_event(b"data: 1\n\n")) == b": hello\n\ndata: 1\n\n"
+    assert ledger.feed_bytes(to_event(b": hello\n\n")) == b""  # CONTROL held while pending
+    assert ledger.feed_bytes(to_event(b"data: 1\n\n")) == b": hello\n\ndata: 1\n\n"
     assert ledger.state is State.COMMITTED
     assert ledger.ended(b"") == b""
     assert ledger.state is State.DONE and ledger.verdict is Verdict.DONE
@@ -691,7 +691,7 @@ def test_generic_stream_with_trailing_blank_line_completes() -> None:
         out = b""
         for chunk in (stream[:i], stream[i:]):
             for event in splitter.feed(chunk):
-                out += ledger.feed(event)
+                out += ledger.feed_bytes(event)
         out += ledger.ended(splitter.pending)
         assert ledger.state is State.DONE, i
         assert out == stream
@@ -707,7 +707,7 @@ def test_byte_level_truncation_at_every_offset(proto: str) -> None:
     for i in range(len(stream) + 1):
         splitter = SSESplitter()
         ledger = Ledger(protocol)
-        out = b"".join(ledger.feed(e) for e in splitter.feed(stream[:i]))
+        out = b"".join(ledger.feed_bytes(e) for e in splitter.feed(stream[:i]))
         out += ledger.ended(splitter.pending)
         if ledger.state is State.DONE:
             assert len(out) in boundaries and stream.startswith(out)
@@ -812,14 +812,14 @@ def test_non_retryable_error_while_pending_passes_through(proto: str) -> None:
     frames = BUILDERS[proto]("A0Z", Shape(text=2))
     ledger = Ledger(protocol)
     assert feed_all(ledger, frames[:1]) == [b""]
-    out = ledger.feed(to_event(FATAL_ERROR[proto]))
+    out = ledger.feed_bytes(to_event(FATAL_ERROR[proto]))
     assert out == frames[0] + FATAL_ERROR[proto]  # with what was held
     assert ledger.state is State.FAILED and ledger.verdict is Verdict.FAIL
     assert ledger.error_bytes == b""
     assert ledger.fail_reason
     assert ledger.failed("reset") == b""
     assert ledger.ended(b"") == b""
-    with pytest.raises(RuntimeError):
+    with pytest.raises(LedgerError):
         ledger.start_attempt()
 
 
@@ -834,7 +834,7 @@ def test_non_retryable_error_after_commit_passes_through_without_partial_call(
     ledger = Ledger(protocol)
     out = b"".join(feed_all(ledger, frames[: start + 2]))
     assert out == b"".join(frames[:start])
-    tail = ledger.feed(to_event(FATAL_ERROR[proto]))
+    tail = ledger.feed_bytes(to_event(FATAL_ERROR[proto]))
     assert tail == FATAL_ERROR[proto]
     assert ledger.verdict is Verdict.FAIL
     check_tool_calls(proto, visible_events(out + tail))
@@ -856,7 +856,7 @@ def test_non_retryable_error_keeps_held_frames_before_partial_call(
     start = first_index(kinds, Kind.TOOL_START)
     ledger = Ledger(protocol, hold=Hold(hold))
     assert b"".join(feed_all(ledger, frames[: start + 2])) == b""
-    out = ledger.feed(to_event(FATAL_ERROR[proto]))
+    out = ledger.feed_bytes(to_event(FATAL_ERROR[proto]))
     assert out == b"".join(frames[:start]) + FATAL_ERROR[proto]
 
 
@@ -870,7 +870,7 @@ def test_non_retryable_error_keeps_a_complete_held_call_and_drops_the_partial_on
     second = [i for i, k in enumerate(kinds) if k & Kind.TOOL_START][1]
     ledger = Ledger(protocol, hold=Hold(["all"]))
     assert b"".join(feed_all(ledger, frames[: second + 2])) == b""
-    out = ledger.feed(to_event(FATAL_ERROR[proto]))
+    out = ledger.feed_bytes(to_event(FATAL_ERROR[proto]))
     assert out == b"".join(frames[:second]) + FATAL_ERROR[proto]
     check_tool_calls(proto, visible_events(out)[:-1])
 
@@ -888,7 +888,7 @@ def test_non_retryable_error_after_a_chunk_starting_two_calls(hold: tuple[str, .
     ledger = Ledger(CHAT, hold=Hold(hold))
     assert b"".join(feed_all(ledger, [*frames, both])) == b""
     assert ledger.open_tools == 2
-    out = ledger.feed(to_event(FATAL_ERROR["chat"]))
+    out = ledger.feed_bytes(to_event(FATAL_ERROR["chat"]))
     assert out == b"".join(frames) + FATAL_ERROR["chat"]
 
 
@@ -897,7 +897,7 @@ def test_retryable_error_after_commit_is_replaced_by_ours() -> None:
     commit = first_index(kinds_of(ANTHROPIC, frames), Kind.OUTPUT)
     ledger = Ledger(ANTHROPIC)
     feed_all(ledger, frames[: commit + 1])
-    tail = ledger.feed(to_event(RETRYABLE_ERROR["anthropic"]))
+    tail = ledger.feed_bytes(to_event(RETRYABLE_ERROR["anthropic"]))
     assert tail == ledger.error_bytes
     assert tail != RETRYABLE_ERROR["anthropic"]
     assert ledger.fail_reason
@@ -909,7 +909,7 @@ def test_unknown_frame_commits_with_held_control() -> None:
     feed_all(ledger, frames[:2])
     unknown = sse("response.brand_new_event", {"type": "response.brand_new_event",
                                                "sequence_number": 2})
-    assert ledger.feed(to_event(unknown)) == frames[0] + frames[1] + unknown
+    assert ledger.feed_bytes(to_event(unknown)) == frames[0] + frames[1] + unknown
     assert ledger.state is State.COMMITTED
 
 
@@ -918,25 +918,25 @@ def test_hold_seconds_with_fake_clock() -> None:
     ledger = Ledger(CHAT, clock=lambda: now[0])
     frames = chat_frames("A0Z", Shape(text=1, tools=(2,)))
     kinds = kinds_of(CHAT, frames)
-    ledger.feed(to_event(frames[0]))  # role chunk held at t=100
+    ledger.feed_bytes(to_event(frames[0]))  # role chunk held at t=100
     now[0] = 102.5
-    assert ledger.feed(to_event(frames[1]))  # text: released
-    assert ledger.hold_seconds == pytest.approx(2.5)
+    assert ledger.feed_bytes(to_event(frames[1]))  # text: released
+    assert ledger.stats.hold_seconds == pytest.approx(2.5)
     now[0] = 200.0
     start = first_index(kinds, Kind.TOOL_START)
-    assert ledger.feed(to_event(frames[start])) == b""  # tool call held at t=200
+    assert ledger.feed_bytes(to_event(frames[start])) == b""  # tool call held at t=200
     now[0] = 203.0
     for f in frames[start + 1 : -3]:
-        assert ledger.feed(to_event(f)) == b""
+        assert ledger.feed_bytes(to_event(f)) == b""
     now[0] = 201.0 + 3.0
-    assert ledger.feed(to_event(frames[-3]))  # finish_reason releases the call at t=204
-    assert ledger.hold_seconds == pytest.approx(6.5)
+    assert ledger.feed_bytes(to_event(frames[-3]))  # finish_reason releases the call at t=204
+    assert ledger.stats.hold_seconds == pytest.approx(6.5)
 
 
 def test_hold_seconds_without_clock_stays_zero() -> None:
     ledger = Ledger(CHAT)
     feed_all(ledger, chat_frames("A0Z", Shape(text=1)))
-    assert ledger.hold_seconds == 0.0
+    assert ledger.stats.hold_seconds == 0.0
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
@@ -948,14 +948,14 @@ def test_start_attempt_only_while_pending(proto: str) -> None:
     feed_all(ledger, frames[:commit])
     ledger.start_attempt()  # still pending: fine (and drops nothing visible)
     feed_all(ledger, frames[: commit + 1])
-    with pytest.raises(RuntimeError, match="committed"):
+    with pytest.raises(LedgerError, match="committed"):
         ledger.start_attempt()
     feed_all(ledger, frames[commit + 1 :])
-    with pytest.raises(RuntimeError, match="done"):
+    with pytest.raises(LedgerError, match="done"):
         ledger.start_attempt()
     failed = Ledger(protocol)
     failed.give_up("exhausted")
-    with pytest.raises(RuntimeError, match="failed"):
+    with pytest.raises(LedgerError, match="failed"):
         failed.start_attempt()
 
 
@@ -973,7 +973,7 @@ def test_give_up_while_pending_sends_only_the_native_error(proto: str) -> None:
     client = visible_events(tail)
     assert is_error_event(proto, client[-1])
     assert not success_terminals(proto, client)
-    assert ledger.feed(to_event(frames[1])) == b""
+    assert ledger.feed_bytes(to_event(frames[1])) == b""
 
 
 # ---------------------------------------------------------------------------
@@ -1036,7 +1036,7 @@ def drive(proto: str, hold: tuple[str, ...], attempts: list[Attempt]) -> tuple[L
         stop = len(att.frames) if att.fault == "none" else att.pos
         for frame in att.frames[:stop]:
             att.received.append(frame)
-            out += ledger.feed(to_event(frame))
+            out += ledger.feed_bytes(to_event(frame))
             assert ledger.verdict is not Verdict.REPLAY
         if att.fault in ("none", "end"):
             out += ledger.ended(b"")
@@ -1050,7 +1050,7 @@ def drive(proto: str, hold: tuple[str, ...], attempts: list[Attempt]) -> tuple[L
             frame = {"retryable": RETRYABLE_ERROR, "malformed": MALFORMED,
                      "fatal": FATAL_ERROR}[att.fault][proto]
             att.received.append(frame)
-            out += ledger.feed(to_event(frame))
+            out += ledger.feed_bytes(to_event(frame))
             if ledger.verdict in (Verdict.CONTINUE, Verdict.DONE):
                 out += ledger.ended(b"")  # the upstream closes after its error
         if ledger.state is not State.PENDING:
@@ -1066,7 +1066,7 @@ def check_invariants(proto: str, hold: tuple[str, ...], attempts: list[Attempt])
     ledger, out, last = drive(proto, hold, attempts)
     att = attempts[last]
     assert ledger.verdict in (Verdict.DONE, Verdict.FAIL)
-    assert ledger.released_bytes == len(out)
+    assert ledger.stats.released_bytes == len(out)
     # no byte of a dead attempt is visible
     for d in range(len(attempts)):
         if d != last:

@@ -16,17 +16,15 @@ import pytest
 from aiohttp.client_reqrep import ConnectionKey
 
 from unbroken.core.policy import (
-    ERRNO_CLASSES,
-    EXCEPTION_CLASSES,
     RETRY_STATUSES,
     Failure,
     FailureClass,
     RetryPolicy,
     RetryState,
-    classify_exception,
     is_retryable_status,
     parse_retry_after,
 )
+from unbroken.relay.errors import ERRNO_CLASSES, EXCEPTION_CLASSES, classify_exception
 
 KEY = ConnectionKey("api.example.com", 443, True, True, None, None, None)
 CONNECT_LEVEL = {

@@ -140,12 +140,9 @@ async def test_status_command_unreachable(capsys, unused_tcp_port):
 
 
 def test_held_bytes_and_render():
-    class FakeLedger:
-        held_bytes = 2048
-
     turn = TurnInfo(route="r", path="v1/messages?beta=true", protocol="anthropic", stream=True)
     turn.state, turn.attempts, turn.upstream = "holding", 2, "http://u.test"
-    turn.ledger = FakeLedger()
+    turn.held = lambda: 2048
     tracker = StatusTracker(lambda: [turn], list, extra=lambda: {"journal": {
         "healthy": False, "dropped": 7, "path": "/x", "pending": 0}})
     data = tracker.snapshot()

@@ -61,13 +61,31 @@ of a plain body is an aborted connection.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
+from unbroken.core.attempt import AttemptStats
 from unbroken.core.protocols import Protocol
 from unbroken.core.protocols.base import Classifier, Kind
 from unbroken.core.sse import Event
 
-__all__ = ["HOLD_CHOICES", "MALFORMED", "PASSED_THROUGH", "Hold", "Ledger", "State", "Verdict"]
+__all__ = [
+    "HOLD_CHOICES",
+    "MALFORMED",
+    "NOTHING",
+    "PASSED_THROUGH",
+    "Hold",
+    "Ledger",
+    "LedgerError",
+    "State",
+    "Verdict",
+]
+
+#: what `Ledger.feed` returns when it releases nothing (shared, never mutated)
+NOTHING: Sequence[Event] = ()
+
+
+class LedgerError(RuntimeError):
+    """An illegal transition was asked of the ledger (a bug in the caller)."""
 
 
 class State(enum.Enum):
@@ -135,21 +153,15 @@ class Ledger:
         "_tool_mark",
         "error_bytes",
         "fail_reason",
-        "first_raw",
         "held_bytes",
         "hold",
         "hold_overflowed",
-        "hold_seconds",
         "max_hold_bytes",
         "open_tools",
-        "output_frames",
         "protocol",
-        "received_bytes",
-        "received_frames",
-        "recent",
-        "released_bytes",
         "released_frames",
         "state",
+        "stats",
         "verdict",
     )
 
@@ -170,30 +182,29 @@ class Ledger:
         self.error_bytes = b""
         self.fail_reason = ""
         self.hold_overflowed = False
-        # per-turn release accounting
-        self.released_bytes = 0
-        self.released_frames = 0
-        self.hold_seconds = 0.0
+        self.released_frames = 0  # over the whole turn: what the client has seen
+        self.stats = AttemptStats()
         self.start_attempt()
 
     # -- attempts ---------------------------------------------------------------
-    def start_attempt(self) -> None:
-        """Begin a fresh upstream attempt.  Only legal before anything was released."""
+    def start_attempt(self, stats: AttemptStats | None = None) -> None:
+        """Begin a fresh upstream attempt.  Only legal before anything was released.
+
+        ``stats`` receives this attempt's counters (a fresh record when omitted).
+        """
         if self.state is not State.PENDING:
-            raise RuntimeError(f"cannot start a new attempt in state {self.state.value}")
+            raise LedgerError(f"cannot start a new attempt in state {self.state.value}")
         self._classifier: Classifier = self.protocol.new_classifier()
-        self._held: list[bytes] = []
+        self._held: list[Event] = []
         self._held_since: float | None = None
         self._last_raw: bytes | None = None
         self._tool_mark = 0
         self.held_bytes = 0
         self.open_tools = 0
-        self.received_frames = 0
-        self.received_bytes = 0
-        self.output_frames = 0  # frames of output, reasoning or tool calls this attempt
-        #: the first frame and the last few of this attempt (where providers report usage)
-        self.first_raw = b""
-        self.recent: list[bytes] = []  # at most 4 (a list: a deque allocates 64 slots)
+        if stats is not None:
+            self.stats = stats
+        elif self.stats.received_frames or self.stats.released_frames:
+            self.stats = AttemptStats()
         self.verdict = Verdict.CONTINUE
 
     @property
@@ -206,30 +217,36 @@ class Ledger:
         return self.fail_reason == PASSED_THROUGH
 
     # -- frames -----------------------------------------------------------------
-    def feed(self, event: Event) -> bytes:
-        """Classify one upstream frame; return the bytes to release now.
+    def feed_bytes(self, event: Event) -> bytes:
+        """`feed`, with the released frames joined (for tests and plain callers)."""
+        return b"".join([e.raw for e in self.feed(event)])
 
+    def feed(self, event: Event) -> Sequence[Event]:
+        """Classify one upstream frame; return the frames to release now, in order.
+
+        Frames keep their boundaries (a WebSocket sends each as one message).
         After the call, ``verdict`` says what the shell must do next.
         """
         raw = event.raw
-        self.received_frames += 1
-        self.received_bytes += len(raw)
+        stats = self.stats
+        stats.received_frames += 1
+        stats.received_bytes += len(raw)
         self._last_raw = raw
-        if self.received_frames == 1:
-            self.first_raw = raw
-        recent = self.recent
+        if stats.received_frames == 1:
+            stats.first_raw = raw
+        recent = stats.recent
         recent.append(raw)
         if len(recent) > 4:
             del recent[0]
         state = self.state
         if state is State.DONE:  # trailing frames after the terminal (usage, [DONE])
-            return self._emit(raw, 1)
+            return self._emit([event])
         if state is State.FAILED:
-            return b""
+            return NOTHING
         tools_before = self.open_tools
         kinds, self.open_tools = self._classifier.classify(event)
         if kinds & Kind.COMMITTING:
-            self.output_frames += 1
+            stats.output_frames += 1
 
         if kinds & Kind.MALFORMED:
             self.fail_reason = MALFORMED
@@ -242,13 +259,13 @@ class Ledger:
             # except a partial tool call, which no client may see.
             if self.open_tools:
                 del self._held[self._tool_mark :]
-            out = self._release_held(raw)
+            out = self._release_held(event)
             self.state = State.FAILED
             self.verdict = Verdict.FAIL
             self.fail_reason = PASSED_THROUGH
             return out
         if kinds & Kind.TERMINAL_OK:
-            out = self._release_held(raw)
+            out = self._release_held(event)
             self.state = State.DONE
             self.verdict = Verdict.DONE
             return out
@@ -261,47 +278,50 @@ class Ledger:
             or (self.open_tools and hold.tools)
             or (state is State.PENDING and not kinds & ~hold.pending_mask)
         ):
-            return self._hold(raw)
-        return self._release_held(raw)
+            return self._hold(event)
+        return self._release_held(event)
 
-    def _hold(self, raw: bytes) -> bytes:
+    def _hold(self, event: Event) -> Sequence[Event]:
         if not self._held and self._clock is not None:
             self._held_since = self._clock()
-        self._held.append(raw)
-        self.held_bytes += len(raw)
+        self._held.append(event)
+        self.held_bytes += len(event.raw)
         if self.held_bytes > self.max_hold_bytes:
             self.hold_overflowed = True
-            return self._release_held(b"")
-        return b""
+            return self._release_held(None)
+        return NOTHING
 
-    def _release_held(self, raw: bytes) -> bytes:
+    def _release_held(self, event: Event | None) -> Sequence[Event]:
         held = self._held
         if not held:
-            return self._emit(raw, 1 if raw else 0)
+            return NOTHING if event is None else self._emit([event])
         if self._held_since is not None and self._clock is not None:
-            self.hold_seconds += self._clock() - self._held_since
-        if raw:
-            held.append(raw)
+            self.stats.hold_seconds += self._clock() - self._held_since
+        if event is not None:
+            held.append(event)
         self._drop_held()
-        return self._emit(b"".join(held), len(held))
+        return self._emit(held)
 
-    def _emit(self, out: bytes, frames: int) -> bytes:
-        if out:
-            self.released_frames += frames
-            self.released_bytes += len(out)
-            if self.state is State.PENDING:
-                self.state = State.COMMITTED
-        return out
+    def _emit(self, events: list[Event]) -> Sequence[Event]:
+        stats = self.stats
+        n = len(events)
+        stats.released_frames += n
+        self.released_frames += n
+        stats.released_bytes += sum([len(e.raw) for e in events]) if n > 1 else len(events[0].raw)
+        if self.state is State.PENDING:
+            self.state = State.COMMITTED
+        return events
 
     # -- failures -----------------------------------------------------------------
-    def _fail(self, message: str) -> bytes:
+    def _fail(self, message: str) -> Sequence[Event]:
         self.verdict = _ON_FAILURE[self.state]
         if self.verdict is Verdict.REPLAY:
             self._drop_held()
-            return b""
+            return NOTHING
         if self.verdict is Verdict.FAIL:
-            return self._end_with_error(message)
-        return b""
+            out = self._end_with_error(message)
+            return [Event(out, None, None)] if out else NOTHING
+        return NOTHING
 
     def _drop_held(self) -> None:
         self._held = []
@@ -321,7 +341,7 @@ class Ledger:
             self._classifier,
             self._last_raw,
         )
-        self.released_bytes += len(self.error_bytes)
+        self.stats.released_bytes += len(self.error_bytes)
         return self.error_bytes
 
     def failed(self, reason: str) -> bytes:
@@ -334,7 +354,7 @@ class Ledger:
         """
         if self.state is State.PENDING or self.state is State.COMMITTED:
             self.fail_reason = reason
-        return self._fail(reason)
+        return b"".join([e.raw for e in self._fail(reason)])
 
     def ended(self, leftover: bytes = b"") -> bytes:
         """The upstream body ended cleanly; ``leftover`` is an unfinished event's bytes."""

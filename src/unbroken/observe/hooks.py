@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from unbroken.core.policy import Failure
@@ -64,8 +65,8 @@ class TurnInfo:
     ended: float | None = None
     first_byte_at: float | None = None  # wall clock of the first byte sent to the client
     attempt_log: list[AttemptInfo] = field(default_factory=list)
-    #: the turn's ledger while it streams (live held bytes for status and metrics)
-    ledger: object | None = field(default=None, repr=False)
+    #: bytes held back right now (live, for status and metrics): a reader, never the ledger
+    held: Callable[[], int] | None = field(default=None, repr=False)
 
 
 class Hooks:

@@ -28,8 +28,7 @@ NOT_FAILURES = frozenset({"ok", "passed_through_error", "aborted_by_client"})
 
 def held_bytes(turn: TurnInfo) -> int:
     """Bytes the turn's ledger holds right now (0 when it does not stream)."""
-    value = getattr(turn.ledger, "held_bytes", 0)
-    return value if isinstance(value, int) else 0
+    return turn.held() if turn.held is not None else 0
 
 
 class _Live:

@@ -1,23 +1,29 @@
-"""Responses API over WebSocket: a client socket that outlives every upstream socket.
+"""The WebSocket transport: the Responses API over a client socket that outlives upstreams.
 
-The client opens ``ws://relay/<route>/v1/responses`` and sends
-``response.create`` messages.  Each one starts a *turn*, governed by the same
-commit ledger as an HTTP stream: every upstream text message is one frame,
-classified by the Responses table; control frames and tool calls are held;
-a failure while PENDING is replayed on a fresh upstream socket (rerouting as
-HTTP does) while the client's socket stays open; a failure after commit ends
-the turn with ``error`` + ``response.failed`` and the socket stays open for the
-next ``response.create``.
+The client opens ``ws://relay/<route>/v1/responses`` and sends ``response.create``
+messages.  Each one starts a *turn*, driven by the same `TurnMachine` as an HTTP
+request: every upstream text message is one frame; control frames and tool calls
+are held; a failure while nothing was released is replayed on a fresh upstream
+socket while the client's socket stays open; a failure after output ends the turn
+with ``error`` + ``response.failed`` and the socket stays open for the next turn.
 
-Socket-local state: with ``store: false``, ``previous_response_id`` points at
-state held only by the upstream socket that produced it.  `History` records,
-per client connection, the input and output items of every completed turn, so
-a turn replayed on a new socket (or over HTTP) is sent self-contained.
+Every other client message (``response.cancel``, ...) is forwarded to the current
+upstream socket at once, even mid-turn.  Upstream lifecycle events that name a
+response this connection already finished are not the current turn's: they go to
+the client as they are and never reach the turn's ledger.
+
+A crash inside a turn is logged with its traceback; the client socket is closed
+with 1011 and the turn is journaled as ``internal_error``.
+
+Socket-local state: with ``store: false``, ``previous_response_id`` points at state
+held only by the upstream socket that produced it.  `History` records, per client
+connection, the input and output items of every completed turn, so a turn replayed
+on a new socket (or over HTTP) is sent self-contained.
 
 WebSocket to HTTP fallback: an upstream that refuses the upgrade, or answers
-``websocket_connection_limit_reached``, is served over ``POST /v1/responses``
-with ``stream: true`` for ``[websocket] fallback_cooldown_s``; the SSE events
-are forwarded to the client as WebSocket messages.
+``websocket_connection_limit_reached``, is served over ``POST /v1/responses`` with
+``stream: true`` for ``[websocket] fallback_cooldown_s``, through the HTTP
+transport's own `HttpAttempt`; its SSE frames go to the client as messages.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator
+import logging
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,21 +43,33 @@ from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 
 from unbroken.config import Route, Upstream
-from unbroken.core.ledger import Ledger, Verdict
-from unbroken.core.policy import (
-    Failure,
-    FailureClass,
-    RetryState,
-    classify_exception,
-    is_retryable_status,
-)
+from unbroken.core.ledger import State
+from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.protocols import RESPONSES
+from unbroken.core.protocols.base import loads_object
+from unbroken.core.protocols.responses import error_code_of, response_id_of
 from unbroken.core.sse import Event, SSESplitter
+from unbroken.core.turn import (
+    Action,
+    End,
+    EndKind,
+    GiveUp,
+    Open,
+    Outcome,
+    Stream,
+    TurnError,
+    TurnMachine,
+    Wait,
+)
 from unbroken.observe.hooks import TurnInfo
-from unbroken.relay.http import AttemptLog
+from unbroken.observe.report import TurnReporter
+from unbroken.relay.errors import classify_exception
+from unbroken.relay.http import HttpAttempt, Relay, Watchdog, session_id_of
 from unbroken.relay.upstream import request_headers, upstream_url
 
 __all__ = ["History", "handle_websocket", "is_websocket_request"]
+
+log = logging.getLogger("unbroken")
 
 # Handshake headers that belong to one hop of the WebSocket, never forwarded.
 _WS_HOP = frozenset(
@@ -61,8 +81,11 @@ _WS_HOP = frozenset(
         "sec-websocket-protocol",
     }
 )
-_SEP = b"\x00"  # never inside a JSON text message: separates frames the ledger releases
-_RETRYABLE_CLOSE = frozenset({1001, 1006, 1011, 1012, 1013, 1014})
+#: ``response.create`` messages that may wait behind the running turn; past this the
+#: client is misbehaving and its socket is closed with 1008 (policy violation)
+MAX_PENDING = 8
+#: the upstream's error code that means "serve this over HTTP for a while"
+WS_LIMIT_CODE = "websocket_connection_limit_reached"
 
 
 def is_websocket_request(request: web.Request) -> bool:
@@ -144,16 +167,44 @@ class _Refused(Exception):
 
 
 async def handle_websocket(
-    relay: Any, request: web.Request, route: Route, rest: str
+    relay: Relay, request: web.Request, route: Route, rest: str
 ) -> web.StreamResponse:
     with relay.running():
         return await _Connection(relay, request, route, rest).run()
 
 
+def abort_websocket(ws: aiohttp.ClientWebSocketResponse[Any]) -> None:
+    """Abort an upstream socket's transport at once: a hung peer sends no close frame."""
+    conn = getattr(ws, "_conn", None)
+    transport = getattr(conn, "transport", None)
+    if transport is not None:
+        transport.abort()
+
+
+def ws_messages(events: Sequence[Event], *, sse: bool) -> list[bytes]:
+    """What the machine released, as WebSocket text messages (boundaries kept)."""
+    if sse:
+        return [e.data.encode() for e in events if e.data is not None]
+    return [e.raw for e in events]
+
+
+def ws_error_messages(error_bytes: bytes) -> list[bytes]:
+    """Our own native SSE error events, re-shaped as WebSocket messages."""
+    out: list[bytes] = []
+    for event in SSESplitter().feed(error_bytes):
+        if event.data is None:
+            continue
+        obj = json.loads(event.data)
+        if obj.get("type") == "error":
+            obj["status"] = 500  # the WebSocket error shape carries the status
+        out.append(json.dumps(obj, separators=(",", ":")).encode())
+    return out
+
+
 class _Connection:
     """One client WebSocket and the upstream sockets behind it."""
 
-    def __init__(self, relay: Any, request: web.Request, route: Route, rest: str) -> None:
+    def __init__(self, relay: Relay, request: web.Request, route: Route, rest: str) -> None:
         self.relay = relay
         self.cfg = relay.config
         self.request = request
@@ -161,27 +212,38 @@ class _Connection:
         self.rest = rest
         s = self.cfg.stream
         self.client = web.WebSocketResponse(
-            autoping=True, heartbeat=s.keepalive_s, max_msg_size=0, compress=False
+            autoping=True,
+            heartbeat=s.keepalive_s,
+            max_msg_size=max(int(self.cfg.max_body_bytes), 1),
+            compress=False,
         )
-        self.upstream: aiohttp.ClientWebSocketResponse | None = None
+        self.upstream: aiohttp.ClientWebSocketResponse[Any] | None = None
         self.upstream_idx = -1
         self.socket_gen = 0  # increments with every new upstream socket
         self.http_until = 0.0  # monotonic time until which turns go over HTTP
         self.history = History()
+        #: ids of responses that ended on this connection (their late events are not
+        #: the current turn's)
+        self.finished: deque[str] = deque(maxlen=64)
         self.loop = asyncio.get_running_loop()
-        self._out: list[bytes] = []  # encoded frames not yet written (see send_to_client)
+        self.pending: deque[tuple[dict[str, Any], str]] = deque()
+        self._wake = asyncio.Event()
+        self._out: list[bytes] = []  # encoded frames not yet written (see send)
         self._flush_scheduled = False
 
     async def run(self) -> web.StreamResponse:
         await self.client.prepare(self.request)
-        queue: asyncio.Queue[str] = asyncio.Queue()
-        worker = asyncio.ensure_future(self._worker(queue))
+        worker = asyncio.ensure_future(self._worker())
         try:
             async for msg in self.client:
                 if msg.type is WSMsgType.TEXT:
-                    queue.put_nowait(msg.data)
+                    text = msg.data
                 elif msg.type is WSMsgType.BINARY:
-                    queue.put_nowait(msg.data.decode("utf-8", "replace"))
+                    text = msg.data.decode("utf-8", "replace")
+                else:
+                    continue
+                if not await self._from_client(text):
+                    break
         except asyncio.CancelledError:
             # Shutdown after the grace period: tell the client to come back later.
             with contextlib.suppress(Exception):
@@ -190,38 +252,58 @@ class _Connection:
         finally:
             # The client is gone: stop the turn and every retry at once.
             worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError):
                 await worker
-            await self._drop_upstream()
+            await self.drop_upstream()
         return self.client
 
-    async def _worker(self, queue: asyncio.Queue[str]) -> None:
+    async def _from_client(self, text: str) -> bool:
+        """One client message.  False when the connection must close."""
+        try:
+            obj = orjson.loads(text)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict) and obj.get("type") == "response.create":
+            if len(self.pending) >= MAX_PENDING:
+                await self.client.close(code=1008, message=b"too many pending response.create")
+                return False
+            self.pending.append((obj, text))
+            self._wake.set()
+            return True
+        # Anything else (response.cancel, ...) goes to the upstream now, mid-turn too.
+        ws = self.upstream
+        if ws is not None and not ws.closed:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await ws.send_str(text)
+        return True
+
+    async def _worker(self) -> None:
         while True:
-            text = await queue.get()
-            try:
-                obj = orjson.loads(text)
-            except ValueError:
-                obj = None
-            if isinstance(obj, dict) and obj.get("type") == "response.create":
-                await _Turn(self, obj, text).run()
-            elif self.upstream is not None and not self.upstream.closed:
-                with contextlib.suppress(ConnectionError, RuntimeError):
-                    await self.upstream.send_str(text)
+            while not self.pending:
+                self._wake.clear()
+                await self._wake.wait()
+            create, text = self.pending.popleft()
+            if not await _WsTurn(self, create, text).run():
+                return  # crashed: the client socket was closed with 1011
 
     # -- upstream sockets ---------------------------------------------------------------
-    async def _drop_upstream(self) -> None:
+    async def drop_upstream(self) -> None:
+        """Forget the upstream socket, aborting its transport (no close handshake to wait
+        for: a hung peer never answers one, and a wait here could swallow a cancel)."""
         ws, self.upstream = self.upstream, None
         if ws is not None and not ws.closed:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(ws.close(), 2)
+            abort_websocket(ws)
 
-    async def connect(self, up: Upstream, idx: int) -> aiohttp.ClientWebSocketResponse:
-        """Open a fresh upstream socket on ``up``."""
-        await self._drop_upstream()
+    def headers_for(self, up: Upstream) -> CIMultiDict[str]:
         headers = request_headers(self.request.headers, up, anthropic=False)
         for k in list(headers):
             if k.lower() in _WS_HOP:
                 del headers[k]
+        return headers
+
+    async def connect(self, up: Upstream, idx: int) -> aiohttp.ClientWebSocketResponse[Any]:
+        """Open a fresh upstream socket on ``up``."""
+        await self.drop_upstream()
         url = upstream_url(up, self.rest, self.request.query_string)
         url = url.with_scheme("wss" if url.scheme == "https" else "ws")
         s = self.cfg.stream
@@ -229,7 +311,7 @@ class _Connection:
             async with asyncio.timeout(s.connect_timeout_s + s.header_timeout_s):
                 ws = await self.relay.client.session.ws_connect(
                     url,
-                    headers=headers,
+                    headers=self.headers_for(up),
                     autoping=True,
                     heartbeat=s.keepalive_s,
                     max_msg_size=0,
@@ -243,12 +325,12 @@ class _Connection:
         self.socket_gen += 1
         return ws
 
-    async def send_to_client(self, released: bytes, *, sse: bool) -> None:
+    def send(self, messages: Sequence[bytes]) -> None:
         """Queue text messages for the client; they leave together, in order."""
         if self.client.closed:
             raise ConnectionResetError("the client socket is closed")
         out = self._out
-        for message in _messages(released, sse=sse):
+        for message in messages:
             n = len(message)
             if n < 126:
                 out.append(bytes((0x81, n)))
@@ -262,9 +344,11 @@ class _Connection:
             # in one write, after this burst: one syscall instead of one each.
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
+
+    async def drain(self) -> None:
+        """Wait while a slow client's buffer is full (upstream reading pauses)."""
         transport = self.request.transport
         if transport is not None and transport.get_write_buffer_size() > 1 << 20:
-            # A slow client: stop reading upstream until its buffer drains.
             self._flush()
             drain = getattr(self.request.protocol, "_drain_helper", None)
             if drain is not None:
@@ -281,334 +365,255 @@ class _Connection:
             transport.write(data)
 
 
-def _messages(released: bytes, *, sse: bool) -> Iterator[bytes]:
-    """Split what the ledger released into WebSocket text messages."""
-    if not sse:
-        for part in released.split(_SEP):
-            if part:
-                yield part
-        return
-    for event in SSESplitter().feed(released):
-        if event.data is not None:
-            yield event.data.encode()
-
-
-def _ws_error_frames(error_bytes: bytes) -> bytes:
-    """The ledger's native SSE error events, re-shaped as WebSocket messages."""
-    out: list[bytes] = []
-    for event in SSESplitter().feed(error_bytes):
-        if event.data is None:
-            continue
-        obj = json.loads(event.data)
-        if obj.get("type") == "error":
-            obj["status"] = 500  # the WebSocket error shape carries the status
-        out.append(json.dumps(obj, separators=(",", ":")).encode())
-    return _SEP.join(out)
-
-
-class _StallTimer:
-    """Closes the upstream socket when it goes quiet past the phase's timeout.
-
-    ``alive()`` only stores a timestamp (cheap, per message); the timer re-arms
-    itself lazily when it fires, so a busy socket costs no timer churn.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, ws: Any, s: Any) -> None:
-        self.loop, self.ws = loop, ws
-        self.first, self.idle = s.first_frame_timeout_s, s.idle_timeout_s
-        self.last: float | None = None  # time of the last message; None: none yet
-        self.started = loop.time()
-        self.stalled = False
-        self.handle = loop.call_at(self.started + self.first, self._check)
-        self._closing: asyncio.Future[Any] | None = None
-
-    def alive(self) -> None:
-        self.last = self.loop.time()
-
-    def _check(self) -> None:
-        due = self.started + self.first if self.last is None else self.last + self.idle
-        if self.loop.time() < due:
-            self.handle = self.loop.call_at(due, self._check)
-            return
-        self.stalled = True
-        self._closing = asyncio.ensure_future(self.ws.close(code=1001))
-
-    def __enter__(self) -> _StallTimer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.handle.cancel()
-
-
-class _Turn:
-    """One ``response.create``: attempts over upstream sockets, one ledger."""
+class _WsTurn:
+    """One ``response.create``: its machine, and the I/O of its attempts."""
 
     def __init__(self, conn: _Connection, create: dict[str, Any], text: str) -> None:
         self.conn = conn
-        self.relay = conn.relay
+        self.relay = relay = conn.relay
         self.create = create
         self.text = text  # the client's message, forwarded as it is unless rebuilt
-        self.ledger = Ledger(
-            RESPONSES,
-            hold=self.relay.hold,
-            max_hold_bytes=conn.cfg.stream.max_hold_bytes,
-            clock=conn.loop.time,
-        )
-        self.retry = RetryState(
-            conn.cfg.retry,
-            len(conn.route.upstreams),
-            rng=self.relay.rng,
-            cooloff_until=self.relay.cooloffs.setdefault(conn.route.name, {}),
-        )
-        self.retry.current = conn.upstream_idx - 1 if conn.upstream_idx >= 0 else -1
-        self.info = TurnInfo(
+        info = TurnInfo(
             route=conn.route.name,
             path=conn.rest,
             protocol="responses-ws",
             stream=True,
-            session_id=conn.request.headers.get("x-session-id"),
+            session_id=session_id_of(conn.request.headers),
         )
-        self.failure: Failure | None = None
-        self.completed: dict[str, Any] | None = None
-        self.fallback_reason = ""
-        self.attempts = AttemptLog(self.info, self.relay.hooks)
+        self.report = TurnReporter(
+            info, relay.hooks, [u.name for u in conn.route.upstreams], relay.inflight
+        )
+        retry = relay.retry_state(conn.route)
+        retry.current = conn.upstream_idx - 1 if conn.upstream_idx >= 0 else -1
+        now = conn.loop.time()
+        self.machine = TurnMachine(
+            protocol=RESPONSES,
+            hold=relay.hold,
+            timers=conn.cfg.stream,
+            retry=retry,
+            stream=False,  # the client socket is open already: no early headers
+            now=now,
+            report=self.report,
+            clock=conn.loop.time,
+        )
+        # Whatever happens now reaches the client in-stream, as on an HTTP stream
+        # whose headers went out.
+        self.machine.headers_sent(now)
+        info.held = self._held
+        self.watchdog = Watchdog(conn.loop, self.machine, self._on_timer)
+        self.http = HttpAttempt(self.machine, self.watchdog, relay.client, self)
         self.socket: int | None = None  # the upstream socket of this attempt (None: HTTP)
+        self.reading_ws: aiohttp.ClientWebSocketResponse[Any] | None = None
+        self.response_id: str | None = None
+        self.completed = False
 
-    async def run(self) -> None:
-        info = self.info
-        self.attempts.open(self.relay.inflight)
+    def _held(self) -> int:
+        ledger = self.machine.attempt_ledger
+        return ledger.held_bytes if ledger is not None else 0
+
+    async def run(self) -> bool:
+        """Serve the turn.  False when it crashed (the client socket is then closed)."""
+        machine = self.machine
+        self.report.open()
         try:
-            await self._attempts()
+            await self._drive()
         except asyncio.CancelledError:
-            info.outcome = "aborted_by_client"
+            machine.client_gone()
             raise
-        except (ConnectionError, RuntimeError):
-            info.outcome = "aborted_by_client"  # writing to the client failed
+        except (ConnectionResetError, ConnectionError):
+            machine.client_gone()  # writing to the client failed: it went away
+        except Exception:
+            machine.crashed()
+            log.exception("internal error in a WebSocket turn route=%s", self.conn.route.name)
+            with contextlib.suppress(Exception):
+                await self.conn.client.close(code=1011, message=b"internal error")
+            return False
         finally:
-            status = self.failure.status if self.failure is not None else None
-            self.attempts.close(self.relay.inflight, phase="", status=status, ledger=self.ledger)
+            self.watchdog.close()
+            if self.response_id is not None:
+                self.conn.finished.append(self.response_id)
+            self.report.close(machine.outcome or Outcome.ABORTED_BY_CLIENT)
+        return True
 
-    def _begin_attempt(self, up: Upstream) -> None:
-        self.attempts.begin(self.retry.attempts, up.name, self.ledger)
-
-    def _end_attempt(self, reason: str, phase: str) -> None:
-        status = self.failure.status if self.failure is not None else None
-        self.attempts.end(reason, phase, status=status, ledger=self.ledger)
-
-    async def _attempts(self) -> None:
-        conn, retry, info = self.conn, self.retry, self.info
+    async def _drive(self) -> None:
+        machine, conn = self.machine, self.conn
+        action: Action = machine.start(conn.loop.time())
         while True:
-            if retry.exhausted():
-                reason = self.failure.reason if self.failure else "retries exhausted"
-                out = self.ledger.give_up(f"retries exhausted ({reason})")
-                await conn.send_to_client(_ws_error_frames(out), sse=False)
-                info.outcome = "ended_with_error"
+            if type(action) is Open:
+                action = await self._attempt(action)
+            elif type(action) is Wait:
+                await conn.drop_upstream()
+                await asyncio.sleep(action.seconds)
+                action = machine.next_attempt(conn.loop.time())
+            elif type(action) is End:
+                if action.data:
+                    conn.send(ws_error_messages(action.data))
                 return
-            idx = retry.next_upstream(conn.loop.time())
-            up = conn.route.upstreams[idx]
-            info.attempts, info.upstream, info.state = retry.attempts, up.name, "waiting"
-            info.ledger = self.ledger
-            if retry.attempts > 1:
-                self.ledger.start_attempt()
-            self._begin_attempt(up)
-            self.failure = None
-            self.socket = None
+            elif type(action) is GiveUp:
+                if action.data:
+                    conn.send(ws_error_messages(action.data))
+                return
+            else:
+                raise TurnError(f"unexpected action {action!r}")
+
+    async def _attempt(self, action: Open) -> Action:
+        conn = self.conn
+        up = conn.route.upstreams[action.upstream]
+        self.socket = None
+        if conn.loop.time() < conn.http_until:
+            return await self._over_http(action, up)
+        ws = conn.upstream
+        if ws is None or ws.closed or conn.upstream_idx != action.upstream:
             try:
-                if conn.loop.time() < conn.http_until:
-                    verdict = await self._over_http(up)
-                else:
-                    try:
-                        verdict = await self._over_websocket(up, idx)
-                    except _Refused as exc:
-                        # The upstream refuses WebSocket: serve this turn over HTTP now.
-                        self._start_fallback(str(exc))
-                        verdict = await self._over_http(up)
-            except asyncio.CancelledError:
-                raise
+                ws = await conn.connect(up, action.upstream)
+            except _Refused as exc:
+                # The upstream refuses WebSocket: serve this turn over HTTP now.
+                self._start_fallback(str(exc))
+                return await self._over_http(action, up)
             except Exception as exc:
-                if conn.client.closed:
-                    return  # the client went away; run() stops everything
                 failure = classify_exception(exc)
                 if failure is None:
                     raise
-                self.failure = failure
-                verdict = await self._transport_failed()
-            if verdict is Verdict.DONE:
-                info.outcome = "recovered" if retry.retries else "ok"
-                return
-            if verdict is Verdict.FAIL:
-                return
-            # REPLAY: nothing of this attempt reached the client.
-            await conn._drop_upstream()
-            failure = self.failure or Failure(FailureClass.STREAM_ERROR, self.ledger.fail_reason)
-            if failure.cls is FailureClass.STALL:
-                phase = "stall"
-            elif failure.status is not None:
-                phase = "headers"
-            elif self.ledger.received_frames == 0 and failure.cls.reroutes_at_once:
-                phase = "connect"
-            else:
-                phase = "pending"
-            status = failure.status
-            wait = self.attempts.failed(
-                failure, phase, retry, conn.loop.time(), status=status, ledger=self.ledger
-            )
-            if wait:
-                await asyncio.sleep(wait)
+                if isinstance(exc, TimeoutError):
+                    failure = Failure(FailureClass.HEADER_TIMEOUT, "no handshake in time")
+                return self.machine.open_failed(conn.loop.time(), failure)
+        return await self._over_websocket(ws)
 
     def _start_fallback(self, reason: str) -> None:
-        cooldown = self.conn.cfg.websocket_fallback_cooldown_s
-        self.conn.http_until = self.conn.loop.time() + cooldown
-        self.fallback_reason = reason
-
-    async def _end_with_error(self, out: bytes, failure: Failure) -> None:
-        self.info.outcome = "ended_with_error"
-        self.failure = failure
-        self._end_attempt(failure.label, "committed")
-        self.relay.hooks.attempt_failed(
-            self.info, self.info.upstream, failure, phase="committed", wait_s=None
-        )
-        if out:
-            await self.conn.send_to_client(_ws_error_frames(out), sse=False)
-        self.info.outcome = "ended_with_error"
-
-    async def _feed(self, event: Event, *, sse: bool) -> Verdict:
-        """Feed one frame; send what the ledger releases; return its verdict."""
-        ledger = self.ledger
-        released = ledger.feed(event)
-        verdict = ledger.verdict
-        if verdict is Verdict.FAIL and not ledger.passed_through:
-            # our own native error (a retryable failure after commit), not the provider's
-            await self._end_with_error(released, Failure(FailureClass.STREAM_ERROR,
-                                                         ledger.fail_reason))
-            return verdict
-        if released:
-            self.info.state = "streaming"
-            await self.conn.send_to_client(released, sse=sse)
-        if verdict is Verdict.FAIL:
-            self.info.outcome = "passed_through_error"
-        elif verdict is Verdict.REPLAY:
-            self.failure = Failure(FailureClass.STREAM_ERROR, ledger.fail_reason)
-            text = event.data or ""
-            if "websocket_connection_limit_reached" in text:
-                self._start_fallback("websocket connection limit reached")
-        elif verdict is Verdict.DONE and self.completed is None:
-            self._remember(event.data)
-        return verdict
-
-    def _remember(self, data: str | None) -> None:
-        try:
-            obj = json.loads(data or "")
-        except ValueError:
-            return
-        response = obj.get("response") if isinstance(obj, dict) else None
-        if isinstance(response, dict) and obj.get("type") == "response.completed":
-            self.completed = response
-            self.conn.history.record(self.create, response, self.socket)
-
-    async def _over_websocket(self, up: Upstream, idx: int) -> Verdict:
         conn = self.conn
-        ws = conn.upstream
-        if ws is None or ws.closed or conn.upstream_idx != idx:
-            ws = await conn.connect(up, idx)
+        conn.http_until = conn.loop.time() + conn.cfg.websocket_fallback_cooldown_s
+        log.info("websocket fallback route=%s: %s; HTTP for %gs", conn.route.name, reason,
+                 conn.cfg.websocket_fallback_cooldown_s)
+
+    def _on_timer(self, action: object) -> None:
+        # A WebSocket turn has no early headers or keepalives (pings keep the socket
+        # alive); the only timed action is a stall: abort the upstream at once.
+        ws = self.reading_ws
+        if ws is not None:
+            abort_websocket(ws)
+        self.http.abort()
+
+    # -- over a WebSocket ---------------------------------------------------------------
+    async def _over_websocket(self, ws: aiohttp.ClientWebSocketResponse[Any]) -> Action:
+        conn, machine = self.conn, self.machine
         self.socket = conn.socket_gen
         request = conn.history.request_for(self.create, self.socket)
-        if request is self.create:
-            await ws.send_str(self.text)
-        else:
-            await ws.send_str(json.dumps(request, separators=(",", ":")))
-        self.info.state = "holding"
-        with _StallTimer(conn.loop, ws, conn.cfg.stream) as timer:
+        try:
+            if request is self.create:
+                await ws.send_str(self.text)
+            else:
+                await ws.send_str(json.dumps(request, separators=(",", ":")))
+        except Exception as exc:
+            failure = classify_exception(exc) or Failure(FailureClass.RESET, "send failed")
+            return machine.open_failed(conn.loop.time(), failure)
+        answer = machine.answered(conn.loop.time(), 200, sse=True)
+        if type(answer) is not Stream:  # pragma: no cover - a 200 stream always streams
+            return answer
+        self.reading_ws = ws
+        self.watchdog.arm()
+        loop_time = conn.loop.time
+        rearm = True
+        try:
             while True:
                 msg = await ws.receive()
-                if msg.type is WSMsgType.TEXT or msg.type is WSMsgType.BINARY:
-                    timer.alive()
-                    data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
-                    verdict = await self._feed(
-                        Event(data + _SEP, None, data.decode("utf-8", "replace")), sse=False
-                    )
-                    if verdict is Verdict.CONTINUE:
-                        continue
-                    return verdict
-                # closed or errored: a transport failure of this attempt
-                if timer.stalled:
-                    self.failure = Failure(
-                        FailureClass.STALL, "stall: no message within the timeout"
-                    )
-                else:
+                if msg.type is not WSMsgType.TEXT and msg.type is not WSMsgType.BINARY:
                     code = ws.close_code
                     label = f"websocket closed ({code})" if code else "websocket error"
-                    self.failure = Failure(FailureClass.RESET, label)
-                return await self._transport_failed()
+                    return machine.transport_failed(
+                        loop_time(), Failure(FailureClass.RESET, label)
+                    )
+                data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
+                text = data.decode("utf-8", "replace")
+                if self._not_ours(text, data):
+                    continue
+                released = machine.feed_frame(loop_time(), Event(data, None, text))
+                if rearm:
+                    rearm = False
+                    self.watchdog.arm()  # the stall deadline moved to idle_timeout_s
+                over = machine.attempt_over
+                self._send(released, over, sse=False)
+                if over is not None:
+                    if type(over) is not End and error_code_of(text) == WS_LIMIT_CODE:
+                        self._start_fallback("websocket connection limit reached")
+                    return over
+                if released:
+                    await conn.drain()
+                ledger = machine.attempt_ledger
+                if ledger is not None and ledger.state is State.DONE:
+                    return machine.body_ended(loop_time())  # the terminal frame ends the turn
+        finally:
+            self.reading_ws = None
 
-    async def _transport_failed(self) -> Verdict:
-        assert self.failure is not None
-        out = self.ledger.failed(self.failure.reason)
-        verdict = self.ledger.verdict
-        if verdict is Verdict.FAIL:
-            await self._end_with_error(out, self.failure)
-        return verdict
+    def _not_ours(self, text: str, data: bytes) -> bool:
+        """A lifecycle event of a response this connection already finished."""
+        if b'"response"' not in data:
+            return False
+        rid = response_id_of(text)
+        if rid is None:
+            return False
+        if self.response_id is None and rid not in self.conn.finished:
+            self.response_id = rid
+            return False
+        if rid == self.response_id:
+            return False
+        # Another response's event (a late reply to a cancel, say): the client's, not
+        # this turn's.
+        with contextlib.suppress(ConnectionError):
+            self.conn.send([data])
+        return True
 
-    async def _over_http(self, up: Upstream) -> Verdict:
-        """Serve this turn over ``POST /v1/responses`` SSE (the WebSocket fallback)."""
+    def _send(self, released: Sequence[Event], over: Action | None, *, sse: bool) -> None:
+        """Send what the machine released to the client, as messages."""
+        if not released:
+            return
+        if type(over) is End and over.kind is EndKind.ERROR and not over.data:
+            # an in-stream error after output: the released frame is our native error
+            self.conn.send(ws_error_messages(b"".join([e.raw for e in released])))
+            return
+        self.conn.send(ws_messages(released, sse=sse))
+        if not self.completed:
+            self._remember(released, sse=sse)
+
+    def _remember(self, released: Sequence[Event], *, sse: bool) -> None:
+        """Learn this turn's response id; record the conversation once it completed."""
+        for event in released:
+            text = event.data if sse else event.raw.decode("utf-8", "replace")
+            if not text or '"response"' not in text:
+                continue
+            obj = loads_object(text)
+            response = obj.get("response") if obj is not None else None
+            if not isinstance(response, dict):
+                continue
+            rid = response.get("id")
+            if isinstance(rid, str) and self.response_id is None:
+                self.response_id = rid
+            if obj is not None and obj.get("type") == "response.completed":
+                self.completed = True
+                self.conn.history.record(self.create, response, self.socket)
+
+    # -- over HTTP (the fallback) ---------------------------------------------------------
+    async def _over_http(self, action: Open, up: Upstream) -> Action:
+        """Serve this turn over ``POST /v1/responses`` SSE, with the HTTP transport's code."""
         conn = self.conn
         request = conn.history.request_for(self.create, None)
         body = {k: v for k, v in request.items() if k != "type"}
         body["stream"] = True
-        headers: CIMultiDict[str] = request_headers(conn.request.headers, up, anthropic=False)
-        for k in list(headers):
-            if k.lower() in _WS_HOP:
-                del headers[k]
+        headers = conn.headers_for(up)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "text/event-stream"
         url = upstream_url(up, conn.rest, conn.request.query_string)
-        s = conn.cfg.stream
-        async with asyncio.timeout(s.connect_timeout_s + s.header_timeout_s):
-            resp = await self.relay.client.request(
-                "POST", url, headers, json.dumps(body).encode()
-            )
-        try:
-            if resp.status >= 300 or not resp.headers.get("content-type", "").startswith(
-                "text/event-stream"
-            ):
-                text = (await resp.read())[:4096].decode("utf-8", "replace")
-                self.failure = Failure(FailureClass.STATUS, f"HTTP {resp.status}",
-                                       status=resp.status)
-                if not is_retryable_status(resp.status):
-                    # A final answer: pass it on as the WebSocket error event.
-                    err = {"type": "error", "status": resp.status,
-                           "error": {"type": "invalid_request_error", "message": text}}
-                    await conn.send_to_client(json.dumps(err).encode(), sse=False)
-                    self.info.outcome = "passed_through_error"
-                    return Verdict.FAIL
-                return Verdict.REPLAY
-            splitter = SSESplitter()
-            idle = s.first_frame_timeout_s
-            while True:
-                try:
-                    async with asyncio.timeout(idle):
-                        chunk = await resp.content.readany()
-                except TimeoutError:
-                    self.failure = Failure(FailureClass.STALL, "stall: no bytes within the timeout")
-                    return await self._transport_failed()
-                idle = s.idle_timeout_s
-                if not chunk:
-                    out = self.ledger.ended(splitter.pending)
-                    verdict = self.ledger.verdict
-                    if verdict is Verdict.FAIL:
-                        await self._end_with_error(
-                            out, Failure(FailureClass.TRUNCATED, "stream ended early")
-                        )
-                    elif verdict is Verdict.REPLAY:
-                        self.failure = Failure(FailureClass.TRUNCATED, "stream ended early")
-                    return verdict
-                for event in splitter.feed(chunk):
-                    verdict = await self._feed(event, sse=True)
-                    if verdict is not Verdict.CONTINUE:
-                        if verdict is Verdict.DONE:
-                            continue
-                        return verdict
-                if self.ledger.verdict is Verdict.DONE and resp.content.at_eof():
-                    return Verdict.DONE
-        finally:
-            resp.close()
+        return await self.http.run(action, "POST", url, headers, json.dumps(body).encode())
+
+    # -- Sink, for the HTTP fallback -------------------------------------------------------
+    def answer(self, status: int, headers: CIMultiDict[str]) -> None:
+        """No HTTP status reaches a WebSocket client."""
+
+    def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        """A retryable answer is never passed through to a WebSocket client."""
+
+    async def release(self, events: Sequence[Event]) -> None:
+        self._send(events, self.machine.attempt_over, sse=True)
+        await self.conn.drain()
+
+    async def release_body(self, data: bytes) -> None:  # pragma: no cover - never plain
+        raise TurnError("a WebSocket turn never passes a plain body through")

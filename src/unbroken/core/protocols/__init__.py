@@ -46,6 +46,9 @@ class Protocol:
     has_terminal: bool
     new_classifier: Callable[[], Classifier]
     anthropic_errors: bool = False
+    #: the frame that closes the stream after its terminal frame, if the protocol has
+    #: one (``data: [DONE]``): sent by the relay when the upstream is cut before it
+    done_marker: bytes | None = None
 
     def error_frame(self, message: str, classifier: Classifier, last_raw: bytes | None) -> bytes:
         """The protocol-native, retryable error event that ends a truncated turn."""
@@ -107,7 +110,7 @@ class Protocol:
         ).encode()
 
 
-CHAT = Protocol("chat", True, chat.ChatClassifier)
+CHAT = Protocol("chat", True, chat.ChatClassifier, done_marker=b"data: [DONE]\n\n")
 RESPONSES = Protocol("responses", True, responses.ResponsesClassifier)
 ANTHROPIC = Protocol("anthropic", True, anthropic.AnthropicClassifier, anthropic_errors=True)
 GENERIC = Protocol("generic", False, GenericClassifier)

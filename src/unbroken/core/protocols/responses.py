@@ -180,6 +180,42 @@ def _type_of(data: str) -> str | None:
     return t if isinstance(t, str) else ""
 
 
+#: lifecycle events: they carry the whole ``response`` object, with its id
+LIFECYCLE_TYPES = frozenset(
+    {
+        "response.created",
+        "response.in_progress",
+        "response.queued",
+        "response.completed",
+        "response.failed",
+        "response.incomplete",
+        "response.cancelled",
+    }
+)
+
+
+def response_id_of(data: str) -> str | None:
+    """The response id a lifecycle event names, or None for any other event."""
+    if _type_of(data) not in LIFECYCLE_TYPES:
+        return None
+    obj = loads_object(data)
+    response = obj.get("response") if obj is not None else None
+    rid = response.get("id") if isinstance(response, dict) else None
+    return rid if isinstance(rid, str) else None
+
+
+def error_code_of(data: str) -> str | None:
+    """The ``code`` of an ``error`` event (top level, or in its ``error`` object)."""
+    if _type_of(data) != "error":
+        return None
+    obj = loads_object(data)
+    if obj is None:
+        return None
+    err = obj.get("error")
+    code = (err.get("code") if isinstance(err, dict) else None) or obj.get("code")
+    return code if isinstance(code, str) else None
+
+
 def next_sequence_number(last_raw: bytes | None) -> int | None:
     """One past the sequence_number of the last frame, if it carried one."""
     if not last_raw:

@@ -82,7 +82,7 @@ async def _scenario(proto: str, reply: str, schedule: list[tuple[str, int]]) -> 
     released_after: list[bytes] = [b""]  # bytes released once k frames were received
     commit_at = None
     for i, e in enumerate(SSESplitter().feed(clean), start=1):
-        released_after.append(released_after[-1] + ledger.feed(e))
+        released_after.append(released_after[-1] + ledger.feed_bytes(e))
         if commit_at is None and ledger.state is not State.PENDING:
             commit_at = i
     assert commit_at is not None

@@ -1,0 +1,40 @@
+"""Per-attempt statistics: what one upstream attempt received, released and held (sans-IO).
+
+The ledger decides; this record only counts.  The turn machine gives each attempt
+a fresh `AttemptStats`, the ledger fills it in as frames pass, and observers get a
+frozen copy when the attempt ends.
+"""
+
+from __future__ import annotations
+
+__all__ = ["AttemptStats"]
+
+
+class AttemptStats:
+    """Counters of one attempt.  Mutable while the attempt runs; copied when it ends."""
+
+    __slots__ = (
+        "first_raw",
+        "hold_seconds",
+        "output_frames",
+        "received_bytes",
+        "received_frames",
+        "recent",
+        "released_bytes",
+        "released_frames",
+    )
+
+    def __init__(self) -> None:
+        self.received_frames = 0
+        self.received_bytes = 0
+        self.released_frames = 0
+        self.released_bytes = 0
+        self.hold_seconds = 0.0
+        #: frames of output, reasoning or tool calls (about one token each)
+        self.output_frames = 0
+        #: the first frame and the last few (where providers report usage)
+        self.first_raw = b""
+        self.recent: list[bytes] = []  # at most 4 (a list: a deque allocates 64 slots)
+
+    def usage_frames(self) -> list[bytes]:
+        return [self.first_raw, *self.recent]

@@ -1,0 +1,821 @@
+"""The turn machine: every decision about one client turn, as events in and actions out.
+
+Theory of operation
+===================
+A *turn* is one client request (an HTTP request, or one ``response.create`` on a
+WebSocket).  It is served by one or more *attempts*, each on one upstream.  The
+transports (`unbroken.relay.http`, `unbroken.relay.websocket`) do the I/O; this
+module decides everything else, the way h11's ``_state.py`` does for HTTP:
+
+* which upstream the next attempt goes to, how long to wait first, and when to
+  give up (with `policy.RetryState`);
+* what each upstream answer means (stream it, pass it through, retry it);
+* what is released to the client and whether a replay is still safe (with the
+  `ledger.Ledger`, which stays the only judge of replay safety);
+* the phase of each failure, for the journal and the logs;
+* the deadlines: early headers, keepalives, and stalls.
+
+Events in (method calls, each given ``now``, a monotonic time in seconds)::
+
+    start()                      the turn begins
+    open_failed(failure)         connecting or waiting for headers failed
+    answered(status, sse, ...)   the upstream's status line and headers arrived
+    error_body(body_len)         a retryable answer's (bounded) body was read
+    feed_chunk(chunk)            body bytes of a streamed answer (SSE)
+    feed_frame(event)            one frame (a WebSocket message)
+    feed_body(chunk)             body bytes of a plain answer
+    body_ended()                 the upstream body ended cleanly
+    transport_failed(failure)    reading the upstream failed (reset, stall abort, ...)
+    tick()                       the clock: early headers, keepalives, stalls
+    headers_sent() / wrote()     the transport wrote to the client
+    client_gone() / crashed()    the turn ends from outside
+
+Actions out (frozen values; the transport carries each one out)::
+
+    Open(upstream, timeout_s)    open an attempt on upstream i
+    Wait(seconds)                sleep, then call ``next_attempt()``
+    Stream / PassThrough /       read the answer's body this way
+      ReadErrorBody / FinalInStream
+    SendHeaders(status)          send the SSE status line and headers now
+    Keepalive(data)              write these bytes (an SSE comment)
+    AbortUpstream(failure)       the attempt stalled: abort its transport, no handshake
+    End(kind, data)              end the turn: clean (after ``data``), with the native
+                                 error ``data``, or by aborting the client connection
+    GiveUp(kind, data)           retries are exhausted: the in-stream error ``data``, the
+                                 kept upstream answer, or a 502 with ``data`` as its body
+
+Phases of a failed attempt (`Phase`)::
+
+    connect    the upstream could not be reached
+    headers    no headers in time, or a retryable status
+    pending    the body failed while nothing had been released (replayed)
+    stall      the body went silent while nothing had been released (replayed)
+    committed  the body failed after output reached the client (never replayed)
+    tail       the body failed after the turn's terminal frame (the turn is complete;
+               the machine finishes the protocol's ending itself, e.g. ``[DONE]``)
+
+Deadlines (`deadline()` says when `tick()` is next due):
+
+* **early headers**: a streamed turn that has released nothing ``early_headers_s``
+  after it began gets ``SendHeaders``, so the client's own header timer does not fire
+  during a long retry storm.  After that a final error is an in-stream event.
+* **keepalive**: once headers are out, ``keepalive_s`` without a write gives
+  ``Keepalive``.
+* **stall**: measured on *upstream silence only*.  Before an attempt's first frame
+  the deadline is ``first_frame_timeout_s`` after the attempt's body began (comments
+  do not count as a frame); after it, ``idle_timeout_s`` after the last byte.  While
+  the transport is blocked writing to a slow client the stall clock stops, and it
+  restarts when the write completes.
+
+The four invariants (checked by a property test over random event sequences):
+nothing is released after a replay decision; a truncated turn never ends cleanly;
+no frame is released twice; every turn ends.
+
+Nothing here does I/O: no aiohttp, asyncio or ssl.  Time comes in as ``now``,
+randomness through the `RetryState`'s injected ``random.Random``.  Observers are
+told through the `TurnReport` protocol, which the I/O layer implements.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol as TypingProtocol
+
+from unbroken.core.attempt import AttemptStats
+from unbroken.core.ledger import NOTHING, Hold, Ledger, State, Verdict
+from unbroken.core.policy import Failure, FailureClass, RetryState, is_retryable_status
+from unbroken.core.protocols import BODY, Protocol
+from unbroken.core.sse import Event, SSESplitter
+
+__all__ = [
+    "KEEPALIVE",
+    "AbortUpstream",
+    "Action",
+    "End",
+    "EndKind",
+    "FinalInStream",
+    "GiveUp",
+    "GiveUpKind",
+    "Keepalive",
+    "Open",
+    "Outcome",
+    "PassThrough",
+    "Phase",
+    "ReadErrorBody",
+    "SendHeaders",
+    "Stream",
+    "Timers",
+    "TurnError",
+    "TurnMachine",
+    "TurnReport",
+    "TurnState",
+    "Wait",
+]
+
+KEEPALIVE = b": keepalive\n\n"
+
+
+class Phase(enum.StrEnum):
+    """Where in an attempt a failure happened."""
+
+    CONNECT = "connect"
+    HEADERS = "headers"
+    PENDING = "pending"
+    STALL = "stall"
+    COMMITTED = "committed"
+    TAIL = "tail"
+
+
+class Outcome(enum.StrEnum):
+    """How a turn ended."""
+
+    OK = "ok"
+    RECOVERED = "recovered"  # ok, after at least one failed attempt
+    ENDED_WITH_ERROR = "ended_with_error"  # cut after output: the native error was sent
+    PASSED_THROUGH_ERROR = "passed_through_error"  # the provider's final answer
+    ABORTED_BY_CLIENT = "aborted_by_client"
+    INTERNAL_ERROR = "internal_error"  # a bug in the relay
+
+    @property
+    def is_ok(self) -> bool:
+        return self is Outcome.OK or self is Outcome.RECOVERED
+
+
+class TurnState(enum.StrEnum):
+    """What a live turn is doing (for /status)."""
+
+    WAITING = "waiting"  # connecting, or waiting before a retry
+    HOLDING = "holding"  # reading; nothing released yet
+    STREAMING = "streaming"  # output is reaching the client
+    DONE = "done"
+
+
+class _Step(enum.Enum):
+    """The machine's own position."""
+
+    IDLE = "idle"  # before start, or between attempts (waiting)
+    CONNECTING = "connecting"
+    ANSWERED = "answered"  # the transport is deciding how to read (momentary)
+    READING = "reading"
+    ENDED = "ended"
+
+
+class TurnError(RuntimeError):
+    """An event arrived that is illegal in the machine's current step (a transport bug)."""
+
+
+class EndKind(enum.Enum):
+    CLEAN = "clean"  # write ``data`` (possibly empty), then end the body normally
+    ERROR = "error"  # write ``data`` (the native error event), then end the body
+    ABORT = "abort"  # abort the client connection: a cut plain body must not look whole
+
+
+class GiveUpKind(enum.Enum):
+    IN_STREAM = "in_stream"  # headers are out: write ``data`` (native error), end
+    PASS_THROUGH = "pass_through"  # send the last upstream answer as it was
+    BAD_GATEWAY = "bad_gateway"  # answer 502 with ``data`` as the JSON body
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    upstream: int
+    timeout_s: float  # for connecting and the response headers
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """Read the SSE body with `TurnMachine.feed_chunk`."""
+
+
+@dataclass(frozen=True, slots=True)
+class PassThrough:
+    """Forward the plain body with `TurnMachine.feed_body`; status and headers go with it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadErrorBody:
+    """Read a retryable answer's body (bounded), keep it, then call `error_body`."""
+
+
+@dataclass(frozen=True, slots=True)
+class FinalInStream:
+    """A final non-SSE answer after early headers: read its body, call `final_body`."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendHeaders:
+    status: int
+
+
+@dataclass(frozen=True, slots=True)
+class Keepalive:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AbortUpstream:
+    failure: Failure
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    kind: EndKind
+    data: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    kind: GiveUpKind
+    data: bytes = b""
+
+
+Action = (
+    Open | Wait | Stream | PassThrough | ReadErrorBody | FinalInStream | End | GiveUp
+)
+TimerAction = SendHeaders | Keepalive | AbortUpstream
+
+
+class Timers(TypingProtocol):
+    """The ``[stream]`` settings the machine reads (`config.StreamSettings`)."""
+
+    @property
+    def header_timeout_s(self) -> float: ...
+    @property
+    def first_frame_timeout_s(self) -> float: ...
+    @property
+    def idle_timeout_s(self) -> float: ...
+    @property
+    def keepalive_s(self) -> float: ...
+    @property
+    def early_headers_s(self) -> float: ...
+    @property
+    def max_hold_bytes(self) -> int: ...
+
+
+class TurnReport(TypingProtocol):
+    """What the machine tells observers.  The I/O layer implements it (`relay.report`)."""
+
+    def attempt_started(self, number: int, upstream: int) -> None: ...
+    def attempt_ended(
+        self, reason: str, phase: Phase | None, status: int | None, stats: AttemptStats | None
+    ) -> None: ...
+    def attempt_failed(self, failure: Failure, phase: Phase, wait_s: float | None) -> None: ...
+    def state(self, state: TurnState) -> None: ...
+    def hold_overflow(self, held_bytes: int) -> None: ...
+    def headers_sent(self) -> None: ...
+
+
+class TurnMachine:
+    """One turn's decisions.  Feed it events; carry out the actions it returns."""
+
+    __slots__ = (
+        "_answer_kept",
+        "_attempt_t0",
+        "_deadline_changed",
+        "_done_seen",
+        "_over",
+        "_overflow_reported",
+        "_splitter",
+        "attempt_ledger",
+        "clock",
+        "failure",
+        "first_frame",
+        "headers_out",
+        "hold",
+        "last_rx",
+        "last_tx",
+        "ledger",
+        "outcome",
+        "protocol",
+        "report",
+        "retry",
+        "stalled",
+        "stats",
+        "status",
+        "step",
+        "stream",
+        "t0",
+        "timers",
+        "writing",
+    )
+
+    def __init__(
+        self,
+        *,
+        protocol: Protocol,
+        hold: Hold,
+        timers: Timers,
+        retry: RetryState,
+        stream: bool,
+        now: float,
+        report: TurnReport,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.protocol = protocol
+        self.hold = hold
+        self.timers = timers
+        self.retry = retry
+        self.stream = stream
+        self.report = report
+        self.clock = clock  # for the ledger's hold time only
+        self.t0 = now
+        self.step = _Step.IDLE
+        self.outcome: Outcome | None = None
+        self.failure: Failure | None = None
+        self.status: int | None = None  # the current attempt's upstream status
+        self.ledger: Ledger | None = None  # the SSE ledger: one per turn, across attempts
+        self.attempt_ledger: Ledger | None = None  # the ledger this attempt's body went through
+        self.stats: AttemptStats | None = None
+        self.headers_out = False
+        self.writing = False
+        self.stalled = False
+        self.first_frame = False  # the current attempt's first (non-comment) frame arrived
+        self.last_rx = now
+        self.last_tx = now
+        self._attempt_t0 = now
+        self._answer_kept = False
+        self._done_seen = False
+        self._overflow_reported = False
+        self._over: Action | None = None
+        self._splitter: SSESplitter | None = None
+        self._deadline_changed = True
+
+    # -- attempts ----------------------------------------------------------------------
+    def start(self, now: float) -> Action:
+        if self.step is not _Step.IDLE or self.retry.attempts:
+            raise TurnError("start() twice")
+        return self.next_attempt(now)
+
+    def next_attempt(self, now: float) -> Action:
+        """After `start` or a `Wait`: open the next attempt, or give up."""
+        if self.step is not _Step.IDLE:
+            raise TurnError(f"next_attempt() while {self.step.value}")
+        retry = self.retry
+        if retry.exhausted():
+            return self._give_up()
+        idx = retry.next_upstream(now)
+        self.step = _Step.CONNECTING
+        self.status = None
+        self.failure = None
+        self._answer_kept = False
+        self.attempt_ledger = None
+        self._over = None
+        self.stats = AttemptStats()
+        self.report.attempt_started(retry.attempts, idx)
+        self.report.state(TurnState.WAITING)
+        t = self.timers
+        # A non-streamed answer arrives only once generated: allow it the first-frame time.
+        timeout = t.header_timeout_s if self.stream else max(
+            t.header_timeout_s, t.first_frame_timeout_s
+        )
+        return Open(idx, timeout)
+
+    def open_failed(self, now: float, failure: Failure) -> Action:
+        """Connecting, sending, or waiting for the headers failed."""
+        self._expect(_Step.CONNECTING)
+        phase = Phase.HEADERS if failure.cls is FailureClass.HEADER_TIMEOUT else Phase.CONNECT
+        return self._attempt_failed(now, failure, phase)
+
+    def answered(
+        self, now: float, status: int, *, sse: bool, retry_after_s: float | None = None
+    ) -> Action:
+        """The upstream's status line and headers arrived."""
+        self._expect(_Step.CONNECTING)
+        self.status = status
+        if status < 200:
+            # 1xx (a 101 to a plain request, say) is no answer for the client.
+            return self._attempt_failed(
+                now,
+                Failure(FailureClass.STATUS, f"HTTP {status}", status=status),
+                Phase.HEADERS,
+            )
+        if is_retryable_status(status):
+            self.failure = Failure(
+                FailureClass.STATUS, f"HTTP {status}", status=status, retry_after_s=retry_after_s
+            )
+            self._reading(now)
+            return ReadErrorBody()
+        if status < 300 and sse:
+            ledger = self.ledger
+            if ledger is None:
+                ledger = self.ledger = Ledger(
+                    self.protocol,
+                    hold=self.hold,
+                    max_hold_bytes=self.timers.max_hold_bytes,
+                    clock=self.clock,
+                )
+                ledger.stats = self.stats or AttemptStats()
+            else:
+                ledger.start_attempt(self.stats)
+            self.attempt_ledger = ledger
+            self._splitter = SSESplitter()
+            self._reading(now)
+            self.report.state(
+                TurnState.HOLDING if ledger.state is State.PENDING else TurnState.STREAMING
+            )
+            return Stream()
+        self._reading(now)
+        if self.headers_out:
+            # Early SSE headers are out: a final answer must be an in-stream event.
+            return FinalInStream()
+        ledger = self.attempt_ledger = Ledger(BODY, hold=_NO_HOLD)
+        ledger.stats = self.stats or AttemptStats()
+        return PassThrough()
+
+    def error_body(self, now: float) -> Action:
+        """A retryable answer's body was read and kept by the transport."""
+        self._expect(_Step.READING)
+        self._answer_kept = True
+        failure = self.failure
+        if failure is None:  # pragma: no cover - set by answered()
+            raise TurnError("error_body() without a retryable answer")
+        return self._attempt_failed(now, failure, Phase.HEADERS)
+
+    def final_body(self, now: float, status: int, body: bytes) -> Action:
+        """A final non-SSE answer after early headers: re-sent as the in-stream error."""
+        self._expect(_Step.READING)
+        return self._end(Outcome.PASSED_THROUGH_ERROR, End(
+            EndKind.ERROR, self.protocol.final_error_frame(status, body)
+        ))
+
+    # -- body ------------------------------------------------------------------------
+    def feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]:
+        """SSE body bytes.  Returns the frames to write now; then check `attempt_over`."""
+        self.last_rx = now
+        events = self._splitter.feed(chunk)  # type: ignore[union-attr]
+        if not events:
+            return NOTHING
+        ledger = self.attempt_ledger
+        assert ledger is not None
+        if not self.first_frame:
+            for event in events:
+                if not event.is_comment:
+                    self.first_frame = True
+                    self._deadline_changed = True
+                    break
+        feed = ledger.feed
+        out: list[Event] = []
+        for event in events:
+            released = feed(event)
+            if released:
+                out.extend(released)
+            verdict = ledger.verdict
+            if verdict is not Verdict.CONTINUE:
+                if verdict is Verdict.DONE:
+                    if event.data == "[DONE]":
+                        self._done_seen = True
+                    continue
+                break
+        if ledger.hold_overflowed and not self._overflow_reported:
+            self._overflow_reported = True
+            self.report.hold_overflow(ledger.max_hold_bytes)
+        if out:
+            self._released()
+        return out
+
+    def feed_frame(self, now: float, event: Event) -> Sequence[Event]:
+        """One frame (a WebSocket message).  Returns the frames to send; then `attempt_over`."""
+        self.last_rx = now
+        if not self.first_frame:
+            self.first_frame = True
+            self._deadline_changed = True
+        ledger = self.attempt_ledger
+        assert ledger is not None
+        released = ledger.feed(event)
+        if ledger.hold_overflowed and not self._overflow_reported:
+            self._overflow_reported = True
+            self.report.hold_overflow(ledger.max_hold_bytes)
+        if released:
+            self._released()
+        return released
+
+    def feed_body(self, now: float, chunk: bytes) -> bytes:
+        """Plain body bytes: each chunk is released at once (the first byte commits)."""
+        self.last_rx = now
+        if not self.first_frame:
+            self.first_frame = True
+            self._deadline_changed = True
+        ledger = self.attempt_ledger
+        assert ledger is not None
+        released = ledger.feed(Event(chunk, None, ""))
+        if released:
+            self._released()
+        return chunk if released else b""
+
+    def _released(self) -> None:
+        if not self.headers_out:
+            self.headers_out = True
+            self._deadline_changed = True
+            self.report.headers_sent()
+            self.report.state(TurnState.STREAMING)
+
+    @property
+    def attempt_over(self) -> Action | None:
+        """After a feed: the action that ends this attempt, or None to keep reading.
+
+        Decided once: asking again returns the same action.
+        """
+        over = self._over
+        if over is not None:
+            return over
+        ledger = self.attempt_ledger
+        if ledger is None:
+            return None
+        verdict = ledger.verdict
+        if verdict is Verdict.CONTINUE or verdict is Verdict.DONE:
+            return None
+        over = self._over = self._verdict_action(self.last_rx, None)
+        return over
+
+    def body_ended(self, now: float) -> Action:
+        """The upstream body ended cleanly (EOF)."""
+        self._expect(_Step.READING)
+        ledger = self.attempt_ledger
+        assert ledger is not None
+        if self.stalled:
+            return self.transport_failed(now, _stall_failure())
+        if ledger.protocol is BODY:
+            ledger.ended()
+            outcome = self._ok_outcome() if (self.status or 0) < 400 else (
+                Outcome.PASSED_THROUGH_ERROR
+            )
+            return self._end(outcome, End(EndKind.CLEAN))
+        if ledger.state is State.DONE:
+            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        pending = self._splitter.pending if self._splitter is not None else b""
+        out = ledger.ended(pending)
+        if ledger.verdict is Verdict.DONE:  # generic SSE: a clean end is its success
+            return self._end(self._ok_outcome(), End(EndKind.CLEAN))
+        failure = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
+        return self._verdict_action(now, failure, out)
+
+    def transport_failed(self, now: float, failure: Failure) -> Action:
+        """Reading the upstream failed (or the connection was aborted for a stall)."""
+        if self.step is _Step.CONNECTING:
+            return self.open_failed(now, failure)
+        self._expect(_Step.READING)
+        if self.stalled:
+            failure = _stall_failure()
+        ledger = self.attempt_ledger
+        if ledger is None:
+            return self._attempt_failed(now, failure, self._replay_phase(failure))
+        if ledger.state is State.DONE:
+            # The turn is complete: finish the protocol's ending, record the cut.
+            self._record_tail_cut(failure)
+            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        out = ledger.failed(failure.reason)
+        return self._verdict_action(now, failure, out)
+
+    # -- verdicts -----------------------------------------------------------------------
+    def _verdict_action(self, now: float, failure: Failure | None, out: bytes = b"") -> Action:
+        ledger = self.attempt_ledger
+        assert ledger is not None
+        verdict = ledger.verdict
+        if verdict is Verdict.REPLAY:
+            if failure is None:
+                cls = (
+                    FailureClass.MALFORMED if ledger.fail_reason == "malformed frame"
+                    else FailureClass.STREAM_ERROR
+                )
+                failure = Failure(cls, ledger.fail_reason)
+            return self._attempt_failed(now, failure, self._replay_phase(failure))
+        if verdict is Verdict.DONE:
+            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        # FAIL
+        if ledger.passed_through:
+            # The provider's own final error frame was released with the frames.
+            return self._end(Outcome.PASSED_THROUGH_ERROR, End(EndKind.CLEAN))
+        if failure is None:
+            failure = Failure(FailureClass.STREAM_ERROR, ledger.fail_reason)
+        self._committed_failure(failure)
+        if ledger.protocol is BODY:
+            return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ABORT))
+        # ``out`` is the native error when it came from failed()/ended(); an in-stream
+        # error frame's native error was already released by feed().
+        return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ERROR, out))
+
+    def _replay_phase(self, failure: Failure) -> Phase:
+        if failure.cls is FailureClass.STALL:
+            return Phase.STALL
+        if failure.status is not None:
+            return Phase.HEADERS
+        stats = self.stats
+        if failure.cls.reroutes_at_once and (stats is None or stats.received_frames == 0):
+            return Phase.CONNECT
+        return Phase.PENDING
+
+    def _attempt_failed(self, now: float, failure: Failure, phase: Phase) -> Action:
+        """An attempt failed before commit: record it, then wait, retry or give up."""
+        self.failure = failure
+        self.stalled = False
+        self.step = _Step.IDLE
+        self._deadline_changed = True
+        report = self.report
+        report.attempt_ended(failure.label, phase, self.status, self.stats)
+        retry = self.retry
+        if retry.exhausted():
+            report.attempt_failed(failure, phase, None)
+            return self._give_up()
+        wait = retry.record_failure(failure, now)
+        report.attempt_failed(failure, phase, wait)
+        report.state(TurnState.WAITING)
+        if wait > 0:
+            return Wait(wait)
+        return self.next_attempt(now)
+
+    def _committed_failure(self, failure: Failure) -> None:
+        """The attempt failed after output reached the client: no replay, ever."""
+        self.failure = failure
+        self.report.attempt_ended(failure.label, Phase.COMMITTED, self.status, self.stats)
+        self.report.attempt_failed(failure, Phase.COMMITTED, None)
+
+    def _record_tail_cut(self, failure: Failure) -> None:
+        self.report.attempt_ended(failure.label, Phase.TAIL, self.status, self.stats)
+        self.report.attempt_failed(failure, Phase.TAIL, None)
+
+    def _tail_bytes(self) -> bytes:
+        """What the protocol's ending still lacks after its terminal frame."""
+        if self._done_seen or self.protocol.done_marker is None:
+            return b""
+        self._done_seen = True
+        return self.protocol.done_marker
+
+    def _give_up(self) -> GiveUp:
+        failure = self.failure
+        reason = failure.reason if failure else "retries exhausted"
+        self.step = _Step.ENDED
+        if self.headers_out:
+            ledger = self.ledger or Ledger(self.protocol, hold=self.hold)
+            data = ledger.give_up(f"retries exhausted ({reason})")
+            self.outcome = Outcome.ENDED_WITH_ERROR
+            return GiveUp(GiveUpKind.IN_STREAM, data)
+        self.outcome = Outcome.PASSED_THROUGH_ERROR
+        if self._answer_kept and failure is not None and failure.status is not None:
+            return GiveUp(GiveUpKind.PASS_THROUGH)
+        return GiveUp(
+            GiveUpKind.BAD_GATEWAY,
+            self.protocol.error_body(f"unbroken: all upstream attempts failed ({reason})"),
+        )
+
+    def _end(self, outcome: Outcome, action: End) -> End:
+        self.step = _Step.ENDED
+        self.outcome = outcome
+        if outcome.is_ok or outcome is Outcome.PASSED_THROUGH_ERROR:
+            ok = outcome.is_ok
+            self.report.attempt_ended(
+                "ok" if ok else outcome.value, None, self.status, self.stats
+            )
+        self.report.state(TurnState.DONE)
+        return action
+
+    def _ok_outcome(self) -> Outcome:
+        return Outcome.RECOVERED if self.retry.retries else Outcome.OK
+
+    def _reading(self, now: float) -> None:
+        self.step = _Step.READING
+        self.first_frame = False
+        self.stalled = False
+        self._attempt_t0 = now
+        self.last_rx = now
+        self._deadline_changed = True
+
+    def _expect(self, step: _Step) -> None:
+        if self.step is not step:
+            raise TurnError(f"event needs step {step.value}, machine is {self.step.value}")
+
+    # -- the end from outside -------------------------------------------------------------
+    def client_gone(self) -> Outcome:
+        """The client went away (or the turn was cancelled).  Returns the final outcome.
+
+        A turn whose terminal frame was released is complete, even if the client
+        closes a moment later: it stays ``ok``.
+        """
+        if self.outcome is None:
+            ledger = self.ledger
+            if ledger is not None and ledger.state is State.DONE:
+                self.outcome = self._ok_outcome()
+                self.report.attempt_ended("ok", None, self.status, self.stats)
+            else:
+                self.outcome = Outcome.ABORTED_BY_CLIENT
+                committed = ledger is not None and ledger.state is not State.PENDING
+                self.report.attempt_ended(
+                    Outcome.ABORTED_BY_CLIENT.value,
+                    Phase.COMMITTED if committed or self.headers_out else None,
+                    self.status,
+                    self.stats,
+                )
+        self.step = _Step.ENDED
+        return self.outcome
+
+    def crashed(self) -> Outcome:
+        """A bug in the relay ended the turn."""
+        if self.outcome is None or self.step is not _Step.ENDED:
+            self.outcome = Outcome.INTERNAL_ERROR
+            self.report.attempt_ended(
+                Outcome.INTERNAL_ERROR.value, None, self.status, self.stats
+            )
+        self.step = _Step.ENDED
+        return self.outcome
+
+    def shutdown_error(self) -> bytes:
+        """The relay shuts down mid-stream: the native error for a committed stream, or b""."""
+        ledger = self.ledger
+        if ledger is None or ledger.state is not State.COMMITTED or not self.headers_out:
+            return b""
+        return ledger.failed("the relay is shutting down")
+
+    @property
+    def ended(self) -> bool:
+        return self.step is _Step.ENDED
+
+    # -- the clock ----------------------------------------------------------------------
+    def headers_sent(self, now: float) -> None:
+        """The transport sent the response headers (early, or with the first bytes)."""
+        if not self.headers_out:
+            self.headers_out = True
+            self.report.headers_sent()
+        self.last_tx = now
+        self._deadline_changed = True
+
+    def write_started(self) -> None:
+        self.writing = True
+
+    def wrote(self, now: float) -> None:
+        """A write to the client completed.  Time blocked on it is not upstream silence."""
+        self.writing = False
+        self.last_tx = now
+        if now > self.last_rx:
+            self.last_rx = now
+
+    def take_deadline_change(self) -> bool:
+        """True once after something moved a deadline earlier (the transport re-arms)."""
+        changed = self._deadline_changed
+        self._deadline_changed = False
+        return changed
+
+    def deadline(self) -> float | None:
+        """When `tick` is next due, or None when nothing is timed."""
+        if self.step is _Step.ENDED:
+            return None
+        t = self.timers
+        due: float | None = None
+        if self.stream:
+            if not self.headers_out:
+                if self.ledger is None or self.ledger.state is State.PENDING:
+                    due = self.t0 + t.early_headers_s
+            elif not self.writing:
+                due = self.last_tx + t.keepalive_s
+        if self.step is _Step.READING and not self.writing and not self.stalled:
+            stall = (
+                self.last_rx + t.idle_timeout_s
+                if self.first_frame
+                else self._attempt_t0 + t.first_frame_timeout_s
+            )
+            if due is None or stall < due:
+                due = stall
+        return due
+
+    def tick(self, now: float) -> TimerAction | None:
+        """The clock: returns what is due now (at most one thing), or None."""
+        if self.step is _Step.ENDED:
+            return None
+        t = self.timers
+        if self.step is _Step.READING and not self.writing and not self.stalled:
+            due = (
+                self.last_rx + t.idle_timeout_s
+                if self.first_frame
+                else self._attempt_t0 + t.first_frame_timeout_s
+            )
+            if now >= due:
+                self.stalled = True
+                return AbortUpstream(_stall_failure())
+        if self.stream:
+            if not self.headers_out:
+                ledger = self.ledger
+                if now >= self.t0 + t.early_headers_s and (
+                    ledger is None or ledger.state is State.PENDING
+                ):
+                    # Retries or held frames have lasted long: send SSE headers now so
+                    # the client's header timer does not fire; keepalives follow.
+                    self.headers_out = True
+                    self.last_tx = now
+                    self.report.headers_sent()
+                    return SendHeaders(200)
+            elif not self.writing and now >= self.last_tx + t.keepalive_s:
+                self.last_tx = now
+                return Keepalive(KEEPALIVE)
+        return None
+
+
+_NO_HOLD = Hold(())
+
+
+def _stall_failure() -> Failure:
+    return Failure(FailureClass.STALL, "stall: the upstream went silent past its timeout")

@@ -1,0 +1,109 @@
+"""The bridge from the turn machine to the observers.
+
+`TurnReporter` implements `unbroken.core.turn.TurnReport`: the machine says what
+happened (an attempt started, ended or failed; the turn's state changed), and the
+reporter keeps the turn's log-safe record (`TurnInfo`, `AttemptInfo`) and calls the
+hooks.  Every transport uses it, so the bookkeeping is written once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from unbroken.core.attempt import AttemptStats
+from unbroken.core.policy import Failure
+from unbroken.core.protocols import usage_from
+from unbroken.core.turn import Outcome, Phase, TurnState
+from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
+
+__all__ = ["TurnReporter"]
+
+
+class TurnReporter:
+    """One turn's record and its hook calls."""
+
+    __slots__ = ("current", "hooks", "inflight", "info", "upstreams", "wall")
+
+    def __init__(
+        self,
+        info: TurnInfo,
+        hooks: Hooks,
+        upstreams: Sequence[str],
+        inflight: set[TurnInfo],
+        *,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.info, self.hooks, self.upstreams, self.inflight = info, hooks, upstreams, inflight
+        self.wall = wall
+        self.current: AttemptInfo | None = None
+
+    # -- the turn ------------------------------------------------------------------------
+    def open(self) -> None:
+        self.inflight.add(self.info)
+        self.hooks.turn_started(self.info)
+
+    def close(self, outcome: Outcome) -> None:
+        """The turn ended: settle its outcome and report it (once)."""
+        info = self.info
+        if info.ended is not None:
+            return
+        info.outcome = outcome.value
+        if self.current is not None and self.current.ended is None:
+            self.attempt_ended(
+                "ok" if outcome.is_ok else outcome.value,
+                None if outcome.is_ok else Phase.COMMITTED,
+                None,
+                None,
+            )
+        self.inflight.discard(info)
+        info.state = TurnState.DONE.value
+        info.ended = self.wall()
+        info.held = None
+        self.hooks.turn_ended(info)
+
+    # -- TurnReport ----------------------------------------------------------------------
+    def attempt_started(self, number: int, upstream: int) -> None:
+        info = self.info
+        name = self.upstreams[upstream]
+        info.attempts, info.upstream, info.next_retry_at = number, name, None
+        self.current = AttemptInfo(number=number, upstream=name, started=self.wall())
+        info.attempt_log.append(self.current)
+        self.hooks.attempt_started(info, name)
+
+    def attempt_ended(
+        self, reason: str, phase: Phase | None, status: int | None, stats: AttemptStats | None
+    ) -> None:
+        a = self.current
+        if a is None or a.ended is not None:
+            return
+        a.ended = self.wall()
+        a.reason, a.phase = reason, phase.value if phase is not None else ""
+        if status is not None:
+            a.status = status
+        if stats is not None:
+            a.frames_received, a.bytes_received = stats.received_frames, stats.received_bytes
+            a.frames_released, a.bytes_released = stats.released_frames, stats.released_bytes
+            a.hold_seconds = stats.hold_seconds
+            a.input_tokens, a.output_tokens = usage_from(stats.usage_frames())
+            a.est_output_tokens = stats.output_frames
+        self.hooks.attempt_ended(self.info, a)
+
+    def attempt_failed(self, failure: Failure, phase: Phase, wait_s: float | None) -> None:
+        info = self.info
+        info.last_failure = failure.label
+        if wait_s is not None:
+            info.next_retry_at = self.wall() + wait_s
+            info.state = TurnState.WAITING.value
+        upstream = self.current.upstream if self.current is not None else info.upstream
+        self.hooks.attempt_failed(info, upstream, failure, phase=phase.value, wait_s=wait_s)
+
+    def state(self, state: TurnState) -> None:
+        self.info.state = state.value
+
+    def hold_overflow(self, held_bytes: int) -> None:
+        self.hooks.hold_overflow(self.info, held_bytes)
+
+    def headers_sent(self) -> None:
+        if self.info.first_byte_at is None:
+            self.info.first_byte_at = self.wall()

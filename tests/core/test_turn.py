@@ -1,0 +1,515 @@
+"""The turn machine: events in, actions out, with a fake clock and no sockets."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.core.attempt import AttemptStats
+from unbroken.core.ledger import Hold
+from unbroken.core.policy import Failure, FailureClass, RetryPolicy, RetryState
+from unbroken.core.protocols import CHAT
+from unbroken.core.sse import Event, SSESplitter
+from unbroken.core.turn import (
+    KEEPALIVE,
+    AbortUpstream,
+    End,
+    EndKind,
+    FinalInStream,
+    GiveUp,
+    GiveUpKind,
+    Keepalive,
+    Open,
+    Outcome,
+    PassThrough,
+    Phase,
+    ReadErrorBody,
+    SendHeaders,
+    Stream,
+    TurnError,
+    TurnMachine,
+    TurnState,
+    Wait,
+)
+
+
+@dataclass(frozen=True)
+class Timers:
+    header_timeout_s: float = 120.0
+    first_frame_timeout_s: float = 300.0
+    idle_timeout_s: float = 120.0
+    keepalive_s: float = 15.0
+    early_headers_s: float = 20.0
+    max_hold_bytes: int = 8 * 1024 * 1024
+
+
+class Report:
+    """Records what the machine tells observers."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def attempt_started(self, number: int, upstream: int) -> None:
+        self.calls.append(("started", number, upstream))
+
+    def attempt_ended(
+        self, reason: str, phase: Phase | None, status: int | None, stats: AttemptStats | None
+    ) -> None:
+        self.calls.append(("ended", reason, phase))
+
+    def attempt_failed(self, failure: Failure, phase: Phase, wait_s: float | None) -> None:
+        self.calls.append(("failed", failure.label, phase, wait_s))
+
+    def state(self, state: TurnState) -> None:
+        pass
+
+    def hold_overflow(self, held_bytes: int) -> None:
+        self.calls.append(("overflow", held_bytes))
+
+    def headers_sent(self) -> None:
+        self.calls.append(("headers",))
+
+    def of(self, kind: str) -> list[tuple[Any, ...]]:
+        return [c for c in self.calls if c[0] == kind]
+
+
+def make(
+    *,
+    stream: bool = True,
+    upstreams: int = 1,
+    max_attempts: int = 0,
+    delay_ms: int = 100,
+    **timers: Any,
+) -> tuple[TurnMachine, Report]:
+    report = Report()
+    retry = RetryState(
+        RetryPolicy(delay_ms=delay_ms, max_attempts=max_attempts), upstreams, rng=random.Random(0)
+    )
+    m = TurnMachine(
+        protocol=CHAT,
+        hold=Hold(),
+        timers=Timers(**timers),
+        retry=retry,
+        stream=stream,
+        now=0.0,
+        report=report,
+    )
+    return m, report
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, id_: str = "c1") -> bytes:
+    obj = {"id": id_, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+ROLE = chunk({"role": "assistant"})
+TEXT = chunk({"content": "hello"})
+FINISH = chunk({}, "stop")
+DONE = b"data: [DONE]\n\n"
+RETRYABLE = b'data: {"error": {"type": "server_error", "message": "boom"}}\n\n'
+RESET = Failure(FailureClass.RESET, "reset")
+REFUSED = Failure(FailureClass.REFUSED, "refused")
+
+
+def raw(events: Any) -> bytes:
+    return b"".join(e.raw for e in events)
+
+
+def streaming(m: TurnMachine, now: float = 1.0) -> None:
+    assert isinstance(m.start(0.0), Open)
+    assert isinstance(m.answered(now, 200, sse=True), Stream)
+
+
+# -- attempts, waits and giving up ---------------------------------------------------------
+def test_start_opens_the_first_upstream_with_the_header_timeout() -> None:
+    m, report = make()
+    assert m.start(0.0) == Open(0, 120.0)
+    assert report.of("started") == [("started", 1, 0)]
+
+
+def test_a_non_streamed_turn_waits_the_first_frame_time_for_headers() -> None:
+    m, _ = make(stream=False)
+    assert m.start(0.0) == Open(0, 300.0)
+
+
+def test_a_refused_upstream_reroutes_at_once() -> None:
+    m, report = make(upstreams=2)
+    m.start(0.0)
+    assert m.open_failed(0.1, REFUSED) == Open(1, 120.0)
+    assert report.of("failed") == [("failed", "connection_refused", Phase.CONNECT, 0.0)]
+
+
+@pytest.mark.parametrize(
+    ("failure", "phase"),
+    [
+        (REFUSED, Phase.CONNECT),
+        (Failure(FailureClass.HEADER_TIMEOUT, "slow"), Phase.HEADERS),
+    ],
+)
+def test_an_open_failure_waits_then_retries(failure: Failure, phase: Phase) -> None:
+    m, report = make()
+    m.start(0.0)
+    assert m.open_failed(0.1, failure) == Wait(0.1)
+    assert report.of("failed")[0][2] is phase
+    assert m.next_attempt(0.2) == Open(0, 120.0)
+
+
+def test_give_up_without_an_answer_is_a_502_in_the_protocols_shape() -> None:
+    m, report = make(max_attempts=1)
+    m.start(0.0)
+    action = m.open_failed(0.1, REFUSED)
+    assert isinstance(action, GiveUp) and action.kind is GiveUpKind.BAD_GATEWAY
+    assert b"all upstream attempts failed" in action.data
+    assert m.outcome is Outcome.PASSED_THROUGH_ERROR and m.ended
+    assert report.of("failed")[-1][3] is None  # no wait follows
+
+
+def test_a_retryable_status_is_read_kept_and_retried_then_passed_through() -> None:
+    m, report = make(max_attempts=2)
+    m.start(0.0)
+    assert m.answered(0.1, 503, sse=False, retry_after_s=None) == ReadErrorBody()
+    assert m.error_body(0.2) == Wait(0.1)
+    assert report.of("failed")[0][1:3] == ("503", Phase.HEADERS)
+    m.next_attempt(0.3)
+    assert m.answered(0.4, 529, sse=False) == ReadErrorBody()
+    assert m.error_body(0.5) == GiveUp(GiveUpKind.PASS_THROUGH)
+
+
+def test_retry_after_is_honoured() -> None:
+    m, _ = make()
+    m.start(0.0)
+    m.answered(0.0, 429, sse=False, retry_after_s=3.0)
+    assert m.error_body(0.0) == Wait(3.0)
+
+
+@pytest.mark.parametrize("status", [100, 101, 103])
+def test_a_1xx_answer_is_a_failed_attempt_not_a_response(status: int) -> None:
+    m, report = make()
+    m.start(0.0)
+    assert m.answered(0.1, status, sse=False) == Wait(0.1)
+    assert report.of("failed")[0][1:3] == (str(status), Phase.HEADERS)
+
+
+def test_a_plain_answer_passes_through_and_its_first_byte_commits() -> None:
+    m, _ = make(stream=False)
+    m.start(0.0)
+    assert m.answered(0.1, 200, sse=False) == PassThrough()
+    assert m.feed_body(0.2, b'{"ok":') == b'{"ok":'
+    assert m.transport_failed(0.3, RESET) == End(EndKind.ABORT)
+    assert m.outcome is Outcome.ENDED_WITH_ERROR
+
+
+def test_a_plain_answer_cut_before_its_first_byte_is_retried() -> None:
+    m, _ = make(stream=False)
+    m.start(0.0)
+    m.answered(0.1, 200, sse=False)
+    assert m.transport_failed(0.2, RESET) == Wait(0.1)
+
+
+def test_a_final_answer_after_early_headers_is_an_in_stream_error() -> None:
+    m, _ = make(early_headers_s=1.0)
+    m.start(0.0)
+    assert m.open_failed(0.5, REFUSED) == Wait(0.1)
+    assert m.tick(1.0) == SendHeaders(200)
+    m.next_attempt(1.1)
+    assert m.answered(1.2, 400, sse=False) == FinalInStream()
+    action = m.final_body(1.3, 400, b'{"error": {"type": "invalid_request_error"}}')
+    assert isinstance(action, End) and action.kind is EndKind.ERROR
+    assert b"invalid_request_error" in action.data
+    assert m.outcome is Outcome.PASSED_THROUGH_ERROR
+
+
+def test_give_up_after_early_headers_is_the_native_error_in_the_stream() -> None:
+    m, _ = make(early_headers_s=1.0, max_attempts=2)
+    m.start(0.0)
+    m.open_failed(0.5, REFUSED)
+    m.tick(1.0)
+    m.next_attempt(1.1)
+    action = m.open_failed(1.2, REFUSED)
+    assert isinstance(action, GiveUp) and action.kind is GiveUpKind.IN_STREAM
+    assert b"server_error" in action.data
+    assert m.outcome is Outcome.ENDED_WITH_ERROR
+
+
+# -- streams -------------------------------------------------------------------------------
+def test_control_frames_are_held_then_released_with_the_first_output() -> None:
+    m, _ = make()
+    streaming(m)
+    assert raw(m.feed_chunk(1.1, ROLE)) == b""
+    assert raw(m.feed_chunk(1.2, TEXT)) == ROLE + TEXT
+    assert raw(m.feed_chunk(1.3, FINISH + DONE)) == FINISH + DONE
+    assert m.attempt_over is None
+    assert m.body_ended(1.4) == End(EndKind.CLEAN)
+    assert m.outcome is Outcome.OK
+
+
+def test_a_clean_end_after_finish_reason_without_done_gets_done() -> None:
+    m, _ = make()
+    streaming(m)
+    m.feed_chunk(1.1, TEXT + FINISH)
+    assert m.body_ended(1.2) == End(EndKind.CLEAN, DONE)
+
+
+def test_a_cut_after_the_terminal_frame_completes_the_ending_and_is_recorded() -> None:
+    m, report = make()
+    streaming(m)
+    m.feed_chunk(1.1, TEXT + FINISH)
+    assert m.transport_failed(1.2, RESET) == End(EndKind.CLEAN, DONE)
+    assert m.outcome is Outcome.OK
+    assert ("failed", "connection_reset", Phase.TAIL, None) in report.calls
+    assert ("ended", "connection_reset", Phase.TAIL) in report.calls
+
+
+def test_a_cut_before_output_is_replayed_and_releases_nothing() -> None:
+    m, report = make()
+    streaming(m)
+    assert raw(m.feed_chunk(1.1, ROLE)) == b""
+    assert m.transport_failed(1.2, RESET) == Wait(0.1)
+    assert report.of("failed")[0][2] is Phase.PENDING
+
+
+def test_a_cut_after_output_ends_with_the_native_error() -> None:
+    m, report = make()
+    streaming(m)
+    m.feed_chunk(1.1, ROLE + TEXT)
+    action = m.transport_failed(1.2, RESET)
+    assert isinstance(action, End) and action.kind is EndKind.ERROR
+    assert b"server_error" in action.data
+    assert m.outcome is Outcome.ENDED_WITH_ERROR
+    assert ("failed", "connection_reset", Phase.COMMITTED, None) in report.calls
+
+
+def test_a_truncated_stream_never_ends_clean() -> None:
+    m, _ = make()
+    streaming(m)
+    m.feed_chunk(1.1, TEXT)
+    action = m.body_ended(1.2)
+    assert isinstance(action, End) and action.kind is EndKind.ERROR and action.data
+
+
+def test_a_retryable_in_stream_error_before_output_replays() -> None:
+    m, _ = make()
+    streaming(m)
+    assert raw(m.feed_chunk(1.1, ROLE + RETRYABLE + TEXT)) == b""
+    assert m.attempt_over == Wait(0.1)
+    assert m.attempt_over == Wait(0.1)  # decided once
+
+
+def test_a_retryable_in_stream_error_after_output_releases_the_native_error() -> None:
+    m, _ = make()
+    streaming(m)
+    m.feed_chunk(1.1, TEXT)
+    out = raw(m.feed_chunk(1.2, RETRYABLE))
+    assert b"server_error" in out
+    assert m.attempt_over == End(EndKind.ERROR)
+
+
+def test_frames_keep_their_boundaries() -> None:
+    m, _ = make()
+    streaming(m)
+    released = m.feed_chunk(1.1, ROLE + TEXT)
+    assert [e.raw for e in released] == [ROLE, TEXT]
+    m2, _ = make()
+    streaming(m2)
+    frames = m2.feed_frame(1.1, Event(TEXT, None, TEXT[6:-2].decode()))
+    assert [e.raw for e in frames] == [TEXT]
+
+
+# -- deadlines -----------------------------------------------------------------------------
+def test_early_headers_are_due_at_early_headers_s_while_retrying() -> None:
+    m, report = make(early_headers_s=20.0, keepalive_s=15.0)
+    m.start(0.0)
+    m.open_failed(0.1, REFUSED)
+    assert m.deadline() == 20.0
+    assert m.tick(19.9) is None
+    assert m.tick(20.0) == SendHeaders(200)
+    assert report.of("headers") == [("headers",)]
+    assert m.deadline() == 35.0  # the first keepalive, keepalive_s after the headers
+    assert m.tick(34.9) is None
+    assert m.tick(35.0) == Keepalive(KEEPALIVE)
+    assert m.deadline() == 50.0
+
+
+def test_no_early_headers_for_a_non_streamed_turn() -> None:
+    m, _ = make(stream=False)
+    m.start(0.0)
+    m.open_failed(0.1, REFUSED)
+    assert m.deadline() is None
+    assert m.tick(1000.0) is None
+
+
+def test_the_first_keepalive_comes_keepalive_s_after_the_last_write() -> None:
+    m, _ = make(early_headers_s=20.0, keepalive_s=15.0, idle_timeout_s=1000.0)
+    streaming(m)
+    m.feed_chunk(2.0, TEXT)
+    m.headers_sent(2.0)
+    m.write_started()
+    m.wrote(2.0)
+    assert m.deadline() == 17.0
+    assert m.tick(17.0) == Keepalive(KEEPALIVE)
+
+
+def test_an_idle_stall_after_the_first_frame_is_due_at_idle_timeout_s() -> None:
+    m, report = make(idle_timeout_s=2.0, early_headers_s=20.0, keepalive_s=15.0)
+    streaming(m, now=1.0)
+    assert m.deadline() == 20.0  # early headers before the first-frame deadline (301)
+    m.feed_chunk(3.0, ROLE)
+    assert m.deadline() == 5.0  # idle_timeout_s after the last byte, not 20 or 301
+    assert m.tick(5.0) == AbortUpstream(
+        Failure(FailureClass.STALL, "stall: the upstream went silent past its timeout")
+    )
+    assert m.transport_failed(5.0, RESET) == Wait(0.1)
+    assert report.of("failed")[0][1:3] == ("stall", Phase.STALL)
+
+
+def test_a_comment_only_stream_trips_the_first_frame_timeout() -> None:
+    m, _ = make(first_frame_timeout_s=5.0, idle_timeout_s=1.0, early_headers_s=100.0)
+    streaming(m, now=1.0)
+    for t in (2.0, 3.0, 4.0, 5.5):
+        m.feed_chunk(t, b": ping\n\n")
+        assert m.deadline() == 6.0  # comments are not a first frame
+    assert isinstance(m.tick(6.0), AbortUpstream)
+    assert m.body_ended(6.1) == Wait(0.1)
+
+
+def test_time_blocked_writing_to_the_client_is_not_upstream_silence() -> None:
+    m, _ = make(idle_timeout_s=2.0, early_headers_s=100.0, keepalive_s=100.0)
+    streaming(m)
+    m.feed_chunk(1.0, TEXT)
+    m.write_started()
+    assert m.tick(50.0) is None  # blocked on the client: no stall, no keepalive
+    m.wrote(50.0)
+    assert m.deadline() == 52.0
+    assert isinstance(m.tick(52.0), AbortUpstream)
+
+
+def test_a_turn_completed_then_left_by_the_client_is_ok() -> None:
+    m, _ = make()
+    streaming(m)
+    m.feed_chunk(1.0, TEXT + FINISH)
+    assert m.client_gone() is Outcome.OK
+
+
+def test_a_turn_left_mid_stream_is_aborted_by_the_client() -> None:
+    m, _ = make()
+    streaming(m)
+    m.feed_chunk(1.0, TEXT)
+    assert m.client_gone() is Outcome.ABORTED_BY_CLIENT
+
+
+def test_a_crash_is_an_internal_error() -> None:
+    m, _ = make()
+    streaming(m)
+    assert m.crashed() is Outcome.INTERNAL_ERROR
+
+
+def test_illegal_events_raise_the_machines_own_error() -> None:
+    m, _ = make()
+    with pytest.raises(TurnError):
+        m.answered(0.0, 200, sse=True)
+    m.start(0.0)
+    with pytest.raises(TurnError):
+        m.start(0.0)
+    with pytest.raises(TurnError):
+        m.next_attempt(0.0)
+
+
+def test_ended_machine_has_no_deadline() -> None:
+    m, _ = make()
+    streaming(m)
+    m.feed_chunk(1.0, TEXT + FINISH + DONE)
+    m.body_ended(1.1)
+    assert m.deadline() is None and m.tick(10_000.0) is None
+
+
+# -- the four invariants, over random event sequences -------------------------------------
+def _frame(tag: str, kind: str) -> bytes:
+    if kind == "role":
+        return chunk({"role": "assistant"}, id_=tag)
+    if kind == "text":
+        return chunk({"content": tag})
+    if kind == "finish":
+        return chunk({"content": tag}, "stop")
+    if kind == "error":
+        return RETRYABLE
+    if kind == "comment":
+        return f": {tag}\n\n".encode()
+    return b"data: {broken " + tag.encode() + b"\n\n"
+
+
+KINDS = st.sampled_from(["role", "text", "text", "finish", "error", "comment", "malformed"])
+ENDINGS = st.sampled_from(["eof", "reset", "stall"])
+ATTEMPT = st.tuples(st.lists(KINDS, max_size=6), ENDINGS, st.integers(1, 3))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(ATTEMPT, min_size=1, max_size=8), st.booleans())
+def test_random_event_sequences_keep_the_four_invariants(
+    attempts: list[tuple[list[str], str, int]], early: bool
+) -> None:
+    m, _ = make(max_attempts=6, early_headers_s=0.5 if early else 1000.0)
+    now = 0.0
+    client = bytearray()
+    released_frames: list[bytes] = []
+    action: Any = m.start(now)
+    steps = 0
+    attempt_no = 0
+    while not isinstance(action, (End, GiveUp)):
+        steps += 1
+        assert steps < 100, "the turn never ends"
+        now += 1.0
+        if isinstance(action, Wait):
+            timer = m.tick(now)
+            if isinstance(timer, SendHeaders):
+                client += b""  # headers carry nothing a client can act on
+            action = m.next_attempt(now)
+            continue
+        assert isinstance(action, Open)
+        kinds, ending, chunks = attempts[attempt_no % len(attempts)]
+        tag = f"a{attempt_no}"
+        attempt_no += 1
+        action = m.answered(now, 200, sse=True)
+        assert isinstance(action, Stream)
+        body = b"".join(_frame(f"{tag}f{i}", k) for i, k in enumerate(kinds))
+        over = None
+        before = len(client)
+        step = max(1, len(body) // chunks)
+        for i in range(0, len(body), step):
+            out = m.feed_chunk(now, body[i : i + step])
+            released_frames += [e.raw for e in out]
+            client += raw(out)
+            over = m.attempt_over
+            if over is not None:
+                break
+        if over is None:
+            if ending == "eof":
+                over = m.body_ended(now)
+            else:
+                if ending == "stall":
+                    m.tick(now + 10_000.0)
+                over = m.transport_failed(now, RESET)
+        if isinstance(over, (Wait, Open)):
+            # 1. nothing is released after (or by) an attempt that was replayed
+            assert len(client) == before
+        if isinstance(over, (End, GiveUp)) and over.data:
+            client += over.data
+        action = over
+    events = SSESplitter().feed(bytes(client))
+    finished = any(e.data and '"finish_reason": "stop"' in e.data for e in events)
+    # 2. a truncated turn never ends cleanly
+    if isinstance(action, End) and action.kind is EndKind.CLEAN and m.outcome is not None:
+        if m.outcome.is_ok:
+            assert finished
+    if not finished and client:
+        assert b"server_error" in client or m.outcome is Outcome.PASSED_THROUGH_ERROR
+    # 3. no frame is released twice
+    data_frames = [f for f in released_frames if f.startswith(b'data: {"id"')]
+    assert len(data_frames) == len(set(data_frames))
+    # 4. every turn ends, with an outcome
+    assert m.ended and m.outcome is not None
