@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
-from unbroken.core.policy import Failure
-from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
+from unbroken.observe.hooks import HOOK_NAMES, Hooks
 
 __all__ = ["Guarded"]
 
@@ -38,40 +39,17 @@ class Guarded(Hooks):
                 type(self.inner).__name__, hook, self.errors,
             )
 
-    def turn_started(self, turn: TurnInfo) -> None:
-        try:
-            self.inner.turn_started(turn)
-        except Exception:
-            self._failed("turn_started")
 
-    def attempt_started(self, turn: TurnInfo, upstream: str) -> None:
+def _guarded(name: str) -> Callable[..., None]:
+    def call(self: Guarded, *args: Any, **kwargs: Any) -> None:
         try:
-            self.inner.attempt_started(turn, upstream)
+            getattr(self.inner, name)(*args, **kwargs)
         except Exception:
-            self._failed("attempt_started")
+            self._failed(name)
 
-    def attempt_failed(
-        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
-    ) -> None:
-        try:
-            self.inner.attempt_failed(turn, upstream, failure, phase=phase, wait_s=wait_s)
-        except Exception:
-            self._failed("attempt_failed")
+    call.__name__ = name
+    return call
 
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
-        try:
-            self.inner.attempt_ended(turn, attempt)
-        except Exception:
-            self._failed("attempt_ended")
 
-    def hold_overflow(self, turn: TurnInfo, held_bytes: int) -> None:
-        try:
-            self.inner.hold_overflow(turn, held_bytes)
-        except Exception:
-            self._failed("hold_overflow")
-
-    def turn_ended(self, turn: TurnInfo) -> None:
-        try:
-            self.inner.turn_ended(turn)
-        except Exception:
-            self._failed("turn_ended")
+for _name in HOOK_NAMES:
+    setattr(Guarded, _name, _guarded(_name))

@@ -13,10 +13,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from unbroken.core.policy import Failure
 
-__all__ = ["AttemptInfo", "Hooks", "LogHooks", "MultiHooks", "TurnInfo"]
+__all__ = ["HOOK_NAMES", "AttemptInfo", "Hooks", "LogHooks", "MultiHooks", "TurnInfo"]
 
 log = logging.getLogger("unbroken")
 _ids = itertools.count(1)
@@ -93,35 +94,30 @@ class Hooks:
         """``turn.outcome`` and ``turn.attempt_log`` are final."""
 
 
+#: every hook, read off `Hooks` itself: adding a method there adds an event everywhere
+HOOK_NAMES: tuple[str, ...] = tuple(
+    name for name, value in vars(Hooks).items() if callable(value) and not name.startswith("_")
+)
+
+
+def _fan_out(name: str) -> Callable[..., None]:
+    def call(self: MultiHooks, *args: Any, **kwargs: Any) -> None:
+        for hook in self.hooks:
+            getattr(hook, name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
 class MultiHooks(Hooks):
+    """Calls every hook of ``hooks`` in order (its methods are made from `HOOK_NAMES`)."""
+
     def __init__(self, *hooks: Hooks) -> None:
         self.hooks = list(hooks)
 
-    def turn_started(self, turn: TurnInfo) -> None:
-        for h in self.hooks:
-            h.turn_started(turn)
 
-    def attempt_started(self, turn: TurnInfo, upstream: str) -> None:
-        for h in self.hooks:
-            h.attempt_started(turn, upstream)
-
-    def attempt_failed(
-        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
-    ) -> None:
-        for h in self.hooks:
-            h.attempt_failed(turn, upstream, failure, phase=phase, wait_s=wait_s)
-
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
-        for h in self.hooks:
-            h.attempt_ended(turn, attempt)
-
-    def hold_overflow(self, turn: TurnInfo, held_bytes: int) -> None:
-        for h in self.hooks:
-            h.hold_overflow(turn, held_bytes)
-
-    def turn_ended(self, turn: TurnInfo) -> None:
-        for h in self.hooks:
-            h.turn_ended(turn)
+for _name in HOOK_NAMES:
+    setattr(MultiHooks, _name, _fan_out(_name))
 
 
 class LogHooks(Hooks):
@@ -133,7 +129,13 @@ class LogHooks(Hooks):
     def attempt_failed(
         self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
     ) -> None:
-        if wait_s is None and phase == "committed":
+        if phase == "tail":
+            log.info(
+                "stream cut after its terminal frame route=%s upstream=%s reason=%s: "
+                "the turn was complete; the relay finished the protocol's ending",
+                turn.route, upstream, failure.label,
+            )
+        elif wait_s is None and phase == "committed":
             log.warning(
                 "stream cut after output route=%s upstream=%s attempt=%d reason=%s: "
                 "not replayable, ended with a native error",
