@@ -47,6 +47,7 @@ class Timers:
     keepalive_s: float = 15.0
     early_headers_s: float = 20.0
     max_hold_bytes: int = 8 * 1024 * 1024
+    max_event_bytes: int = 16 * 1024 * 1024
 
 
 class Report:
@@ -513,3 +514,19 @@ def test_random_event_sequences_keep_the_four_invariants(
     assert len(data_frames) == len(set(data_frames))
     # 4. every turn ends, with an outcome
     assert m.ended and m.outcome is not None
+
+
+def test_an_oversized_event_fails_the_attempt_and_is_replayed_before_output() -> None:
+    m, report = make(max_event_bytes=1024)
+    streaming(m)
+    assert raw(m.feed_chunk(1.0, ROLE + b"data: " + b"x" * 2000)) == b""
+    assert m.attempt_over == Wait(0.1)
+    assert report.of("failed")[0][1] == "malformed"
+
+
+def test_an_oversized_event_after_output_ends_with_the_native_error() -> None:
+    m, _ = make(max_event_bytes=1024)
+    streaming(m)
+    assert raw(m.feed_chunk(1.0, TEXT + b"data: " + b"x" * 2000)) == TEXT
+    over = m.attempt_over
+    assert isinstance(over, End) and over.kind is EndKind.ERROR and b"server_error" in over.data

@@ -87,7 +87,7 @@ from unbroken.core.attempt import AttemptStats
 from unbroken.core.ledger import NOTHING, Hold, Ledger, State, Verdict
 from unbroken.core.policy import Failure, FailureClass, RetryState, is_retryable_status
 from unbroken.core.protocols import BODY, Protocol
-from unbroken.core.sse import Event, SSESplitter
+from unbroken.core.sse import Event, EventTooLarge, SSESplitter
 
 __all__ = [
     "KEEPALIVE",
@@ -257,6 +257,8 @@ class Timers(TypingProtocol):
     def early_headers_s(self) -> float: ...
     @property
     def max_hold_bytes(self) -> int: ...
+    @property
+    def max_event_bytes(self) -> int: ...
 
 
 class TurnReport(TypingProtocol):
@@ -415,7 +417,7 @@ class TurnMachine:
             else:
                 ledger.start_attempt(self.stats)
             self.attempt_ledger = ledger
-            self._splitter = SSESplitter()
+            self._splitter = SSESplitter(self.timers.max_event_bytes)
             self._reading(now)
             self.report.state(
                 TurnState.HOLDING if ledger.state is State.PENDING else TurnState.STREAMING
@@ -449,7 +451,24 @@ class TurnMachine:
     def feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]:
         """SSE body bytes.  Returns the frames to write now; then check `attempt_over`."""
         self.last_rx = now
-        events = self._splitter.feed(chunk)  # type: ignore[union-attr]
+        too_large: EventTooLarge | None = None
+        try:
+            events = self._splitter.feed(chunk)  # type: ignore[union-attr]
+        except EventTooLarge as exc:
+            # The complete events before it still count; then the attempt has failed.
+            events, too_large = exc.events, exc
+        if too_large is not None:
+            out = self._feed_events(events)
+            if self._over is None and not self.ended:
+                self._over = self.transport_failed(
+                    now, Failure(FailureClass.MALFORMED, str(too_large))
+                )
+            return out
+        if not events:
+            return NOTHING
+        return self._feed_events(events)
+
+    def _feed_events(self, events: list[Event]) -> Sequence[Event]:
         if not events:
             return NOTHING
         ledger = self.attempt_ledger
