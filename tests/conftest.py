@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
@@ -23,3 +23,15 @@ async def mock() -> AsyncIterator[MockProvider]:
     """A started mock provider on 127.0.0.1 with an ephemeral port."""
     async with MockProvider(host="127.0.0.1", port=0) as provider:
         yield provider
+
+
+@pytest.fixture
+def no_waits() -> Iterator[None]:
+    """Retry waits switched off for this test (the turn machine's testing mode)."""
+    from unbroken.core.turn import set_testing
+
+    set_testing(True)
+    try:
+        yield
+    finally:
+        set_testing(False)

@@ -36,6 +36,7 @@ from unbroken.core.turn import (
     TurnMachine,
     TurnState,
     Wait,
+    set_testing,
 )
 
 
@@ -530,3 +531,14 @@ def test_an_oversized_event_after_output_ends_with_the_native_error() -> None:
     assert raw(m.feed_chunk(1.0, TEXT + b"data: " + b"x" * 2000)) == TEXT
     over = m.attempt_over
     assert isinstance(over, End) and over.kind is EndKind.ERROR and b"server_error" in over.data
+
+
+def test_testing_mode_switches_waits_off_but_still_reports_them() -> None:
+    m, report = make(delay_ms=30_000)
+    m.start(0.0)
+    set_testing(True)
+    try:
+        assert m.open_failed(0.1, REFUSED) == Open(0, 120.0)  # no Wait: straight on
+    finally:
+        set_testing(False)
+    assert report.of("failed")[0][3] == 30.0  # the wait that would have been

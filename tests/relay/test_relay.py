@@ -75,6 +75,19 @@ async def test_retry_after_is_capped(mock, http):
         await server.stop()
 
 
+async def test_testing_mode_skips_real_waits_and_still_reports_them(mock, http, no_waits):
+    server, rec = await start_relay(make_config([{"url": mock.url}]))
+    try:
+        mock.script([{"status": 429, "headers": {"Retry-After": "30"}}])
+        t0 = time.monotonic()
+        status, _, _ = await _post(http, f"{server.url}/mock/v1/chat/completions", CHAT)
+        assert status == 200
+        assert time.monotonic() - t0 < 10  # not the 30 s the upstream asked for
+        assert rec.failures[0][2] == pytest.approx(30.0)  # reported as it would be
+    finally:
+        await server.stop()
+
+
 async def test_retry_after_ms_and_http_date(mock, http):
     server, rec = await start_relay(make_config([{"url": mock.url}]))
     try:

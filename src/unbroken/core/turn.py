@@ -112,9 +112,23 @@ __all__ = [
     "TurnReport",
     "TurnState",
     "Wait",
+    "set_testing",
 ]
 
 KEEPALIVE = b": keepalive\n\n"
+
+_testing = False
+
+
+def set_testing(enabled: bool = True) -> None:
+    """Testing mode: retry waits are switched off (as stamina's ``set_testing`` does).
+
+    The machine still computes and reports every wait (logs, journal, /status say
+    what would have happened); only the `Wait` it returns is zero, so tests of
+    retry storms and Retry-After run without real waits.
+    """
+    global _testing
+    _testing = enabled
 
 
 class Phase(enum.StrEnum):
@@ -645,7 +659,7 @@ class TurnMachine:
         wait = retry.record_failure(failure, now)
         report.attempt_failed(failure, phase, wait)
         report.state(TurnState.WAITING)
-        if wait > 0:
+        if wait > 0 and not _testing:
             return Wait(wait)
         return self.next_attempt(now)
 
