@@ -3,6 +3,10 @@
 Each feature module that adds commands exposes ``register(sub)``, which adds
 its sub-parsers and sets ``func`` on them (a callable taking the parsed
 arguments and returning an exit code).  `COMMAND_MODULES` lists them.
+
+Bad input never ends in a traceback: a usage error is one line and exit code
+2 (`OneLineParser`), and a ``ValueError``, ``OSError`` or ``UnicodeError`` that
+escapes a command is reported as one line, exit code 2, too.
 """
 
 from __future__ import annotations
@@ -14,12 +18,24 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from unbroken import __version__
-from unbroken.config import ConfigError, load_config
+from unbroken.config import ConfigError, bind_problem, check_host, load_config, port_number
 
-__all__ = ["main", "setup_logging"]
+__all__ = ["OneLineParser", "main", "port_number", "setup_logging"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line (and exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
 
 #: Feature modules whose ``register(subparsers)`` adds commands.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -45,16 +61,20 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
+        overrides: dict[str, Any] = {}
+        if args.host is not None:
+            overrides["host"] = check_host("--host", args.host)  # "" is loopback
+        if args.port is not None:
+            overrides["port"] = args.port
     except ConfigError as exc:
-        print(f"unbroken: invalid config: {exc}", file=sys.stderr)
+        print(f"unbroken: invalid config: {_one_line(exc)}", file=sys.stderr)
         return 2
-    overrides: dict[str, Any] = {}
-    if args.host is not None:
-        overrides["host"] = args.host
-    if args.port is not None:
-        overrides["port"] = args.port
     if overrides:
         config = dataclasses.replace(config, **overrides)
+    problem = bind_problem(config)
+    if problem is not None:
+        print(f"unbroken: {problem}", file=sys.stderr)
+        return 2
     setup_logging()
 
     def ready(url: str) -> None:
@@ -65,14 +85,15 @@ def _serve(args: argparse.Namespace) -> int:
         return asyncio.run(serve(config, ready=ready))
     except OSError as exc:
         print(
-            f"unbroken: cannot listen on {config.host}:{config.port}: {exc.strerror}",
+            f"unbroken: cannot listen on {config.host}:{config.port}: "
+            f"{exc.strerror or _one_line(exc)}",
             file=sys.stderr,
         )
         return 1
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="unbroken",
         description="A relay that keeps AI coding agent sessions alive when LLM providers fail.",
     )
@@ -80,8 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="run the relay")
     p_serve.add_argument("--config", help="TOML config file (default: $UNBROKEN_CONFIG)")
-    p_serve.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p_serve.add_argument("--port", type=int, help="listen port (default 4780)")
+    p_serve.add_argument(
+        "--host",
+        help="listen address (default 127.0.0.1; '' is loopback too). Any address that is "
+        "not loopback needs a token: UNBROKEN_TOKEN or [server] token_env",
+    )
+    p_serve.add_argument("--port", type=port_number, help="listen port, 0-65535 (default 4780)")
     p_serve.set_defaults(func=_serve)
     sub.add_parser("mock", help="run the fault-injecting mock provider (unbroken mock --help)")
     for name in COMMAND_MODULES:
@@ -96,5 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return main_mock(argv[1:])
     args = _parser().parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except (ValueError, OSError, UnicodeError) as exc:
+        # Bad input that a command did not catch itself: one line, never a traceback.
+        name = getattr(args, "command", None) or "unbroken"
+        detail = _one_line(exc) or type(exc).__name__
+        print(f"unbroken {name}: error: {detail}", file=sys.stderr)
+        return 2
     return result

@@ -8,6 +8,7 @@ any repr, message or log.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import math
 import os
@@ -33,8 +34,10 @@ __all__ = [
     "Route",
     "Upstream",
     "bind_problem",
+    "check_host",
     "is_loopback_host",
     "load_config",
+    "port_number",
     "validate_http_url",
     "validate_url",
 ]
@@ -337,6 +340,25 @@ def validate_http_url(key: str, url: Any) -> str:
     return validate_url(key, url, schemes=("http", "https"))
 
 
+def port_number(text: str) -> int:
+    """An argparse ``type``: a TCP port, 0-65535 (0: any free port)."""
+    try:
+        value = int(text.strip(), 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return value
+
+
+def check_host(key: str, host: str) -> str:
+    """A listen address: no whitespace or URL syntax; ``""`` means loopback."""
+    value = host.strip()
+    if _bad_char(value) is not None or any(c in value for c in "/?#@"):
+        raise ConfigError(key, f"expected an address or host name, got {host!r}")
+    return value or "127.0.0.1"
+
+
 def is_loopback_host(host: str) -> bool:
     """Whether a listen address is loopback only (``""`` counts: it means loopback here)."""
     h = host.strip().strip("[]").lower()
@@ -529,9 +551,7 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
         raise ConfigError("server.max_connections", "must be at least 1")
     if websocket.get("max_queued_messages", 1) < 1:
         raise ConfigError("websocket.max_queued_messages", "must be at least 1")
-    host = server.get("host", "127.0.0.1").strip()
-    if _bad_char(host) is not None or any(c in host for c in "/?#@"):
-        raise ConfigError("server.host", f"expected an address or host name, got {host!r}")
+    host = check_host("server.host", server.get("host", "127.0.0.1"))
     token, token_env = _token(server, env)
     allowed_hosts = tuple(
         _host_pattern(f"server.allowed_hosts[{i}]", h)
@@ -557,7 +577,7 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
     )
     stream_settings = StreamSettings(**{**stream, "hold": tuple(hold)})
     return Config(
-        host=host or "127.0.0.1",  # an empty host means loopback, never "all interfaces"
+        host=host,  # an empty host means loopback, never "all interfaces"
         port=port,
         grace_s=float(server.get("grace_s", 30.0)),
         token=token,

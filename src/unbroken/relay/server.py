@@ -1,4 +1,11 @@
-"""Client-facing aiohttp server: routing, body limits, health, graceful shutdown."""
+"""Client-facing aiohttp server: access checks, routing, body limits, health, shutdown.
+
+Every request is dispatched here from its raw request-target
+(`unbroken.relay.access`): checked (400 / 421 / 403 / 401), then routed to
+``/healthz``, an extra endpoint (``/status``, ``/metrics``) or a relay route,
+whose rest of path and query go upstream still percent-encoded.  Bodies are
+read as received (never decompressed), up to ``max_body_mb``.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +13,32 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from unbroken import __version__
-from unbroken.config import Config
+from unbroken.config import Config, Route, bind_problem
 from unbroken.observe.guard import Guarded
 from unbroken.observe.health import Health
 from unbroken.observe.hooks import Hooks, LogHooks, MultiHooks
 from unbroken.observe.journal import Journal, journal_path
 from unbroken.observe.metrics import CONTENT_TYPE_LATEST, Metrics
 from unbroken.observe.status import StatusTracker
+from unbroken.relay.access import Access, Denied, Target, parse_target
+from unbroken.relay.connections import (
+    GuardedHandler,
+    GuardedRunner,
+    GuardedServer,
+    effective_max_connections,
+    install_accept_log_limiter,
+)
 from unbroken.relay.http import Relay
+from unbroken.relay.logfilter import install_log_filter
+from unbroken.relay.upstream import redact
 from unbroken.relay.websocket import handle_websocket, is_websocket_request
 
 __all__ = ["RelayServer", "build_app", "serve"]
@@ -27,10 +46,37 @@ __all__ = ["RelayServer", "build_app", "serve"]
 log = logging.getLogger("unbroken")
 
 RELAY_KEY = web.AppKey("relay", Relay)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _json(status: int, payload: object) -> web.Response:
-    return web.Response(status=status, text=json.dumps(payload), content_type="application/json")
+@dataclass
+class _Gate:
+    """The app's access rules, known once the port is bound (None: checks off)."""
+
+    access: Access | None = None
+    endpoints: Mapping[str, Handler] | None = None
+
+
+GATE_KEY = web.AppKey("gate", _Gate)
+
+
+def _json(status: int, payload: object, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=status, text=json.dumps(payload), content_type="application/json",
+        headers=headers,
+    )
+
+
+def _error(
+    status: int, code: str, message: str, kind: str = "invalid_request_error"
+) -> web.Response:
+    return _json(status, {"error": {"message": f"unbroken: {message}", "type": kind, "code": code}})
+
+
+def _denied(d: Denied) -> web.Response:
+    kinds = {401: "authentication_error", 403: "permission_error"}
+    kind = kinds.get(d.status, "invalid_request_error")
+    return _error(d.status, d.code, d.message, kind)
 
 
 def _route_list(relay: Relay) -> list[str]:
@@ -50,13 +96,21 @@ async def _healthz(request: web.Request) -> web.Response:
     )
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes | None:
-    """The whole request body, or None when it exceeds ``limit`` bytes."""
+async def _read_body(request: web.Request, limit: int, idle_s: float) -> bytes | None:
+    """The whole request body as received (still encoded), or None past ``limit`` bytes.
+
+    Raises TimeoutError when the client stays silent ``idle_s`` mid-body.
+    """
     if request.content_length is not None and request.content_length > limit:
         return None
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_any():
+    content = request.content
+    while True:
+        async with asyncio.timeout(idle_s):
+            chunk = await content.readany()
+        if not chunk:
+            break
         size += len(chunk)
         if size > limit:
             return None
@@ -64,36 +118,9 @@ async def _read_body(request: web.Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-async def _relay(request: web.Request) -> web.StreamResponse:
-    relay = request.app[RELAY_KEY]
-    name = request.match_info["route"]
-    route = relay.config.routes.get(name)
-    if route is None:
-        return _not_found(relay, request.path)
-    if is_websocket_request(request):
-        rest = request.match_info["rest"]
-        if not rest.rstrip("/").endswith("responses"):
-            return _json(
-                400,
-                {"error": {"message": "WebSocket is relayed on <route>/v1/responses only",
-                           "type": "invalid_request_error", "code": "websocket_unsupported"}},
-            )
-        return await handle_websocket(relay, request, route, rest)
-    limit = relay.config.max_body_bytes
-    body = await _read_body(request, limit)
-    if body is None:
-        mb = relay.config.max_body_mb
-        return _json(
-            413,
-            {
-                "error": {
-                    "message": f"request body exceeds retry.max_body_mb ({mb:g} MB)",
-                    "type": "invalid_request_error",
-                    "code": "request_too_large",
-                }
-            },
-        )
-    return await relay.handle(request, route, request.match_info["rest"], body)
+def _too_large(relay: Relay) -> web.Response:
+    mb = relay.config.max_body_mb
+    return _error(413, "request_too_large", f"request body exceeds retry.max_body_mb ({mb:g} MB)")
 
 
 def _not_found(relay: Relay, path: str) -> web.Response:
@@ -111,11 +138,117 @@ def _not_found(relay: Relay, path: str) -> web.Response:
     )
 
 
-async def _unknown(request: web.Request) -> web.Response:
-    return _not_found(request.app[RELAY_KEY], request.path)
+def _preflight(request: web.Request, origin: str) -> web.Response:
+    """CORS preflight from an allowed origin (any other origin was refused before)."""
+    headers = {
+        "Access-Control-Allow-Origin": origin,
+        "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+        "Access-Control-Max-Age": "600",
+        "Vary": "Origin",
+    }
+    asked = request.headers.get("access-control-request-headers")
+    if asked:
+        headers["Access-Control-Allow-Headers"] = asked
+    return _Preflight(status=204, headers=headers)
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+class _Preflight(web.Response):
+    """Our own CORS preflight answer (its Access-Control-* headers stay)."""
+
+
+async def _dispatch(request: web.Request) -> web.StreamResponse:
+    """Every request: check it, then route it.  Tells the connection when it started."""
+    protocol = request.protocol
+    guarded = protocol if isinstance(protocol, GuardedHandler) else None
+    if guarded is not None:
+        guarded.request_started()
+    try:
+        return await _serve_request(request)
+    finally:
+        if guarded is not None:
+            guarded.request_finished()
+
+
+async def _serve_request(request: web.Request) -> web.StreamResponse:
+    relay = request.app[RELAY_KEY]
+    gate = request.app[GATE_KEY]
+    target = parse_target(request.raw_path)
+    if isinstance(target, Denied):
+        return _denied(target)
+    endpoint: Handler | None = None
+    if not target.has_rest:
+        endpoint = _healthz if target.name == "healthz" else (
+            (gate.endpoints or {}).get(f"/{target.name}")
+        )
+    if gate.access is not None:
+        denied = gate.access.check(
+            target, request.headers, open_path=endpoint is _healthz
+        )
+        if denied is not None:
+            return _denied(denied)
+    origin = request.headers.get("origin")
+    if origin is not None and request.method == "OPTIONS":
+        return _preflight(request, origin)
+    if endpoint is not None:
+        if request.method not in ("GET", "HEAD"):
+            return _error(405, "method_not_allowed", f"/{target.name} answers GET only")
+        return await endpoint(request)
+    route = relay.config.routes.get(target.name)
+    if route is None or not target.has_rest:
+        return _not_found(relay, target.path)
+    return await _relay(request, relay, route, target)
+
+
+async def _relay(
+    request: web.Request, relay: Relay, route: Route, target: Target
+) -> web.StreamResponse:
+    rest = target.rest
+    if is_websocket_request(request):
+        if not rest.rstrip("/").endswith("responses"):
+            return _error(400, "websocket_unsupported",
+                          "WebSocket is relayed on <route>/v1/responses only")
+        return await handle_websocket(relay, request, route, rest)
+    config = relay.config
+    try:
+        body = await _read_body(request, config.max_body_bytes, config.header_read_timeout_s)
+    except TimeoutError:
+        return _error(408, "request_timeout", "the request body stopped arriving")
+    if body is None:
+        return _too_large(relay)
+    response = await relay.handle(request, route, rest, body)
+    if isinstance(response, web.Response) and not response.prepared and response.status >= 400:
+        _redact_response(response, config.secrets())
+    return response
+
+
+def _redact_response(response: web.Response, secrets: tuple[str, ...]) -> None:
+    """An upstream error answer passed through whole: no known secret in it."""
+    body = response.body
+    if not secrets or not isinstance(body, bytes | bytearray):
+        return
+    clean = redact(bytes(body), secrets)
+    if clean != body:
+        response.headers.popall("Content-Length", None)
+        response.body = clean
+        log.warning("an upstream error answer echoed a configured secret: redacted")
+
+
+async def _cors(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: no upstream CORS header, ever; ours for an allowed origin.
+
+    Runs for every response of either transport (WebSocket handshakes included)
+    just before its headers are written.
+    """
+    if isinstance(response, _Preflight):
+        return
+    for name in {k for k in response.headers if k.lower().startswith("access-control-")}:
+        response.headers.popall(name, None)
+    origin = request.headers.get("origin")
+    gate = request.app[GATE_KEY]
+    if origin is not None and gate.access is not None and gate.access.origin_ok(origin):
+        if "Access-Control-Allow-Origin" not in response.headers:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers.add("Vary", "Origin")
 
 
 def build_app(relay: Relay, endpoints: Mapping[str, Handler] | None = None) -> web.Application:
@@ -123,11 +256,10 @@ def build_app(relay: Relay, endpoints: Mapping[str, Handler] | None = None) -> w
     # Bodies are read by _read_body with our own limit and a JSON 413.
     app = web.Application(client_max_size=2**63)
     app[RELAY_KEY] = relay
-    app.router.add_get("/healthz", _healthz)
-    for path, handler in (endpoints or {}).items():
-        app.router.add_get(path, handler)
-    app.router.add_route("*", r"/{route}/{rest:.*}", _relay)
-    app.router.add_route("*", r"/{tail:.*}", _unknown)
+    app[GATE_KEY] = _Gate(endpoints=dict(endpoints or {}))
+    # One handler for every path: the raw request-target is parsed by `access`.
+    app.router.add_route("*", r"/{tail:[\s\S]*}", _dispatch)
+    app.on_response_prepare.append(_cors)
 
     async def _close(app: web.Application) -> None:
         await relay.close()
@@ -163,18 +295,52 @@ class RelayServer:
         self.app = build_app(
             self.relay, {"/status": self._get_status, "/metrics": self._get_metrics}
         )
-        self.runner = web.AppRunner(
+        self.max_connections, fd_limit = effective_max_connections(config.max_connections)
+        if fd_limit is not None:
+            log.warning(
+                "max_connections lowered from %d to %d: the open-file limit is %d "
+                "(raise it with ulimit -n)", config.max_connections, self.max_connections, fd_limit,
+            )
+        self.runner = GuardedRunner(
             self.app,
             handler_cancellation=True,  # a client that goes away cancels its turn at once
             access_log=None,
             shutdown_timeout=1.0,  # our own drain() has already waited the grace period
+            keepalive_timeout=config.keepalive_timeout_s,
+            auto_decompress=False,  # bodies go upstream exactly as received
+            header_read_timeout_s=config.header_read_timeout_s,
+            max_connections=self.max_connections,
         )
-        self.host = config.host
+        self.config = config
+        self.host = config.host.strip() or "127.0.0.1"  # "" never means every interface
         self.port = config.port
         self.url = ""
 
+    @property
+    def connections(self) -> GuardedServer | None:
+        """The connection-level server (counts, limits), once started."""
+        server = self.runner.server
+        return server if isinstance(server, GuardedServer) else None
+
     def _status_extra(self) -> dict[str, object]:
-        return {"journal": self.journal.status() if self.journal is not None else None}
+        return {
+            "journal": self.journal.status() if self.journal is not None else None,
+            "process": self.process_stats(),
+        }
+
+    def process_stats(self) -> dict[str, object]:
+        """Resource use of this process: connections, tasks, fds, RSS (soak, leak checks)."""
+        conns = self.connections
+        stats: dict[str, object] = {
+            "connections": conns.connection_count if conns is not None else 0,
+            "max_connections": self.max_connections,
+            "refused_busy": conns.stats.refused_busy if conns is not None else 0,
+            "header_timeouts": conns.stats.header_timeouts if conns is not None else 0,
+            "tasks": len(asyncio.all_tasks()),
+            "open_fds": _count_fds(),
+            "rss_bytes": _rss_bytes(),
+        }
+        return stats
 
     async def _get_status(self, request: web.Request) -> web.Response:
         return _json(200, self.status.snapshot())
@@ -184,6 +350,11 @@ class RelayServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def start(self) -> None:
+        problem = bind_problem(self.config)
+        if problem is not None:
+            raise ValueError(problem)
+        install_log_filter()
+        install_accept_log_limiter(asyncio.get_running_loop())
         if self.journal is not None:
             self.journal.start()
             log.info("journal: %s", self.journal.path)
@@ -194,6 +365,7 @@ class RelayServer:
         sockets = getattr(server, "sockets", None) or []
         if sockets:
             self.port = sockets[0].getsockname()[1]
+        self.app[GATE_KEY].access = Access(self.config, self.port)
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}"
 
@@ -216,6 +388,21 @@ class RelayServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _count_fds() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 async def serve(

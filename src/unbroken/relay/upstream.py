@@ -1,18 +1,50 @@
-"""Outbound side: one aiohttp client session, request headers and bodies per upstream."""
+"""Outbound side: one aiohttp client session, request headers and bodies per upstream.
+
+Also the pure helpers both transports share: the upstream URL built from the
+client's raw request-target, the request and response headers (credentials and
+CORS), request bodies (byte-identical, or re-encoded consistently when a model
+is renamed) and the redaction of known secrets from upstream error bodies.
+"""
 
 from __future__ import annotations
 
+import gzip
 import json
-from collections.abc import Mapping
+import zlib
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from unbroken.config import Upstream
+from unbroken.config import CREDENTIAL_HEADERS, Upstream
+from unbroken.core.protocols.base import loads_object
 
-__all__ = ["HOP_BY_HOP", "UpstreamClient", "body_for", "request_headers", "response_headers"]
+__all__ = [
+    "HOP_BY_HOP",
+    "REDACTED",
+    "TOKEN_HEADER",
+    "Redactor",
+    "UpstreamClient",
+    "body_for",
+    "decoded_body",
+    "parse_body",
+    "raw_query",
+    "redact",
+    "request_headers",
+    "response_headers",
+    "upstream_url",
+]
+
+#: The header that carries the relay's own token; never forwarded upstream.
+TOKEN_HEADER = "x-unbroken-token"
+#: What a known secret is replaced with in an upstream answer.
+REDACTED = "sk-…REDACTED"
+_REDACTED = REDACTED.encode()
+#: Secrets shorter than this are not searched for (they would match ordinary text).
+MIN_SECRET = 8
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus the ones the relay sets itself.
 HOP_BY_HOP = frozenset(
@@ -29,14 +61,23 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding"}
+_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding", TOKEN_HEADER}
 _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 
 
 def request_headers(
     incoming: Mapping[str, str] | CIMultiDictProxy[str], upstream: Upstream, *, anthropic: bool
 ) -> CIMultiDict[str]:
-    """Headers for the upstream request: hop-by-hop dropped, identity encoding, key injected."""
+    """Headers for the upstream request: hop-by-hop dropped, identity encoding, key injected.
+
+    With an injected key (``api_key_env``), the client's own credentials never go
+    upstream: of the credential headers it sent (``authorization``, ``x-api-key``,
+    ``api-key``, ``x-goog-api-key`` and the upstream's ``key_headers``) the key
+    goes into one, the one the provider reads (``x-api-key`` first for
+    Anthropic), and the others are removed.  None sent: the protocol's own
+    (``x-api-key`` for Anthropic, ``Authorization: Bearer`` otherwise).
+    The relay's ``x-unbroken-token`` is never forwarded.
+    """
     out: CIMultiDict[str] = CIMultiDict()
     connection_tokens = {
         t.strip().lower() for t in incoming.get("connection", "").split(",") if t.strip()
@@ -49,45 +90,203 @@ def request_headers(
     out["Accept-Encoding"] = "identity"
     key = upstream.api_key
     if key is not None:
-        has_bearer, has_x_key = "authorization" in out, "x-api-key" in out
-        if has_x_key:
-            out["x-api-key"] = key
-        if has_bearer:
+        names = [*CREDENTIAL_HEADERS, *(h for h in upstream.key_headers if h not in _CRED)]
+        sent = [h for h in names if h in out]
+        for h in names:
+            out.popall(h, None)
+        if anthropic and "x-api-key" in sent:
+            target = "x-api-key"
+        elif sent:
+            target = sent[0]
+        else:
+            target = "x-api-key" if anthropic else "authorization"
+        if target == "authorization":
             out["Authorization"] = f"Bearer {key}"
-        if not has_x_key and not has_bearer:
-            if anthropic:
-                out["x-api-key"] = key
-            else:
-                out["Authorization"] = f"Bearer {key}"
+        else:
+            out[target] = key
     return out
 
 
+_CRED = frozenset(CREDENTIAL_HEADERS)
+
+
 def response_headers(upstream_headers: Mapping[str, str], *, keep_length: bool) -> CIMultiDict[str]:
-    """Headers for the client response: hop-by-hop dropped; length kept only when asked."""
+    """Headers for the client response: hop-by-hop and CORS dropped; length only when asked.
+
+    The upstream's ``Access-Control-*`` headers never reach the client: a browser
+    must not be told by the provider that it may read the relay's answers.
+    """
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in upstream_headers.items():
         low = k.lower()
         if low in _DROP_RESPONSE and not (keep_length and low == "content-length"):
             continue
+        if low.startswith("access-control-"):
+            continue
         out.add(k, v)
     return out
 
 
-def body_for(body: bytes, parsed: dict[str, Any] | None, upstream: Upstream) -> bytes:
-    """The request body for ``upstream``: byte-identical unless its ``models`` map renames."""
+# -- request bodies ----------------------------------------------------------------------
+
+
+def _encoding(content_encoding: str | None) -> str:
+    return (content_encoding or "identity").strip().lower()
+
+
+def decoded_body(body: bytes, content_encoding: str | None, limit: int) -> bytes | None:
+    """A decoded copy of a request body (identity, gzip, deflate), for reading only.
+
+    None when the encoding is not one of those, the bytes do not decode, or the
+    decoded form would be larger than ``limit`` (a decompression bomb).
+    """
+    enc = _encoding(content_encoding)
+    if enc == "identity":
+        return body
+    if enc in ("gzip", "x-gzip"):
+        wbits = 16 + zlib.MAX_WBITS
+    elif enc == "deflate":
+        wbits = zlib.MAX_WBITS if body[:1] == b"\x78" else -zlib.MAX_WBITS
+    else:
+        return None
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error:
+        return None
+    if len(out) > limit or not d.eof:
+        return None
+    return out
+
+
+def parse_body(
+    body: bytes, headers: Mapping[str, str] | CIMultiDictProxy[str], limit: int
+) -> dict[str, Any] | None:
+    """The JSON object a request body holds (decoding a gzip/deflate copy), or None.
+
+    ``limit``: the largest decoded size read (use ``config.max_body_bytes``).
+    The body forwarded upstream stays the received bytes; see `body_for`.
+    """
+    if "json" not in headers.get("content-type", ""):
+        return None
+    decoded = decoded_body(body, headers.get("content-encoding"), limit)
+    return None if decoded is None else loads_object(decoded)
+
+
+def body_for(
+    body: bytes,
+    parsed: dict[str, Any] | None,
+    upstream: Upstream,
+    *,
+    content_encoding: str | None = None,
+) -> bytes:
+    """The request body for ``upstream``: byte-identical unless its ``models`` map renames.
+
+    A renamed body is re-encoded in the body's own ``content_encoding`` (gzip or
+    deflate), so it still matches the ``Content-Encoding`` header that goes with
+    it.  Without ``content_encoding``, a gzip body is recognised by its magic
+    bytes; any other encoding that cannot be re-encoded is forwarded unchanged.
+    """
     if not upstream.models or parsed is None:
         return body
     model = parsed.get("model")
     if not isinstance(model, str) or model not in upstream.models:
         return body
-    return json.dumps({**parsed, "model": upstream.models[model]}, ensure_ascii=False).encode()
+    new = json.dumps({**parsed, "model": upstream.models[model]}, ensure_ascii=False).encode()
+    enc = _encoding(content_encoding)
+    if enc == "identity" and body[:2] == b"\x1f\x8b":
+        enc = "gzip"
+    if enc == "identity":
+        return new
+    if enc in ("gzip", "x-gzip"):
+        return gzip.compress(new, mtime=0)
+    if enc == "deflate":
+        return zlib.compress(new)
+    return body  # an encoding we cannot produce: leave the model as the client sent it
+
+
+# -- URLs -------------------------------------------------------------------------------
 
 
 def upstream_url(upstream: Upstream, rest: str, query_string: str) -> URL:
-    url = f"{upstream.url}/{rest}" if rest else upstream.url
+    """``<upstream url>/<rest>?<query>``, byte for byte: ``rest`` and ``query_string``
+    are taken as raw, still percent-encoded text (never decoded, never re-encoded).
+
+    Pass the raw query (`raw_query`), not aiohttp's decoded ``request.query_string``.
+    A ``ws://``/``wss://`` upstream URL gives its ``http://``/``https://`` form here:
+    the WebSocket transport switches the scheme back itself.
+    """
+    base = upstream.url
+    scheme, sep, tail = base.partition("://")
+    low = scheme.lower()
+    if sep and low in ("ws", "wss"):
+        base = ("https" if low == "wss" else "http") + "://" + tail
+    url = f"{base}/{rest}" if rest else base
     if query_string:
         url = f"{url}?{query_string}"
     return URL(url, encoded=True)
+
+
+def raw_query(request: web.BaseRequest) -> str:
+    """The query of the client's request-target exactly as sent (no ``?``; may be '')."""
+    _, _, query = request.raw_path.partition("?")
+    return query
+
+
+# -- secrets ----------------------------------------------------------------------------
+
+
+def _needles(secrets: Iterable[str]) -> list[bytes]:
+    found = {s.encode() for s in secrets if s and len(s) >= MIN_SECRET}
+    return sorted(found, key=len, reverse=True)  # a longer secret containing a shorter first
+
+
+def redact(body: bytes, secrets: Iterable[str]) -> bytes:
+    """``body`` with every known secret (injected keys, the token) replaced by
+    ``sk-…REDACTED``.  Pure; ``config.secrets()`` lists the secrets."""
+    for needle in _needles(secrets):
+        if needle in body:
+            body = body.replace(needle, _REDACTED)
+    return body
+
+
+class Redactor:
+    """`redact` for a body that arrives in chunks (a secret may straddle two).
+
+    ``feed`` returns what can be sent now; it holds back the last
+    ``len(longest secret) - 1`` bytes until the next chunk or ``flush``.  With no
+    secret it returns every chunk unchanged and holds nothing.
+    """
+
+    __slots__ = ("_keep", "_needles", "_tail")
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        self._needles = _needles(secrets)
+        self._keep = max((len(n) for n in self._needles), default=1) - 1
+        self._tail = b""
+
+    @property
+    def active(self) -> bool:
+        """Whether it may change the bytes (then a Content-Length cannot be kept)."""
+        return bool(self._needles)
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self._needles:
+            return chunk
+        data = self._tail + chunk if self._tail else chunk
+        for needle in self._needles:
+            if needle in data:
+                data = data.replace(needle, _REDACTED)
+        if len(data) <= self._keep:
+            self._tail = data
+            return b""
+        cut = len(data) - self._keep
+        self._tail = data[cut:]
+        return data[:cut]
+
+    def flush(self) -> bytes:
+        tail, self._tail = self._tail, b""
+        return tail
 
 
 class UpstreamClient:

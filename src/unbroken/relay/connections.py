@@ -1,0 +1,288 @@
+"""Client connections, bounded: header-read timeout, keep-alive, a connection cap.
+
+aiohttp reads request headers with no deadline and keeps a silent connection
+for an hour; a few hundred silent TCP connections (slowloris) then exhaust the
+file descriptors, and every failed ``accept()`` logs a traceback.  Here:
+
+* a request's headers must arrive within ``header_read_timeout_s`` of its first
+  byte (of the connection's start, for the first request), else the
+  connection is closed;
+* an idle keep-alive connection is closed after ``keepalive_timeout_s``
+  (aiohttp's own timer, configured);
+* at most ``max_connections`` client connections are served at once, fewer if
+  the open-file limit cannot hold that many (each turn needs a client and an
+  upstream socket); a connection beyond gets an immediate ``503`` and is closed;
+* ``accept()`` running out of resources is logged once a minute, one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import resource
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+__all__ = [
+    "ConnectionStats",
+    "GuardedHandler",
+    "GuardedServer",
+    "effective_max_connections",
+    "install_accept_log_limiter",
+]
+
+log = logging.getLogger("unbroken")
+
+#: File descriptors kept for everything but client turns (listeners, journal, epoll...).
+FD_RESERVE = 64
+_BUSY_BODY = (
+    b'{"error": {"message": "unbroken: too many connections, retry shortly", '
+    b'"type": "server_busy", "code": "too_many_connections"}}'
+)
+BUSY_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"Content-Type: application/json\r\n"
+    b"Retry-After: 1\r\n"
+    b"Connection: close\r\n"
+    b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY
+)
+LOG_EVERY_S = 60.0
+
+
+@dataclass
+class ConnectionStats:
+    """Counters of one server, for /status and the tests."""
+
+    max_connections: int = 0
+    refused_busy: int = 0  # connections answered 503 because the cap was reached
+    header_timeouts: int = 0  # connections closed: headers not complete in time
+    _last_busy_log: float = float("-inf")
+
+
+def effective_max_connections(configured: int) -> tuple[int, int | None]:
+    """(the cap to use, the open-file soft limit when it lowered the cap, else None)."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):  # pragma: no cover - not on this platform
+        return configured, None
+    if soft == resource.RLIM_INFINITY:
+        return configured, None
+    fit = max(1, (soft - FD_RESERVE) // 2)
+    if fit < configured:
+        return fit, soft
+    return configured, None
+
+
+class GuardedHandler(RequestHandler):
+    """aiohttp's protocol, plus a deadline for a request's headers."""
+
+    def __init__(self, manager: GuardedServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = manager
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._in_request = False
+
+    # -- the header deadline ----------------------------------------------------------
+    def _arm(self) -> None:
+        self._header_timer = self._guard.loop.call_later(
+            self._guard.header_read_timeout_s, self._header_timeout
+        )
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self._in_request:
+            return
+        self._guard.stats.header_timeouts += 1
+        transport = self.transport
+        if transport is not None:
+            transport.close()  # connection_lost follows: aiohttp tidies up
+
+    def request_started(self) -> None:
+        """The handler began: the headers were complete in time."""
+        self._in_request = True
+        self._disarm()
+
+    def request_finished(self) -> None:
+        self._in_request = False
+
+    # -- protocol events --------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._in_request and self._header_timer is None:
+            self._arm()  # the first byte of the next request on a kept-alive connection
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+class _Busy(asyncio.Protocol):
+    """A connection beyond the cap: a 503 at once, then close.
+
+    It reads (and drops) what the client sends for a moment, so that closing
+    does not reset the connection before the client has read the answer.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        transport.write(BUSY_RESPONSE)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._timer = self._loop.call_later(1.0, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        if self._transport is not None:
+            self._transport.close()
+        return False
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+class GuardedServer(web.Server):
+    """aiohttp's low-level server with `GuardedHandler` connections and a cap."""
+
+    def __init__(
+        self,
+        handler: Any,
+        *,
+        header_read_timeout_s: float,
+        max_connections: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(handler, **kwargs)
+        self.loop: asyncio.AbstractEventLoop = self._loop
+        self.header_read_timeout_s = header_read_timeout_s
+        self.stats = ConnectionStats(max_connections=max_connections)
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def connection_count(self) -> int:
+        return len(self._connections)
+
+    async def wait_no_connections(self) -> None:
+        """Until no client connection is open (for tests and leak checks)."""
+        while self._connections:
+            self._idle.clear()
+            await self._idle.wait()
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        task = handler._task_handler
+        if task is not None and not task.done():
+            task.add_done_callback(lambda _: self._maybe_idle())
+        else:
+            self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if not self._connections:
+            self._idle.set()
+
+    def __call__(self) -> Any:
+        stats = self.stats
+        if len(self._connections) >= stats.max_connections:
+            stats.refused_busy += 1
+            now = self.loop.time()
+            if now - stats._last_busy_log >= LOG_EVERY_S:
+                stats._last_busy_log = now
+                log.warning(
+                    "connection limit reached (%d open): new connections get 503 "
+                    "([server] max_connections; %d refused so far)",
+                    len(self._connections), stats.refused_busy,
+                )
+            return _Busy(self.loop)
+        return GuardedHandler(self, loop=self.loop, **self._kwargs)
+
+
+class GuardedRunner(web.AppRunner):
+    """An AppRunner whose server is a `GuardedServer`."""
+
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        header_read_timeout_s: float,
+        max_connections: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(app, **kwargs)
+        self._guard_args = {
+            "header_read_timeout_s": header_read_timeout_s,
+            "max_connections": max_connections,
+        }
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()
+        return GuardedServer(
+            plain.request_handler,
+            request_factory=plain.request_factory,
+            handler_cancellation=plain.handler_cancellation,
+            loop=asyncio.get_running_loop(),
+            **self._guard_args,  # type: ignore[arg-type]
+            **plain._kwargs,
+        )
+
+
+_installed: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+def install_accept_log_limiter(loop: asyncio.AbstractEventLoop) -> None:
+    """Log ``accept()`` resource exhaustion once a minute, one line, no traceback.
+
+    asyncio reports every failed ``accept()`` (EMFILE, ENFILE, ENOBUFS, ENOMEM)
+    through the loop's exception handler, with a traceback; under a connection
+    flood that is thousands of lines.  Other reports go to the previous handler.
+    """
+    if loop in _installed:
+        return
+    _installed.add(loop)
+    previous = loop.get_exception_handler()
+    state = {"last": float("-inf"), "since": 0}
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", ""))
+        if "accept()" in message and "out of system resource" in message:
+            state["since"] += 1
+            now = loop.time()
+            if now - state["last"] >= LOG_EVERY_S:
+                exc = context.get("exception")
+                reason = getattr(exc, "strerror", None) or type(exc).__name__
+                log.error(
+                    "accept() failed: out of system resources (%s); new connections wait. "
+                    "%d such failure(s) since the last report; reported once a minute",
+                    reason, state["since"],
+                )
+                state["last"], state["since"] = now, 0
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    with contextlib.suppress(RuntimeError):
+        loop.set_exception_handler(handler)
