@@ -865,6 +865,14 @@ def _setup_cmd(args: argparse.Namespace) -> int:
         return 2
     host = f"[{config.host}]" if ":" in config.host else config.host
     relay_url = (args.relay or f"http://{host}:{config.port}").rstrip("/")
+    if args.relay is not None:
+        from unbroken.config import validate_http_url
+
+        try:
+            relay_url = validate_http_url("--relay", args.relay)
+        except ConfigError as exc:
+            print(f"unbroken opencode setup: {exc}", file=sys.stderr)
+            return 2
     scope = "project" if args.project else "global"
     env = dict(os.environ)
     project = Path(env.get("PWD") or Path.cwd())
