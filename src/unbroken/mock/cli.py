@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -12,6 +11,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from unbroken.cli import OneLineParser
+from unbroken.config import ConfigError, check_host, port_number
 from unbroken.mock.actions import (
     ActionError,
     expand_actions,
@@ -126,14 +127,15 @@ async def serve_mock(
 
 def main_mock(argv: list[str] | None = None) -> int:
     """Entry point for ``unbroken mock [--host H] [--port P] [--script FILE]``."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="unbroken mock",
         description="Run a deterministic, fault-injecting fake LLM provider "
         "(OpenAI Chat Completions, OpenAI Responses, Anthropic Messages).",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any)"
+        "--port", type=port_number, default=DEFAULT_PORT,
+        help=f"port (default {DEFAULT_PORT}; 0 = any)",
     )
     parser.add_argument(
         "--script",
@@ -145,6 +147,11 @@ def main_mock(argv: list[str] | None = None) -> int:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:  # --help or a usage error: report the code, don't exit
         return exc.code if isinstance(exc.code, int) else 2
+    try:
+        args.host = check_host("--host", args.host)
+    except ConfigError as exc:
+        print(f"unbroken mock: {exc}", file=sys.stderr)
+        return 2
     if args.script is not None:
         try:
             load_script(args.script)
@@ -161,4 +168,7 @@ def main_mock(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"unbroken mock: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
+    except (ValueError, UnicodeError) as exc:  # e.g. a host name that is not one
+        print(f"unbroken mock: cannot listen on {args.host!r}: {exc}", file=sys.stderr)
+        return 2
     return 0
