@@ -22,6 +22,7 @@ import contextlib
 import logging
 import resource
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,30 +179,31 @@ class GuardedServer(web.Server):
         self.loop: asyncio.AbstractEventLoop = self._loop
         self.header_read_timeout_s = header_read_timeout_s
         self.stats = ConnectionStats(max_connections=max_connections)
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._changed = asyncio.Event()
 
     @property
     def connection_count(self) -> int:
         return len(self._connections)
 
-    async def wait_no_connections(self) -> None:
-        """Until no client connection is open (for tests and leak checks)."""
-        while self._connections:
-            self._idle.clear()
-            await self._idle.wait()
+    async def wait_connections(self, predicate: Callable[[int], bool]) -> int:
+        """Until ``predicate(connection count)`` holds (tests, leak checks); the count."""
+        while not predicate(len(self._connections)):
+            self._changed.clear()
+            await self._changed.wait()
+        return len(self._connections)
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self._changed.set()
 
     def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)
+        # aiohttp forgets the connection once its handler task is done
         task = handler._task_handler
         if task is not None and not task.done():
-            task.add_done_callback(lambda _: self._maybe_idle())
+            task.add_done_callback(lambda _: self._changed.set())
         else:
-            self._maybe_idle()
-
-    def _maybe_idle(self) -> None:
-        if not self._connections:
-            self._idle.set()
+            self._changed.set()
 
     def __call__(self) -> Any:
         stats = self.stats
