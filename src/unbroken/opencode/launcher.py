@@ -537,31 +537,14 @@ async def run_opencode(
 ) -> int:
     """Relay OpenCode's providers, launch ``command`` (an OpenCode command line), resume
     its dead turns when it exposes a server, and return its exit code."""
-    from unbroken.opencode.resume import Resumer, settings_from_env, wait_healthy
     from unbroken.relay.server import RelayServer
 
     parsed = parse_opencode_args(command[1:])
-    project = cwd / parsed.project if parsed.project else cwd
-    user_config, _ = load_merged(project if project.is_dir() else cwd, env)
-    providers = discover(user_config, env, model_arg=parsed.model)
-    placed = [p for p in providers if p.url is not None]
-    unplaced = [p for p in providers if p.url is None]
-    if unplaced:
-        log.warning(
-            "opencode: not relaying %s",
-            "; ".join(f"{p.id} ({p.problem})" for p in unplaced),
-        )
-    config, names = relay_config(base, placed)
+    config, names = _relay_for(parsed, base=base, env=env, cwd=cwd)
     server = RelayServer(config)
     await server.start()
     try:
         base_urls = {pid: f"{server.url}/{name}" for pid, name in names.items()}
-        child_env = dict(env)
-        child_env["PWD"] = str(cwd)  # OpenCode takes its directory from PWD, not the cwd
-        if base_urls:
-            child_env["OPENCODE_CONFIG_CONTENT"] = content_with_relay(
-                env.get("OPENCODE_CONFIG_CONTENT"), base_urls
-            )
         argv = list(command)
         watch: str | None = None
         why = "disabled (--no-resume)"
@@ -574,71 +557,134 @@ async def run_opencode(
             log.info("opencode: auto-resume off: %s", why)
         if ready is not None:
             ready(server.url)
-        try:
-            proc = await asyncio.create_subprocess_exec(*argv, env=child_env, cwd=str(cwd))
-        except OSError as exc:
-            print(f"unbroken: cannot start {argv[0]}: {exc.strerror}", file=sys.stderr)
-            return 127
-        loop = asyncio.get_running_loop()
-        forwarded: list[int] = []
-
-        def forward(sig: int) -> None:
-            forwarded.append(sig)
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sig)
-
-        installed: list[int] = []
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, forward, sig)
-                installed.append(sig)
-        # Ctrl-C reaches OpenCode from the terminal; unbroken waits for it to exit.
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(signal.SIGINT, lambda: None)
-            installed.append(signal.SIGINT)
-        resumer: Resumer | None = None
-        resume_task: asyncio.Task[None] | None = None
-        if watch is not None:
-            password = env.get("OPENCODE_SERVER_PASSWORD")
-            resumer = Resumer(
-                watch,
-                settings_from_env(env),
-                password=password,
-                username=env.get("OPENCODE_SERVER_USERNAME"),
-            )
-
-            async def follow() -> None:
-                assert resumer is not None and watch is not None
-                headers = dict(resumer.headers)
-                if await wait_healthy(
-                    watch, timeout=120, headers=headers, alive=lambda: proc.returncode is None
-                ):
-                    await resumer.run()
-                elif proc.returncode is None:
-                    log.warning("opencode: auto-resume off: %s/global/health did not answer "
-                                "in 120 s", watch)
-
-            resume_task = asyncio.create_task(follow())
-        try:
-            code = await proc.wait()
-        finally:
-            for signum in installed:
-                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                    loop.remove_signal_handler(signum)
-            if resumer is not None:
-                resumer.stop()
-            if resume_task is not None:
-                # stop() ends the resumer's own tasks; cancel only if that hangs.
-                done, _ = await asyncio.wait({resume_task}, timeout=5)
-                if not done:
-                    resume_task.cancel()
-                result = await asyncio.gather(resume_task, return_exceptions=True)
-                if isinstance(result[0], Exception):
-                    log.warning("opencode: auto-resume failed: %s: %s",
-                                type(result[0]).__name__, result[0])
-        return _exit_code(code)
+        return await run_child(
+            argv,
+            env=_child_env(env, cwd, base_urls),
+            cwd=cwd,
+            beside=None if watch is None else lambda proc: _follow(watch, env, proc),
+        )
     finally:
         await server.stop()
+
+
+def _relay_for(
+    parsed: OpenCodeArgs, *, base: Config, env: Mapping[str, str], cwd: Path
+) -> tuple[Config, dict[str, str]]:
+    """The relay config for the providers OpenCode will use (and their route names)."""
+    project = cwd / parsed.project if parsed.project else cwd
+    user_config, _ = load_merged(project if project.is_dir() else cwd, env)
+    providers = discover(user_config, env, model_arg=parsed.model)
+    unplaced = [p for p in providers if p.url is None]
+    if unplaced:
+        log.warning(
+            "opencode: not relaying %s",
+            "; ".join(f"{p.id} ({p.problem})" for p in unplaced),
+        )
+    return relay_config(base, [p for p in providers if p.url is not None])
+
+
+def _child_env(env: Mapping[str, str], cwd: Path, base_urls: Mapping[str, str]) -> dict[str, str]:
+    child_env = dict(env)
+    child_env["PWD"] = str(cwd)  # OpenCode takes its directory from PWD, not the cwd
+    if base_urls:
+        child_env["OPENCODE_CONFIG_CONTENT"] = content_with_relay(
+            env.get("OPENCODE_CONFIG_CONTENT"), base_urls
+        )
+    return child_env
+
+
+class _Follower:
+    """Auto-resume beside a running OpenCode: started with it, stopped when it exits."""
+
+    def __init__(
+        self, watch: str, env: Mapping[str, str], proc: asyncio.subprocess.Process
+    ) -> None:
+        from unbroken.opencode.resume import Resumer, settings_from_env
+
+        self.watch, self.proc = watch, proc
+        self.resumer = Resumer(
+            watch,
+            settings_from_env(env),
+            password=env.get("OPENCODE_SERVER_PASSWORD"),
+            username=env.get("OPENCODE_SERVER_USERNAME"),
+        )
+        self.task = asyncio.create_task(self._follow())
+
+    async def _follow(self) -> None:
+        from unbroken.opencode.resume import wait_healthy
+
+        proc = self.proc
+        if await wait_healthy(
+            self.watch,
+            timeout=120,
+            headers=dict(self.resumer.headers),
+            alive=lambda: proc.returncode is None,
+        ):
+            await self.resumer.run()
+        elif proc.returncode is None:
+            log.warning("opencode: auto-resume off: %s/global/health did not answer "
+                        "in 120 s", self.watch)
+
+    async def stop(self) -> None:
+        self.resumer.stop()
+        # stop() ends the resumer's own tasks; cancel only if that hangs.
+        done, _ = await asyncio.wait({self.task}, timeout=5)
+        if not done:
+            self.task.cancel()
+        result = await asyncio.gather(self.task, return_exceptions=True)
+        if isinstance(result[0], Exception):
+            log.warning("opencode: auto-resume failed: %s: %s",
+                        type(result[0]).__name__, result[0])
+
+
+def _follow(
+    watch: str, env: Mapping[str, str], proc: asyncio.subprocess.Process
+) -> _Follower:
+    return _Follower(watch, env, proc)
+
+
+async def run_child(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: Path,
+    beside: Callable[[asyncio.subprocess.Process], _Follower] | None = None,
+) -> int:
+    """Run an agent as a child process and return its exit code.
+
+    SIGTERM and SIGHUP are forwarded to it; Ctrl-C reaches it from the terminal and
+    unbroken waits for it to exit.  ``beside`` starts a helper that runs as long as
+    the child does (auto-resume) and is stopped when it exits.
+    """
+    try:
+        proc = await asyncio.create_subprocess_exec(*argv, env=dict(env), cwd=str(cwd))
+    except OSError as exc:
+        print(f"unbroken: cannot start {argv[0]}: {exc.strerror}", file=sys.stderr)
+        return 127
+    loop = asyncio.get_running_loop()
+
+    def forward(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+
+    installed: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, forward, sig)
+            installed.append(sig)
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        loop.add_signal_handler(signal.SIGINT, lambda: None)
+        installed.append(signal.SIGINT)
+    helper = beside(proc) if beside is not None else None
+    try:
+        code = await proc.wait()
+    finally:
+        for signum in installed:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(signum)
+        if helper is not None:
+            await helper.stop()
+    return _exit_code(code)
 
 
 def _run_cmd(args: argparse.Namespace) -> int:
