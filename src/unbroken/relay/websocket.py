@@ -81,9 +81,6 @@ _WS_HOP = frozenset(
         "sec-websocket-protocol",
     }
 )
-#: ``response.create`` messages that may wait behind the running turn; past this the
-#: client is misbehaving and its socket is closed with 1008 (policy violation)
-MAX_PENDING = 8
 #: the upstream's error code that means "serve this over HTTP for a while"
 WS_LIMIT_CODE = "websocket_connection_limit_reached"
 
@@ -264,7 +261,9 @@ class _Connection:
         except ValueError:
             obj = None
         if isinstance(obj, dict) and obj.get("type") == "response.create":
-            if len(self.pending) >= MAX_PENDING:
+            # ``[websocket] max_queued_messages`` may wait behind the running turn; past
+            # that the client is misbehaving: close with 1008 (policy violation).
+            if len(self.pending) >= self.cfg.websocket_max_queued_messages:
                 await self.client.close(code=1008, message=b"too many pending response.create")
                 return False
             self.pending.append((obj, text))
