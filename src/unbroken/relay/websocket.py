@@ -313,7 +313,7 @@ class _Connection:
                     headers=self.headers_for(up),
                     autoping=True,
                     heartbeat=s.keepalive_s,
-                    max_msg_size=0,
+                    max_msg_size=s.max_event_bytes,  # an oversized message fails the attempt
                     compress=0,
                     decode_text=False,
                 )
