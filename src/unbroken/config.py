@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from unbroken.core.ledger import HOLD_CHOICES
 from unbroken.core.policy import RetryPolicy
+from unbroken.core.profiles import check_overrides
 
 __all__ = [
     "BUILTIN_ROUTES",
@@ -148,6 +149,8 @@ class Config:
     #: client messages a WebSocket connection may have queued, unprocessed (then 1008)
     websocket_max_queued_messages: int = 16
     journal: JournalSettings = field(default_factory=JournalSettings)
+    #: ``[clients.<name>]``: overrides of a client profile (`core.profiles`), validated
+    clients: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: the secret every request must carry (``x-unbroken-token`` or ``/t/<token>/``);
     #: None: no token (loopback only)
     token: str | None = field(default=None, repr=False, compare=False)
@@ -216,7 +219,7 @@ STREAM_KEYS: dict[str, str] = {
 WEBSOCKET_KEYS: dict[str, str] = {"fallback_cooldown_s": _FLOAT, "max_queued_messages": _INT}
 JOURNAL_KEYS: dict[str, str] = {"enabled": _BOOL, "path": _STR, "retention_days": _FLOAT}
 UPSTREAM_KEYS = {"url", "api_key_env", "models", "key_headers"}
-SECTIONS = {"server", "retry", "stream", "websocket", "journal", "routes"}
+SECTIONS = {"server", "retry", "stream", "websocket", "journal", "clients", "routes"}
 
 
 def _check(key: str, value: Any, kind: str) -> Any:
@@ -515,6 +518,18 @@ def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
     return routes
 
 
+def _clients(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``[clients.<name>]`` tables: each overrides fields of that client's profile."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, table in _table("clients", data.get("clients", {})).items():
+        key = f"clients.{name}"
+        try:
+            out[name] = check_overrides(name, _table(key, table))
+        except ValueError as exc:
+            raise ConfigError(key, str(exc)) from None
+    return out
+
+
 def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> Config:
     """Build a `Config` from parsed TOML data plus environment overrides."""
     env = os.environ if env is None else env
@@ -592,6 +607,7 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
         max_body_mb=retry.get("max_body_mb", 32),
         stream=stream_settings,
         routes=_routes(data, env),
+        clients=_clients(data),
         websocket_fallback_cooldown_s=float(websocket.get("fallback_cooldown_s", 300.0)),
         websocket_max_queued_messages=websocket.get("max_queued_messages", 16),
         journal=JournalSettings(

@@ -80,8 +80,9 @@ async def test_status_reflects_an_inflight_retry(mock, waiting_relay):
     assert turn["last_failure"] == "429"
     assert 20 < turn["next_retry_in_s"] <= 30
     assert turn["age_s"] >= 0 and turn["held_bytes"] == 0
+    assert turn["client"] == "unknown"  # the client profile (an aiohttp client)
     assert set(turn) == {
-        "id", "route", "path", "protocol", "stream", "state", "attempts", "upstream",
+        "id", "route", "path", "protocol", "stream", "client", "state", "attempts", "upstream",
         "last_failure", "next_retry_in_s", "age_s", "held_bytes",
     }
     [up] = [u for u in data["upstreams"] if u["route"] == "mock"]

@@ -86,6 +86,8 @@ from typing import Protocol as TypingProtocol
 from unbroken.core.attempt import AttemptStats
 from unbroken.core.ledger import NOTHING, Hold, Ledger, State, Verdict
 from unbroken.core.policy import Failure, FailureClass, RetryState, is_retryable_status
+from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
+from unbroken.core.profiles import KeepaliveForm, Profile
 from unbroken.core.protocols import BODY, Protocol
 from unbroken.core.sse import Event, EventTooLarge, SSESplitter
 
@@ -309,6 +311,7 @@ class TurnMachine:
         "last_tx",
         "ledger",
         "outcome",
+        "profile",
         "protocol",
         "report",
         "retry",
@@ -333,8 +336,12 @@ class TurnMachine:
         now: float,
         report: TurnReport,
         clock: Callable[[], float] | None = None,
+        profile: Profile | None = None,
     ) -> None:
         self.protocol = protocol
+        #: the client's profile (`core.profiles`): early headers, keepalive form and
+        #: interval, the non-streamed wait
+        self.profile = profile or DEFAULT_PROFILE
         self.hold = hold
         self.timers = timers
         self.retry = retry
@@ -388,8 +395,8 @@ class TurnMachine:
         self.report.state(TurnState.WAITING)
         t = self.timers
         # A non-streamed answer arrives only once generated: allow it the first-frame time.
-        timeout = t.header_timeout_s if self.stream else max(
-            t.header_timeout_s, t.first_frame_timeout_s
+        timeout = t.header_timeout_s if self.stream else (
+            self.profile.nonstream_wait_s or max(t.header_timeout_s, t.first_frame_timeout_s)
         )
         return Open(idx, timeout)
 
@@ -454,11 +461,14 @@ class TurnMachine:
             raise TurnError("error_body() without a retryable answer")
         return self._attempt_failed(now, failure, Phase.HEADERS)
 
-    def final_body(self, now: float, status: int, body: bytes) -> Action:
-        """A final non-SSE answer after early headers: re-sent as the in-stream error."""
+    def final_body(
+        self, now: float, status: int, body: bytes, request_id: str | None = None
+    ) -> Action:
+        """A final non-SSE answer after early headers: re-sent as the in-stream error,
+        in the protocol's final terms, with the provider's request id when known."""
         self._expect(_Step.READING)
         return self._end(Outcome.PASSED_THROUGH_ERROR, End(
-            EndKind.ERROR, self.protocol.final_error_frame(status, body)
+            EndKind.ERROR, self.protocol.final_error_frame(status, body, request_id)
         ))
 
     # -- body ------------------------------------------------------------------------
@@ -798,13 +808,14 @@ class TurnMachine:
         if self.step is _Step.ENDED:
             return None
         t = self.timers
+        p = self.profile
         due: float | None = None
         if self.stream:
             if not self.headers_out:
-                if self.ledger is None or self.ledger.state is State.PENDING:
-                    due = self.t0 + t.early_headers_s
+                if p.early_headers and (self.ledger is None or self.ledger.state is State.PENDING):
+                    due = self.t0 + (p.early_headers_s or t.early_headers_s)
             elif not self.writing:
-                due = self.last_tx + t.keepalive_s
+                due = self.last_tx + (p.keepalive_s or t.keepalive_s)
         if self.step is _Step.READING and not self.writing and not self.stalled:
             stall = (
                 self.last_rx + t.idle_timeout_s
@@ -829,10 +840,12 @@ class TurnMachine:
             if now >= due:
                 self.stalled = True
                 return AbortUpstream(_stall_failure())
+        p = self.profile
         if self.stream:
             if not self.headers_out:
                 ledger = self.ledger
-                if now >= self.t0 + t.early_headers_s and (
+                early = self.t0 + (p.early_headers_s or t.early_headers_s)
+                if p.early_headers and now >= early and (
                     ledger is None or ledger.state is State.PENDING
                 ):
                     # Retries or held frames have lasted long: send SSE headers now so
@@ -841,8 +854,11 @@ class TurnMachine:
                     self.last_tx = now
                     self.report.headers_sent()
                     return SendHeaders(200)
-            elif not self.writing and now >= self.last_tx + t.keepalive_s:
+            elif not self.writing and now >= self.last_tx + (p.keepalive_s or t.keepalive_s):
                 self.last_tx = now
+                event = self.protocol.keepalive_event
+                if p.keepalive is KeepaliveForm.EVENT and event is not None:
+                    return Keepalive(event)  # the client's idle timer ignores comments
                 return Keepalive(KEEPALIVE)
         return None
 

@@ -54,6 +54,8 @@ class TurnInfo:
     protocol: str
     stream: bool
     session_id: str | None = None
+    #: the client profile the turn runs with (`core.profiles`): codex, claude-code, ...
+    client: str = ""
     id: int = field(default_factory=lambda: next(_ids))
     started: float = field(default_factory=time.time)
     attempts: int = 0

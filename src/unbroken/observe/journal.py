@@ -36,7 +36,7 @@ __all__ = ["SCHEMA", "Journal", "default_journal_path", "journal_path"]
 
 log = logging.getLogger("unbroken")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: turns.client
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
     uid          TEXT PRIMARY KEY,   -- '<run>:<turn id>'
@@ -46,7 +46,9 @@ CREATE TABLE IF NOT EXISTS turns (
     path         TEXT NOT NULL,      -- upstream path after the route, no query string
     protocol     TEXT NOT NULL,      -- chat | responses | anthropic | ... | other
     stream       INTEGER NOT NULL,   -- 1 when the client asked for a stream
-    session_id   TEXT,               -- x-session-id or x-session-affinity, when sent
+    session_id   TEXT,               -- x-session-id, x-session-affinity, session-id,
+                                     -- x-claude-code-session-id or prompt_cache_key
+    client       TEXT,               -- the client profile: codex | claude-code | ...
     started      REAL NOT NULL,      -- unix time
     ended        REAL,
     outcome      TEXT,               -- ok | recovered | ended_with_error |
@@ -86,7 +88,7 @@ CREATE TABLE IF NOT EXISTS attempts (
 _SQL: dict[str, str] = {
     "turn": (
         "INSERT OR REPLACE INTO turns (uid, run, turn_id, route, path, protocol, stream,"
-        " session_id, started) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " session_id, client, started) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     ),
     "turn_end": (
         "UPDATE turns SET ended = ?, outcome = ?, attempts = ?, upstream = ?, last_failure = ?,"
@@ -124,6 +126,13 @@ def journal_path(configured: str | None, env: Mapping[str, str] | None = None) -
 
 def _cut(text: str | None) -> str | None:
     return None if text is None else text[:MAX_TEXT]
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring a journal written by an older unbroken up to `SCHEMA_VERSION`."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
+    if "client" not in columns:  # version 1
+        conn.execute("ALTER TABLE turns ADD COLUMN client TEXT")
 
 
 def _connect(path: str) -> sqlite3.Connection:
@@ -236,7 +245,8 @@ class Journal(Hooks):
                 "turn",
                 (
                     self._uid(turn), self.run, turn.id, turn.route, _cut(turn.path.split("?")[0]),
-                    turn.protocol, int(turn.stream), _cut(turn.session_id), turn.started,
+                    turn.protocol, int(turn.stream), _cut(turn.session_id),
+                    turn.client or None, turn.started,
                 ),
             )
         )
@@ -317,6 +327,7 @@ class Journal(Hooks):
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA busy_timeout=5000")
             conn.executescript(SCHEMA)
+            _migrate(conn)
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             conn.commit()
         except BaseException:

@@ -240,6 +240,56 @@ def format_stats(s: dict[str, Any], *, since: str = "", journal: str = "") -> st
     return "\n".join(lines)
 
 
+def compute_sessions(
+    conn: sqlite3.Connection, *, since_s: float | None = 86400.0, now: float | None = None
+) -> list[dict[str, Any]]:
+    """Turns grouped by client session (``--by session``): which agent sessions hit
+    failures.  The sessions with the most failed attempts come first."""
+    now = time.time() if now is None else now
+    cutoff = now - since_s if since_s is not None else float("-inf")
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
+    client = "MAX(t.client)" if "client" in columns else "NULL"  # a version 1 journal
+    rows = conn.execute(
+        f"SELECT t.session_id, {client}, COUNT(*),"
+        " SUM(t.outcome = 'recovered'), SUM(t.outcome = 'ended_with_error'),"
+        " SUM(MAX(t.attempts - 1, 0)), MIN(t.started), MAX(t.started)"
+        " FROM turns t WHERE t.started >= ? GROUP BY t.session_id",
+        (cutoff,),
+    ).fetchall()
+    out = [
+        {
+            "session_id": sid,
+            "client": cl,
+            "turns": n,
+            "recovered": rec or 0,
+            "ended_with_error": ended or 0,
+            "failed_attempts": failed or 0,
+            "first": first,
+            "last": last,
+        }
+        for sid, cl, n, rec, ended, failed, first, last in rows
+    ]
+    out.sort(key=lambda r: (-r["failed_attempts"], -r["ended_with_error"], -r["last"]))
+    return out
+
+
+def format_sessions(rows: list[dict[str, Any]], *, since: str = "") -> str:
+    head = f"Sessions (since {since})" if since else "Sessions"
+    lines = [head, f"  {'session':<38} {'client':<14} {'turns':>6} {'failed':>7} "
+             f"{'recovered':>10} {'errors':>7}"]
+    for r in rows:
+        sid = r["session_id"] or "(none)"
+        if len(sid) > 38:
+            sid = sid[:37] + "…"
+        lines.append(
+            f"  {sid:<38} {(r['client'] or '-'):<14} {r['turns']:>6} "
+            f"{r['failed_attempts']:>7} {r['recovered']:>10} {r['ended_with_error']:>7}"
+        )
+    if not rows:
+        lines.append("  (no turns)")
+    return "\n".join(lines)
+
+
 # -- command --------------------------------------------------------------------------------
 def _stats(args: argparse.Namespace) -> int:
     try:
@@ -266,12 +316,21 @@ def _stats(args: argparse.Namespace) -> int:
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
         try:
-            report = compute_stats(conn, since_s=since_s)
+            if args.by == "session":
+                sessions = compute_sessions(conn, since_s=since_s)
+            else:
+                report = compute_stats(conn, since_s=since_s)
         finally:
             conn.close()
     except sqlite3.Error as exc:
         print(f"unbroken stats: cannot read {path}: {exc}", file=sys.stderr)
         return 1
+    if args.by == "session":
+        if args.json:
+            print(json.dumps({"sessions": sessions}))
+        else:
+            print(format_sessions(sessions, since=args.since))
+        return 0
     if args.json:
         print(json.dumps(report))
     else:
@@ -283,6 +342,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("stats", help="what the journal says happened (outcomes, failures, waste)")
     p.add_argument("--since", default="24h", help="window: 30m, 24h, 7d, ... or all (default 24h)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--by", choices=["session"],
+                   help="group turns by client session (session-id, X-Claude-Code-Session-Id, "
+                   "x-session-id, prompt_cache_key)")
     p.add_argument("--journal", help="journal file (default: [journal] path, or the XDG state dir)")
     p.add_argument("--config", help="TOML config file (default: $UNBROKEN_CONFIG)")
     p.set_defaults(func=_stats)

@@ -87,6 +87,7 @@ class StatusTracker(Hooks):
             "path": turn.path.split("?")[0][:256],
             "protocol": turn.protocol,
             "stream": turn.stream,
+            "client": turn.client,  # the client profile (core/profiles.py)
             "state": turn.state,
             "attempts": turn.attempts,
             "upstream": turn.upstream,

@@ -30,6 +30,7 @@ from yarl import URL
 from unbroken.config import Config, Route
 from unbroken.core.ledger import Hold
 from unbroken.core.policy import Failure, FailureClass, RetryState, parse_retry_after
+from unbroken.core.profiles import profile_for
 from unbroken.core.protocols import Protocol, protocol_for_path
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.sse import Event
@@ -87,13 +88,27 @@ SSE_HEADERS = {
 EARLY_FLUSH = KEEPALIVE
 
 
+#: the request headers that name a client session, in order of preference
+SESSION_HEADERS = ("x-session-id", "x-session-affinity", "session-id", "x-claude-code-session-id")
+
+
 class ClientGone(Exception):
     """The client went away while we were writing to it."""
 
 
-def session_id_of(headers: Any) -> str | None:
-    """The client's session key, for the journal."""
-    return headers.get("x-session-id") or headers.get("x-session-affinity")  # type: ignore[no-any-return]
+def session_id_of(headers: Any, body: dict[str, Any] | None = None) -> str | None:
+    """The client's session key, for the journal: ``x-session-id``,
+    ``x-session-affinity`` (OpenCode), ``session-id`` (Codex),
+    ``x-claude-code-session-id`` (Claude Code), else the body's ``prompt_cache_key``."""
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value:
+            return value  # type: ignore[no-any-return]
+    if body is not None:
+        key = body.get("prompt_cache_key")
+        if isinstance(key, str) and key:
+            return key
+    return None
 
 
 def abort_response(resp: aiohttp.ClientResponse) -> None:
@@ -301,7 +316,8 @@ class HttpAttempt:
             except Exception as exc:
                 return machine.transport_failed(self.loop.time(), _classify(exc))
             if type(answer) is FinalInStream:
-                return machine.final_body(self.loop.time(), status, data)
+                rid = resp.headers.get("request-id") or resp.headers.get("x-request-id")
+                return machine.final_body(self.loop.time(), status, data, rid)
             self.sink.keep_answer(
                 status, response_headers(resp.headers, keep_length=False), data
             )
@@ -381,6 +397,7 @@ class _HttpTurn:
         "machine",
         "parsed",
         "pending_headers",
+        "profile",
         "protocol",
         "relay",
         "report",
@@ -411,12 +428,14 @@ class _HttpTurn:
         # Keep the parsed body only if an upstream renames models: a late-session
         # agent body is hundreds of KiB, and its parsed form is larger still.
         self.parsed = parsed if any(u.models for u in route.upstreams) else None
+        self.profile = profile_for(request.headers, self.cfg.clients)
         info = TurnInfo(
             route=route.name,
             path=rest,
             protocol=self.protocol.name,
             stream=stream,
-            session_id=session_id_of(request.headers),
+            session_id=session_id_of(request.headers, parsed),
+            client=self.profile.name,
         )
         self.report = TurnReporter(
             info, relay.hooks, [u.name for u in route.upstreams], relay.inflight
@@ -431,6 +450,7 @@ class _HttpTurn:
             now=self.loop.time(),
             report=self.report,
             clock=self.loop.time,
+            profile=self.profile,
         )
         info.held = self._held
         self.response: web.StreamResponse | None = None  # the client response, once prepared

@@ -49,6 +49,9 @@ class Protocol:
     #: the frame that closes the stream after its terminal frame, if the protocol has
     #: one (``data: [DONE]``): sent by the relay when the upstream is cut before it
     done_marker: bytes | None = None
+    #: the protocol's own keepalive event, for clients whose idle timer ignores SSE
+    #: comments (`core.profiles`); None: only comments
+    keepalive_event: bytes | None = None
 
     def error_frame(self, message: str, classifier: Classifier, last_raw: bytes | None) -> bytes:
         """The protocol-native, retryable error event that ends a truncated turn."""
@@ -71,33 +74,56 @@ class Protocol:
             b"\n\n"
         )
 
-    def final_error_frame(self, status: int, body: bytes) -> bytes:
+    def final_error_frame(self, status: int, body: bytes, request_id: str | None = None) -> bytes:
         """A non-retryable HTTP answer, re-sent as the protocol's in-stream error event.
 
         Used when SSE headers already went out (early headers), so the status can
-        no longer be sent as a status.  The provider's own error object is kept.
+        no longer be sent as a status.  The provider's own error object is kept, its
+        type says the answer is final (``invalid_request_error``,
+        ``authentication_error``, ...: never a retryable type), and the provider's
+        ``request-id`` goes with it when known.
         """
         obj = loads_object(body)
         err: Any = obj.get("error") if obj else None
+        e: dict[str, Any] = dict(err) if isinstance(err, dict) else {}
+        etype = e.get("type") if isinstance(e.get("type"), str) else None
+        etype = etype or _FINAL_TYPES.get(status, "invalid_request_error")
+        message = e.get("message") if isinstance(e.get("message"), str) else None
+        message = message or f"upstream HTTP {status}"
+        shown = f"{message} (request id {request_id})" if request_id else message
         if self.anthropic_errors:
-            payload: dict[str, Any] = obj if obj and obj.get("type") == "error" else {
+            payload: dict[str, Any] = dict(obj) if obj and obj.get("type") == "error" and e else {
                 "type": "error",
-                "error": {"type": "api_error", "message": f"upstream HTTP {status}"},
+                "error": {"type": etype, "message": message},
             }
+            if request_id and "request_id" not in payload:
+                payload["request_id"] = request_id
             return b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
         if self is RESPONSES:
-            e = err if isinstance(err, dict) else {}
-            payload = {
+            code = e.get("code") or etype
+            error_event = {
                 "type": "error",
-                "code": e.get("code") or e.get("type") or str(status),
-                "message": e.get("message") or f"upstream HTTP {status}",
+                "code": code,
+                "message": shown,
                 "param": e.get("param"),
+                "error": {"type": etype, "code": code, "message": shown, "param": e.get("param")},
             }
-            return b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
-        payload = {"error": err} if isinstance(err, dict) else {
-            "error": {"message": f"upstream HTTP {status}", "type": "upstream_error"}
-        }
-        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+            response: dict[str, Any] = {
+                "id": f"resp_unbroken_final_{status}",
+                "object": "response",
+                "status": "failed",
+                "output": [],
+                "error": {"code": code, "message": shown},
+                "incomplete_details": None,
+            }
+            failed = {"type": "response.failed", "response": response}
+            return (
+                b"event: error\ndata: " + json.dumps(error_event).encode() + b"\n\n"
+                b"event: response.failed\ndata: " + json.dumps(failed).encode() + b"\n\n"
+            )
+        e.setdefault("type", etype)
+        e["message"] = shown
+        return b"data: " + json.dumps({"error": e}).encode() + b"\n\n"
 
     def error_body(self, message: str, *, type_: str = "upstream_unavailable") -> bytes:
         """A JSON error body in the protocol's style (for non-streamed failures)."""
@@ -111,13 +137,32 @@ class Protocol:
 
 
 CHAT = Protocol("chat", True, chat.ChatClassifier, done_marker=b"data: [DONE]\n\n")
-RESPONSES = Protocol("responses", True, responses.ResponsesClassifier)
-ANTHROPIC = Protocol("anthropic", True, anthropic.AnthropicClassifier, anthropic_errors=True)
+#: The Responses API has no keepalive event of its own: an event type that Codex's and
+#: the openai SDK's parsers accept and ignore (checked with Codex 0.169.0 and openai 3.57).
+RESPONSES = Protocol(
+    "responses", True, responses.ResponsesClassifier,
+    keepalive_event=b'event: keepalive\ndata: {"type":"keepalive"}\n\n',
+)
+#: Anthropic's own ``ping``, which its API sends between frames.
+ANTHROPIC = Protocol(
+    "anthropic", True, anthropic.AnthropicClassifier, anthropic_errors=True,
+    keepalive_event=b'event: ping\ndata: {"type": "ping"}\n\n',
+)
 GENERIC = Protocol("generic", False, GenericClassifier)
 #: A non-SSE body (JSON answer, file): each chunk is one UNKNOWN frame, so the
 #: first forwarded byte commits; a failure after it ends with an abort.
 BODY = Protocol("body", False, GenericClassifier)
 
+
+#: the error type a final status gets when the provider's body names none
+_FINAL_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+}
 
 _USAGE_IN = re.compile(rb'"(?:prompt_tokens|input_tokens)"\s*:\s*(\d+)')
 _USAGE_OUT = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d+)')
