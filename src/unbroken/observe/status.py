@@ -182,7 +182,7 @@ def fit_widths(cols: Sequence[_Col], rows: Sequence[Sequence[Any]], width: int) 
     from rich.cells import cell_len
 
     n = len(cols)
-    avail = max(n, width - (3 * n - 3))  # a border between columns, padding 1 on each side
+    avail = max(n, width - (3 * n - 1))  # a border between columns, padding 1 on each side
     natural = []
     for i, col in enumerate(cols):
         cells = [line for row in rows for line in _lines(row[i])]
@@ -218,9 +218,8 @@ def fit_widths(cols: Sequence[_Col], rows: Sequence[Sequence[Any]], width: int) 
 def _table(title: str, cols: Sequence[_Col], rows: Sequence[Sequence[Any]], width: int) -> Any:
     from rich.table import Table
 
-    table = Table(
-        title=title, title_justify="left", expand=False, show_edge=False, pad_edge=False
-    )
+    # No outer edge; the edge padding stays (rich 13.7 sizes columns differently without it).
+    table = Table(title=title, title_justify="left", expand=False, show_edge=False)
     for col, w in zip(cols, fit_widths(cols, rows, width), strict=True):
         table.add_column(
             col.header,
