@@ -281,6 +281,41 @@ class Ledger:
             return self._hold(event)
         return self._release_held(event)
 
+    def release_run(self, chunk: bytes) -> bool:
+        """Release a whole chunk of complete frames verbatim, if provably plain output.
+
+        Only while COMMITTED with nothing held and no tool call open, and only when
+        the classifier's `plain_run` proves every frame in ``chunk`` would be
+        released as it is by `feed` (no tool call, no terminal, no error, no
+        malformed frame).  Then the decision is the same as frame by frame, and the
+        counters are updated as `feed` would.  False: feed the frames one by one.
+        """
+        if (
+            self.state is not State.COMMITTED
+            or self.open_tools
+            or self._held
+            or self.hold.all
+        ):
+            return False
+        frames = self._classifier.plain_run(chunk)
+        if not frames:
+            return False
+        size = len(chunk)
+        stats = self.stats
+        stats.received_frames += frames
+        stats.received_bytes += size
+        stats.output_frames += frames
+        stats.released_frames += frames
+        stats.released_bytes += size
+        self.released_frames += frames
+        last = chunk[chunk.rfind(b"\n\n", 0, size - 2) + 2 :] if frames > 1 else chunk
+        self._last_raw = last
+        recent = stats.recent
+        recent.append(last)
+        if len(recent) > 4:
+            del recent[0]
+        return True
+
     def _hold(self, event: Event) -> Sequence[Event]:
         if not self._held and self._clock is not None:
             self._held_since = self._clock()

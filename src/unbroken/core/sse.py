@@ -112,6 +112,11 @@ class SSESplitter:
     def pending(self) -> bytes:
         return bytes(self._buf)
 
+    @property
+    def idle(self) -> bool:
+        """At an event boundary, past the stream start: the next byte starts an event."""
+        return not self._buf and self._bom_checked and not self._cr
+
     def feed(self, chunk: bytes) -> list[Event]:
         if self._failed:
             raise EventTooLarge(len(self._buf), self.max_event_bytes)

@@ -173,7 +173,6 @@ class _Step(enum.Enum):
 
     IDLE = "idle"  # before start, or between attempts (waiting)
     CONNECTING = "connecting"
-    ANSWERED = "answered"  # the transport is deciding how to read (momentary)
     READING = "reading"
     ENDED = "ended"
 
@@ -296,7 +295,6 @@ class TurnMachine:
     __slots__ = (
         "_answer_kept",
         "_attempt_t0",
-        "_deadline_changed",
         "_done_seen",
         "_over",
         "_overflow_reported",
@@ -322,6 +320,7 @@ class TurnMachine:
         "stream",
         "t0",
         "timers",
+        "verbatim",
         "writing",
     )
 
@@ -358,6 +357,9 @@ class TurnMachine:
         self.stats: AttemptStats | None = None
         self.headers_out = False
         self.writing = False
+        #: the transport writes released frames as bytes, so a chunk proved plain may go
+        #: out in one piece (`feed_chunk`'s fast path); a WebSocket needs every frame
+        self.verbatim = False
         self.stalled = False
         self.first_frame = False  # the current attempt's first (non-comment) frame arrived
         self.last_rx = now
@@ -368,7 +370,6 @@ class TurnMachine:
         self._overflow_reported = False
         self._over: Action | None = None
         self._splitter: SSESplitter | None = None
-        self._deadline_changed = True
 
     # -- attempts ----------------------------------------------------------------------
     def start(self, now: float) -> Action:
@@ -475,9 +476,21 @@ class TurnMachine:
     def feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]:
         """SSE body bytes.  Returns the frames to write now; then check `attempt_over`."""
         self.last_rx = now
+        splitter = self._splitter
+        assert splitter is not None
+        if (
+            self.verbatim
+            and chunk.endswith(b"\n\n")
+            and splitter.idle
+            and b"\r" not in chunk
+            and self.attempt_ledger.release_run(chunk)  # type: ignore[union-attr]
+        ):
+            # The per-chunk fast path: after commit, a chunk of complete frames that
+            # the classifier proves plain is released as it is, in one piece.
+            return (Event(chunk, None, None),)
         too_large: EventTooLarge | None = None
         try:
-            events = self._splitter.feed(chunk)  # type: ignore[union-attr]
+            events = splitter.feed(chunk)
         except EventTooLarge as exc:
             # The complete events before it still count; then the attempt has failed.
             events, too_large = exc.events, exc
@@ -501,7 +514,6 @@ class TurnMachine:
             for event in events:
                 if not event.is_comment:
                     self.first_frame = True
-                    self._deadline_changed = True
                     break
         feed = ledger.feed
         out: list[Event] = []
@@ -528,7 +540,6 @@ class TurnMachine:
         self.last_rx = now
         if not self.first_frame:
             self.first_frame = True
-            self._deadline_changed = True
         ledger = self.attempt_ledger
         assert ledger is not None
         released = ledger.feed(event)
@@ -544,7 +555,6 @@ class TurnMachine:
         self.last_rx = now
         if not self.first_frame:
             self.first_frame = True
-            self._deadline_changed = True
         ledger = self.attempt_ledger
         assert ledger is not None
         released = ledger.feed(Event(chunk, None, ""))
@@ -555,7 +565,6 @@ class TurnMachine:
     def _released(self) -> None:
         if not self.headers_out:
             self.headers_out = True
-            self._deadline_changed = True
             self.report.headers_sent()
             self.report.state(TurnState.STREAMING)
 
@@ -659,7 +668,6 @@ class TurnMachine:
         self.failure = failure
         self.stalled = False
         self.step = _Step.IDLE
-        self._deadline_changed = True
         report = self.report
         report.attempt_ended(failure.label, phase, self.status, self.stats)
         retry = self.retry
@@ -727,7 +735,6 @@ class TurnMachine:
         self.stalled = False
         self._attempt_t0 = now
         self.last_rx = now
-        self._deadline_changed = True
 
     def _expect(self, step: _Step) -> None:
         if self.step is not step:
@@ -785,7 +792,6 @@ class TurnMachine:
             self.headers_out = True
             self.report.headers_sent()
         self.last_tx = now
-        self._deadline_changed = True
 
     def write_started(self) -> None:
         self.writing = True
@@ -796,12 +802,6 @@ class TurnMachine:
         self.last_tx = now
         if now > self.last_rx:
             self.last_rx = now
-
-    def take_deadline_change(self) -> bool:
-        """True once after something moved a deadline earlier (the transport re-arms)."""
-        changed = self._deadline_changed
-        self._deadline_changed = False
-        return changed
 
     def deadline(self) -> float | None:
         """When `tick` is next due, or None when nothing is timed."""

@@ -452,6 +452,7 @@ class _HttpTurn:
             clock=self.loop.time,
             profile=self.profile,
         )
+        self.machine.verbatim = True  # released bytes go out as bytes: chunks may pass whole
         info.held = self._held
         self.response: web.StreamResponse | None = None  # the client response, once prepared
         self._prepare_lock = asyncio.Lock()
@@ -602,7 +603,7 @@ class _HttpTurn:
             response = self.response
             assert response is not None
         machine = self.machine
-        machine.writing = True
+        machine.write_started()
         try:
             await response.write(data)
         except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError) as exc:

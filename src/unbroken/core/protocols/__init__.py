@@ -37,6 +37,9 @@ class GenericClassifier:
             return Kind.CONTROL, 0
         return Kind.UNKNOWN, 0
 
+    def plain_run(self, chunk: bytes) -> int:
+        return 0  # no table: every frame goes through the ledger
+
 
 @dataclass(frozen=True, slots=True)
 class Protocol:

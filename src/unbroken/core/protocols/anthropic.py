@@ -32,6 +32,7 @@ BLOCKS: dict[str, tuple[int, int, int]] = {
     "mcp_tool_use": (Kind.TOOL_START, Kind.TOOL_DELTA, Kind.TOOL_END),
 }
 _UNKNOWN_BLOCK = (Kind.UNKNOWN, Kind.UNKNOWN, Kind.UNKNOWN)
+_PLAIN_NAMES = (b"event: content_block_delta", b"event: ping")
 
 
 class AnthropicClassifier:
@@ -40,6 +41,31 @@ class AnthropicClassifier:
     def __init__(self) -> None:
         self.block: tuple[int, int, int] | None = None
         self.open_tools = 0
+
+    def plain_run(self, chunk: bytes) -> int:
+        """How many frames ``chunk`` holds when each is provably released as it is, else 0.
+
+        Every frame must be a ``content_block_delta`` (or a ``ping``) of the open
+        text or thinking block, with one ``data: {…}`` line: the same checks
+        `classify` makes, without building events.
+        """
+        block = self.block
+        if block is None or block[1] not in (Kind.OUTPUT, Kind.REASONING):
+            return 0
+        parts = chunk.split(b"\n\n")
+        if parts[-1]:
+            return 0
+        del parts[-1]
+        for part in parts:
+            nl = part.find(b"\n")
+            if (
+                part[:nl] not in _PLAIN_NAMES
+                or not part.startswith(b"data: {", nl + 1)
+                or part.find(b"\n", nl + 1) >= 0
+                or not part.rstrip().endswith(b"}")
+            ):
+                return 0
+        return len(parts)
 
     def classify(self, event: Event) -> tuple[int, int]:
         name = event.name

@@ -76,6 +76,11 @@ class Classifier(Protocol):
 
     def classify(self, event: Event) -> tuple[int, int]: ...
 
+    def plain_run(self, chunk: bytes) -> int:
+        """Frames in ``chunk`` if all are provably released as they are (after commit,
+        no tool open), else 0: the per-chunk fast path's proof.  0 is always safe."""
+        ...
+
 
 def looks_like_object(data: str | None) -> bool:
     """Cheap shape check for frames the event name classifies without parsing.

@@ -26,6 +26,11 @@ DELTA_FIELDS: dict[str, int] = {
 }
 _TEXT_FIELDS = frozenset({"content", "refusal", "reasoning_content", "reasoning"})
 
+# The byte-level proof that a run of chunks is plain output (see `plain_run`).
+_NOT_PLAIN = (b"tool_calls", b"function_call", b'"error"', b"[DONE]")
+_FINISH = b'"finish_reason"'
+_FINISH_NULL = (b'"finish_reason":null', b'"finish_reason": null')
+
 
 class ChatClassifier:
     __slots__ = ("finished", "open_indices")
@@ -58,6 +63,33 @@ class ChatClassifier:
         for choice in choices:
             kinds |= self._choice(choice)
         return kinds or Kind.CONTROL, len(self.open_indices)
+
+    def plain_run(self, chunk: bytes) -> int:
+        """How many frames ``chunk`` holds when each is provably released as it is, else 0.
+
+        Used only after commit with no tool call open (see `TurnMachine.feed_chunk`):
+        then every frame is released unless it opens a tool call, ends the turn, is
+        an error, or is malformed.  The bytes prove the first three cannot happen
+        (no ``tool_calls``/``function_call``/``"error"``/``[DONE]``, every
+        ``finish_reason`` null); each payload is still parsed, as `classify` does,
+        so a malformed frame takes the slow path and fails exactly as it would.
+        """
+        for marker in _NOT_PLAIN:
+            if marker in chunk:
+                return 0
+        finish = chunk.count(_FINISH)
+        if finish and finish != chunk.count(_FINISH_NULL[0]) + chunk.count(_FINISH_NULL[1]):
+            return 0
+        parts = chunk.split(b"\n\n")
+        if parts[-1]:
+            return 0
+        del parts[-1]
+        for part in parts:
+            if not part.startswith(b"data: {") or b"\n" in part:
+                return 0
+            if loads_object(part[6:]) is None:
+                return 0
+        return len(parts)
 
     def _choice(self, choice: Any) -> int:
         if not isinstance(choice, dict):

@@ -49,6 +49,14 @@ EVENTS: dict[str, int] = {
     "response.incomplete": Kind.TERMINAL_ERROR,  # max tokens / content filter: final
 }
 
+#: events that are released as they are once a turn has committed with no tool open
+#: (they open, close or end nothing): the byte-level fast path may pass them on
+PLAIN_EVENTS = frozenset(
+    name.encode()
+    for name, kind in EVENTS.items()
+    if kind in (C, OUT, R) and name != "response.created"
+)
+
 # Output item types the client executes: held until their output_item.done.
 CLIENT_TOOL_ITEMS = frozenset(
     {
@@ -95,6 +103,28 @@ class ResponsesClassifier:
         if name in ("response.failed", "error"):
             return self._error(event.data), len(self.open_items)
         return Kind.UNKNOWN, len(self.open_items)
+
+    def plain_run(self, chunk: bytes) -> int:
+        """How many frames ``chunk`` holds when each is provably released as it is, else 0.
+
+        Every frame must be ``event: <a plain event>`` + one ``data: {…}`` line: the
+        same shape check `classify` makes for those names, without building events.
+        """
+        parts = chunk.split(b"\n\n")
+        if parts[-1]:
+            return 0
+        del parts[-1]
+        for part in parts:
+            nl = part.find(b"\n")
+            if (
+                not part.startswith(b"event: ")
+                or part[7:nl] not in PLAIN_EVENTS
+                or not part.startswith(b"data: {", nl + 1)
+                or part.find(b"\n", nl + 1) >= 0
+                or not part.rstrip().endswith(b"}")
+            ):
+                return 0
+        return len(parts)
 
     def _remember(self, data: str | None) -> None:
         obj = loads_object(data)
