@@ -1,0 +1,120 @@
+"""The benchmarks keep working: each one runs in ``--quick`` mode (small counts; the numbers
+mean nothing here, only that every phase runs to its report).
+
+The three run at the same time, as separate processes started once for this module, so
+the suite waits for the slowest one, not for their sum.  ``bench/compare.py`` leaves
+LiteLLM out only because ``--no-litellm`` says so (installing it takes minutes), and the
+test checks that its report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+TIMEOUT_S = 200  # the budget of the slowest benchmark, on a loaded 2-CPU VM
+
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 30)
+
+
+class Run:
+    def __init__(self, name: str, argv: list[str], tmp: Path) -> None:
+        self.name = name
+        self.log = tmp / f"{name}.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, *argv], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    def result(self) -> str:
+        """Wait for the benchmark; fail with the end of its output unless it exits 0."""
+        try:
+            rc = self.proc.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"{self.name} --quick still running after {TIMEOUT_S} s:\n"
+                        f"{self.log.read_text(errors='replace')[-3000:]}")
+        out = self.log.read_text(errors="replace")
+        assert rc == 0, f"{self.name} --quick exited {rc}:\n{out[-3000:]}"
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # each benchmark stops its own children
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Run], Path]]:
+    tmp = tmp_path_factory.mktemp("bench")
+    argvs = {
+        "http_bench": [str(BENCH / "http_bench.py"), "--quick", "--json", str(tmp / "http.json")],
+        "ws_bench": [str(BENCH / "ws_bench.py"), "--quick"],
+        "compare": [str(BENCH / "compare.py"), "--quick", "--no-litellm",
+                    "--out", str(tmp / "benchmarks.md"), "--img", str(tmp / "img"),
+                    "--json", str(tmp / "compare.json")],
+    }
+    started = {name: Run(name, argv, tmp) for name, argv in argvs.items()}
+    try:
+        yield started, tmp
+    finally:
+        for r in started.values():
+            r.stop()
+
+
+def test_http_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
+    procs, tmp = runs
+    out = procs["http_bench"].result()
+    assert "unbroken HTTP benchmark (QUICK" in out
+    res = json.loads((tmp / "http.json").read_text())
+    for path in ("direct", "bare", "unbroken"):
+        assert res["throughput"][path]["rps"] > 0, path
+        assert res["ttfc"][path]["samples"] > 0, path
+
+
+def test_ws_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
+    procs, _ = runs
+    out = procs["ws_bench"].result()
+    for path in ("direct", "bare", "unbroken"):
+        assert path in out
+
+
+def test_compare_quick(runs: tuple[dict[str, Run], Path]) -> None:
+    procs, tmp = runs
+    out = procs["compare"].result()
+    assert "LiteLLM: left out (--no-litellm)" in out
+    res = json.loads((tmp / "compare.json").read_text())
+    assert res["litellm"] is False
+    agg = res["agg"]
+    for path in ("bare", "unbroken"):
+        assert agg["rps_stream"][path]["per_core"] > 0, path
+        assert agg["rps_plain"][path]["per_core"] > 0, path
+        assert agg["cpu"][path]["us_per_frame"] > 0, path
+        assert agg["memory"][path]["idle_mib"] > 0, path
+    cells = res["matrix"]["cells"]
+    assert len(cells) == 10
+    outcomes = {"complete", "spliced", "truncated, shown as success", "error"}
+    for case, row in cells.items():
+        assert set(row) == {"direct", "bare", "unbroken"}, case
+        assert {c["outcome"] for c in row.values()} <= outcomes, case
+    md = (tmp / "benchmarks.md").read_text()
+    assert "python bench/compare.py --quick --no-litellm" in md
+    assert "**LiteLLM left out** (`--no-litellm`)" in md
+    assert "## Fault matrix" in md
+    for png in ("ttfc.png", "rps_per_core.png", "memory.png", "fault_matrix.png"):
+        assert (tmp / "img" / png).stat().st_size > 1000, png
+        assert f"img/{png}" in md, png
