@@ -47,7 +47,7 @@ from unbroken.core.ledger import State
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.protocols import RESPONSES
 from unbroken.core.protocols.base import loads_object
-from unbroken.core.protocols.responses import error_code_of, response_id_of
+from unbroken.core.protocols.responses import error_code_of, lifecycle_of
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn import (
     Action,
@@ -495,6 +495,11 @@ class _WsTurn:
     # -- over a WebSocket ---------------------------------------------------------------
     async def _over_websocket(self, ws: aiohttp.ClientWebSocketResponse[Any]) -> Action:
         conn, machine = self.conn, self.machine
+        if self.response_id is not None:
+            # A replay: the failed attempt's response is over; late events of it are
+            # not this attempt's, and the new attempt names its own response.
+            conn.finished.append(self.response_id)
+            self.response_id = None
         self.socket = conn.socket_gen
         request = conn.history.request_for(self.create, self.socket)
         try:
@@ -544,16 +549,23 @@ class _WsTurn:
             self.reading_ws = None
 
     def _not_ours(self, text: str, data: bytes) -> bool:
-        """A lifecycle event of a response this connection already finished."""
+        """A lifecycle event of another response (a late reply to a cancel, say).
+
+        The turn's own response is the one its first ``response.created`` names (ids
+        may repeat across turns: some upstreams reuse them).  Before that, a lifecycle
+        event naming a response that already ended on this connection is a late one.
+        """
         if b'"response"' not in data:
             return False
-        rid = response_id_of(text)
-        if rid is None:
+        found = lifecycle_of(text)
+        if found is None:
             return False
-        if self.response_id is None and rid not in self.conn.finished:
-            self.response_id = rid
-            return False
-        if rid == self.response_id:
+        etype, rid = found
+        if self.response_id is None:
+            if etype == "response.created" or rid not in self.conn.finished:
+                self.response_id = rid
+                return False
+        elif rid == self.response_id:
             return False
         # Another response's event (a late reply to a cancel, say): the client's, not
         # this turn's.

@@ -224,14 +224,15 @@ LIFECYCLE_TYPES = frozenset(
 )
 
 
-def response_id_of(data: str) -> str | None:
-    """The response id a lifecycle event names, or None for any other event."""
-    if _type_of(data) not in LIFECYCLE_TYPES:
+def lifecycle_of(data: str) -> tuple[str, str] | None:
+    """(type, response id) of a lifecycle event, or None for any other event."""
+    etype = _type_of(data)
+    if etype not in LIFECYCLE_TYPES:
         return None
     obj = loads_object(data)
     response = obj.get("response") if obj is not None else None
     rid = response.get("id") if isinstance(response, dict) else None
-    return rid if isinstance(rid, str) else None
+    return (etype, rid) if isinstance(rid, str) else None
 
 
 def error_code_of(data: str) -> str | None:
