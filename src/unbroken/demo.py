@@ -560,11 +560,14 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "demo", help="watch the relay absorb a scripted storm (no network, no keys, < 60 s)"
     )
-    p.add_argument("--turns", type=int, default=12, help="concurrent agent turns (default 12)")
+    p.add_argument("--turns", type=int, default=12,
+                   help="concurrent agent turns (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument(
         "--no-direct", action="store_true", help="skip the run straight against the mock"
     )
-    p.add_argument("--journal", help="also write the relay's journal to this SQLite file")
+    p.add_argument("--journal", metavar="FILE",
+                   help="also write the relay's journal to this SQLite file, for `unbroken "
+                   "stats --journal FILE` (default: none)")
     p.set_defaults(func=_demo)
 

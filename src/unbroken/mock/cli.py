@@ -141,7 +141,8 @@ def main_mock(argv: list[str] | None = None) -> int:
         "--script",
         metavar="FILE",
         help='JSON or TOML file: {"default": {...}, "actions": [...], "queues": {"K": [...]}, '
-        '"upgrades": [...], "upgrade_queues": {"K": [...]}}',
+        '"upgrades": [...], "upgrade_queues": {"K": [...]}} (default: none: every request '
+        "gets a clean answer until scripted over /_mock/script)",
     )
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)

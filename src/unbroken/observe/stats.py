@@ -344,7 +344,7 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--by", choices=["session"],
                    help="group turns by client session (session-id, X-Claude-Code-Session-Id, "
-                   "x-session-id, prompt_cache_key)")
+                   "x-session-id, prompt_cache_key) (default: no grouping)")
     p.add_argument("--journal", help="journal file (default: [journal] path, or the XDG state dir)")
     p.add_argument("--config", help="TOML config file (default: $UNBROKEN_CONFIG)")
     p.set_defaults(func=_stats)

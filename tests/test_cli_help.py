@@ -1,0 +1,53 @@
+"""Every option of every command says its default in --help."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from unbroken.cli import _parser, main
+from unbroken.mock.cli import main_mock
+
+FLAGS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction,
+         argparse._VersionAction, argparse._SubParsersAction)
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    out: dict[str, argparse.ArgumentParser] = {}
+    todo = [("unbroken", _parser())]
+    while todo:
+        name, parser = todo.pop()
+        out[name] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += [(f"{name} {sub}", p) for sub, p in action.choices.items()]
+    return out
+
+
+@pytest.mark.parametrize("command", sorted(_commands()))
+def test_every_option_says_its_default(command: str) -> None:
+    parser = _commands()[command]
+    for action in parser._actions:
+        if isinstance(action, FLAGS) or not action.option_strings or action.required:
+            continue
+        assert action.help and "default" in action.help, (command, action.option_strings)
+
+
+def test_the_mock_command_says_its_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main_mock(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for option in ("--host HOST bind address (default", "--port PORT port (default",
+                   "(default: none"):
+        assert option in text, text
+
+
+def test_help_runs_for_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in _commands():
+        if command == "unbroken mock":  # its own parser, which returns instead of exiting
+            assert main(["mock", "--help"]) == 0
+        else:
+            with pytest.raises(SystemExit) as exit_:
+                main([*command.split()[1:], "--help"])
+            assert exit_.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: {command}")
