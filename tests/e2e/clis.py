@@ -65,6 +65,8 @@ class NpmCli:
 #: name (as in ``pytest.mark.cli(name)``) -> the pinned npm package.
 PINNED: dict[str, NpmCli] = {
     "opencode": NpmCli("opencode-ai", "1.18.33", "opencode"),
+    "codex": NpmCli("@openai/codex", "0.169.0", "codex"),
+    "claude": NpmCli("@anthropic-ai/claude-code", "2.1.328", "claude"),
 }
 
 

@@ -425,11 +425,14 @@ async def test_run_relays_the_providers_and_returns_opencodes_exit_code(
         pass  # the relay stopped with OpenCode
 
 
-def test_run_refuses_other_commands(capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_sends_other_commands_to_the_agents_launcher(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from unbroken.cli import main
 
-    assert main(["run", "--", "python3", "-c", "pass"]) == 2
-    assert "not OpenCode" in capsys.readouterr().err
+    # any other command is unbroken.agents' (tests/agents): here only its dry run
+    assert main(["run", "--print-env", "--", "python3", "-c", "pass"]) == 0
+    assert "export OPENAI_BASE_URL=" in capsys.readouterr().out
     assert main(["run"]) == 2
 
 

@@ -692,15 +692,19 @@ def _run_cmd(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        print("usage: unbroken run -- opencode [args...]", file=sys.stderr)
+        print("usage: unbroken run [--print-env] -- opencode|codex|claude|<command> [args...]",
+              file=sys.stderr)
         return 2
     if "opencode" not in Path(command[0]).name:
-        print(
-            f"unbroken run: {command[0]!r} is not OpenCode; unbroken run supports "
-            "`unbroken run -- opencode [args...]`",
-            file=sys.stderr,
-        )
-        return 2
+        # Codex, Claude Code, or any other command: unbroken.agents.
+        from unbroken.agents.launcher import run_cmd
+
+        return run_cmd(command, config=args.config, log_path=args.log,
+                       print_only=args.print_env)
+    if args.print_env:
+        print("# unbroken run -- opencode sets OPENCODE_CONFIG_CONTENT for one run; to wire "
+              "OpenCode to `unbroken serve` for good: unbroken opencode setup")
+        return 0
     from unbroken.opencode.resume import settings_from_env
 
     env = dict(os.environ)
@@ -969,9 +973,9 @@ def _undo_cmd(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p_run = sub.add_parser(
         "run",
-        help="run OpenCode with every provider relayed and dead turns resumed",
-        description="Launch OpenCode through a private relay: `unbroken run -- opencode "
-        "[args...]`. No unbroken config needed.",
+        help="run an agent (OpenCode, Codex, Claude Code, any command) through a private relay",
+        description="Launch an agent through a private relay: `unbroken run -- opencode|codex|"
+        "claude|<command> [args...]`. No unbroken config needed.",
     )
     p_run.add_argument("--config", metavar="FILE",
                        help="unbroken TOML config for the retry settings (default: "
@@ -981,7 +985,10 @@ def register(sub: Any) -> None:
     p_run.add_argument("--log", metavar="FILE",
                        help="write the relay's log here (default: stderr; under the TUI, "
                        "$XDG_STATE_HOME/unbroken/run.log)")
-    p_run.add_argument("command", nargs=argparse.REMAINDER, help="-- opencode [args...]")
+    p_run.add_argument("--print-env", action="store_true",
+                       help="print the environment and arguments it would set, and exit")
+    p_run.add_argument("command", nargs=argparse.REMAINDER,
+                       help="-- opencode|codex|claude|<command> [args...]")
     p_run.set_defaults(func=_run_cmd)
 
     p_oc = sub.add_parser(

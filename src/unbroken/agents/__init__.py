@@ -1,0 +1,8 @@
+"""`unbroken run -- <agent> [args...]` for Codex CLI, Claude Code and any other command.
+
+Each agent module turns the user's own set-up (config files, environment) into a
+`Launch`: the routes a private relay needs, and the environment variables and
+arguments that point the agent at it, without touching the user's files.
+`launcher` starts the relay and the agent.  OpenCode has its own launcher
+(`unbroken.opencode.launcher`); `unbroken run` sends OpenCode command lines there.
+"""

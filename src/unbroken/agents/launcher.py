@@ -1,0 +1,225 @@
+"""`unbroken run -- codex|claude|<any command> [args...]`: a private relay, then the agent.
+
+Zero config, like the OpenCode launcher: a relay starts on a free loopback port
+with one route per provider the agent uses, the agent is launched pointed at it
+(environment and arguments only: no file of the user's is touched), keys pass
+through, the agent's exit code is returned and the relay stops with it.
+
+* ``codex``: every provider of ``$CODEX_HOME/config.toml`` plus the built-in
+  ``openai`` (`unbroken.agents.codex`);
+* ``claude``: ``ANTHROPIC_BASE_URL`` (`unbroken.agents.claude`);
+* anything else: ``OPENAI_BASE_URL``, ``OPENAI_API_BASE`` and ``ANTHROPIC_BASE_URL``
+  for SDK-based scripts and tools (aider and friends).
+
+``unbroken run --print-env -- <agent>`` prints what it would set, for people who
+wire the agent to their own ``unbroken serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import shlex
+import signal
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from unbroken.agents import claude, codex
+from unbroken.agents.plan import RELAY, Launch, split_version
+from unbroken.config import Config, ConfigError, Route, Upstream, validate_url
+
+__all__ = ["agent_of", "generic_plan", "plan_for", "print_env", "relay_config", "run_agent"]
+
+log = logging.getLogger("unbroken")
+
+OPENAI_DEFAULT = "https://api.openai.com/v1"
+
+
+def agent_of(command: Sequence[str]) -> str:
+    """``codex``, ``claude`` or ``generic``, from the program's name."""
+    name = Path(command[0]).name.lower()
+    if name.endswith((".js", ".cmd", ".exe")):
+        name = name.rsplit(".", 1)[0]
+    if name == "codex" or name.startswith("codex-"):
+        return "codex"
+    if name == "claude" or name.startswith("claude-code"):
+        return "claude"
+    return "generic"
+
+
+def generic_plan(env: Mapping[str, str]) -> Launch:
+    """Any other command: the base-URL variables the openai/anthropic SDKs (and the
+    tools built on them) read."""
+    routes: dict[str, str] = {}
+    out_env: dict[str, str] = {}
+    notes: list[str] = []
+    openai = env.get("OPENAI_BASE_URL") or env.get("OPENAI_API_BASE") or OPENAI_DEFAULT
+    anthropic = env.get("ANTHROPIC_BASE_URL") or claude.ANTHROPIC_DEFAULT
+    for name, url, names in (
+        ("openai", openai, ("OPENAI_BASE_URL", "OPENAI_API_BASE")),
+        ("anthropic", anthropic, ("ANTHROPIC_BASE_URL",)),
+    ):
+        try:
+            routes[name], version = split_version(validate_url(names[0], url))
+        except ConfigError as exc:
+            notes.append(f"run: not relaying {name}: {exc}")
+            continue
+        for var in names:
+            out_env[var] = f"{RELAY}/{name}{version}"
+    notes.append(
+        "run: not a known agent; setting " + ", ".join(out_env)
+        + " for the openai/anthropic SDKs and the tools built on them ("
+        + ", ".join(f"{n} -> {u}" for n, u in routes.items()) + ")"
+    )
+    return Launch("generic", routes=routes, env=out_env, notes=tuple(notes))
+
+
+def plan_for(command: Sequence[str], env: Mapping[str, str]) -> Launch:
+    agent = agent_of(command)
+    if agent == "codex":
+        return codex.plan(env)
+    if agent == "claude":
+        return claude.plan(env)
+    return generic_plan(env)
+
+
+def relay_config(base: Config, launch: Launch) -> Config:
+    """The private relay's config: the launch's routes (over the built-in ones), on a
+    free loopback port, with the agent's client tuning under the user's own."""
+    routes: dict[str, Route] = dict(base.routes)
+    for name, url in launch.routes.items():
+        routes[name] = Route(name, (Upstream(url=url),))
+    clients: dict[str, Mapping[str, Any]] = {k: dict(v) for k, v in launch.clients.items()}
+    for name, table in base.clients.items():
+        clients[name] = {**clients.get(name, {}), **table}
+    return dataclasses.replace(base, routes=routes, clients=clients, host="127.0.0.1", port=0)
+
+
+def print_env(
+    command: Sequence[str], base: Config, env: Mapping[str, str], out: TextIO | None = None
+) -> None:
+    """What `run` would set, pointed at ``unbroken serve`` (the config's host and port)."""
+    out = out or sys.stdout
+    launch = plan_for(command, env)
+    host = base.host or "127.0.0.1"
+    shown = f"[{host}]" if ":" in host else host
+    relay = f"http://{shown}:{base.port}"
+    out.write(f"# unbroken run -- {command[0]}: point it at unbroken serve ({relay})\n")
+    missing = [n for n, u in launch.routes.items()
+               if n not in base.routes or base.routes[n].upstreams[0].url != u]
+    if missing:
+        out.write("# routes to add to your unbroken config (--config / $UNBROKEN_CONFIG):\n")
+        for name in missing:
+            url = launch.routes[name]
+            out.write(f'#   [routes.{name}]\n#   upstreams = [{{ url = "{url}" }}]\n')
+    for key, value in launch.resolved_env(relay).items():
+        out.write(f"export {key}={shlex.quote(value)}\n")
+    args = launch.resolved_args(relay)
+    if args:
+        out.write(shlex.join([command[0], *args, *command[1:]]) + "\n")
+    for table, values in launch.clients.items():
+        out.write(f"# optional, for this agent's timers: [clients.{table}] "
+                  + ", ".join(f"{k} = {v}" for k, v in values.items()) + "\n")
+
+
+def _exit_code(code: int | None) -> int:
+    if code is None:
+        return 1
+    return 128 - code if code < 0 else code
+
+
+async def run_agent(
+    command: Sequence[str],
+    *,
+    base: Config,
+    env: Mapping[str, str],
+    cwd: Path,
+    ready: Callable[[str], None] | None = None,
+) -> int:
+    """Relay the agent's providers, launch ``command``, return its exit code."""
+    from unbroken.relay.server import RelayServer
+
+    launch = plan_for(command, env)
+    server = RelayServer(relay_config(base, launch))
+    await server.start()
+    try:
+        relay = server.url
+        for note in launch.notes:
+            log.info("%s", note)
+        log.info("run: relay on %s", relay)
+        child_env = {**env, **launch.resolved_env(relay)}
+        argv = [command[0], *launch.resolved_args(relay), *command[1:]]
+        if ready is not None:
+            ready(relay)
+        try:
+            proc = await asyncio.create_subprocess_exec(*argv, env=child_env, cwd=str(cwd))
+        except OSError as exc:
+            print(f"unbroken: cannot start {argv[0]}: {exc.strerror}", file=sys.stderr)
+            return 127
+        loop = asyncio.get_running_loop()
+
+        def forward(sig: int) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+
+        installed: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, forward, sig)
+                installed.append(sig)
+        # Ctrl-C reaches the agent from the terminal; unbroken waits for it to exit.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGINT, lambda: None)
+            installed.append(signal.SIGINT)
+        try:
+            code = await proc.wait()
+        finally:
+            for signum in installed:
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.remove_signal_handler(signum)
+        return _exit_code(code)
+    finally:
+        await server.stop()
+
+
+def _interactive(command: Sequence[str], agent: str) -> bool:
+    """The agent owns the terminal (a TUI): the relay's log goes to a file."""
+    if not sys.stdout.isatty():
+        return False
+    args = list(command[1:])
+    if agent == "codex":
+        positional = [a for a in args if not a.startswith("-")]
+        return not positional or positional[0] not in ("exec", "e", "mcp", "login", "logout")
+    if agent == "claude":
+        return not ({"-p", "--print"} & set(args))
+    return False
+
+
+def run_cmd(command: Sequence[str], *, config: str | None, log_path: str | None,
+            print_only: bool) -> int:
+    """`unbroken run -- <non-OpenCode command>` (called by the run subcommand)."""
+    import os
+
+    from unbroken.config import load_config
+    from unbroken.opencode.launcher import _log_to, _setup_run_logging
+
+    env = dict(os.environ)
+    try:
+        base = load_config(config)
+    except (ConfigError, ValueError) as exc:
+        print(f"unbroken: invalid config: {exc}", file=sys.stderr)
+        return 2
+    if print_only:
+        print_env(command, base, env)
+        return 0
+    base = dataclasses.replace(base, grace_s=min(base.grace_s, 2.0))
+    agent = agent_of(command)
+    log_file = _log_to(log_path, _interactive(command, agent), env)
+    _setup_run_logging(log_file)
+    if log_file is not None:
+        print(f"unbroken: relaying {command[0]}; log: {log_file}", file=sys.stderr)
+    return asyncio.run(run_agent(command, base=base, env=env, cwd=Path.cwd()))

@@ -1,0 +1,61 @@
+"""What `unbroken run` sets up for one agent: routes, environment, arguments."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["RELAY", "Launch", "route_name", "split_version"]
+
+#: stands for the relay's base URL (``http://127.0.0.1:PORT``) in `Launch` values
+RELAY = "{relay}"
+
+_RESERVED = frozenset({"t", "healthz", "status", "metrics"})
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to run one agent through a relay."""
+
+    agent: str  # codex | claude | generic
+    #: route name -> the upstream base URL it relays to
+    routes: Mapping[str, str] = field(default_factory=dict)
+    #: environment variables to set; `RELAY` in a value is the relay's URL
+    env: Mapping[str, str] = field(default_factory=dict)
+    #: arguments inserted right after the program name; `RELAY` as in ``env``
+    args: tuple[str, ...] = ()
+    #: ``[clients.<name>]`` overrides for this run (the agent's own timers, read from
+    #: its config), merged over the user's
+    clients: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    #: one line each, logged at start (what was relayed, what was left alone)
+    notes: tuple[str, ...] = ()
+
+    def resolved_env(self, relay: str) -> dict[str, str]:
+        return {k: v.replace(RELAY, relay) for k, v in self.env.items()}
+
+    def resolved_args(self, relay: str) -> list[str]:
+        return [a.replace(RELAY, relay) for a in self.args]
+
+
+def route_name(wanted: str, taken: set[str]) -> str:
+    """A route name for a provider id: ``[A-Za-z0-9._-]+``, not reserved, not taken."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", wanted).strip(".") or "provider"
+    if name in _RESERVED:
+        name = f"{name}-provider"
+    candidate, n = name, 2
+    while candidate in taken:
+        candidate, n = f"{name}-{n}", n + 1
+    taken.add(candidate)
+    return candidate
+
+
+def split_version(url: str) -> tuple[str, str]:
+    """``https://api.openai.com/v1`` -> (``https://api.openai.com``, ``/v1``): the route
+    relays to the host part and the client's base URL keeps the version, so the
+    built-in routes of ``unbroken serve`` (``/openai/v1``) fit as they are."""
+    url = url.rstrip("/")
+    m = re.search(r"/v\d+(?:beta)?$", url)
+    if m is None or "/" not in url[: m.start()].split("://", 1)[-1] + "/":
+        return url, ""
+    return url[: m.start()], m.group(0)

@@ -1,0 +1,185 @@
+"""Running the real Codex CLI and Claude Code, alone or through `unbroken run`, against
+the mock provider (tests/e2e/test_codex_e2e.py, tests/e2e/test_claude_e2e.py).
+
+Every process gets its own HOME (and CODEX_HOME), runs from a scratch project
+directory, with stdin from /dev/null, in its own process group, and is killed,
+group and all, when the test ends or times out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clis import installed
+
+from unbroken.config import SECTIONS
+
+#: environment variables of the test process that must not reach an agent
+_DROP = ("OPENAI_BASE_URL", "OPENAI_API_BASE", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY",
+         "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CODEX_HOME", "UNBROKEN_CONFIG")
+
+
+@dataclass
+class Result:
+    code: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def events(self) -> list[dict[str, Any]]:
+        """The JSON lines of stdout (``--json`` / ``stream-json``)."""
+        out = []
+        for line in self.stdout.splitlines():
+            line = line.strip()
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(line))
+        return out
+
+
+def base_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    env["HOME"] = str(home)
+    env["XDG_CONFIG_HOME"] = str(home / ".config")
+    env["XDG_STATE_HOME"] = str(home / ".state")
+    env["XDG_CACHE_HOME"] = str(home / ".cache")
+    return env
+
+
+def relay_config(path: Path, journal: Path, **stream: float) -> Path:
+    """A small unbroken config for `unbroken run --config`: fast retries, short timers."""
+    timers = {"first_frame_timeout_s": 3, "idle_timeout_s": 3, "early_headers_s": 1, **stream}
+    lines = ["[retry]", "delay_ms = 20", 'backoff = "fixed"', "", "[stream]"]
+    lines += [f"{k} = {v}" for k, v in timers.items()]
+    lines += ["", "[journal]", f'path = "{journal}"', ""]
+    if "health" in SECTIONS:  # circuit breakers would park a one-upstream storm
+        lines += ["[health]", "breakers = false", ""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def through_unbroken(config: Path, argv: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "unbroken", "run", "--config", str(config), "--", *argv]
+
+
+async def run(
+    argv: Sequence[str], env: Mapping[str, str], cwd: Path, limit_s: float = 90.0
+) -> Result:
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *argv, env=dict(env), cwd=str(cwd), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        async with asyncio.timeout(limit_s):
+            out, err = await proc.communicate()
+    except TimeoutError:
+        out, err = b"", b"timed out"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            await proc.wait()
+    return Result(proc.returncode, out.decode("utf-8", "replace"),
+                  err.decode("utf-8", "replace"), time.monotonic() - t0)
+
+
+# -- Codex -----------------------------------------------------------------------------------
+def codex_bin() -> Path:
+    return installed("codex")
+
+
+def codex_home(root: Path, mock_url: str, **provider: Any) -> dict[str, str]:
+    """A CODEX_HOME whose config has one custom provider ``fake`` at the mock; returns
+    the environment to run Codex with."""
+    home = root / "home"
+    codex = root / "codex"
+    for d in (home, codex, root / "project"):
+        d.mkdir(parents=True, exist_ok=True)
+    knobs = {"request_max_retries": 1, "stream_max_retries": 1,
+             "stream_idle_timeout_ms": 20000, **provider}
+    lines = [
+        'model = "fake-model"',
+        'model_provider = "fake"',
+        'approval_policy = "never"',
+        'sandbox_mode = "danger-full-access"',
+        "",
+        "[model_providers.fake]",
+        'name = "fake"',
+        f'base_url = "{mock_url}/v1"',
+        'env_key = "FAKE_API_KEY"',
+        'wire_api = "responses"',
+    ]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in knobs.items()]
+    (codex / "config.toml").write_text("\n".join(lines) + "\n")
+    env = base_env(home)
+    env["CODEX_HOME"] = str(codex)
+    env["FAKE_API_KEY"] = "sk-fake"
+    return env
+
+
+def codex_argv(root: Path, prompt: str) -> list[str]:
+    return [str(codex_bin()), "exec", "--json", "--skip-git-repo-check", "--ephemeral",
+            "-C", str(root / "project"), prompt]
+
+
+def reconnects(result: Result) -> list[str]:
+    return [e["message"] for e in result.events()
+            if e.get("type") == "error" and "Reconnecting" in str(e.get("message"))]
+
+
+def agent_text(result: Result) -> str:
+    return "".join(
+        e["item"].get("text", "") for e in result.events()
+        if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"
+    )
+
+
+# -- Claude Code -----------------------------------------------------------------------------
+def claude_bin() -> Path:
+    return installed("claude")
+
+
+def claude_env(root: Path, base_url: str, **extra: str) -> dict[str, str]:
+    home = root / "home"
+    for d in (home, root / "project"):
+        d.mkdir(parents=True, exist_ok=True)
+    env = base_env(home)
+    env.update({
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": "sk-ant-fake",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_BUG_COMMAND": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    })
+    for var in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
+                "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_SMALL_FAST_MODEL",
+                "ANTHROPIC_DEFAULT_HAIKU_MODEL"):
+        env[var] = "fake-model"
+    env.update(extra)
+    return env
+
+
+def claude_argv(prompt: str) -> list[str]:
+    return [str(claude_bin()), "-p", prompt, "--output-format", "stream-json", "--verbose",
+            "--allowedTools", "Bash", "--no-session-persistence"]
+
+
+def claude_result(result: Result) -> dict[str, Any]:
+    for e in result.events():
+        if e.get("type") == "result":
+            return e
+    return {}

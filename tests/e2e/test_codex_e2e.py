@@ -1,0 +1,167 @@
+"""End to end with the real Codex CLI (``@openai/codex`` 0.169.0), through `unbroken run`.
+
+Codex runs ``codex exec --json`` against the mock provider, configured as a user would
+(a custom ``fake`` provider in ``$CODEX_HOME/config.toml``); `unbroken run -- codex`
+finds that provider and points Codex at its private relay with ``-c``.  Codex's own
+retry knobs are set low (1 request retry, 1 stream retry) to keep the baselines fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_run import (
+    agent_text,
+    codex_argv,
+    codex_home,
+    reconnects,
+    relay_config,
+    run,
+    through_unbroken,
+)
+
+from unbroken.mock import MockProvider
+from unbroken.mock.wire import events_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.cli("codex"), pytest.mark.timeout(120)]
+
+TEXT = "Hello from the mock provider."
+
+
+def _setup(tmp_path: Path, mock: MockProvider, **provider: Any) -> tuple[dict[str, str], Path]:
+    env = codex_home(tmp_path, mock.url, **provider)
+    return env, relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3")
+
+
+def _tool(cmd: str) -> dict[str, Any]:
+    return {"reply": "tool", "tool_name": "exec_command", "tool_args": {"cmd": cmd}}
+
+
+async def test_text_turn(tmp_path, mock):
+    env, cfg = _setup(tmp_path, mock)
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
+                  tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert agent_text(r).startswith(TEXT)
+    assert not reconnects(r)
+    [req] = mock.requests
+    assert req.path == "/v1/responses"  # relayed to the provider's own base URL
+    assert "codex" in req.headers.get("user-agent", "")
+
+
+async def test_tool_turn_runs_once(tmp_path, mock):
+    env, cfg = _setup(tmp_path, mock)
+    mock.script([_tool("echo ran >> marker.txt")])
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "run the tool")), env,
+                  tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
+    assert len(mock.requests) == 2  # the call, then the answer after its output
+
+
+async def test_503_storm_alone_dies_through_unbroken_completes(tmp_path, mock):
+    env, cfg = _setup(tmp_path, mock)
+    mock.script([{"status": 503, "count": 6}])
+    alone = await run(codex_argv(tmp_path, "say hi"), env, tmp_path / "project")
+    alone_requests = len(mock.requests)
+    assert alone.code != 0 and not agent_text(alone)
+    mock.reset()
+    mock.script([{"status": 503, "count": 6}])
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
+                  tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert agent_text(r).startswith(TEXT)
+    assert not reconnects(r)  # Codex never saw a failure
+    assert len(mock.requests) == 7
+    print(f"\ncodex 503x6: alone exit {alone.code} after {alone_requests} requests "
+          f"({alone.seconds:.1f} s); through unbroken exit 0 in {r.seconds:.1f} s")
+
+
+async def test_reset_mid_tool_arguments_runs_the_tool_once(tmp_path, mock):
+    env, cfg = _setup(tmp_path, mock)
+    tool = _tool("echo ran >> marker.txt")
+    events = events_for("responses", tool, {"model": "fake-model", "stream": True})
+    first_args = next(i for i, (name, _) in enumerate(events)
+                      if name == "response.function_call_arguments.delta")
+    mock.script([{**tool, "fault": "reset", "after_frame": first_args + 1}] * 3 + [tool])
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "run the tool")), env,
+                  tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert not reconnects(r)
+    assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
+    bodies = [req.body for req in mock.requests[:4]]
+    assert len(set(bodies)) == 1  # every replay byte-identical
+
+
+async def test_silent_200_longer_than_codex_idle_timeout(tmp_path, mock):
+    """An upstream answers 200 then stays silent: alone, Codex's idle timer fires and it
+    reconnects; through unbroken Codex's timer never starts (no early headers for it),
+    unbroken's stall detection replays, and Codex sees a clean turn."""
+    env, cfg = _setup(tmp_path, mock, stream_idle_timeout_ms=1500)
+    stall = {"fault": "stall", "after_frame": 0, "seconds": 30}
+    mock.script([stall])
+    alone = await run(codex_argv(tmp_path, "say hi"), env, tmp_path / "project")
+    assert any("idle timeout" in m for m in reconnects(alone)), alone.stdout[-2000:]
+    mock.reset()
+    mock.script([stall])
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
+                  tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert not reconnects(r)
+    assert agent_text(r).startswith(TEXT)
+    assert len(mock.requests) == 2  # the stalled attempt, then unbroken's replay
+    print(f"\ncodex silent 200: alone {reconnects(alone)}; through unbroken none "
+          f"({r.seconds:.1f} s)")
+
+
+async def test_keepalive_events_hold_codex_idle_timer(tmp_path, mock):
+    """A slow upstream: a frame every second, against Codex's 0.7 s idle timer.  Alone,
+    Codex gives up; through unbroken, which holds the opening frames and then sends
+    its Responses keepalive event between frames (Codex's idle timer ignores SSE
+    comments), the turn completes."""
+    env, cfg = _setup(tmp_path, mock, stream_idle_timeout_ms=700)
+    cfg = relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3",
+                       first_frame_timeout_s=10, idle_timeout_s=10)
+    text = {"text": "slow answer", "deltas": 1, "chunk_delay_ms": 1000}
+    mock.script([text])
+    alone = await run(codex_argv(tmp_path, "say hi"), env, tmp_path / "project")
+    assert any("idle timeout" in m for m in reconnects(alone)), alone.stdout[-2000:]
+    mock.reset()
+    mock.script([text])
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
+                  tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert not reconnects(r), r.stdout
+    assert "slow answer" in agent_text(r)
+    assert len(mock.requests) == 1
+    print(f"\ncodex 1 s between frames, 0.7 s idle timeout: alone {reconnects(alone)}; "
+          "through unbroken none")
+
+
+def test_unbroken_run_print_env_for_codex(tmp_path, capsys):
+    from unbroken.cli import main
+
+    home = tmp_path / "codex"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        'model_provider = "fake"\n[model_providers.fake]\nbase_url = "http://127.0.0.1:9/v1"\n'
+        "supports_websockets = true\n"
+    )
+    import os
+
+    old = os.environ.get("CODEX_HOME")
+    os.environ["CODEX_HOME"] = str(home)
+    try:
+        assert main(["run", "--print-env", "--", "codex", "exec", "hi"]) == 0
+    finally:
+        if old is None:
+            del os.environ["CODEX_HOME"]
+        else:
+            os.environ["CODEX_HOME"] = old
+    out = capsys.readouterr().out
+    assert "model_providers.fake.base_url=\"http://127.0.0.1:4780/fake/v1\"" in out
+    assert "openai_base_url=\"http://127.0.0.1:4780/openai/v1\"" in out
+    assert '[routes.fake]' in out and json.dumps("http://127.0.0.1:9") in out
