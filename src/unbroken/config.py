@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from unbroken.core.health import HealthSettings
 from unbroken.core.ledger import HOLD_CHOICES
 from unbroken.core.policy import RetryPolicy
 from unbroken.core.profiles import check_overrides
@@ -151,6 +152,7 @@ class Config:
     journal: JournalSettings = field(default_factory=JournalSettings)
     #: ``[clients.<name>]``: overrides of a client profile (`core.profiles`), validated
     clients: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    health: HealthSettings = field(default_factory=HealthSettings)
     #: the secret every request must carry (``x-unbroken-token`` or ``/t/<token>/``);
     #: None: no token (loopback only)
     token: str | None = field(default=None, repr=False, compare=False)
@@ -202,6 +204,8 @@ RETRY_KEYS: dict[str, str] = {
     "max_attempts": _INT,
     "honor_retry_after": _BOOL,
     "max_retry_after_ms": _INT,
+    "budget_percent": _FLOAT,
+    "min_retry_concurrency": _INT,
     "verbose": _BOOL,
     "max_body_mb": _FLOAT,
 }
@@ -218,8 +222,21 @@ STREAM_KEYS: dict[str, str] = {
 }
 WEBSOCKET_KEYS: dict[str, str] = {"fallback_cooldown_s": _FLOAT, "max_queued_messages": _INT}
 JOURNAL_KEYS: dict[str, str] = {"enabled": _BOOL, "path": _STR, "retention_days": _FLOAT}
+HEALTH_KEYS: dict[str, str] = {
+    "breakers": _BOOL,
+    "failures_to_open": _INT,
+    "failure_rate_to_open": _FLOAT,
+    "window_s": _FLOAT,
+    "min_window_attempts": _INT,
+    "open_s": _FLOAT,
+    "max_open_s": _FLOAT,
+    "quota_cooloff_s": _FLOAT,
+    "probe_timeout_s": _FLOAT,
+    "park_check_s": _FLOAT,
+    "store": _STR,
+}
 UPSTREAM_KEYS = {"url", "api_key_env", "models", "key_headers"}
-SECTIONS = {"server", "retry", "stream", "websocket", "journal", "clients", "routes"}
+SECTIONS = {"server", "retry", "stream", "websocket", "journal", "clients", "health", "routes"}
 
 
 def _check(key: str, value: Any, kind: str) -> Any:
@@ -541,9 +558,10 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
     stream = _section(data, "stream", STREAM_KEYS)
     websocket = _section(data, "websocket", WEBSOCKET_KEYS)
     journal = _section(data, "journal", JOURNAL_KEYS)
+    health = _health(_section(data, "health", HEALTH_KEYS))
     _env_overrides(retry, env)
 
-    backoff = retry.get("backoff", "fixed")
+    backoff = retry.get("backoff", "exponential")
     if backoff not in ("fixed", "exponential"):
         raise ConfigError("retry.backoff", f"expected 'fixed' or 'exponential', got {backoff!r}")
     hold = stream.get("hold", ["control", "tool_calls"])
@@ -589,7 +607,13 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
         max_attempts=retry.get("max_attempts", 0),
         honor_retry_after=retry.get("honor_retry_after", True),
         max_retry_after_ms=retry.get("max_retry_after_ms", 60_000),
+        budget_percent=float(retry.get("budget_percent", 0.0)),
+        min_retry_concurrency=retry.get("min_retry_concurrency", 3),
     )
+    if not 0 <= policy.budget_percent <= 100:
+        raise ConfigError("retry.budget_percent", "expected 0..100 (0 = no budget)")
+    if policy.min_retry_concurrency < 0:
+        raise ConfigError("retry.min_retry_concurrency", "must be 0 or more")
     stream_settings = StreamSettings(**{**stream, "hold": tuple(hold)})
     return Config(
         host=host,  # an empty host means loopback, never "all interfaces"
@@ -615,7 +639,30 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
             path=None if journal_path is None else os.path.expanduser(journal_path),
             retention_days=float(journal.get("retention_days", 14.0)),
         ),
+        health=health,
     )
+
+
+def _health(health: dict[str, Any]) -> HealthSettings:
+    """The ``[health]`` section (see README, Configuration)."""
+    for k in ("failures_to_open", "min_window_attempts"):
+        if health.get(k, 1) < 1:
+            raise ConfigError(f"health.{k}", "must be at least 1")
+    for k in ("window_s", "open_s", "max_open_s", "probe_timeout_s", "park_check_s"):
+        if k in health and health[k] <= 0:
+            raise ConfigError(f"health.{k}", "must be greater than 0")
+    if health.get("quota_cooloff_s", 0) < 0:
+        raise ConfigError("health.quota_cooloff_s", "must be 0 or more")
+    rate = health.get("failure_rate_to_open", 0.5)
+    if not 0 < rate <= 1:
+        raise ConfigError("health.failure_rate_to_open", "expected a share in (0, 1]")
+    store = health.get("store", "").strip()
+    if store not in ("", "memory") and not store.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(
+            "health.store", f"expected \"memory\" or a redis:// URL, got {store!r}"
+        )
+    floats = {k: float(v) for k, v in health.items() if HEALTH_KEYS[k] == _FLOAT}
+    return HealthSettings(**{**health, **floats, "store": store})
 
 
 def load_config(

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.config import JournalSettings, parse_config
+from unbroken.core.turn import NOT_FAILURES
 from unbroken.mock import MockProvider, frames_for
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
-from unbroken.observe.metrics import NOT_FAILURES
 from unbroken.relay.server import RelayServer
 
 __all__ = ["STORMS", "DemoTurn", "register", "run_demo"]

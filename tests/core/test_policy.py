@@ -36,6 +36,9 @@ CONNECT_LEVEL = {
     FailureClass.TLS,
 }
 
+#: the old default: a fixed 250 ms (the default is now exponential with full jitter)
+FIXED_250 = RetryPolicy(backoff="fixed", delay_ms=250)
+
 
 def fail(cls: FailureClass = FailureClass.RESET, retry_after: float | None = None,
          status: int | None = None) -> Failure:
@@ -48,12 +51,13 @@ def fail(cls: FailureClass = FailureClass.RESET, retry_after: float | None = Non
 
 @pytest.mark.parametrize("retry_number", [1, 2, 5, 50, 10_000])
 def test_fixed_delay(retry_number: int) -> None:
-    policy = RetryPolicy(delay_ms=250)
+    policy = FIXED_250
     assert policy.base_delay(retry_number, random.Random(0)) == 0.25
 
 
 def test_fixed_delay_capped_by_max_delay() -> None:
-    assert RetryPolicy(delay_ms=5000, max_delay_ms=1000).base_delay(1, random.Random(0)) == 1.0
+    fixed = RetryPolicy(backoff="fixed", delay_ms=5000, max_delay_ms=1000)
+    assert fixed.base_delay(1, random.Random(0)) == 1.0
 
 
 def test_exponential_full_jitter_bounds_and_determinism() -> None:
@@ -84,7 +88,7 @@ def test_exponential_with_huge_retry_number_does_not_overflow() -> None:
 
 
 def test_clamp_retry_after() -> None:
-    policy = RetryPolicy(max_retry_after_ms=60_000)
+    policy = RetryPolicy(backoff="fixed", max_retry_after_ms=60_000)
     assert policy.clamp_retry_after(5) == 5
     assert policy.clamp_retry_after(3600) == 60.0
     assert policy.clamp_retry_after(float("inf")) == 60.0
@@ -126,7 +130,7 @@ def test_single_upstream_always_zero() -> None:
 def test_connection_failure_reroutes_at_once_when_another_upstream_exists(
     cls: FailureClass,
 ) -> None:
-    state = RetryState(RetryPolicy(delay_ms=250), n_upstreams=2, rng=random.Random(0))
+    state = RetryState(FIXED_250, n_upstreams=2, rng=random.Random(0))
     assert state.next_upstream(0.0) == 0
     assert state.record_failure(fail(cls), 0.0) == 0.0
     assert state.next_upstream(0.0) == 1
@@ -134,7 +138,7 @@ def test_connection_failure_reroutes_at_once_when_another_upstream_exists(
 
 @pytest.mark.parametrize("cls", sorted(CONNECT_LEVEL, key=lambda c: c.value))
 def test_connection_failure_with_one_upstream_waits(cls: FailureClass) -> None:
-    state = RetryState(RetryPolicy(delay_ms=250), n_upstreams=1, rng=random.Random(0))
+    state = RetryState(FIXED_250, n_upstreams=1, rng=random.Random(0))
     state.next_upstream(0.0)
     assert state.record_failure(fail(cls), 0.0) == 0.25
 
@@ -143,7 +147,7 @@ def test_connection_failure_with_one_upstream_waits(cls: FailureClass) -> None:
     "cls", sorted(set(FailureClass) - CONNECT_LEVEL, key=lambda c: c.value)
 )
 def test_other_failures_wait_even_with_another_upstream(cls: FailureClass) -> None:
-    state = RetryState(RetryPolicy(delay_ms=250), n_upstreams=2, rng=random.Random(0))
+    state = RetryState(FIXED_250, n_upstreams=2, rng=random.Random(0))
     state.next_upstream(0.0)
     assert state.record_failure(fail(cls), 0.0) == 0.25
     assert state.next_upstream(0.25) == 1  # still rotates
@@ -155,7 +159,7 @@ def test_reroutes_at_once_property() -> None:
 
 
 def test_connection_failure_does_not_reroute_to_a_cooling_upstream() -> None:
-    state = RetryState(RetryPolicy(delay_ms=250), n_upstreams=2, rng=random.Random(0))
+    state = RetryState(FIXED_250, n_upstreams=2, rng=random.Random(0))
     state.next_upstream(0.0)  # 0
     state.record_failure(fail(FailureClass.STATUS, retry_after=30.0, status=429), 0.0)
     assert state.next_upstream(0.25) == 1
@@ -164,7 +168,7 @@ def test_connection_failure_does_not_reroute_to_a_cooling_upstream() -> None:
 
 
 def test_retry_after_cooloff_skips_upstream_while_another_is_free() -> None:
-    state = RetryState(RetryPolicy(delay_ms=250), n_upstreams=3, rng=random.Random(0))
+    state = RetryState(FIXED_250, n_upstreams=3, rng=random.Random(0))
     assert state.next_upstream(100.0) == 0
     wait = state.record_failure(fail(FailureClass.STATUS, retry_after=10.0, status=429), 100.0)
     assert wait == 0.25  # another upstream is free: the normal delay
@@ -181,14 +185,14 @@ def test_retry_after_cooloff_skips_upstream_while_another_is_free() -> None:
 
 
 def test_retry_after_single_upstream_waits_the_retry_after() -> None:
-    state = RetryState(RetryPolicy(delay_ms=250), n_upstreams=1, rng=random.Random(0))
+    state = RetryState(FIXED_250, n_upstreams=1, rng=random.Random(0))
     state.next_upstream(0.0)
     assert state.record_failure(fail(FailureClass.STATUS, retry_after=7.0, status=503), 0.0) == 7.0
     assert state.next_upstream(7.0) == 0
 
 
 def test_retry_after_clamped_by_max_retry_after_ms() -> None:
-    policy = RetryPolicy(delay_ms=250, max_retry_after_ms=2_000)
+    policy = RetryPolicy(backoff="fixed", delay_ms=250, max_retry_after_ms=2_000)
     state = RetryState(policy, n_upstreams=1, rng=random.Random(0))
     state.next_upstream(0.0)
     assert state.record_failure(fail(FailureClass.STATUS, retry_after=3600.0), 0.0) == 2.0
@@ -196,13 +200,13 @@ def test_retry_after_clamped_by_max_retry_after_ms() -> None:
 
 
 def test_retry_after_zero() -> None:
-    state = RetryState(RetryPolicy(delay_ms=250), n_upstreams=1, rng=random.Random(0))
+    state = RetryState(FIXED_250, n_upstreams=1, rng=random.Random(0))
     state.next_upstream(0.0)
     assert state.record_failure(fail(FailureClass.STATUS, retry_after=0.0), 0.0) == 0.0
 
 
 def test_all_upstreams_cooling_waits_for_the_soonest() -> None:
-    state = RetryState(RetryPolicy(delay_ms=250), n_upstreams=2, rng=random.Random(0))
+    state = RetryState(FIXED_250, n_upstreams=2, rng=random.Random(0))
     state.next_upstream(0.0)
     state.record_failure(fail(FailureClass.STATUS, retry_after=10.0), 0.0)  # 0 until 10
     assert state.next_upstream(0.25) == 1
@@ -219,7 +223,7 @@ def test_next_upstream_when_everyone_cools_picks_the_soonest_free() -> None:
 
 
 def test_honor_retry_after_false_ignores_it() -> None:
-    policy = RetryPolicy(delay_ms=250, honor_retry_after=False)
+    policy = RetryPolicy(backoff="fixed", delay_ms=250, honor_retry_after=False)
     state = RetryState(policy, n_upstreams=1, rng=random.Random(0))
     state.next_upstream(0.0)
     assert state.record_failure(fail(FailureClass.STATUS, retry_after=30.0), 0.0) == 0.25
@@ -293,7 +297,7 @@ def test_parse_retry_after_with_multidict_headers() -> None:
 def test_parse_retry_after_infinite_is_clamped_by_policy() -> None:
     ra = parse_retry_after({"retry-after": "1e999"}, now_wall=NOW)
     assert ra is not None
-    assert RetryPolicy(max_retry_after_ms=60_000).clamp_retry_after(ra) == 60.0
+    assert RetryPolicy(backoff="fixed", max_retry_after_ms=60_000).clamp_retry_after(ra) == 60.0
 
 
 # ---------------------------------------------------------------------------

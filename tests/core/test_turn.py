@@ -91,7 +91,9 @@ def make(
 ) -> tuple[TurnMachine, Report]:
     report = Report()
     retry = RetryState(
-        RetryPolicy(delay_ms=delay_ms, max_attempts=max_attempts), upstreams, rng=random.Random(0)
+        RetryPolicy(delay_ms=delay_ms, backoff="fixed", max_attempts=max_attempts),
+        upstreams,
+        rng=random.Random(0),
     )
     m = TurnMachine(
         protocol=CHAT,

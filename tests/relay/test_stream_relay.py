@@ -182,7 +182,8 @@ async def test_hold_all_replays_after_output(mock):
 
 async def test_early_headers_and_keepalive_while_retrying(mock):
     stream = {**STREAM, "early_headers_s": 0.2, "keepalive_s": 0.1}
-    server, _ = await start_relay(make_config([{"url": mock.url}], retry={"delay_ms": 400},
+    server, _ = await start_relay(make_config([{"url": mock.url}], retry={"delay_ms": 400,
+                                                 "backoff": "fixed"},
                                              stream=stream))
     try:
         direct = await _direct(mock, "chat", "text")
@@ -200,7 +201,8 @@ async def test_early_headers_and_keepalive_while_retrying(mock):
 
 async def test_non_retryable_status_after_early_headers_is_an_error_event(mock):
     stream = {**STREAM, "early_headers_s": 0.1}
-    server, _ = await start_relay(make_config([{"url": mock.url}], retry={"delay_ms": 300},
+    server, _ = await start_relay(make_config([{"url": mock.url}], retry={"delay_ms": 300,
+                                                 "backoff": "fixed"},
                                              stream=stream))
     try:
         mock.script([{"status": 503}, {"status": 400}])

@@ -13,19 +13,28 @@ seen?) is not decided here: that is the ledger's job.  This module only answers
 from __future__ import annotations
 
 import enum
+import hashlib
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 
+from unbroken.core.health import HealthBoard
+
 __all__ = [
+    "QUOTA_STATUSES",
     "RETRY_STATUSES",
     "Failure",
     "FailureClass",
+    "Park",
+    "RetryBudget",
     "RetryPolicy",
     "RetryState",
+    "counts_against_upstream",
+    "is_quota_body",
     "is_retryable_status",
     "parse_retry_after",
+    "rendezvous_order",
 ]
 
 #: HTTP statuses that are retried (the opencode-retry-forever defaults).
@@ -34,8 +43,28 @@ RETRY_STATUSES: frozenset[int] = frozenset(
 )
 
 
+#: statuses that mean "this account's quota or credit is spent" (a long cool-off)
+QUOTA_STATUSES: frozenset[int] = frozenset({402})
+
+#: lower-case markers of an exhausted quota or a billing problem in an error body
+QUOTA_MARKERS: tuple[bytes, ...] = (
+    b"insufficient_quota",
+    b"exceeded your current quota",
+    b"billing",
+    b"credit balance is too low",
+    b"payment required",
+)
+
+
 def is_retryable_status(status: int) -> bool:
-    return status in RETRY_STATUSES
+    """Retried, or (a quota status) rerouted to another upstream when there is one."""
+    return status in RETRY_STATUSES or status in QUOTA_STATUSES
+
+
+def is_quota_body(body: bytes) -> bool:
+    """An error body that says the quota or credit is spent (``insufficient_quota``...)."""
+    low = body[:65536].lower()
+    return any(m in low for m in QUOTA_MARKERS)
 
 
 class FailureClass(enum.StrEnum):
@@ -91,6 +120,16 @@ class Failure:
     def label(self) -> str:
         return str(self.status) if self.status is not None else self.cls.value
 
+    @property
+    def quota(self) -> bool:
+        """The upstream's quota or credit is spent: a long cool-off, never a plain retry."""
+        return self.status in QUOTA_STATUSES or self.reason.startswith("quota")
+
+
+def counts_against_upstream(failure: Failure) -> bool:
+    """A failure the breaker counts: network errors, stalls, cut streams, 5xx; never a 4xx."""
+    return failure.status is None or failure.status >= 500
+
 
 def parse_retry_after(headers: Mapping[str, str], *, now_wall: float) -> float | None:
     """Seconds to wait from ``retry-after-ms``, ``Retry-After`` (seconds or HTTP-date)."""
@@ -122,11 +161,15 @@ class RetryPolicy:
     """The ``[retry]`` settings that shape waiting (see README, Configuration)."""
 
     delay_ms: int = 250
-    backoff: str = "fixed"  # or "exponential"
+    backoff: str = "exponential"  # full jitter; or "fixed"
     max_delay_ms: int = 30_000
     max_attempts: int = 0  # total attempts including the first; 0 = unlimited
     honor_retry_after: bool = True
     max_retry_after_ms: int = 60_000
+    #: at most this share (%) of the turns in flight may be retrying at once; 0 = off
+    budget_percent: float = 0.0
+    #: this many retries at once are always allowed, whatever the budget says
+    min_retry_concurrency: int = 3
 
     def base_delay(self, retry_number: int, rng: random.Random) -> float:
         """Seconds before retry number ``retry_number`` (1 = the first retry)."""
@@ -139,12 +182,62 @@ class RetryPolicy:
         return min(seconds, self.max_retry_after_ms / 1000.0)
 
 
+@dataclass(frozen=True, slots=True)
+class Park:
+    """No upstream may be tried now: wait until ``until`` (monotonic), then look again."""
+
+    until: float
+    why: str  # "breaker" | "cooloff" | "probe" | "budget"
+
+
+def rendezvous_order(session: str, keys: Sequence[str]) -> list[int]:
+    """Upstream indexes by rendezvous (highest random weight) hashing of ``session``.
+
+    Stable across processes and machines; removing one upstream moves only the
+    sessions that ranked it first.
+    """
+
+    def weight(i: int) -> bytes:
+        return hashlib.blake2b(f"{session}\0{keys[i]}".encode(), digest_size=8).digest()
+
+    return sorted(range(len(keys)), key=weight, reverse=True)
+
+
+@dataclass(slots=True)
+class RetryBudget:
+    """Envoy's retry budget for one route (sans-IO counters, shared by its turns).
+
+    ``turns`` in flight and ``retrying`` (turns whose current attempt is a retry)
+    are counted by the relay; `allow` says if one more retry may start now.
+    """
+
+    percent: float = 0.0
+    min_concurrency: int = 3
+    turns: int = 0
+    retrying: int = 0
+    exhausted_total: int = 0  # retries that had to wait for the budget
+
+    def limit(self) -> float:
+        # at least one retry may always run, so parked retries can never all starve
+        return max(1.0, float(self.min_concurrency), self.percent / 100.0 * self.turns)
+
+    def allow(self) -> bool:
+        if self.percent <= 0:
+            return True
+        return self.retrying + 1 <= self.limit()
+
+
 @dataclass(slots=True)
 class RetryState:
     """Attempt bookkeeping for one turn over a route's upstreams (sans-IO).
 
-    ``next_upstream`` rotates through the upstreams, skipping one that asked
-    us (by Retry-After) to stay away while another is available.  ``delay``
+    ``next_upstream`` picks the upstream for the next attempt: the session's
+    rendezvous order when the turn carries a ``sticky`` key, else the route's order;
+    the first attempt takes the first usable one, a retry the next usable one after
+    the current.  An upstream is skipped while it asked (Retry-After, quota) to be
+    left alone or its breaker (``board``) is open.  With a ``board``, when no
+    upstream is usable it returns a `Park` (wait until the earliest reopen) instead
+    of an index; so it does when the retry ``budget`` is spent.  ``record_failure``
     says how long to wait before the next attempt.
     """
 
@@ -152,37 +245,120 @@ class RetryState:
     n_upstreams: int
     rng: random.Random = field(default_factory=random.Random)
     cooloff_until: dict[int, float] = field(default_factory=dict)
+    board: HealthBoard | None = None
+    keys: Sequence[str] = ()  # the board's key of each upstream
+    sticky: str | None = None  # the session key: same session, same upstream
+    budget: RetryBudget | None = None
+    quota_cooloff_s: float = 3600.0
     attempts: int = 0
     retries: int = 0
     current: int = -1
+    why: str = ""  # how the last upstream was chosen: first, sticky, rotated, breaker_skip
+    quota_wall: bool = False  # the last failure was a spent quota with no other upstream
+    _order: list[int] | None = None
+    _counted: set[int] = field(default_factory=set)  # upstreams this turn has failed on
 
     def exhausted(self) -> bool:
         return self.policy.max_attempts > 0 and self.attempts >= self.policy.max_attempts
 
-    def next_upstream(self, now: float) -> int:
-        """Choose the upstream for the next attempt and count the attempt."""
+    def _blocked(self, i: int, now: float) -> float:
+        until = self.cooloff_until.get(i, 0.0)
+        until = until if until > now else 0.0
+        board = self.board
+        if board is not None:
+            until = max(until, board.blocked_until(self.keys[i], now))
+        return until
+
+    def order(self) -> list[int]:
+        order = self._order
+        if order is None:
+            if self.sticky and self.keys and self.n_upstreams > 1:
+                order = rendezvous_order(self.sticky, self.keys)
+            else:
+                order = list(range(self.n_upstreams))
+            self._order = order
+        return order
+
+    def next_upstream(self, now: float) -> int | Park:
+        """Choose the upstream for the next attempt and count the attempt (or `Park`)."""
         n = self.n_upstreams
-        start = (self.current + 1) % n
-        choice = start
+        order = self.order()
+        first = self.current < 0
+        budget = self.budget
+        if not first and budget is not None and not budget.allow():
+            budget.exhausted_total += 1
+            return Park(now + 0.25, "budget")
+        start = 0 if first else (order.index(self.current) + 1) % n
+        board = self.board
+        choice = -1
+        skipped = False
+        soonest = float("inf")
+        why = "cooloff"
         for k in range(n):
-            idx = (start + k) % n
-            if self.cooloff_until.get(idx, 0.0) <= now:
-                choice = idx
-                break
-        else:
-            # everyone is cooling off: take the one free soonest
+            idx = order[(start + k) % n]
+            until = self._blocked(idx, now)
+            if until > 0.0:
+                skipped = True
+                if until < soonest:
+                    soonest = until
+                    why = self._why_blocked(idx, now)
+                continue
+            if board is not None and not board.take(self.keys[idx], now):
+                skipped = True
+                probe_until = board.blocked_until(self.keys[idx], now) or now + 0.05
+                if probe_until < soonest:
+                    soonest, why = probe_until, "probe"
+                continue
+            choice = idx
+            break
+        if choice < 0:
+            if board is not None:
+                return Park(soonest, why)
+            # no board: everyone is cooling off, take the one free soonest
             choice = min(range(n), key=lambda i: self.cooloff_until.get(i, 0.0))
+        if skipped:
+            self.why = "breaker_skip"
+        elif first:
+            self.why = "sticky" if self.sticky and n > 1 else "first"
+        else:
+            self.why = "rotated"
         self.current = choice
         self.attempts += 1
+        if not first and budget is not None:
+            budget.retrying += 1
         return choice
+
+    def _why_blocked(self, i: int, now: float) -> str:
+        board = self.board
+        if board is not None:
+            rec = board.records.get(self.keys[i])
+            if rec is not None and rec.state.value != "closed":
+                return "breaker"
+        return "cooloff"
 
     def record_failure(self, failure: Failure, now: float) -> float:
         """Note a failure of the current upstream; return the wait (s) before the next try."""
         self.retries += 1
+        self.quota_wall = False
+        board = self.board
+        key = self.keys[self.current] if board is not None and self.keys else None
+        if failure.quota:
+            self.cooloff_until[self.current] = now + self.quota_cooloff_s
+            if board is not None and key is not None:
+                board.cooloff(key, now, self.quota_cooloff_s, "quota")
+            if not self._other_free(now):
+                self.quota_wall = True  # never retry forever into a quota wall
+            return 0.0
         ra = failure.retry_after_s if self.policy.honor_retry_after else None
         if ra is not None:
             ra = self.policy.clamp_retry_after(ra)
             self.cooloff_until[self.current] = now + ra
+            if board is not None and key is not None and ra > 0:
+                board.cooloff(key, now, ra, "retry_after")
+        if board is not None and key is not None and counts_against_upstream(failure):
+            first_here = self.current not in self._counted
+            self._counted.add(self.current)
+            board.failure(key, now, failure.label, count=first_here)
         other_free = self._other_free(now)
         if failure.cls.reroutes_at_once and other_free:
             return 0.0
@@ -196,6 +372,6 @@ class RetryState:
 
     def _other_free(self, now: float) -> bool:
         return any(
-            i != self.current and self.cooloff_until.get(i, 0.0) <= now
+            i != self.current and self._blocked(i, now) <= 0.0
             for i in range(self.n_upstreams)
         )

@@ -85,7 +85,14 @@ from typing import Protocol as TypingProtocol
 
 from unbroken.core.attempt import AttemptStats
 from unbroken.core.ledger import NOTHING, Hold, Ledger, State, Verdict
-from unbroken.core.policy import Failure, FailureClass, RetryState, is_retryable_status
+from unbroken.core.policy import (
+    Failure,
+    FailureClass,
+    Park,
+    RetryState,
+    is_quota_body,
+    is_retryable_status,
+)
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
 from unbroken.core.profiles import KeepaliveForm, Profile
 from unbroken.core.protocols import BODY, Protocol
@@ -93,6 +100,10 @@ from unbroken.core.sse import Event, EventTooLarge, SSESplitter
 
 __all__ = [
     "KEEPALIVE",
+    "NOT_FAILURES",
+    "NOT_UPSTREAM",
+    "OUTCOMES",
+    "UPSTREAM_ANSWERED",
     "AbortUpstream",
     "Action",
     "End",
@@ -159,10 +170,22 @@ class Outcome(enum.StrEnum):
         return self is Outcome.OK or self is Outcome.RECOVERED
 
 
+#: the outcomes reports list even at zero, in order (``internal_error``, a relay bug,
+#: is listed only when it happened)
+OUTCOMES: tuple[Outcome, ...] = tuple(o for o in Outcome if o is not Outcome.INTERNAL_ERROR)
+#: attempt reasons that say nothing about the upstream's health
+NOT_UPSTREAM: frozenset[str] = frozenset({Outcome.ABORTED_BY_CLIENT, Outcome.INTERNAL_ERROR})
+#: attempt reasons that mean the upstream answered
+UPSTREAM_ANSWERED: frozenset[str] = frozenset({Outcome.OK, Outcome.PASSED_THROUGH_ERROR})
+#: attempt reasons that are not upstream failures
+NOT_FAILURES: frozenset[str] = NOT_UPSTREAM | UPSTREAM_ANSWERED
+
+
 class TurnState(enum.StrEnum):
     """What a live turn is doing (for /status)."""
 
     WAITING = "waiting"  # connecting, or waiting before a retry
+    PARKED = "parked"  # every upstream is open, cooling off, or the retry budget is spent
     HOLDING = "holding"  # reading; nothing released yet
     STREAMING = "streaming"  # output is reaching the client
     DONE = "done"
@@ -385,6 +408,16 @@ class TurnMachine:
         if retry.exhausted():
             return self._give_up()
         idx = retry.next_upstream(now)
+        if type(idx) is Park and _testing:
+            idx = retry.next_upstream(idx.until)  # testing mode: no real waits, parks neither
+        if type(idx) is Park:
+            # Parked: nothing goes upstream until the earliest reopen; the transport's
+            # timer keeps the client alive (early headers, keepalives) meanwhile.
+            self.report.state(TurnState.PARKED)
+            board = retry.board
+            check = board.settings.park_check_s if board is not None else 1.0
+            return Wait(min(max(idx.until - now, 0.001), check))
+        assert isinstance(idx, int)
         self.step = _Step.CONNECTING
         self.status = None
         self.failure = None
@@ -453,13 +486,17 @@ class TurnMachine:
         ledger.stats = self.stats or AttemptStats()
         return PassThrough()
 
-    def error_body(self, now: float) -> Action:
+    def error_body(self, now: float, body: bytes = b"") -> Action:
         """A retryable answer's body was read and kept by the transport."""
         self._expect(_Step.READING)
         self._answer_kept = True
         failure = self.failure
         if failure is None:  # pragma: no cover - set by answered()
             raise TurnError("error_body() without a retryable answer")
+        if body and is_quota_body(body):  # insufficient_quota, billing: a quota wall
+            failure = self.failure = Failure(
+                failure.cls, f"quota: {failure.reason}", failure.status, failure.retry_after_s
+            )
         return self._attempt_failed(now, failure, Phase.HEADERS)
 
     def final_body(
@@ -675,6 +712,11 @@ class TurnMachine:
             report.attempt_failed(failure, phase, None)
             return self._give_up()
         wait = retry.record_failure(failure, now)
+        if retry.quota_wall:
+            # The quota is spent and no other upstream can take the turn: the
+            # provider's answer goes to the client; never retry into a quota wall.
+            report.attempt_failed(failure, phase, None)
+            return self._give_up()
         report.attempt_failed(failure, phase, wait)
         report.state(TurnState.WAITING)
         if wait > 0 and not _testing:

@@ -1,8 +1,10 @@
 """In-memory upstream health: recent outcomes per upstream, for status and metrics.
 
-A `Hooks` observer: it learns from every attempt the relay reports.  Cool-offs
-themselves live in the relay (``Relay.cooloffs``), shared by every turn of a
-route, because they steer retries; this module only reads them.
+A `Hooks` observer: it learns from every attempt the relay reports.  What steers
+retries (cool-offs, circuit breakers) lives in the relay's health board
+(`unbroken.core.health.HealthBoard`, shared through the health store); this module
+only reads it, through ``breakers`` (`Relay.health_view`), and adds each upstream's
+breaker state, open-until time, failure rate and cool-off to its snapshot.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from unbroken.core.turn import NOT_UPSTREAM, UPSTREAM_ANSWERED
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
 
 __all__ = ["Health", "UpstreamHealth"]
@@ -43,7 +46,9 @@ class Health(Hooks):
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        breakers: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
+        self.breakers = breakers
         self.upstreams: dict[tuple[str, str], UpstreamHealth] = {
             (route, up): UpstreamHealth(route, up) for route, ups in routes.items() for up in ups
         }
@@ -63,9 +68,9 @@ class Health(Hooks):
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         h = self._get(turn.route, attempt.upstream)
-        if attempt.reason == "aborted_by_client":
-            return  # not the upstream's doing
-        if attempt.reason in ("ok", "passed_through_error"):  # it answered
+        if attempt.reason in NOT_UPSTREAM:
+            return  # not the upstream's doing (the client left, or a relay bug)
+        if attempt.reason in UPSTREAM_ANSWERED:
             h.ok += 1
             h.consecutive_failures = 0
             h.last_ok = attempt.ended or self.wall()
@@ -83,16 +88,26 @@ class Health(Hooks):
         return max(0.0, until - self.clock())
 
     def snapshot(self) -> list[dict[str, Any]]:
-        return [
-            {
+        boards = {(b["route"], b["upstream"]): b for b in self.breakers()} if self.breakers else {}
+        wall = self.wall()
+        out = []
+        for h in self.upstreams.values():
+            b = boards.get((h.route, h.upstream), {})
+            breaker = b.get("breaker", "closed")
+            open_for = float(b.get("open_for_s", 0.0))
+            cooloff = max(self.cooloff_s(h.route, h.upstream), float(b.get("cooloff_s", 0.0)))
+            out.append({
                 "route": h.route,
                 "upstream": h.upstream,
-                "up": h.up,
+                "up": h.up and breaker == "closed",
                 "ok": h.ok,
                 "failed": h.failed,
                 "consecutive_failures": h.consecutive_failures,
-                "cooloff_s": round(self.cooloff_s(h.route, h.upstream), 3),
+                "cooloff_s": round(cooloff, 3),
+                "cooloff_reason": b.get("cooloff_reason", "retry_after" if cooloff else ""),
+                "breaker": breaker,
+                "open_until": round(wall + open_for, 3) if breaker == "open" else None,
+                "failure_rate": b.get("failure_rate", 0.0),
                 "recent_failures": [{"at": t, "reason": r} for t, r in h.recent],
-            }
-            for h in self.upstreams.values()
-        ]
+            })
+        return out

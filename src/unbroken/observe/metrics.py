@@ -12,18 +12,17 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from unbroken.core.policy import Failure
+from unbroken.core.turn import NOT_FAILURES
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics", "held_bytes"]
 
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TTFB_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-#: attempt reasons that are not upstream failures
-NOT_FAILURES = frozenset({"ok", "passed_through_error", "aborted_by_client"})
 
 
 def held_bytes(turn: TurnInfo) -> int:
@@ -38,9 +37,11 @@ class _Live:
         self,
         inflight: Callable[[], Iterable[TurnInfo]],
         upstreams: Callable[[], list[dict[str, Any]]],
+        fleet: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.inflight = inflight
         self.upstreams = upstreams
+        self.fleet = fleet
 
     def collect(self) -> Iterator[Metric]:
         turns = list(self.inflight())
@@ -60,15 +61,72 @@ class _Live:
             "Seconds the upstream still asked (Retry-After) to be left alone.",
             labels=["route", "upstream"],
         )
+        state = GaugeMetricFamily(
+            "unbroken_upstream_state",
+            "The upstream's circuit breaker: 1 for its current state.",
+            labels=["route", "upstream", "state"],
+        )
         for h in self.upstreams():
             labels = [h["route"], h["upstream"]]
             up.add_metric(labels, 1.0 if h["up"] else 0.0)
             cool.add_metric(labels, float(h["cooloff_s"]))
+            current = h.get("breaker", "closed")
+            for s in ("closed", "open", "half_open"):
+                state.add_metric([*labels, s], 1.0 if s == current else 0.0)
         yield up
         yield cool
+        yield state
+        yield GaugeMetricFamily(
+            "unbroken_parked_turns",
+            "Turns parked now: every upstream open or cooling off, or the retry budget spent.",
+            value=sum(1 for t in turns if t.state == "parked"),
+        )
+        if self.fleet is not None:
+            yield from _fleet_metrics(self.fleet())
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def _fleet_metrics(fleet: dict[str, Any]) -> Iterator[Metric]:
+    """Breaker transitions, the retry budget, the health store and the worker."""
+    trans = CounterMetricFamily(
+        "unbroken_breaker_transitions",
+        "Circuit breaker transitions, by the state entered (open, half_open, close).",
+        labels=["route", "upstream", "to"],
+    )
+    for (route, upstream, kind), n in sorted(fleet.get("transitions", {}).items()):
+        trans.add_metric([route, upstream, kind], float(n))
+    yield trans
+    budget = CounterMetricFamily(
+        "unbroken_retry_budget_exhausted",
+        "Retries that had to wait (parked) because the route's retry budget was spent.",
+        labels=["route"],
+    )
+    retrying = GaugeMetricFamily(
+        "unbroken_retries_in_flight", "Turns whose current attempt is a retry.", labels=["route"]
+    )
+    for route, b in sorted(fleet.get("retry_budget", {}).items()):
+        budget.add_metric([route], float(b.get("exhausted_total", 0)))
+        retrying.add_metric([route], float(b.get("retrying", 0)))
+    yield budget
+    yield retrying
+    store = fleet.get("store") or {}
+    up = GaugeMetricFamily(
+        "unbroken_store_up",
+        "1 while the health store (memory, workers channel or redis) is reachable.",
+        labels=["kind"],
+    )
+    up.add_metric([str(store.get("kind", "memory"))], 1.0 if store.get("state") == "ok" else 0.0)
+    yield up
+    worker = fleet.get("worker")
+    if worker is not None:
+        info = GaugeMetricFamily(
+            "unbroken_worker", "The worker process that answered this scrape.",
+            labels=["worker", "pid"],
+        )
+        info.add_metric([str(worker.get("id")), str(worker.get("pid"))], 1.0)
+        yield info
 
 
 class Metrics(Hooks):
@@ -76,6 +134,7 @@ class Metrics(Hooks):
         self,
         inflight: Callable[[], Iterable[TurnInfo]] = tuple,
         upstreams: Callable[[], list[dict[str, Any]]] = list,
+        fleet: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -115,7 +174,7 @@ class Metrics(Hooks):
             buckets=TTFB_BUCKETS,
             registry=r,
         )
-        r.register(_Live(inflight, upstreams))
+        r.register(_Live(inflight, upstreams, fleet))
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)

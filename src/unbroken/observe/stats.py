@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.config import ConfigError, load_config
+from unbroken.core.turn import NOT_FAILURES
+from unbroken.core.turn import OUTCOMES as _OUTCOMES
 from unbroken.observe.journal import journal_path
 
 __all__ = ["compute_stats", "format_stats", "parse_since", "percentile", "register"]
 
-OUTCOMES = ("ok", "recovered", "ended_with_error", "passed_through_error", "aborted_by_client")
-#: attempt reasons that are not upstream failures
-NOT_FAILURES = ("ok", "passed_through_error", "aborted_by_client")
+OUTCOMES = tuple(o.value for o in _OUTCOMES)
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 
 

@@ -20,13 +20,15 @@ from typing import Any, Final
 
 from unbroken import __version__
 from unbroken.core.policy import Failure
+from unbroken.core.turn import NOT_FAILURES
+from unbroken.core.turn import OUTCOMES as _OUTCOMES
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
-from unbroken.observe.metrics import NOT_FAILURES, held_bytes
+from unbroken.observe.metrics import held_bytes
 
 __all__ = ["StatusTracker", "fetch_status", "register", "render", "watch"]
 
 DEFAULT_URL = "http://127.0.0.1:4780"
-OUTCOMES = ("ok", "recovered", "ended_with_error", "passed_through_error", "aborted_by_client")
+OUTCOMES = tuple(o.value for o in _OUTCOMES)
 
 
 class StatusTracker(Hooks):
@@ -148,7 +150,10 @@ def _size(n: int) -> str:
     return f"{n / 1024 / 1024:.1f} MiB"
 
 
-STATE_STYLE = {"waiting": "yellow", "holding": "cyan", "streaming": "green", "done": "dim"}
+STATE_STYLE = {
+    "waiting": "yellow", "parked": "magenta", "holding": "cyan", "streaming": "green",
+    "done": "dim",
+}
 #: "Since start" lists this many failure reasons, then "and N more".
 TOP_REASONS = 6
 #: A narrow column grows past its header up to this width before wide columns get space.
@@ -270,6 +275,20 @@ class StatusView:
         if isinstance(journal, dict) and journal.get("healthy") is False:
             dropped = journal.get("dropped", 0)
             head.append(f"  journal NOT WRITTEN ({dropped} rows dropped)", style="red")
+        parked = sum(1 for t in inflight if t.get("state") == "parked")
+        if parked:
+            head.append(f"  {parked} parked", style="magenta")
+        workers = data.get("workers")
+        if isinstance(workers, list) and workers:
+            head.append(f"  {len(workers)} workers")
+        store = data.get("store")
+        if isinstance(store, dict) and store.get("state") == "degraded":
+            head.append(f"  {store.get('kind', 'store')} store DEGRADED", style="red")
+        budgets = data.get("retry_budget")
+        if isinstance(budgets, dict):
+            spent = sum(int(b.get("exhausted_total", 0)) for b in budgets.values())
+            if spent:
+                head.append(f"  retry budget waits {spent}", style="yellow")
 
         rows: list[list[Any]] = []
         for t in inflight:
@@ -294,7 +313,11 @@ class StatusView:
 
         now = float(data.get("now") or time.time())
         upstreams = data.get("upstreams", [])
-        active = [u for u in upstreams if u.get("ok") or u.get("failed") or u.get("cooloff_s")]
+        active = [
+            u for u in upstreams
+            if u.get("ok") or u.get("failed") or u.get("cooloff_s")
+            or u.get("breaker", "closed") != "closed"
+        ]
         rows = []
         for u in active:
             recent = u.get("recent_failures", [])[-3:]
@@ -304,9 +327,9 @@ class StatusView:
             rows.append([
                 u.get("route", ""),
                 u.get("upstream", ""),
-                Text("up", style="green") if u.get("up") else Text("DOWN", style="bold red"),
+                _up_text(u, now),
                 str(u.get("ok", 0)),
-                str(u.get("failed", 0)),
+                _failed_text(u),
                 recent_text or "-",
                 _dur(u["cooloff_s"]) if u.get("cooloff_s") else "-",
             ])
@@ -319,6 +342,27 @@ class StatusView:
         return [head, turns, ups, since_start(totals)]
 
 
+def _up_text(u: dict[str, Any], now: float) -> Any:
+    """The "up" cell: up, DOWN, or the breaker when it is not closed (open: for how long)."""
+    from rich.text import Text
+
+    state = u.get("breaker", "closed")
+    if state == "open":
+        until = u.get("open_until")
+        left = f" {_dur(max(0.0, until - now))}" if isinstance(until, (int, float)) else ""
+        return Text(f"OPEN{left}", style="bold red")
+    if state == "half_open":
+        return Text("probe", style="yellow")
+    return Text("up", style="green") if u.get("up") else Text("DOWN", style="bold red")
+
+
+def _failed_text(u: dict[str, Any]) -> str:
+    """Failed attempts, and the failure rate over the breaker's window when there is one."""
+    rate = float(u.get("failure_rate") or 0.0)
+    failed = str(u.get("failed", 0))
+    return f"{failed} ({100 * rate:.0f}%)" if rate else failed
+
+
 def since_start(totals: dict[str, Any]) -> Any:
     """The "Since start" panel: counts, the top failure reasons and "and N more"."""
     from rich.table import Table
@@ -328,7 +372,7 @@ def since_start(totals: dict[str, Any]) -> Any:
     tot.add_column("what")
     tot.add_column("count", justify="right")
     tot.add_row("turns", str(totals.get("turns", 0)))
-    for name in OUTCOMES:
+    for name in (*OUTCOMES, *(o for o in outcomes if o not in OUTCOMES)):
         if outcomes.get(name):
             tot.add_row(f"  {name}", str(outcomes[name]))
     tot.add_row("attempts", str(totals.get("attempts", 0)))

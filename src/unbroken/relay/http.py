@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import random
 import time
@@ -28,8 +29,15 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from unbroken.config import Config, Route
+from unbroken.core.health import Change, HealthBoard, upstream_key
 from unbroken.core.ledger import Hold
-from unbroken.core.policy import Failure, FailureClass, RetryState, parse_retry_after
+from unbroken.core.policy import (
+    Failure,
+    FailureClass,
+    RetryBudget,
+    RetryState,
+    parse_retry_after,
+)
 from unbroken.core.profiles import profile_for
 from unbroken.core.protocols import Protocol, protocol_for_path
 from unbroken.core.protocols.base import loads_object
@@ -54,9 +62,10 @@ from unbroken.core.turn import (
     TurnMachine,
     Wait,
 )
-from unbroken.observe.hooks import Hooks, TurnInfo
+from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnInfo
 from unbroken.observe.report import TurnReporter
 from unbroken.relay.errors import classify_exception
+from unbroken.relay.store import HealthStore, make_store
 from unbroken.relay.upstream import (
     UpstreamClient,
     body_for,
@@ -111,6 +120,26 @@ def session_id_of(headers: Any, body: dict[str, Any] | None = None) -> str | Non
     return None
 
 
+#: the session key of the turn being built (set by `Relay.handle`, read by `retry_state`)
+_STICKY: contextvars.ContextVar[str | None] = contextvars.ContextVar("sticky", default=None)
+_STICKY_HEADERS = ("x-session-id", "x-session-affinity", "session-id", "thread-id")
+
+
+def sticky_key(headers: Any, body: bytes) -> str | None:
+    """A turn's session key for stickiness: a session header, or ``prompt_cache_key``."""
+    for name in _STICKY_HEADERS:
+        value = headers.get(name)
+        if value:
+            return str(value)
+    if b'"prompt_cache_key"' in body:
+        parsed = loads_object(body)
+        if parsed is not None:
+            key = parsed.get("prompt_cache_key")
+            if isinstance(key, str) and key:
+                return key
+    return None
+
+
 def abort_response(resp: aiohttp.ClientResponse) -> None:
     """Abort an upstream response's connection at once (no graceful close)."""
     conn = resp.connection
@@ -121,7 +150,7 @@ def abort_response(resp: aiohttp.ClientResponse) -> None:
 
 
 class Relay:
-    """Shared state of the relay: config, outbound client, hooks."""
+    """Shared state of the relay: config, outbound client, hooks, upstream health."""
 
     def __init__(
         self,
@@ -130,9 +159,33 @@ class Relay:
         hooks: Hooks | None = None,
         client: UpstreamClient | None = None,
         rng: random.Random | None = None,
+        clock: Any = time.monotonic,
+        worker: int | None = None,
+        channel_dir: str | None = None,
     ) -> None:
         self.config = config
-        self.hooks = hooks or Hooks()
+        #: the health of every upstream (breakers, cool-offs), consulted by every turn
+        self.board = HealthBoard(config.health)
+        self.clock = clock
+        #: shares the board with other processes: in-process, a workers' channel, or Redis
+        self.store: HealthStore = make_store(
+            self.board, config.health.store, channel_dir=channel_dir, worker=worker
+        )
+        #: route -> retry budget (turns in flight, retries in flight)
+        self.budgets: dict[str, RetryBudget] = {
+            name: RetryBudget(config.retry.budget_percent, config.retry.min_retry_concurrency)
+            for name in config.routes
+        }
+        #: breaker transitions: (route, upstream, kind) -> count
+        self.transitions: dict[tuple[str, str, str], int] = {}
+        self.board.listeners.append(self._on_health_change)
+        self._keys: dict[str, tuple[str, ...]] = {
+            name: _route_keys(r) for name, r in config.routes.items()
+        }
+        for keys in self._keys.values():
+            for key in keys:
+                self.board.get(key)
+        self.hooks: Hooks = MultiHooks(_HealthHook(self), hooks or Hooks())
         self.client = client or UpstreamClient(connect_timeout_s=config.stream.connect_timeout_s)
         self.rng = rng or random.Random()
         self.hold = Hold(config.stream.hold)
@@ -146,19 +199,79 @@ class Relay:
         self.cooloffs: dict[str, dict[int, float]] = {}
 
     def retry_state(self, route: Route) -> RetryState:
-        """A turn's retry bookkeeping; cool-offs are shared by every turn of the route."""
+        """A turn's retry bookkeeping; cool-offs, breakers and the budget are the route's."""
+        keys = self._keys.get(route.name)
+        if keys is None or len(keys) != len(route.upstreams):
+            keys = self._keys[route.name] = _route_keys(route)
+        budget = self.budgets.get(route.name)
+        if budget is None:
+            retry = self.config.retry
+            budget = self.budgets[route.name] = RetryBudget(
+                retry.budget_percent, retry.min_retry_concurrency
+            )
         return RetryState(
             self.config.retry,
             len(route.upstreams),
             rng=self.rng,
             cooloff_until=self.cooloffs.setdefault(route.name, {}),
+            board=self.board,
+            keys=keys,
+            sticky=_STICKY.get(),
+            budget=budget,
+            quota_cooloff_s=self.config.health.quota_cooloff_s,
         )
 
     async def handle(
         self, request: web.Request, route: Route, rest: str, body: bytes
     ) -> web.StreamResponse:
+        token = _STICKY.set(sticky_key(request.headers, body))
+        try:
+            turn = _HttpTurn(self, request, route, rest, body)
+        finally:
+            _STICKY.reset(token)
         with self.running():
-            return await _HttpTurn(self, request, route, rest, body).run()
+            return await turn.run()
+
+    def _on_health_change(self, change: Change) -> None:
+        """Log every breaker transition once and count it (cool-offs are logged per retry)."""
+        if not change.is_transition:
+            return
+        route, _, upstream = change.key.partition("|")
+        k = (route, upstream, change.kind)
+        self.transitions[k] = self.transitions.get(k, 0) + 1
+        source = " (learned from another instance)" if change.remote else ""
+        if change.kind == "open":
+            log.warning(
+                "breaker open route=%s upstream=%s for_s=%g reason=%s%s",
+                route, upstream, round(change.ttl_s, 3), change.reason, source,
+            )
+        else:
+            log.info(
+                "breaker %s route=%s upstream=%s%s", change.kind, route, upstream, source
+            )
+
+    def health_view(self) -> list[dict[str, Any]]:
+        """Each upstream's breaker, failure rate and cool-off, for /status and metrics."""
+        now = self.clock()
+        out = []
+        for route, keys in self._keys.items():
+            for key in keys:
+                view = self.board.view(key, now)
+                view["route"], view["upstream"] = route, key.partition("|")[2]
+                out.append(view)
+        return out
+
+    def budget_view(self) -> dict[str, dict[str, Any]]:
+        return {
+            route: {
+                "turns": b.turns,
+                "retrying": b.retrying,
+                "limit": None if b.percent <= 0 else round(b.limit(), 2),
+                "budget_percent": b.percent,
+                "exhausted_total": b.exhausted_total,
+            }
+            for route, b in self.budgets.items()
+        }
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -191,6 +304,59 @@ class Relay:
 
     async def close(self) -> None:
         await self.client.close()
+        await self.store.close()
+
+
+def _route_keys(route: Route) -> tuple[str, ...]:
+    """The health key of each upstream (a URL listed twice, with two keys, is two upstreams)."""
+    keys: list[str] = []
+    for u in route.upstreams:
+        key = upstream_key(route.name, u.name)
+        n = 2
+        while key in keys:
+            key, n = f"{upstream_key(route.name, u.name)}#{n}", n + 1
+        keys.append(key)
+    return tuple(keys)
+
+
+class _HealthHook(Hooks):
+    """Feeds attempt outcomes the machine does not record itself to the health board.
+
+    The machine records failures before commit (they decide the next wait); this
+    records answers (a success for the breaker), failures after commit, the fleet's
+    counters, and the retry budget's counts.
+    """
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+
+    def turn_started(self, turn: TurnInfo) -> None:
+        budget = self.relay.budgets.get(turn.route)
+        if budget is not None:
+            budget.turns += 1
+
+    def turn_ended(self, turn: TurnInfo) -> None:
+        budget = self.relay.budgets.get(turn.route)
+        if budget is not None and budget.turns > 0:
+            budget.turns -= 1
+
+    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+        relay = self.relay
+        if attempt.number > 1:
+            budget = relay.budgets.get(turn.route)
+            if budget is not None and budget.retrying > 0:
+                budget.retrying -= 1
+        reason = attempt.reason
+        if reason == "aborted_by_client":
+            return
+        key = upstream_key(turn.route, attempt.upstream)
+        answered = reason in ("ok", "passed_through_error")
+        if answered:
+            relay.board.success(key, relay.clock())
+        elif attempt.phase == "committed" and (attempt.status or 0) < 400:
+            relay.board.failure(key, relay.clock(), reason)
+        if answered or (attempt.status or 500) >= 500:
+            relay.store.count(key, not answered)
 
 
 class Watchdog:
@@ -321,7 +487,7 @@ class HttpAttempt:
             self.sink.keep_answer(
                 status, response_headers(resp.headers, keep_length=False), data
             )
-            return machine.error_body(self.loop.time())
+            return machine.error_body(self.loop.time(), data)
         return answer  # a 1xx: the machine already decided what follows
 
     async def _read_bounded(self, resp: aiohttp.ClientResponse) -> bytes:
@@ -556,10 +722,16 @@ class _HttpTurn:
             if action.data:
                 await self._write(action.data)
             return await self._finish()
+        # The relay's own final answer: the SDKs must not add a retry layer on top.
         if action.kind is GiveUpKind.PASS_THROUGH and self.last_answer is not None:
             status, headers, body = self.last_answer
+            headers = CIMultiDict(headers)
+            headers["x-should-retry"] = "false"
             return web.Response(status=status, headers=headers, body=body)
-        return web.Response(status=502, body=action.data, content_type="application/json")
+        return web.Response(
+            status=502, body=action.data, content_type="application/json",
+            headers={"x-should-retry": "false"},
+        )
 
     async def _cancelled(self) -> None:
         """Cancelled (client gone, or shutdown past its grace period).

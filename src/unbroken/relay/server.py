@@ -15,8 +15,10 @@ import json
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -40,6 +42,7 @@ from unbroken.relay.http import Relay
 from unbroken.relay.logfilter import install_log_filter
 from unbroken.relay.upstream import redact
 from unbroken.relay.websocket import handle_websocket, is_websocket_request
+from unbroken.relay.workers import WorkerSpec, read_worker_status, write_worker_status
 
 __all__ = ["RelayServer", "build_app", "serve"]
 
@@ -92,6 +95,7 @@ async def _healthz(request: web.Request) -> web.Response:
             "version": __version__,
             "routes": sorted(relay.config.routes),
             "inflight": len(relay.inflight),
+            "store": relay.store.status()["state"],
         },
     )
 
@@ -271,12 +275,21 @@ def build_app(relay: Relay, endpoints: Mapping[str, Handler] | None = None) -> w
 class RelayServer:
     """A started relay on a host and port (port 0 picks a free one)."""
 
-    def __init__(self, config: Config, *, hooks: Hooks | None = None) -> None:
+    def __init__(
+        self, config: Config, *, hooks: Hooks | None = None, worker: WorkerSpec | None = None
+    ) -> None:
         self.hooks = MultiHooks(LogHooks(verbose=config.verbose))
-        self.relay = Relay(config, hooks=self.hooks)
+        self.worker = worker
+        self.relay = Relay(
+            config,
+            hooks=self.hooks,
+            worker=worker.id if worker is not None else None,
+            channel_dir=worker.runtime_dir if worker is not None else None,
+        )
         self.health = Health(
             {name: [u.name for u in r.upstreams] for name, r in config.routes.items()},
             self.relay.cooloffs,
+            breakers=self.relay.health_view,
         )
         self.hooks.hooks.append(self.health)
         self.journal: Journal | None = None
@@ -285,7 +298,7 @@ class RelayServer:
                 journal_path(config.journal.path), retention_days=config.journal.retention_days
             )
         inflight = self.relay.inflight.copy
-        self.metrics = Metrics(inflight, self.health.snapshot)
+        self.metrics = Metrics(inflight, self.health.snapshot, fleet=self._fleet)
         self.status = StatusTracker(inflight, self.health.snapshot, extra=self._status_extra)
         for observer in (self.status, self.metrics, self.journal):
             if observer is not None:
@@ -295,6 +308,13 @@ class RelayServer:
         self.app = build_app(
             self.relay, {"/status": self._get_status, "/metrics": self._get_metrics}
         )
+        self._status_task: asyncio.Task[None] | None = None
+
+        async def _stop_status(app: web.Application) -> None:
+            if self._status_task is not None:
+                self._status_task.cancel()
+
+        self.app.on_cleanup.append(_stop_status)
         self.max_connections, fd_limit = effective_max_connections(config.max_connections)
         if fd_limit is not None:
             log.warning(
@@ -326,7 +346,41 @@ class RelayServer:
         return {
             "journal": self.journal.status() if self.journal is not None else None,
             "process": self.process_stats(),
+            **self._fleet(),
+            "transitions": [
+                {"route": r, "upstream": u, "to": k, "count": n}
+                for (r, u, k), n in sorted(self.relay.transitions.items())
+            ],
         }
+
+    def _fleet(self) -> dict[str, Any]:
+        """Health-store state, retry budgets, breaker transitions and the worker's identity."""
+        worker = self.worker
+        return {
+            "store": self.relay.store.status(),
+            "retry_budget": self.relay.budget_view(),
+            "transitions": self.relay.transitions,
+            "worker": None if worker is None else {"id": worker.id, "pid": os.getpid()},
+        }
+
+    def _worker_summary(self) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "worker": self.worker.id if self.worker is not None else None,
+            "pid": os.getpid(),
+            "now": now,
+            "inflight": [
+                {**self.status.turn_view(t, now), "worker": self.worker.id if self.worker else None}
+                for t in self.relay.inflight.copy()
+            ],
+            "totals": self.status.totals(),
+        }
+
+    async def _write_status(self) -> None:
+        assert self.worker is not None
+        while True:
+            write_worker_status(self.worker, self._worker_summary())
+            await asyncio.sleep(1.0)
 
     def process_stats(self) -> dict[str, object]:
         """Resource use of this process: connections, tasks, fds, RSS (soak, leak checks)."""
@@ -343,7 +397,20 @@ class RelayServer:
         return stats
 
     async def _get_status(self, request: web.Request) -> web.Response:
-        return _json(200, self.status.snapshot())
+        data = self.status.snapshot()
+        if self.worker is not None:
+            # every worker's view: this one's live, its siblings' from their summaries
+            me = self._worker_summary()
+            write_worker_status(self.worker, me)
+            views = [v for v in read_worker_status(self.worker) if v.get("pid") != me["pid"]]
+            views.insert(0, me)
+            data["inflight"] = [t for v in views for t in v.get("inflight", [])]
+            data["workers"] = [
+                {"id": v.get("worker"), "pid": v.get("pid"), "inflight": len(v.get("inflight", [])),
+                 "totals": v.get("totals", {})}
+                for v in views
+            ]
+        return _json(200, data)
 
     async def _get_metrics(self, request: web.Request) -> web.Response:
         body = self.metrics.expose()
@@ -358,8 +425,14 @@ class RelayServer:
         if self.journal is not None:
             self.journal.start()
             log.info("journal: %s", self.journal.path)
+        await self.relay.store.start()
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
+        site = web.TCPSite(
+            self.runner, self.host, self.port, reuse_address=True,
+            reuse_port=True if self.worker is not None else None,
+        )
+        if self.worker is not None:
+            self._status_task = asyncio.ensure_future(self._write_status())
         await site.start()
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []

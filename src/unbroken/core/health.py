@@ -1,0 +1,323 @@
+"""Upstream health (sans-IO): circuit breakers, cool-offs and failure windows.
+
+An upstream is identified by a *key* (``route|url``).  Its record
+(`UpstreamHealth`) holds the breaker state (closed, open, half-open), when an open
+breaker may be probed again, the consecutive failures, a windowed failure rate
+and a cool-off (a ``Retry-After`` or an exhausted quota).  `HealthBoard` keeps the
+records of one relay process and answers the two questions a turn asks:
+
+* `HealthBoard.blocked_until`: may this upstream be used now, and if not, until when?
+* `HealthBoard.take`: the turn commits to this upstream (a half-open breaker lets
+  exactly one probe through; with a fleet, the probe gate decides which instance).
+
+The breaker (the defaults are `HealthSettings`'):
+
+* **closed** → **open** after ``failures_to_open`` consecutive failed attempts
+  (connect errors, 5xx, stalls, cut streams; never a 4xx answer; a turn's repeated
+  failures on one upstream count once, so a single request the provider always
+  fails cannot open the breaker for everyone), or when the
+  failure rate over ``window_s`` exceeds ``failure_rate_to_open`` (with at least
+  ``min_window_attempts`` attempts in the window);
+* **open** → **half-open** once ``open_s`` has passed (``open_s`` doubles with every
+  re-open, up to ``max_open_s``); while open, no turn sends it traffic;
+* **half-open**: one probe goes through; success closes the breaker, failure re-opens it.
+  A probe that never reports (its client went away) frees the probe slot after
+  ``probe_timeout_s``.
+
+Every change is given to the board's listeners as a `Change`: transitions for the
+logs and metrics, and what a shared store (`unbroken.relay.store`) publishes to the
+other instances.  Changes learned from another instance come in through `apply` and
+are marked ``remote`` (a store does not publish them again).
+
+Time is a monotonic ``now`` in seconds, passed in.  Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Breaker",
+    "Change",
+    "HealthBoard",
+    "HealthSettings",
+    "ProbeGate",
+    "UpstreamHealth",
+    "upstream_key",
+]
+
+#: buckets per failure-rate window
+BUCKETS = 10
+
+
+class Breaker(enum.StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+def upstream_key(route: str, url: str) -> str:
+    """An upstream's identity across processes and machines."""
+    return f"{route}|{url}"
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSettings:
+    """The ``[health]`` section."""
+
+    breakers: bool = True
+    failures_to_open: int = 5
+    failure_rate_to_open: float = 0.5
+    window_s: float = 30.0
+    min_window_attempts: int = 20
+    open_s: float = 2.0
+    max_open_s: float = 30.0
+    quota_cooloff_s: float = 3600.0
+    probe_timeout_s: float = 30.0
+    #: a parked turn looks again at least this often (a change learned from another
+    #: instance, a closed breaker, budget freed up)
+    park_check_s: float = 1.0
+    #: "" or "memory": in-process; "redis://host:port/db": shared through Redis
+    store: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A change of an upstream's health, for observers and for the shared store.
+
+    ``kind``: ``open``, ``half_open``, ``close`` (breaker transitions) or ``cooloff``.
+    ``ttl_s``: how long an ``open`` or ``cooloff`` lasts from now.
+    """
+
+    key: str
+    kind: str
+    ttl_s: float = 0.0
+    reason: str = ""
+    reopens: int = 0
+    remote: bool = False
+    old: Breaker | None = None
+
+    @property
+    def is_transition(self) -> bool:
+        return self.kind != "cooloff"
+
+
+#: fleet-wide probe ownership: ``gate(key, ttl_s)`` is True (this instance probes),
+#: False (another one does), or None (not known yet: look again shortly)
+ProbeGate = Callable[[str, float], bool | None]
+
+
+@dataclass(slots=True)
+class UpstreamHealth:
+    key: str
+    state: Breaker = Breaker.CLOSED
+    open_until: float = 0.0
+    reopens: int = 0  # re-opens since the breaker last closed (open_s doubles each)
+    consecutive_failures: int = 0
+    cooloff_until: float = 0.0
+    cooloff_reason: str = ""
+    probe_until: float = 0.0  # a probe is out (here or elsewhere) until then
+    #: bucket number -> [ok, failed]
+    buckets: dict[int, list[int]] = field(default_factory=dict)
+
+    def window(self, now: float, window_s: float) -> tuple[int, int]:
+        """(ok, failed) attempts over the last ``window_s``."""
+        width = window_s / BUCKETS
+        current = int(now // width)
+        ok = failed = 0
+        for b in [b for b in self.buckets if b <= current - BUCKETS]:
+            del self.buckets[b]
+        for counts in self.buckets.values():
+            ok += counts[0]
+            failed += counts[1]
+        return ok, failed
+
+    def _count(self, now: float, window_s: float, slot: int) -> None:
+        b = int(now // (window_s / BUCKETS))
+        counts = self.buckets.get(b)
+        if counts is None:
+            counts = self.buckets[b] = [0, 0]
+        counts[slot] += 1
+
+
+class HealthBoard:
+    """The health records of one relay process (see the module docstring)."""
+
+    def __init__(
+        self, settings: HealthSettings | None = None, *, probe_gate: ProbeGate | None = None
+    ) -> None:
+        self.settings = settings or HealthSettings()
+        self.records: dict[str, UpstreamHealth] = {}
+        self.listeners: list[Callable[[Change], None]] = []
+        self.probe_gate = probe_gate
+
+    def get(self, key: str) -> UpstreamHealth:
+        rec = self.records.get(key)
+        if rec is None:
+            rec = self.records[key] = UpstreamHealth(key)
+        return rec
+
+    def _emit(self, change: Change) -> None:
+        for listener in self.listeners:
+            listener(change)
+
+    def _refresh(self, rec: UpstreamHealth, now: float) -> None:
+        if rec.state is Breaker.OPEN and now >= rec.open_until:
+            rec.state = Breaker.HALF_OPEN
+            rec.probe_until = 0.0
+            self._emit(Change(rec.key, "half_open", reopens=rec.reopens, old=Breaker.OPEN))
+
+    def state(self, key: str, now: float) -> Breaker:
+        rec = self.get(key)
+        self._refresh(rec, now)
+        return rec.state
+
+    # -- a turn's questions -------------------------------------------------------------
+    def blocked_until(self, key: str, now: float) -> float:
+        """0.0 when the upstream may be tried now; else the monotonic time it may be again.
+
+        A half-open breaker whose probe is out counts as blocked until the probe's lease
+        ends (it usually reports before, and parked turns look again meanwhile).
+        """
+        rec = self.records.get(key)
+        if rec is None:
+            return 0.0
+        self._refresh(rec, now)
+        until = rec.cooloff_until if rec.cooloff_until > now else 0.0
+        if rec.state is Breaker.OPEN:
+            until = max(until, rec.open_until)
+        elif rec.state is Breaker.HALF_OPEN and rec.probe_until > now:
+            until = max(until, rec.probe_until)
+        return until
+
+    def take(self, key: str, now: float) -> bool:
+        """The turn sends its attempt here.  False: a half-open probe is not ours to send."""
+        rec = self.records.get(key)
+        if rec is None:
+            return True
+        self._refresh(rec, now)
+        if rec.state is not Breaker.HALF_OPEN:
+            return True
+        if rec.probe_until > now:
+            return False
+        ttl = self.settings.probe_timeout_s
+        gate = self.probe_gate
+        mine = True if gate is None else gate(key, ttl)
+        if mine is None:  # the fleet has not answered yet
+            rec.probe_until = now + 0.05
+            return False
+        rec.probe_until = now + ttl
+        return mine
+
+    # -- outcomes ---------------------------------------------------------------------------
+    def success(self, key: str, now: float) -> None:
+        """An attempt got an answer (any status but a failure one)."""
+        rec = self.get(key)
+        rec._count(now, self.settings.window_s, 0)
+        rec.consecutive_failures = 0
+        if rec.state is not Breaker.CLOSED:
+            old = rec.state
+            rec.state = Breaker.CLOSED
+            rec.reopens = 0
+            rec.probe_until = 0.0
+            rec.open_until = 0.0
+            self._emit(Change(key, "close", reason="probe succeeded", old=old))
+
+    def failure(self, key: str, now: float, reason: str, *, count: bool = True) -> None:
+        """An attempt failed in a way that counts against the upstream (never a 4xx).
+
+        ``count=False``: the turn already failed here once; only a probe's failure still
+        matters (so one request that always fails cannot open a breaker by itself).
+        """
+        rec = self.get(key)
+        s = self.settings
+        self._refresh(rec, now)
+        if rec.state is Breaker.HALF_OPEN and s.breakers:
+            rec._count(now, s.window_s, 1)
+            rec.consecutive_failures += 1
+            self._open(rec, now, f"probe failed ({reason})", reopen=True)
+            return
+        if not count:
+            return
+        rec._count(now, s.window_s, 1)
+        rec.consecutive_failures += 1
+        if not s.breakers:
+            return
+        if rec.state is Breaker.CLOSED:
+            if rec.consecutive_failures >= s.failures_to_open:
+                self._open(rec, now, f"{rec.consecutive_failures} consecutive failures ({reason})")
+                return
+            ok, failed = rec.window(now, s.window_s)
+            total = ok + failed
+            if total >= s.min_window_attempts and failed / total > s.failure_rate_to_open:
+                self._open(rec, now, f"failure rate {failed}/{total} over {s.window_s:g}s")
+
+    def _open(self, rec: UpstreamHealth, now: float, reason: str, *, reopen: bool = False) -> None:
+        s = self.settings
+        if reopen:
+            rec.reopens += 1
+        ttl = min(s.max_open_s, s.open_s * (2 ** min(rec.reopens, 30)))
+        old = rec.state
+        rec.state = Breaker.OPEN
+        rec.open_until = now + ttl
+        rec.probe_until = 0.0
+        self._emit(Change(rec.key, "open", ttl, reason, rec.reopens, old=old))
+
+    def cooloff(self, key: str, now: float, seconds: float, reason: str) -> None:
+        """The upstream asked to be left alone (Retry-After), or its quota is spent."""
+        rec = self.get(key)
+        until = now + seconds
+        if until <= rec.cooloff_until:
+            return
+        rec.cooloff_until = until
+        rec.cooloff_reason = reason
+        self._emit(Change(key, "cooloff", seconds, reason))
+
+    # -- what other instances learned -------------------------------------------------------
+    def apply(self, change: Change, now: float) -> None:
+        """A change published by another instance (``change.remote`` is set for listeners)."""
+        rec = self.get(change.key)
+        remote = Change(
+            change.key, change.kind, change.ttl_s, change.reason, change.reopens, True, rec.state
+        )
+        if change.kind == "cooloff":
+            until = now + change.ttl_s
+            if until > rec.cooloff_until:
+                rec.cooloff_until = until
+                rec.cooloff_reason = change.reason
+                self._emit(remote)
+        elif change.kind == "open":
+            until = now + change.ttl_s
+            if rec.state is not Breaker.OPEN or until > rec.open_until:
+                rec.state = Breaker.OPEN
+                rec.open_until = until
+                rec.reopens = max(rec.reopens, change.reopens)
+                rec.probe_until = 0.0
+                self._emit(remote)
+        elif change.kind == "close" and rec.state is not Breaker.CLOSED:
+            rec.state = Breaker.CLOSED
+            rec.reopens = 0
+            rec.open_until = rec.probe_until = 0.0
+            rec.consecutive_failures = 0
+            self._emit(remote)
+
+    # -- views ------------------------------------------------------------------------------
+    def view(self, key: str, now: float) -> dict[str, Any]:
+        rec = self.get(key)
+        self._refresh(rec, now)
+        ok, failed = rec.window(now, self.settings.window_s)
+        total = ok + failed
+        return {
+            "breaker": rec.state.value,
+            "open_for_s": round(max(0.0, rec.open_until - now), 3)
+            if rec.state is Breaker.OPEN else 0.0,
+            "consecutive_failures": rec.consecutive_failures,
+            "failure_rate": round(failed / total, 3) if total else 0.0,
+            "window_attempts": total,
+            "cooloff_s": round(max(0.0, rec.cooloff_until - now), 3),
+            "cooloff_reason": rec.cooloff_reason if rec.cooloff_until > now else "",
+            "reopens": rec.reopens,
+        }

@@ -1,0 +1,205 @@
+"""``unbroken serve --workers N``: N relay processes on one port, and their supervisor.
+
+* **One port, N accept queues.**  The supervisor resolves the port once (port 0
+  picks a free one) by binding a ``SO_REUSEPORT`` socket that never listens; each
+  worker then binds and listens on the same address with ``SO_REUSEPORT``, and the
+  Linux kernel spreads new connections over the workers.
+* **Supervision.**  The parent only watches: a worker that exits while the relay is
+  not shutting down is restarted (with a growing pause if it keeps crashing).
+  SIGTERM or SIGINT is forwarded to every worker as SIGTERM, which drains it like a
+  single ``unbroken serve`` (in-flight turns finish within ``grace_s``); a second
+  signal is forwarded too and cuts the grace period short.  Workers ignore SIGINT
+  themselves, so a Ctrl-C in a terminal is one signal, not two.
+* **Shared health.**  With ``[health] store = "redis://..."`` the workers share
+  health through Redis like any fleet.  Without it they share it through a local
+  channel in the supervisor's runtime directory (`unbroken.relay.store.ChannelStore`:
+  Unix datagrams between siblings, probe ownership by exclusive file creation).  The
+  same directory holds each worker's ``/status`` summary (``status-<id>.json``,
+  rewritten every second), so whichever worker answers ``/status`` shows them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from unbroken.config import Config
+
+__all__ = ["WorkerSpec", "read_worker_status", "serve_workers", "write_worker_status"]
+
+log = logging.getLogger("unbroken")
+
+STATUS_EVERY_S = 1.0
+STATUS_FRESH_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """Who a worker is: its number, and the supervisor's runtime directory."""
+
+    id: int
+    runtime_dir: str
+
+
+def _reserve_port(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def serve_workers(
+    config: Config, n: int, *, ready: Callable[[str], None] | None = None
+) -> int:
+    """Run ``n`` workers until SIGTERM/SIGINT; restart any that die.  Returns 0."""
+    if not hasattr(socket, "SO_REUSEPORT"):  # pragma: no cover - not Linux/BSD
+        raise OSError("--workers needs SO_REUSEPORT (Linux)")
+    host = config.host.strip() or "127.0.0.1"
+    holder = _reserve_port(host, config.port)
+    port = holder.getsockname()[1]
+    cfg = dataclasses.replace(config, host=host, port=port)
+    runtime = tempfile.mkdtemp(prefix="unbroken-workers-")
+    ctx = multiprocessing.get_context("fork")
+    started: Any = ctx.SimpleQueue()
+    procs: dict[int, Any] = {}
+    crashes: dict[int, list[float]] = {}
+    state = {"signals": 0}
+
+    def start(i: int) -> None:
+        p = ctx.Process(
+            target=_worker_main, args=(cfg, WorkerSpec(i, runtime), started, holder.fileno()),
+            name=f"unbroken-worker-{i}",
+        )
+        p.start()
+        procs[i] = p
+
+    def on_signal(signum: int, frame: object) -> None:
+        state["signals"] += 1
+        for p in procs.values():
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(p.pid, signal.SIGTERM)
+
+    previous = {
+        sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        for i in range(n):
+            start(i)
+        for _ in range(n):
+            started.get()  # each worker says when it listens
+        bracket = f"[{host}]" if ":" in host else host
+        url = f"http://{bracket}:{port}"
+        log.info("%d workers on %s (runtime dir %s)", n, url, runtime)
+        if ready is not None:
+            ready(url)
+        while procs:
+            sentinels = {p.sentinel: i for i, p in procs.items()}
+            for s in multiprocessing.connection.wait(list(sentinels), timeout=0.5):
+                i = sentinels[s]
+                p = procs.pop(i)
+                p.join()
+                if state["signals"]:
+                    continue
+                recent = [t for t in crashes.get(i, []) if time.monotonic() - t < 30]
+                recent.append(time.monotonic())
+                crashes[i] = recent
+                pause = min(5.0, 0.05 * 2 ** (len(recent) - 1))
+                log.warning(
+                    "worker %d (pid %d) exited with code %s: restarting in %.2fs",
+                    i, p.pid, p.exitcode, pause,
+                )
+                time.sleep(pause)
+                start(i)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for p in procs.values():
+            with contextlib.suppress(Exception):
+                p.kill()
+                p.join(1)
+        holder.close()
+        shutil.rmtree(runtime, ignore_errors=True)
+    return 0
+
+
+def _worker_main(config: Config, spec: WorkerSpec, started: Any, holder_fd: int) -> None:
+    """A worker process: one relay on the shared port, drained on SIGTERM."""
+    with contextlib.suppress(OSError):
+        os.close(holder_fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards it as SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        code = asyncio.run(_worker_serve(config, spec, lambda: started.put(spec.id)))
+    except KeyboardInterrupt:  # pragma: no cover
+        code = 0
+    os._exit(code)
+
+
+async def _worker_serve(config: Config, spec: WorkerSpec, ready: Callable[[], None]) -> int:
+    from unbroken.relay.server import RelayServer
+
+    server = RelayServer(config, worker=spec)
+    await server.start()
+    stop, force = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_term() -> None:
+        (force if stop.is_set() else stop).set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    ready()
+    try:
+        await stop.wait()
+        log.info("worker %d: shutting down, up to %gs for in-flight turns", spec.id,
+                 config.grace_s)
+    finally:
+        cleanup = asyncio.ensure_future(server.stop())
+        forced = asyncio.ensure_future(force.wait())
+        await asyncio.wait({cleanup, forced}, return_when=asyncio.FIRST_COMPLETED)
+        forced.cancel()
+        if not cleanup.done():
+            cleanup.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await cleanup
+    return 0
+
+
+def write_worker_status(spec: WorkerSpec, data: dict[str, Any]) -> None:
+    """Write this worker's ``/status`` summary where its siblings read it (atomically)."""
+    path = Path(spec.runtime_dir) / f"status-{spec.id}.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def read_worker_status(spec: WorkerSpec) -> list[dict[str, Any]]:
+    """Every worker's latest summary (fresh ones only), this one's included."""
+    out = []
+    now = time.time()
+    for path in sorted(Path(spec.runtime_dir).glob("status-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and now - float(data.get("now", 0)) <= STATUS_FRESH_S:
+            out.append(data)
+    return out

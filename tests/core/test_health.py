@@ -1,0 +1,232 @@
+"""Upstream health (core/health.py) and the policy around it, with a fake clock."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from unbroken.core.health import Breaker, Change, HealthBoard, HealthSettings
+from unbroken.core.policy import (
+    Failure,
+    FailureClass,
+    Park,
+    RetryBudget,
+    RetryPolicy,
+    RetryState,
+    is_quota_body,
+    rendezvous_order,
+)
+
+K = "r|http://a"
+REFUSED = Failure(FailureClass.REFUSED, "refused")
+
+
+def board(**kw: object) -> tuple[HealthBoard, list[Change]]:
+    b = HealthBoard(HealthSettings(**kw))  # type: ignore[arg-type]
+    seen: list[Change] = []
+    b.listeners.append(seen.append)
+    return b, seen
+
+
+def test_opens_after_consecutive_failures_and_blocks_until_open_s() -> None:
+    b, seen = board(failures_to_open=5, open_s=2.0)
+    for t in range(4):
+        b.failure(K, float(t), "503")
+    assert b.state(K, 4.0) is Breaker.CLOSED and b.blocked_until(K, 4.0) == 0.0
+    b.failure(K, 4.0, "503")
+    assert b.state(K, 4.0) is Breaker.OPEN
+    assert b.blocked_until(K, 5.0) == 6.0
+    assert [c.kind for c in seen] == ["open"]
+
+
+def test_a_success_resets_the_consecutive_count() -> None:
+    b, _ = board(failures_to_open=3, min_window_attempts=100)
+    for t in range(10):
+        b.failure(K, t, "stall")
+        b.failure(K, t, "stall")
+        b.success(K, t)
+    assert b.state(K, 10.0) is Breaker.CLOSED
+
+
+def test_opens_on_the_failure_rate_over_the_window() -> None:
+    b, _ = board(failures_to_open=100, failure_rate_to_open=0.5, min_window_attempts=10)
+    for i in range(12):  # 2 of 3 fail, never 100 in a row
+        if i % 3 == 0:
+            b.success(K, i * 0.1)
+        else:
+            b.failure(K, i * 0.1, "503")
+    assert b.state(K, 1.2) is Breaker.OPEN
+
+
+def test_old_failures_leave_the_window() -> None:
+    b, _ = board(failures_to_open=100, window_s=10.0, min_window_attempts=4)
+    for t in range(3):
+        b.failure(K, float(t), "503")
+    for t in range(3):
+        b.success(K, 100.0 + t)
+    b.failure(K, 103.0, "503")
+    assert b.state(K, 103.0) is Breaker.CLOSED  # 1 of 4 in the window, not 4 of 7
+
+
+def test_half_open_lets_exactly_one_probe_through_and_success_closes() -> None:
+    b, seen = board(failures_to_open=1, open_s=2.0, probe_timeout_s=30.0)
+    b.failure(K, 0.0, "connection_refused")
+    assert not b.take(K, 1.0) or b.blocked_until(K, 1.0) > 1.0
+    assert b.blocked_until(K, 2.0) == 0.0 and b.state(K, 2.0) is Breaker.HALF_OPEN
+    assert b.take(K, 2.0) is True  # the probe
+    assert b.blocked_until(K, 2.1) == 32.0  # everyone else waits for the probe
+    assert b.take(K, 2.1) is False
+    b.success(K, 2.5)
+    assert b.state(K, 2.5) is Breaker.CLOSED and b.take(K, 2.5)
+    assert [c.kind for c in seen] == ["open", "half_open", "close"]
+
+
+def test_a_failed_probe_reopens_for_twice_as_long_up_to_max_open_s() -> None:
+    b, seen = board(failures_to_open=1, open_s=2.0, max_open_s=10.0)
+    b.failure(K, 0.0, "503")
+    now, lengths = 0.0, []
+    for _ in range(5):
+        now = b.records[K].open_until
+        assert b.take(K, now)
+        b.failure(K, now, "503")
+        lengths.append(b.records[K].open_until - now)
+    assert lengths == [4.0, 8.0, 10.0, 10.0, 10.0]
+    b.success(K, b.records[K].open_until)
+    b.failure(K, 100.0, "503")
+    assert b.records[K].open_until - 100.0 == 2.0  # closed resets the doubling
+    assert [c.kind for c in seen].count("open") == 7
+
+
+def test_an_unreported_probe_frees_its_slot_after_probe_timeout_s() -> None:
+    b, _ = board(failures_to_open=1, open_s=1.0, probe_timeout_s=5.0)
+    b.failure(K, 0.0, "stall")
+    assert b.take(K, 1.0)
+    assert not b.take(K, 5.9)
+    assert b.take(K, 6.0)
+
+
+def test_a_repeated_failure_of_one_turn_counts_once() -> None:
+    b, _ = board(failures_to_open=2)
+    state = RetryState(RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K])
+    for t in range(10):
+        assert state.next_upstream(float(t)) == 0
+        state.record_failure(Failure(FailureClass.STATUS, "HTTP 500", status=500), float(t))
+    assert b.state(K, 10.0) is Breaker.CLOSED and b.records[K].consecutive_failures == 1
+
+
+def test_4xx_answers_never_count() -> None:
+    b, _ = board(failures_to_open=1)
+    for n in range(5):
+        state = RetryState(RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K])
+        state.next_upstream(float(n))
+        state.record_failure(Failure(FailureClass.STATUS, "HTTP 429", status=429), float(n))
+    assert b.state(K, 5.0) is Breaker.CLOSED
+
+
+def test_probe_gate_pending_then_lost() -> None:
+    answers: list[bool | None] = [None, False]
+    b = HealthBoard(HealthSettings(failures_to_open=1, open_s=1.0),
+                    probe_gate=lambda key, ttl: answers.pop(0))
+    b.failure(K, 0.0, "503")
+    assert b.take(K, 1.0) is False  # the fleet has not answered
+    assert b.blocked_until(K, 1.0) == 1.05
+    assert b.take(K, 1.05) is False  # another instance probes
+    assert b.blocked_until(K, 1.1) > 30
+
+
+def test_remote_changes_apply_and_are_marked_remote() -> None:
+    b, seen = board()
+    b.apply(Change(K, "cooloff", 5.0, "retry_after"), 10.0)
+    assert b.blocked_until(K, 12.0) == 15.0
+    b.apply(Change(K, "open", 3.0, "fleet", 1), 12.0)
+    assert b.state(K, 12.0) is Breaker.OPEN and b.records[K].reopens == 1
+    b.apply(Change(K, "close"), 13.0)
+    assert b.state(K, 13.0) is Breaker.CLOSED
+    assert all(c.remote for c in seen) and [c.kind for c in seen] == ["cooloff", "open", "close"]
+
+
+# -- the policy around it ------------------------------------------------------------------
+KEYS = ["r|http://a", "r|http://b", "r|http://c"]
+
+
+def test_every_upstream_open_parks_until_the_earliest_reopen() -> None:
+    b, _ = board(failures_to_open=1, open_s=2.0)
+    b.failure(KEYS[0], 0.0, "503")
+    b.failure(KEYS[1], 1.0, "503")
+    state = RetryState(RetryPolicy(), 2, rng=random.Random(0), board=b, keys=KEYS[:2])
+    park = state.next_upstream(1.5)
+    assert park == Park(2.0, "breaker") and state.attempts == 0
+    assert state.next_upstream(2.0) == 0  # the half-open probe
+
+
+def test_an_open_upstream_is_skipped_while_another_is_healthy() -> None:
+    b, _ = board(failures_to_open=1, open_s=60.0)
+    b.failure(KEYS[0], 0.0, "connection_refused")
+    for t in range(100):
+        state = RetryState(RetryPolicy(), 2, rng=random.Random(0), board=b, keys=KEYS[:2])
+        assert state.next_upstream(float(t) / 10) == 1
+        assert state.why == "breaker_skip"
+
+
+def test_quota_cools_off_for_an_hour_and_reroutes() -> None:
+    b, seen = board()
+    state = RetryState(RetryPolicy(), 2, rng=random.Random(0), board=b, keys=KEYS[:2],
+                       quota_cooloff_s=3600.0)
+    assert state.next_upstream(0.0) == 0
+    wait = state.record_failure(Failure(FailureClass.STATUS, "HTTP 402", status=402), 0.0)
+    assert wait == 0.0 and not state.quota_wall
+    assert b.blocked_until(KEYS[0], 0.0) == 3600.0 and seen[-1].reason == "quota"
+    assert state.next_upstream(0.0) == 1
+    state.record_failure(Failure(FailureClass.STATUS, "quota: insufficient_quota", status=429), 1)
+    assert state.quota_wall  # no upstream left: the turn ends with the provider's answer
+
+
+def test_quota_bodies_are_recognised() -> None:
+    assert is_quota_body(b'{"error": {"code": "insufficient_quota"}}')
+    assert is_quota_body(b'{"error": {"message": "Your credit balance is too low"}}')
+    assert not is_quota_body(b'{"error": {"message": "Rate limit reached"}}')
+
+
+def test_the_default_backoff_is_exponential_with_full_jitter() -> None:
+    policy = RetryPolicy()
+    assert policy.backoff == "exponential" and policy.delay_ms == 250
+    rng = random.Random(1)
+    waits = [policy.base_delay(10, rng) for _ in range(200)]
+    assert max(waits) <= 30.0 and min(waits) < 5.0 and len(set(waits)) == 200
+
+
+def test_sticky_sessions_keep_their_upstream_and_spread() -> None:
+    b, _ = board(failures_to_open=1, open_s=60.0)
+    picks = Counter()
+    for i in range(300):
+        state = RetryState(RetryPolicy(), 3, board=b, keys=KEYS, sticky=f"session-{i}")
+        picks[state.next_upstream(0.0)] += 1
+    assert min(picks.values()) > 60  # spread over all three
+    same = {RetryState(RetryPolicy(), 3, board=b, keys=KEYS, sticky="s").next_upstream(0.0)
+            for _ in range(20)}
+    assert len(same) == 1
+
+
+def test_rendezvous_moves_only_the_sessions_of_a_dead_upstream() -> None:
+    sessions = [f"s{i}" for i in range(500)]
+    before = {s: rendezvous_order(s, KEYS)[0] for s in sessions}
+    b, _ = board(failures_to_open=1, open_s=60.0)
+    b.failure(KEYS[1], 0.0, "connection_refused")
+    for s in sessions:
+        got = RetryState(RetryPolicy(), 3, board=b, keys=KEYS, sticky=s).next_upstream(1.0)
+        if before[s] != 1:
+            assert got == before[s]
+        else:
+            assert got != 1
+
+
+def test_the_retry_budget_caps_concurrent_retries() -> None:
+    budget = RetryBudget(percent=20.0, min_concurrency=2, turns=50)
+    states = [RetryState(RetryPolicy(), 1, budget=budget) for _ in range(50)]
+    for s in states:
+        s.next_upstream(0.0)  # first attempts are never limited
+    got = [s.next_upstream(0.0) for s in states]
+    assert sum(1 for g in got if isinstance(g, int)) == 10 and budget.retrying == 10
+    assert all(g == Park(0.25, "budget") for g in got if not isinstance(g, int))
+    assert budget.exhausted_total == 40
+    assert RetryBudget(percent=20.0, min_concurrency=3, turns=1).limit() == 3

@@ -1,0 +1,216 @@
+"""Upstream health through real sockets: breakers, parking, quota, budget, stickiness.
+
+One relay in-process in front of real mock providers (and a real dead listener).
+Nothing sleeps to synchronise: each wait polls a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from unbroken.config import parse_config
+from unbroken.mock import MockProvider
+from unbroken.relay.server import RelayServer
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+PATH = "/mock/v1/chat/completions"
+
+
+def config(upstreams: list[str], **sections: dict[str, Any]) -> Any:
+    data: dict[str, Any] = {
+        "retry": {"delay_ms": 5, "max_delay_ms": 50, **sections.pop("retry", {})},
+        "routes": {"mock": {"upstreams": [{"url": u} for u in upstreams]}},
+        "journal": {"enabled": False},
+        **sections,
+    }
+    return dataclasses.replace(parse_config(data, env={}), port=0, grace_s=2.0)
+
+
+async def until(cond: Callable[[], Awaitable[bool] | bool], cap: float = 20.0) -> None:
+    deadline = time.monotonic() + cap
+    while True:
+        got = cond()
+        if not isinstance(got, bool):
+            got = await got
+        if got:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+async def chat(http: aiohttp.ClientSession, url: str, **headers: str) -> tuple[int, bytes]:
+    async with http.post(url + PATH, json=CHAT, headers=headers) as r:
+        return r.status, await r.read()
+
+
+@pytest_asyncio.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        yield s
+
+
+@pytest_asyncio.fixture
+async def mock2() -> AsyncIterator[MockProvider]:
+    async with MockProvider(host="127.0.0.1", port=0) as provider:
+        yield provider
+
+
+class DeadPort:
+    """A listener that accepts and drops every connection, counting them."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> DeadPort:
+        async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.accepted += 1
+            writer.transport.abort()
+
+        self.server = await asyncio.start_server(drop, "127.0.0.1", 0)
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_an_open_breaker_sends_nothing_to_the_dead_upstream_until_the_probe(mock, http):
+    async with DeadPort() as dead:
+        cfg = config([dead.url, mock.url], health={"failures_to_open": 5, "open_s": 4.0})
+        async with RelayServer(cfg) as server:
+            for _ in range(5):  # five turns fail on it once each (then go to the mock)
+                assert (await chat(http, server.url))[0] == 200
+            assert dead.accepted == 5
+            assert server.relay.board.state(f"mock|{dead.url}", time.monotonic()) == "open"
+            t0 = time.monotonic()
+            for _ in range(100):
+                assert (await chat(http, server.url))[0] == 200
+            assert time.monotonic() - t0 < 4.0, "too slow to test before the probe"
+            assert dead.accepted == 5  # zero connection attempts while open
+            await until(lambda: server.relay.board.blocked_until(
+                f"mock|{dead.url}", time.monotonic()) == 0.0)
+            for _ in range(10):
+                assert (await chat(http, server.url))[0] == 200
+            assert dead.accepted == 6  # exactly one probe; it failed: open again
+            status = await (await http.get(server.url + "/status")).json()
+            [up] = [u for u in status["upstreams"] if u["upstream"] == dead.url]
+            assert up["breaker"] == "open" and up["open_until"] > time.time()
+            metrics = await (await http.get(server.url + "/metrics")).text()
+            assert (f'unbroken_upstream_state{{route="mock",state="open",upstream="{dead.url}"}}'
+                    ' 1.0') in metrics
+            assert "unbroken_breaker_transitions_total{" in metrics
+
+
+async def test_a_down_upstream_parks_turns_and_they_all_complete_when_it_returns(mock, http):
+    down_s = 10.0
+    cfg = config([mock.url], health={"failures_to_open": 3, "open_s": 0.5, "max_open_s": 1.0})
+    mock.script([{"status": 503, "count": 100_000}])
+    async with RelayServer(cfg) as server:
+        turns = [asyncio.ensure_future(chat(http, server.url)) for _ in range(10)]
+        t0 = time.monotonic()
+
+        async def parked() -> bool:
+            data = await (await http.get(server.url + "/status")).json()
+            return sum(t["state"] == "parked" for t in data["inflight"]) >= 9
+
+        await until(parked)
+        metrics = await (await http.get(server.url + "/metrics")).text()
+        assert any(line.startswith("unbroken_parked_turns ") and float(line.split()[1]) >= 9
+                   for line in metrics.splitlines())
+        opened_at = len(mock.requests)
+        await asyncio.sleep(max(0.0, down_s - (time.monotonic() - t0)))  # the outage itself
+        during = len(mock.requests) - opened_at
+        # while parked, only probes: one per open period (0.5 s, then 1 s) at most
+        assert during <= down_s / 0.5 + 1, during
+        assert opened_at <= 10 + 3  # each turn's first try, a few retries before opening
+        mock.reset()  # the upstream is back
+        results = await asyncio.wait_for(asyncio.gather(*turns), 15)
+        assert all(status == 200 and b"[DONE]" in body for status, body in results)
+
+
+async def test_quota_with_no_other_upstream_ends_with_the_provider_answer(mock, http):
+    mock.script([{"status": 402, "count": 5}])
+    async with RelayServer(config([mock.url])) as server:
+        async with http.post(server.url + PATH, json=CHAT) as r:
+            assert r.status == 402
+            assert r.headers["x-should-retry"] == "false"
+        assert len(mock.requests) == 1  # never retried into the quota wall
+        status = await (await http.get(server.url + "/status")).json()
+        [up] = [u for u in status["upstreams"] if u["route"] == "mock"]
+        assert up["cooloff_reason"] == "quota" and up["cooloff_s"] > 3500
+
+
+async def test_quota_reroutes_to_the_next_upstream(mock, mock2, http):
+    mock.script([{"status": 429, "body": '{"error": {"code": "insufficient_quota"}}'}])
+    async with RelayServer(config([mock.url, mock2.url])) as server:
+        assert (await chat(http, server.url))[0] == 200
+        assert (await chat(http, server.url))[0] == 200
+        assert len(mock.requests) == 1 and len(mock2.requests) == 2
+
+
+async def test_the_relays_own_final_errors_say_do_not_retry(mock, http):
+    mock.script([{"status": 503, "count": 10}])
+    async with RelayServer(config([mock.url], retry={"max_attempts": 2})) as server:
+        async with http.post(server.url + PATH, json=CHAT) as r:
+            assert r.status == 503 and r.headers["x-should-retry"] == "false"
+    async with DeadPort() as dead:
+        async with RelayServer(config([dead.url], retry={"max_attempts": 2})) as server:
+            async with http.post(server.url + PATH, json=CHAT) as r:
+                assert r.status == 502 and r.headers["x-should-retry"] == "false"
+
+
+async def test_sticky_sessions_stay_on_one_upstream_and_spread_across_sessions(
+    mock, mock2, http
+):
+    async with RelayServer(config([mock.url, mock2.url])) as server:
+        for _ in range(20):
+            assert (await chat(http, server.url, **{"x-session-id": "one"}))[0] == 200
+        assert sorted([len(mock.requests), len(mock2.requests)]) == [0, 20]
+        mock.reset()
+        mock2.reset()
+        for i in range(20):
+            assert (await chat(http, server.url, **{"session-id": f"s-{i}"}))[0] == 200
+        assert len(mock.requests) >= 3 and len(mock2.requests) >= 3
+
+
+async def test_the_retry_budget_caps_retries_in_flight_and_every_turn_completes(mock, http):
+    cfg = config(
+        [mock.url],
+        retry={"budget_percent": 20, "min_retry_concurrency": 1, "delay_ms": 20},
+        health={"breakers": False},
+    )
+    mock.script([{"status": 503, "count": 600}])
+    async with RelayServer(cfg) as server:
+        turns = [asyncio.ensure_future(chat(http, server.url)) for _ in range(50)]
+        samples: list[tuple[int, int]] = []
+        while len(mock.requests) < 600:
+            data = await (await http.get(server.url + "/status")).json()
+            b = data["retry_budget"]["mock"]
+            samples.append((b["retrying"], b["turns"]))
+            await asyncio.sleep(0.02)
+        results = await asyncio.wait_for(asyncio.gather(*turns), 30)
+        assert all(status == 200 for status, _ in results)
+        assert len(samples) > 5
+        # min_retry_concurrency (1) is exempt: one retry may run whatever the share
+        assert all(retrying <= max(1, 0.2 * turns) for retrying, turns in samples), samples
+        assert max(retrying for retrying, _ in samples) >= 5  # the budget was used
+        data = await (await http.get(server.url + "/status")).json()
+        assert data["retry_budget"]["mock"]["exhausted_total"] > 0
+        metrics = await (await http.get(server.url + "/metrics")).text()
+        assert 'unbroken_retry_budget_exhausted_total{route="mock"}' in metrics
