@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
-import pytest
 import pytest_asyncio
 
 from unbroken.config import parse_config
