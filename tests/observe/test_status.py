@@ -201,7 +201,7 @@ def _first_row(text: str, table: str, index: int) -> list[str]:
     return cells
 
 
-@pytest.mark.parametrize("width", [80, 100, 160])
+@pytest.mark.parametrize("width", [80, 100, 200])
 @pytest.mark.parametrize("inflight", [False, True])
 def test_the_live_view_fits_the_terminal(width: int, inflight: bool) -> None:
     text = _text(_snapshot(inflight=inflight), width)
@@ -217,7 +217,7 @@ def test_the_live_view_fits_the_terminal(width: int, inflight: bool) -> None:
         route = _first_row(text, "In flight", 1)[0]
         if width == 80:
             assert route.endswith("…") and ROUTE.startswith(route[:-1]), text
-        if width == 160:
+        if width == 200:
             assert route == ROUTE, text
         assert "streaming" in text and "DOWN" in text
 
