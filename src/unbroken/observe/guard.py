@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.observe.hooks import HOOK_NAMES, Hooks
+from unbroken.observe.hooks import HOOK_NAMES, Hooks, implements
 
 __all__ = ["Guarded"]
 
@@ -28,6 +28,9 @@ class Guarded(Hooks):
         self.inner = inner
         self.errors = 0
         self._logged_at: float | None = None
+
+    def _implements(self, name: str) -> bool:
+        return implements(self.inner, name)
 
     def _failed(self, hook: str) -> None:
         self.errors += 1

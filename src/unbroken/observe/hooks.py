@@ -17,7 +17,15 @@ from typing import Any
 
 from unbroken.core.policy import Failure
 
-__all__ = ["HOOK_NAMES", "AttemptInfo", "Hooks", "LogHooks", "MultiHooks", "TurnInfo"]
+__all__ = [
+    "HOOK_NAMES",
+    "AttemptInfo",
+    "Hooks",
+    "LogHooks",
+    "MultiHooks",
+    "TurnInfo",
+    "implements",
+]
 
 log = logging.getLogger("unbroken")
 _ids = itertools.count(1)
@@ -102,20 +110,46 @@ HOOK_NAMES: tuple[str, ...] = tuple(
 )
 
 
+def implements(hook: Hooks, name: str) -> bool:
+    """Whether ``hook`` does anything on event ``name`` (its class overrides the no-op)."""
+    own = getattr(hook, "_implements", None)
+    if own is not None:
+        return bool(own(name))
+    return getattr(type(hook), name) is not getattr(Hooks, name)
+
+
 def _fan_out(name: str) -> Callable[..., None]:
     def call(self: MultiHooks, *args: Any, **kwargs: Any) -> None:
-        for hook in self.hooks:
-            getattr(hook, name)(*args, **kwargs)
+        if self._seen != len(self.hooks):
+            self._bind()
+        for method in self._bound[name]:
+            method(*args, **kwargs)
 
     call.__name__ = name
     return call
 
 
 class MultiHooks(Hooks):
-    """Calls every hook of ``hooks`` in order (its methods are made from `HOOK_NAMES`)."""
+    """Calls every hook of ``hooks`` in order (its methods are made from `HOOK_NAMES`).
+
+    Per event, only the hooks that implement it are called, through methods bound
+    once (re-bound when ``hooks`` changes): the fan-out runs on every turn.
+    """
 
     def __init__(self, *hooks: Hooks) -> None:
         self.hooks = list(hooks)
+        self._seen = -1
+        self._bound: dict[str, tuple[Callable[..., None], ...]] = {}
+
+    def _bind(self) -> None:
+        self._bound = {
+            name: tuple(getattr(h, name) for h in self.hooks if implements(h, name))
+            for name in HOOK_NAMES
+        }
+        self._seen = len(self.hooks)
+
+    def _implements(self, name: str) -> bool:
+        return any(implements(h, name) for h in self.hooks)
 
 
 for _name in HOOK_NAMES:

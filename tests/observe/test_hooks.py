@@ -1,0 +1,67 @@
+"""The observer protocol: one place declares the events; fan-out and guarding follow it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from unbroken.core.policy import Failure, FailureClass
+from unbroken.observe.guard import Guarded
+from unbroken.observe.hooks import HOOK_NAMES, AttemptInfo, Hooks, MultiHooks, TurnInfo, implements
+
+
+class Seen(Hooks):
+    def __init__(self, tag: str, log: list[str]) -> None:
+        self.tag, self.log = tag, log
+
+    def turn_started(self, turn: TurnInfo) -> None:
+        self.log.append(f"{self.tag}:started")
+
+    def turn_ended(self, turn: TurnInfo) -> None:
+        self.log.append(f"{self.tag}:ended")
+
+
+class Broken(Hooks):
+    def turn_started(self, turn: TurnInfo) -> None:
+        raise RuntimeError("observer bug")
+
+
+TURN = TurnInfo(route="r", path="v1/chat/completions", protocol="chat", stream=True)
+
+
+def test_every_hook_method_is_an_event() -> None:
+    assert set(HOOK_NAMES) == {
+        "turn_started", "attempt_started", "attempt_failed", "attempt_ended",
+        "hold_overflow", "turn_ended",
+    }
+    for name in HOOK_NAMES:
+        assert getattr(MultiHooks, name) is not getattr(Hooks, name)
+        assert getattr(Guarded, name) is not getattr(Hooks, name)
+
+
+def test_fan_out_calls_the_hooks_that_implement_an_event_in_order() -> None:
+    log: list[str] = []
+    multi = MultiHooks(Seen("a", log), Hooks(), Guarded(Seen("b", log)))
+    multi.turn_started(TURN)
+    multi.attempt_ended(TURN, AttemptInfo(number=1, upstream="u"))  # nobody implements it
+    multi.hooks.append(Seen("c", log))  # added later: bound on the next event
+    multi.turn_ended(TURN)
+    assert log == ["a:started", "b:started", "a:ended", "b:ended", "c:ended"]
+    assert implements(multi, "turn_ended") and not implements(multi, "hold_overflow")
+    assert implements(Guarded(Seen("x", log)), "turn_started")
+    assert not implements(Guarded(Hooks()), "turn_started")
+
+
+def test_a_failing_observer_is_logged_and_never_breaks_the_turn(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log: list[str] = []
+    multi = MultiHooks(Guarded(Broken()), Seen("ok", log))
+    with caplog.at_level(logging.ERROR, logger="unbroken"):
+        multi.turn_started(TURN)
+        multi.attempt_failed(
+            TURN, "u", Failure(FailureClass.RESET, "reset"), phase="pending", wait_s=0.1
+        )
+    assert log == ["ok:started"]
+    assert "observer Broken failed in turn_started" in caplog.text
