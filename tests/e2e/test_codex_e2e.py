@@ -165,3 +165,23 @@ def test_unbroken_run_print_env_for_codex(tmp_path, capsys):
     assert "model_providers.fake.base_url=\"http://127.0.0.1:4780/fake/v1\"" in out
     assert "openai_base_url=\"http://127.0.0.1:4780/openai/v1\"" in out
     assert '[routes.fake]' in out and json.dumps("http://127.0.0.1:9") in out
+
+
+async def test_websocket_turn_and_its_handshake_headers_reach_codex(tmp_path, mock):
+    """Codex over WebSocket (``supports_websockets``): unbroken opens the upstream socket
+    before it accepts Codex, so the handshake headers Codex reads arrive.  Codex shows
+    ``openai-model`` as a reroute notice, which proves it (the notice appears alone and
+    through unbroken alike)."""
+    env, cfg = _setup(tmp_path, mock, supports_websockets=True)
+    headers = {"openai-model": "gpt-other", "x-codex-turn-state": "ts-1",
+               "x-models-etag": "etag-1", "x-reasoning-included": "true"}
+    mock.script_upgrades([{"headers": headers}] * 3)
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
+                  tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert agent_text(r).startswith(TEXT)
+    notices = [e["item"].get("message", "") for e in r.events()
+               if e.get("type") == "item.completed" and e["item"].get("type") == "error"]
+    assert any("model rerouted: fake-model -> gpt-other" in n for n in notices), notices
+    assert [q.method for q in mock.requests] == ["WS", "WS"]  # the warm-up, then the turn
+    assert [u.status for u in mock.upgrades] == [101]  # one upstream socket, reused

@@ -81,6 +81,30 @@ _WS_HOP = frozenset(
         "sec-websocket-protocol",
     }
 )
+#: Upstream handshake response headers a client reads (Codex: its turn state, models
+#: etag, reasoning flag and model; request id and rate limits), copied to the client's
+#: handshake when the first upstream socket opens before the client is accepted.
+HANDSHAKE_HEADERS = frozenset(
+    {"x-codex-turn-state", "x-models-etag", "x-reasoning-included", "openai-model",
+     "x-request-id", "request-id"}
+)
+HANDSHAKE_PREFIXES = ("x-ratelimit-", "x-codex-")
+#: how long the client's handshake may wait for the first upstream socket (Codex gives
+#: up on a WebSocket handshake after websocket_connect_timeout_ms, 15 s by default)
+FIRST_SOCKET_WAIT_S = 10.0
+
+
+def handshake_headers(ws: aiohttp.ClientWebSocketResponse[Any]) -> list[tuple[str, str]]:
+    """The upstream handshake response headers worth copying to the client."""
+    response = getattr(ws, "_response", None)  # aiohttp keeps the handshake response here
+    if response is None:
+        return []
+    return [
+        (name, value) for name, value in response.headers.items()
+        if name.lower() in HANDSHAKE_HEADERS or name.lower().startswith(HANDSHAKE_PREFIXES)
+    ]
+
+
 #: the upstream's error code that means "serve this over HTTP for a while"
 WS_LIMIT_CODE = "websocket_connection_limit_reached"
 
@@ -226,10 +250,20 @@ class _Connection:
         self.pending: deque[tuple[dict[str, Any], str]] = deque()
         self._wake = asyncio.Event()
         self._out: list[bytes] = []  # encoded frames not yet written (see send)
+        #: the latest ``x-codex-turn-state`` an upstream handshake answered with: sent
+        #: on every later upstream socket of this connection, as Codex itself would
+        self.turn_state: str | None = None
+        #: the refusal of the socket `_open_first` tried: `connect` answers it once
+        self.first_refused: _Refused | None = None
         self._flush_scheduled = False
 
     async def run(self) -> web.StreamResponse:
-        await self.client.prepare(self.request)
+        await self._open_first()
+        try:
+            await self.client.prepare(self.request)
+        except BaseException:
+            await self.drop_upstream()
+            raise
         worker = asyncio.ensure_future(self._worker())
         try:
             async for msg in self.client:
@@ -253,6 +287,28 @@ class _Connection:
                 await worker
             await self.drop_upstream()
         return self.client
+
+    async def _open_first(self) -> None:
+        """Open the first upstream socket *before* accepting the client, and copy the
+        handshake headers that matter (`HANDSHAKE_HEADERS`).  If the upstream cannot be
+        reached in `FIRST_SOCKET_WAIT_S`, the client is accepted without them and the
+        first turn connects as usual; a refused upgrade starts the HTTP fallback."""
+        if not self.route.upstreams or self.loop.time() < self.http_until:
+            return
+        try:
+            async with asyncio.timeout(FIRST_SOCKET_WAIT_S):
+                ws = await self.connect(self.route.upstreams[0], 0)
+        except _Refused as exc:
+            self.first_refused = exc  # the first turn falls back to HTTP with it
+            return
+        except Exception as exc:
+            log.info("websocket route=%s: first upstream socket not open before the "
+                     "handshake (%s); accepting the client without its headers",
+                     self.route.name, type(exc).__name__)
+            await self.drop_upstream()
+            return
+        for name, value in handshake_headers(ws):
+            self.client.headers[name] = value
 
     async def _from_client(self, text: str) -> bool:
         """One client message.  False when the connection must close."""
@@ -298,11 +354,16 @@ class _Connection:
         for k in list(headers):
             if k.lower() in _WS_HOP:
                 del headers[k]
+        if self.turn_state is not None:
+            headers["x-codex-turn-state"] = self.turn_state
         return headers
 
     async def connect(self, up: Upstream, idx: int) -> aiohttp.ClientWebSocketResponse[Any]:
         """Open a fresh upstream socket on ``up``."""
         await self.drop_upstream()
+        refused, self.first_refused = self.first_refused, None
+        if refused is not None:
+            raise refused  # refused just before the client was accepted: no second try
         url = upstream_url(up, self.rest, self.request.query_string)
         url = url.with_scheme("wss" if url.scheme == "https" else "ws")
         s = self.cfg.stream
@@ -322,6 +383,9 @@ class _Connection:
         self.upstream = ws
         self.upstream_idx = idx
         self.socket_gen += 1
+        for name, value in handshake_headers(ws):
+            if name.lower() == "x-codex-turn-state":
+                self.turn_state = value
         return ws
 
     def send(self, messages: Sequence[bytes]) -> None:
