@@ -202,13 +202,14 @@ class RedisStore(HealthStore):
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._side]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
         with contextlib.suppress(Exception):
-            await self.redis.aclose()
+            async with asyncio.timeout(2.0):
+                await self.redis.aclose()
 
     # -- writing -----------------------------------------------------------------------
     def publish(self, change: Change) -> None:

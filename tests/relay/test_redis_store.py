@@ -1,0 +1,169 @@
+"""Two relay instances sharing upstream health through a real ``redis-server``.
+
+The server is started by the test on a free loopback port with a temporary
+directory (see ``redisfix``); it is killed and restarted to test the degraded
+mode.  Waits poll a condition with a deadline, never a bare sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from redisfix import RedisServer
+from relay.test_health_relay import CHAT, PATH, DeadPort, until
+from unbroken.config import parse_config
+from unbroken.mock import MockProvider
+from unbroken.relay.server import RelayServer
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest_asyncio.fixture
+async def mock2() -> AsyncIterator[MockProvider]:
+    async with MockProvider(host="127.0.0.1", port=0) as provider:
+        yield provider
+
+
+def fleet_config(upstreams: list[str], store: str, **health: Any) -> Any:
+    data = {
+        "retry": {"delay_ms": 5, "max_delay_ms": 50},
+        "health": {"store": store, **health},
+        "routes": {"mock": {"upstreams": [{"url": u} for u in upstreams]}},
+        "journal": {"enabled": False},
+    }
+    return dataclasses.replace(parse_config(data, env={}), port=0, grace_s=2.0)
+
+
+async def post(http: aiohttp.ClientSession, url: str, who: str) -> int:
+    async with http.post(url + PATH, json=CHAT, headers={"x-instance": who}) as r:
+        await r.read()
+        return r.status
+
+
+def from_instance(mock: MockProvider, who: str) -> int:
+    return sum(1 for r in mock.requests if r.headers.get("x-instance") == who)
+
+
+async def up(server: RelayServer) -> bool:
+    return server.relay.store.status()["state"] == "ok"
+
+
+async def test_a_retry_after_seen_by_one_instance_steers_the_other_at_once(
+    redis_server, mock, mock2
+):
+    cfg = fleet_config([mock.url, mock2.url], redis_server.url)
+    async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
+        await until(lambda: up(a))
+        await until(lambda: up(b))
+        key = f"mock|{mock.url}"
+        learned: list[float] = []
+        b.relay.board.listeners.append(
+            lambda c: learned.append(time.monotonic()) if c.remote and c.key == key else None
+        )
+        told: list[float] = []
+        a.relay.board.listeners.append(
+            lambda c: told.append(time.monotonic()) if c.kind == "cooloff" else None
+        )
+        mock.script([{"status": 429, "headers": {"Retry-After": "5"}}])
+        assert await post(http, a.url, "A") == 200  # 429 on upstream 1, then upstream 2
+        await until(lambda: bool(learned), cap=2)
+        assert learned[0] - told[0] < 0.1, f"B learned after {learned[0] - told[0]:.3f}s"
+        cool_end = told[0] + 5.0
+        for _ in range(10):
+            assert await post(http, b.url, "B") == 200
+        assert from_instance(mock, "B") == 0 and from_instance(mock2, "B") == 10
+        assert time.monotonic() < cool_end
+        status = await (await http.get(b.url + "/status")).json()
+        assert status["store"] == {"kind": "redis", "state": "ok",
+                                   "url": redis_server.url.replace("redis://", "redis://")}
+        [u] = [u for u in status["upstreams"] if u["upstream"] == mock.url]
+        assert u["cooloff_s"] > 3 and u["cooloff_reason"] == "retry_after"
+
+        async def back_on_upstream_1() -> bool:
+            await post(http, b.url, "B")
+            return from_instance(mock, "B") > 0
+
+        await until(back_on_upstream_1, cap=10)
+        assert time.monotonic() >= cool_end - 0.1  # not before the cool-off ended
+
+
+async def test_exactly_one_instance_probes_a_half_open_upstream(redis_server, mock):
+    async with DeadPort() as dead:
+        cfg = fleet_config([dead.url, mock.url], redis_server.url,
+                           failures_to_open=2, open_s=1.0)
+        async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
+            await until(lambda: up(a))
+            await until(lambda: up(b))
+            for _ in range(2):
+                assert await post(http, a.url, "A") == 200
+            key = f"mock|{dead.url}"
+            await until(lambda: b.relay.board.state(key, time.monotonic()) == "open", cap=2)
+            assert dead.accepted == 2
+            await until(lambda: a.relay.board.blocked_until(key, time.monotonic()) == 0.0)
+
+
+            async def probed() -> bool:
+                results = await asyncio.gather(
+                    *(post(http, s.url, n) for _ in range(3) for s, n in ((a, "A"), (b, "B")))
+                )
+                assert set(results) == {200}
+                return dead.accepted > 2
+
+            await until(probed, cap=10)
+            for _ in range(5):
+                await probed()
+            assert dead.accepted == 3  # one probe in the whole fleet, then open again
+
+
+async def test_redis_down_keeps_serving_degraded_and_shares_again_when_back(
+    redis_server, mock, mock2
+):
+    cfg = fleet_config([mock.url, mock2.url], redis_server.url)
+    async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
+        await until(lambda: up(a))
+        await until(lambda: up(b))
+        redis_server.stop()  # kill -9 mid-run
+
+        async def degraded(s: RelayServer) -> bool:
+            status = await (await http.get(s.url + "/status")).json()
+            healthz = await (await http.get(s.url + "/healthz")).json()
+            return status["store"]["state"] == "degraded" and healthz["store"] == "degraded"
+
+        for _ in range(5):
+            assert await post(http, a.url, "A") == 200
+            assert await post(http, b.url, "B") == 200
+        await until(lambda: degraded(a), cap=10)
+        await until(lambda: degraded(b), cap=10)
+        metrics = await (await http.get(a.url + "/metrics")).text()
+        assert 'unbroken_store_up{kind="redis"} 0.0' in metrics
+        # while degraded, what A learns stays local (and keeps working for A)
+        mock.script([{"status": 429, "headers": {"Retry-After": "30"}}])
+        assert await post(http, a.url, "A") == 200
+        key = f"mock|{mock.url}"
+        assert a.relay.board.blocked_until(key, time.monotonic()) > 0
+        redis_server.start()  # same port, same directory
+        await until(lambda: up(a), cap=10)
+        await until(lambda: up(b), cap=10)
+        # A writes back what it learned meanwhile; B reads it from Redis
+        await until(lambda: b.relay.board.blocked_until(key, time.monotonic()) > 0, cap=5)
+        before = from_instance(mock, "B")
+        for _ in range(5):
+            assert await post(http, b.url, "B") == 200
+        assert from_instance(mock, "B") == before  # B steers clear of upstream 1 now
