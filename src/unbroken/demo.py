@@ -309,7 +309,13 @@ async def run_demo(
     async with MockProvider(host="127.0.0.1", port=0, record=False) as mock:
         config = parse_config(
             {
-                "retry": {"delay_ms": 200, "verbose": False},
+                # Each turn's storm is scripted on its own: fixed waits and no circuit
+                # breaker, so the turns do not pay for each other's faults (one mock
+                # upstream takes all twelve storms; with breakers on it would open and
+                # park every turn, and an exponential backoff would outgrow the client's
+                # 5 s read timeout).
+                "retry": {"delay_ms": 200, "backoff": "fixed", "verbose": False},
+                "health": {"breakers": False},
                 "stream": {
                     "first_frame_timeout_s": 2.0,
                     "idle_timeout_s": 1.0,
