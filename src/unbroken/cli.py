@@ -82,6 +82,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"unbroken {__version__} relaying on {url} (routes: {routes})", flush=True)
 
     try:
+        if args.workers > 1:
+            from unbroken.relay.workers import serve_workers
+
+            return serve_workers(config, args.workers, ready=ready)
         return asyncio.run(serve(config, ready=ready))
     except OSError as exc:
         print(
@@ -90,6 +94,16 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _workers(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"expected 1..256, got {text!r}")
+    return n
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,6 +121,11 @@ def _parser() -> argparse.ArgumentParser:
         "not loopback needs a token: UNBROKEN_TOKEN or [server] token_env",
     )
     p_serve.add_argument("--port", type=port_number, help="listen port, 0-65535 (default 4780)")
+    p_serve.add_argument(
+        "--workers", type=_workers, default=1, metavar="N",
+        help="N relay processes on the same port (SO_REUSEPORT), supervised: a crashed worker "
+        "is restarted; they share upstream health (default 1)",
+    )
     p_serve.set_defaults(func=_serve)
     sub.add_parser("mock", help="run the fault-injecting mock provider (unbroken mock --help)")
     for name in COMMAND_MODULES:

@@ -1,0 +1,157 @@
+"""``unbroken serve --workers 2``: real processes on a real port, a real supervisor.
+
+The relay runs as a subprocess in front of in-process mock providers.  Which
+worker answered is read from ``/status`` (``worker``); every poll opens a new
+connection, so the kernel's SO_REUSEPORT spreading is exercised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest_asyncio
+
+from relay.test_health_relay import CHAT, PATH, until
+from unbroken.mock import MockProvider
+
+
+class Fleet:
+    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+        self.proc, self.url = proc, url
+
+    async def status(self) -> dict[str, Any]:
+        conn = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=conn) as s, s.get(self.url + "/status") as r:
+            return await r.json()  # type: ignore[no-any-return]
+
+
+async def start_fleet(tmp_path: Path, upstreams: list[str], workers: int = 2) -> Fleet:
+    cfg = tmp_path / "fleet.toml"
+    ups = ", ".join(f'{{ url = "{u}" }}' for u in upstreams)
+    cfg.write_text(
+        "[server]\ngrace_s = 20\n[retry]\ndelay_ms = 5\n[journal]\nenabled = false\n"
+        f"[routes.mock]\nupstreams = [{ups}]\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0",
+        "--workers", str(workers),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    m = re.search(r"http://127\.0\.0\.1:\d+", line)
+    assert m, line
+    return Fleet(proc, m.group(0))
+
+
+@pytest_asyncio.fixture
+async def mock2() -> AsyncIterator[MockProvider]:
+    async with MockProvider(host="127.0.0.1", port=0) as provider:
+        yield provider
+
+
+async def stop(fleet: Fleet) -> int:
+    if fleet.proc.returncode is None:
+        fleet.proc.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(fleet.proc.communicate(), 30)
+    assert fleet.proc.returncode is not None
+    return fleet.proc.returncode
+
+
+async def test_both_workers_answer_and_a_killed_worker_is_restarted(tmp_path, mock):
+    fleet = await start_fleet(tmp_path, [mock.url])
+    try:
+        seen: dict[int, int] = {}
+
+        async def both() -> bool:
+            data = await fleet.status()
+            seen[data["worker"]["id"]] = data["worker"]["pid"]
+            return len(seen) == 2
+
+        await until(both, cap=20)
+        data = await fleet.status()
+        assert sorted(w["id"] for w in data["workers"]) == [0, 1]  # the merged view
+        old = seen[0]
+        os.kill(old, signal.SIGKILL)
+
+        async def restarted() -> bool:
+            data = await fleet.status()
+            return any(w["id"] == 0 and w["pid"] != old for w in data["workers"])
+
+        await until(restarted, cap=20)
+        async with aiohttp.ClientSession() as http:
+            for _ in range(5):
+                async with http.post(fleet.url + PATH, json=CHAT) as r:
+                    assert r.status == 200 and b"[DONE]" in await r.read()
+    finally:
+        assert await stop(fleet) == 0
+
+
+async def test_sigterm_drains_both_workers(tmp_path, mock):
+    fleet = await start_fleet(tmp_path, [mock.url])
+    mock.script([{"deltas": 30, "chunk_delay_ms": 100, "count": 100}])  # ~3 s streams
+    conn = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=conn) as http:
+
+        async def stream() -> bytes:
+            async with http.post(fleet.url + PATH, json=CHAT) as r:
+                assert r.status == 200
+                return await r.read()
+
+        streams = [asyncio.ensure_future(stream()) for _ in range(8)]
+
+        async def on_both() -> bool:
+            data = await fleet.status()
+            return {t["worker"] for t in data["inflight"]} == {0, 1}
+
+        try:
+            await until(on_both, cap=10)
+        except AssertionError:  # the kernel put all 8 on one worker: add more
+            streams += [asyncio.ensure_future(stream()) for _ in range(8)]
+            await until(on_both, cap=10)
+        fleet.proc.send_signal(signal.SIGTERM)
+        bodies = await asyncio.wait_for(asyncio.gather(*streams), 30)
+        assert all(b"[DONE]" in body for body in bodies)  # every stream finished whole
+    assert await stop(fleet) == 0
+
+
+async def test_health_learned_by_one_worker_steers_the_other(tmp_path, mock, mock2):
+    fleet = await start_fleet(tmp_path, [mock.url, mock2.url])
+    try:
+        await until(lambda: _both_up(fleet), cap=20)
+        mock.script([{"status": 429, "headers": {"Retry-After": "60"}}])
+        conn = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=conn) as http:
+            async with http.post(fleet.url + PATH, json=CHAT) as r:
+                assert r.status == 200
+            assert len(mock.requests) == 1  # the 429, then upstream 2
+            cooled: set[int] = set()
+
+            async def both_know() -> bool:
+                data = await fleet.status()
+                [u] = [u for u in data["upstreams"] if u["upstream"] == mock.url]
+                if u["cooloff_s"] > 30:
+                    cooled.add(data["worker"]["id"])
+                return cooled == {0, 1}
+
+            await until(both_know, cap=20)
+            for _ in range(20):  # new connections: both workers take some
+                async with http.post(fleet.url + PATH, json=CHAT) as r:
+                    assert r.status == 200
+            assert len(mock.requests) == 1 and len(mock2.requests) == 21
+    finally:
+        assert await stop(fleet) == 0
+
+
+async def _both_up(fleet: Fleet) -> bool:
+    data = await fleet.status()
+    return len(data.get("workers", [])) == 2
