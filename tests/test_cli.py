@@ -119,8 +119,11 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, t
     assert code == 0
     retries = [ln for ln in err.splitlines() if "retry route=mock" in ln]
     assert len(retries) == 3
-    # delay_ms = 7 with the default backoff (exponential, full jitter): each wait is 0..7 ms
-    assert all(0 <= int(ln.split("wait_ms=")[1].split()[0]) <= 7 for ln in retries)
+    # delay_ms = 7 with the default backoff (exponential, full jitter): retry n waits
+    # 0..7 * 2**(n-1) ms
+    for ln in retries:
+        n = int(ln.split("attempt=")[1].split()[0])
+        assert 0 <= int(ln.split("wait_ms=")[1].split()[0]) <= 7 * 2 ** (n - 1), ln
     assert "reason=503" in err and "reason=429" in err
     assert canary not in err
 
