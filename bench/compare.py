@@ -484,13 +484,26 @@ def parse_stream(body: str, protocol: str) -> dict[str, Any]:
 _VOLATILE = re.compile(r'"created":\s*\d+')
 
 
+def short_error(error: str) -> str:
+    """A client-side exception in a few words (for the matrix)."""
+    if "identical to this path's clean reply" in error:  # the wording of older runs
+        return "same bytes as its clean reply; re-encoded vs direct"
+    if "Cannot connect" in error or "Connect call failed" in error:
+        return "connection refused"
+    if "no complete answer" in error:
+        return re.sub(r".*(no complete answer within \S+ s).*", r"\1", error)
+    if "ClientPayloadError" in error or "ServerDisconnected" in error:
+        return "connection broke mid-body"
+    return error[:60]
+
+
 def judge(got: dict[str, Any], ref: dict[str, Any] | None, protocol: str) -> tuple[str, str]:
     """(outcome, detail) of one fault-matrix cell, from what the client received."""
     if got["status"] != 200:
-        return "error", f"HTTP {got['status']}" if got["status"] else got["error"]
+        return "error", f"HTTP {got['status']}" if got["status"] else short_error(got["error"])
     p = parse_stream(got["body"], protocol)
     if got["error"]:
-        return "error", f"stream broke: {got['error'][:80]}"
+        return "error", short_error(got["error"])
     if p["error"]:
         return "error", "in-stream error event"
     if p["roles"] > 1 or p["models"] > 1:
@@ -579,7 +592,7 @@ def fault_matrix(fleet: hb.Fleet, gen: hb.Proc, fault: hb.Proc, refused: list[in
                 outcome, detail = judge(got, refs[key], proto)
                 if outcome == "complete" and path != "direct" and got["body"] != refs[
                         ("direct", kind)]["body"] and detail == "byte-identical":
-                    detail = "identical to this path's clean reply (re-encoded vs direct)"
+                    detail = "same bytes as its clean reply; re-encoded vs direct"
                 cells[name][path] = {"outcome": outcome, "detail": detail,
                                      "elapsed_ms": got["elapsed_ms"], "status": got["status"]}
                 hb.log(f"  fault {name:36s} {path:8s}: {outcome} ({detail}), "
@@ -703,24 +716,30 @@ def plots(agg: dict[str, Any], matrix: dict[str, Any], img: Path) -> list[str]:
     ax.set_xticks(range(len(names)), names)
     ax.set_yscale("log")
     ax.set_ylabel("requests per SUT CPU-second (log)")
-    ax.set_title("Requests per second per core (solid: streamed c=64, light: non-streamed c=32)")
+    ax.set_title("Requests per SUT core\n(solid: streamed, c=64; light: non-streamed, c=32)")
     ax.grid(True, axis="y", which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(img / "rps_per_core.png", dpi=110)
     plt.close(fig)
     files.append("rps_per_core.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for p in names:
         pts = agg["memory"][p]["points"]
         ax.plot([n for n, _ in pts], [m for _, m in pts], marker="o", color=colors[p],
                 label=f"{p} ({agg['memory'][p]['kib_per_stream']:.0f} KiB/stream)")
+        ax2.plot([n for n, _ in pts], [m - pts[0][1] for _, m in pts], marker="o",
+                 color=colors[p], label=p)
     ax.set_yscale("log")
     ax.set_xlabel("open streams")
     ax.set_ylabel("RSS, MiB (log)")
-    ax.set_title("Memory vs open streams")
+    ax.set_title("RSS vs open streams")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    ax2.set_xlabel("open streams")
+    ax2.set_ylabel("RSS − idle RSS, MiB")
+    ax2.set_title("Growth over idle")
+    ax2.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(img / "memory.png", dpi=110)
     plt.close(fig)
@@ -733,7 +752,7 @@ def plots(agg: dict[str, Any], matrix: dict[str, Any], img: Path) -> list[str]:
     ax.imshow(grid, cmap=ListedColormap(palette), vmin=0, vmax=3, aspect="auto")
     for i, r in enumerate(rows):
         for j, p in enumerate(paths):
-            ax.text(j, i, matrix["cells"][r][p]["outcome"].split(",")[0], ha="center",
+            ax.text(j, i, matrix["cells"][r][p]["outcome"].replace(", ", ",\n"), ha="center",
                     va="center", fontsize=8)
     ax.set_xticks(range(len(paths)), paths)
     ax.set_yticks(range(len(rows)), rows, fontsize=8)
@@ -748,6 +767,36 @@ def plots(agg: dict[str, Any], matrix: dict[str, Any], img: Path) -> list[str]:
     plt.close(fig)
     files.append("fault_matrix.png")
     return files
+
+
+def headline(agg: dict[str, Any], matrix: dict[str, Any], names: list[str]) -> list[str]:
+    """The summary table in words: unbroken against the floor, and against LiteLLM."""
+    t, c, m = agg["ttfc"], agg["cpu"], agg["memory"]
+    rs, rp = agg["rps_stream"], agg["rps_plain"]
+    u = "unbroken"
+    out = [
+        f"**unbroken vs the bare floor** (same rounds): {rs[u]['vs_bare']:.2f}× its streamed and "
+        f"{rp[u]['vs_bare']:.2f}× its non-streamed requests per core, {c[u]['vs_bare']:.2f}× its "
+        f"CPU per frame, {t[u]['added_p50'] - t['bare']['added_p50']:+.2f} ms added TTFC p50 "
+        f"beyond the bare hop's, {m[u]['idle_mib'] - m['bare']['idle_mib']:+.1f} MiB idle RSS."]
+    if "litellm" in names:
+        x = "litellm"
+        out.append(
+            f"**unbroken vs LiteLLM**: {rs[u]['per_core'] / rs[x]['per_core']:.0f}× the streamed "
+            f"and {rp[u]['per_core'] / rp[x]['per_core']:.0f}× the non-streamed requests per "
+            f"core, {c[x]['us_per_frame'] / c[u]['us_per_frame']:.0f}× less CPU per frame, "
+            f"{t[x]['added_p50'] / t[u]['added_p50']:.0f}× less added TTFC, "
+            f"{m[x]['idle_mib'] / m[u]['idle_mib']:.1f}× less idle memory and "
+            f"{m[x]['kib_per_stream'] / m[u]['kib_per_stream']:.1f}× less per open stream.")
+    cells = matrix["cells"]
+    for p in matrix["paths"]:
+        done = [k for k in cells if cells[k][p]["outcome"] == "complete"]
+        bad = [k for k in cells if cells[k][p]["outcome"] in ("spliced",
+                                                              "truncated, shown as success")]
+        out.append(f"**fault matrix, {p}**: {len(done)} of {len(cells)} cases complete"
+                   + (f"; spliced or silently truncated: {', '.join(bad)}" if bad else
+                      "; nothing spliced or silently truncated") + ".")
+    return out
 
 
 def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
@@ -840,6 +889,9 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
     a("| failover from a refused primary | — (error) | " + " | ".join(fo_cell(p) for p in names)
       + " |")
     a("")
+    for line in headline(agg, matrix, names):
+        a(f"* {line}")
+    a("")
     a(f"![req/s per core]({img_rel}/rps_per_core.png)")
     a("")
     # -- TTFC
@@ -904,14 +956,17 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
     a("")
     a("RSS (`VmRSS`, whole process tree) after one warm-up request (idle), then with N open")
     a("slow streams (one frame a second; every client has its first bytes). Per stream = (RSS")
-    a("at the largest N − idle) / N.")
+    a("at the largest N − idle) / N, with N the streams actually open (LiteLLM may not open")
+    a("them all within 120 s).")
     a("")
     pts = [n for n, _ in mm[names[0]]["points"]]
     a("| path | " + " | ".join("idle MiB" if n == 0 else f"{n:.0f} streams MiB" for n in pts)
       + " | KiB per stream |")
     a("|---|" + "---:|" * (len(pts) + 1))
     for p in names:
-        a(f"| {p} | " + " | ".join(f(x, 1) for _, x in mm[p]["points"])
+        a(f"| {p} | " + " | ".join(
+            f(x, 1) + ("" if n == want else f" ({n:.0f} open)")
+            for (n, x), want in zip(mm[p]["points"], pts, strict=True))
           + f" | {f(mm[p]['kib_per_stream'], 1)} |")
     a("")
     a(f"![memory vs open streams]({img_rel}/memory.png)")
@@ -954,11 +1009,20 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
     a("")
     a("| case | what the mock does | " + " | ".join(paths) + " |")
     a("|---|---|" + "---|" * len(paths))
+    def took(ms: float) -> str:
+        return f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.1f} s"
+
     for name, desc, _k, _a in FAULTS:
         row = matrix["cells"][name]
         a(f"| {name} | {desc} | " + " | ".join(
-            f"**{row[p]['outcome']}** ({row[p]['detail']}; {row[p]['elapsed_ms'] / 1000:.1f} s)"
-            for p in paths) + " |")
+            f"**{row[p]['outcome']}** ({short_error(row[p]['detail'])}; "
+            f"{took(row[p]['elapsed_ms'])})" for p in paths) + " |")
+    a("")
+    a("Outcomes per path (of " + str(len(FAULTS)) + " cases): " + "; ".join(
+        f"**{p}** " + ", ".join(
+            f"{n} {o}" for o in OUTCOMES
+            if (n := sum(matrix["cells"][c][p]["outcome"] == o for c in matrix["cells"])))
+        for p in paths) + ".")
     a("")
     a(f"![fault matrix]({img_rel}/fault_matrix.png)")
     a("")
@@ -1068,7 +1132,14 @@ def main() -> int:
                         "none with --quick unless given)")
     parser.add_argument("--img", help="PNG directory (default: img/ next to --out)")
     parser.add_argument("--json", help="also write the aggregated results here")
+    parser.add_argument("--from-json", type=Path,
+                        help="render the report and plots again from a --json file; no run")
     args = parser.parse_args()
+    if args.from_json:
+        res = json.loads(args.from_json.read_text())
+        write_report(res, args.out or str(ROOT / "docs" / "benchmarks.md"), args.img,
+                     quick=res["quick"], no_litellm=not res["litellm"])
+        return 0
     if not sys.platform.startswith("linux"):
         print("compare: needs Linux (/proc, CPU pinning)", file=sys.stderr)
         return 2
@@ -1099,15 +1170,19 @@ def main() -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     if out:
-        outp = Path(out).resolve()
-        img = Path(args.img).resolve() if args.img else outp.parent / "img"
-        plots(agg, res["matrix"], img)
-        img_rel = os.path.relpath(img, outp.parent)
-        cmd = "python bench/compare.py" + (" --quick" if args.quick else "") + (
-            " --no-litellm" if args.no_litellm else "")
-        outp.write_text(render(res, img_rel, cmd) + "\n")
-        hb.log(f"wrote {outp} and {len(os.listdir(img))} plot(s) in {img}")
+        write_report(res, out, args.img, quick=args.quick, no_litellm=args.no_litellm)
     return 0
+
+
+def write_report(res: dict[str, Any], out: str, img_dir: str | None, *, quick: bool,
+                 no_litellm: bool) -> None:
+    outp = Path(out).resolve()
+    img = Path(img_dir).resolve() if img_dir else outp.parent / "img"
+    plots(res["agg"], res["matrix"], img)
+    cmd = "python bench/compare.py" + (" --quick" if quick else "") + (
+        " --no-litellm" if no_litellm else "")
+    outp.write_text(render(res, os.path.relpath(img, outp.parent), cmd) + "\n")
+    hb.log(f"wrote {outp} and 4 plots in {img}")
 
 
 if __name__ == "__main__":
