@@ -230,3 +230,30 @@ def test_the_retry_budget_caps_concurrent_retries() -> None:
     assert all(g == Park(0.25, "budget") for g in got if not isinstance(g, int))
     assert budget.exhausted_total == 40
     assert RetryBudget(percent=20.0, min_concurrency=3, turns=1).limit() == 3
+
+
+# -- the turn machine parks -----------------------------------------------------------------
+def test_the_machine_parks_until_the_reopen_and_sends_nothing_meanwhile() -> None:
+    from core.test_turn import Report, Timers
+    from unbroken.core.ledger import Hold
+    from unbroken.core.protocols import CHAT
+    from unbroken.core.turn import Open, TurnMachine, TurnState, Wait
+
+    states: list[TurnState] = []
+
+    class Recording(Report):
+        def state(self, state: TurnState) -> None:
+            states.append(state)
+
+    b, _ = board(failures_to_open=1, open_s=3.0, park_check_s=1.0)
+    b.failure(K, 0.0, "503")
+    retry = RetryState(RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K])
+    report = Recording()
+    m = TurnMachine(protocol=CHAT, hold=Hold(), timers=Timers(), retry=retry, stream=True,
+                    now=0.5, report=report)
+    assert m.start(0.5) == Wait(1.0)  # parked, looking again every park_check_s
+    assert states == [TurnState.PARKED] and not report.of("started")
+    assert m.next_attempt(1.5) == Wait(1.0)
+    assert m.next_attempt(2.5) == Wait(0.5)  # the reopen is nearer than park_check_s
+    assert m.next_attempt(3.0) == Open(0, 120.0)  # the half-open probe
+    assert report.of("started") == [("started", 1, 0)] and retry.attempts == 1
