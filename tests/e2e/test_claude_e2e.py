@@ -126,3 +126,38 @@ async def test_a_final_400_after_a_long_storm_stays_a_400(tmp_path, mock):
     assert mock.requests[2].json().get("stream") is not True  # the non-streamed retry
     print("\nclaude 529 past early_headers_s then a final 400: with the profile 2 requests "
           "(the 400 as a status); with early headers 3 (re-sent without streaming)")
+
+
+async def test_cut_right_after_a_complete_tool_call(tmp_path, mock):
+    """A cut between the Bash call's content_block_stop and message_stop.  By default the
+    call was released (Claude Code dispatches it there): the tool runs once and Claude
+    Code shows a synthetic error message before carrying on.  With hold = [...,
+    "tool_tail"] the complete call waits for message_stop, so the cut is replayed and
+    Claude Code sees one clean tool call."""
+    tool = _bash("echo ran >> marker.txt")
+    events = events_for("anthropic", tool, {"model": "fake-model", "stream": True})
+    stop = max(i for i, (name, _) in enumerate(events) if name == "content_block_stop")
+    cut = {**tool, "fault": "reset", "after_frame": stop + 1}
+
+    def synthetic(r: Any) -> list[Any]:
+        return [e for e in r.events() if e.get("type") == "assistant"
+                and e["message"].get("model") == "<synthetic>"]
+
+    env, cfg = _setup(tmp_path, mock)
+    mock.script([cut])
+    r = await run(through_unbroken(cfg, claude_argv("run the tool")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
+    assert synthetic(r) and len(mock.requests) == 2
+
+    (tmp_path / "project" / "marker.txt").unlink()
+    mock.reset()
+    mock.script([cut, tool])
+    tail = tmp_path / "tail.toml"
+    tail.write_text(cfg.read_text().replace(
+        "[stream]", '[stream]\nhold = ["control", "tool_calls", "tool_tail"]'))
+    r = await run(through_unbroken(tail, claude_argv("run the tool")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
+    assert not synthetic(r)
+    assert len(mock.requests) == 3  # the cut attempt, unbroken's replay, the follow-up

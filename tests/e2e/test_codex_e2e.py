@@ -185,3 +185,31 @@ async def test_websocket_turn_and_its_handshake_headers_reach_codex(tmp_path, mo
     assert any("model rerouted: fake-model -> gpt-other" in n for n in notices), notices
     assert [q.method for q in mock.requests] == ["WS", "WS"]  # the warm-up, then the turn
     assert [u.status for u in mock.upgrades] == [101]  # one upstream socket, reused
+
+
+
+TOO_LONG = {
+    "status": 400,
+    "headers": {"x-request-id": "req_too_long", "content-type": "application/json"},
+    "body": '{"error":{"message":"Your input exceeds the context window","type":'
+            '"invalid_request_error","param":null,"code":"context_length_exceeded"}}',
+}
+
+
+@pytest.mark.parametrize("early_headers", [False, True])
+async def test_a_final_400_after_a_storm_stops_codex(tmp_path, mock, early_headers):
+    """A 503 past early_headers_s, then a final 400 (context_length_exceeded).  With the
+    Codex profile the 400 arrives as a status; with early headers forced on it can only
+    be in-stream, as ``error`` + ``response.failed`` carrying the provider's code.  Either
+    way Codex recognises it and stops: no extra request, no "Reconnecting"."""
+    env, cfg = _setup(tmp_path, mock, stream_max_retries=3)
+    if early_headers:
+        cfg.write_text(cfg.read_text() + "\n[clients.codex]\nearly_headers = true\n")
+    mock.script([{"status": 503, "headers": {"retry-after-ms": "1500"}}] + [TOO_LONG] * 4)
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
+                  tmp_path / "project")
+    assert r.code != 0
+    assert not reconnects(r)
+    failed = [e for e in r.events() if e.get("type") == "turn.failed"]
+    assert failed and "context window" in failed[0]["error"]["message"]
+    assert len(mock.requests) == 2

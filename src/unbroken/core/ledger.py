@@ -28,6 +28,11 @@ Hold rules (``[stream] hold``):
   released whole (the dispatch gate): no client can have dispatched a call it
   never received, so a failure mid-arguments is replayable while PENDING.
   Frames arriving while a call is open are held behind it, to keep order.
+* ``tool_tail`` (opt-in, with ``tool_calls``) while PENDING, a complete tool call
+  is held on, with the CONTROL frames after it (``message_delta``), until the
+  terminal frame, the next tool call or output, whichever comes first.  A cut
+  between the call's end and ``message_stop`` / ``response.completed`` is then a
+  replay, not an error after commit; the call reaches the client that much later.
 * ``reasoning`` REASONING frames are held too while PENDING.
 * ``all``       everything is held until TERMINAL_OK: nothing streams, and
   every failure is replayable.
@@ -108,13 +113,13 @@ class Verdict(enum.Enum):
     FAIL = "fail"  # send error_bytes (if any) and end the stream; no replay
 
 
-HOLD_CHOICES = frozenset({"control", "tool_calls", "reasoning", "all"})
+HOLD_CHOICES = frozenset({"control", "tool_calls", "tool_tail", "reasoning", "all"})
 
 
 class Hold:
     """The parsed ``[stream] hold`` setting as kind masks."""
 
-    __slots__ = ("all", "pending_mask", "tools")
+    __slots__ = ("all", "pending_mask", "tool_tail", "tools")
 
     def __init__(self, names: Iterable[str] = ("control", "tool_calls")) -> None:
         names = set(names)
@@ -123,6 +128,9 @@ class Hold:
             raise ValueError(f"unknown hold choice(s): {sorted(unknown)}")
         self.all = "all" in names
         self.tools = self.all or "tool_calls" in names
+        #: while PENDING, a complete tool call waits for the message's end (or for
+        #: the next call or output, whichever comes first): a cut in that gap replays
+        self.tool_tail = self.tools and "tool_tail" in names
         mask = 0
         if self.all or "control" in names:
             mask |= Kind.CONTROL
@@ -150,6 +158,7 @@ class Ledger:
         "_held",
         "_held_since",
         "_last_raw",
+        "_tail",
         "_tool_mark",
         "error_bytes",
         "fail_reason",
@@ -199,6 +208,7 @@ class Ledger:
         self._held_since: float | None = None
         self._last_raw: bytes | None = None
         self._tool_mark = 0
+        self._tail = False
         self.held_bytes = 0
         self.open_tools = 0
         if stats is not None:
@@ -272,7 +282,19 @@ class Ledger:
 
         hold = self.hold
         if self.open_tools and not tools_before:
+            if self._tail:
+                # tool_tail: another call begins, so the complete one waits no longer.
+                out = list(self._release_held(None))
+                out.extend(self._hold(event))
+                return out
             self._tool_mark = len(self._held)  # where the open tool calls begin
+        if hold.tool_tail and state is State.PENDING:
+            if tools_before and not self.open_tools:
+                # tool_tail: the call is complete; it waits for the message's end.
+                self._tail = True
+                return self._hold(event)
+            if self._tail and not kinds & ~Kind.CONTROL:
+                return self._hold(event)  # e.g. message_delta between the call and the end
         if (
             hold.all
             or (self.open_tools and hold.tools)
@@ -363,6 +385,7 @@ class Ledger:
         self.held_bytes = 0
         self._held_since = None
         self._tool_mark = 0
+        self._tail = False
 
     def _end_with_error(self, message: str) -> bytes:
         """Committed: drop anything held (a partial tool call) and emit the native error."""
