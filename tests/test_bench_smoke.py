@@ -114,7 +114,7 @@ def test_compare_quick(runs: tuple[dict[str, Run], Path]) -> None:
         assert {c["outcome"] for c in row.values()} <= outcomes, case
     md = (tmp / "benchmarks.md").read_text()
     assert "python bench/compare.py --quick --no-litellm" in md
-    assert "**LiteLLM left out** (`--no-litellm`)" in md
+    assert "**LiteLLM left out** (`--no-litellm`)" in " ".join(md.split())  # prose is wrapped
     assert "## Fault matrix" in md
     for png in ("ttfc.png", "rps_per_core.png", "memory.png", "fault_matrix.png"):
         assert (tmp / "img" / png).stat().st_size > 1000, png
