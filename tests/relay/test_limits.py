@@ -234,3 +234,52 @@ async def test_slowloris_with_a_low_fd_limit_does_not_starve_clients(mock, tmp_p
     assert "Traceback" not in text
     assert text.count("accept() failed") <= 1
     assert "max_connections lowered" in text  # the cap fits the fd limit
+
+
+async def test_fifty_megabyte_sse_line_fails_the_attempt_quickly(tmp_path: Path):
+    """Review: one 50 MB SSE line cost 14.8 s of relay CPU and +97 MB RSS."""
+    from aiohttp import web
+
+    sent = {"bytes": 0, "attempts": 0}
+
+    async def huge(request: web.Request) -> web.StreamResponse:
+        sent["attempts"] += 1
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        piece = b"y" * 65536
+        try:
+            await resp.write(b"data: ")
+            for _ in range(50 * 16):  # 50 MB in one line
+                await resp.write(piece)
+                sent["bytes"] += len(piece)
+            await resp.write(b"\n\n")
+        except (ConnectionError, RuntimeError):
+            pass  # the relay hung up: what we want
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", huge)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    up = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    cfg = make_config([{"url": up}], retry={"max_attempts": 2},
+                      stream={"max_event_bytes": 4 << 20})
+    server, rec = await start_relay(cfg)
+    try:
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as s, s.post(
+            f"{server.url}/mock/v1/chat/completions", json={**CHAT, "stream": True}
+        ) as r:
+            body = await r.read()
+        took = time.monotonic() - t0
+        assert took < 10, took
+        assert sent["attempts"] == 2  # a failed attempt, retried, then given up
+        assert sent["bytes"] < 2 * 12 * (1 << 20)  # the relay stopped reading early
+        assert r.status == 502 or b"error" in body, (r.status, body[:200])
+        assert len(rec.failures) == 2, rec.failures  # the relay labels it "malformed"
+    finally:
+        await server.stop()
+        await runner.cleanup()
