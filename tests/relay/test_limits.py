@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from relayfix import make_config, start_relay
 from unbroken.relay.connections import GuardedServer, install_accept_log_limiter
@@ -283,3 +284,25 @@ async def test_fifty_megabyte_sse_line_fails_the_attempt_quickly(tmp_path: Path)
     finally:
         await server.stop()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("limits", "cap", "soft_after"),
+    [((1024, 4096), 1024, 2112), ((1024, 1024), 480, 1024), ((128, 128), 32, 128)],
+)
+def test_the_cap_fits_the_open_file_limit(limits, cap, soft_after):
+    """The soft limit is raised toward the hard one to fit the cap; what does not fit
+    lowers the cap (two fds a connection), so new connections get 503, not EMFILE."""
+    import subprocess
+
+    code = (
+        "import resource\n"
+        "from unbroken.relay.connections import effective_max_connections\n"
+        "print(effective_max_connections(1024)[0], "
+        "resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits),
+    ).stdout.split()
+    assert [int(x) for x in out] == [cap, soft_after]

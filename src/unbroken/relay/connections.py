@@ -9,9 +9,10 @@ file descriptors, and every failed ``accept()`` logs a traceback.  Here:
   connection is closed;
 * an idle keep-alive connection is closed after ``keepalive_timeout_s``
   (aiohttp's own timer, configured);
-* at most ``max_connections`` client connections are served at once, fewer if
-  the open-file limit cannot hold that many (each turn needs a client and an
-  upstream socket); a connection beyond gets an immediate ``503`` and is closed;
+* at most ``max_connections`` client connections are served at once (the
+  open-file soft limit is raised to fit them when the hard limit allows; fewer
+  if it does not: each turn needs a client and an upstream socket); a
+  connection beyond gets an immediate ``503`` and is closed;
 * ``accept()`` running out of resources is logged once a minute, one line.
 """
 
@@ -66,11 +67,24 @@ class ConnectionStats:
 
 
 def effective_max_connections(configured: int) -> tuple[int, int | None]:
-    """(the cap to use, the open-file soft limit when it lowered the cap, else None)."""
+    """(the cap to use, the open-file soft limit when it lowered the cap, else None).
+
+    Each client connection may need an upstream socket too, so the cap needs
+    about two descriptors per connection plus `FD_RESERVE`.  A soft limit below
+    that is first raised toward the hard limit (allowed without privileges;
+    1024 is a common soft default); only what still does not fit lowers the cap.
+    """
     try:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     except (OSError, ValueError):  # pragma: no cover - not on this platform
         return configured, None
+    needed = 2 * configured + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        if target > soft:
+            with contextlib.suppress(OSError, ValueError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
     if soft == resource.RLIM_INFINITY:
         return configured, None
     fit = max(1, (soft - FD_RESERVE) // 2)
