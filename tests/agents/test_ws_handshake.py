@@ -5,6 +5,7 @@ falls back to HTTP, without the headers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -87,5 +88,30 @@ async def test_unreachable_upstream_still_accepts_the_client(unused_tcp_port):
         async with aiohttp.ClientSession() as s, s.ws_connect(_ws_url(server)) as ws:
             turn = await _turn(ws, CREATE)
             assert turn[-1]["type"] in ("error", "response.failed")
+    finally:
+        await server.stop()
+
+
+async def test_codex_gets_keepalive_messages_on_a_quiet_socket(mock):
+    """Codex's idle timer counts WebSocket messages, not pings: while the upstream is
+    quiet, a Codex client gets ``{"type":"keepalive"}`` messages; another client none."""
+    cfg = make_config([{"url": mock.url}], stream={"first_frame_timeout_s": 5,
+                                                    "idle_timeout_s": 5})
+    cfg = dataclasses.replace(cfg, clients={"codex": {"keepalive_s": 0.2}})
+    server, _ = await start_relay(cfg)
+    slow = {"deltas": 1, "chunk_delay_ms": 700}
+    try:
+        for ua, want in (("codex_cli_rs/0.169.0", True), ("curl/8", False)):
+            mock.script([slow])
+            async with aiohttp.ClientSession() as s, s.ws_connect(
+                _ws_url(server), headers={"User-Agent": ua}
+            ) as ws:
+                turn = await _turn(ws, CREATE)
+            keepalives = [m for m in turn if m.get("type") == "keepalive"]
+            assert turn[-1]["type"] == "response.completed"
+            assert bool(keepalives) is want, ua
+            assert next(m for m in turn if m.get("type") != "keepalive")["type"] == (
+                "response.created"
+            )
     finally:
         await server.stop()

@@ -328,6 +328,7 @@ class TurnMachine:
         "first_frame",
         "headers_out",
         "hold",
+        "keepalive_event",
         "last_rx",
         "last_tx",
         "ledger",
@@ -336,6 +337,7 @@ class TurnMachine:
         "protocol",
         "report",
         "retry",
+        "socket",
         "stalled",
         "stats",
         "status",
@@ -359,11 +361,19 @@ class TurnMachine:
         report: TurnReport,
         clock: Callable[[], float] | None = None,
         profile: Profile | None = None,
+        socket: bool = False,
     ) -> None:
         self.protocol = protocol
         #: the client's profile (`core.profiles`): early headers, keepalive form and
         #: interval, the non-streamed wait
         self.profile = profile or DEFAULT_PROFILE
+        #: the keepalive the profile asks for, when the protocol has one (else comments)
+        self.keepalive_event = (
+            protocol.keepalive_event if self.profile.keepalive is KeepaliveForm.EVENT else None
+        )
+        #: the client is a WebSocket: its keepalive is a message (the event's data), sent
+        #: only for a profile that asks for events (pings keep the socket alive otherwise)
+        self.socket = socket
         self.hold = hold
         self.timers = timers
         self.retry = retry
@@ -852,11 +862,11 @@ class TurnMachine:
         t = self.timers
         p = self.profile
         due: float | None = None
-        if self.stream:
+        if self.stream or self.socket:
             if not self.headers_out:
                 if p.early_headers and (self.ledger is None or self.ledger.state is State.PENDING):
                     due = self.t0 + (p.early_headers_s or t.early_headers_s)
-            elif not self.writing:
+            elif not self.writing and (self.keepalive_event is not None or not self.socket):
                 due = self.last_tx + (p.keepalive_s or t.keepalive_s)
         if self.step is _Step.READING and not self.writing and not self.stalled:
             stall = (
@@ -883,7 +893,7 @@ class TurnMachine:
                 self.stalled = True
                 return AbortUpstream(_stall_failure())
         p = self.profile
-        if self.stream:
+        if self.stream or self.socket:
             if not self.headers_out:
                 ledger = self.ledger
                 early = self.t0 + (p.early_headers_s or t.early_headers_s)
@@ -896,11 +906,14 @@ class TurnMachine:
                     self.last_tx = now
                     self.report.headers_sent()
                     return SendHeaders(200)
-            elif not self.writing and now >= self.last_tx + (p.keepalive_s or t.keepalive_s):
+            elif (
+                not self.writing
+                and (self.keepalive_event is not None or not self.socket)
+                and now >= self.last_tx + (p.keepalive_s or t.keepalive_s)
+            ):
                 self.last_tx = now
-                event = self.protocol.keepalive_event
-                if p.keepalive is KeepaliveForm.EVENT and event is not None:
-                    return Keepalive(event)  # the client's idle timer ignores comments
+                if self.keepalive_event is not None:
+                    return Keepalive(self.keepalive_event)  # the client's timer ignores comments
                 return Keepalive(KEEPALIVE)
         return None
 

@@ -45,6 +45,7 @@ from multidict import CIMultiDict
 from unbroken.config import Route, Upstream
 from unbroken.core.ledger import State
 from unbroken.core.policy import Failure, FailureClass
+from unbroken.core.profiles import profile_for
 from unbroken.core.protocols import RESPONSES
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.protocols.responses import error_code_of, lifecycle_of
@@ -54,6 +55,7 @@ from unbroken.core.turn import (
     End,
     EndKind,
     GiveUp,
+    Keepalive,
     Open,
     Outcome,
     Stream,
@@ -436,12 +438,14 @@ class _WsTurn:
         self.relay = relay = conn.relay
         self.create = create
         self.text = text  # the client's message, forwarded as it is unless rebuilt
+        profile = profile_for(conn.request.headers, conn.cfg.clients)
         info = TurnInfo(
             route=conn.route.name,
             path=conn.rest,
             protocol="responses-ws",
             stream=True,
-            session_id=session_id_of(conn.request.headers),
+            session_id=session_id_of(conn.request.headers, create),
+            client=profile.name,
         )
         self.report = TurnReporter(
             info, relay.hooks, [u.name for u in conn.route.upstreams], relay.inflight
@@ -458,6 +462,8 @@ class _WsTurn:
             now=now,
             report=self.report,
             clock=conn.loop.time,
+            profile=profile,
+            socket=True,  # keepalives, for a profile that wants them, are messages
         )
         # Whatever happens now reaches the client in-stream, as on an HTTP stream
         # whose headers went out.
@@ -549,8 +555,14 @@ class _WsTurn:
                  conn.cfg.websocket_fallback_cooldown_s)
 
     def _on_timer(self, action: object) -> None:
-        # A WebSocket turn has no early headers or keepalives (pings keep the socket
-        # alive); the only timed action is a stall: abort the upstream at once.
+        if type(action) is Keepalive:
+            # A profile whose idle timer counts messages, not pings (Codex): the
+            # keepalive event's data as a message, which its parser ignores.
+            with contextlib.suppress(ConnectionError):
+                self.conn.send(ws_messages(SSESplitter().feed(action.data), sse=True))
+            return
+        # A WebSocket turn has no early headers (the socket is open); the other timed
+        # action is a stall: abort the upstream at once.
         ws = self.reading_ws
         if ws is not None:
             abort_websocket(ws)
