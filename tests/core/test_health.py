@@ -257,3 +257,12 @@ def test_the_machine_parks_until_the_reopen_and_sends_nothing_meanwhile() -> Non
     assert m.next_attempt(2.5) == Wait(0.5)  # the reopen is nearer than park_check_s
     assert m.next_attempt(3.0) == Open(0, 120.0)  # the half-open probe
     assert report.of("started") == [("started", 1, 0)] and retry.attempts == 1
+
+
+def test_a_probe_answered_with_a_429_closes_the_breaker() -> None:
+    b, _ = board(failures_to_open=1, open_s=1.0)
+    b.failure(K, 0.0, "503")
+    state = RetryState(RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K])
+    assert state.next_upstream(1.0) == 0  # the probe
+    state.record_failure(Failure(FailureClass.STATUS, "HTTP 429", status=429), 1.1)
+    assert b.state(K, 1.1) is Breaker.CLOSED  # it answered: up, if busy

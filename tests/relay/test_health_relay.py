@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 import pytest_asyncio
 
 from unbroken.config import parse_config
@@ -213,3 +214,51 @@ async def test_the_retry_budget_caps_retries_in_flight_and_every_turn_completes(
         assert data["retry_budget"]["mock"]["exhausted_total"] > 0
         metrics = await (await http.get(server.url + "/metrics")).text()
         assert 'unbroken_retry_budget_exhausted_total{route="mock"}' in metrics
+
+
+async def test_a_failover_to_another_vendor_rewrites_the_model(mock, mock2, http):
+    data = {
+        "retry": {"delay_ms": 5},
+        "journal": {"enabled": False},
+        "routes": {"mock": {"upstreams": [
+            {"url": mock.url},
+            {"url": mock2.url, "models": {"m": "vendor/m-large"}},
+        ]}},
+    }
+    cfg = dataclasses.replace(parse_config(data, env={}), port=0, grace_s=2.0)
+    mock.script([{"status": 503}])
+    async with RelayServer(cfg) as server:
+        assert (await chat(http, server.url))[0] == 200
+    assert mock.requests[0].json()["model"] == "m"
+    assert mock2.requests[0].json()["model"] == "vendor/m-large"
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"health": {"failures_to_open": 0}}, "health.failures_to_open"),
+        ({"health": {"failure_rate_to_open": 1.5}}, "health.failure_rate_to_open"),
+        ({"health": {"open_s": 0}}, "health.open_s"),
+        ({"health": {"store": "memcached://x"}}, "health.store"),
+        ({"health": {"nope": 1}}, "health.nope"),
+        ({"retry": {"budget_percent": 120}}, "retry.budget_percent"),
+    ],
+)
+def test_health_config_errors_name_the_key(section: dict[str, Any], key: str) -> None:
+    from unbroken.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        parse_config(section, env={})
+    assert err.value.key == key
+
+
+def test_health_config_defaults() -> None:
+    cfg = parse_config({}, env={})
+    h = cfg.health
+    assert (h.failures_to_open, h.open_s, h.max_open_s, h.quota_cooloff_s, h.store) == (
+        5, 2.0, 30.0, 3600.0, ""
+    )
+    assert cfg.retry.backoff == "exponential" and cfg.retry.budget_percent == 0.0
+    assert parse_config({"health": {"store": "redis://h:6379/0"}}, env={}).health.store == (
+        "redis://h:6379/0"
+    )

@@ -345,6 +345,7 @@ class RetryState:
         if failure.quota:
             self.cooloff_until[self.current] = now + self.quota_cooloff_s
             if board is not None and key is not None:
+                board.success(key, now)  # it answered; the cool-off keeps turns away
                 board.cooloff(key, now, self.quota_cooloff_s, "quota")
             if not self._other_free(now):
                 self.quota_wall = True  # never retry forever into a quota wall
@@ -355,10 +356,13 @@ class RetryState:
             self.cooloff_until[self.current] = now + ra
             if board is not None and key is not None and ra > 0:
                 board.cooloff(key, now, ra, "retry_after")
-        if board is not None and key is not None and counts_against_upstream(failure):
-            first_here = self.current not in self._counted
-            self._counted.add(self.current)
-            board.failure(key, now, failure.label, count=first_here)
+        if board is not None and key is not None:
+            if counts_against_upstream(failure):
+                first_here = self.current not in self._counted
+                self._counted.add(self.current)
+                board.failure(key, now, failure.label, count=first_here)
+            else:  # a 4xx (429, 408, ...) is an answer: the upstream is up (a probe passed)
+                board.success(key, now)
         other_free = self._other_free(now)
         if failure.cls.reroutes_at_once and other_free:
             return 0.0

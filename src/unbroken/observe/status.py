@@ -286,9 +286,14 @@ class StatusView:
             head.append(f"  {store.get('kind', 'store')} store DEGRADED", style="red")
         budgets = data.get("retry_budget")
         if isinstance(budgets, dict):
-            spent = sum(int(b.get("exhausted_total", 0)) for b in budgets.values())
-            if spent:
-                head.append(f"  retry budget waits {spent}", style="yellow")
+            for route, b in sorted(budgets.items()):
+                if isinstance(b, dict) and b.get("limit") is not None:
+                    # budget use: retries in flight / the limit, and retries that waited
+                    head.append(
+                        f"  budget {route} {b.get('retrying', 0)}/{b['limit']:g}"
+                        f" ({b.get('exhausted_total', 0)} waited)",
+                        style="yellow" if b.get("exhausted_total") else "",
+                    )
 
         rows: list[list[Any]] = []
         for t in inflight:

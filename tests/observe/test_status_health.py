@@ -1,0 +1,39 @@
+"""`unbroken status` shows upstream health: breakers, parked turns, the budget, the store."""
+
+from __future__ import annotations
+
+import io
+import time
+
+from rich.console import Console
+
+from unbroken.observe.status import render
+
+
+def test_the_view_shows_breakers_parked_turns_budget_and_a_degraded_store() -> None:
+    now = time.time()
+    data = {
+        "version": "0.1.0", "now": now, "uptime_s": 5.0,
+        "inflight": [{"id": 1, "route": "mock", "state": "parked", "attempts": 2,
+                      "upstream": "http://a", "age_s": 1.0, "held_bytes": 0}],
+        "upstreams": [
+            {"route": "mock", "upstream": "http://a", "up": False, "ok": 1, "failed": 6,
+             "failure_rate": 0.75, "breaker": "open", "open_until": now + 12, "cooloff_s": 0,
+             "recent_failures": []},
+            {"route": "mock", "upstream": "http://b", "up": True, "ok": 3, "failed": 1,
+             "failure_rate": 0.25, "breaker": "half_open", "open_until": None, "cooloff_s": 0,
+             "recent_failures": []},
+        ],
+        "totals": {},
+        "retry_budget": {"mock": {"turns": 10, "retrying": 2, "limit": 2.0,
+                                  "budget_percent": 20.0, "exhausted_total": 7}},
+        "store": {"kind": "redis", "state": "degraded"},
+        "workers": [{"id": 0}, {"id": 1}],
+    }
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(render(data, "http://127.0.0.1:4780"))
+    text = console.export_text()
+    assert "OPEN 12s" in text or "OPEN 11s" in text
+    assert "probe" in text and "6 (75%)" in text
+    assert "1 parked" in text and "2 workers" in text
+    assert "redis store DEGRADED" in text and "budget mock 2/2 (7 waited)" in text
