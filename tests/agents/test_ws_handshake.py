@@ -97,9 +97,9 @@ async def test_codex_gets_keepalive_messages_on_a_quiet_socket(mock):
     quiet, a Codex client gets ``{"type":"keepalive"}`` messages; another client none."""
     cfg = make_config([{"url": mock.url}], stream={"first_frame_timeout_s": 5,
                                                     "idle_timeout_s": 5})
-    cfg = dataclasses.replace(cfg, clients={"codex": {"keepalive_s": 0.2}})
+    cfg = dataclasses.replace(cfg, clients={"codex": {"keepalive_s": 0.08}})
     server, _ = await start_relay(cfg)
-    slow = {"deltas": 1, "chunk_delay_ms": 700}
+    slow = {"deltas": 1, "chunk_delay_ms": 250}
     try:
         for ua, want in (("codex_cli_rs/0.169.0", True), ("curl/8", False)):
             mock.script([slow])
