@@ -213,3 +213,22 @@ async def test_a_final_400_after_a_storm_stops_codex(tmp_path, mock, early_heade
     failed = [e for e in r.events() if e.get("type") == "turn.failed"]
     assert failed and "context window" in failed[0]["error"]["message"]
     assert len(mock.requests) == 2
+
+
+async def test_websocket_socket_dies_mid_tool_arguments_tool_runs_once(tmp_path, mock):
+    """Over WebSocket, the upstream socket closes (1011) twice in the middle of the call's
+    arguments: unbroken replays on fresh upstream sockets, Codex's own socket stays up,
+    and exec_command runs once."""
+    env, cfg = _setup(tmp_path, mock, supports_websockets=True)
+    tool = _tool("echo ran >> marker.txt")
+    events = events_for("responses", tool, {"model": "fake-model", "stream": True})
+    first_args = next(i for i, (name, _) in enumerate(events)
+                      if name == "response.function_call_arguments.delta")
+    close = {**tool, "fault": "close", "after_frame": first_args + 1, "code": 1011}
+    mock.script([{}, close, close, tool])  # the warm-up, two dead sockets, the call
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "run the tool")), env,
+                  tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert not reconnects(r)
+    assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
+    assert [q.socket for q in mock.requests[:4]] == [1, 1, 2, 3]
