@@ -232,3 +232,25 @@ async def test_websocket_socket_dies_mid_tool_arguments_tool_runs_once(tmp_path,
     assert not reconnects(r)
     assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
     assert [q.socket for q in mock.requests[:4]] == [1, 1, 2, 3]
+
+
+async def test_keepalive_messages_hold_codex_idle_timer_over_websocket(tmp_path, mock):
+    """The slow upstream over WebSocket (a frame a second, Codex idle timeout 0.7 s):
+    alone, Codex abandons the turn and sends it again; through unbroken, the keepalive
+    messages ({"type":"keepalive"}) between frames count for its idle timer (pings do
+    not), and the one slow turn completes."""
+    env, _ = _setup(tmp_path, mock, supports_websockets=True, stream_idle_timeout_ms=700)
+    cfg = relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3",
+                       first_frame_timeout_s=10, idle_timeout_s=10)
+    slow = {"text": "slow answer", "deltas": 1, "chunk_delay_ms": 1000}
+    script = [{}, slow, {}, slow]  # the warm-up, then the turn (twice, for a retry)
+    mock.script(script)
+    alone = await run(codex_argv(tmp_path, "say hi"), env, tmp_path / "project")
+    assert len(mock.requests) > 2 and "slow answer" not in agent_text(alone)
+    mock.reset()
+    mock.script(script)
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
+                  tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert agent_text(r) == "slow answer" and not reconnects(r)
+    assert [q.method for q in mock.requests] == ["WS", "WS"]
