@@ -9,6 +9,7 @@ retry knobs are set low (1 request retry, 1 stream retry) to keep the baselines 
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,12 @@ async def test_text_turn(tmp_path, mock):
     [req] = mock.requests
     assert req.path == "/v1/responses"  # relayed to the provider's own base URL
     assert "codex" in req.headers.get("user-agent", "")
+    conn = sqlite3.connect(tmp_path / "journal.sqlite3")
+    try:
+        rows = conn.execute("SELECT session_id, client, outcome FROM turns").fetchall()
+    finally:
+        conn.close()
+    assert rows == [(req.headers["session-id"], "codex", "ok")]  # the session, named
 
 
 async def test_tool_turn_runs_once(tmp_path, mock):
