@@ -266,3 +266,11 @@ def test_a_probe_answered_with_a_429_closes_the_breaker() -> None:
     assert state.next_upstream(1.0) == 0  # the probe
     state.record_failure(Failure(FailureClass.STATUS, "HTTP 429", status=429), 1.1)
     assert b.state(K, 1.1) is Breaker.CLOSED  # it answered: up, if busy
+
+
+def test_the_fleets_window_opens_a_closed_breaker() -> None:
+    b, seen = board(min_window_attempts=10, failure_rate_to_open=0.5)
+    b.fleet_window(K, ok=1, failed=5, now=0.0)  # too few attempts to tell
+    assert b.state(K, 0.0) is Breaker.CLOSED
+    b.fleet_window(K, ok=4, failed=8, now=1.0)
+    assert b.state(K, 1.0) is Breaker.OPEN and seen[-1].reason.startswith("fleet failure rate")

@@ -91,8 +91,8 @@ async def test_a_retry_after_seen_by_one_instance_steers_the_other_at_once(
         assert from_instance(mock, "B") == 0 and from_instance(mock2, "B") == 10
         assert time.monotonic() < cool_end
         status = await (await http.get(b.url + "/status")).json()
-        assert status["store"] == {"kind": "redis", "state": "ok",
-                                   "url": redis_server.url.replace("redis://", "redis://")}
+        store = status["store"]
+        assert (store["kind"], store["state"], store["url"]) == ("redis", "ok", redis_server.url)
         [u] = [u for u in status["upstreams"] if u["upstream"] == mock.url]
         assert u["cooloff_s"] > 3 and u["cooloff_reason"] == "retry_after"
 
@@ -167,3 +167,24 @@ async def test_redis_down_keeps_serving_degraded_and_shares_again_when_back(
         for _ in range(5):
             assert await post(http, b.url, "B") == 200
         assert from_instance(mock, "B") == before  # B steers clear of upstream 1 now
+
+
+async def test_the_fleets_failure_rate_opens_a_breaker_no_instance_could_alone(
+    redis_server, mock, mock2
+):
+    # each instance sees 6 failing turns: under min_window_attempts (10) alone, over together
+    cfg = fleet_config([mock.url, mock2.url], redis_server.url, failures_to_open=100,
+                       min_window_attempts=10, failure_rate_to_open=0.5)
+    async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
+        await until(lambda: up(a))
+        await until(lambda: up(b))
+        mock.script([{"status": 503, "count": 12}])
+        for s, who in ((a, "A"), (b, "B")):
+            for _ in range(6):
+                assert await post(http, s.url, who) == 200
+        key = f"mock|{mock.url}"
+        assert len(mock.requests) == 12
+        await until(lambda: a.relay.board.state(key, time.monotonic()) == "open", cap=5)
+        await until(lambda: b.relay.board.state(key, time.monotonic()) == "open", cap=5)
+        status = await (await http.get(a.url + "/status")).json()
+        assert status["store"]["fleet_window"][key][1] == 12

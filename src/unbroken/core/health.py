@@ -255,6 +255,21 @@ class HealthBoard:
             if total >= s.min_window_attempts and failed / total > s.failure_rate_to_open:
                 self._open(rec, now, f"failure rate {failed}/{total} over {s.window_s:g}s")
 
+    def fleet_window(self, key: str, ok: int, failed: int, now: float) -> None:
+        """The whole fleet's attempts over the window (from a shared store's counters).
+
+        A closed breaker opens when the fleet's failure rate is over the threshold,
+        even if this instance alone has seen too few attempts to tell.
+        """
+        s = self.settings
+        total = ok + failed
+        if not s.breakers or total < s.min_window_attempts:
+            return
+        rec = self.get(key)
+        self._refresh(rec, now)
+        if rec.state is Breaker.CLOSED and failed / total > s.failure_rate_to_open:
+            self._open(rec, now, f"fleet failure rate {failed}/{total} over {s.window_s:g}s")
+
     def _open(self, rec: UpstreamHealth, now: float, reason: str, *, reopen: bool = False) -> None:
         s = self.settings
         if reopen:

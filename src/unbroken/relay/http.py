@@ -329,6 +329,8 @@ class _HealthHook(Hooks):
 
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
+        #: turn id -> the upstreams it failed on (the fleet counts one failure per turn)
+        self._failed: dict[int, set[str]] = {}
 
     def turn_started(self, turn: TurnInfo) -> None:
         budget = self.relay.budgets.get(turn.route)
@@ -336,6 +338,7 @@ class _HealthHook(Hooks):
             budget.turns += 1
 
     def turn_ended(self, turn: TurnInfo) -> None:
+        self._failed.pop(turn.id, None)
         budget = self.relay.budgets.get(turn.route)
         if budget is not None and budget.turns > 0:
             budget.turns -= 1
@@ -355,8 +358,13 @@ class _HealthHook(Hooks):
             relay.board.success(key, relay.clock())
         elif attempt.phase == "committed" and (attempt.status or 0) < 400:
             relay.board.failure(key, relay.clock(), reason)
-        if answered or (attempt.status or 500) >= 500:
-            relay.store.count(key, not answered)
+        if answered:
+            relay.store.count(key, False)
+        elif (attempt.status or 500) >= 500:
+            seen = self._failed.setdefault(turn.id, set())
+            if key not in seen:  # like the local breaker: one failure per turn
+                seen.add(key)
+                relay.store.count(key, True)
 
 
 class Watchdog:

@@ -192,6 +192,8 @@ class RedisStore(HealthStore):
             "kind": self.kind,
             "state": "ok" if self.up else "degraded",
             "url": host if "://" in host else f"redis://{host}",
+            #: the fleet's attempts over the window, per upstream: [ok, failed]
+            "fleet_window": {k: list(v) for k, v in sorted(self.fleet.items()) if any(v)},
         }
 
     async def start(self) -> None:
@@ -359,7 +361,8 @@ class RedisStore(HealthStore):
                 reason = c_val.decode() if isinstance(c_val, bytes) else str(c_val or "")
                 self.board.apply(Change(key, "cooloff", c_ttl / 1000.0, reason), now)
             nums = [int(x) if x is not None else 0 for x in counts]
-            self.fleet[key] = (sum(nums[:10]), sum(nums[10:]))
+            ok, failed = self.fleet[key] = (sum(nums[:10]), sum(nums[10:]))
+            self.board.fleet_window(key, ok, failed, now)
 
     def _degrade(self, exc: BaseException) -> None:
         if self.up or self.degraded_since is None:
