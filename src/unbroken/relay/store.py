@@ -184,7 +184,6 @@ class RedisStore(HealthStore):
         self._warner = _Warner(clock)
         self.fleet: dict[str, tuple[int, int]] = {}  # key -> (ok, failed) over the window
         self.board.probe_gate = self._probe_gate
-        self._started = False
 
     def status(self) -> dict[str, Any]:
         host = self.url.split("@")[-1]  # never a password
@@ -197,7 +196,6 @@ class RedisStore(HealthStore):
         }
 
     async def start(self) -> None:
-        self._started = True
         self._tasks = [
             asyncio.ensure_future(self._run()),
             asyncio.ensure_future(self._writer()),

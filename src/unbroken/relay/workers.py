@@ -101,14 +101,27 @@ def serve_workers(
     try:
         for i in range(n):
             start(i)
-        for _ in range(n):
-            started.get()  # each worker says when it listens
+        ready_ids: set[int] = set()
+        while len(ready_ids) < n:  # each worker says when it listens
+            if not started.empty():
+                ready_ids.add(started.get())
+                continue
+            dead = [i for i, p in procs.items() if i not in ready_ids and not p.is_alive()]
+            if dead:
+                log.error("worker %d exited before it was ready: stopping", dead[0])
+                for p in procs.values():
+                    with contextlib.suppress(ProcessLookupError, TypeError):
+                        os.kill(p.pid, signal.SIGTERM)
+                return 1
+            time.sleep(0.02)
         bracket = f"[{host}]" if ":" in host else host
         url = f"http://{bracket}:{port}"
         log.info("%d workers on %s (runtime dir %s)", n, url, runtime)
         if ready is not None:
             ready(url)
         while procs:
+            while not started.empty():  # restarted workers say they listen: not needed now
+                started.get()
             sentinels = {p.sentinel: i for i, p in procs.items()}
             for s in multiprocessing.connection.wait(list(sentinels), timeout=0.5):
                 i = sentinels[s]
