@@ -257,6 +257,7 @@ class RetryState:
     quota_wall: bool = False  # the last failure was a spent quota with no other upstream
     _order: list[int] | None = None
     _counted: set[int] = field(default_factory=set)  # upstreams this turn has failed on
+    _budget_wait: bool = False  # this turn's retry is waiting for the budget
 
     def exhausted(self) -> bool:
         return self.policy.max_attempts > 0 and self.attempts >= self.policy.max_attempts
@@ -286,8 +287,11 @@ class RetryState:
         first = self.current < 0
         budget = self.budget
         if not first and budget is not None and not budget.allow():
-            budget.exhausted_total += 1
+            if not self._budget_wait:  # counted once per retry that has to wait
+                self._budget_wait = True
+                budget.exhausted_total += 1
             return Park(now + 0.25, "budget")
+        self._budget_wait = False
         start = 0 if first else (order.index(self.current) + 1) % n
         board = self.board
         choice = -1
