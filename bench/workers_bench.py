@@ -6,10 +6,13 @@ A benchmark, not a test: it measures and reports, it asserts nothing.
 
 Separate processes on loopback, ephemeral ports: the mock provider (request
 recording off), ``python -m unbroken serve --workers N`` in front of it, and
-``--clients`` load-generator processes (aiohttp, streamed Chat Completions with
-8 text deltas) sharing ``--concurrency`` connections.  Every process runs on the
-same machine, so the workers compete with the mock and the load generators for
-the cores: the ratio is a lower bound of what a second core gives the relay.
+``--clients`` load-generator processes sharing ``--concurrency`` keep-alive
+connections, each sending streamed Chat Completions (8 text deltas) over raw
+sockets (``--aiohttp``: with aiohttp clients, which cost several times the CPU
+per request and so cap the rate on a 2-core machine before the relay does).
+Every process runs on the same machine, so the workers compete with the mock and
+the load generators for the cores: the ratio is a lower bound of what a second
+core gives the relay.
 Runs alternate N=1 and N=2; the median of ``--reps`` runs is reported.
 """
 
@@ -74,8 +77,44 @@ async def _load(url: str, concurrency: int, seconds: float) -> int:
     return done
 
 
-def _client(url: str, concurrency: int, seconds: float, out: Any) -> None:
-    out.put(asyncio.run(_load(url, concurrency, seconds)))
+async def _raw_load(url: str, concurrency: int, seconds: float) -> int:
+    """The same turns over raw keep-alive sockets: far less client CPU than aiohttp's."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps(CHAT).encode()
+    request = (
+        f"POST /mock/v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    done = 0
+    warm_until = time.monotonic() + 1.0
+    stop = warm_until + seconds
+
+    async def one() -> None:
+        nonlocal done
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            while time.monotonic() < stop:
+                writer.write(request)
+                parts: list[bytes] = []
+                tail = b""
+                while not tail.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
+                    chunk = await reader.read(65536)
+                    if not chunk:
+                        raise ConnectionError("closed")
+                    parts.append(chunk)
+                    tail = (tail + chunk)[-16:]
+                if b"[DONE]" in b"".join(parts) and time.monotonic() > warm_until:
+                    done += 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+    return done
+
+
+def _client(url: str, concurrency: int, seconds: float, out: Any, raw: bool = True) -> None:
+    load = _raw_load if raw else _load
+    out.put(asyncio.run(load(url, concurrency, seconds)))
 
 
 def run_once(mock_url: str, workers: int, args: argparse.Namespace) -> float:
@@ -94,8 +133,10 @@ def run_once(mock_url: str, workers: int, args: argparse.Namespace) -> float:
             ctx = multiprocessing.get_context("spawn")
             out = ctx.SimpleQueue()
             per = max(1, args.concurrency // args.clients)
-            procs = [ctx.Process(target=_client, args=(url, per, args.seconds, out))
-                     for _ in range(args.clients)]
+            procs = [
+                ctx.Process(target=_client, args=(url, per, args.seconds, out, not args.aiohttp))
+                for _ in range(args.clients)
+            ]
             for p in procs:
                 p.start()
             total = sum(out.get() for _ in procs)
@@ -113,6 +154,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--clients", type=int, default=2, help="load-generator processes")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--aiohttp", action="store_true",
+                    help="load with aiohttp clients (default: raw sockets, cheaper per request)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     mock, mock_url = _start([sys.executable, "-c", MOCK], r"http://127\.0\.0\.1:\d+")
