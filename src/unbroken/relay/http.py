@@ -122,7 +122,7 @@ def session_id_of(headers: Any, body: dict[str, Any] | None = None) -> str | Non
 
 #: the session key of the turn being built (set by `Relay.handle`, read by `retry_state`)
 _STICKY: contextvars.ContextVar[str | None] = contextvars.ContextVar("sticky", default=None)
-_STICKY_HEADERS = ("x-session-id", "x-session-affinity", "session-id", "thread-id")
+_STICKY_HEADERS = (*SESSION_HEADERS, "thread-id")  # Codex sends thread-id too
 
 
 def sticky_key(headers: Any, body: bytes) -> str | None:
