@@ -16,7 +16,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_ruff_clean() -> None:
-    paths = [p for p in ("src", "tests", "bench") if (ROOT / p).is_dir()]
+    paths = [p for p in ("src", "tests", "bench", "tools") if (ROOT / p).is_dir()]
     result = _run("ruff", "check", *paths)
     assert result.returncode == 0, result.stdout + result.stderr
 
