@@ -1,25 +1,40 @@
-"""`unbroken demo`: the real command, and a faster storm whose journal `stats` reads."""
+"""`unbroken demo`: the real command, a faster storm whose journal `stats` reads, and the
+README and docs samples of both, checked against a real run."""
 
 from __future__ import annotations
 
-import asyncio
 import json
+import re
 import sqlite3
+import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
+
+from docsamples import DOCS, README, block_after, counted_names, lines_in_order, numbers_out
 from unbroken.cli import main
-from unbroken.demo import run_demo, storms
-from unbroken.observe.stats import compute_stats
+from unbroken.demo import DemoRun, _turns, format_summary, render_run, run_demo, storms
+from unbroken.observe.stats import compute_stats, format_stats
 
 
-async def test_demo_json_command():
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", "demo", "--json",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """One real `unbroken demo --json --journal FILE`: its summary and its journal."""
+    journal = tmp_path_factory.mktemp("demo") / "journal.sqlite3"
+    done = subprocess.run(
+        [sys.executable, "-m", "unbroken", "demo", "--json", "--journal", str(journal)],
+        capture_output=True, text=True, timeout=90, check=False,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 90)
-    assert proc.returncode == 0, err.decode()
-    summary = json.loads(out)
+    assert done.returncode == 0, done.stderr
+    summary: dict[str, Any] = json.loads(done.stdout)
+    return summary, journal
+
+
+def test_demo_json_command(demo_run: tuple[dict[str, Any], Path]) -> None:
+    summary, _ = demo_run
     for key in ("turns", "completed", "faults_injected", "duplicates", "direct_completed"):
         assert key in summary
     assert summary["duplicates"] == 0
@@ -34,7 +49,7 @@ async def test_demo_json_command():
     assert summary["seconds"] + summary["direct_seconds"] < 60
 
 
-async def test_fast_storm_and_its_journal(tmp_path):
+async def test_fast_storm_and_its_journal(tmp_path: Path) -> None:
     path = tmp_path / "demo.sqlite3"
     summary = await run_demo(
         turns=6, direct=False, retry_after_s=0.2, stall_s=10, journal=str(path)
@@ -54,9 +69,81 @@ async def test_fast_storm_and_its_journal(tmp_path):
     assert len(turns) == 6  # one agent session per turn
 
 
-def test_demo_text_summary(capsys):
+def test_demo_text_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--turns", "6", "--no-direct"]) == 0
     out = capsys.readouterr().out
     assert "turns completed       6 of 6" in out
     assert "duplicated frames     0" in out
     assert "Straight against the mock" not in out
+
+
+# -- the samples in README.md and docs/ -------------------------------------------------------
+DEMO_MARKER = "$ pip install -e . && unbroken demo"
+
+
+def test_the_readme_demo_sample_is_what_the_demo_prints(
+    demo_run: tuple[dict[str, Any], Path],
+) -> None:
+    summary, _ = demo_run
+    sample = block_after(README, DEMO_MARKER).splitlines()
+    # the introduction names the storms, in order
+    intro = " ".join(sample[1:4])
+    assert ", ".join(s.name for s in storms()) in intro, intro
+    # the live table: its columns, and one row per storm kind
+    fake_server = SimpleNamespace(relay=SimpleNamespace(inflight=[]))
+    run = DemoRun("Through unbroken", _turns(6, storms(), "x"), fake_server)  # type: ignore[arg-type]
+    headers = [c.header for c in render_run(run).columns]
+    header_line = next(line for line in sample if line.startswith("┃"))
+    assert [h.strip() for h in header_line.strip("┃").split("┃")] == headers
+    rows = [line for line in sample if line.startswith("│")]
+    assert [r.split("│")[2].strip() for r in rows[:6]] == [s.name for s in storms()]
+    # the summary: the same lines, labels and wording; the same failure labels
+    start = next(i for i, line in enumerate(sample) if line.startswith("Through unbroken ("))
+    real = format_summary(summary).splitlines()
+    assert len(sample) - start == len(real), "\n".join(real)
+    for mine, theirs in zip(sample[start:], real, strict=True):
+        if "failures absorbed" in mine:
+            assert counted_names(mine) == counted_names(theirs), (mine, theirs)
+            mine, theirs = mine.split("(")[0], theirs.split("(")[0]
+        assert numbers_out(mine) == numbers_out(theirs), (mine, theirs)
+
+
+def test_every_number_the_demo_prints_is_explained_in_the_readme(
+    demo_run: tuple[dict[str, Any], Path],
+) -> None:
+    summary, _ = demo_run
+    text = README.read_text()
+    explained = text[text.index("What the numbers mean:"):]
+    explained = explained[: explained.index("\n## ")]
+    labels = {
+        m.group(1).strip()
+        for m in re.finditer(r"^  ([a-z][a-z .()]+?)  +\S", format_summary(summary), re.M)
+    }
+    assert labels >= {"turns completed", "wasted tokens (est.)", "duplicated frames"}
+    for label in labels:
+        assert f"**{label}**" in explained, label
+    fake_server = SimpleNamespace(relay=SimpleNamespace(inflight=[]))
+    run = DemoRun("x", _turns(1, storms(), "x"), fake_server)  # type: ignore[arg-type]
+    for column in render_run(run).columns:
+        assert f"`{column.header}`" in explained, column.header
+
+
+STATS_SAMPLES = [
+    (README, "**`unbroken stats [--since 24h] [--json]`** reports from it"),
+    (DOCS / "observability.md", "## `unbroken stats [--since 24h] [--json]`"),
+]
+
+
+@pytest.mark.parametrize(("path", "marker"), STATS_SAMPLES, ids=["README", "observability"])
+def test_the_stats_samples_are_what_stats_prints_for_a_demo_journal(
+    demo_run: tuple[dict[str, Any], Path], path: Path, marker: str
+) -> None:
+    _, journal = demo_run
+    report = compute_stats(sqlite3.connect(journal), since_s=None)
+    real = format_stats(report, since="24h", journal=str(journal)).splitlines()
+    sample = block_after(path, marker).splitlines()
+    for mine, theirs in lines_in_order(sample, real):
+        if re.search(r"by cause|causes:", mine):
+            assert counted_names(mine) == counted_names(theirs), (mine, theirs)
+            continue
+        assert numbers_out(mine) == numbers_out(theirs), (mine, theirs)

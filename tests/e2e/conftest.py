@@ -1,6 +1,6 @@
 """End-to-end tests with the real OpenCode CLI: all scenarios run concurrently.
 
-OpenCode's own retry backoff makes its baselines slow (about 73 s for a 503 storm,
+OpenCode's own retry backoff makes its baselines slow (about 74 s for a 503 storm,
 about 63 s per 5-retry cycle), and the 20-failure verification needs three such
 cycles.  So the first e2e test starts every selected scenario at once in a
 background event loop, each test waits only for its own, and the long verification

@@ -14,6 +14,8 @@ import pytest
 from oc_harness import OPENCODE_VERSION, Sandbox, opencode, run_to_end
 from oc_scenarios import SEED_FAILURES, TEXT, CliRun, SessionRun
 
+from docsamples import documented_storm_seconds
+
 pytestmark = [pytest.mark.e2e, pytest.mark.cli("opencode"), pytest.mark.timeout(420)]
 
 
@@ -54,7 +56,9 @@ def test_503_storm_kills_opencode_alone_but_not_through_unbroken(
     )
     assert alone.finished.code == 1, _fails(alone)
     assert alone.requests == 6, _fails(alone)  # the first try and OpenCode's 5 retries
-    assert 45 < died_after < 120, alone.times
+    # The docs give this time (README, docs/opencode.md): it must still be true.
+    documented = documented_storm_seconds()
+    assert abs(died_after - documented) <= 12, (died_after, documented, alone.times)
     assert relayed.finished.code == 0, _fails(relayed)
     assert TEXT in relayed.finished.stdout
     assert relayed.finished.stream_errors() == 0, _fails(relayed)  # OpenCode saw no error

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from rich.console import Console
 
+from docsamples import DOCS, block_after
 from relayfix import Recorder, make_config
 from unbroken.cli import main
 from unbroken.observe.hooks import TurnInfo
@@ -271,3 +272,41 @@ def test_status_help_shows_the_interval_default(capsys: pytest.CaptureFixture[st
         main(["status", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "at least 0.2 (default: 1.0)" in help_text
+
+
+# -- the samples in docs/observability.md ------------------------------------------------------
+OBSERVABILITY = DOCS / "observability.md"
+
+
+def _json_sample() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(block_after(OBSERVABILITY, "`GET /status` returns JSON:"))
+    return data
+
+
+def _keys(a: dict[str, Any], b: dict[str, Any], where: str) -> None:
+    assert set(a) == set(b), (where, sorted(set(a) ^ set(b)))
+
+
+async def test_the_status_json_sample_has_the_shape_of_a_real_one(mock, waiting_relay):
+    server, _, _ = waiting_relay
+    real = await _status(server.url)
+    sample = _json_sample()
+    _keys(sample, real, "top level")
+    _keys(sample["inflight"][0], real["inflight"][0], "inflight[]")
+    [up] = [u for u in real["upstreams"] if u["route"] == "mock"]
+    _keys(sample["upstreams"][0], up, "upstreams[]")
+    _keys(sample["upstreams"][0]["recent_failures"][0], up["recent_failures"][0],
+          "recent_failures[]")
+    for key in ("totals", "journal", *(k for k in ("process",) if k in real)):
+        _keys(sample[key], real[key], key)
+    _keys(sample["totals"]["outcomes"], real["totals"]["outcomes"], "outcomes")
+    reasons = {r["reason"] for u in sample["upstreams"] for r in u["recent_failures"]}
+    assert reasons == set(sample["totals"]["failures_by_reason"])
+
+
+def test_the_status_view_sample_is_the_view_of_the_json_sample() -> None:
+    shown = block_after(OBSERVABILITY, "draws that as a")
+    text = _text(_json_sample(), 80)
+    assert [line.rstrip() for line in shown.splitlines()] == [
+        line.rstrip() for line in text.splitlines()
+    ], text
