@@ -491,3 +491,16 @@ async def test_the_resumer_shuts_down_cleanly_when_opencode_exits(
     for sign in ("Traceback", "Task exception was never retrieved", "Unclosed",
                  "was never awaited", "Task was destroyed"):
         assert sign not in everything, everything
+
+
+def test_undo_removes_only_directories_above_the_file(home: dict[str, Any], tmp_path: Path) -> None:
+    """The created-marker names directories; undo removes none but the file's own parents."""
+    path = home["project"] / "opencode.json"
+    path.write_text("{}")
+    elsewhere = tmp_path / "unrelated-empty-dir"
+    elsewhere.mkdir()
+    marker = home["project"] / "opencode.json.unbroken-created"
+    marker.write_text(json.dumps({"created_dirs": [str(elsewhere)]}))
+    done = undo("project", project=home["project"], env=home["env"])
+    assert done == UndoResult(path, "removed")
+    assert elsewhere.is_dir() and not path.exists() and not marker.exists()

@@ -870,7 +870,7 @@ def undo(scope: str, *, project: Path, env: Mapping[str, str]) -> UndoResult:
         return UndoResult(path, "restored")
     if not created.exists():
         return UndoResult(path, "nothing")
-    made = _created_dirs(created)
+    made = [d for d in _created_dirs(created) if d in path.parents]  # nothing else, ever
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     created.unlink()
