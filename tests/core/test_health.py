@@ -278,3 +278,10 @@ def test_the_fleets_window_opens_a_closed_breaker() -> None:
     assert b.state(K, 0.0) is Breaker.CLOSED
     b.fleet_window(K, ok=4, failed=8, now=1.0)
     assert b.state(K, 1.0) is Breaker.OPEN and seen[-1].reason.startswith("fleet failure rate")
+
+
+def test_the_window_keeps_a_bounded_number_of_buckets() -> None:
+    b, _ = board(window_s=10.0)
+    for t in range(10_000):  # a day of successes, never a failure or a view
+        b.success(K, float(t))
+    assert len(b.records[K].buckets) <= 11

@@ -139,6 +139,9 @@ class UpstreamHealth:
         b = int(now // (window_s / BUCKETS))
         counts = self.buckets.get(b)
         if counts is None:
+            # a new bucket: drop those that left the window (the dict stays <= BUCKETS + 1)
+            for old in [o for o in self.buckets if o <= b - BUCKETS]:
+                del self.buckets[old]
             counts = self.buckets[b] = [0, 0]
         counts[slot] += 1
 
