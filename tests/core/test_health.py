@@ -185,6 +185,8 @@ def test_quota_bodies_are_recognised() -> None:
     assert is_quota_body(b'{"error": {"code": "insufficient_quota"}}')
     assert is_quota_body(b'{"error": {"message": "Your credit balance is too low"}}')
     assert not is_quota_body(b'{"error": {"message": "Rate limit reached"}}')
+    assert not is_quota_body(b'{"error": {"message": "billing service busy, retry"}}')
+    assert is_quota_body(b'{"error": {"code": "billing_hard_limit_reached"}}')
 
 
 def test_the_default_backoff_is_exponential_with_full_jitter() -> None:

@@ -48,10 +48,11 @@ QUOTA_STATUSES: frozenset[int] = frozenset({402})
 
 #: lower-case markers of an exhausted quota or a billing problem in an error body
 QUOTA_MARKERS: tuple[bytes, ...] = (
-    b"insufficient_quota",
-    b"exceeded your current quota",
-    b"billing",
-    b"credit balance is too low",
+    b"insufficient_quota",  # OpenAI's code
+    b"exceeded your current quota",  # OpenAI's message
+    b"billing_hard_limit_reached",
+    b"billing_not_active",
+    b"credit balance is too low",  # Anthropic's message
     b"payment required",
 )
 
