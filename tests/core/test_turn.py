@@ -57,7 +57,7 @@ class Report:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
-    def attempt_started(self, number: int, upstream: int) -> None:
+    def attempt_started(self, number: int, upstream: int, choice: str = "") -> None:
         self.calls.append(("started", number, upstream))
 
     def attempt_ended(

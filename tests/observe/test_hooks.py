@@ -33,7 +33,7 @@ TURN = TurnInfo(route="r", path="v1/chat/completions", protocol="chat", stream=T
 def test_every_hook_method_is_an_event() -> None:
     assert set(HOOK_NAMES) == {
         "turn_started", "attempt_started", "attempt_failed", "attempt_ended",
-        "hold_overflow", "turn_ended",
+        "hold_overflow", "turn_ended", "upstream_changed",
     }
     for name in HOOK_NAMES:
         assert getattr(MultiHooks, name) is not getattr(Hooks, name)

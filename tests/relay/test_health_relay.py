@@ -262,3 +262,35 @@ def test_health_config_defaults() -> None:
     assert parse_config({"health": {"store": "redis://h:6379/0"}}, env={}).health.store == (
         "redis://h:6379/0"
     )
+
+
+async def test_the_journal_records_how_each_upstream_was_chosen_and_breaker_transitions(
+    mock, http, tmp_path
+):
+    import sqlite3
+
+    path = tmp_path / "journal.sqlite3"
+    async with DeadPort() as dead:
+        dead_url = dead.url
+        cfg = config(
+            [dead_url, mock.url],
+            health={"failures_to_open": 2, "open_s": 60.0},
+            journal={"enabled": True, "path": str(path)},
+        )
+        async with RelayServer(cfg) as server:
+            for _ in range(3):  # two turns open the breaker; the third skips the dead one
+                assert (await chat(http, server.url))[0] == 200
+    with sqlite3.connect(path) as db:
+        rows = db.execute(
+            "SELECT t.turn_id, a.number, a.upstream, a.choice FROM attempts a"
+            " JOIN turns t ON t.uid = a.turn_uid ORDER BY t.turn_id, a.number"
+        ).fetchall()
+        events = db.execute("SELECT route, upstream, kind, reason FROM upstream_events").fetchall()
+    choices = [(n, up == dead_url, choice) for _, n, up, choice in rows]
+    assert choices == [
+        (1, True, "first"), (2, False, "rotated"),
+        (1, True, "first"), (2, False, "rotated"),
+        (1, False, "breaker_skip"),
+    ]
+    assert [(r, u, k) for r, u, k, _ in events] == [("mock", dead_url, "open")]
+    assert events[0][3]  # the failure that opened it

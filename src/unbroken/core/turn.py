@@ -302,7 +302,9 @@ class Timers(TypingProtocol):
 class TurnReport(TypingProtocol):
     """What the machine tells observers.  The I/O layer implements it (`relay.report`)."""
 
-    def attempt_started(self, number: int, upstream: int) -> None: ...
+    def attempt_started(self, number: int, upstream: int, choice: str) -> None:
+        """``choice``: how the upstream was chosen (first, sticky, rotated, breaker_skip,
+        or parked when the turn waited for a breaker, a cool-off or the budget first)."""
     def attempt_ended(
         self, reason: str, phase: Phase | None, status: int | None, stats: AttemptStats | None
     ) -> None: ...
@@ -321,6 +323,7 @@ class TurnMachine:
         "_done_seen",
         "_over",
         "_overflow_reported",
+        "_parked",
         "_splitter",
         "attempt_ledger",
         "clock",
@@ -402,6 +405,7 @@ class TurnMachine:
         self._done_seen = False
         self._overflow_reported = False
         self._over: Action | None = None
+        self._parked = False  # the next attempt follows a park
         self._splitter: SSESplitter | None = None
 
     # -- attempts ----------------------------------------------------------------------
@@ -424,6 +428,7 @@ class TurnMachine:
             # Parked: nothing goes upstream until the earliest reopen; the transport's
             # timer keeps the client alive (early headers, keepalives) meanwhile.
             self.report.state(TurnState.PARKED)
+            self._parked = True
             board = retry.board
             check = board.settings.park_check_s if board is not None else 1.0
             return Wait(min(max(idx.until - now, 0.001), check))
@@ -435,7 +440,9 @@ class TurnMachine:
         self.attempt_ledger = None
         self._over = None
         self.stats = AttemptStats()
-        self.report.attempt_started(retry.attempts, idx)
+        choice = "parked" if self._parked else (retry.why or "first")
+        self._parked = False
+        self.report.attempt_started(retry.attempts, idx, choice)
         self.report.state(TurnState.WAITING)
         t = self.timers
         # A non-streamed answer arrives only once generated: allow it the first-frame time.

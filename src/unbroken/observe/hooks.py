@@ -41,7 +41,9 @@ class AttemptInfo:
     ended: float | None = None
     status: int | None = None  # upstream HTTP status, when one arrived
     reason: str = ""  # "ok", or the failure label: 503, connection_reset, stall, ...
-    phase: str = ""  # failures: connect | headers | pending | committed | stall
+    phase: str = ""  # failures: connect | headers | pending | committed | stall | tail
+    #: how the upstream was chosen: first | sticky | rotated | breaker_skip | parked
+    choice: str = ""
     frames_received: int = 0
     bytes_received: int = 0
     frames_released: int = 0
@@ -102,6 +104,12 @@ class Hooks:
 
     def turn_ended(self, turn: TurnInfo) -> None:
         """``turn.outcome`` and ``turn.attempt_log`` are final."""
+
+    def upstream_changed(
+        self, route: str, upstream: str, kind: str, *, reason: str, ttl_s: float, remote: bool
+    ) -> None:
+        """A breaker transition (``open``, ``half_open``, ``close``) of an upstream;
+        ``remote`` when another instance learned it first."""
 
 
 #: every hook, read off `Hooks` itself: adding a method there adds an event everywhere

@@ -36,7 +36,7 @@ __all__ = ["SCHEMA", "Journal", "default_journal_path", "journal_path"]
 
 log = logging.getLogger("unbroken")
 
-SCHEMA_VERSION = 2  # 2: turns.client
+SCHEMA_VERSION = 3  # 2: turns.client; 3: attempts.choice, upstream_events
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
     uid          TEXT PRIMARY KEY,   -- '<run>:<turn id>'
@@ -81,8 +81,21 @@ CREATE TABLE IF NOT EXISTS attempts (
     output_tokens     INTEGER,
     est_output_tokens INTEGER NOT NULL DEFAULT 0,  -- output frames generated (~ tokens)
     wait_s            REAL,              -- wait before the next attempt, when one followed
+    choice            TEXT,              -- how the upstream was chosen: first | sticky |
+                                         -- rotated | breaker_skip | parked
     PRIMARY KEY (turn_uid, number)
 );
+CREATE TABLE IF NOT EXISTS upstream_events (
+    at       REAL NOT NULL,              -- unix time
+    run      TEXT NOT NULL,
+    route    TEXT NOT NULL,
+    upstream TEXT NOT NULL,
+    kind     TEXT NOT NULL,              -- breaker transition: open | half_open | close
+    reason   TEXT,                       -- why it opened (the failure that did it)
+    ttl_s    REAL,                       -- how long it stays open
+    remote   INTEGER NOT NULL DEFAULT 0  -- 1: learned from another instance
+);
+CREATE INDEX IF NOT EXISTS upstream_events_at ON upstream_events (at);
 """
 
 _SQL: dict[str, str] = {
@@ -97,8 +110,12 @@ _SQL: dict[str, str] = {
     "attempt": (
         "INSERT OR REPLACE INTO attempts (turn_uid, number, upstream, started, ended, status,"
         " reason, phase, frames_received, bytes_received, frames_released, bytes_released,"
-        " hold_s, input_tokens, output_tokens, est_output_tokens)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " hold_s, input_tokens, output_tokens, est_output_tokens, choice)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    ),
+    "upstream": (
+        "INSERT INTO upstream_events (at, run, route, upstream, kind, reason, ttl_s, remote)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
     ),
     "wait": "UPDATE attempts SET wait_s = ? WHERE turn_uid = ? AND number = ?",
 }
@@ -133,6 +150,9 @@ def _migrate(conn: sqlite3.Connection) -> None:
     columns = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
     if "client" not in columns:  # version 1
         conn.execute("ALTER TABLE turns ADD COLUMN client TEXT")
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(attempts)")}
+    if "choice" not in columns:  # version 2 (upstream_events comes with SCHEMA)
+        conn.execute("ALTER TABLE attempts ADD COLUMN choice TEXT")
 
 
 def _connect(path: str) -> sqlite3.Connection:
@@ -260,8 +280,19 @@ class Journal(Hooks):
                     self._uid(turn), a.number, a.upstream, a.started, a.ended, a.status,
                     a.reason or "unknown", a.phase or None, a.frames_received, a.bytes_received,
                     a.frames_released, a.bytes_released, a.hold_seconds, a.input_tokens,
-                    a.output_tokens, a.est_output_tokens,
+                    a.output_tokens, a.est_output_tokens, a.choice or None,
                 ),
+            )
+        )
+
+    def upstream_changed(
+        self, route: str, upstream: str, kind: str, *, reason: str, ttl_s: float, remote: bool
+    ) -> None:
+        self._put(
+            (
+                "upstream",
+                (time.time(), self.run, route, upstream, kind, _cut(reason) or None,
+                 ttl_s if kind == "open" else None, int(remote)),
             )
         )
 
@@ -374,6 +405,7 @@ class Journal(Hooks):
                 (cutoff,),
             )
             self._conn.execute("DELETE FROM turns WHERE started < ?", (cutoff,))
+            self._conn.execute("DELETE FROM upstream_events WHERE at < ?", (cutoff,))
             self._conn.commit()
         except Exception as exc:
             self._warn(f"pruning failed: {exc}")

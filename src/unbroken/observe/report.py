@@ -63,11 +63,13 @@ class TurnReporter:
         self.hooks.turn_ended(info)
 
     # -- TurnReport ----------------------------------------------------------------------
-    def attempt_started(self, number: int, upstream: int) -> None:
+    def attempt_started(self, number: int, upstream: int, choice: str = "") -> None:
         info = self.info
         name = self.upstreams[upstream]
         info.attempts, info.upstream, info.next_retry_at = number, name, None
-        self.current = AttemptInfo(number=number, upstream=name, started=self.wall())
+        self.current = AttemptInfo(
+            number=number, upstream=name, started=self.wall(), choice=choice
+        )
         info.attempt_log.append(self.current)
         self.hooks.attempt_started(info, name)
 

@@ -240,6 +240,10 @@ class Relay:
         k = (route, upstream, change.kind)
         self.transitions[k] = self.transitions.get(k, 0) + 1
         source = " (learned from another instance)" if change.remote else ""
+        self.hooks.upstream_changed(
+            route, upstream, change.kind,
+            reason=change.reason, ttl_s=change.ttl_s, remote=change.remote,
+        )
         if change.kind == "open":
             log.warning(
                 "breaker open route=%s upstream=%s for_s=%g reason=%s%s",
