@@ -75,6 +75,15 @@ async def test_journal_names_sessions_and_clients(mock, tmp_path, capsys):
     assert {s["session_id"] for s in data["sessions"]} == {"codex-s1", "claude-s1", "pck-1"}
 
 
+V2 = """
+CREATE TABLE attempts (turn_uid TEXT NOT NULL, number INTEGER NOT NULL, upstream TEXT NOT NULL,
+  started REAL NOT NULL, ended REAL, status INTEGER, reason TEXT NOT NULL, phase TEXT,
+  frames_received INTEGER NOT NULL DEFAULT 0, bytes_received INTEGER NOT NULL DEFAULT 0,
+  frames_released INTEGER NOT NULL DEFAULT 0, bytes_released INTEGER NOT NULL DEFAULT 0,
+  hold_s REAL NOT NULL DEFAULT 0, input_tokens INTEGER, output_tokens INTEGER,
+  est_output_tokens INTEGER NOT NULL DEFAULT 0, wait_s REAL, PRIMARY KEY (turn_uid, number));
+"""
+
 V1 = """
 CREATE TABLE turns (uid TEXT PRIMARY KEY, run TEXT NOT NULL, turn_id INTEGER NOT NULL,
   route TEXT NOT NULL, path TEXT NOT NULL, protocol TEXT NOT NULL, stream INTEGER NOT NULL,
@@ -87,10 +96,10 @@ PRAGMA user_version=1;
 """
 
 
-async def test_a_version_1_journal_gains_the_client_column(tmp_path):
+async def test_an_old_journal_gains_the_new_columns_and_tables(tmp_path):
     path = tmp_path / "old.sqlite3"
     conn = sqlite3.connect(path)
-    conn.executescript(V1)
+    conn.executescript(V1 + V2)  # the attempts table as versions 1 and 2 had it
     conn.close()
     # stats read it before the migration too
     conn = sqlite3.connect(path)
@@ -103,7 +112,9 @@ async def test_a_version_1_journal_gains_the_client_column(tmp_path):
     await journal.aclose()
     cols = [r["name"] for r in _rows(path, "PRAGMA table_info(turns)")]
     assert "client" in cols
-    assert _rows(path, "PRAGMA user_version")[0]["user_version"] == 2
+    assert "choice" in [r["name"] for r in _rows(path, "PRAGMA table_info(attempts)")]
+    assert _rows(path, "SELECT count(*) AS n FROM upstream_events") == [{"n": 0}]
+    assert _rows(path, "PRAGMA user_version")[0]["user_version"] == 3
     assert _rows(path, "SELECT session_id, client FROM turns ORDER BY started") == [
         {"session_id": "new", "client": "codex"}, {"session_id": "old", "client": None}
     ]
