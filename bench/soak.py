@@ -298,6 +298,8 @@ class SoakReport:
     failures: list[str]
     started: str
     stderr_tail: str = ""
+    load_start: float = 0.0
+    load_end: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -350,6 +352,7 @@ async def run_soak(
     counts = Counts()
     samples: list[dict[str, Any]] = []
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="unbroken-soak-") as tmp:
         async with MockProvider(record=False, default=SHAPE) as mock, \
                 RelayProcess(mock.url, Path(tmp)) as relay:
@@ -396,6 +399,7 @@ async def run_soak(
         duration_s=duration_s, streams=streams, fault_rate=fault_rate, warmup_s=warmup_s,
         sample_s=sample_s, samples=samples, idle_before=idle_before, idle_after=idle_after,
         counts=counts, failures=[], started=started, stderr_tail=tail,
+        load_start=load_start, load_end=os.getloadavg()[0],
     )
     report.failures = verdict(report)
     if "Traceback" in tail:
@@ -476,7 +480,8 @@ def render(r: SoakReport) -> str:
     intro = (
         f"`bench/soak.py`: {r.streams} concurrent streamed turns, back to back, for "
         f"{r.duration_s / 60:g} min ({r.started}, Python {platform.python_version()}, the shared "
-        "2-core VM described above, other work running on it). A real `unbroken serve` (journal "
+        f"2-core VM described above; load average {r.load_start:.1f} at the start, "
+        f"{r.load_end:.1f} at the end, this run included). A real `unbroken serve` (journal "
         "on, token required) in front of the mock provider; Chat Completions, Responses and "
         f"Messages in turn, {SHAPE['deltas']} text deltas {SHAPE['chunk_delay_ms']} ms apart; "
         f"{100 * r.fault_rate:g} % of the turns get one injected fault of a random kind on their "
