@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -294,3 +295,28 @@ async def test_the_journal_records_how_each_upstream_was_chosen_and_breaker_tran
     ]
     assert [(r, u, k) for r, u, k, _ in events] == [("mock", dead_url, "open")]
     assert events[0][3]  # the failure that opened it
+
+
+async def test_websocket_turns_stick_to_their_sessions_upstream(mock, mock2):
+    cfg = config([mock.url, mock2.url])
+    async with RelayServer(cfg) as server, aiohttp.ClientSession() as s:
+        ws_url = server.url.replace("http://", "ws://") + "/mock/v1/responses"
+        create = json.dumps({"type": "response.create", "model": "m", "input": "hi"})
+
+        async def turn(session: str) -> None:
+            async with s.ws_connect(ws_url, headers={"session-id": session}) as ws:
+                await ws.send_str(create)
+                while True:
+                    msg = await ws.receive(timeout=10)
+                    assert msg.type is aiohttp.WSMsgType.TEXT, msg
+                    if '"response.completed"' in msg.data:
+                        return
+
+        for _ in range(6):  # one session, many connections: always the same upstream
+            await turn("one-session")
+        used = {len(mock.requests) > 0, len(mock2.requests) > 0}
+        assert used == {True, False}
+        before = (len(mock.requests), len(mock2.requests))
+        for i in range(12):  # many sessions: both upstreams get some
+            await turn(f"session-{i}")
+        assert len(mock.requests) > before[0] and len(mock2.requests) > before[1]

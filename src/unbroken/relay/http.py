@@ -82,6 +82,7 @@ __all__ = [
     "Watchdog",
     "abort_response",
     "session_id_of",
+    "sticky_key",
 ]
 
 log = logging.getLogger("unbroken")
@@ -198,8 +199,11 @@ class Relay:
         #: route -> upstream index -> monotonic time until which it asked to be left alone
         self.cooloffs: dict[str, dict[int, float]] = {}
 
-    def retry_state(self, route: Route) -> RetryState:
-        """A turn's retry bookkeeping; cool-offs, breakers and the budget are the route's."""
+    def retry_state(self, route: Route, sticky: str | None = None) -> RetryState:
+        """A turn's retry bookkeeping; cool-offs, breakers and the budget are the route's.
+
+        ``sticky``: the turn's session key (else the one `handle` set for this request).
+        """
         keys = self._keys.get(route.name)
         if keys is None or len(keys) != len(route.upstreams):
             keys = self._keys[route.name] = _route_keys(route)
@@ -216,7 +220,7 @@ class Relay:
             cooloff_until=self.cooloffs.setdefault(route.name, {}),
             board=self.board,
             keys=keys,
-            sticky=_STICKY.get(),
+            sticky=sticky if sticky is not None else _STICKY.get(),
             budget=budget,
             quota_cooloff_s=self.config.health.quota_cooloff_s,
         )

@@ -66,7 +66,7 @@ from unbroken.core.turn import (
 from unbroken.observe.hooks import TurnInfo
 from unbroken.observe.report import TurnReporter
 from unbroken.relay.errors import classify_exception
-from unbroken.relay.http import HttpAttempt, Relay, Watchdog, session_id_of
+from unbroken.relay.http import HttpAttempt, Relay, Watchdog, session_id_of, sticky_key
 from unbroken.relay.upstream import request_headers, upstream_url
 
 __all__ = ["History", "handle_websocket", "is_websocket_request"]
@@ -450,7 +450,11 @@ class _WsTurn:
         self.report = TurnReporter(
             info, relay.hooks, [u.name for u in conn.route.upstreams], relay.inflight
         )
-        retry = relay.retry_state(conn.route)
+        cache_key = create.get("prompt_cache_key")
+        sticky = sticky_key(conn.request.headers, b"") or (
+            cache_key if isinstance(cache_key, str) and cache_key else None
+        )
+        retry = relay.retry_state(conn.route, sticky)
         retry.current = conn.upstream_idx - 1 if conn.upstream_idx >= 0 else -1
         now = conn.loop.time()
         self.machine = TurnMachine(
