@@ -67,8 +67,12 @@ from unbroken.observe.report import TurnReporter
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.store import HealthStore, make_store
 from unbroken.relay.upstream import (
+    Redactor,
     UpstreamClient,
     body_for,
+    parse_body,
+    raw_query,
+    redact,
     request_headers,
     response_headers,
     upstream_url,
@@ -165,6 +169,8 @@ class Relay:
         channel_dir: str | None = None,
     ) -> None:
         self.config = config
+        #: the keys and the token: redacted from any error answer that echoes them
+        self.secrets = config.secrets()
         #: the health of every upstream (breakers, cool-offs), consulted by every turn
         self.board = HealthBoard(config.health)
         self.clock = clock
@@ -449,14 +455,21 @@ class HttpAttempt:
     the `Sink` differs.
     """
 
-    __slots__ = ("client", "loop", "machine", "reading", "sink", "watchdog")
+    __slots__ = ("client", "loop", "machine", "reading", "secrets", "sink", "watchdog")
 
     def __init__(
-        self, machine: TurnMachine, watchdog: Watchdog, client: UpstreamClient, sink: Sink
+        self,
+        machine: TurnMachine,
+        watchdog: Watchdog,
+        client: UpstreamClient,
+        sink: Sink,
+        secrets: tuple[str, ...] = (),
     ) -> None:
         self.machine, self.watchdog, self.client, self.sink = machine, watchdog, client, sink
         self.loop = watchdog.loop
         self.reading: aiohttp.ClientResponse | None = None
+        #: the keys and token the relay knows: an error answer that echoes one is redacted
+        self.secrets = secrets
 
     def abort(self) -> None:
         if self.reading is not None:
@@ -517,7 +530,8 @@ class HttpAttempt:
             size += len(chunk)
         if machine.stalled:
             raise TimeoutError("stalled")
-        return b"".join(chunks)[:MAX_ERROR_BODY]
+        data = b"".join(chunks)[:MAX_ERROR_BODY]
+        return redact(data, self.secrets) if self.secrets else data
 
     async def _stream(self, resp: aiohttp.ClientResponse) -> Action:
         """Read an SSE body through the machine; release what it releases."""
@@ -547,17 +561,28 @@ class HttpAttempt:
     async def _pass_through(self, resp: aiohttp.ClientResponse) -> Action:
         """Forward a non-SSE body as it arrives; the first byte out commits."""
         machine = self.machine
-        keep_length = "content-length" in resp.headers
+        # An error answer may echo the injected key: it is redacted on its way through
+        # (the length may change, so it goes out chunked).  Success bodies pass as they are.
+        redactor = Redactor(self.secrets) if self.secrets and resp.status >= 400 else None
+        keep_length = "content-length" in resp.headers and redactor is None
         self.sink.answer(resp.status, response_headers(resp.headers, keep_length=keep_length))
         loop_time = self.loop.time
         try:
             async for chunk in resp.content.iter_any():
+                if redactor is not None:
+                    chunk = redactor.feed(chunk)
+                    if not chunk:
+                        continue
                 out = machine.feed_body(loop_time(), chunk)
                 if out:
                     await self.sink.release_body(out)
                 over = machine.attempt_over
                 if over is not None:
                     return over
+            if redactor is not None:
+                tail = redactor.flush()
+                if tail and machine.feed_body(loop_time(), tail):
+                    await self.sink.release_body(tail)
         except ClientGone:
             raise
         except Exception as exc:
@@ -602,7 +627,13 @@ class _HttpTurn:
         self.body = body
         self.protocol: Protocol = protocol_for_path(rest)
         ctype = request.headers.get("content-type", "")
-        parsed = loads_object(body) if "json" in ctype else None
+        # A gzip body (Claude Code can send one) is decoded as a copy to read it; the
+        # bytes forwarded stay the ones received.
+        parsed = (
+            parse_body(body, request.headers, self.cfg.max_body_bytes)
+            if "json" in ctype
+            else None
+        )
         if parsed is not None:
             stream = parsed.get("stream") is True
         else:
@@ -643,7 +674,9 @@ class _HttpTurn:
         self._bodies: dict[int, bytes] = {}
         self._side_task: asyncio.Future[Any] | None = None  # an early-headers/keepalive write
         self.watchdog = Watchdog(self.loop, self.machine, self._on_timer)
-        self.upstream = HttpAttempt(self.machine, self.watchdog, relay.client, self)
+        self.upstream = HttpAttempt(
+            self.machine, self.watchdog, relay.client, self, relay.secrets
+        )
 
     def _held(self) -> int:
         ledger = self.machine.attempt_ledger
@@ -705,9 +738,14 @@ class _HttpTurn:
         req = self.request
         body = self._bodies.get(action.upstream)
         if body is None:
-            body = self._bodies[action.upstream] = body_for(self.body, self.parsed, up)
+            body = self._bodies[action.upstream] = body_for(
+                self.body,
+                self.parsed,
+                up,
+                content_encoding=req.headers.get("content-encoding"),
+            )
         headers = request_headers(req.headers, up, anthropic=self.protocol.anthropic_errors)
-        url = upstream_url(up, self.rest, req.query_string)
+        url = upstream_url(up, self.rest, raw_query(req))
         return await self.upstream.run(action, req.method, url, headers, body)
 
     # -- Sink: where the attempt's output goes ---------------------------------------------

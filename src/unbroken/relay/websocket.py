@@ -67,7 +67,7 @@ from unbroken.observe.hooks import TurnInfo
 from unbroken.observe.report import TurnReporter
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.http import HttpAttempt, Relay, Watchdog, session_id_of, sticky_key
-from unbroken.relay.upstream import request_headers, upstream_url
+from unbroken.relay.upstream import raw_query, redact, request_headers, upstream_url
 
 __all__ = ["History", "handle_websocket", "is_websocket_request"]
 
@@ -366,7 +366,7 @@ class _Connection:
         refused, self.first_refused = self.first_refused, None
         if refused is not None:
             raise refused  # refused just before the client was accepted: no second try
-        url = upstream_url(up, self.rest, self.request.query_string)
+        url = upstream_url(up, self.rest, raw_query(self.request))
         url = url.with_scheme("wss" if url.scheme == "https" else "ws")
         s = self.cfg.stream
         try:
@@ -474,7 +474,7 @@ class _WsTurn:
         self.machine.headers_sent(now)
         info.held = self._held
         self.watchdog = Watchdog(conn.loop, self.machine, self._on_timer)
-        self.http = HttpAttempt(self.machine, self.watchdog, relay.client, self)
+        self.http = HttpAttempt(self.machine, self.watchdog, relay.client, self, relay.secrets)
         self.socket: int | None = None  # the upstream socket of this attempt (None: HTTP)
         self.reading_ws: aiohttp.ClientWebSocketResponse[Any] | None = None
         self.response_id: str | None = None
@@ -595,6 +595,7 @@ class _WsTurn:
             return answer
         self.reading_ws = ws
         self.watchdog.arm()
+        secrets = self.relay.secrets
         loop_time = conn.loop.time
         rearm = True
         try:
@@ -607,6 +608,8 @@ class _WsTurn:
                         loop_time(), Failure(FailureClass.RESET, label)
                     )
                 data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
+                if secrets and b'"error"' in data:
+                    data = redact(data, secrets)  # an error that echoes the injected key
                 text = data.decode("utf-8", "replace")
                 if self._not_ours(text, data):
                     continue
@@ -692,7 +695,7 @@ class _WsTurn:
         headers = conn.headers_for(up)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "text/event-stream"
-        url = upstream_url(up, conn.rest, conn.request.query_string)
+        url = upstream_url(up, conn.rest, raw_query(conn.request))
         return await self.http.run(action, "POST", url, headers, json.dumps(body).encode())
 
     # -- Sink, for the HTTP fallback -------------------------------------------------------
