@@ -138,6 +138,8 @@ async def test_unbroken_run_a_python_script_with_the_openai_sdk(tmp_path, mock):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OPENAI_", "ANTHROPIC_", "UNBROKEN_"))}
     env.update(OPENAI_BASE_URL=f"{mock.url}/v1", OPENAI_API_KEY="sk-test", OPENAI_MAX_RETRIES="0")
+    # a token set for `unbroken serve` must not lock the agent out of its private relay
+    env["UNBROKEN_TOKEN"] = "a-token-for-serve-only-0123456789"
     mock.script([{"status": 503, "count": 5}])
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "unbroken", "run", "--config", str(tmp_path / "u.toml"), "--",

@@ -96,7 +96,10 @@ def relay_config(base: Config, launch: Launch) -> Config:
     clients: dict[str, Mapping[str, Any]] = {k: dict(v) for k, v in launch.clients.items()}
     for name, table in base.clients.items():
         clients[name] = {**clients.get(name, {}), **table}
-    return dataclasses.replace(base, routes=routes, clients=clients, host="127.0.0.1", port=0)
+    # A private loopback relay for this one agent: no token (the agent could not send it).
+    return dataclasses.replace(
+        base, routes=routes, clients=clients, host="127.0.0.1", port=0, token=None
+    )
 
 
 def print_env(

@@ -373,7 +373,8 @@ def relay_config(base: Config, providers: Sequence[Provider]) -> tuple[Config, d
             log.info("opencode: provider %s replaces your route %r for this run", p.id, name)
         routes[name] = Route(name, (Upstream(url=p.url),))
         names[p.id] = name
-    config = dataclasses.replace(base, routes=routes, host="127.0.0.1", port=0)
+    # A private loopback relay for this one agent: no token (OpenCode could not send it).
+    config = dataclasses.replace(base, routes=routes, host="127.0.0.1", port=0, token=None)
     return config, names
 
 
