@@ -42,6 +42,7 @@ def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 # (argv, text the one line must contain)
 CASES: list[tuple[list[str], str]] = [
+    (["status", "--url", "notaurl", "--once"], "--url"),
     (["serve", "--port", "65536"], "--port"),
     (["serve", "--port", "-1"], "--port"),
     (["serve", "--port", "http"], "--port"),
@@ -86,10 +87,6 @@ CASES: list[tuple[list[str], str]] = [
     (["bogus"], "bogus"),
 ]
 
-PENDING = {
-    # owned by the status command (issue 14): it exits 1 without a word
-    ("status", "--url", "notaurl", "--once"): "status --url is not validated (exit 1, no message)",
-}
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -113,15 +110,6 @@ def test_bad_input_is_one_line_and_exit_2(
     assert "Traceback" not in err + out
     assert "relaying on" not in out  # nothing started
     assert not (files / "home" / ".config").exists()  # opencode setup wrote nothing
-
-
-@pytest.mark.parametrize("argv", [list(k) for k in PENDING], ids=[" ".join(k) for k in PENDING])
-@pytest.mark.xfail(strict=True, reason="pending in a command owned elsewhere (see PENDING)")
-def test_bad_input_pending_elsewhere(
-    argv: list[str], files: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    code, _, err = _run(argv, capsys)
-    assert code == 2 and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(

@@ -310,3 +310,29 @@ def test_the_status_view_sample_is_the_view_of_the_json_sample() -> None:
     assert [line.rstrip() for line in shown.splitlines()] == [
         line.rstrip() for line in text.splitlines()
     ], text
+
+
+async def test_status_sends_the_token_when_one_is_set(monkeypatch, unused_tcp_port):
+    from aiohttp import web
+
+    from unbroken.observe.status import fetch_status
+
+    seen: list[str | None] = []
+
+    async def status(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("x-unbroken-token"))
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", unused_tcp_port).start()
+    try:
+        monkeypatch.setenv("UNBROKEN_TOKEN", "a-status-token-0123456789")
+        assert await fetch_status(f"http://127.0.0.1:{unused_tcp_port}") == {"ok": True}
+        monkeypatch.delenv("UNBROKEN_TOKEN")
+        await fetch_status(f"http://127.0.0.1:{unused_tcp_port}")
+    finally:
+        await runner.cleanup()
+    assert seen == ["a-status-token-0123456789", None]

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 from unbroken import __version__
 from unbroken.core.policy import Failure
@@ -405,12 +406,18 @@ def _render_error(url: str, message: str) -> Any:
     return Text(f"unbroken status: cannot reach {url}/status ({message}); retrying", style="red")
 
 
+def _auth_headers() -> dict[str, str]:
+    """The relay's token, when one is set (``UNBROKEN_TOKEN``): /status needs it then."""
+    token = os.environ.get("UNBROKEN_TOKEN")
+    return {"x-unbroken-token": token} if token else {}
+
+
 async def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:  # noqa: ASYNC109
     import aiohttp
 
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-        session.get(f"{url}/status") as resp,
+        session.get(f"{url}/status", headers=_auth_headers()) as resp,
     ):
         resp.raise_for_status()
         data: dict[str, Any] = await resp.json()
@@ -468,6 +475,11 @@ def _status(args: argparse.Namespace) -> int:
               f"got {args.interval:g}", file=sys.stderr)
         return 2
     url = args.url.rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        print(f"unbroken status: --url must be an http(s) URL such as {DEFAULT_URL}, "
+              f"got {args.url!r}", file=sys.stderr)
+        return 2
     try:
         if args.once or args.json:
             return asyncio.run(_once(url, args.json))
