@@ -20,14 +20,17 @@ Events in (method calls, each given ``now``, a monotonic time in seconds)::
     start()                      the turn begins
     open_failed(failure)         connecting or waiting for headers failed
     answered(status, sse, ...)   the upstream's status line and headers arrived
-    error_body(body_len)         a retryable answer's (bounded) body was read
-    feed_chunk(chunk)            body bytes of a streamed answer (SSE)
+    error_body(body)             a retryable answer's (bounded) body was read
+    final_body(status, body)     a final non-SSE answer after early headers was read
+    feed_chunk(chunk)            body bytes of a streamed answer (SSE); after commit a
+                                 chunk the classifier proves plain passes whole
     feed_frame(event)            one frame (a WebSocket message)
     feed_body(chunk)             body bytes of a plain answer
     body_ended()                 the upstream body ended cleanly
     transport_failed(failure)    reading the upstream failed (reset, stall abort, ...)
     tick()                       the clock: early headers, keepalives, stalls
-    headers_sent() / wrote()     the transport wrote to the client
+    headers_sent() / wrote()     the transport wrote to the client (write_started()
+                                 before a write: blocked time is not upstream silence)
     client_gone() / crashed()    the turn ends from outside
 
 Actions out (frozen values; the transport carries each one out)::
@@ -37,7 +40,8 @@ Actions out (frozen values; the transport carries each one out)::
     Stream / PassThrough /       read the answer's body this way
       ReadErrorBody / FinalInStream
     SendHeaders(status)          send the SSE status line and headers now
-    Keepalive(data)              write these bytes (an SSE comment)
+    Keepalive(data)              write these bytes (the client profile's form: an SSE
+                                 comment, a ping event, or a keepalive event)
     AbortUpstream(failure)       the attempt stalled: abort its transport, no handshake
     End(kind, data)              end the turn: clean (after ``data``), with the native
                                  error ``data``, or by aborting the client connection
@@ -47,7 +51,7 @@ Actions out (frozen values; the transport carries each one out)::
 Phases of a failed attempt (`Phase`)::
 
     connect    the upstream could not be reached
-    headers    no headers in time, or a retryable status
+    headers    no headers in time, a retryable status, or a 1xx
     pending    the body failed while nothing had been released (replayed)
     stall      the body went silent while nothing had been released (replayed)
     committed  the body failed after output reached the client (never replayed)
@@ -58,7 +62,8 @@ Deadlines (`deadline()` says when `tick()` is next due):
 
 * **early headers**: a streamed turn that has released nothing ``early_headers_s``
   after it began gets ``SendHeaders``, so the client's own header timer does not fire
-  during a long retry storm.  After that a final error is an in-stream event.
+  during a long retry storm (unless its profile says no early headers, as Codex's and
+  Claude Code's do).  After that a final error is an in-stream event.
 * **keepalive**: once headers are out, ``keepalive_s`` without a write gives
   ``Keepalive``.
 * **stall**: measured on *upstream silence only*.  Before an attempt's first frame
