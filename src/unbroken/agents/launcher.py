@@ -18,11 +18,9 @@ wire the agent to their own ``unbroken serve``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import shlex
-import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -129,12 +127,6 @@ def print_env(
                   + ", ".join(f"{k} = {v}" for k, v in values.items()) + "\n")
 
 
-def _exit_code(code: int | None) -> int:
-    if code is None:
-        return 1
-    return 128 - code if code < 0 else code
-
-
 async def run_agent(
     command: Sequence[str],
     *,
@@ -144,6 +136,7 @@ async def run_agent(
     ready: Callable[[str], None] | None = None,
 ) -> int:
     """Relay the agent's providers, launch ``command``, return its exit code."""
+    from unbroken.opencode.launcher import run_child
     from unbroken.relay.server import RelayServer
 
     launch = plan_for(command, env)
@@ -158,33 +151,7 @@ async def run_agent(
         argv = [command[0], *launch.resolved_args(relay), *command[1:]]
         if ready is not None:
             ready(relay)
-        try:
-            proc = await asyncio.create_subprocess_exec(*argv, env=child_env, cwd=str(cwd))
-        except OSError as exc:
-            print(f"unbroken: cannot start {argv[0]}: {exc.strerror}", file=sys.stderr)
-            return 127
-        loop = asyncio.get_running_loop()
-
-        def forward(sig: int) -> None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sig)
-
-        installed: list[int] = []
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, forward, sig)
-                installed.append(sig)
-        # Ctrl-C reaches the agent from the terminal; unbroken waits for it to exit.
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(signal.SIGINT, lambda: None)
-            installed.append(signal.SIGINT)
-        try:
-            code = await proc.wait()
-        finally:
-            for signum in installed:
-                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                    loop.remove_signal_handler(signum)
-        return _exit_code(code)
+        return await run_child(argv, env=child_env, cwd=cwd)
     finally:
         await server.stop()
 
