@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from multidict import CIMultiDict
 
+from turnfix import Report, Timers
 from unbroken.config import ConfigError, parse_config
-from unbroken.core.attempt import AttemptStats
 from unbroken.core.ledger import Hold
-from unbroken.core.policy import Failure, RetryPolicy, RetryState
+from unbroken.core.policy import RetryPolicy, RetryState
 from unbroken.core.profiles import PROFILES, KeepaliveForm, Profile, identify, profile_for
 from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
 from unbroken.core.sse import SSESplitter
@@ -25,35 +24,11 @@ from unbroken.core.turn import (
     FinalInStream,
     Keepalive,
     Open,
-    Phase,
     SendHeaders,
     Stream,
     TurnMachine,
-    TurnState,
 )
 from unbroken.relay.http import session_id_of
-
-
-@dataclass(frozen=True)
-class Timers:
-    header_timeout_s: float = 120.0
-    first_frame_timeout_s: float = 300.0
-    idle_timeout_s: float = 120.0
-    keepalive_s: float = 15.0
-    early_headers_s: float = 20.0
-    max_hold_bytes: int = 8 * 1024 * 1024
-    max_event_bytes: int = 16 * 1024 * 1024
-
-
-class Report:
-    def attempt_started(self, number: int, upstream: int, choice: str = "") -> None: ...
-    def attempt_ended(
-        self, reason: str, phase: Phase | None, status: int | None, stats: AttemptStats | None
-    ) -> None: ...
-    def attempt_failed(self, failure: Failure, phase: Phase, wait_s: float | None) -> None: ...
-    def state(self, state: TurnState) -> None: ...
-    def hold_overflow(self, held_bytes: int) -> None: ...
-    def headers_sent(self) -> None: ...
 
 
 def machine(profile: Profile | None, protocol: Protocol = RESPONSES, *, stream: bool = True,

@@ -22,8 +22,8 @@ from test_ledger import (
     chat_frames,
     responses_frames,
 )
-from test_turn import Report, Timers
 
+from turnfix import Report, Timers
 from unbroken.core.ledger import Hold
 from unbroken.core.policy import RetryPolicy, RetryState
 from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES

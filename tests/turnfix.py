@@ -1,0 +1,51 @@
+"""Test doubles for the turn machine: its timers and a recording `TurnReport`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from unbroken.core.attempt import AttemptStats
+from unbroken.core.policy import Failure
+from unbroken.core.turn import Phase, TurnState
+
+
+@dataclass(frozen=True)
+class Timers:
+    header_timeout_s: float = 120.0
+    first_frame_timeout_s: float = 300.0
+    idle_timeout_s: float = 120.0
+    keepalive_s: float = 15.0
+    early_headers_s: float = 20.0
+    max_hold_bytes: int = 8 * 1024 * 1024
+    max_event_bytes: int = 16 * 1024 * 1024
+
+
+class Report:
+    """Records what the machine tells observers."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def attempt_started(self, number: int, upstream: int, choice: str = "") -> None:
+        self.calls.append(("started", number, upstream))
+
+    def attempt_ended(
+        self, reason: str, phase: Phase | None, status: int | None, stats: AttemptStats | None
+    ) -> None:
+        self.calls.append(("ended", reason, phase))
+
+    def attempt_failed(self, failure: Failure, phase: Phase, wait_s: float | None) -> None:
+        self.calls.append(("failed", failure.label, phase, wait_s))
+
+    def state(self, state: TurnState) -> None:
+        pass
+
+    def hold_overflow(self, held_bytes: int) -> None:
+        self.calls.append(("overflow", held_bytes))
+
+    def headers_sent(self) -> None:
+        self.calls.append(("headers",))
+
+    def of(self, kind: str) -> list[tuple[Any, ...]]:
+        return [c for c in self.calls if c[0] == kind]
