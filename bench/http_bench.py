@@ -543,11 +543,13 @@ class SUTs:
         return [("bare", self.bare), ("unbroken", self.unbroken)]
 
 
-def start_suts(fleet: Fleet, mock_url: str, tag: str) -> SUTs:
+def start_suts(fleet: Fleet, mock_url: str, tag: str, *, extra_config: str = "") -> SUTs:
+    """``extra_config``: TOML appended to unbroken's config (for experiments)."""
     cfg = fleet.workdir / f"unbroken-{tag}.toml"
     cfg.write_text(
         "[server]\ngrace_s = 1.0\n\n[retry]\nverbose = false\n\n"
         f'[routes.mock]\nupstreams = [{{ url = "{mock_url}" }}]\n'
+        + (f"\n{extra_config}\n" if extra_config else "")
     )
     bare = fleet.start(
         f"bare-{tag}",

@@ -1,0 +1,160 @@
+"""Per-turn CPU: what one short streamed turn costs the relay, against the bare floor.
+
+A benchmark, not a test.  It measures CPU time, not wall time, so it reads well on a
+shared machine: every number is the system under test's own utime + stime (from
+/proc) over a batch of turns, divided by the turns, and compared with the bare
+aiohttp pass-through measured in the same round.
+
+    python bench/turn_cost.py [--turns 3000] [--rounds 5] [--concurrency 64]
+                              [--deltas 6] [--profile FILE] [--non-streamed]
+
+Processes are those of ``bench/http_bench.py`` (its mock, load generator, bare proxy
+and ``unbroken serve`` with default settings, the journal on), pinned the same way.
+Rounds interleave the two systems on fresh processes.
+
+``--profile FILE`` runs ``unbroken serve`` under cProfile for one extra batch and
+writes the stats to FILE, then prints the relay's own functions by self time
+(``python -m pstats FILE`` reads it further).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import http_bench as hb  # noqa: E402
+
+
+def _batch(gen: hb.Proc, proc: hb.Proc, url: str, spec: dict[str, Any], n: int, c: int) -> float:
+    before = hb.cpu_seconds(proc.pid)
+    r = gen.call({"op": "batch", "url": url, "n": n, "concurrency": c, **spec}, timeout=600)
+    used = hb.cpu_seconds(proc.pid) - before
+    if r["errors"]:
+        raise RuntimeError(f"{proc.name}: {r['errors']} errors, last {r['last_error']}")
+    return used / r["ok"] * 1e6
+
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    spec = hb._spec("chat", {"deltas": args.deltas})
+    if args.non_streamed:
+        body = dict(hb.PROTOCOLS["chat"]["body"], stream=False)
+        spec["body"] = hb.json.dumps(body)
+        spec["headers"] = dict(spec["headers"], accept="application/json")
+    return spec
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=3000, help="turns per batch")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--deltas", type=int, default=6, help="text deltas per turn")
+    parser.add_argument("--non-streamed", action="store_true", help="stream=false turns")
+    parser.add_argument("--profile", help="also cProfile unbroken for one batch, stats here")
+    parser.add_argument("--top", type=int, default=40, help="profile rows to print")
+    parser.add_argument("--config-extra", default="",
+                        help="TOML appended to unbroken's config (e.g. to switch the journal off)")
+    args = parser.parse_args()
+    if not sys.platform.startswith("linux"):
+        print("turn_cost: needs Linux (/proc)", file=sys.stderr)
+        return 2
+    pinning = "taskset" if shutil.which("taskset") and os.cpu_count() and (
+        len(os.sched_getaffinity(0)) >= 2) else "none"
+    harness = None if pinning == "none" else hb.HARNESS_CPU
+    if harness is not None:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, {harness})
+    workdir = Path(tempfile.mkdtemp(prefix="unbroken-turncost-"))
+    fleet = hb.Fleet(workdir, pinning)
+    spec = _spec(args)
+    results: dict[str, list[float]] = {"bare": [], "unbroken": []}
+    try:
+        me = str(Path(hb.__file__).resolve())
+        mock = fleet.start("mock", [hb.PY, me, "--mock"], cpu=harness,
+                           ready=r"listening on (http://\S+)")
+        gen = fleet.start("loadgen", [hb.PY, me, "--loadgen"], cpu=harness, ready=None,
+                          pipe_stdio=True)
+        for rnd in range(args.rounds):
+            suts = hb.start_suts(fleet, mock.url, f"r{rnd}", extra_config=args.config_extra)
+            urls = hb._urls(mock.url, suts, "chat")
+            order = suts.items() if rnd % 2 == 0 else suts.items()[::-1]
+            for name, proc in order:  # warm-up: imports, pools, caches
+                _batch(gen, proc, urls[name], spec, 200, args.concurrency)
+            line = []
+            for name, proc in order:
+                us = _batch(gen, proc, urls[name], spec, args.turns, args.concurrency)
+                results[name].append(us)
+                line.append(f"{name} {us:7.1f} µs/turn")
+            hb.log(f"round {rnd + 1}/{args.rounds}: " + ", ".join(line))
+            fleet.stop(suts.bare)
+            fleet.stop(suts.unbroken)
+        bare = statistics.median(results["bare"])
+        ours = statistics.median(results["unbroken"])
+        ratios = [u / b for u, b in zip(results["unbroken"], results["bare"], strict=True)]
+        kind = "non-streamed" if args.non_streamed else f"streamed ({args.deltas} deltas)"
+        print(f"\n{kind} turns, c={args.concurrency}, {args.turns} per batch, "
+              f"{args.rounds} rounds, median CPU per turn:")
+        print(f"  bare     {bare:7.1f} µs")
+        print(f"  unbroken {ours:7.1f} µs  (+{ours - bare:.1f} µs; "
+              f"{ours / bare:.2f}x bare; per-round ratios "
+              + ", ".join(f"{r:.2f}" for r in ratios) + ")")
+        print(f"  req/s per core: bare {1e6 / bare:,.0f}, unbroken {1e6 / ours:,.0f} "
+              f"= {bare / ours:.2f}x bare")
+        if args.profile:
+            _profile(fleet, gen, mock, spec, args)
+        return 0
+    finally:
+        fleet.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _profile(
+    fleet: hb.Fleet, gen: hb.Proc, mock: hb.Proc, spec: dict[str, Any], args: argparse.Namespace
+) -> None:
+    out = str(Path(args.profile).resolve())
+    cfg = fleet.workdir / "unbroken-prof.toml"
+    cfg.write_text(
+        "[server]\ngrace_s = 1.0\n\n[retry]\nverbose = false\n\n"
+        f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n'
+    )
+    state = fleet.workdir / "state-prof"
+    state.mkdir(exist_ok=True)
+    proc = fleet.start(
+        "unbroken-prof",
+        [hb.PY, "-m", "cProfile", "-o", out, "-m", "unbroken", "serve",
+         "--config", str(cfg), "--port", "0"],
+        cpu=fleet.sut_cpu, ready=r"relaying on (http://\S+)",
+        env={"XDG_STATE_HOME": str(state), "HOME": str(state)},
+    )
+    url = f"{proc.url}/mock/{hb.PROTOCOLS['chat']['path']}"
+    _batch(gen, proc, url, spec, 200, args.concurrency)
+    _batch(gen, proc, url, spec, args.turns, args.concurrency)
+    fleet.stop(proc)
+    stats = pstats.Stats(out)
+    print(f"\ncProfile of unbroken serve, {args.turns + 200} turns; "
+          f"unbroken's own functions by self time (all: python -m pstats {args.profile}):")
+    rows = []
+    total = 0.0
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        total += tt
+        if "/unbroken/" in file:
+            rows.append((tt, ct, nc, f"{file.split('/unbroken/')[-1]}:{line}({fn})"))
+    rows.sort(reverse=True)
+    ours = sum(r[0] for r in rows)
+    print(f"  unbroken self time {ours:.3f} s of {total:.3f} s profiled")
+    for tt, ct, nc, name in rows[: args.top]:
+        print(f"  {tt:7.3f} s self {ct:7.3f} s incl {nc:8d} calls  {name}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
