@@ -18,6 +18,7 @@ import pytest
 
 from relayfix import Recorder, make_config, start_relay
 from unbroken.config import ConfigError, JournalSettings, parse_config
+from unbroken.core.policy import Failure, FailureClass
 from unbroken.observe.hooks import AttemptInfo, TurnInfo
 from unbroken.observe.journal import SCHEMA, Journal, default_journal_path, journal_path
 from unbroken.relay.server import RelayServer
@@ -288,6 +289,51 @@ async def test_retention_prunes_old_rows_and_wal_mode(tmp_path):
     assert [r["uid"] for r in _rows(path, "SELECT uid FROM turns")] == [f"{journal.run}:{turn.id}"]
     assert _rows(path, "SELECT count(*) AS n FROM attempts") == [{"n": 1}]
     assert _rows(path, "PRAGMA journal_mode") == [{"journal_mode": "wal"}]
+
+
+async def test_a_turn_ended_in_a_later_batch_gets_the_same_row(tmp_path):
+    """Within one batch a turn is one complete insert; across batches, an insert and
+    an update.  Both write the same row, and a retry's wait lands on its attempt."""
+    path = tmp_path / "j.sqlite3"
+    journal = Journal(path)
+    journal.start()
+    turns = []
+    try:
+        for split in (False, True):
+            turn = _turn()
+            turn.session_id = "sess"
+            journal.turn_started(turn)
+            if split:
+                await journal.flush()  # the start row is written on its own
+            first = AttemptInfo(number=1, upstream="u", reason="503", status=503)
+            turn.attempt_log.append(first)
+            journal.attempt_ended(turn, first)
+            journal.attempt_failed(turn, "u", Failure(FailureClass.STATUS, "503", 503),
+                                   phase="headers", wait_s=0.5)
+            if split:
+                await journal.flush()
+            second = AttemptInfo(number=2, upstream="u", reason="ok", status=200)
+            journal.attempt_ended(turn, second)
+            turn.outcome, turn.attempts, turn.upstream = "recovered", 2, "u"
+            turn.last_failure, turn.ended = "503", turn.started + 1.5
+            turn.first_byte_at = turn.started + 1.25
+            journal.turn_ended(turn)
+            await journal.flush()
+            turns.append(turn)
+    finally:
+        await journal.aclose()
+    rows = [
+        _rows(path, "SELECT * FROM turns WHERE turn_id = ?", t.id)[0] for t in turns
+    ]
+    for row in rows:
+        row.pop("uid"), row.pop("turn_id"), row.pop("started"), row.pop("ended")
+    assert rows[0] == rows[1]
+    assert rows[0]["outcome"] == "recovered" and rows[0]["wait_s"] == 0.5
+    assert rows[0]["first_byte_s"] == 1.25 and rows[0]["session_id"] == "sess"
+    for t in turns:
+        waits = _rows(path, "SELECT number, wait_s FROM attempts WHERE turn_uid = ?"
+                      " ORDER BY number", f"{journal.run}:{t.id}")
+        assert waits == [{"number": 1, "wait_s": 0.5}, {"number": 2, "wait_s": None}]
 
 
 async def test_queue_is_bounded(tmp_path):

@@ -101,7 +101,8 @@ CREATE INDEX IF NOT EXISTS upstream_events_at ON upstream_events (at);
 _SQL: dict[str, str] = {
     "turn": (
         "INSERT OR REPLACE INTO turns (uid, run, turn_id, route, path, protocol, stream,"
-        " session_id, client, started) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " session_id, client, started, ended, outcome, attempts, upstream, last_failure,"
+        " first_byte_s, wait_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     ),
     "turn_end": (
         "UPDATE turns SET ended = ?, outcome = ?, attempts = ?, upstream = ?, last_failure = ?,"
@@ -143,6 +144,17 @@ def journal_path(configured: str | None, env: Mapping[str, str] | None = None) -
 
 def _cut(text: str | None) -> str | None:
     return None if text is None else text[:MAX_TEXT]
+
+
+def _turn_end(turn: TurnInfo, wait_s: float) -> tuple[Any, ...]:
+    """The columns a turn's end fills: ended, outcome, ..., wait_s (as in ``turn_end``)."""
+    first_byte_s = None
+    if turn.first_byte_at is not None:
+        first_byte_s = max(0.0, turn.first_byte_at - turn.started)
+    return (
+        turn.ended if turn.ended is not None else time.time(), turn.outcome, turn.attempts,
+        turn.upstream or None, turn.last_failure, first_byte_s, wait_s,
+    )
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
@@ -256,34 +268,16 @@ class Journal(Hooks):
             return
         self._q.append(op)
 
-    def _uid(self, turn: TurnInfo) -> str:
-        return f"{self.run}:{turn.id}"
-
+    # A hook only queues references: the writer thread reads the fields, builds the
+    # rows and formats the ids.  It reads nothing that can still change: a turn's
+    # identity fields (route, path, protocol, stream, session id, client, started, id)
+    # are set when the turn is made, an `AttemptInfo` is final once reported ended,
+    # and a `TurnInfo` is final once reported ended (`Hooks.turn_ended`).
     def turn_started(self, turn: TurnInfo) -> None:
-        self._put(
-            (
-                "turn",
-                (
-                    self._uid(turn), self.run, turn.id, turn.route, _cut(turn.path.split("?")[0]),
-                    turn.protocol, int(turn.stream), _cut(turn.session_id),
-                    turn.client or None, turn.started,
-                ),
-            )
-        )
+        self._put(("turn", turn))
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
-        a = attempt
-        self._put(
-            (
-                "attempt",
-                (
-                    self._uid(turn), a.number, a.upstream, a.started, a.ended, a.status,
-                    a.reason or "unknown", a.phase or None, a.frames_received, a.bytes_received,
-                    a.frames_released, a.bytes_released, a.hold_seconds, a.input_tokens,
-                    a.output_tokens, a.est_output_tokens, a.choice or None,
-                ),
-            )
-        )
+        self._put(("attempt", (turn.id, attempt)))
 
     def upstream_changed(
         self, route: str, upstream: str, kind: str, *, reason: str, ttl_s: float, remote: bool
@@ -302,22 +296,10 @@ class Journal(Hooks):
         if wait_s is None or not turn.attempt_log:
             return
         self._waits[turn.id] = self._waits.get(turn.id, 0.0) + wait_s
-        self._put(("wait", (wait_s, self._uid(turn), turn.attempt_log[-1].number)))
+        self._put(("wait", (wait_s, turn.id, turn.attempt_log[-1].number)))
 
     def turn_ended(self, turn: TurnInfo) -> None:
-        first_byte_s = None
-        if turn.first_byte_at is not None:
-            first_byte_s = max(0.0, turn.first_byte_at - turn.started)
-        self._put(
-            (
-                "turn_end",
-                (
-                    turn.ended if turn.ended is not None else time.time(), turn.outcome,
-                    turn.attempts, turn.upstream or None, turn.last_failure, first_byte_s,
-                    self._waits.pop(turn.id, 0.0), self._uid(turn),
-                ),
-            )
-        )
+        self._put(("turn_end", (turn, self._waits.pop(turn.id, 0.0))))
 
     # -- writer thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -372,8 +354,8 @@ class Journal(Hooks):
             if conn is None:
                 conn = self._conn = self._open()
             try:
-                for kind, params in batch:
-                    conn.execute(_SQL[kind], params)
+                for sql, rows in self._statements(batch):
+                    conn.executemany(sql, rows)
                 conn.commit()
             except BaseException:
                 try:
@@ -389,6 +371,60 @@ class Journal(Hooks):
             self._warn(self.last_error)
             return
         self.healthy = True
+
+    def _statements(self, batch: list[_Op]) -> list[tuple[str, list[tuple[Any, ...]]]]:
+        """A batch as statements with their rows, one ``executemany`` each.
+
+        A turn that started and ended within the batch (most of them) is one complete
+        insert, not an insert and an update.  Inserts go first, then the updates
+        (the rows they update are written by then).
+        """
+        run = self.run
+        turns: dict[int, list[Any]] = {}  # turn id -> its row, while still unwritten
+        attempts: list[tuple[Any, ...]] = []
+        events: list[tuple[Any, ...]] = []
+        ends: list[tuple[Any, ...]] = []
+        waits: list[tuple[Any, ...]] = []
+        for kind, item in batch:
+            if kind == "turn":
+                t: TurnInfo = item
+                turns[t.id] = [
+                    f"{run}:{t.id}", run, t.id, t.route, _cut(t.path.split("?")[0]),
+                    t.protocol, int(t.stream), _cut(t.session_id), t.client or None, t.started,
+                    None, None, 0, None, None, None, 0.0,
+                ]
+            elif kind == "turn_end":
+                t, wait_s = item
+                end = _turn_end(t, wait_s)
+                row = turns.get(t.id)
+                if row is not None:
+                    row[10:] = end
+                else:
+                    ends.append((*end, f"{run}:{t.id}"))
+            elif kind == "attempt":
+                turn_id, a = item
+                attempts.append((
+                    f"{run}:{turn_id}", a.number, a.upstream, a.started, a.ended, a.status,
+                    a.reason or "unknown", a.phase or None, a.frames_received, a.bytes_received,
+                    a.frames_released, a.bytes_released, a.hold_seconds, a.input_tokens,
+                    a.output_tokens, a.est_output_tokens, a.choice or None,
+                ))
+            elif kind == "wait":
+                wait_s, turn_id, number = item
+                waits.append((wait_s, f"{run}:{turn_id}", number))
+            elif kind == "upstream":
+                events.append(item)
+        out: list[tuple[str, list[tuple[Any, ...]]]] = []
+        for sql, rows in (
+            (_SQL["turn"], [tuple(r) for r in turns.values()]),
+            (_SQL["attempt"], attempts),
+            (_SQL["upstream"], events),
+            (_SQL["turn_end"], ends),
+            (_SQL["wait"], waits),
+        ):
+            if rows:
+                out.append((sql, rows))
+        return out
 
     def _maintain(self) -> None:
         """Delete rows older than the retention period (at start, then hourly)."""
