@@ -503,6 +503,7 @@ class _WsTurn:
             return False
         finally:
             self.watchdog.close()
+            self.http.close()
             if self.response_id is not None:
                 self.conn.finished.append(self.response_id)
             self.report.close(machine.outcome or Outcome.ABORTED_BY_CLIENT)
