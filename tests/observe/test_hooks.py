@@ -37,7 +37,30 @@ def test_every_hook_method_is_an_event() -> None:
     }
     for name in HOOK_NAMES:
         assert getattr(MultiHooks, name) is not getattr(Hooks, name)
-        assert getattr(Guarded, name) is not getattr(Hooks, name)
+    # Guarded forwards every event its observer implements (bound per instance)
+    seen: list[str] = []
+    every = type("Every", (Hooks,), {
+        n: (lambda n: lambda self, *a, **k: seen.append(n))(n) for n in HOOK_NAMES
+    })()
+    guarded = Guarded(every)
+    for name in HOOK_NAMES:
+        getattr(guarded, name)()
+    assert seen == list(HOOK_NAMES)
+
+
+def test_a_nested_fan_out_is_flattened_and_follows_changes_to_the_inner_list() -> None:
+    log: list[str] = []
+    inner = MultiHooks(Seen("a", log))
+    outer = MultiHooks(inner, Guarded(Seen("b", log)))
+    outer.turn_started(TURN)
+    assert all(m.__self__ is not inner for m in outer._bound["turn_started"]
+               if hasattr(m, "__self__"))
+    inner.hooks.append(Seen("c", log))  # a change inside: the outer re-binds
+    outer.turn_started(TURN)
+    del inner.hooks[0]
+    outer.turn_started(TURN)
+    assert log == ["a:started", "b:started", "a:started", "c:started", "b:started",
+                   "c:started", "b:started"]
 
 
 def test_fan_out_calls_the_hooks_that_implement_an_event_in_order() -> None:

@@ -28,6 +28,21 @@ class Guarded(Hooks):
         self.inner = inner
         self.errors = 0
         self._logged_at: float | None = None
+        # Each event the observer implements gets its guarded method once, bound to the
+        # observer's own: the fan-out calls it on every turn.
+        for name in HOOK_NAMES:
+            if implements(inner, name):
+                setattr(self, name, self._guard(name, getattr(inner, name)))
+
+    def _guard(self, name: str, method: Callable[..., None]) -> Callable[..., None]:
+        def call(*args: Any, **kwargs: Any) -> None:
+            try:
+                method(*args, **kwargs)
+            except Exception:
+                self._failed(name)
+
+        call.__name__ = name
+        return call
 
     def _implements(self, name: str) -> bool:
         return implements(self.inner, name)
@@ -42,17 +57,3 @@ class Guarded(Hooks):
                 type(self.inner).__name__, hook, self.errors,
             )
 
-
-def _guarded(name: str) -> Callable[..., None]:
-    def call(self: Guarded, *args: Any, **kwargs: Any) -> None:
-        try:
-            getattr(self.inner, name)(*args, **kwargs)
-        except Exception:
-            self._failed(name)
-
-    call.__name__ = name
-    return call
-
-
-for _name in HOOK_NAMES:
-    setattr(Guarded, _name, _guarded(_name))

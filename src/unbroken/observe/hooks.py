@@ -126,9 +126,60 @@ def implements(hook: Hooks, name: str) -> bool:
     return getattr(type(hook), name) is not getattr(Hooks, name)
 
 
+#: bumped by any change to any `MultiHooks`' list: every fan-out re-binds on its next
+#: event (a nested one may have changed, and the outer ones bind through it)
+_generation = 0
+
+
+class _HookList(list[Hooks]):
+    """The hooks of a `MultiHooks`: a change to it re-binds the fan-outs."""
+
+    def _changed(self) -> None:
+        global _generation
+        _generation += 1
+
+    def append(self, hook: Hooks) -> None:
+        super().append(hook)
+        self._changed()
+
+    def extend(self, hooks: Any) -> None:
+        super().extend(hooks)
+        self._changed()
+
+    def insert(self, index: Any, hook: Hooks) -> None:
+        super().insert(index, hook)
+        self._changed()
+
+    def remove(self, hook: Hooks) -> None:
+        super().remove(hook)
+        self._changed()
+
+    def pop(self, index: Any = -1) -> Hooks:
+        hook = super().pop(index)
+        self._changed()
+        return hook
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, value)
+        self._changed()
+
+    def __delitem__(self, index: Any) -> None:
+        super().__delitem__(index)
+        self._changed()
+
+    def __iadd__(self, hooks: Any) -> _HookList:  # type: ignore[override,misc]
+        super().__iadd__(hooks)
+        self._changed()
+        return self
+
+
 def _fan_out(name: str) -> Callable[..., None]:
     def call(self: MultiHooks, *args: Any, **kwargs: Any) -> None:
-        if self._seen != len(self.hooks):
+        if self._seen != _generation:
             self._bind()
         for method in self._bound[name]:
             method(*args, **kwargs)
@@ -141,20 +192,27 @@ class MultiHooks(Hooks):
     """Calls every hook of ``hooks`` in order (its methods are made from `HOOK_NAMES`).
 
     Per event, only the hooks that implement it are called, through methods bound
-    once (re-bound when ``hooks`` changes): the fan-out runs on every turn.
+    once (re-bound when any `MultiHooks`' list changes): the fan-out runs on every
+    turn.  A nested `MultiHooks` is flattened into the methods it would call.
     """
 
     def __init__(self, *hooks: Hooks) -> None:
-        self.hooks = list(hooks)
+        self.hooks = _HookList(hooks)
         self._seen = -1
         self._bound: dict[str, tuple[Callable[..., None], ...]] = {}
 
     def _bind(self) -> None:
-        self._bound = {
-            name: tuple(getattr(h, name) for h in self.hooks if implements(h, name))
-            for name in HOOK_NAMES
-        }
-        self._seen = len(self.hooks)
+        self._bound = {name: tuple(self._methods(name)) for name in HOOK_NAMES}
+        self._seen = _generation
+
+    def _methods(self, name: str) -> list[Callable[..., None]]:
+        out: list[Callable[..., None]] = []
+        for h in self.hooks:
+            if isinstance(h, MultiHooks):
+                out.extend(h._methods(name))
+            elif implements(h, name):
+                out.append(getattr(h, name))
+        return out
 
     def _implements(self, name: str) -> bool:
         return any(implements(h, name) for h in self.hooks)
