@@ -21,6 +21,7 @@ which the relay forwards byte for byte.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import re
@@ -72,8 +73,18 @@ class Target:
     has_rest: bool  # "/name/..." rather than "/name"
 
 
+#: targets up to this long are parsed once and remembered (agents repeat a handful)
+_CACHED_TARGET = 512
+
+
 def parse_target(raw: str) -> Target | Denied:
     """Split and check a raw request-target (``request.raw_path``)."""
+    if len(raw) <= _CACHED_TARGET:
+        return _parse_target_cached(raw)
+    return _parse_target(raw)
+
+
+def _parse_target(raw: str) -> Target | Denied:
     bad = Denied(400, "invalid_request_target", "invalid request-target")
     if not raw.startswith("/") or raw.startswith("//"):
         return bad  # absolute-form, authority-form, "*", or a scheme-relative path
@@ -102,6 +113,10 @@ def parse_target(raw: str) -> Target | Denied:
         path="/" + "/".join(segments),
         has_rest=len(segments) > 1,
     )
+
+
+#: the last 1,024 short targets' results (both kinds are frozen): at most ~0.5 MiB
+_parse_target_cached = functools.lru_cache(maxsize=1024)(_parse_target)
 
 
 def _host_port(value: str) -> tuple[str, int | None] | None:
@@ -155,8 +170,24 @@ class Access:
                 self.extra_exact.add((host, p))
         self.origins = frozenset(config.allowed_origins)
 
+        #: Host header -> verdict, for the few short values clients send (bounded)
+        self._hosts: dict[str, bool] = {}
+
     # -- the checks --------------------------------------------------------------------
     def host_ok(self, host_header: str | None) -> bool:
+        if host_header is not None:
+            known = self._hosts.get(host_header)
+            if known is not None:
+                return known
+            ok = self._host_ok(host_header)
+            if len(host_header) <= 256:
+                if len(self._hosts) >= 256:
+                    self._hosts.clear()
+                self._hosts[host_header] = ok
+            return ok
+        return self._host_ok(None)
+
+    def _host_ok(self, host_header: str | None) -> bool:
         if self.any_host:
             return True
         if host_header is None:

@@ -111,10 +111,16 @@ async def _read_body(request: web.Request, limit: int, idle_s: float) -> bytes |
     size = 0
     content = request.content
     while True:
-        async with asyncio.timeout(idle_s):
-            chunk = await content.readany()
+        # What has arrived is taken without a timer (usually the whole body came with
+        # the headers); only a wait for more arms one.
+        chunk = content.read_nowait()
         if not chunk:
-            break
+            if content.at_eof():
+                break
+            async with asyncio.timeout(idle_s):
+                chunk = await content.readany()
+            if not chunk:
+                break
         size += len(chunk)
         if size > limit:
             return None
@@ -245,8 +251,10 @@ async def _cors(request: web.Request, response: web.StreamResponse) -> None:
     """
     if isinstance(response, _Preflight):
         return
-    for name in {k for k in response.headers if k.lower().startswith("access-control-")}:
-        response.headers.popall(name, None)
+    headers = response.headers
+    stale = [k for k in headers if k[:15].lower() == "access-control-"]
+    for name in stale:
+        headers.popall(name, None)
     origin = request.headers.get("origin")
     gate = request.app[GATE_KEY]
     if origin is not None and gate.access is not None and gate.access.origin_ok(origin):
