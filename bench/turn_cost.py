@@ -7,6 +7,7 @@ aiohttp pass-through measured in the same round.
 
     python bench/turn_cost.py [--turns 3000] [--rounds 5] [--concurrency 64]
                               [--deltas 6] [--profile FILE] [--non-streamed]
+                              [--also NAME=SRC_TREE ...]
 
 Processes are those of ``bench/http_bench.py`` (its mock, load generator, bare proxy
 and ``unbroken serve`` with default settings, the journal on), pinned the same way.
@@ -32,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import http_bench as hb  # noqa: E402
+import http_bench as hb
 
 
 def _batch(gen: hb.Proc, proc: hb.Proc, url: str, spec: dict[str, Any], n: int, c: int) -> float:
@@ -42,6 +43,33 @@ def _batch(gen: hb.Proc, proc: hb.Proc, url: str, spec: dict[str, Any], n: int, 
     if r["errors"]:
         raise RuntimeError(f"{proc.name}: {r['errors']} errors, last {r['last_error']}")
     return used / r["ok"] * 1e6
+
+
+def _named_tree(value: str) -> tuple[str, Path]:
+    name, _, src = value.partition("=")
+    root = Path(src).resolve()
+    if not name or not (root / "src" / "unbroken").is_dir():
+        raise SystemExit(f"turn_cost: --also {value!r}: want NAME=<tree with src/unbroken>")
+    return name, root
+
+
+def _start_tree(fleet: hb.Fleet, mock_url: str, tag: str, root: Path) -> hb.Proc:
+    """``unbroken serve`` from another source tree, set up as `hb.start_suts` does."""
+    cfg = fleet.workdir / f"unbroken-{tag}.toml"
+    cfg.write_text(
+        "[server]\ngrace_s = 1.0\n\n[retry]\nverbose = false\n\n"
+        f'[routes.mock]\nupstreams = [{{ url = "{mock_url}" }}]\n'
+    )
+    state = fleet.workdir / f"state-{tag}"
+    state.mkdir(exist_ok=True)
+    return fleet.start(
+        f"unbroken-{tag}",
+        [hb.PY, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"],
+        cpu=fleet.sut_cpu,
+        ready=r"relaying on (http://\S+)",
+        env={"XDG_STATE_HOME": str(state), "HOME": str(state),
+             "PYTHONPATH": os.pathsep.join(filter(None, (str(root / "src"), os.environ.get("PYTHONPATH"))))},
+    )
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
@@ -64,6 +92,9 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=40, help="profile rows to print")
     parser.add_argument("--config-extra", default="",
                         help="TOML appended to unbroken's config (e.g. to switch the journal off)")
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=SRC",
+                        help="also measure unbroken from another source tree (e.g. a git "
+                        "worktree of an older commit), as NAME, in the same rounds")
     args = parser.parse_args()
     if not sys.platform.startswith("linux"):
         print("turn_cost: needs Linux (/proc)", file=sys.stderr)
@@ -77,39 +108,47 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="unbroken-turncost-"))
     fleet = hb.Fleet(workdir, pinning)
     spec = _spec(args)
-    results: dict[str, list[float]] = {"bare": [], "unbroken": []}
+    also = dict(_named_tree(v) for v in args.also)
+    names = ["bare", "unbroken", *also]
+    results: dict[str, list[float]] = {name: [] for name in names}
     try:
         me = str(Path(hb.__file__).resolve())
         mock = fleet.start("mock", [hb.PY, me, "--mock"], cpu=harness,
                            ready=r"listening on (http://\S+)")
         gen = fleet.start("loadgen", [hb.PY, me, "--loadgen"], cpu=harness, ready=None,
                           pipe_stdio=True)
+        path = hb.PROTOCOLS["chat"]["path"]
         for rnd in range(args.rounds):
             suts = hb.start_suts(fleet, mock.url, f"r{rnd}", extra_config=args.config_extra)
-            urls = hb._urls(mock.url, suts, "chat")
-            order = suts.items() if rnd % 2 == 0 else suts.items()[::-1]
-            for name, proc in order:  # warm-up: imports, pools, caches
-                _batch(gen, proc, urls[name], spec, 200, args.concurrency)
+            procs = dict(suts.items())
+            for name, src in also.items():
+                procs[name] = _start_tree(fleet, mock.url, f"{name}-r{rnd}", src)
+            k = rnd % len(names)
+            order = names[k:] + names[:k]
+            for name in order:  # warm-up: imports, pools, caches
+                _batch(gen, procs[name], f"{procs[name].url}/mock/{path}", spec, 200,
+                       args.concurrency)
             line = []
-            for name, proc in order:
-                us = _batch(gen, proc, urls[name], spec, args.turns, args.concurrency)
+            for name in order:
+                us = _batch(gen, procs[name], f"{procs[name].url}/mock/{path}", spec,
+                            args.turns, args.concurrency)
                 results[name].append(us)
                 line.append(f"{name} {us:7.1f} µs/turn")
             hb.log(f"round {rnd + 1}/{args.rounds}: " + ", ".join(line))
-            fleet.stop(suts.bare)
-            fleet.stop(suts.unbroken)
+            for proc in procs.values():
+                fleet.stop(proc)
         bare = statistics.median(results["bare"])
-        ours = statistics.median(results["unbroken"])
-        ratios = [u / b for u, b in zip(results["unbroken"], results["bare"], strict=True)]
         kind = "non-streamed" if args.non_streamed else f"streamed ({args.deltas} deltas)"
         print(f"\n{kind} turns, c={args.concurrency}, {args.turns} per batch, "
               f"{args.rounds} rounds, median CPU per turn:")
-        print(f"  bare     {bare:7.1f} µs")
-        print(f"  unbroken {ours:7.1f} µs  (+{ours - bare:.1f} µs; "
-              f"{ours / bare:.2f}x bare; per-round ratios "
-              + ", ".join(f"{r:.2f}" for r in ratios) + ")")
-        print(f"  req/s per core: bare {1e6 / bare:,.0f}, unbroken {1e6 / ours:,.0f} "
-              f"= {bare / ours:.2f}x bare")
+        print(f"  {'bare':12s} {bare:7.1f} µs")
+        for name in names[1:]:
+            ours = statistics.median(results[name])
+            ratios = [u / b for u, b in zip(results[name], results["bare"], strict=True)]
+            print(f"  {name:12s} {ours:7.1f} µs  (+{ours - bare:.1f} µs; "
+                  f"{statistics.median(ratios):.2f}x bare, median of the rounds' ratios "
+                  + ", ".join(f"{r:.2f}" for r in ratios) + f"; req/s per core "
+                  f"{1e6 / ours:,.0f} = {bare / ours:.2f}x bare)")
         if args.profile:
             _profile(fleet, gen, mock, spec, args)
         return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import sqlite3
@@ -98,28 +99,37 @@ CREATE TABLE IF NOT EXISTS upstream_events (
 CREATE INDEX IF NOT EXISTS upstream_events_at ON upstream_events (at);
 """
 
-_SQL: dict[str, str] = {
+#: inserts: the statement up to VALUES, and the row's placeholders (several rows go
+#: into one statement: SQLite then runs once per statement, not once per row, and the
+#: writer thread gives the GIL back once per statement, not once per row)
+_INSERT: dict[str, tuple[str, str]] = {
     "turn": (
         "INSERT OR REPLACE INTO turns (uid, run, turn_id, route, path, protocol, stream,"
         " session_id, client, started, ended, outcome, attempts, upstream, last_failure,"
-        " first_byte_s, wait_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-    ),
-    "turn_end": (
-        "UPDATE turns SET ended = ?, outcome = ?, attempts = ?, upstream = ?, last_failure = ?,"
-        " first_byte_s = ?, wait_s = ? WHERE uid = ?"
+        " first_byte_s, wait_s) VALUES ",
+        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     ),
     "attempt": (
         "INSERT OR REPLACE INTO attempts (turn_uid, number, upstream, started, ended, status,"
         " reason, phase, frames_received, bytes_received, frames_released, bytes_released,"
-        " hold_s, input_tokens, output_tokens, est_output_tokens, choice)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " hold_s, input_tokens, output_tokens, est_output_tokens, choice) VALUES ",
+        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     ),
     "upstream": (
         "INSERT INTO upstream_events (at, run, route, upstream, kind, reason, ttl_s, remote)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+        " VALUES ",
+        "(?, ?, ?, ?, ?, ?, ?, ?)",
+    ),
+}
+_UPDATE: dict[str, str] = {
+    "turn_end": (
+        "UPDATE turns SET ended = ?, outcome = ?, attempts = ?, upstream = ?, last_failure = ?,"
+        " first_byte_s = ?, wait_s = ? WHERE uid = ?"
     ),
     "wait": "UPDATE attempts SET wait_s = ? WHERE turn_uid = ? AND number = ?",
 }
+#: rows per multi-row insert (17 columns: well within SQLite's 32,766 parameters)
+_ROWS_PER_INSERT = 500
 
 #: one log line about an unwritable journal per this many seconds
 WARN_EVERY_S = 60.0
@@ -144,6 +154,13 @@ def journal_path(configured: str | None, env: Mapping[str, str] | None = None) -
 
 def _cut(text: str | None) -> str | None:
     return None if text is None else text[:MAX_TEXT]
+
+
+@functools.lru_cache(maxsize=64)
+def _insert(kind: str, rows: int) -> str:
+    """The insert of ``rows`` rows of ``kind`` in one statement."""
+    head, one = _INSERT[kind]
+    return head + ", ".join([one] * rows)
 
 
 def _turn_end(turn: TurnInfo, wait_s: float) -> tuple[Any, ...]:
@@ -354,8 +371,14 @@ class Journal(Hooks):
             if conn is None:
                 conn = self._conn = self._open()
             try:
-                for sql, rows in self._statements(batch):
-                    conn.executemany(sql, rows)
+                for kind, rows in self._statements(batch):
+                    update = _UPDATE.get(kind)
+                    if update is not None:
+                        conn.executemany(update, rows)
+                        continue
+                    for i in range(0, len(rows), _ROWS_PER_INSERT):
+                        part = rows[i : i + _ROWS_PER_INSERT]
+                        conn.execute(_insert(kind, len(part)), [v for row in part for v in row])
                 conn.commit()
             except BaseException:
                 try:
@@ -373,7 +396,7 @@ class Journal(Hooks):
         self.healthy = True
 
     def _statements(self, batch: list[_Op]) -> list[tuple[str, list[tuple[Any, ...]]]]:
-        """A batch as statements with their rows, one ``executemany`` each.
+        """A batch as (kind, rows) in the order to write: an insert or update each.
 
         A turn that started and ended within the batch (most of them) is one complete
         insert, not an insert and an update.  Inserts go first, then the updates
@@ -415,15 +438,15 @@ class Journal(Hooks):
             elif kind == "upstream":
                 events.append(item)
         out: list[tuple[str, list[tuple[Any, ...]]]] = []
-        for sql, rows in (
-            (_SQL["turn"], [tuple(r) for r in turns.values()]),
-            (_SQL["attempt"], attempts),
-            (_SQL["upstream"], events),
-            (_SQL["turn_end"], ends),
-            (_SQL["wait"], waits),
+        for kind, rows in (
+            ("turn", [tuple(r) for r in turns.values()]),
+            ("attempt", attempts),
+            ("upstream", events),
+            ("turn_end", ends),
+            ("wait", waits),
         ):
             if rows:
-                out.append((sql, rows))
+                out.append((kind, rows))
         return out
 
     def _maintain(self) -> None:
