@@ -67,8 +67,8 @@ def _start_tree(fleet: hb.Fleet, mock_url: str, tag: str, root: Path) -> hb.Proc
         [hb.PY, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"],
         cpu=fleet.sut_cpu,
         ready=r"relaying on (http://\S+)",
-        env={"XDG_STATE_HOME": str(state), "HOME": str(state),
-             "PYTHONPATH": os.pathsep.join(filter(None, (str(root / "src"), os.environ.get("PYTHONPATH"))))},
+        env={"XDG_STATE_HOME": str(state), "HOME": str(state), "PYTHONPATH": os.pathsep.join(
+            filter(None, (str(root / "src"), os.environ.get("PYTHONPATH"))))},
     )
 
 

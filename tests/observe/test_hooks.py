@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
@@ -39,9 +40,11 @@ def test_every_hook_method_is_an_event() -> None:
         assert getattr(MultiHooks, name) is not getattr(Hooks, name)
     # Guarded forwards every event its observer implements (bound per instance)
     seen: list[str] = []
-    every = type("Every", (Hooks,), {
-        n: (lambda n: lambda self, *a, **k: seen.append(n))(n) for n in HOOK_NAMES
-    })()
+
+    def record(name: str) -> Any:
+        return lambda self, *a, **k: seen.append(name)
+
+    every = type("Every", (Hooks,), {n: record(n) for n in HOOK_NAMES})()
     guarded = Guarded(every)
     for name in HOOK_NAMES:
         getattr(guarded, name)()

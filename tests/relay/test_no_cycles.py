@@ -13,6 +13,9 @@ import asyncio
 import collections
 import gc
 import json
+import subprocess
+import sys
+import textwrap
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -92,3 +95,38 @@ async def test_websocket_turns_leave_no_cycles(relay: Any) -> None:
                     return
 
         assert await _garbage_per_turn(turn) == {}
+
+
+def test_serve_makes_the_collector_cheap() -> None:
+    """`serve` (and each worker) raises the first threshold and freezes start-up objects;
+    run in a child process, so this process's collector stays as it was."""
+    code = textwrap.dedent(
+        """
+        import asyncio, gc
+        from unbroken.config import parse_config
+        from unbroken.relay.server import GC_THRESHOLD0, serve
+
+        config = parse_config({"server": {"port": 0}}, env={})
+        seen = {}
+
+        async def main():
+            stop = asyncio.Event()
+
+            def ready(url):
+                seen["threshold"] = gc.get_threshold()[0]
+                seen["frozen"] = gc.get_freeze_count()
+                stop.set()
+
+            await serve(config, ready=ready, stop_event=stop)
+
+        before = gc.get_threshold()[0]
+        asyncio.run(main())
+        assert before == 700, before
+        assert seen["threshold"] == GC_THRESHOLD0 and seen["frozen"] > 1000, seen
+        print("ok")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

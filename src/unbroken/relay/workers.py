@@ -165,10 +165,11 @@ def _worker_main(config: Config, spec: WorkerSpec, started: Any, holder_fd: int)
 
 
 async def _worker_serve(config: Config, spec: WorkerSpec, ready: Callable[[], None]) -> int:
-    from unbroken.relay.server import RelayServer
+    from unbroken.relay.server import RelayServer, tune_gc
 
     server = RelayServer(config, worker=spec)
     await server.start()
+    tune_gc()
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
