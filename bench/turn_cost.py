@@ -92,6 +92,9 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=40, help="profile rows to print")
     parser.add_argument("--config-extra", default="",
                         help="TOML appended to unbroken's config (e.g. to switch the journal off)")
+    parser.add_argument("--ttfc", type=int, default=0, metavar="N",
+                        help="also N sequential requests per system per round (c=1, one text "
+                        "delta after 5 ms): time to first text delta, added over direct")
     parser.add_argument("--also", action="append", default=[], metavar="NAME=SRC",
                         help="also measure unbroken from another source tree (e.g. a git "
                         "worktree of an older commit), as NAME, in the same rounds")
@@ -111,6 +114,7 @@ def main() -> int:
     also = dict(_named_tree(v) for v in args.also)
     names = ["bare", "unbroken", *also]
     results: dict[str, list[float]] = {name: [] for name in names}
+    ttfc: dict[str, list[float]] = {name: [] for name in names}
     try:
         me = str(Path(hb.__file__).resolve())
         mock = fleet.start("mock", [hb.PY, me, "--mock"], cpu=harness,
@@ -135,6 +139,21 @@ def main() -> int:
                 results[name].append(us)
                 line.append(f"{name} {us:7.1f} µs/turn")
             hb.log(f"round {rnd + 1}/{args.rounds}: " + ", ".join(line))
+            if args.ttfc:
+                urls = {"direct": f"{mock.url}/{path}"} | {
+                    name: f"{procs[name].url}/mock/{path}" for name in order
+                }
+                r = gen.call(
+                    {"op": "ttfc", "targets": [[n, u] for n, u in urls.items()], "n": args.ttfc,
+                     "marker": hb.PROTOCOLS["chat"]["text_marker"],
+                     **hb._spec("chat", {"deltas": 1, "chunk_delay_ms": 5})},
+                    timeout=120 + args.ttfc * 3,
+                )
+                direct = hb.pct(r["first_ms"]["direct"], 50)
+                for name in order:
+                    ttfc[name].append(hb.pct(r["first_ms"][name], 50) - direct)
+                hb.log("  added TTFC p50 ms: " + ", ".join(
+                    f"{name} {ttfc[name][-1]:+.3f}" for name in order))
             for proc in procs.values():
                 fleet.stop(proc)
         bare = statistics.median(results["bare"])
@@ -149,6 +168,9 @@ def main() -> int:
                   f"{statistics.median(ratios):.2f}x bare, median of the rounds' ratios "
                   + ", ".join(f"{r:.2f}" for r in ratios) + f"; req/s per core "
                   f"{1e6 / ours:,.0f} = {bare / ours:.2f}x bare)")
+        if args.ttfc:
+            print(f"  added TTFC p50 over direct (median of {args.rounds} rounds of {args.ttfc}): "
+                  + ", ".join(f"{n} {statistics.median(ttfc[n]):+.3f} ms" for n in names))
         if args.profile:
             _profile(fleet, gen, mock, spec, args)
         return 0

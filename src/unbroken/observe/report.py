@@ -19,6 +19,14 @@ from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
 
 __all__ = ["TurnReporter"]
 
+#: each enum member's value, read once (``member.value`` is a descriptor call, per event)
+_VALUE: dict[Outcome | Phase | TurnState, str] = {
+    m: m.value for e in (Outcome, Phase, TurnState) for m in e
+}
+
+
+_DONE, _WAITING = TurnState.DONE.value, TurnState.WAITING.value
+
 
 class TurnReporter:
     """One turn's record and its hook calls."""
@@ -48,16 +56,16 @@ class TurnReporter:
         info = self.info
         if info.ended is not None:
             return
-        info.outcome = outcome.value
+        info.outcome = _VALUE[outcome]
         if self.current is not None and self.current.ended is None:
             self.attempt_ended(
-                "ok" if outcome.is_ok else outcome.value,
+                "ok" if outcome.is_ok else _VALUE[outcome],
                 None if outcome.is_ok else Phase.COMMITTED,
                 None,
                 None,
             )
         self.inflight.discard(info)
-        info.state = TurnState.DONE.value
+        info.state = _DONE
         info.ended = self.wall()
         info.held = None
         self.hooks.turn_ended(info)
@@ -80,7 +88,7 @@ class TurnReporter:
         if a is None or a.ended is not None:
             return
         a.ended = self.wall()
-        a.reason, a.phase = reason, phase.value if phase is not None else ""
+        a.reason, a.phase = reason, _VALUE[phase] if phase is not None else ""
         if status is not None:
             a.status = status
         if stats is not None:
@@ -96,12 +104,12 @@ class TurnReporter:
         info.last_failure = failure.label
         if wait_s is not None:
             info.next_retry_at = self.wall() + wait_s
-            info.state = TurnState.WAITING.value
+            info.state = _WAITING
         upstream = self.current.upstream if self.current is not None else info.upstream
-        self.hooks.attempt_failed(info, upstream, failure, phase=phase.value, wait_s=wait_s)
+        self.hooks.attempt_failed(info, upstream, failure, phase=_VALUE[phase], wait_s=wait_s)
 
     def state(self, state: TurnState) -> None:
-        self.info.state = state.value
+        self.info.state = _VALUE[state]
 
     def hold_overflow(self, held_bytes: int) -> None:
         self.hooks.hold_overflow(self.info, held_bytes)

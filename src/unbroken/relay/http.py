@@ -204,6 +204,17 @@ class Relay:
         self.idle.set()
         #: route -> upstream index -> monotonic time until which it asked to be left alone
         self.cooloffs: dict[str, dict[int, float]] = {}
+        self._facts: dict[str, tuple[Route, tuple[str, ...], bool]] = {}
+
+    def route_facts(self, route: Route) -> tuple[tuple[str, ...], bool]:
+        """A route's upstream names, and whether any upstream renames models (cached)."""
+        known = self._facts.get(route.name)
+        if known is not None and known[0] is route:
+            return known[1], known[2]
+        names = tuple(u.name for u in route.upstreams)
+        renames = any(u.models for u in route.upstreams)
+        self._facts[route.name] = (route, names, renames)
+        return names, renames
 
     def retry_state(self, route: Route, sticky: str | None = None) -> RetryState:
         """A turn's retry bookkeeping; cool-offs, breakers and the budget are the route's.
@@ -602,6 +613,17 @@ class HttpAttempt:
         return machine.body_ended(loop_time())
 
 
+class _WithFirstWrite(web.StreamResponse):
+    """A streamed response whose status line and headers leave with its first bytes.
+
+    aiohttp sends a `StreamResponse`'s headers at ``prepare()`` in a segment of
+    their own; the relay prepares only when it has bytes to write (early headers
+    aside), so one send carries both (aiohttp's own `web.Response` does the same).
+    """
+
+    _send_headers_immediately = False
+
+
 class _Gone:
     """The sink of a closed attempt: nothing goes anywhere."""
 
@@ -669,9 +691,10 @@ class _HttpTurn:
             stream = parsed.get("stream") is True
         else:
             stream = "text/event-stream" in request.headers.get("accept", "")
+        names, renames = relay.route_facts(route)
         # Keep the parsed body only if an upstream renames models: a late-session
         # agent body is hundreds of KiB, and its parsed form is larger still.
-        self.parsed = parsed if any(u.models for u in route.upstreams) else None
+        self.parsed = parsed if renames else None
         self.profile = profile_for(request.headers, self.cfg.clients)
         info = TurnInfo(
             route=route.name,
@@ -681,9 +704,7 @@ class _HttpTurn:
             session_id=session_id_of(request.headers, parsed),
             client=self.profile.name,
         )
-        self.report = TurnReporter(
-            info, relay.hooks, [u.name for u in route.upstreams], relay.inflight
-        )
+        self.report = TurnReporter(info, relay.hooks, names, relay.inflight)
         self.loop = asyncio.get_running_loop()
         self.machine = TurnMachine(
             protocol=self.protocol,
@@ -838,12 +859,19 @@ class _HttpTurn:
                 await response.write_eof()
 
     # -- client side ------------------------------------------------------------------
-    async def _prepare(self, status: int, headers: CIMultiDict[str] | dict[str, str]) -> bool:
-        """Send the status line and headers (once).  True when this call sent them."""
+    async def _prepare(
+        self, status: int, headers: CIMultiDict[str] | dict[str, str], *, now: bool = False
+    ) -> bool:
+        """Send the status line and headers (once).  True when this call sent them.
+
+        ``now``: on the wire at once (early headers); else they leave with the bytes
+        written next, in one segment.
+        """
         async with self._prepare_lock:
             if self.response is not None:
                 return False
-            resp = web.StreamResponse(status=status, headers=headers)
+            kind = web.StreamResponse if now else _WithFirstWrite
+            resp = kind(status=status, headers=headers)
             try:
                 await resp.prepare(self.request)
             except (ConnectionError, aiohttp.ClientConnectionError) as exc:
@@ -897,7 +925,7 @@ class _HttpTurn:
             self._spawn(self._write(action.data))
 
     async def _early_headers(self, status: int) -> None:
-        if await self._prepare(status, CIMultiDict(SSE_HEADERS)):
+        if await self._prepare(status, CIMultiDict(SSE_HEADERS), now=True):
             await self._write(EARLY_FLUSH)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -448,7 +448,7 @@ class _WsTurn:
             client=profile.name,
         )
         self.report = TurnReporter(
-            info, relay.hooks, [u.name for u in conn.route.upstreams], relay.inflight
+            info, relay.hooks, relay.route_facts(conn.route)[0], relay.inflight
         )
         cache_key = create.get("prompt_cache_key")
         sticky = sticky_key(conn.request.headers, b"") or (
