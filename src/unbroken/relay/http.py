@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import random
 import time
@@ -125,8 +124,6 @@ def session_id_of(headers: Any, body: dict[str, Any] | None = None) -> str | Non
     return None
 
 
-#: the session key of the turn being built (set by `Relay.handle`, read by `retry_state`)
-_STICKY: contextvars.ContextVar[str | None] = contextvars.ContextVar("sticky", default=None)
 _STICKY_HEADERS = (*SESSION_HEADERS, "thread-id")  # Codex sends thread-id too
 
 
@@ -219,7 +216,7 @@ class Relay:
     def retry_state(self, route: Route, sticky: str | None = None) -> RetryState:
         """A turn's retry bookkeeping; cool-offs, breakers and the budget are the route's.
 
-        ``sticky``: the turn's session key (else the one `handle` set for this request).
+        ``sticky``: the turn's session key (`sticky_key`), if it has one.
         """
         keys = self._keys.get(route.name)
         if keys is None or len(keys) != len(route.upstreams):
@@ -237,7 +234,7 @@ class Relay:
             cooloff_until=self.cooloffs.setdefault(route.name, {}),
             board=self.board,
             keys=keys,
-            sticky=sticky if sticky is not None else _STICKY.get(),
+            sticky=sticky,
             budget=budget,
             quota_cooloff_s=self.config.health.quota_cooloff_s,
         )
@@ -245,13 +242,20 @@ class Relay:
     async def handle(
         self, request: web.Request, route: Route, rest: str, body: bytes
     ) -> web.StreamResponse:
-        token = _STICKY.set(sticky_key(request.headers, body))
-        try:
-            turn = _HttpTurn(self, request, route, rest, body)
-        finally:
-            _STICKY.reset(token)
-        with self.running():
+        turn = _HttpTurn(self, request, route, rest, body, sticky_key(request.headers, body))
+        # `running`, written out: this runs on every request
+        task = asyncio.current_task()
+        if task is None:
             return await turn.run()
+        tasks = self.tasks
+        tasks.add(task)
+        self.idle.clear()
+        try:
+            return await turn.run()
+        finally:
+            tasks.discard(task)
+            if not tasks:
+                self.idle.set()
 
     def _on_health_change(self, change: Change) -> None:
         """Log every breaker transition once and count it (cool-offs are logged per retry)."""
@@ -670,7 +674,13 @@ class _HttpTurn:
     )
 
     def __init__(
-        self, relay: Relay, request: web.Request, route: Route, rest: str, body: bytes
+        self,
+        relay: Relay,
+        request: web.Request,
+        route: Route,
+        rest: str,
+        body: bytes,
+        sticky: str | None = None,
     ) -> None:
         self.relay = relay
         self.cfg = relay.config
@@ -710,7 +720,7 @@ class _HttpTurn:
             protocol=self.protocol,
             hold=relay.hold,
             timers=self.cfg.stream,
-            retry=relay.retry_state(route),
+            retry=relay.retry_state(route, sticky),
             stream=stream,
             now=self.loop.time(),
             report=self.report,
