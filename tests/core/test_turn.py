@@ -297,6 +297,26 @@ def test_early_headers_are_due_at_early_headers_s_while_retrying() -> None:
     assert m.deadline() == 50.0
 
 
+def test_min_interval_bounds_every_deadline_an_event_sets() -> None:
+    # The watchdog's rule (relay.http.Watchdog): armed no later than min_interval from
+    # now, it is never late for a deadline a later event sets, because each deadline
+    # counts from the event that sets it.
+    m, _ = make(early_headers_s=20.0, keepalive_s=15.0, idle_timeout_s=8.0,
+                first_frame_timeout_s=10.0)
+    assert m.min_interval == 8.0
+    assert isinstance(m.start(0.0), Open)
+    assert m.deadline() == 20.0  # from the start
+    assert isinstance(m.answered(9.0, 200, sse=True), Stream)
+    assert m.deadline() == 19.0  # the first frame: from the answer, not the attempt's start
+    m.feed_chunk(9.5, TEXT)  # output: headers go out, the stall clock is idle_timeout_s
+    m.headers_sent(9.5)
+    assert m.deadline() == 17.5  # the stall, from the last frame
+    m.write_started()
+    assert m.deadline() is None  # nothing runs while the relay writes
+    m.wrote(12.0)
+    assert m.deadline() == 20.0  # the stall, from the end of the write
+
+
 def test_no_early_headers_for_a_non_streamed_turn() -> None:
     m, _ = make(stream=False)
     m.start(0.0)

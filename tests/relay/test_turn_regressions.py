@@ -708,6 +708,40 @@ async def test_http_slow_reader_is_not_cut_as_a_stall(mock):
     assert rec.failures == []
 
 
+async def test_http_stall_after_a_slow_reader_resumes_is_still_caught(mock):
+    # The turn's timer fires while the relay is blocked writing to the paused reader;
+    # no deadline runs during a write, so it found none.  Found in review: nothing
+    # armed it again after the write, so a stall that followed was never caught (the
+    # turn hung until the upstream gave up).
+    stream = {
+        "idle_timeout_s": 0.5,
+        "first_frame_timeout_s": 0.5,
+        "keepalive_s": 30,
+        "early_headers_s": 30,
+    }
+    action = {
+        "text": "x" * 12_000_000, "deltas": 12_000,
+        "fault": "stall", "after_frame": 11_000, "seconds": 30,
+    }
+    async with relay_for(mock.url, stream=stream) as (server, rec):
+        mock.script([action])
+        client = await RawHTTP.post(server.url, f"/mock/{CHAT_PATH}", CHAT, rcvbuf=16384)
+        try:
+            assert await client.head(cap=5) is not None
+            assert await client.until(_has_frames(FIRST_OUTPUT), cap=5) is not None
+            await asyncio.sleep(2.0)  # the reader pauses: four idle timeouts long
+            at = await client.read_all(cap=10)
+        finally:
+            client.close()
+        turns = await rec.wait_turns(1)
+    assert at is not None, (
+        "the upstream stalled after the reader resumed, and the stream had not ended "
+        f"within 10 s (idle_timeout_s=0.5); failures: {rec.failures}"
+    )
+    assert [f[:2] for f in rec.failures] == [("stall", "committed")]
+    assert turns[0].outcome == "ended_with_error"
+
+
 # -- 6. HTTP: a comment-only stream trips first_frame_timeout_s ----------------------------
 async def test_http_comment_only_stream_trips_first_frame_timeout():
     first = 1.0

@@ -867,6 +867,21 @@ class TurnMachine:
         if now > self.last_rx:
             self.last_rx = now
 
+    @property
+    def min_interval(self) -> float:
+        """The shortest interval from an event to the deadline it sets (early headers
+        from the start, a stall from the answer or the last frame, a keepalive from
+        the last write).  A timer armed no later than this from now is never late for
+        a deadline that a later event sets (see `relay.http.Watchdog`)."""
+        t, p = self.timers, self.profile
+        intervals = (
+            p.early_headers_s or t.early_headers_s,
+            p.keepalive_s or t.keepalive_s,
+            t.idle_timeout_s,
+            t.first_frame_timeout_s,
+        )
+        return min([i for i in intervals if i > 0], default=60.0)
+
     def deadline(self) -> float | None:
         """When `tick` is next due, or None when nothing is timed."""
         if self.step is _Step.ENDED:

@@ -399,12 +399,18 @@ class _HealthHook(Hooks):
 class Watchdog:
     """The one timer of a turn: fires at the machine's deadline and carries out `tick`.
 
-    Activity only moves timestamps inside the machine; the timer is re-armed lazily
-    when it fires, and eagerly (`arm`) only when a deadline may have moved earlier.
-    ``on_action`` carries out what `tick` returns.
+    Activity only moves timestamps inside the machine; the timer is not re-armed for
+    it.  What makes that safe: every deadline counts from the event that sets it
+    (early headers from the turn's start, a stall from the answer or the last frame,
+    a keepalive from the last write), at least ``min_interval`` later, and the timer
+    is always armed no later than ``min_interval`` from the moment it is armed.  So
+    a deadline any later event sets falls after the timer, which re-arms exactly
+    when it fires.  A short turn arms one timer and never moves it; a long one wakes
+    once per ``min_interval`` (15 s by default).  ``on_action`` carries out what
+    `tick` returns.
     """
 
-    __slots__ = ("_at", "_handle", "closed", "loop", "machine", "on_action")
+    __slots__ = ("_handle", "_interval", "closed", "loop", "machine", "on_action")
 
     def __init__(
         self,
@@ -414,22 +420,18 @@ class Watchdog:
     ) -> None:
         self.loop, self.machine, self.on_action = loop, machine, on_action
         self._handle: asyncio.TimerHandle | None = None
-        self._at = 0.0
+        self._interval = machine.min_interval
         self.closed = False
 
     def arm(self) -> None:
-        if self.closed:
+        """Make sure the timer runs while anything is timed (free when it does)."""
+        if self.closed or self._handle is not None:
             return
         due = self.machine.deadline()
         if due is None:
             return
-        handle = self._handle
-        if handle is not None:
-            if self._at <= due:
-                return  # fires earlier anyway, and re-arms then
-            handle.cancel()
-        self._at = due
-        self._handle = self.loop.call_at(due, self._fire)
+        cap = self.loop.time() + self._interval
+        self._handle = self.loop.call_at(due if due < cap else cap, self._fire)
 
     def _fire(self) -> None:
         self._handle = None
@@ -905,6 +907,9 @@ class _HttpTurn:
         except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError) as exc:
             raise ClientGone() from exc
         machine.wrote(self.loop.time())
+        # A timer that fired during the write found no deadline (none runs while the
+        # relay writes) and is not armed: arm it again (free when it is).
+        self.watchdog.arm()
 
     async def _finish(self) -> web.StreamResponse:
         if self.response is None:
