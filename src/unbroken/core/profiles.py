@@ -43,6 +43,7 @@ __all__ = [
     "check_overrides",
     "identify",
     "profile_for",
+    "profile_named",
 ]
 
 
@@ -140,7 +141,14 @@ def profile_for(
 ) -> Profile:
     """The profile for a request, with its ``[clients.<name>]`` overrides applied
     (``overrides`` as `check_overrides` returned them)."""
-    profile = PROFILES[identify(headers)]
+    return profile_named(identify(headers), overrides)
+
+
+def profile_named(
+    name: str, overrides: Mapping[str, Mapping[str, Any]] | None = None
+) -> Profile:
+    """The profile ``name`` (as `identify` says), with its overrides applied."""
+    profile = PROFILES[name]
     if overrides:
         table = overrides.get(profile.name)
         if table:

@@ -37,7 +37,7 @@ from unbroken.core.policy import (
     RetryState,
     parse_retry_after,
 )
-from unbroken.core.profiles import profile_for
+from unbroken.core.profiles import Profile, identify, profile_named
 from unbroken.core.protocols import Protocol, protocol_for_path
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.sse import Event
@@ -202,6 +202,15 @@ class Relay:
         #: route -> upstream index -> monotonic time until which it asked to be left alone
         self.cooloffs: dict[str, dict[int, float]] = {}
         self._facts: dict[str, tuple[Route, tuple[str, ...], bool]] = {}
+        self._profiles: dict[str, Profile] = {}
+
+    def profile_for(self, headers: Any) -> Profile:
+        """The client profile of a request, with the config's overrides (cached per client)."""
+        name = identify(headers)
+        profile = self._profiles.get(name)
+        if profile is None:
+            profile = self._profiles[name] = profile_named(name, self.config.clients)
+        return profile
 
     def route_facts(self, route: Route) -> tuple[tuple[str, ...], bool]:
         """A route's upstream names, and whether any upstream renames models (cached)."""
@@ -707,7 +716,7 @@ class _HttpTurn:
         # Keep the parsed body only if an upstream renames models: a late-session
         # agent body is hundreds of KiB, and its parsed form is larger still.
         self.parsed = parsed if renames else None
-        self.profile = profile_for(request.headers, self.cfg.clients)
+        self.profile = relay.profile_for(request.headers)
         info = TurnInfo(
             route=route.name,
             path=rest,

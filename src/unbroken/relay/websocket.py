@@ -45,7 +45,6 @@ from multidict import CIMultiDict
 from unbroken.config import Route, Upstream
 from unbroken.core.ledger import State
 from unbroken.core.policy import Failure, FailureClass
-from unbroken.core.profiles import profile_for
 from unbroken.core.protocols import RESPONSES
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.protocols.responses import error_code_of, lifecycle_of
@@ -438,7 +437,7 @@ class _WsTurn:
         self.relay = relay = conn.relay
         self.create = create
         self.text = text  # the client's message, forwarded as it is unless rebuilt
-        profile = profile_for(conn.request.headers, conn.cfg.clients)
+        profile = relay.profile_for(conn.request.headers)
         info = TurnInfo(
             route=conn.route.name,
             path=conn.rest,
