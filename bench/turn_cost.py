@@ -85,6 +85,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=3000, help="turns per batch")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--interleave", type=int, default=1, metavar="K",
+                        help="split each batch into K slices taken in turn across systems")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--deltas", type=int, default=6, help="text deltas per turn")
     parser.add_argument("--non-streamed", action="store_true", help="stream=false turns")
@@ -133,9 +135,16 @@ def main() -> int:
                 _batch(gen, procs[name], f"{procs[name].url}/mock/{path}", spec, 200,
                        args.concurrency)
             line = []
+            # Each system's batch in --interleave slices, taken in turn: a slow spell
+            # of the machine then falls on every system alike.
+            used = dict.fromkeys(order, 0.0)
+            part = max(1, args.turns // args.interleave)
+            for _ in range(args.interleave):
+                for name in order:
+                    used[name] += _batch(gen, procs[name], f"{procs[name].url}/mock/{path}",
+                                         spec, part, args.concurrency) * part
             for name in order:
-                us = _batch(gen, procs[name], f"{procs[name].url}/mock/{path}", spec,
-                            args.turns, args.concurrency)
+                us = used[name] / (part * args.interleave)
                 results[name].append(us)
                 line.append(f"{name} {us:7.1f} µs/turn")
             hb.log(f"round {rnd + 1}/{args.rounds}: " + ", ".join(line))
