@@ -128,8 +128,8 @@ _UPDATE: dict[str, str] = {
     ),
     "wait": "UPDATE attempts SET wait_s = ? WHERE turn_uid = ? AND number = ?",
 }
-#: rows per multi-row insert (17 columns: well within SQLite's 32,766 parameters)
-_ROWS_PER_INSERT = 500
+#: rows per multi-row insert (17 columns: 544 parameters, well within SQLite's limit)
+_ROWS_PER_INSERT = 32
 
 #: one log line about an unwritable journal per this many seconds
 WARN_EVERY_S = 60.0
@@ -156,7 +156,7 @@ def _cut(text: str | None) -> str | None:
     return None if text is None else text[:MAX_TEXT]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _insert(kind: str, rows: int) -> str:
     """The insert of ``rows`` rows of ``kind`` in one statement."""
     head, one = _INSERT[kind]
@@ -376,9 +376,16 @@ class Journal(Hooks):
                     if update is not None:
                         conn.executemany(update, rows)
                         continue
-                    for i in range(0, len(rows), _ROWS_PER_INSERT):
+                    # Whole groups in one statement each; the rest row by row.  Two
+                    # statement shapes per table: the prepared-statement cache keeps
+                    # every shape it sees, and a large one is a large program.
+                    full = len(rows) - len(rows) % _ROWS_PER_INSERT
+                    many = _insert(kind, _ROWS_PER_INSERT)
+                    for i in range(0, full, _ROWS_PER_INSERT):
                         part = rows[i : i + _ROWS_PER_INSERT]
-                        conn.execute(_insert(kind, len(part)), [v for row in part for v in row])
+                        conn.execute(many, [v for row in part for v in row])
+                    if full < len(rows):
+                        conn.executemany(_insert(kind, 1), rows[full:])
                 conn.commit()
             except BaseException:
                 try:
