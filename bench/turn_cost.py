@@ -5,7 +5,7 @@ shared machine: every number is the system under test's own utime + stime (from
 /proc) over a batch of turns, divided by the turns, and compared with the bare
 aiohttp pass-through measured in the same round.
 
-    python bench/turn_cost.py [--turns 3000] [--rounds 5] [--concurrency 64]
+    python bench/turn_cost.py [--quick] [--turns 3000] [--rounds 5] [--concurrency 64]
                               [--deltas 6] [--profile FILE] [--non-streamed]
                               [--also NAME=SRC_TREE ...]
 
@@ -100,7 +100,12 @@ def main() -> int:
     parser.add_argument("--also", action="append", default=[], metavar="NAME=SRC",
                         help="also measure unbroken from another source tree (e.g. a git "
                         "worktree of an older commit), as NAME, in the same rounds")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny counts (a smoke test: the numbers mean nothing)")
     args = parser.parse_args()
+    if args.quick:
+        args.turns, args.rounds, args.interleave = 100, 1, 2
+        args.ttfc = args.ttfc or 10
     if not sys.platform.startswith("linux"):
         print("turn_cost: needs Linux (/proc)", file=sys.stderr)
         return 2

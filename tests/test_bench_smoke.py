@@ -1,7 +1,7 @@
 """The benchmarks keep working: each one runs in ``--quick`` mode (small counts; the numbers
 mean nothing here, only that every phase runs to its report).
 
-The three run at the same time, as separate processes started once for this module, so
+The four run at the same time, as separate processes started once for this module, so
 the suite waits for the slowest one, not for their sum.  ``bench/compare.py`` leaves
 LiteLLM out only because ``--no-litellm`` says so (installing it takes minutes), and the
 test checks that its report says so.
@@ -64,6 +64,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, R
     argvs = {
         "http_bench": [str(BENCH / "http_bench.py"), "--quick", "--json", str(tmp / "http.json")],
         "ws_bench": [str(BENCH / "ws_bench.py"), "--quick"],
+        "turn_cost": [str(BENCH / "turn_cost.py"), "--quick", "--also", f"again={ROOT}",
+                      "--profile", str(tmp / "turns.prof"), "--top", "5"],
         "compare": [str(BENCH / "compare.py"), "--quick", "--no-litellm",
                     "--out", str(tmp / "benchmarks.md"), "--img", str(tmp / "img"),
                     "--json", str(tmp / "compare.json")],
@@ -92,6 +94,15 @@ def test_ws_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
     assert "## WebSocket" in out
     for row in ("| direct |", "| bare aiohttp WS relay |", "| unbroken |"):
         assert row in out, row
+
+
+def test_turn_cost_quick(runs: tuple[dict[str, Run], Path]) -> None:
+    procs, tmp = runs
+    out = procs["turn_cost"].result()
+    for name in ("unbroken", "again"):  # the tree under test, and a tree named by --also
+        assert f"  {name} " in out and "x bare" in out, name
+    assert "added TTFC p50 over direct" in out
+    assert "cProfile of unbroken serve" in out and (tmp / "turns.prof").stat().st_size > 0
 
 
 def test_compare_quick(runs: tuple[dict[str, Run], Path]) -> None:
