@@ -11,7 +11,7 @@ aiohttp pass-through measured in the same round.
 
 Processes are those of ``bench/http_bench.py`` (its mock, load generator, bare proxy
 and ``unbroken serve`` with default settings, the journal on), pinned the same way.
-Rounds interleave the two systems on fresh processes.
+Each round starts every system afresh and takes their batches in turn.
 
 ``--profile FILE`` runs ``unbroken serve`` under cProfile for one extra batch and
 writes the stats to FILE, then prints the relay's own functions by self time
