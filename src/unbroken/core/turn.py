@@ -873,17 +873,14 @@ class TurnMachine:
         from the start, a stall from the answer or the last frame, a keepalive from
         the last write).  A timer armed no later than this from now is never late for
         a deadline that a later event sets (see `relay.http.Watchdog`)."""
-        key = (self.timers, self.profile)
-        try:
-            return _MIN_INTERVALS[key]
-        except KeyError:
-            pass
-        except TypeError:  # timers that cannot be a key: computed each time
-            return _min_interval(*key)
-        value = _MIN_INTERVALS[key] = _min_interval(*key)
-        if len(_MIN_INTERVALS) > 64:  # configs come and go (tests): stay small
-            _MIN_INTERVALS.clear()
-        return value
+        t, p = self.timers, self.profile
+        intervals = (
+            p.early_headers_s or t.early_headers_s,
+            p.keepalive_s or t.keepalive_s,
+            t.idle_timeout_s,
+            t.first_frame_timeout_s,
+        )
+        return min([i for i in intervals if i > 0], default=60.0)
 
     def deadline(self) -> float | None:
         """When `tick` is next due, or None when nothing is timed."""
@@ -949,20 +946,6 @@ class TurnMachine:
 
 
 _NO_HOLD = Hold(())
-
-
-#: (timers, profile) -> min_interval: a turn's watchdog asks once, every turn
-_MIN_INTERVALS: dict[tuple[Timers, Profile], float] = {}
-
-
-def _min_interval(t: Timers, p: Profile) -> float:
-    intervals = (
-        p.early_headers_s or t.early_headers_s,
-        p.keepalive_s or t.keepalive_s,
-        t.idle_timeout_s,
-        t.first_frame_timeout_s,
-    )
-    return min([i for i in intervals if i > 0], default=60.0)
 
 
 def _stall_failure() -> Failure:

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -252,19 +252,8 @@ class Relay:
         self, request: web.Request, route: Route, rest: str, body: bytes
     ) -> web.StreamResponse:
         turn = _HttpTurn(self, request, route, rest, body, sticky_key(request.headers, body))
-        # `running`, written out: this runs on every request
-        task = asyncio.current_task()
-        if task is None:
+        with self.running():
             return await turn.run()
-        tasks = self.tasks
-        tasks.add(task)
-        self.idle.clear()
-        try:
-            return await turn.run()
-        finally:
-            tasks.discard(task)
-            if not tasks:
-                self.idle.set()
 
     def _on_health_change(self, change: Change) -> None:
         """Log every breaker transition once and count it (cool-offs are logged per retry)."""
@@ -311,21 +300,9 @@ class Relay:
             for route, b in self.budgets.items()
         }
 
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        """Track the current task as a running client request."""
-        task = asyncio.current_task()
-        if task is None:
-            yield
-            return
-        self.tasks.add(task)
-        self.idle.clear()
-        try:
-            yield
-        finally:
-            self.tasks.discard(task)
-            if not self.tasks:
-                self.idle.set()
+    def running(self) -> _Running:
+        """Track the current task as a running client request (``with relay.running():``)."""
+        return _Running(self)
 
     async def drain(self, grace_s: float) -> int:
         """Wait up to ``grace_s`` for running requests; cancel the rest.  Returns that count."""
@@ -343,6 +320,28 @@ class Relay:
     async def close(self) -> None:
         await self.client.close()
         await self.store.close()
+
+
+class _Running:
+    """`Relay.running`: a plain context manager, not a generator one (every request)."""
+
+    __slots__ = ("relay", "task")
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self.task = asyncio.current_task()
+
+    def __enter__(self) -> None:
+        if self.task is not None:
+            self.relay.tasks.add(self.task)
+            self.relay.idle.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.task is not None:
+            tasks = self.relay.tasks
+            tasks.discard(self.task)
+            if not tasks:
+                self.relay.idle.set()
 
 
 def _route_keys(route: Route) -> tuple[str, ...]:
