@@ -545,30 +545,44 @@ class SUTs:
 
 def start_suts(fleet: Fleet, mock_url: str, tag: str, *, extra_config: str = "") -> SUTs:
     """``extra_config``: TOML appended to unbroken's config (for experiments)."""
-    cfg = fleet.workdir / f"unbroken-{tag}.toml"
-    cfg.write_text(
-        "[server]\ngrace_s = 1.0\n\n[retry]\nverbose = false\n\n"
-        f'[routes.mock]\nupstreams = [{{ url = "{mock_url}" }}]\n'
-        + (f"\n{extra_config}\n" if extra_config else "")
-    )
     bare = fleet.start(
         f"bare-{tag}",
         [PY, str(ROOT / "bench" / "bare_proxy.py"), "--upstream", mock_url, "--port", "0"],
         cpu=fleet.sut_cpu,
         ready=r"listening on (http://\S+)",
     )
-    # Default settings otherwise; anything unbroken persists by default (the turn journal)
-    # goes to a directory of this run, never to the user's state directory.
+    return SUTs(bare, start_unbroken(fleet, mock_url, tag, extra_config=extra_config))
+
+
+def start_unbroken(
+    fleet: Fleet,
+    mock_url: str,
+    tag: str,
+    *,
+    extra_config: str = "",
+    python_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Proc:
+    """``unbroken serve`` in front of the mock: ``[retry] verbose = false``, defaults
+    otherwise.  ``python_args`` go before ``-m unbroken`` (e.g. ``-m cProfile -o F``);
+    ``env`` adds to the child's environment (e.g. ``PYTHONPATH`` of another tree)."""
+    cfg = fleet.workdir / f"unbroken-{tag}.toml"
+    cfg.write_text(
+        "[server]\ngrace_s = 1.0\n\n[retry]\nverbose = false\n\n"
+        f'[routes.mock]\nupstreams = [{{ url = "{mock_url}" }}]\n'
+        + (f"\n{extra_config}\n" if extra_config else "")
+    )
+    # Anything unbroken persists by default (the turn journal) goes to a directory of
+    # this run, never to the user's state directory.
     state = fleet.workdir / f"state-{tag}"
     state.mkdir(exist_ok=True)
-    unbroken = fleet.start(
+    return fleet.start(
         f"unbroken-{tag}",
-        [PY, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"],
+        [PY, *python_args, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"],
         cpu=fleet.sut_cpu,
         ready=r"relaying on (http://\S+)",
-        env={"XDG_STATE_HOME": str(state), "HOME": str(state)},
+        env={"XDG_STATE_HOME": str(state), "HOME": str(state), **(env or {})},
     )
-    return SUTs(bare, unbroken)
 
 
 def _headers(action: dict[str, Any]) -> dict[str, str]:

@@ -55,21 +55,8 @@ def _named_tree(value: str) -> tuple[str, Path]:
 
 def _start_tree(fleet: hb.Fleet, mock_url: str, tag: str, root: Path) -> hb.Proc:
     """``unbroken serve`` from another source tree, set up as `hb.start_suts` does."""
-    cfg = fleet.workdir / f"unbroken-{tag}.toml"
-    cfg.write_text(
-        "[server]\ngrace_s = 1.0\n\n[retry]\nverbose = false\n\n"
-        f'[routes.mock]\nupstreams = [{{ url = "{mock_url}" }}]\n'
-    )
-    state = fleet.workdir / f"state-{tag}"
-    state.mkdir(exist_ok=True)
-    return fleet.start(
-        f"unbroken-{tag}",
-        [hb.PY, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"],
-        cpu=fleet.sut_cpu,
-        ready=r"relaying on (http://\S+)",
-        env={"XDG_STATE_HOME": str(state), "HOME": str(state), "PYTHONPATH": os.pathsep.join(
-            filter(None, (str(root / "src"), os.environ.get("PYTHONPATH"))))},
-    )
+    path = os.pathsep.join(filter(None, (str(root / "src"), os.environ.get("PYTHONPATH"))))
+    return hb.start_unbroken(fleet, mock_url, tag, env={"PYTHONPATH": path})
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
@@ -197,20 +184,7 @@ def _profile(
     fleet: hb.Fleet, gen: hb.Proc, mock: hb.Proc, spec: dict[str, Any], args: argparse.Namespace
 ) -> None:
     out = str(Path(args.profile).resolve())
-    cfg = fleet.workdir / "unbroken-prof.toml"
-    cfg.write_text(
-        "[server]\ngrace_s = 1.0\n\n[retry]\nverbose = false\n\n"
-        f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n'
-    )
-    state = fleet.workdir / "state-prof"
-    state.mkdir(exist_ok=True)
-    proc = fleet.start(
-        "unbroken-prof",
-        [hb.PY, "-m", "cProfile", "-o", out, "-m", "unbroken", "serve",
-         "--config", str(cfg), "--port", "0"],
-        cpu=fleet.sut_cpu, ready=r"relaying on (http://\S+)",
-        env={"XDG_STATE_HOME": str(state), "HOME": str(state)},
-    )
+    proc = hb.start_unbroken(fleet, mock.url, "prof", python_args=("-m", "cProfile", "-o", out))
     url = f"{proc.url}/mock/{hb.PROTOCOLS['chat']['path']}"
     _batch(gen, proc, url, spec, 200, args.concurrency)
     _batch(gen, proc, url, spec, args.turns, args.concurrency)
