@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from unbroken.config import StreamSettings
 from unbroken.core.attempt import AttemptStats
 from unbroken.core.policy import Failure
 from unbroken.core.turn import Phase, TurnState
 
-
-@dataclass(frozen=True)
-class Timers:
-    header_timeout_s: float = 120.0
-    first_frame_timeout_s: float = 300.0
-    idle_timeout_s: float = 120.0
-    keepalive_s: float = 15.0
-    early_headers_s: float = 20.0
-    max_hold_bytes: int = 8 * 1024 * 1024
-    max_event_bytes: int = 16 * 1024 * 1024
+#: the machine's timers with the config's defaults (`[stream]`), any of them overridden
+Timers = StreamSettings
 
 
 class Report:
