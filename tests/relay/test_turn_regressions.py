@@ -680,16 +680,17 @@ async def test_http_early_headers_reach_a_raw_client_on_time(mock):
 
 
 # -- 5. HTTP: a client that pauses reading is not cut as a stall ----------------------------
-async def test_http_slow_reader_is_not_cut_as_a_stall(mock):
+async def _paused_reader(mock: Any, action: dict[str, Any], read_cap: float) -> tuple[
+    RawHTTP, Any, list[Any], float | None
+]:
+    """A reader that pauses for four idle timeouts after the first output, then reads
+    the rest within ``read_cap``: (client, recorder, turns, when the body ended)."""
     stream = {
         "idle_timeout_s": 0.5,
         "first_frame_timeout_s": 0.5,
         "keepalive_s": 30,
         "early_headers_s": 30,
     }
-    # ~16 MB of text deltas: far more than the loopback socket buffers hold
-    action = {"text": "x" * 12_000_000, "deltas": 12_000}
-    expected = b"".join(frames_for("chat", action, CHAT))
     async with relay_for(mock.url, stream=stream) as (server, rec):
         mock.script([action])
         client = await RawHTTP.post(server.url, f"/mock/{CHAT_PATH}", CHAT, rcvbuf=16384)
@@ -697,10 +698,18 @@ async def test_http_slow_reader_is_not_cut_as_a_stall(mock):
             assert await client.head(cap=5) is not None
             assert await client.until(_has_frames(FIRST_OUTPUT), cap=5) is not None
             await asyncio.sleep(2.0)  # the reader pauses: four idle timeouts long
-            await client.read_all(cap=20)
+            at = await client.read_all(cap=read_cap)
         finally:
             client.close()
         turns = await rec.wait_turns(1)
+    return client, rec, turns, at
+
+
+async def test_http_slow_reader_is_not_cut_as_a_stall(mock):
+    # ~16 MB of text deltas: far more than the loopback socket buffers hold
+    action = {"text": "x" * 12_000_000, "deltas": 12_000}
+    expected = b"".join(frames_for("chat", action, CHAT))
+    client, rec, turns, _ = await _paused_reader(mock, action, read_cap=20)
     body = bytes(client.body)
     assert body.endswith(DONE), f"stream did not end with [DONE]: ...{body[-300:]!r}"
     assert body == expected
@@ -713,27 +722,11 @@ async def test_http_stall_after_a_slow_reader_resumes_is_still_caught(mock):
     # no deadline runs during a write, so it found none.  Found in review: nothing
     # armed it again after the write, so a stall that followed was never caught (the
     # turn hung until the upstream gave up).
-    stream = {
-        "idle_timeout_s": 0.5,
-        "first_frame_timeout_s": 0.5,
-        "keepalive_s": 30,
-        "early_headers_s": 30,
-    }
     action = {
         "text": "x" * 12_000_000, "deltas": 12_000,
         "fault": "stall", "after_frame": 11_000, "seconds": 30,
     }
-    async with relay_for(mock.url, stream=stream) as (server, rec):
-        mock.script([action])
-        client = await RawHTTP.post(server.url, f"/mock/{CHAT_PATH}", CHAT, rcvbuf=16384)
-        try:
-            assert await client.head(cap=5) is not None
-            assert await client.until(_has_frames(FIRST_OUTPUT), cap=5) is not None
-            await asyncio.sleep(2.0)  # the reader pauses: four idle timeouts long
-            at = await client.read_all(cap=10)
-        finally:
-            client.close()
-        turns = await rec.wait_turns(1)
+    _, rec, turns, at = await _paused_reader(mock, action, read_cap=10)
     assert at is not None, (
         "the upstream stalled after the reader resumed, and the stream had not ended "
         f"within 10 s (idle_timeout_s=0.5); failures: {rec.failures}"
