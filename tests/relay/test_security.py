@@ -390,3 +390,30 @@ async def test_key_echoed_in_a_passed_through_401_is_redacted(capture):
         assert KEY.encode() not in got
     finally:
         await server.stop()
+
+
+async def test_an_upstream_cookie_never_goes_back_upstream(capture):
+    """The relay keeps no cookie jar: what a provider sets (Cloudflare's ``__cf_bm`` on
+    api.openai.com, say) reaches the client that got it and is never added to another
+    request, this client's or anyone else's.  Upstream by host name: aiohttp's jar
+    ignores cookies from an IP address, so 127.0.0.1 would hide the leak."""
+    capture.reply = (
+        200,
+        {"Content-Type": "application/json", "Set-Cookie": "__cf_bm=upstream-set; Path=/"},
+        b'{"ok": true}',
+    )
+    port = capture.url.rsplit(":", 1)[1]
+    server, _ = await start_relay(make_config([{"url": f"http://localhost:{port}"}],
+                                              route="cap"))
+    try:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+            for sent in (None, "mine=1", None):
+                headers = {} if sent is None else {"Cookie": sent}
+                async with http.post(f"{server.url}/cap/v1/chat/completions",
+                                     json=CHAT, headers=headers) as resp:
+                    assert resp.status == 200
+                    # the client that got it still sees what the provider set
+                    assert "__cf_bm=upstream-set" in resp.headers.get("Set-Cookie", "")
+        assert [s.headers.get("Cookie") for s in capture.seen] == [None, "mine=1", None]
+    finally:
+        await server.stop()

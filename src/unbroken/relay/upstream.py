@@ -290,7 +290,12 @@ class Redactor:
 
 
 class UpstreamClient:
-    """The relay's single outbound aiohttp session (connection pooling, no decompression)."""
+    """The relay's single outbound aiohttp session (connection pooling, no decompression).
+
+    It keeps no cookies: a jar would add what one provider answer set (Cloudflare's
+    ``__cf_bm``, say) to every later request, any client's, so a request would no
+    longer go upstream as its client sent it.  (It also costs a jar lookup per request.)
+    """
 
     def __init__(self, *, connect_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
@@ -313,6 +318,7 @@ class UpstreamClient:
                 ),
                 skip_auto_headers=("User-Agent", "Content-Type"),
                 trust_env=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._session
 
