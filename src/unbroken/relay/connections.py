@@ -6,7 +6,8 @@ file descriptors, and every failed ``accept()`` logs a traceback.  Here:
 
 * a request's headers must arrive within ``header_read_timeout_s`` of its first
   byte (of the connection's start, for the first request), else the
-  connection is closed;
+  connection is closed (by one sweep timer per server, at most a quarter of the
+  timeout, and at most a second, late: a request arms no timer of its own);
 * an idle keep-alive connection is closed after ``keepalive_timeout_s``
   (aiohttp's own timer, configured);
 * at most ``max_connections`` client connections are served at once (the
@@ -94,29 +95,22 @@ def effective_max_connections(configured: int) -> tuple[int, int | None]:
 
 
 class GuardedHandler(RequestHandler):
-    """aiohttp's protocol, plus a deadline for a request's headers."""
+    """aiohttp's protocol, plus a deadline for a request's headers.
+
+    The deadline is a timestamp; the server's one sweep timer enforces it (see
+    `GuardedServer`), so a request costs no timer of its own.
+    """
 
     def __init__(self, manager: GuardedServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._guard = manager
-        self._header_timer: asyncio.TimerHandle | None = None
+        #: when this connection's pending headers are due (0.0: none pending)
+        self.header_deadline = 0.0
         self._in_request = False
 
-    # -- the header deadline ----------------------------------------------------------
-    def _arm(self) -> None:
-        self._header_timer = self._guard.loop.call_later(
-            self._guard.header_read_timeout_s, self._header_timeout
-        )
-
-    def _disarm(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _header_timeout(self) -> None:
-        self._header_timer = None
-        if self._in_request:
-            return
+    def header_timeout(self) -> None:
+        """The headers did not arrive in time: close the connection."""
+        self.header_deadline = 0.0
         self._guard.stats.header_timeouts += 1
         transport = self.transport
         if transport is not None:
@@ -125,7 +119,7 @@ class GuardedHandler(RequestHandler):
     def request_started(self) -> None:
         """The handler began: the headers were complete in time."""
         self._in_request = True
-        self._disarm()
+        self.header_deadline = 0.0
 
     def request_finished(self) -> None:
         self._in_request = False
@@ -133,15 +127,16 @@ class GuardedHandler(RequestHandler):
     # -- protocol events --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self._arm()
+        self.header_deadline = self._guard.header_due()
 
     def data_received(self, data: bytes) -> None:
-        if not self._in_request and self._header_timer is None:
-            self._arm()  # the first byte of the next request on a kept-alive connection
+        if not self._in_request and not self.header_deadline:
+            # the first byte of the next request on a kept-alive connection
+            self.header_deadline = self._guard.header_due()
         super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._disarm()
+        self.header_deadline = 0.0
         super().connection_lost(exc)
 
 
@@ -192,8 +187,34 @@ class GuardedServer(web.Server):
         super().__init__(handler, **kwargs)
         self.loop: asyncio.AbstractEventLoop = self._loop
         self.header_read_timeout_s = header_read_timeout_s
+        #: how often the sweep looks for late headers: a connection is closed at most
+        #: this long after its deadline
+        self.sweep_s = min(1.0, header_read_timeout_s / 4)
         self.stats = ConnectionStats(max_connections=max_connections)
         self._changed = asyncio.Event()
+        self._sweep: asyncio.TimerHandle | None = None
+
+    # -- the header deadline: one timer per server, not one per request ------------------
+    def header_due(self) -> float:
+        """The deadline of headers starting now; makes sure the sweep runs."""
+        if self._sweep is None:
+            self._sweep = self.loop.call_later(self.sweep_s, self._sweep_headers)
+        return self.loop.time() + self.header_read_timeout_s
+
+    def _sweep_headers(self) -> None:
+        """Close the connections whose headers are late; again while any are pending."""
+        self._sweep = None
+        now = self.loop.time()
+        pending = False
+        for handler in list(self._connections):
+            if not isinstance(handler, GuardedHandler) or not handler.header_deadline:
+                continue
+            if now >= handler.header_deadline:
+                handler.header_timeout()
+            else:
+                pending = True
+        if pending:
+            self._sweep = self.loop.call_later(self.sweep_s, self._sweep_headers)
 
     @property
     def connection_count(self) -> int:
