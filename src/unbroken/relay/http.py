@@ -627,7 +627,13 @@ class HttpAttempt:
         return machine.body_ended(loop_time())
 
 
-class _WithFirstWrite(web.StreamResponse):
+class CleanStream(web.StreamResponse):
+    """A streamed answer whose headers hold no ``Access-Control-*`` header: built by
+    `response_headers` (which drops the upstream's) or by the relay itself.  The
+    server's CORS step trusts that and skips its scan of the headers."""
+
+
+class _WithFirstWrite(CleanStream):
     """A streamed response whose status line and headers leave with its first bytes.
 
     aiohttp sends a `StreamResponse`'s headers at ``prepare()`` in a segment of
@@ -890,7 +896,7 @@ class _HttpTurn:
         async with self._prepare_lock:
             if self.response is not None:
                 return False
-            kind = web.StreamResponse if now else _WithFirstWrite
+            kind = CleanStream if now else _WithFirstWrite
             resp = kind(status=status, headers=headers)
             try:
                 await resp.prepare(self.request)

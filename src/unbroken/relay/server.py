@@ -39,7 +39,7 @@ from unbroken.relay.connections import (
     effective_max_connections,
     install_accept_log_limiter,
 )
-from unbroken.relay.http import Relay
+from unbroken.relay.http import CleanStream, Relay
 from unbroken.relay.logfilter import install_log_filter
 from unbroken.relay.upstream import redact
 from unbroken.relay.websocket import handle_websocket, is_websocket_request
@@ -250,15 +250,18 @@ async def _cors(request: web.Request, response: web.StreamResponse) -> None:
     Runs for every response of either transport (WebSocket handshakes included)
     just before its headers are written.
     """
-    if isinstance(response, _Preflight):
-        return
-    headers = response.headers
-    stale = [k for k in headers if k[:15].lower() == "access-control-"]
-    for name in stale:
-        headers.popall(name, None)
+    if not isinstance(response, CleanStream):
+        if isinstance(response, _Preflight):
+            return
+        headers = response.headers
+        stale = [k for k in headers if k[:15].lower() == "access-control-"]
+        for name in stale:
+            headers.popall(name, None)
     origin = request.headers.get("origin")
+    if origin is None:
+        return
     gate = request.app[GATE_KEY]
-    if origin is not None and gate.access is not None and gate.access.origin_ok(origin):
+    if gate.access is not None and gate.access.origin_ok(origin):
         if "Access-Control-Allow-Origin" not in response.headers:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers.add("Vary", "Origin")
