@@ -73,13 +73,14 @@ class Target:
     has_rest: bool  # "/name/..." rather than "/name"
 
 
-#: targets up to this long are parsed once and remembered (agents repeat a handful)
-_CACHED_TARGET = 512
+#: targets up to this long are parsed once and remembered (agents repeat a handful);
+#: `upstream.upstream_url` caches its URLs by the same bound
+CACHED_TARGET = 512
 
 
 def parse_target(raw: str) -> Target | Denied:
     """Split and check a raw request-target (``request.raw_path``)."""
-    if len(raw) <= _CACHED_TARGET:
+    if len(raw) <= CACHED_TARGET:
         return _parse_target_cached(raw)
     return _parse_target(raw)
 

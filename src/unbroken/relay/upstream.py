@@ -8,6 +8,7 @@ is renamed) and the redaction of known secrets from upstream error bodies.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import zlib
@@ -21,6 +22,7 @@ from yarl import URL
 
 from unbroken.config import CREDENTIAL_HEADERS, Upstream
 from unbroken.core.protocols.base import loads_object
+from unbroken.relay.access import CACHED_TARGET
 
 __all__ = [
     "HOP_BY_HOP",
@@ -169,7 +171,10 @@ def parse_body(
     """
     if "json" not in headers.get("content-type", ""):
         return None
-    decoded = decoded_body(body, headers.get("content-encoding"), limit)
+    encoding = headers.get("content-encoding")
+    if encoding is None:  # the usual case: the bytes are the JSON
+        return loads_object(body)
+    decoded = decoded_body(body, encoding, limit)
     return None if decoded is None else loads_object(decoded)
 
 
@@ -216,7 +221,12 @@ def upstream_url(upstream: Upstream, rest: str, query_string: str) -> URL:
     A ``ws://``/``wss://`` upstream URL gives its ``http://``/``https://`` form here:
     the WebSocket transport switches the scheme back itself.
     """
-    base = upstream.url
+    if len(rest) + len(query_string) <= CACHED_TARGET:
+        return _joined(upstream.url, rest, query_string)
+    return _join(upstream.url, rest, query_string)
+
+
+def _join(base: str, rest: str, query_string: str) -> URL:
     scheme, sep, tail = base.partition("://")
     low = scheme.lower()
     if sep and low in ("ws", "wss"):
@@ -225,6 +235,10 @@ def upstream_url(upstream: Upstream, rest: str, query_string: str) -> URL:
     if query_string:
         url = f"{url}?{query_string}"
     return URL(url, encoded=True)
+
+
+#: the last 1,024 short targets' URLs (a route's turns ask for the same few)
+_joined = functools.lru_cache(maxsize=1024)(_join)
 
 
 def raw_query(request: web.BaseRequest) -> str:
