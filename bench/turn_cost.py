@@ -53,10 +53,15 @@ def _named_tree(value: str) -> tuple[str, Path]:
     return name, root
 
 
-def _start_tree(fleet: hb.Fleet, mock_url: str, tag: str, root: Path) -> hb.Proc:
-    """``unbroken serve`` from another source tree, set up as `hb.start_suts` does."""
+def _start_tree(
+    fleet: hb.Fleet, mock_url: str, tag: str, root: Path, extra_config: str = ""
+) -> hb.Proc:
+    """``unbroken serve`` from another source tree, set up as `hb.start_suts` does
+    (with the same ``--config-extra``)."""
     path = os.pathsep.join(filter(None, (str(root / "src"), os.environ.get("PYTHONPATH"))))
-    return hb.start_unbroken(fleet, mock_url, tag, env={"PYTHONPATH": path})
+    return hb.start_unbroken(
+        fleet, mock_url, tag, extra_config=extra_config, env={"PYTHONPATH": path}
+    )
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,7 +125,9 @@ def main() -> int:
             suts = hb.start_suts(fleet, mock.url, f"r{rnd}", extra_config=args.config_extra)
             procs = dict(suts.items())
             for name, src in also.items():
-                procs[name] = _start_tree(fleet, mock.url, f"{name}-r{rnd}", src)
+                procs[name] = _start_tree(
+                    fleet, mock.url, f"{name}-r{rnd}", src, args.config_extra
+                )
             k = rnd % len(names)
             order = names[k:] + names[:k]
             for name in order:  # warm-up: imports, pools, caches
