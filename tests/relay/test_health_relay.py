@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gzip
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -188,6 +189,25 @@ async def test_sticky_sessions_stay_on_one_upstream_and_spread_across_sessions(
         for i in range(20):
             assert (await chat(http, server.url, **{"session-id": f"s-{i}"}))[0] == 200
         assert len(mock.requests) >= 3 and len(mock2.requests) >= 3
+
+
+@pytest.mark.parametrize("encoding", [None, "gzip"])
+async def test_a_body_prompt_cache_key_is_a_sticky_session_gzip_or_not(
+    mock, mock2, http, encoding
+):
+    """Codex sends ``prompt_cache_key`` in the body; Claude Code may gzip its body."""
+    async with RelayServer(config([mock.url, mock2.url])) as server:
+        for i in range(40):  # 10 turns of one session, then 30 sessions
+            body = json.dumps({**CHAT, "prompt_cache_key": "one" if i < 10 else f"k{i}"})
+            data = body.encode()
+            headers = {"Content-Type": "application/json"}
+            if encoding:
+                data, headers["Content-Encoding"] = gzip.compress(data), encoding
+            async with http.post(server.url + PATH, data=data, headers=headers) as r:
+                assert r.status == 200
+            if i == 9:
+                assert sorted([len(mock.requests), len(mock2.requests)]) == [0, 10]
+        assert len(mock.requests) >= 1 and len(mock2.requests) >= 1
 
 
 async def test_the_retry_budget_caps_retries_in_flight_and_every_turn_completes(mock, http):

@@ -39,7 +39,6 @@ from unbroken.core.policy import (
 )
 from unbroken.core.profiles import Profile, identify, profile_named
 from unbroken.core.protocols import Protocol, protocol_for_path
-from unbroken.core.protocols.base import loads_object
 from unbroken.core.sse import Event
 from unbroken.core.turn import (
     KEEPALIVE,
@@ -127,18 +126,17 @@ def session_id_of(headers: Any, body: dict[str, Any] | None = None) -> str | Non
 _STICKY_HEADERS = (*SESSION_HEADERS, "thread-id")  # Codex sends thread-id too
 
 
-def sticky_key(headers: Any, body: bytes) -> str | None:
-    """A turn's session key for stickiness: a session header, or ``prompt_cache_key``."""
+def sticky_key(headers: Any, body: dict[str, Any] | None = None) -> str | None:
+    """A turn's session key for stickiness: a session header, or the parsed body's
+    ``prompt_cache_key``."""
     for name in _STICKY_HEADERS:
         value = headers.get(name)
         if value:
             return str(value)
-    if b'"prompt_cache_key"' in body:
-        parsed = loads_object(body)
-        if parsed is not None:
-            key = parsed.get("prompt_cache_key")
-            if isinstance(key, str) and key:
-                return key
+    if body is not None:
+        key = body.get("prompt_cache_key")
+        if isinstance(key, str) and key:
+            return key
     return None
 
 
@@ -251,7 +249,7 @@ class Relay:
     async def handle(
         self, request: web.Request, route: Route, rest: str, body: bytes
     ) -> web.StreamResponse:
-        turn = _HttpTurn(self, request, route, rest, body, sticky_key(request.headers, body))
+        turn = _HttpTurn(self, request, route, rest, body)
         with self.running():
             return await turn.run()
 
@@ -696,7 +694,6 @@ class _HttpTurn:
         route: Route,
         rest: str,
         body: bytes,
-        sticky: str | None = None,
     ) -> None:
         self.relay = relay
         self.cfg = relay.config
@@ -705,14 +702,9 @@ class _HttpTurn:
         self.rest = rest
         self.body = body
         self.protocol: Protocol = protocol_for_path(rest)
-        ctype = request.headers.get("content-type", "")
         # A gzip body (Claude Code can send one) is decoded as a copy to read it; the
         # bytes forwarded stay the ones received.
-        parsed = (
-            parse_body(body, request.headers, self.cfg.max_body_bytes)
-            if "json" in ctype
-            else None
-        )
+        parsed = parse_body(body, request.headers, self.cfg.max_body_bytes)
         if parsed is not None:
             stream = parsed.get("stream") is True
         else:
@@ -736,7 +728,7 @@ class _HttpTurn:
             protocol=self.protocol,
             hold=relay.hold,
             timers=self.cfg.stream,
-            retry=relay.retry_state(route, sticky),
+            retry=relay.retry_state(route, sticky_key(request.headers, parsed)),
             stream=stream,
             now=self.loop.time(),
             report=self.report,

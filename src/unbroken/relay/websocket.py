@@ -449,11 +449,7 @@ class _WsTurn:
         self.report = TurnReporter(
             info, relay.hooks, relay.route_facts(conn.route)[0], relay.inflight
         )
-        cache_key = create.get("prompt_cache_key")
-        sticky = sticky_key(conn.request.headers, b"") or (
-            cache_key if isinstance(cache_key, str) and cache_key else None
-        )
-        retry = relay.retry_state(conn.route, sticky)
+        retry = relay.retry_state(conn.route, sticky_key(conn.request.headers, create))
         retry.current = conn.upstream_idx - 1 if conn.upstream_idx >= 0 else -1
         now = conn.loop.time()
         self.machine = TurnMachine(
