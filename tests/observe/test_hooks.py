@@ -91,3 +91,60 @@ def test_a_failing_observer_is_logged_and_never_breaks_the_turn(
         )
     assert log == ["ok:started"]
     assert "observer Broken failed in turn_started" in caplog.text
+
+
+class Calls(Hooks):
+    """Every event, in order."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def turn_started(self, turn: TurnInfo) -> None:
+        self.log.append("turn_started")
+
+    def attempt_started(self, turn: TurnInfo, upstream: str) -> None:
+        self.log.append(f"attempt_started:{upstream}")
+
+    def attempt_failed(self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str,
+                       wait_s: float | None) -> None:
+        self.log.append(f"attempt_failed:{upstream}")
+
+    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+        self.log.append(f"attempt_ended:{attempt.upstream}")
+
+    def turn_ended(self, turn: TurnInfo) -> None:
+        self.log.append("turn_ended")
+
+
+def _run(defer: bool, flush_after: int) -> list[str]:
+    """Two attempts (a failure, then ok), with `flush` after ``flush_after`` steps."""
+    from unbroken.core.turn import Outcome, Phase
+    from unbroken.observe.report import TurnReporter
+
+    calls = Calls()
+    info = TurnInfo(route="r", path="v1/chat/completions", protocol="chat", stream=True)
+    report = TurnReporter(info, calls, ("a", "b"), set())
+    steps = [
+        lambda: report.attempt_started(1, 0),
+        lambda: report.attempt_failed(Failure(FailureClass.STATUS, "503"), Phase.HEADERS, 0.1),
+        lambda: report.attempt_ended("503", Phase.HEADERS, 503, None),
+        lambda: report.attempt_started(2, 1),
+        lambda: report.close(Outcome.RECOVERED),
+    ]
+    report.open(defer=defer)
+    for i, step in enumerate(steps):
+        if i == flush_after:
+            report.flush()
+        step()
+    report.flush()
+    return calls.log
+
+
+@pytest.mark.parametrize("flush_after", range(6))
+def test_deferred_opening_gives_the_observers_the_same_calls_in_order(flush_after: int) -> None:
+    # The HTTP transport defers the first calls until its request is on its way; the
+    # other reports flush first, so wherever the flush falls nothing moves or repeats.
+    assert _run(True, flush_after) == _run(False, flush_after) == [
+        "turn_started", "attempt_started:a", "attempt_failed:a", "attempt_ended:a",
+        "attempt_started:b", "attempt_ended:b", "turn_ended",
+    ]

@@ -31,7 +31,7 @@ _DONE, _WAITING = TurnState.DONE.value, TurnState.WAITING.value
 class TurnReporter:
     """One turn's record and its hook calls."""
 
-    __slots__ = ("current", "hooks", "inflight", "info", "upstreams", "wall")
+    __slots__ = ("_deferred", "current", "hooks", "inflight", "info", "upstreams", "wall")
 
     def __init__(
         self,
@@ -45,17 +45,38 @@ class TurnReporter:
         self.info, self.hooks, self.upstreams, self.inflight = info, hooks, upstreams, inflight
         self.wall = wall
         self.current: AttemptInfo | None = None
+        self._deferred = False
 
     # -- the turn ------------------------------------------------------------------------
-    def open(self) -> None:
+    def open(self, *, defer: bool = False) -> None:
+        """The turn started (it is in flight from now).
+
+        ``defer``: hold back the ``turn_started`` and first ``attempt_started`` hook
+        calls until `flush` (the HTTP transport runs it once its upstream request is
+        on its way, so the observers' work is not on the path to the provider).  Any
+        other report flushes first: the observers see the same calls in the same order.
+        """
         self.inflight.add(self.info)
+        if defer:
+            self._deferred = True
+        else:
+            self.hooks.turn_started(self.info)
+
+    def flush(self) -> None:
+        """Make the hook calls that `open` held back (free when there are none)."""
+        if not self._deferred:
+            return
+        self._deferred = False
         self.hooks.turn_started(self.info)
+        if self.current is not None:
+            self.hooks.attempt_started(self.info, self.current.upstream)
 
     def close(self, outcome: Outcome) -> None:
         """The turn ended: settle its outcome and report it (once)."""
         info = self.info
         if info.ended is not None:
             return
+        self.flush()
         info.outcome = _VALUE[outcome]
         if self.current is not None and self.current.ended is None:
             self.attempt_ended(
@@ -72,6 +93,8 @@ class TurnReporter:
 
     # -- TurnReport ----------------------------------------------------------------------
     def attempt_started(self, number: int, upstream: int, choice: str = "") -> None:
+        if self._deferred and self.current is not None:
+            self.flush()  # only the first attempt's call is held back
         info = self.info
         name = self.upstreams[upstream]
         info.attempts, info.upstream, info.next_retry_at = number, name, None
@@ -79,7 +102,8 @@ class TurnReporter:
             number=number, upstream=name, started=self.wall(), choice=choice
         )
         info.attempt_log.append(self.current)
-        self.hooks.attempt_started(info, name)
+        if not self._deferred:
+            self.hooks.attempt_started(info, name)
 
     def attempt_ended(
         self, reason: str, phase: Phase | None, status: int | None, stats: AttemptStats | None
@@ -87,6 +111,7 @@ class TurnReporter:
         a = self.current
         if a is None or a.ended is not None:
             return
+        self.flush()
         a.ended = self.wall()
         a.reason, a.phase = reason, _VALUE[phase] if phase is not None else ""
         if status is not None:
@@ -100,6 +125,7 @@ class TurnReporter:
         self.hooks.attempt_ended(self.info, a)
 
     def attempt_failed(self, failure: Failure, phase: Phase, wait_s: float | None) -> None:
+        self.flush()
         info = self.info
         info.last_failure = failure.label
         if wait_s is not None:
@@ -112,6 +138,7 @@ class TurnReporter:
         self.info.state = _VALUE[state]
 
     def hold_overflow(self, held_bytes: int) -> None:
+        self.flush()
         self.hooks.hold_overflow(self.info, held_bytes)
 
     def headers_sent(self) -> None:

@@ -755,7 +755,10 @@ class _HttpTurn:
     # -- the loop ------------------------------------------------------------------
     async def run(self) -> web.StreamResponse:
         machine = self.machine
-        self.report.open()
+        # The observers hear of the turn once its first request is on its way: the
+        # task first yields inside that request, after writing it (pooled connection).
+        self.report.open(defer=True)
+        self.loop.call_soon(self.report.flush)
         try:
             return await self._drive()
         except asyncio.CancelledError:
