@@ -201,6 +201,7 @@ class Relay:
         self.cooloffs: dict[str, dict[int, float]] = {}
         self._facts: dict[str, tuple[Route, tuple[str, ...], bool]] = {}
         self._profiles: dict[str, Profile] = {}
+        self._intervals: dict[str, float] = {}
 
     def profile_for(self, headers: Any) -> Profile:
         """The client profile of a request, with the config's overrides (cached per client)."""
@@ -209,6 +210,17 @@ class Relay:
         if profile is None:
             profile = self._profiles[name] = profile_named(name, self.config.clients)
         return profile
+
+    def min_interval(self, machine: TurnMachine) -> float:
+        """``machine.min_interval``, cached per client profile (the timers are the
+        config's, the same for every turn of this relay)."""
+        name = machine.profile.name
+        interval = self._intervals.get(name)
+        if interval is None or machine.timers is not self.config.stream:
+            interval = machine.min_interval
+            if machine.timers is self.config.stream:
+                self._intervals[name] = interval
+        return interval
 
     def route_facts(self, route: Route) -> tuple[tuple[str, ...], bool]:
         """A route's upstream names, and whether any upstream renames models (cached)."""
@@ -423,10 +435,12 @@ class Watchdog:
         loop: asyncio.AbstractEventLoop,
         machine: TurnMachine,
         on_action: Any,
+        interval: float | None = None,
     ) -> None:
+        """``interval``: the machine's ``min_interval`` when the caller has it cached."""
         self.loop, self.machine, self.on_action = loop, machine, on_action
         self._handle: asyncio.TimerHandle | None = None
-        self._interval = machine.min_interval
+        self._interval = machine.min_interval if interval is None else interval
         self.closed = False
 
     def arm(self) -> None:
@@ -743,7 +757,9 @@ class _HttpTurn:
         self.last_answer: tuple[int, CIMultiDict[str], bytes] | None = None
         self._bodies: dict[int, bytes] = {}
         self._side_task: asyncio.Future[Any] | None = None  # an early-headers/keepalive write
-        self.watchdog = Watchdog(self.loop, self.machine, self._on_timer)
+        self.watchdog = Watchdog(
+            self.loop, self.machine, self._on_timer, relay.min_interval(self.machine)
+        )
         self.upstream = HttpAttempt(
             self.machine, self.watchdog, relay.client, self, relay.secrets
         )

@@ -468,7 +468,9 @@ class _WsTurn:
         # whose headers went out.
         self.machine.headers_sent(now)
         info.held = self._held
-        self.watchdog = Watchdog(conn.loop, self.machine, self._on_timer)
+        self.watchdog = Watchdog(
+            conn.loop, self.machine, self._on_timer, relay.min_interval(self.machine)
+        )
         self.http = HttpAttempt(self.machine, self.watchdog, relay.client, self, relay.secrets)
         self.socket: int | None = None  # the upstream socket of this attempt (None: HTTP)
         self.reading_ws: aiohttp.ClientWebSocketResponse[Any] | None = None
