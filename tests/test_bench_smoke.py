@@ -27,13 +27,15 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 30)
 
 
 class Run:
-    def __init__(self, name: str, argv: list[str], tmp: Path) -> None:
+    def __init__(
+        self, name: str, argv: list[str], tmp: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.log = tmp / f"{name}.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, *argv], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
 
     def result(self) -> str:
@@ -70,7 +72,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, R
                     "--out", str(tmp / "benchmarks.md"), "--img", str(tmp / "img"),
                     "--json", str(tmp / "compare.json")],
     }
-    started = {name: Run(name, argv, tmp) for name, argv in argvs.items()}
+    # turn_cost's relays also run under bench/ttfc_trace (the c=1 step timestamps)
+    path = os.pathsep.join(filter(None, (str(BENCH / "ttfc_trace"), os.environ.get("PYTHONPATH"))))
+    trace = {"PYTHONPATH": path, "TTFC_TRACE_DIR": str(tmp)}
+    started = {
+        name: Run(name, argv, tmp, trace if name == "turn_cost" else None)
+        for name, argv in argvs.items()
+    }
     try:
         yield started, tmp
     finally:
@@ -103,6 +111,12 @@ def test_turn_cost_quick(runs: tuple[dict[str, Run], Path]) -> None:
         assert f"  {name} " in out and "x bare" in out, name
     assert "added TTFC p50 over direct" in out
     assert "cProfile of unbroken serve" in out and (tmp / "turns.prof").stat().st_size > 0
+    traces = [p.read_text() for p in tmp.glob("ttfc_trace_*.txt")]
+    assert traces, "bench/ttfc_trace wrote nothing"
+    steps = ("bytes_in", "turn_built", "client.request", "upstream_answered", "prepare",
+             "written")
+    assert any("first request byte -> first delta written" in t and all(s in t for s in steps)
+               for t in traces), traces
 
 
 def test_compare_quick(runs: tuple[dict[str, Run], Path]) -> None:
