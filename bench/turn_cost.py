@@ -86,6 +86,10 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=40, help="profile rows to print")
     parser.add_argument("--config-extra", default="",
                         help="TOML appended to unbroken's config (e.g. to switch the journal off)")
+    parser.add_argument("--gap-ms", type=float, default=5.0,
+                        help="--ttfc: idle time before each request (the systems under test "
+                             "share a CPU; without it one's end-of-turn work delays the next's "
+                             "request)")
     parser.add_argument("--ttfc", type=int, default=0, metavar="N",
                         help="also N sequential requests per system per round (c=1, one text "
                         "delta after 5 ms): time to first text delta, added over direct")
@@ -153,7 +157,7 @@ def main() -> int:
                 }
                 r = gen.call(
                     {"op": "ttfc", "targets": [[n, u] for n, u in urls.items()], "n": args.ttfc,
-                     "marker": hb.PROTOCOLS["chat"]["text_marker"],
+                     "marker": hb.PROTOCOLS["chat"]["text_marker"], "gap_ms": args.gap_ms,
                      **hb._spec("chat", {"deltas": 1, "chunk_delay_ms": 5})},
                     timeout=120 + args.ttfc * 3,
                 )
