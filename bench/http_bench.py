@@ -1253,9 +1253,9 @@ def interpretation(res: dict[str, Any]) -> list[str]:
         f"the bare proxy grows to {_f(bt['unbroken']['added_p50'] - bt['bare']['added_p50'], 2)} "
         f"ms and its memory per open stream to {_f(bm['unbroken']['kib_per_stream'], 0)} KiB "
         f"(bare {_f(bm['bare']['kib_per_stream'], 0)} KiB): the relay parses the whole request "
-        "body as JSON before it opens the upstream request, and keeps the parsed object for "
-        "the life of the turn next to the raw bytes it needs for a replay. The tiny-request "
-        "tables understate both costs for real agent traffic."
+        "body as JSON before it opens the upstream request, and keeps the raw bytes for the "
+        "life of the turn for a replay (the parsed object only when an upstream renames "
+        "models). The tiny-request tables understate both costs for real agent traffic."
     )
     floor_miss = [r["short"] for r in evaluate_targets(res) if not r["bare_pass"]]
     if floor_miss:
