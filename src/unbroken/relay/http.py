@@ -112,24 +112,23 @@ def session_id_of(headers: Any, body: dict[str, Any] | None = None) -> str | Non
     """The client's session key, for the journal: ``x-session-id``,
     ``x-session-affinity`` (OpenCode), ``session-id`` (Codex),
     ``x-claude-code-session-id`` (Claude Code), else the body's ``prompt_cache_key``."""
-    for name in SESSION_HEADERS:
-        value = headers.get(name)
-        if value:
-            return value  # type: ignore[no-any-return]
-    if body is not None:
-        key = body.get("prompt_cache_key")
-        if isinstance(key, str) and key:
-            return key
-    return None
+    return _session_key(headers, body, SESSION_HEADERS)
 
 
 _STICKY_HEADERS = (*SESSION_HEADERS, "thread-id")  # Codex sends thread-id too
 
 
 def sticky_key(headers: Any, body: dict[str, Any] | None = None) -> str | None:
-    """A turn's session key for stickiness: a session header, or the parsed body's
-    ``prompt_cache_key``."""
-    for name in _STICKY_HEADERS:
+    """A turn's session key for stickiness: a session header (or Codex's
+    ``thread-id``), else the parsed body's ``prompt_cache_key``."""
+    return _session_key(headers, body, _STICKY_HEADERS)
+
+
+def _session_key(
+    headers: Any, body: dict[str, Any] | None, names: tuple[str, ...]
+) -> str | None:
+    """The first of the ``names`` headers set, else the body's ``prompt_cache_key``."""
+    for name in names:
         value = headers.get(name)
         if value:
             return str(value)
