@@ -211,14 +211,11 @@ class Relay:
         return profile
 
     def min_interval(self, machine: TurnMachine) -> float:
-        """``machine.min_interval``, cached per client profile (the timers are the
-        config's, the same for every turn of this relay)."""
-        name = machine.profile.name
-        interval = self._intervals.get(name)
-        if interval is None or machine.timers is not self.config.stream:
-            interval = machine.min_interval
-            if machine.timers is self.config.stream:
-                self._intervals[name] = interval
+        """``machine.min_interval``, cached per client profile: every turn of this
+        relay runs with the config's timers and its profile from `profile_for`."""
+        interval = self._intervals.get(machine.profile.name)
+        if interval is None:
+            interval = self._intervals[machine.profile.name] = machine.min_interval
         return interval
 
     def route_facts(self, route: Route) -> tuple[tuple[str, ...], bool]:
@@ -434,12 +431,12 @@ class Watchdog:
         loop: asyncio.AbstractEventLoop,
         machine: TurnMachine,
         on_action: Any,
-        interval: float | None = None,
+        interval: float,
     ) -> None:
-        """``interval``: the machine's ``min_interval`` when the caller has it cached."""
+        """``interval``: the machine's ``min_interval`` (`Relay.min_interval` caches it)."""
         self.loop, self.machine, self.on_action = loop, machine, on_action
         self._handle: asyncio.TimerHandle | None = None
-        self._interval = machine.min_interval if interval is None else interval
+        self._interval = interval
         self.closed = False
 
     def arm(self) -> None:
