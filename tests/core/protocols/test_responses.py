@@ -270,6 +270,18 @@ def test_item_events_with_odd_payloads() -> None:
     assert classify_all([no_item, done_without_added]) == [("UNKNOWN", 0), ("UNKNOWN", 0)]
 
 
+@pytest.mark.parametrize("itype", ["[]", "{}", '["function_call"]', "7", "null"])
+@pytest.mark.parametrize("event", ["response.output_item.added", "response.output_item.done"])
+def test_an_item_type_that_is_not_a_string_is_unknown(event: str, itype: str) -> None:
+    # Found by the fuzz test: a list or object "type" was looked up in a set and raised
+    # TypeError (unhashable), which crashed the turn instead of classifying the frame.
+    (e,) = parse(
+        f'event: {event}\ndata: {{"type":"{event}","output_index":0,'
+        f'"item":{{"id":"fc_1","type":{itype}}}}}\n\n'.encode()
+    )
+    assert classify_all([e]) == [("UNKNOWN", 0)]
+
+
 @pytest.mark.parametrize(
     "raw",
     [

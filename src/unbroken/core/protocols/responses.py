@@ -142,6 +142,8 @@ class ResponsesClassifier:
         if not isinstance(item, dict):
             return Kind.UNKNOWN, len(self.open_items)
         itype = item.get("type")
+        if not isinstance(itype, str):  # a list or object here is no type we know
+            return Kind.UNKNOWN, len(self.open_items)
         key = str(item.get("id") or obj.get("output_index"))
         if itype in CLIENT_TOOL_ITEMS:
             if added:
