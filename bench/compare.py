@@ -74,6 +74,7 @@ class Profile:
     mem_points: tuple[int, ...]
     failover_n: int
     fault_timeout_s: float  # how long the fault-matrix client waits for a whole reply
+    settle_s: float = 1.0  # a pause for RSS to settle before it is read
 
 
 FULL = Profile(reps=3, ttfc_n=200, rps_duration_s=5.0, rps_warmup_s=1.0, cpu_requests=96,
@@ -81,7 +82,7 @@ FULL = Profile(reps=3, ttfc_n=200, rps_duration_s=5.0, rps_warmup_s=1.0, cpu_req
                fault_timeout_s=20.0)
 QUICK = Profile(reps=1, ttfc_n=20, rps_duration_s=0.8, rps_warmup_s=0.3, cpu_requests=16,
                 cpu_requests_litellm=4, mem_points=(40, 100), failover_n=2,
-                fault_timeout_s=6.0)
+                fault_timeout_s=3.0, settle_s=0.2)
 
 # name, description, protocol, queued mock actions ("refused" uses the refused-primary route)
 FAULTS: list[tuple[str, str, str, list[dict[str, Any]]]] = [
@@ -326,15 +327,15 @@ def measure_memory(gen: hb.Proc, mock_url: str, suts: Suts, prof: Profile) -> di
         for n in prof.mem_points:
             h = gen.call({"op": "hold", "url": suts.url(name), "n": n, "timeout": 120, **s},
                          timeout=150)
-            time.sleep(1.0)
+            time.sleep(prof.settle_s)
             samples = []
             for _ in range(3):
                 samples.append(tree_rss(pid))
-                time.sleep(0.3)
+                time.sleep(prof.settle_s * 0.3)
             loaded = max(samples)
             gen.call({"op": "release"}, timeout=120)
             points.append((h["ready"], loaded))
-            time.sleep(0.5)
+            time.sleep(prof.settle_s * 0.5)
         n_max, top = points[-1]
         out[name] = {"idle_mib": idle / 1024, "points": points,
                      "kib_per_stream": (top - idle) / max(n_max, 1)}
@@ -1082,7 +1083,7 @@ def run(prof: Profile, quick: bool, litellm_exe: Path | None) -> dict[str, Any]:
                 for n in names:  # one warm-up request each, then idle memory
                     gen.call({"op": "batch", "url": suts.url(n), "n": 1, "concurrency": 1,
                               **spec(CHAT_BODY)}, timeout=60)
-                time.sleep(1.0)
+                time.sleep(prof.settle_s)
                 r: dict[str, Any] = {"memory": measure_memory(gen, mock.url, suts, prof)}
                 r["ttfc"] = measure_ttfc(gen, mock.url, suts, prof)
                 r["rps_stream"] = measure_rps(gen, mock, suts, prof, rep, True)

@@ -110,6 +110,7 @@ class Profile:
     mem_reps: int
     big_n: int  # TTFC requests per path per repetition with the large body
     big_streams: int  # open streams with the large body
+    settle_s: float = 1.0  # a pause for RSS to settle before it is read
 
 
 FULL = Profile(
@@ -118,9 +119,9 @@ FULL = Profile(
     mem_streams=500, mem_reps=2, big_n=60, big_streams=100,
 )
 QUICK = Profile(
-    reps=2, ttfc_n=30, tool_n=6, rps_duration_s=0.8, rps_warmup_s=0.3,
+    reps=1, ttfc_n=30, tool_n=6, rps_duration_s=0.8, rps_warmup_s=0.3,
     cpu_requests=16, cpu_concurrency=8, cpu_deltas=200, cpu_delay_ms=2.0,
-    mem_streams=200, mem_reps=1, big_n=10, big_streams=40,
+    mem_streams=200, mem_reps=1, big_n=10, big_streams=40, settle_s=0.2,
 )
 
 
@@ -791,7 +792,8 @@ def big_body(kib: int) -> str:
 
 
 def _rss_per_stream(
-    fleet: Fleet, gen: Proc, mock_url: str, tag: str, n: int, body: str | None
+    fleet: Fleet, gen: Proc, mock_url: str, tag: str, n: int, body: str | None,
+    settle_s: float = 1.0,
 ) -> dict[str, Any]:
     """Fresh SUTs: idle RSS after one warm-up request, then with ``n`` open slow streams."""
     suts = start_suts(fleet, mock_url, tag)
@@ -805,16 +807,16 @@ def _rss_per_stream(
         for name, _proc in suts.items():
             gen.call({"op": "batch", "url": urls[name], "n": 1, "concurrency": 1, **warm},
                      timeout=30)
-        time.sleep(1.0)
+        time.sleep(settle_s)
         idle = {name: rss_kib(proc.pid) for name, proc in suts.items()}
         for name, proc in suts.items():
             h = gen.call({"op": "hold", "url": urls[name], "n": n, "timeout": 60, **slow},
                          timeout=90)
-            time.sleep(1.0)
+            time.sleep(settle_s)
             samples = []
             for _ in range(3):
                 samples.append(rss_kib(proc.pid))
-                time.sleep(0.5)
+                time.sleep(settle_s * 0.5)
             gen.call({"op": "release"}, timeout=60)
             loaded = max(samples)
             per = (loaded - idle[name]) / max(h["ready"], 1)
@@ -824,7 +826,7 @@ def _rss_per_stream(
             log(f"  memory {tag} {name:8s}: idle {idle[name] / 1024:.1f} MiB, "
                 f"{h['ready']} open streams {loaded / 1024:.1f} MiB -> {per:.1f} KiB/stream"
                 + (f" ({h['failed']} failed: {h['last_error']})" if h["failed"] else ""))
-            time.sleep(0.5)
+            time.sleep(settle_s * 0.5)
     finally:
         fleet.stop(suts.bare)
         fleet.stop(suts.unbroken)
@@ -1359,13 +1361,14 @@ def run(prof: Profile, quick: bool, argv: Sequence[str]) -> dict[str, Any]:
         # Memory first, on fresh processes of their own.
         log(f"memory: idle and {prof.mem_streams} open streams")
         memory = aggregate_memory([
-            _rss_per_stream(fleet, gen, mock.url, f"mem{i}", prof.mem_streams, None)
+            _rss_per_stream(fleet, gen, mock.url, f"mem{i}", prof.mem_streams, None,
+                            prof.settle_s)
             for i in range(prof.mem_reps)
         ])
         body = big_body(BIG_BODY_KIB)
         log(f"memory: {prof.big_streams} open streams with a {len(body) // 1024} KiB request body")
         big_memory = aggregate_memory(
-            [_rss_per_stream(fleet, gen, mock.url, "big", prof.big_streams, body)]
+            [_rss_per_stream(fleet, gen, mock.url, "big", prof.big_streams, body, prof.settle_s)]
         )
 
         ttfc_reps: list[dict[str, Any]] = []
