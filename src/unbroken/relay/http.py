@@ -523,8 +523,9 @@ class HttpAttempt:
     async def run(
         self, action: Open, method: str, url: URL, headers: CIMultiDict[str], body: bytes
     ) -> Action:
+        """The attempt, up to the machine's next action.  The caller has armed the
+        watchdog for whatever is timed while it connects (early headers, keepalives)."""
         machine = self.machine
-        self.watchdog.arm()
         try:
             async with asyncio.timeout(action.timeout_s):
                 resp = await self.client.request(method, url, headers, body)
@@ -760,6 +761,10 @@ class _HttpTurn:
             self.machine, self.watchdog, relay.client, self, relay.secrets
         )
 
+    def _sent(self) -> None:
+        self.report.flush()
+        self.watchdog.arm()
+
     def _held(self) -> int:
         ledger = self.machine.attempt_ledger
         return ledger.held_bytes if ledger is not None else 0
@@ -767,10 +772,12 @@ class _HttpTurn:
     # -- the loop ------------------------------------------------------------------
     async def run(self) -> web.StreamResponse:
         machine = self.machine
-        # The observers hear of the turn once its first request is on its way: the
-        # task first yields inside that request, after writing it (pooled connection).
+        # The observers hear of the turn, and its timer is armed, once its first request
+        # is on its way: the task first yields inside that request, after writing it
+        # (pooled connection), so neither is on the path to the provider.  Nothing the
+        # timer serves is due that soon (early headers count from the turn's start).
         self.report.open(defer=True)
-        self.loop.call_soon(self.report.flush)
+        self.loop.call_soon(self._sent)
         try:
             return await self._drive()
         except asyncio.CancelledError:
@@ -804,7 +811,6 @@ class _HttpTurn:
     async def _drive(self) -> web.StreamResponse:
         machine = self.machine
         action: Action = machine.start(self.loop.time())
-        self.watchdog.arm()
         while True:
             if type(action) is Open:
                 action = await self._attempt(action)

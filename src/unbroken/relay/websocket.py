@@ -694,6 +694,7 @@ class _WsTurn:
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "text/event-stream"
         url = upstream_url(up, conn.rest, raw_query(conn.request))
+        self.watchdog.arm()
         return await self.http.run(action, "POST", url, headers, json.dumps(body).encode())
 
     # -- Sink, for the HTTP fallback -------------------------------------------------------
