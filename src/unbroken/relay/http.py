@@ -685,7 +685,7 @@ class _HttpTurn:
         "loop",
         "machine",
         "parsed",
-        "pending_headers",
+        "pending",
         "profile",
         "protocol",
         "relay",
@@ -750,7 +750,8 @@ class _HttpTurn:
         info.held = self._held
         self.response: web.StreamResponse | None = None  # the client response, once prepared
         self._prepare_lock = asyncio.Lock()
-        self.pending_headers: tuple[int, CIMultiDict[str]] | None = None
+        #: the client response the attempt that answered would send, built ahead
+        self.pending: CleanStream | None = None
         self.last_answer: tuple[int, CIMultiDict[str], bytes] | None = None
         self._bodies: dict[int, bytes] = {}
         self._side_task: asyncio.Future[Any] | None = None  # an early-headers/keepalive write
@@ -842,7 +843,9 @@ class _HttpTurn:
 
     # -- Sink: where the attempt's output goes ---------------------------------------------
     def answer(self, status: int, headers: CIMultiDict[str]) -> None:
-        self.pending_headers = (status, headers)
+        # Built now, while the first output is awaited, not on its way to the client;
+        # it is sent only if this attempt releases something.
+        self.pending = _WithFirstWrite(status=status, headers=headers)
 
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         self.last_answer = (status, headers, body)
@@ -898,19 +901,16 @@ class _HttpTurn:
                 await response.write_eof()
 
     # -- client side ------------------------------------------------------------------
-    async def _prepare(
-        self, status: int, headers: CIMultiDict[str] | dict[str, str], *, now: bool = False
-    ) -> bool:
-        """Send the status line and headers (once).  True when this call sent them.
+    async def _prepare(self, resp: CleanStream) -> bool:
+        """Send ``resp``'s status line and headers, unless a response went out already.
+        True when this call sent them.
 
-        ``now``: on the wire at once (early headers); else they leave with the bytes
-        written next, in one segment.
+        A `_WithFirstWrite` response's leave with the bytes written next, in one
+        segment; any other's at once (early headers).
         """
         async with self._prepare_lock:
             if self.response is not None:
                 return False
-            kind = CleanStream if now else _WithFirstWrite
-            resp = kind(status=status, headers=headers)
             try:
                 await resp.prepare(self.request)
             except (ConnectionError, aiohttp.ClientConnectionError) as exc:
@@ -923,8 +923,7 @@ class _HttpTurn:
     async def _write(self, data: bytes) -> None:
         response = self.response
         if response is None:
-            status, headers = self.pending_headers or (200, CIMultiDict(SSE_HEADERS))
-            await self._prepare(status, headers)
+            await self._prepare(self.pending or _WithFirstWrite(headers=SSE_HEADERS))
             response = self.response
             assert response is not None
         machine = self.machine
@@ -940,8 +939,7 @@ class _HttpTurn:
 
     async def _finish(self) -> web.StreamResponse:
         if self.response is None:
-            status, headers = self.pending_headers or (200, CIMultiDict())
-            await self._prepare(status, headers)
+            await self._prepare(self.pending or _WithFirstWrite())
             assert self.response is not None
         with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionError, RuntimeError):
             await self.response.write_eof()
@@ -967,7 +965,7 @@ class _HttpTurn:
             self._spawn(self._write(action.data))
 
     async def _early_headers(self, status: int) -> None:
-        if await self._prepare(status, CIMultiDict(SSE_HEADERS), now=True):
+        if await self._prepare(CleanStream(status=status, headers=SSE_HEADERS)):
             await self._write(EARLY_FLUSH)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
