@@ -79,7 +79,8 @@ async def test_http_turns_leave_no_cycles(relay: Any, stream: bool) -> None:
         assert await _garbage_per_turn(turn) == {}
 
 
-async def test_a_retried_turn_leaves_no_cycles(relay: Any, mock: Any) -> None:
+async def test_a_retried_turn_leaves_no_cycles(relay: Any, mock: Any, no_waits: None) -> None:
+    # no_waits: the retry's Wait still runs, for 0 s (11 turns took 10 s of backoff)
     url = f"{relay.url}/mock/v1/chat/completions"
     async with aiohttp.ClientSession() as s:
 
