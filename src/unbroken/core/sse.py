@@ -24,6 +24,11 @@ __all__ = ["DEFAULT_MAX_EVENT_BYTES", "Event", "EventTooLarge", "SSESplitter"]
 #: ``[stream] max_event_bytes`` by default: 16 MiB.
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
 _BOM = b"\xef\xbb\xbf"
+# Single bytes are looked for as ints (``CR in data``): CPython's ``bytes in bytes``
+# first tries the needle as an int and builds (then drops) a TypeError for a bytes
+# one, about 7x the cost of the search itself on a frame-sized chunk.
+CR = 0x0D
+LF = 0x0A
 
 
 class EventTooLarge(ValueError):
@@ -125,10 +130,10 @@ class SSESplitter:
         if buf:
             buf += chunk
             data = buf
-            has_cr = self._cr or b"\r" in chunk
+            has_cr = self._cr or CR in chunk
         else:
             data = chunk  # nothing pending: work on the chunk itself, no copy
-            has_cr = b"\r" in chunk
+            has_cr = CR in chunk
         if not self._bom_checked and data:
             # A UTF-8 BOM may precede the first field; keep it in the raw bytes.
             if len(data) < 3 and _BOM.startswith(data):
@@ -200,7 +205,7 @@ class SSESplitter:
             buf = self._buf
         self._line0, self._scan = line0 - start, scan - start
         if start:
-            self._cr = has_cr and b"\r" in buf  # a short tail: a cheap look
+            self._cr = has_cr and CR in buf  # a short tail: a cheap look
         else:
             self._cr = has_cr
         if len(buf) > limit:
@@ -216,15 +221,15 @@ class SSESplitter:
     def _parse(raw: bytes, block: bytes) -> Event:
         # Fast paths for the two shapes providers send: one `data:` line (Chat
         # Completions), and `event:` + `data:` (Responses, Anthropic).
-        if block.startswith(b"data: ") and b"\n" not in block and b"\r" not in block:
+        if block.startswith(b"data: ") and LF not in block and CR not in block:
             return Event(raw, None, block[6:].decode("utf-8", "replace"))
         if block.startswith(b"event: "):
             nl = block.find(b"\n")
             if (
                 nl > 0
                 and block.startswith(b"data: ", nl + 1)
-                and b"\n" not in block[nl + 1 :]
-                and b"\r" not in block
+                and LF not in block[nl + 1 :]
+                and CR not in block
             ):
                 return Event(
                     raw,

@@ -101,7 +101,7 @@ from unbroken.core.policy import (
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
 from unbroken.core.profiles import KeepaliveForm, Profile
 from unbroken.core.protocols import BODY, Protocol
-from unbroken.core.sse import Event, EventTooLarge, SSESplitter
+from unbroken.core.sse import CR, Event, EventTooLarge, SSESplitter
 
 __all__ = [
     "KEEPALIVE",
@@ -541,7 +541,7 @@ class TurnMachine:
             self.verbatim
             and chunk.endswith(b"\n\n")
             and splitter.idle
-            and b"\r" not in chunk
+            and CR not in chunk
             and self.attempt_ledger.release_run(chunk)  # type: ignore[union-attr]
         ):
             # The per-chunk fast path: after commit, a chunk of complete frames that

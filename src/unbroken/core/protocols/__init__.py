@@ -176,7 +176,7 @@ def usage_from(frames: Iterable[bytes]) -> tuple[int | None, int | None]:
     tokens_in: int | None = None
     tokens_out: int | None = None
     for raw in frames:
-        if b"tokens" not in raw:
+        if raw.find(b"tokens") < 0:
             continue
         found = _USAGE_IN.findall(raw)
         if found:

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from unbroken.core.protocols.base import Kind, error_is_retryable, loads_object
-from unbroken.core.sse import Event
+from unbroken.core.sse import LF, Event
 
 # delta field -> kind, when the field holds a non-empty value.  Fields not here
 # (legacy function_call, audio, ...) are UNKNOWN: they commit.
@@ -27,6 +27,7 @@ DELTA_FIELDS: dict[str, int] = {
 _TEXT_FIELDS = frozenset({"content", "refusal", "reasoning_content", "reasoning"})
 
 # The byte-level proof that a run of chunks is plain output (see `plain_run`).
+# Looked for with ``find``, not ``in`` (see `unbroken.core.sse.CR`).
 _NOT_PLAIN = (b"tool_calls", b"function_call", b'"error"', b"[DONE]")
 _FINISH = b'"finish_reason"'
 _FINISH_NULL = (b'"finish_reason":null', b'"finish_reason": null')
@@ -75,7 +76,7 @@ class ChatClassifier:
         so a malformed frame takes the slow path and fails exactly as it would.
         """
         for marker in _NOT_PLAIN:
-            if marker in chunk:
+            if chunk.find(marker) >= 0:
                 return 0
         finish = chunk.count(_FINISH)
         if finish and finish != chunk.count(_FINISH_NULL[0]) + chunk.count(_FINISH_NULL[1]):
@@ -85,7 +86,7 @@ class ChatClassifier:
             return 0
         del parts[-1]
         for part in parts:
-            if not part.startswith(b"data: {") or b"\n" in part:
+            if not part.startswith(b"data: {") or LF in part:
                 return 0
             if loads_object(part[6:]) is None:
                 return 0
