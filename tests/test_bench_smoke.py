@@ -1,7 +1,7 @@
 """The benchmarks keep working: each one runs in ``--quick`` mode (small counts; the numbers
 mean nothing here, only that every phase runs to its report).
 
-The four run at the same time, as separate processes started once for this module, so
+The five run at the same time, as separate processes started once for this module, so
 the suite waits for the slowest one, not for their sum.  ``bench/compare.py`` leaves
 LiteLLM out only because ``--no-litellm`` says so (installing it takes minutes), and the
 test checks that its report says so.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, R
     argvs = {
         "http_bench": [str(BENCH / "http_bench.py"), "--quick", "--json", str(tmp / "http.json")],
         "ws_bench": [str(BENCH / "ws_bench.py"), "--quick"],
+        "instr_cost": [str(BENCH / "instr_cost.py"), "--quick"],
         "turn_cost": [str(BENCH / "turn_cost.py"), "--quick", "--also", f"again={ROOT}",
                       "--profile", str(tmp / "turns.prof"), "--top", "5"],
         "compare": [str(BENCH / "compare.py"), "--quick", "--no-litellm",
@@ -102,6 +104,20 @@ def test_ws_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
     assert "## WebSocket" in out
     for row in ("| direct |", "| bare aiohttp WS relay |", "| unbroken |"):
         assert row in out, row
+
+
+def test_instr_cost_quick(runs: tuple[dict[str, Run], Path]) -> None:
+    procs, _ = runs
+    out = procs["instr_cost"].result()
+    assert "instructions (callgrind)" in out
+    rows = {m[1]: m for m in re.finditer(
+        r"^  (bare|unbroken) +([\d,.]+) +([\d.]+)x +([\d,.]+) +([\d.]+)x", out, re.M
+    )}
+    assert set(rows) == {"bare", "unbroken"}, out
+    for name, m in rows.items():
+        per_turn, per_frame = float(m[2].replace(",", "")), float(m[4].replace(",", ""))
+        assert per_turn > 100 and per_frame > 1, (name, m[0])  # thousands of instructions
+    assert rows["bare"][3] == "1.000" and rows["bare"][5] == "1.000"
 
 
 def test_turn_cost_quick(runs: tuple[dict[str, Run], Path]) -> None:
