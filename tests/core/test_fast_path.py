@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ledger import (
@@ -133,3 +134,78 @@ def test_no_fast_path_while_a_tool_call_is_open_or_before_commit() -> None:
         chunks = [b"".join(frames[i : i + 2]) for i in range(0, len(frames), 2)]
         _, taken = run(proto, chunks, verbatim=True)
         assert taken == 0, proto
+
+
+# -- the typed proof of a plain Chat Completions chunk (`ChatClassifier.plain_run`) ------
+_OPENAI_CHUNK = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"gpt-4o","service_tier":"default","system_fingerprint":"fp_1","choices":[{'
+    b'"index":0,"delta":{"content":"hello"},"logprobs":null,"finish_reason":null}],'
+    b'"usage":null,"obfuscation":"Xk2"}\n\n'
+)
+
+
+def test_the_typed_proof_takes_openai_chunks_and_steps_aside_for_other_shapes() -> None:
+    from unbroken.core.protocols.chat import ChatClassifier
+
+    c = ChatClassifier()
+    assert c.plain_run(_OPENAI_CHUNK * 3) == 3 and c.typed
+    other = _OPENAI_CHUNK.replace(b'"usage":null', b'"provider":"x"')
+    assert c.plain_run(other) == 1  # proved by the bytes instead
+    assert not c.typed  # and the typed proof is not tried again in this attempt
+    assert c.plain_run(_OPENAI_CHUNK) == 1
+
+
+_TEXT = {"index": 0, "delta": {"content": "t"}, "finish_reason": None}
+# Payloads the typed proof must decide exactly as `classify`'s parse does: duplicate keys
+# (each copy is checked), numbers orjson refuses, strings either parser refuses, types
+# out of the declared ones, fields it does not know.
+EDGE_PAYLOADS = {
+    "dup choices, the last a tool call": (
+        b'{"choices":[{"delta":{"content":"h"}}],"choices":[{"index":0,"delta":{"tool_calls":'
+        b'[{"index":0,"id":"c","type":"function","function":{"name":"bash","arguments":"{}"}}]}}]}'
+    ),
+    "dup finish_reason, the last stop": (
+        b'{"choices":[{"delta":{"content":"h"},"finish_reason":null,"finish_reason":"stop"}]}'
+    ),
+    "dup finish_reason, the first stop": (
+        b'{"choices":[{"delta":{"content":"h"},"finish_reason":"stop","finish_reason":null}]}'
+    ),
+    "dup error": b'{"error":null,"error":{"message":"x","type":"server_error"},"choices":[]}',
+    "huge exponent in created": b'{"created":1e400,"choices":[{"delta":{"content":"h"}}]}',
+    "huge exponent unknown": b'{"x":1e400,"choices":[{"delta":{"content":"h"}}]}',
+    "big int created": (
+        b'{"created":123456789012345678901234567890,"choices":[{"delta":{"content":"h"}}]}'
+    ),
+    "float created": b'{"created":1.5,"choices":[{"delta":{"content":"h"}}]}',
+    "invalid utf-8 in content": b'{"choices":[{"delta":{"content":"h\xff\xfe"}}]}',
+    "invalid utf-8 in id": b'{"id":"\xc0\xaf","choices":[{"delta":{"content":"h"}}]}',
+    "lone surrogate": b'{"choices":[{"delta":{"content":"\\ud800"}}]}',
+    "escaped nul": b'{"choices":[{"delta":{"content":"a\\u0000b"}}]}',
+    "raw control char": b'{"choices":[{"delta":{"content":"a\x01b"}}]}',
+    "unknown field": b'{"provider":"x","choices":[{"delta":{"content":"h"}}]}',
+    "usage object": b'{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}',
+    "logprobs object": b'{"choices":[{"delta":{"content":"h"},"logprobs":{"content":[]}}]}',
+    "content as a list": b'{"choices":[{"delta":{"content":["h"]}}]}',
+    "choices an object": b'{"choices":{"0":{"delta":{"content":"h"}}}}',
+    "choices of numbers": b'{"choices":[1]}',
+    "empty finish_reason": b'{"choices":[{"delta":{"content":"h"},"finish_reason":""}]}',
+    "function_call delta": b'{"choices":[{"delta":{"function_call":{"name":"f"}}}]}',
+    "trailing spaces": b'{"choices":[{"delta":{"content":"h"}}]}   ',
+    "trailing garbage": b'{"choices":[{"delta":{"content":"h"}}]} x',
+    "deep nesting": b'{"x":' + b"[" * 3000 + b"]" * 3000 + b',"choices":[]}',
+    "array at the top": b'[{"choices":[]}]',
+    "role only": b'{"choices":[{"index":0,"delta":{"role":"assistant"}}]}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_PAYLOADS))
+def test_the_typed_proof_decides_as_the_slow_path(name: str) -> None:
+    frames = chat_frames("t", Shape(text=3))
+    edge = b"data: " + EDGE_PAYLOADS[name] + b"\n\n"
+    for at in (2, 3):  # right after commit, and after a plain chunk went the typed way
+        stream = [*frames[:at], edge, *frames[at:]]
+        for chunks in ([*stream], [stream[0], stream[1], b"".join(stream[2:])]):
+            slow, _ = run("chat", chunks, verbatim=False)
+            fast, _ = run("chat", chunks, verbatim=True)
+            assert fast == slow, (name, at)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from unbroken.core.protocols.base import Kind, error_is_retryable, loads_object
 from unbroken.core.sse import LF, Event
 
@@ -27,18 +29,58 @@ DELTA_FIELDS: dict[str, int] = {
 _TEXT_FIELDS = frozenset({"content", "refusal", "reasoning_content", "reasoning"})
 
 # The byte-level proof that a run of chunks is plain output (see `plain_run`).
-# Looked for with ``find``, not ``in`` (see `unbroken.core.sse.CR`).
-_NOT_PLAIN = (b"tool_calls", b"function_call", b'"error"', b"[DONE]")
+# The byte-level proof that a run of chunks is plain output (see `plain_run`), looked
+# for with ``find``, not ``in`` (see `unbroken.core.sse.CR`).  ``[DONE]`` needs no
+# marker: its frame does not start with ``data: {``.
+_NOT_PLAIN = (b"tool_calls", b"function_call", b'"error"')
 _FINISH = b'"finish_reason"'
 _FINISH_NULL = (b'"finish_reason":null', b'"finish_reason": null')
 
 
+# The typed proof (see `plain_run`): a chunk of this shape, every field known and of
+# the type declared, nothing else, is plain output.  Every value is checked, none is
+# skipped, so it accepts only what `classify`'s parse accepts too (duplicate keys:
+# each copy is checked).  ``usage``, ``logprobs`` and ``finish_reason`` must be null;
+# a delta may carry only text fields.  The fields are OpenAI's and its peers'.
+class _PlainDelta(msgspec.Struct, forbid_unknown_fields=True):
+    role: str | None = None
+    content: str | None = None
+    refusal: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class _PlainChoice(msgspec.Struct, forbid_unknown_fields=True):
+    index: int = 0
+    delta: _PlainDelta | None = None
+    logprobs: None = None
+    finish_reason: None = None
+
+
+class _PlainChunk(msgspec.Struct, forbid_unknown_fields=True):
+    choices: list[_PlainChoice]
+    id: str | None = None
+    object: str | None = None
+    created: int | None = None
+    model: str | None = None
+    system_fingerprint: str | None = None
+    service_tier: str | None = None
+    obfuscation: str | None = None
+    usage: None = None
+    error: None = None
+
+
+_plain_chunk = msgspec.json.Decoder(_PlainChunk).decode
+
+
 class ChatClassifier:
-    __slots__ = ("finished", "open_indices")
+    __slots__ = ("finished", "open_indices", "typed")
 
     def __init__(self) -> None:
         self.open_indices: set[int] = set()
         self.finished = False
+        #: `plain_run` tries the typed proof first, until a frame fails it
+        self.typed = True
 
     def classify(self, event: Event) -> tuple[int, int]:
         data = event.data
@@ -70,17 +112,18 @@ class ChatClassifier:
 
         Used only after commit with no tool call open (see `TurnMachine.feed_chunk`):
         then every frame is released unless it opens a tool call, ends the turn, is
-        an error, or is malformed.  The bytes prove the first three cannot happen
-        (no ``tool_calls``/``function_call``/``"error"``/``[DONE]``, every
-        ``finish_reason`` null); each payload is still parsed, as `classify` does,
-        so a malformed frame takes the slow path and fails exactly as it would.
+        an error, or is malformed.  Each frame is one ``data: {...}`` line, and
+        either proof shows the rest:
+
+        * typed: the payload decodes as `_PlainChunk` (every field known, checked
+          and plain: no tool call, no error, every ``finish_reason`` null).  One
+          C-level pass, no Python objects but the few it declares.  A frame that
+          fails it (the last one, or a provider with other fields) switches it off
+          for this attempt.
+        * bytes: no ``tool_calls``/``function_call``/``"error"`` anywhere, every
+          ``finish_reason`` null, and each payload parses, as in `classify` (so a
+          malformed frame takes the slow path and fails exactly as it would).
         """
-        for marker in _NOT_PLAIN:
-            if chunk.find(marker) >= 0:
-                return 0
-        finish = chunk.count(_FINISH)
-        if finish and finish != chunk.count(_FINISH_NULL[0]) + chunk.count(_FINISH_NULL[1]):
-            return 0
         parts = chunk.split(b"\n\n")
         if parts[-1]:
             return 0
@@ -88,6 +131,20 @@ class ChatClassifier:
         for part in parts:
             if not part.startswith(b"data: {") or LF in part:
                 return 0
+        if self.typed:
+            try:
+                for part in parts:
+                    _plain_chunk(part[6:])
+                return len(parts)
+            except msgspec.DecodeError:  # ValidationError is one too
+                self.typed = False
+        for marker in _NOT_PLAIN:
+            if chunk.find(marker) >= 0:
+                return 0
+        finish = chunk.count(_FINISH)
+        if finish and finish != chunk.count(_FINISH_NULL[0]) + chunk.count(_FINISH_NULL[1]):
+            return 0
+        for part in parts:
             if loads_object(part[6:]) is None:
                 return 0
         return len(parts)
