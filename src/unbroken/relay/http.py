@@ -18,7 +18,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -482,8 +482,8 @@ class Sink(TypingProtocol):
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         """A retryable answer, kept in case it is the last one (passed through then)."""
 
-    async def release(self, events: Sequence[Event]) -> None:
-        """SSE frames the machine released."""
+    def release(self, events: Sequence[Event]) -> Awaitable[None]:
+        """SSE frames the machine released (an ``async def`` will do)."""
 
     async def release_body(self, data: bytes) -> None:
         """Plain body bytes the machine released."""
@@ -850,11 +850,11 @@ class _HttpTurn:
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         self.last_answer = (status, headers, body)
 
-    async def release(self, events: Sequence[Event]) -> None:
+    def release(self, events: Sequence[Event]) -> Awaitable[None]:
+        # The write's own coroutine, awaited by the caller: no frame of its own per chunk.
         if len(events) == 1:
-            await self._write(events[0].raw)
-        else:
-            await self._write(b"".join([e.raw for e in events]))
+            return self._write(events[0].raw)
+        return self._write(b"".join([e.raw for e in events]))
 
     async def release_body(self, data: bytes) -> None:
         await self._write(data)

@@ -42,7 +42,7 @@ _FINISH_NULL = (b'"finish_reason":null', b'"finish_reason": null')
 # skipped, so it accepts only what `classify`'s parse accepts too (duplicate keys:
 # each copy is checked).  ``usage``, ``logprobs`` and ``finish_reason`` must be null;
 # a delta may carry only text fields.  The fields are OpenAI's and its peers'.
-class _PlainDelta(msgspec.Struct, forbid_unknown_fields=True):
+class _PlainDelta(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     role: str | None = None
     content: str | None = None
     refusal: str | None = None
@@ -50,14 +50,14 @@ class _PlainDelta(msgspec.Struct, forbid_unknown_fields=True):
     reasoning: str | None = None
 
 
-class _PlainChoice(msgspec.Struct, forbid_unknown_fields=True):
+class _PlainChoice(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     index: int = 0
     delta: _PlainDelta | None = None
     logprobs: None = None
     finish_reason: None = None
 
 
-class _PlainChunk(msgspec.Struct, forbid_unknown_fields=True):
+class _PlainChunk(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     choices: list[_PlainChoice]
     id: str | None = None
     object: str | None = None
