@@ -28,7 +28,6 @@ DELTA_FIELDS: dict[str, int] = {
 }
 _TEXT_FIELDS = frozenset({"content", "refusal", "reasoning_content", "reasoning"})
 
-# The byte-level proof that a run of chunks is plain output (see `plain_run`).
 # The byte-level proof that a run of chunks is plain output (see `plain_run`), looked
 # for with ``find``, not ``in`` (see `unbroken.core.sse.CR`).  ``[DONE]`` needs no
 # marker: its frame does not start with ``data: {``.
