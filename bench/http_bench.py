@@ -568,10 +568,12 @@ def start_unbroken(
     extra_config: str = "",
     python_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    launcher: Sequence[str] = (),
 ) -> Proc:
     """``unbroken serve`` in front of the mock: ``[retry] verbose = false``, defaults
     otherwise.  ``python_args`` go before ``-m unbroken`` (e.g. ``-m cProfile -o F``);
-    ``env`` adds to the child's environment (e.g. ``PYTHONPATH`` of another tree)."""
+    ``env`` adds to the child's environment (e.g. ``PYTHONPATH`` of another tree);
+    ``launcher`` goes before the interpreter (e.g. ``valgrind --tool=callgrind``)."""
     cfg = fleet.workdir / f"unbroken-{tag}.toml"
     cfg.write_text(
         "[server]\ngrace_s = 1.0\n\n[retry]\nverbose = false\n\n"
@@ -584,7 +586,8 @@ def start_unbroken(
     state.mkdir(exist_ok=True)
     return fleet.start(
         f"unbroken-{tag}",
-        [PY, *python_args, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"],
+        [*launcher, PY, *python_args, "-m", "unbroken", "serve", "--config", str(cfg),
+         "--port", "0"],
         cpu=fleet.sut_cpu,
         ready=r"relaying on (http://\S+)",
         env={"XDG_STATE_HOME": str(state), "HOME": str(state), **(env or {})},

@@ -102,22 +102,9 @@ def _start(fleet: hb.Fleet, mock_url: str, name: str, src: Path | None, extra: s
         proc = fleet.start(name, argv, cpu=fleet.sut_cpu, ready=r"listening on (http://\S+)",
                            env=env)
         return Counted(proc, out)
-    # `hb.start_unbroken`, with valgrind in front of the interpreter.
     path = os.pathsep.join(filter(None, (str(src / "src"), os.environ.get("PYTHONPATH"))))
-    cfg = fleet.workdir / f"unbroken-{name}.toml"
-    cfg.write_text(
-        "[server]\ngrace_s = 1.0\n\n[retry]\nverbose = false\n\n"
-        f'[routes.mock]\nupstreams = [{{ url = "{mock_url}" }}]\n'
-        + (f"\n{extra}\n" if extra else "")
-    )
-    state = fleet.workdir / f"state-{name}"
-    state.mkdir(exist_ok=True)
-    proc = fleet.start(
-        name,
-        [*_valgrind(out), hb.PY, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"],
-        cpu=fleet.sut_cpu, ready=r"relaying on (http://\S+)",
-        env={**env, "PYTHONPATH": path, "XDG_STATE_HOME": str(state), "HOME": str(state)},
-    )
+    proc = hb.start_unbroken(fleet, mock_url, name, extra_config=extra,
+                             env={**env, "PYTHONPATH": path}, launcher=_valgrind(out))
     return Counted(proc, out)
 
 
