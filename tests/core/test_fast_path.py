@@ -209,3 +209,42 @@ def test_the_typed_proof_decides_as_the_slow_path(name: str) -> None:
             slow, _ = run("chat", chunks, verbatim=False)
             fast, _ = run("chat", chunks, verbatim=True)
             assert fast == slow, (name, at)
+
+
+PLAIN_PAYLOADS = {
+    "role and empty content": (
+        b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+    ),
+    "content": _OPENAI_CHUNK[6:-2],
+    "refusal": b'{"choices":[{"delta":{"refusal":"no"},"finish_reason":null}]}',
+    "reasoning_content": b'{"choices":[{"delta":{"reasoning_content":"hm"}}]}',
+    "reasoning": b'{"choices":[{"delta":{"reasoning":"hm"}}]}',
+    "content null": b'{"choices":[{"delta":{"content":null}}]}',
+    "two choices": (
+        b'{"choices":[{"index":0,"delta":{"reasoning":"a"}},{"index":1,"delta":{"content":"b"}}]}'
+    ),
+    "empty choices": b'{"choices":[],"usage":null}',
+    "delta null": b'{"choices":[{"index":0,"delta":null}]}',
+    "error null": b'{"error":null,"choices":[{"delta":{"content":"x"}}]}',
+    "dup content, the last empty": b'{"choices":[{"delta":{"content":"a","content":""}}]}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_PAYLOADS) + sorted(PLAIN_PAYLOADS))
+def test_the_typed_classification_matches_the_dict_walk(name: str) -> None:
+    from unbroken.core.protocols.chat import ChatClassifier
+    from unbroken.core.sse import Event
+
+    payload = EDGE_PAYLOADS.get(name) or PLAIN_PAYLOADS[name]
+    event = Event(b"data: " + payload + b"\n\n", None, payload.decode("utf-8", "replace"))
+    typed, walk = ChatClassifier(), ChatClassifier()
+    walk.typed = False
+    for tools_open in (False, True):
+        if tools_open:  # a tool call already open: the count comes back unchanged
+            typed.open_indices.add(0)
+            walk.open_indices.add(0)
+            typed.typed = True
+        assert typed.classify(event) == walk.classify(event), name
+        assert typed.open_indices == walk.open_indices and typed.finished == walk.finished
+    if name in PLAIN_PAYLOADS:
+        assert typed.typed, f"{name}: the typed decode should have taken it"

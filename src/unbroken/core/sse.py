@@ -101,6 +101,7 @@ class SSESplitter:
         "_failed",
         "_line0",
         "_scan",
+        "idle",
         "max_event_bytes",
     )
 
@@ -111,16 +112,14 @@ class SSESplitter:
         self._cr = False  # the pending bytes may hold a CR
         self._bom_checked = False
         self._failed = False
+        #: at an event boundary, past the stream start: the next byte starts an event
+        #: (kept as a field, not computed: the per-chunk fast path reads it every chunk)
+        self.idle = False
         self.max_event_bytes = max_event_bytes
 
     @property
     def pending(self) -> bytes:
         return bytes(self._buf)
-
-    @property
-    def idle(self) -> bool:
-        """At an event boundary, past the stream start: the next byte starts an event."""
-        return not self._buf and self._bom_checked and not self._cr
 
     def feed(self, chunk: bytes) -> list[Event]:
         if self._failed:
@@ -210,10 +209,12 @@ class SSESplitter:
             self._cr = has_cr
         if len(buf) > limit:
             self._fail(len(buf), events)
+        self.idle = not buf and self._bom_checked and not self._cr
         return events
 
     def _fail(self, size: int, events: list[Event]) -> None:
         self._failed = True
+        self.idle = False
         self._buf = bytearray()
         raise EventTooLarge(size, self.max_event_bytes, events)
 

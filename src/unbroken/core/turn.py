@@ -539,7 +539,6 @@ class TurnMachine:
         assert splitter is not None
         if (
             self.verbatim
-            and chunk.endswith(b"\n\n")
             and splitter.idle
             and CR not in chunk
             and self.attempt_ledger.release_run(chunk)  # type: ignore[union-attr]

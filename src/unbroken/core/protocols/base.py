@@ -78,7 +78,9 @@ class Classifier(Protocol):
 
     def plain_run(self, chunk: bytes) -> int:
         """Frames in ``chunk`` if all are provably released as they are (after commit,
-        no tool open), else 0: the per-chunk fast path's proof.  0 is always safe."""
+        no tool open), else 0: the per-chunk fast path's proof.  0 is always safe; a
+        chunk that does not end where a frame ends gets 0 (the caller leaves that
+        check to this proof)."""
         ...
 
 

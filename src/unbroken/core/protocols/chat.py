@@ -78,7 +78,8 @@ class ChatClassifier:
     def __init__(self) -> None:
         self.open_indices: set[int] = set()
         self.finished = False
-        #: `plain_run` tries the typed proof first, until a frame fails it
+        #: `classify` and `plain_run` try the typed decode (`_PlainChunk`) first, until
+        #: a frame does not fit it (a finish, a tool call, a provider's other fields)
         self.typed = True
 
     def classify(self, event: Event) -> tuple[int, int]:
@@ -88,6 +89,23 @@ class ChatClassifier:
         if data == "[DONE]":
             self.open_indices.clear()
             return Kind.TERMINAL_OK, 0
+        if self.typed:
+            # A plain chunk's kinds, read off the typed decode: what the dict walk below
+            # gives for it (no tool call, no finish, no error; text fields are strings).
+            try:
+                plain = _plain_chunk(data)
+            except msgspec.DecodeError:
+                self.typed = False
+            else:
+                kinds = 0
+                for choice in plain.choices:
+                    delta = choice.delta
+                    if delta is not None:
+                        if delta.content or delta.refusal:
+                            kinds |= Kind.OUTPUT
+                        if delta.reasoning_content or delta.reasoning:
+                            kinds |= Kind.REASONING
+                return kinds or Kind.CONTROL, len(self.open_indices)
         obj = loads_object(data)
         if obj is None:
             return Kind.MALFORMED, len(self.open_indices)
