@@ -534,18 +534,36 @@ class TurnMachine:
     # -- body ------------------------------------------------------------------------
     def feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]:
         """SSE body bytes.  Returns the frames to write now; then check `attempt_over`."""
-        self.last_rx = now
+        if self.feed_plain(now, chunk):
+            return (Event(chunk, None, None),)
+        return self.feed_frames(now, chunk)
+
+    def feed_plain(self, now: float, chunk: bytes) -> bool:
+        """The per-chunk fast path of `feed_chunk`: True when ``chunk`` is released as it
+        is, in one piece (write it; the attempt goes on: no need to ask `attempt_over`).
+        False: nothing happened; feed it with `feed_frames`.
+
+        Only after commit, with the bytes going out as bytes (`verbatim`), at a frame
+        boundary, and when the classifier proves every frame in it plain.
+        """
         splitter = self._splitter
-        assert splitter is not None
         if (
             self.verbatim
+            and splitter is not None
             and splitter.idle
             and CR not in chunk
             and self.attempt_ledger.release_run(chunk)  # type: ignore[union-attr]
         ):
-            # The per-chunk fast path: after commit, a chunk of complete frames that
-            # the classifier proves plain is released as it is, in one piece.
-            return (Event(chunk, None, None),)
+            self.last_rx = now
+            return True
+        return False
+
+    def feed_frames(self, now: float, chunk: bytes) -> Sequence[Event]:
+        """`feed_chunk` without its fast path: the chunk goes through the splitter and
+        the ledger frame by frame.  Returns the frames to write now; then `attempt_over`."""
+        self.last_rx = now
+        splitter = self._splitter
+        assert splitter is not None
         too_large: EventTooLarge | None = None
         try:
             events = splitter.feed(chunk)

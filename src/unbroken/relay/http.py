@@ -485,8 +485,8 @@ class Sink(TypingProtocol):
     def release(self, events: Sequence[Event]) -> Awaitable[None]:
         """SSE frames the machine released (an ``async def`` will do)."""
 
-    async def release_body(self, data: bytes) -> None:
-        """Plain body bytes the machine released."""
+    def release_body(self, data: bytes) -> Awaitable[None]:
+        """Plain body bytes the machine released, or an SSE chunk released whole."""
 
 
 class HttpAttempt:
@@ -583,13 +583,19 @@ class HttpAttempt:
         """Read an SSE body through the machine; release what it releases."""
         machine = self.machine
         self.sink.answer(resp.status, response_headers(resp.headers, keep_length=False))
-        feed = machine.feed_chunk
+        plain = machine.feed_plain
+        feed = machine.feed_frames
         loop_time = self.loop.time
         release = self.sink.release
+        write = self.sink.release_body
         rearm_on_first_frame = True
         try:
             async for chunk in resp.content.iter_any():
-                out = feed(loop_time(), chunk)
+                now = loop_time()
+                if plain(now, chunk):
+                    await write(chunk)  # the per-chunk fast path: plain output, whole
+                    continue
+                out = feed(now, chunk)
                 if rearm_on_first_frame and machine.first_frame:
                     rearm_on_first_frame = False
                     self.watchdog.arm()  # the stall deadline moved to idle_timeout_s
@@ -856,8 +862,8 @@ class _HttpTurn:
             return self._write(events[0].raw)
         return self._write(b"".join([e.raw for e in events]))
 
-    async def release_body(self, data: bytes) -> None:
-        await self._write(data)
+    def release_body(self, data: bytes) -> Awaitable[None]:
+        return self._write(data)
 
     async def _end(self, action: End) -> web.StreamResponse:
         if action.kind is EndKind.ABORT:
