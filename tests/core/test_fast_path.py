@@ -149,6 +149,7 @@ def test_the_typed_proof_takes_openai_chunks_and_steps_aside_for_other_shapes() 
     from unbroken.core.protocols.chat import ChatClassifier
 
     c = ChatClassifier()
+    assert c.plain_run(_OPENAI_CHUNK) == 1 and c.typed  # one frame: no split
     assert c.plain_run(_OPENAI_CHUNK * 3) == 3 and c.typed
     other = _OPENAI_CHUNK.replace(b'"usage":null', b'"provider":"x"')
     assert c.plain_run(other) == 1  # proved by the bytes instead

@@ -23,7 +23,9 @@ Events in (method calls, each given ``now``, a monotonic time in seconds)::
     error_body(body)             a retryable answer's (bounded) body was read
     final_body(status, body)     a final non-SSE answer after early headers was read
     feed_chunk(chunk)            body bytes of a streamed answer (SSE); after commit a
-                                 chunk the classifier proves plain passes whole
+                                 chunk the classifier proves plain passes whole: it
+                                 is `feed_plain` (that fast path alone: True when
+                                 the chunk passes whole), else `feed_frames`
     feed_frame(event)            one frame (a WebSocket message)
     feed_body(chunk)             body bytes of a plain answer
     body_ended()                 the upstream body ended cleanly

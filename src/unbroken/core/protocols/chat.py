@@ -141,6 +141,18 @@ class ChatClassifier:
           ``finish_reason`` null, and each payload parses, as in `classify` (so a
           malformed frame takes the slow path and fails exactly as it would).
         """
+        if (
+            self.typed
+            and chunk.find(LF) == len(chunk) - 2
+            and chunk[-1] == LF
+            and chunk[:7] == b"data: {"
+        ):
+            # One frame, as a paced stream sends them: no split.
+            try:
+                _plain_chunk(chunk[6:-2])
+                return 1
+            except msgspec.DecodeError:
+                self.typed = False
         parts = chunk.split(b"\n\n")
         if parts[-1]:
             return 0
