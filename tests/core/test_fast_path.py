@@ -159,7 +159,7 @@ def test_the_typed_proof_takes_openai_chunks_and_steps_aside_for_other_shapes() 
 
 _TEXT = {"index": 0, "delta": {"content": "t"}, "finish_reason": None}
 # Payloads the typed proof must decide exactly as `classify`'s parse does: duplicate keys
-# (each copy is checked), numbers orjson refuses, strings either parser refuses, types
+# (each copy is checked), numbers out of range, strings either parser refuses, types
 # out of the declared ones, fields it does not know.
 EDGE_PAYLOADS = {
     "dup choices, the last a tool call": (

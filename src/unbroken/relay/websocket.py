@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import orjson
+import msgspec
 from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 
@@ -314,8 +314,8 @@ class _Connection:
     async def _from_client(self, text: str) -> bool:
         """One client message.  False when the connection must close."""
         try:
-            obj = orjson.loads(text)
-        except ValueError:
+            obj = msgspec.json.decode(text)
+        except (ValueError, RecursionError):  # msgspec.DecodeError is a ValueError
             obj = None
         if isinstance(obj, dict) and obj.get("type") == "response.create":
             # ``[websocket] max_queued_messages`` may wait behind the running turn; past

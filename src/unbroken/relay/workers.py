@@ -25,8 +25,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -75,6 +73,10 @@ def serve_workers(
     port = holder.getsockname()[1]
     cfg = dataclasses.replace(config, host=host, port=port)
     runtime = tempfile.mkdtemp(prefix="unbroken-workers-")
+    # Imported here: a relay without --workers never needs it (about 0.4 MiB resident).
+    import multiprocessing
+    import multiprocessing.connection
+
     ctx = multiprocessing.get_context("fork")
     started: Any = ctx.SimpleQueue()
     procs: dict[int, Any] = {}

@@ -94,7 +94,7 @@ class ChatClassifier:
             # gives for it (no tool call, no finish, no error; text fields are strings).
             try:
                 plain = _plain_chunk(data)
-            except msgspec.DecodeError:
+            except ValueError:  # msgspec's DecodeError and ValidationError are ValueErrors
                 self.typed = False
             else:
                 kinds = 0
@@ -151,7 +151,7 @@ class ChatClassifier:
             try:
                 _plain_chunk(chunk[6:-2])
                 return 1
-            except msgspec.DecodeError:
+            except ValueError:  # msgspec's DecodeError and ValidationError are ValueErrors
                 self.typed = False
         parts = chunk.split(b"\n\n")
         if parts[-1]:
@@ -165,7 +165,7 @@ class ChatClassifier:
                 for part in parts:
                     _plain_chunk(part[6:])
                 return len(parts)
-            except msgspec.DecodeError:  # ValidationError is one too
+            except ValueError:  # msgspec's DecodeError and ValidationError are ValueErrors
                 self.typed = False
         for marker in _NOT_PLAIN:
             if chunk.find(marker) >= 0:
