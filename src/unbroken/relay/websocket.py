@@ -315,7 +315,7 @@ class _Connection:
         """One client message.  False when the connection must close."""
         try:
             obj = msgspec.json.decode(text)
-        except (ValueError, RecursionError):  # msgspec.DecodeError is a ValueError
+        except (msgspec.DecodeError, ValueError, RecursionError):
             obj = None
         if isinstance(obj, dict) and obj.get("type") == "response.create":
             # ``[websocket] max_queued_messages`` may wait behind the running turn; past

@@ -95,7 +95,7 @@ def loads_object(data: str | bytes | None) -> dict[str, Any] | None:
         return None
     try:
         obj = _loads(data)
-    except (ValueError, RecursionError):  # malformed (msgspec.DecodeError), nested too deep
+    except (msgspec.DecodeError, ValueError, RecursionError):  # malformed, or too deep
         return None
     return obj if isinstance(obj, dict) else None
 

@@ -70,6 +70,9 @@ class _PlainChunk(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 
 _plain_chunk = msgspec.json.Decoder(_PlainChunk).decode
+# What a chunk that does not fit raises: ValidationError is a DecodeError; DecodeError is a
+# ValueError only since msgspec 0.19 (ValueError also covers a str it cannot encode).
+_NOT_PLAIN_CHUNK = (msgspec.DecodeError, ValueError)
 
 
 class ChatClassifier:
@@ -94,7 +97,7 @@ class ChatClassifier:
             # gives for it (no tool call, no finish, no error; text fields are strings).
             try:
                 plain = _plain_chunk(data)
-            except ValueError:  # msgspec's DecodeError and ValidationError are ValueErrors
+            except _NOT_PLAIN_CHUNK:
                 self.typed = False
             else:
                 kinds = 0
@@ -151,7 +154,7 @@ class ChatClassifier:
             try:
                 _plain_chunk(chunk[6:-2])
                 return 1
-            except ValueError:  # msgspec's DecodeError and ValidationError are ValueErrors
+            except _NOT_PLAIN_CHUNK:
                 self.typed = False
         parts = chunk.split(b"\n\n")
         if parts[-1]:
@@ -165,7 +168,7 @@ class ChatClassifier:
                 for part in parts:
                     _plain_chunk(part[6:])
                 return len(parts)
-            except ValueError:  # msgspec's DecodeError and ValidationError are ValueErrors
+            except _NOT_PLAIN_CHUNK:
                 self.typed = False
         for marker in _NOT_PLAIN:
             if chunk.find(marker) >= 0:
