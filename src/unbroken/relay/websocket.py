@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import msgspec
 from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 
@@ -313,11 +312,8 @@ class _Connection:
 
     async def _from_client(self, text: str) -> bool:
         """One client message.  False when the connection must close."""
-        try:
-            obj = msgspec.json.decode(text)
-        except (msgspec.DecodeError, ValueError, RecursionError):
-            obj = None
-        if isinstance(obj, dict) and obj.get("type") == "response.create":
+        obj = loads_object(text)
+        if obj is not None and obj.get("type") == "response.create":
             # ``[websocket] max_queued_messages`` may wait behind the running turn; past
             # that the client is misbehaving: close with 1008 (policy violation).
             if len(self.pending) >= self.cfg.websocket_max_queued_messages:
