@@ -1,15 +1,20 @@
-"""The per-chunk fast path releases exactly what the frame-by-frame path releases.
+"""The fast path releases exactly what the frame-by-frame path releases.
 
-After commit, `TurnMachine.feed_chunk` may release a whole chunk verbatim when the
-protocol's classifier proves every frame in it plain (`plain_run`).  For random
-streams and random chunkings, the bytes released and the decisions must be
-identical with the fast path on and off.
+After commit, `TurnMachine.feed_verbatim` releases a run of frames as it is, in one
+piece, when the protocol's classifier proves each of them plain (`plain_prefix`,
+through `Ledger.release_run`); the rest goes frame by frame.  For random streams and
+random chunkings (whole frames, arbitrary cuts, the whole turn in one chunk), the
+bytes released and the decisions must be identical with the fast path on
+(`feed_verbatim`) and off (`feed_chunk`).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -25,7 +30,7 @@ from test_ledger import (
 )
 
 from turnfix import Report, Timers
-from unbroken.core.ledger import Hold
+from unbroken.core.ledger import Hold, Ledger
 from unbroken.core.policy import RetryPolicy, RetryState
 from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES
 from unbroken.core.turn import TurnMachine
@@ -34,7 +39,7 @@ PROTOCOLS = {"chat": CHAT, "responses": RESPONSES, "anthropic": ANTHROPIC}
 FRAMES = {"chat": chat_frames, "responses": responses_frames, "anthropic": anthropic_frames}
 
 
-def machine(proto: str, verbatim: bool) -> TurnMachine:
+def machine(proto: str) -> TurnMachine:
     m = TurnMachine(
         protocol=PROTOCOLS[proto],
         hold=Hold(),
@@ -44,28 +49,46 @@ def machine(proto: str, verbatim: bool) -> TurnMachine:
         now=0.0,
         report=Report(),
     )
-    m.verbatim = verbatim
     m.start(0.0)
     m.answered(0.0, 200, sse=True)
     return m
 
 
+@contextmanager
+def runs_counted() -> Iterator[list[bytes]]:
+    """The runs `Ledger.release_run` released, in order."""
+    runs: list[bytes] = []
+    release_run = Ledger.release_run
+
+    def counted(self: Ledger, chunk: bytes, start: int = 0) -> int:
+        end = release_run(self, chunk, start)
+        if end > start:
+            runs.append(chunk[start:end])
+        return end
+
+    with mock.patch.object(Ledger, "release_run", counted):
+        yield runs
+
+
 def run(proto: str, chunks: list[bytes], verbatim: bool) -> tuple[list[Any], int]:
-    """What a client would see chunk by chunk, and how many chunks took the fast path."""
-    m = machine(proto, verbatim)
+    """What a client would see chunk by chunk, and how many frames went out in runs."""
+    m = machine(proto)
     seen: list[Any] = []
-    fast = 0
-    for i, c in enumerate(chunks):
-        out = m.feed_chunk(float(i), c)
-        if len(out) == 1 and out[0].raw == c and out[0].data is None and out[0].name is None:
-            fast += 1
-        over = m.attempt_over
-        seen.append((b"".join(e.raw for e in out), over))
-        if over is not None:
-            return seen, fast
-    seen.append(("end", m.body_ended(float(len(chunks)))))
-    seen.append(("outcome", m.outcome))
-    return seen, fast
+    with runs_counted() as runs:
+        for i, c in enumerate(chunks):
+            if verbatim:
+                out = m.feed_verbatim(float(i), c)
+            else:
+                out = b"".join(e.raw for e in m.feed_chunk(float(i), c))
+            over = m.attempt_over
+            seen.append((out, over))
+            if over is not None:
+                break
+        else:
+            seen.append(("end", m.body_ended(float(len(chunks)))))
+            seen.append(("outcome", m.outcome))
+    assert verbatim or not runs
+    return seen, sum(r.count(b"\n\n") for r in runs)
 
 
 @st.composite
@@ -91,9 +114,12 @@ def streams(draw: st.DrawFn) -> tuple[str, list[bytes]]:
         frames = [*frames[:at], frame, *frames[at:]]
     if draw(st.booleans()):
         frames = frames[: draw(st.integers(1, len(frames)))]  # cut short: truncated
-    # chunks: groups of whole frames (the fast path's case) or arbitrary byte cuts
+    # chunks: groups of whole frames, arbitrary byte cuts, or the whole turn at once
     body = b"".join(frames)
-    if draw(st.booleans()):
+    cut = draw(st.sampled_from(["frames", "bytes", "one"]))
+    if cut == "one":
+        return proto, [body]
+    if cut == "frames":
         chunks: list[bytes] = []
         i = 0
         while i < len(frames):
@@ -125,36 +151,97 @@ def test_the_fast_path_is_taken_for_plain_output_after_commit() -> None:
         slow, _ = run(proto, chunks, verbatim=False)
         fast, taken = run(proto, chunks, verbatim=True)
         assert fast == slow
-        assert taken >= 2, proto  # the middle chunks are plain text deltas
+        assert taken >= 6, proto  # the middle chunks are plain text deltas
+
+
+def test_a_turn_in_one_chunk_takes_the_run_from_its_first_output_on() -> None:
+    # A fast model, or a busy relay: the whole turn arrives in one read.  Before commit
+    # its frames go one at a time; after the first text delta the deltas are one run.
+    for proto in PROTOCOLS:
+        frames = FRAMES[proto]("t", Shape(text=12))
+        slow, _ = run(proto, [b"".join(frames)], verbatim=False)
+        fast, taken = run(proto, [b"".join(frames)], verbatim=True)
+        assert fast == slow
+        assert fast[0][0] == b"".join(frames)
+        assert taken >= 10, (proto, taken)
+
+
+def test_a_chunk_that_finishes_a_frame_then_takes_the_run() -> None:
+    # Reads cut frames anywhere: the frame an earlier chunk began is finished through
+    # the splitter, and the whole frames after it are one run.
+    for proto in PROTOCOLS:
+        frames = FRAMES[proto]("t", Shape(text=12))
+        body = b"".join(frames)
+        half = len(b"".join(frames[:6])) + len(frames[6]) // 2
+        chunks = [body[:half], body[half:]]
+        slow, _ = run(proto, chunks, verbatim=False)
+        fast, taken = run(proto, chunks, verbatim=True)
+        assert fast == slow
+        assert taken >= 4, (proto, taken)
 
 
 def test_no_fast_path_while_a_tool_call_is_open_or_before_commit() -> None:
     for proto in PROTOCOLS:
         frames = FRAMES[proto]("t", Shape(text=0, tools=(6,)))
-        chunks = [b"".join(frames[i : i + 2]) for i in range(0, len(frames), 2)]
-        _, taken = run(proto, chunks, verbatim=True)
-        assert taken == 0, proto
+        for chunks in ([b"".join(frames[i : i + 2]) for i in range(0, len(frames), 2)],
+                       [b"".join(frames)]):
+            slow, _ = run(proto, chunks, verbatim=False)
+            fast, taken = run(proto, chunks, verbatim=True)
+            assert fast == slow
+            assert taken == 0, proto
 
 
-# -- the typed proof of a plain Chat Completions chunk (`ChatClassifier.plain_run`) ------
+def test_text_while_a_tool_call_is_open_is_held_not_run() -> None:
+    # Some providers stream text beside an open tool call; the ledger holds it with the
+    # call (the dispatch gate), so no run may release it, whatever the chunking.
+    frames = chat_frames("t", Shape(text=2, tools=(6,)))
+    text = frames[1:3]  # after the role chunk
+    assert all(b"text t" in f for f in text)
+    at = frames.index(next(f for f in frames if b'"tool_calls"' in f)) + 3
+    frames = [*frames[:at], *text, *frames[at:]]
+    for chunks in (frames, [b"".join(frames[:at]), b"".join(frames[at:])], [b"".join(frames)]):
+        slow, _ = run("chat", chunks, verbatim=False)
+        fast, _ = run("chat", chunks, verbatim=True)
+        assert fast == slow
+    slow, _ = run("chat", frames, verbatim=False)
+    assert slow[at][0] == b""  # the first text frame inside the call: held
+
+
+# -- the typed proof of a plain Chat Completions chunk (`ChatClassifier.plain_prefix`) ---
 _OPENAI_CHUNK = (
     b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,'
     b'"model":"gpt-4o","service_tier":"default","system_fingerprint":"fp_1","choices":[{'
     b'"index":0,"delta":{"content":"hello"},"logprobs":null,"finish_reason":null}],'
     b'"usage":null,"obfuscation":"Xk2"}\n\n'
 )
+_FINISH_CHUNK = _OPENAI_CHUNK.replace(b'"finish_reason":null', b'"finish_reason":"stop"')
 
 
 def test_the_typed_proof_takes_openai_chunks_and_steps_aside_for_other_shapes() -> None:
     from unbroken.core.protocols.chat import ChatClassifier
 
+    n = len(_OPENAI_CHUNK)
     c = ChatClassifier()
-    assert c.plain_run(_OPENAI_CHUNK) == 1 and c.typed  # one frame: no split
-    assert c.plain_run(_OPENAI_CHUNK * 3) == 3 and c.typed
+    assert c.plain_prefix(_OPENAI_CHUNK) == (1, n) and c.typed  # one frame
+    assert c.plain_prefix(_OPENAI_CHUNK * 3) == (3, 3 * n) and c.typed
+    assert c.plain_prefix(b"xx" + _OPENAI_CHUNK * 2, 2) == (2, 2 + 2 * n)  # from an offset
+    assert c.plain_prefix(_OPENAI_CHUNK + _OPENAI_CHUNK[:20]) == (1, n)  # not the cut one
+    assert c.plain_prefix(b": ping\n\n" + _OPENAI_CHUNK) == (0, 0) and c.typed
     other = _OPENAI_CHUNK.replace(b'"usage":null', b'"provider":"x"')
-    assert c.plain_run(other) == 1  # proved by the bytes instead
+    assert c.plain_prefix(other) == (1, len(other))  # proved by the bytes instead
     assert not c.typed  # and the typed proof is not tried again in this attempt
-    assert c.plain_run(_OPENAI_CHUNK) == 1
+    assert c.plain_prefix(_OPENAI_CHUNK) == (1, n)
+    assert c.plain_prefix(_OPENAI_CHUNK + _FINISH_CHUNK) == (0, 0)  # bytes: all or nothing
+
+
+def test_the_typed_run_ends_before_the_first_frame_that_does_not_fit() -> None:
+    from unbroken.core.protocols.chat import ChatClassifier
+
+    n = len(_OPENAI_CHUNK)
+    c = ChatClassifier()
+    chunk = _OPENAI_CHUNK * 2 + _FINISH_CHUNK + b"data: [DONE]\n\n"
+    assert c.plain_prefix(chunk) == (2, 2 * n)
+    assert not c.typed  # the finish did not fit: the typed proof is off for the attempt
 
 
 _TEXT = {"index": 0, "delta": {"content": "t"}, "finish_reason": None}

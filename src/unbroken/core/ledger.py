@@ -303,14 +303,15 @@ class Ledger:
             return self._hold(event)
         return self._release_held(event)
 
-    def release_run(self, chunk: bytes) -> bool:
-        """Release a whole chunk of complete frames verbatim, if provably plain output.
+    def release_run(self, chunk: bytes, start: int = 0) -> int:
+        """Release a run of complete frames from ``chunk[start:]`` verbatim, if provably
+        plain output; return where the run ends (``start``: nothing was released).
 
-        Only while COMMITTED with nothing held and no tool call open, and only when
-        the classifier's `plain_run` proves every frame in ``chunk`` would be
-        released as it is by `feed` (no tool call, no terminal, no error, no
-        malformed frame).  Then the decision is the same as frame by frame, and the
-        counters are updated as `feed` would.  False: feed the frames one by one.
+        Only while COMMITTED with nothing held and no tool call open, and only the
+        frames the classifier's `plain_prefix` proves would each be released as they
+        are by `feed` (no tool call, no terminal, no error, no malformed frame).
+        Then the decision is the same as frame by frame, and the counters are
+        updated as `feed` would.  The caller feeds what follows the run one by one.
         """
         if (
             self.state is not State.COMMITTED
@@ -318,11 +319,11 @@ class Ledger:
             or self._held
             or self.hold.all
         ):
-            return False
-        frames = self._classifier.plain_run(chunk)
+            return start
+        frames, end = self._classifier.plain_prefix(chunk, start)
         if not frames:
-            return False
-        size = len(chunk)
+            return start
+        size = end - start
         stats = self.stats
         stats.received_frames += frames
         stats.received_bytes += size
@@ -330,13 +331,16 @@ class Ledger:
         stats.released_frames += frames
         stats.released_bytes += size
         self.released_frames += frames
-        last = chunk[chunk.rfind(b"\n\n", 0, size - 2) + 2 :] if frames > 1 else chunk
+        if frames > 1:
+            last = chunk[chunk.rfind(b"\n\n", start, end - 2) + 2 : end]
+        else:
+            last = chunk if size == len(chunk) else chunk[start:end]
         self._last_raw = last
         recent = stats.recent
         recent.append(last)
         if len(recent) > 4:
             del recent[0]
-        return True
+        return end
 
     def _hold(self, event: Event) -> Sequence[Event]:
         if not self._held and self._clock is not None:

@@ -22,10 +22,10 @@ Events in (method calls, each given ``now``, a monotonic time in seconds)::
     answered(status, sse, ...)   the upstream's status line and headers arrived
     error_body(body)             a retryable answer's (bounded) body was read
     final_body(status, body)     a final non-SSE answer after early headers was read
-    feed_chunk(chunk)            body bytes of a streamed answer (SSE); after commit a
-                                 chunk the classifier proves plain passes whole: it
-                                 is `feed_plain` (that fast path alone: True when
-                                 the chunk passes whole), else `feed_frames`
+    feed_chunk(chunk)            body bytes of a streamed answer (SSE), frame by frame
+    feed_verbatim(chunk)         the same, for a transport that writes bytes: the same
+                                 decisions, but after commit a run of frames the
+                                 classifier proves plain passes as it is, in one piece
     feed_frame(event)            one frame (a WebSocket message)
     feed_body(chunk)             body bytes of a plain answer
     body_ended()                 the upstream body ended cleanly
@@ -223,6 +223,18 @@ class GiveUpKind(enum.Enum):
     BAD_GATEWAY = "bad_gateway"  # answer 502 with ``data`` as the JSON body
 
 
+#: `TurnMachine.feed_verbatim`: frames fed to the splitter one at a time before commit,
+#: at most this many a chunk (a turn commits on its first output, within a frame or
+#: two; the rest of a chunk that holds more goes to the splitter at once)
+PEEL_FRAMES = 8
+
+
+def _joined(events: Sequence[Event]) -> bytes:
+    if len(events) == 1:
+        return events[0].raw
+    return b"".join([e.raw for e in events])
+
+
 @dataclass(frozen=True, slots=True)
 class Open:
     upstream: int
@@ -355,7 +367,6 @@ class TurnMachine:
         "stream",
         "t0",
         "timers",
-        "verbatim",
         "writing",
     )
 
@@ -400,9 +411,6 @@ class TurnMachine:
         self.stats: AttemptStats | None = None
         self.headers_out = False
         self.writing = False
-        #: the transport writes released frames as bytes, so a chunk proved plain may go
-        #: out in one piece (`feed_chunk`'s fast path); a WebSocket needs every frame
-        self.verbatim = False
         self.stalled = False
         self.first_frame = False  # the current attempt's first (non-comment) frame arrived
         self.last_rx = now
@@ -535,34 +543,8 @@ class TurnMachine:
 
     # -- body ------------------------------------------------------------------------
     def feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]:
-        """SSE body bytes.  Returns the frames to write now; then check `attempt_over`."""
-        if self.feed_plain(now, chunk):
-            return (Event(chunk, None, None),)
-        return self.feed_frames(now, chunk)
-
-    def feed_plain(self, now: float, chunk: bytes) -> bool:
-        """The per-chunk fast path of `feed_chunk`: True when ``chunk`` is released as it
-        is, in one piece (write it; the attempt goes on: no need to ask `attempt_over`).
-        False: nothing happened; feed it with `feed_frames`.
-
-        Only after commit, with the bytes going out as bytes (`verbatim`), at a frame
-        boundary, and when the classifier proves every frame in it plain.
-        """
-        splitter = self._splitter
-        if (
-            self.verbatim
-            and splitter is not None
-            and splitter.idle
-            and CR not in chunk
-            and self.attempt_ledger.release_run(chunk)  # type: ignore[union-attr]
-        ):
-            self.last_rx = now
-            return True
-        return False
-
-    def feed_frames(self, now: float, chunk: bytes) -> Sequence[Event]:
-        """`feed_chunk` without its fast path: the chunk goes through the splitter and
-        the ledger frame by frame.  Returns the frames to write now; then `attempt_over`."""
+        """SSE body bytes, through the splitter and the ledger frame by frame.  Returns
+        the frames to write now (boundaries kept); then check `attempt_over`."""
         self.last_rx = now
         splitter = self._splitter
         assert splitter is not None
@@ -582,6 +564,58 @@ class TurnMachine:
         if not events:
             return NOTHING
         return self._feed_events(events)
+
+    def feed_verbatim(self, now: float, chunk: bytes) -> bytes:
+        """`feed_chunk` for a sink that writes bytes (`verbatim`): returns the bytes to
+        write now; then check `attempt_over`.
+
+        The decisions are `feed_chunk`'s, frame by frame; only the work differs.  Once
+        the ledger has committed, with nothing held and no tool call open, a run of
+        frames the classifier proves plain is released as it is, in one piece, with
+        no `Event` each (`Ledger.release_run`): a paced stream's chunk of one text
+        delta passes whole.  Before commit, and to finish a frame an earlier chunk
+        began, frames go to the splitter one at a time (at most `PEEL_FRAMES` a
+        chunk), so a turn that arrives in one chunk (a fast model, a burst after a
+        pause, a busy relay) takes the run from its first output on.  What no run
+        covers goes to `feed_chunk`.  The splitter gets every byte, in order, in
+        pieces; it splits any cut of a stream the same way, so it finds exactly the
+        frames it would find in the whole chunk.  A run starts only where the
+        splitter is `idle`, and a chunk holding a CR takes no run at all (a CR can
+        end a line).
+        """
+        splitter = self._splitter
+        ledger = self.attempt_ledger
+        assert splitter is not None and ledger is not None
+        if CR in chunk:
+            return _joined(self.feed_chunk(now, chunk))
+        self.last_rx = now
+        size = len(chunk)
+        pos = ledger.release_run(chunk) if splitter.idle else 0
+        if pos == size:
+            return chunk  # the whole chunk: plain output after commit
+        out: list[bytes] = [chunk[:pos]] if pos else []
+        peeled = 0
+        while True:
+            if peeled < PEEL_FRAMES and (ledger.state is State.PENDING or not splitter.idle):
+                peeled += 1
+                end = chunk.find(b"\n\n", pos)
+                end = size if end < 0 else end + 2
+            else:
+                end = size
+            released = self.feed_chunk(now, chunk[pos:end] if pos or end < size else chunk)
+            if released:
+                out.extend([e.raw for e in released])
+            pos = end
+            if pos == size or self.attempt_over is not None:
+                break
+            if splitter.idle:
+                end = ledger.release_run(chunk, pos)
+                if end > pos:
+                    out.append(chunk[pos:end])
+                    pos = end
+                    if pos == size:
+                        break
+        return out[0] if len(out) == 1 else b"".join(out)
 
     def _feed_events(self, events: list[Event]) -> Sequence[Event]:
         if not events:

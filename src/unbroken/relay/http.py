@@ -476,6 +476,10 @@ def _ignore(action: Action) -> None:
 class Sink(TypingProtocol):
     """Where an HTTP attempt's answer goes: an HTTP response, or a client WebSocket."""
 
+    #: True: released SSE frames are written as bytes, so a run of them may go out in
+    #: one piece (`TurnMachine.feed_verbatim`); False: each frame on its own (a WebSocket)
+    verbatim: bool
+
     def answer(self, status: int, headers: CIMultiDict[str]) -> None:
         """The status and headers a streamed or plain answer would be sent with."""
 
@@ -486,7 +490,7 @@ class Sink(TypingProtocol):
         """SSE frames the machine released (an ``async def`` will do)."""
 
     def release_body(self, data: bytes) -> Awaitable[None]:
-        """Plain body bytes the machine released, or an SSE chunk released whole."""
+        """Plain body bytes the machine released, or SSE bytes (`verbatim` sinks)."""
 
 
 class HttpAttempt:
@@ -582,25 +586,27 @@ class HttpAttempt:
     async def _stream(self, resp: aiohttp.ClientResponse) -> Action:
         """Read an SSE body through the machine; release what it releases."""
         machine = self.machine
-        self.sink.answer(resp.status, response_headers(resp.headers, keep_length=False))
-        plain = machine.feed_plain
-        feed = machine.feed_frames
+        sink = self.sink
+        sink.answer(resp.status, response_headers(resp.headers, keep_length=False))
+        verbatim = sink.verbatim
+        feed_verbatim, feed = machine.feed_verbatim, machine.feed_chunk
         loop_time = self.loop.time
-        release = self.sink.release
-        write = self.sink.release_body
+        release, write = sink.release, sink.release_body
         rearm_on_first_frame = True
         try:
             async for chunk in resp.content.iter_any():
                 now = loop_time()
-                if plain(now, chunk):
-                    await write(chunk)  # the per-chunk fast path: plain output, whole
-                    continue
-                out = feed(now, chunk)
+                if verbatim:
+                    data = feed_verbatim(now, chunk)
+                    pending = write(data) if data else None
+                else:
+                    out = feed(now, chunk)
+                    pending = release(out) if out else None
                 if rearm_on_first_frame and machine.first_frame:
                     rearm_on_first_frame = False
                     self.watchdog.arm()  # the stall deadline moved to idle_timeout_s
-                if out:
-                    await release(out)
+                if pending is not None:
+                    await pending
                 over = machine.attempt_over
                 if over is not None:
                     return over
@@ -662,6 +668,8 @@ class _WithFirstWrite(CleanStream):
 class _Gone:
     """The sink of a closed attempt: nothing goes anywhere."""
 
+    verbatim = True
+
     def answer(self, status: int, headers: CIMultiDict[str]) -> None:
         pass
 
@@ -680,6 +688,8 @@ _GONE = _Gone()
 
 class _HttpTurn:
     """The I/O of one client request."""
+
+    verbatim = True  # a Sink that writes released SSE bytes as they are
 
     __slots__ = (
         "_bodies",
@@ -752,7 +762,6 @@ class _HttpTurn:
             clock=self.loop.time,
             profile=self.profile,
         )
-        self.machine.verbatim = True  # released bytes go out as bytes: chunks may pass whole
         info.held = self._held
         self.response: web.StreamResponse | None = None  # the client response, once prepared
         self._prepare_lock = asyncio.Lock()

@@ -694,6 +694,8 @@ class _WsTurn:
         return await self.http.run(action, "POST", url, headers, json.dumps(body).encode())
 
     # -- Sink, for the HTTP fallback -------------------------------------------------------
+    verbatim = False  # every SSE frame becomes a WebSocket message of its own
+
     def answer(self, status: int, headers: CIMultiDict[str]) -> None:
         """No HTTP status reaches a WebSocket client."""
 

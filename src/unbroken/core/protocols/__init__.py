@@ -37,8 +37,8 @@ class GenericClassifier:
             return Kind.CONTROL, 0
         return Kind.UNKNOWN, 0
 
-    def plain_run(self, chunk: bytes) -> int:
-        return 0  # no table: every frame goes through the ledger
+    def plain_prefix(self, chunk: bytes, start: int = 0) -> tuple[int, int]:
+        return 0, start  # no table: every frame goes through the ledger
 
 
 @dataclass(frozen=True, slots=True)

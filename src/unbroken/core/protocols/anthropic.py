@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from unbroken.core.protocols.base import Kind, error_is_retryable, loads_object, looks_like_object
-from unbroken.core.sse import Event
+from unbroken.core.sse import LF, Event
 
 C = Kind.CONTROL
 
@@ -33,6 +33,7 @@ BLOCKS: dict[str, tuple[int, int, int]] = {
 }
 _UNKNOWN_BLOCK = (Kind.UNKNOWN, Kind.UNKNOWN, Kind.UNKNOWN)
 _PLAIN_NAMES = (b"event: content_block_delta", b"event: ping")
+_CLOSE = 0x7D  # }
 
 
 class AnthropicClassifier:
@@ -42,30 +43,33 @@ class AnthropicClassifier:
         self.block: tuple[int, int, int] | None = None
         self.open_tools = 0
 
-    def plain_run(self, chunk: bytes) -> int:
-        """How many frames ``chunk`` holds when each is provably released as it is, else 0.
+    def plain_prefix(self, chunk: bytes, start: int = 0) -> tuple[int, int]:
+        """``(frames, end)``: the frames of ``chunk[start:end]``, each provably released
+        as it is; ``(0, start)`` when the first is not.
 
-        Every frame must be a ``content_block_delta`` (or a ``ping``) of the open
-        text or thinking block, with one ``data: {…}`` line: the same checks
-        `classify` makes, without building events.
+        Each frame must be a ``content_block_delta`` (or a ``ping``) of the open text
+        or thinking block, with one ``data: {…}`` line: the same checks `classify`
+        makes (stricter: the ``}`` must end the line), without building events.
         """
         block = self.block
         if block is None or block[1] not in (Kind.OUTPUT, Kind.REASONING):
-            return 0
-        parts = chunk.split(b"\n\n")
-        if parts[-1]:
-            return 0
-        del parts[-1]
-        for part in parts:
-            nl = part.find(b"\n")
+            return 0, start
+        frames, pos = 0, start
+        while True:
+            end = chunk.find(b"\n\n", pos)
+            if end < 0:
+                return frames, pos
+            nl = chunk.find(LF, pos, end)
             if (
-                part[:nl] not in _PLAIN_NAMES
-                or not part.startswith(b"data: {", nl + 1)
-                or part.find(b"\n", nl + 1) >= 0
-                or not part.rstrip().endswith(b"}")
+                nl < 0
+                or chunk[pos:nl] not in _PLAIN_NAMES
+                or not chunk.startswith(b"data: {", nl + 1)
+                or chunk.find(LF, nl + 1, end) >= 0
+                or chunk[end - 1] != _CLOSE
             ):
-                return 0
-        return len(parts)
+                return frames, pos
+            frames += 1
+            pos = end + 2
 
     def classify(self, event: Event) -> tuple[int, int]:
         name = event.name

@@ -72,11 +72,12 @@ class Classifier(Protocol):
 
     def classify(self, event: Event) -> tuple[int, int]: ...
 
-    def plain_run(self, chunk: bytes) -> int:
-        """Frames in ``chunk`` if all are provably released as they are (after commit,
-        no tool open), else 0: the per-chunk fast path's proof.  0 is always safe; a
-        chunk that does not end where a frame ends gets 0 (the caller leaves that
-        check to this proof)."""
+    def plain_prefix(self, chunk: bytes, start: int = 0) -> tuple[int, int]:
+        """The fast path's proof (`Ledger.release_run`; after commit, no tool open):
+        ``(frames, end)`` when the complete frames of ``chunk[start:end]`` are each
+        provably released as they are; ``(0, start)`` when the first is not, which is
+        always safe.  ``chunk`` holds no CR, and ``start`` is where a frame begins;
+        a frame not yet ended is never in the run."""
         ...
 
 

@@ -28,7 +28,7 @@ DELTA_FIELDS: dict[str, int] = {
 }
 _TEXT_FIELDS = frozenset({"content", "refusal", "reasoning_content", "reasoning"})
 
-# The byte-level proof that a run of chunks is plain output (see `plain_run`), looked
+# The byte-level proof that a run of chunks is plain output (see `plain_prefix`), looked
 # for with ``find``, not ``in`` (see `unbroken.core.sse.CR`).  ``[DONE]`` needs no
 # marker: its frame does not start with ``data: {``.
 _NOT_PLAIN = (b"tool_calls", b"function_call", b'"error"')
@@ -36,7 +36,7 @@ _FINISH = b'"finish_reason"'
 _FINISH_NULL = (b'"finish_reason":null', b'"finish_reason": null')
 
 
-# The typed proof (see `plain_run`): a chunk of this shape, every field known and of
+# The typed proof (see `plain_prefix`): a chunk of this shape, every field known and of
 # the type declared, nothing else, is plain output.  Every value is checked, none is
 # skipped, so it accepts only what `classify`'s parse accepts too (duplicate keys:
 # each copy is checked).  ``usage``, ``logprobs`` and ``finish_reason`` must be null;
@@ -81,7 +81,7 @@ class ChatClassifier:
     def __init__(self) -> None:
         self.open_indices: set[int] = set()
         self.finished = False
-        #: `classify` and `plain_run` try the typed decode (`_PlainChunk`) first, until
+        #: `classify` and `plain_prefix` try the typed decode (`_PlainChunk`) first, until
         #: a frame does not fit it (a finish, a tool call, a provider's other fields)
         self.typed = True
 
@@ -127,59 +127,64 @@ class ChatClassifier:
             kinds |= self._choice(choice)
         return kinds or Kind.CONTROL, len(self.open_indices)
 
-    def plain_run(self, chunk: bytes) -> int:
-        """How many frames ``chunk`` holds when each is provably released as it is, else 0.
+    def plain_prefix(self, chunk: bytes, start: int = 0) -> tuple[int, int]:
+        """``(frames, end)``: the frames of ``chunk[start:end]``, each provably released
+        as it is; ``(0, start)`` when the first is not.
 
-        Used only after commit with no tool call open (see `TurnMachine.feed_chunk`):
-        then every frame is released unless it opens a tool call, ends the turn, is
-        an error, or is malformed.  Each frame is one ``data: {...}`` line, and
-        either proof shows the rest:
+        Used only after commit with no tool call open (see `Ledger.release_run`): then
+        every frame is released unless it opens a tool call, ends the turn, is an
+        error, or is malformed.  Each frame is one ``data: {...}`` line, and either
+        proof shows the rest:
 
-        * typed: the payload decodes as `_PlainChunk` (every field known, checked
-          and plain: no tool call, no error, every ``finish_reason`` null).  One
-          C-level pass, no Python objects but the few it declares.  A frame that
-          fails it (the last one, or a provider with other fields) switches it off
-          for this attempt.
-        * bytes: no ``tool_calls``/``function_call``/``"error"`` anywhere, every
+        * typed, frame by frame: the payload decodes as `_PlainChunk` (every field
+          known, checked and plain: no tool call, no error, every ``finish_reason``
+          null).  One C-level pass, no Python objects but the few it declares.  The
+          run ends before the first frame that is incomplete or not one such line.
+          The first frame that fails the decode (the turn's last, or a provider's
+          other fields) ends the run and switches the typed proof off for this
+          attempt.
+        * bytes, all or nothing (what is left once the typed proof is off): no
+          ``tool_calls``/``function_call``/``"error"`` anywhere, every
           ``finish_reason`` null, and each payload parses, as in `classify` (so a
           malformed frame takes the slow path and fails exactly as it would).
         """
-        if (
-            self.typed
-            and chunk.find(LF) == len(chunk) - 2
-            and chunk[-1] == LF
-            and chunk[:7] == b"data: {"
-        ):
-            # One frame, as a paced stream sends them: no split.
-            try:
-                _plain_chunk(chunk[6:-2])
-                return 1
-            except _NOT_PLAIN_CHUNK:
-                self.typed = False
-        parts = chunk.split(b"\n\n")
+        if self.typed:
+            frames, pos = 0, start
+            while True:
+                end = chunk.find(b"\n\n", pos)
+                if (
+                    end < 0
+                    or not chunk.startswith(b"data: {", pos)
+                    or chunk.find(LF, pos, end) >= 0
+                ):
+                    return frames, pos
+                try:
+                    _plain_chunk(chunk[pos + 6 : end])
+                except _NOT_PLAIN_CHUNK:
+                    self.typed = False
+                    if frames:
+                        return frames, pos
+                    break
+                frames += 1
+                pos = end + 2
+        rest = chunk[start:] if start else chunk
+        parts = rest.split(b"\n\n")
         if parts[-1]:
-            return 0
+            return 0, start
         del parts[-1]
         for part in parts:
             if not part.startswith(b"data: {") or LF in part:
-                return 0
-        if self.typed:
-            try:
-                for part in parts:
-                    _plain_chunk(part[6:])
-                return len(parts)
-            except _NOT_PLAIN_CHUNK:
-                self.typed = False
+                return 0, start
         for marker in _NOT_PLAIN:
-            if chunk.find(marker) >= 0:
-                return 0
-        finish = chunk.count(_FINISH)
-        if finish and finish != chunk.count(_FINISH_NULL[0]) + chunk.count(_FINISH_NULL[1]):
-            return 0
+            if rest.find(marker) >= 0:
+                return 0, start
+        finish = rest.count(_FINISH)
+        if finish and finish != rest.count(_FINISH_NULL[0]) + rest.count(_FINISH_NULL[1]):
+            return 0, start
         for part in parts:
             if loads_object(part[6:]) is None:
-                return 0
-        return len(parts)
+                return 0, start
+        return len(parts), len(chunk)
 
     def _choice(self, choice: Any) -> int:
         if not isinstance(choice, dict):

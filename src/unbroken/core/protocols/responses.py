@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from unbroken.core.protocols.base import Kind, error_is_retryable, loads_object, looks_like_object
-from unbroken.core.sse import Event
+from unbroken.core.sse import LF, Event
 
 C, OUT, R = Kind.CONTROL, Kind.OUTPUT, Kind.REASONING
 TD = Kind.TOOL_DELTA
@@ -56,6 +56,8 @@ PLAIN_EVENTS = frozenset(
     for name, kind in EVENTS.items()
     if kind in (C, OUT, R) and name != "response.created"
 )
+
+_CLOSE = 0x7D  # }
 
 # Output item types the client executes: held until their output_item.done.
 CLIENT_TOOL_ITEMS = frozenset(
@@ -104,27 +106,31 @@ class ResponsesClassifier:
             return self._error(event.data), len(self.open_items)
         return Kind.UNKNOWN, len(self.open_items)
 
-    def plain_run(self, chunk: bytes) -> int:
-        """How many frames ``chunk`` holds when each is provably released as it is, else 0.
+    def plain_prefix(self, chunk: bytes, start: int = 0) -> tuple[int, int]:
+        """``(frames, end)``: the frames of ``chunk[start:end]``, each provably released
+        as it is; ``(0, start)`` when the first is not.
 
-        Every frame must be ``event: <a plain event>`` + one ``data: {…}`` line: the
-        same shape check `classify` makes for those names, without building events.
+        Each frame must be ``event: <a plain event>`` + one ``data: {…}`` line: the
+        same shape check `classify` makes for those names (stricter: the ``}`` must
+        end the line), without building events.
         """
-        parts = chunk.split(b"\n\n")
-        if parts[-1]:
-            return 0
-        del parts[-1]
-        for part in parts:
-            nl = part.find(b"\n")
+        frames, pos = 0, start
+        while True:
+            end = chunk.find(b"\n\n", pos)
+            if end < 0:
+                return frames, pos
+            nl = chunk.find(LF, pos, end)
             if (
-                not part.startswith(b"event: ")
-                or part[7:nl] not in PLAIN_EVENTS
-                or not part.startswith(b"data: {", nl + 1)
-                or part.find(b"\n", nl + 1) >= 0
-                or not part.rstrip().endswith(b"}")
+                nl < 0
+                or not chunk.startswith(b"event: ", pos)
+                or chunk[pos + 7 : nl] not in PLAIN_EVENTS
+                or not chunk.startswith(b"data: {", nl + 1)
+                or chunk.find(LF, nl + 1, end) >= 0
+                or chunk[end - 1] != _CLOSE
             ):
-                return 0
-        return len(parts)
+                return frames, pos
+            frames += 1
+            pos = end + 2
 
     def _remember(self, data: str | None) -> None:
         obj = loads_object(data)
