@@ -77,7 +77,11 @@ def run(proto: str, chunks: list[bytes], verbatim: bool) -> tuple[list[Any], int
     with runs_counted() as runs:
         for i, c in enumerate(chunks):
             if verbatim:
-                out = m.feed_verbatim(float(i), c)
+                data = m.feed_verbatim(float(i), c)
+                if data is None:  # released whole, as it is: the attempt goes on
+                    assert m.attempt_over is None
+                    data = c
+                out = data
             else:
                 out = b"".join(e.raw for e in m.feed_chunk(float(i), c))
             over = m.attempt_over

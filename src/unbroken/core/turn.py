@@ -565,9 +565,11 @@ class TurnMachine:
             return NOTHING
         return self._feed_events(events)
 
-    def feed_verbatim(self, now: float, chunk: bytes) -> bytes:
-        """`feed_chunk` for a sink that writes bytes (`verbatim`): returns the bytes to
-        write now; then check `attempt_over`.
+    def feed_verbatim(self, now: float, chunk: bytes) -> bytes | None:
+        """`feed_chunk` for a sink that writes bytes (`verbatim`).  Returns None when
+        ``chunk`` is released whole, as it is (write it; a run of plain frames never
+        ends the attempt, so there is no need to ask `attempt_over`), else the bytes to
+        write now (maybe none); then check `attempt_over`.
 
         The decisions are `feed_chunk`'s, frame by frame; only the work differs.  Once
         the ledger has committed, with nothing held and no tool call open, a run of
@@ -592,7 +594,7 @@ class TurnMachine:
         size = len(chunk)
         pos = ledger.release_run(chunk) if splitter.idle else 0
         if pos == size:
-            return chunk  # the whole chunk: plain output after commit
+            return None  # the whole chunk: plain output after commit
         out: list[bytes] = [chunk[:pos]] if pos else []
         peeled = 0
         while True:

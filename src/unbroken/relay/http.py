@@ -254,12 +254,12 @@ class Relay:
             quota_cooloff_s=self.config.health.quota_cooloff_s,
         )
 
-    async def handle(
+    def handle(
         self, request: web.Request, route: Route, rest: str, body: bytes
-    ) -> web.StreamResponse:
-        turn = _HttpTurn(self, request, route, rest, body)
-        with self.running():
-            return await turn.run()
+    ) -> Awaitable[web.StreamResponse]:
+        """The turn of one HTTP request: its coroutine, for the caller to await (no
+        frame of its own on every wake-up of the turn)."""
+        return _HttpTurn(self, request, route, rest, body).run()
 
     def _on_health_change(self, change: Change) -> None:
         """Log every breaker transition once and count it (cool-offs are logged per retry)."""
@@ -537,37 +537,39 @@ class HttpAttempt:
             return machine.open_failed(self.loop.time(), _classify(exc, header_phase=True))
         self.reading = resp
         try:
-            return await self._answered(resp)
+            status = resp.status
+            retry_after = (
+                parse_retry_after(resp.headers, now_wall=time.time()) if status >= 400 else None
+            )
+            sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+            answer = machine.answered(self.loop.time(), status, sse=sse, retry_after_s=retry_after)
+            self.watchdog.arm()
+            if type(answer) is Stream:
+                return await self._stream(resp)
+            if type(answer) is PassThrough:
+                return await self._pass_through(resp)
+            if type(answer) is ReadErrorBody or type(answer) is FinalInStream:
+                return await self._error_body(resp, final=type(answer) is FinalInStream)
+            return answer  # a 1xx: the machine already decided what follows
         finally:
             self.reading = None
             resp.close()
 
-    async def _answered(self, resp: aiohttp.ClientResponse) -> Action:
+    async def _error_body(self, resp: aiohttp.ClientResponse, *, final: bool) -> Action:
+        """A retryable answer's body (kept, in case it is the last answer), or a final
+        answer's after early headers (re-sent in the stream)."""
         machine = self.machine
-        status = resp.status
-        retry_after = (
-            parse_retry_after(resp.headers, now_wall=time.time()) if status >= 400 else None
+        try:
+            data = await self._read_bounded(resp)
+        except Exception as exc:
+            return machine.transport_failed(self.loop.time(), _classify(exc))
+        if final:
+            rid = resp.headers.get("request-id") or resp.headers.get("x-request-id")
+            return machine.final_body(self.loop.time(), resp.status, data, rid)
+        self.sink.keep_answer(
+            resp.status, response_headers(resp.headers, keep_length=False), data
         )
-        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        answer = machine.answered(self.loop.time(), status, sse=sse, retry_after_s=retry_after)
-        self.watchdog.arm()
-        if type(answer) is Stream:
-            return await self._stream(resp)
-        if type(answer) is PassThrough:
-            return await self._pass_through(resp)
-        if type(answer) is ReadErrorBody or type(answer) is FinalInStream:
-            try:
-                data = await self._read_bounded(resp)
-            except Exception as exc:
-                return machine.transport_failed(self.loop.time(), _classify(exc))
-            if type(answer) is FinalInStream:
-                rid = resp.headers.get("request-id") or resp.headers.get("x-request-id")
-                return machine.final_body(self.loop.time(), status, data, rid)
-            self.sink.keep_answer(
-                status, response_headers(resp.headers, keep_length=False), data
-            )
-            return machine.error_body(self.loop.time(), data)
-        return answer  # a 1xx: the machine already decided what follows
+        return machine.error_body(self.loop.time(), data)
 
     async def _read_bounded(self, resp: aiohttp.ClientResponse) -> bytes:
         chunks: list[bytes] = []
@@ -598,6 +600,9 @@ class HttpAttempt:
                 now = loop_time()
                 if verbatim:
                     data = feed_verbatim(now, chunk)
+                    if data is None:  # released whole: plain output, the attempt goes on
+                        await write(chunk)
+                        continue
                     pending = write(data) if data else None
                 else:
                     out = feed(now, chunk)
@@ -794,54 +799,56 @@ class _HttpTurn:
         # timer serves is due that soon (early headers count from the turn's start).
         self.report.open(defer=True)
         self.loop.call_soon(self._sent)
-        try:
-            return await self._drive()
-        except asyncio.CancelledError:
-            machine.client_gone()
-            await self._cancelled()
-            raise
-        except ClientGone:
-            machine.client_gone()
-            log.info("client went away route=%s turn=%d", self.route.name, self.report.info.id)
-            return self.response or web.Response(status=499)
-        except Exception:
-            machine.crashed()
-            log.exception("internal error in a turn route=%s", self.route.name)
-            if self.response is not None:
-                transport = self.request.transport
-                if transport is not None:
-                    transport.abort()
-                return self.response
-            return web.Response(
-                status=500,
-                body=self.protocol.error_body("unbroken: internal error", type_="internal_error"),
-                content_type="application/json",
-            )
-        finally:
-            self.watchdog.close()
-            self.upstream.close()
-            if self._side_task is not None:
-                self._side_task.cancel()
-            self.report.close(machine.outcome or Outcome.ABORTED_BY_CLIENT)
+        with self.relay.running():
+            try:
+                action: Action = machine.start(self.loop.time())
+                while True:
+                    if type(action) is Open:
+                        action = await self._attempt(action)
+                    elif type(action) is Wait:
+                        self.watchdog.arm()  # keepalives and early headers go on meanwhile
+                        await asyncio.sleep(action.seconds)
+                        action = machine.next_attempt(self.loop.time())
+                    elif type(action) is End:
+                        return await self._end(action)
+                    elif type(action) is GiveUp:
+                        return await self._give_up(action)
+                    else:
+                        raise TurnError(f"unexpected action {action!r}")
+            except asyncio.CancelledError:
+                machine.client_gone()
+                await self._cancelled()
+                raise
+            except ClientGone:
+                machine.client_gone()
+                log.info(
+                    "client went away route=%s turn=%d", self.route.name, self.report.info.id
+                )
+                return self.response or web.Response(status=499)
+            except Exception:
+                machine.crashed()
+                log.exception("internal error in a turn route=%s", self.route.name)
+                if self.response is not None:
+                    transport = self.request.transport
+                    if transport is not None:
+                        transport.abort()
+                    return self.response
+                return web.Response(
+                    status=500,
+                    body=self.protocol.error_body(
+                        "unbroken: internal error", type_="internal_error"
+                    ),
+                    content_type="application/json",
+                )
+            finally:
+                self.watchdog.close()
+                self.upstream.close()
+                if self._side_task is not None:
+                    self._side_task.cancel()
+                self.report.close(machine.outcome or Outcome.ABORTED_BY_CLIENT)
 
-    async def _drive(self) -> web.StreamResponse:
-        machine = self.machine
-        action: Action = machine.start(self.loop.time())
-        while True:
-            if type(action) is Open:
-                action = await self._attempt(action)
-            elif type(action) is Wait:
-                self.watchdog.arm()  # keepalives and early headers go on while waiting
-                await asyncio.sleep(action.seconds)
-                action = machine.next_attempt(self.loop.time())
-            elif type(action) is End:
-                return await self._end(action)
-            elif type(action) is GiveUp:
-                return await self._give_up(action)
-            else:
-                raise TurnError(f"unexpected action {action!r}")
-
-    async def _attempt(self, action: Open) -> Action:
+    def _attempt(self, action: Open) -> Awaitable[Action]:
+        """The attempt's coroutine (awaited by `run`: no frame of its own)."""
         up = self.route.upstreams[action.upstream]
         req = self.request
         body = self._bodies.get(action.upstream)
@@ -854,7 +861,7 @@ class _HttpTurn:
             )
         headers = request_headers(req.headers, up, anthropic=self.protocol.anthropic_errors)
         url = upstream_url(up, self.rest, raw_query(req))
-        return await self.upstream.run(action, req.method, url, headers, body)
+        return self.upstream.run(action, req.method, url, headers, body)
 
     # -- Sink: where the attempt's output goes ---------------------------------------------
     def answer(self, status: int, headers: CIMultiDict[str]) -> None:

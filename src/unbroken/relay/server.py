@@ -168,46 +168,46 @@ class _Preflight(web.Response):
 
 
 async def _dispatch(request: web.Request) -> web.StreamResponse:
-    """Every request: check it, then route it.  Tells the connection when it started."""
+    """Every request: check it, then route it.  Tells the connection when it started.
+
+    One function, not a chain of them: a turn's coroutine runs under this one, and
+    every coroutine in between is one more frame to resume on every wake-up.
+    """
     protocol = request.protocol
     guarded = protocol if isinstance(protocol, GuardedHandler) else None
     if guarded is not None:
         guarded.request_started()
     try:
-        return await _serve_request(request)
+        relay = request.app[RELAY_KEY]
+        gate = request.app[GATE_KEY]
+        target = parse_target(request.raw_path)
+        if isinstance(target, Denied):
+            return _denied(target)
+        endpoint: Handler | None = None
+        if not target.has_rest:
+            endpoint = _healthz if target.name == "healthz" else (
+                (gate.endpoints or {}).get(f"/{target.name}")
+            )
+        if gate.access is not None:
+            denied = gate.access.check(
+                target, request.headers, open_path=endpoint is _healthz
+            )
+            if denied is not None:
+                return _denied(denied)
+        origin = request.headers.get("origin")
+        if origin is not None and request.method == "OPTIONS":
+            return _preflight(request, origin)
+        if endpoint is not None:
+            if request.method not in ("GET", "HEAD"):
+                return _error(405, "method_not_allowed", f"/{target.name} answers GET only")
+            return await endpoint(request)
+        route = relay.config.routes.get(target.name)
+        if route is None or not target.has_rest:
+            return _not_found(relay, target.path)
+        return await _relay(request, relay, route, target)
     finally:
         if guarded is not None:
             guarded.request_finished()
-
-
-async def _serve_request(request: web.Request) -> web.StreamResponse:
-    relay = request.app[RELAY_KEY]
-    gate = request.app[GATE_KEY]
-    target = parse_target(request.raw_path)
-    if isinstance(target, Denied):
-        return _denied(target)
-    endpoint: Handler | None = None
-    if not target.has_rest:
-        endpoint = _healthz if target.name == "healthz" else (
-            (gate.endpoints or {}).get(f"/{target.name}")
-        )
-    if gate.access is not None:
-        denied = gate.access.check(
-            target, request.headers, open_path=endpoint is _healthz
-        )
-        if denied is not None:
-            return _denied(denied)
-    origin = request.headers.get("origin")
-    if origin is not None and request.method == "OPTIONS":
-        return _preflight(request, origin)
-    if endpoint is not None:
-        if request.method not in ("GET", "HEAD"):
-            return _error(405, "method_not_allowed", f"/{target.name} answers GET only")
-        return await endpoint(request)
-    route = relay.config.routes.get(target.name)
-    if route is None or not target.has_rest:
-        return _not_found(relay, target.path)
-    return await _relay(request, relay, route, target)
 
 
 async def _relay(

@@ -148,14 +148,25 @@ class ChatClassifier:
           ``finish_reason`` null, and each payload parses, as in `classify` (so a
           malformed frame takes the slow path and fails exactly as it would).
         """
+        size = len(chunk)
+        if self.typed and not start and chunk.find(LF) == size - 2 and chunk[-1] == LF:
+            # One frame, as a paced stream sends them: the loop below, unrolled.
+            if chunk[:7] != b"data: {":
+                return 0, 0
+            try:
+                _plain_chunk(chunk[6:-2])
+                return 1, size
+            except _NOT_PLAIN_CHUNK:
+                self.typed = False
         if self.typed:
             frames, pos = 0, start
             while True:
-                end = chunk.find(b"\n\n", pos)
+                end = chunk.find(LF, pos)  # the end of the frame's one line, then a blank one
                 if (
                     end < 0
+                    or end + 1 == size
+                    or chunk[end + 1] != LF
                     or not chunk.startswith(b"data: {", pos)
-                    or chunk.find(LF, pos, end) >= 0
                 ):
                     return frames, pos
                 try:
@@ -167,6 +178,8 @@ class ChatClassifier:
                     break
                 frames += 1
                 pos = end + 2
+                if pos == size:
+                    return frames, pos
         rest = chunk[start:] if start else chunk
         parts = rest.split(b"\n\n")
         if parts[-1]:
