@@ -184,6 +184,16 @@ def test_a_chunk_that_finishes_a_frame_then_takes_the_run() -> None:
         assert taken >= 4, (proto, taken)
 
 
+def test_an_empty_chunk_releases_nothing_before_or_after_commit() -> None:
+    frames = FRAMES["chat"]("t", Shape(text=2))
+    m = machine("chat")
+    assert m.feed_verbatim(0.0, b"") == b""  # not None: None would be "write the chunk"
+    assert m.feed_verbatim(0.0, frames[0]) == b""  # the role chunk: held
+    assert m.feed_verbatim(0.0, frames[1]) == frames[0] + frames[1]  # commits
+    assert m.feed_verbatim(0.0, b"") == b""
+    assert m.feed_verbatim(0.0, frames[2]) is None  # plain, whole
+
+
 def test_no_fast_path_while_a_tool_call_is_open_or_before_commit() -> None:
     for proto in PROTOCOLS:
         frames = FRAMES[proto]("t", Shape(text=0, tools=(6,)))

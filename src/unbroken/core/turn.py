@@ -230,6 +230,8 @@ PEEL_FRAMES = 8
 
 
 def _joined(events: Sequence[Event]) -> bytes:
+    if not events:
+        return b""
     if len(events) == 1:
         return events[0].raw
     return b"".join([e.raw for e in events])
@@ -588,7 +590,7 @@ class TurnMachine:
         splitter = self._splitter
         ledger = self.attempt_ledger
         assert splitter is not None and ledger is not None
-        if CR in chunk:
+        if CR in chunk or not chunk:
             return _joined(self.feed_chunk(now, chunk))
         self.last_rx = now
         size = len(chunk)
