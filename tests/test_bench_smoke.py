@@ -95,7 +95,9 @@ def test_http_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
     res = json.loads((tmp / "http.json").read_text())
     for path in ("direct", "bare", "unbroken"):
         assert res["throughput"][path]["rps"] > 0, path
+        assert res["throughput_ns"][path]["rps"] > 0, path  # the non-streamed window
         assert res["ttfc"][path]["samples"] > 0, path
+    assert "non-streamed req/s per core" in out  # a target row of its own
 
 
 def test_ws_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
