@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import json
 
-from unbroken.core.protocols.base import Kind, error_is_retryable, loads_object, looks_like_object
-from unbroken.core.sse import LF, Event
+from unbroken.core.protocols.base import (
+    Kind,
+    error_is_retryable,
+    loads_object,
+    looks_like_object,
+    named_run,
+)
+from unbroken.core.sse import Event
 
 C = Kind.CONTROL
 
@@ -33,7 +39,6 @@ BLOCKS: dict[str, tuple[int, int, int]] = {
 }
 _UNKNOWN_BLOCK = (Kind.UNKNOWN, Kind.UNKNOWN, Kind.UNKNOWN)
 _PLAIN_NAMES = (b"event: content_block_delta", b"event: ping")
-_CLOSE = 0x7D  # }
 
 
 class AnthropicClassifier:
@@ -54,22 +59,7 @@ class AnthropicClassifier:
         block = self.block
         if block is None or block[1] not in (Kind.OUTPUT, Kind.REASONING):
             return 0, start
-        frames, pos = 0, start
-        while True:
-            end = chunk.find(b"\n\n", pos)
-            if end < 0:
-                return frames, pos
-            nl = chunk.find(LF, pos, end)
-            if (
-                nl < 0
-                or chunk[pos:nl] not in _PLAIN_NAMES
-                or not chunk.startswith(b"data: {", nl + 1)
-                or chunk.find(LF, nl + 1, end) >= 0
-                or chunk[end - 1] != _CLOSE
-            ):
-                return frames, pos
-            frames += 1
-            pos = end + 2
+        return named_run(chunk, start, _PLAIN_NAMES)
 
     def classify(self, event: Event) -> tuple[int, int]:
         name = event.name

@@ -14,12 +14,13 @@ Plain ``int`` flags keep the per-frame cost low on the hot path.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any, Protocol
 
 import msgspec
 
 from unbroken.core.policy import RETRY_STATUSES
-from unbroken.core.sse import Event
+from unbroken.core.sse import LF, Event
 
 # msgspec parses a stream chunk several times faster than json (and chat's typed
 # proof uses it too: one parser decides what is valid JSON on both paths).
@@ -79,6 +80,32 @@ class Classifier(Protocol):
         always safe.  ``chunk`` holds no CR, and ``start`` is where a frame begins;
         a frame not yet ended is never in the run."""
         ...
+
+
+_CLOSE = 0x7D  # }
+
+
+def named_run(chunk: bytes, start: int, plain_lines: Container[bytes]) -> tuple[int, int]:
+    """`Classifier.plain_prefix` for a protocol whose event name decides a frame: the
+    frames from ``start`` that are each an ``event:`` line in ``plain_lines`` and one
+    ``data: {…}`` line.  The same shape check `classify` makes for those names
+    (`looks_like_object`), stricter: the ``}`` must end the line."""
+    frames, pos = 0, start
+    while True:
+        end = chunk.find(b"\n\n", pos)
+        if end < 0:
+            return frames, pos
+        nl = chunk.find(LF, pos, end)
+        if (
+            nl < 0
+            or chunk[pos:nl] not in plain_lines
+            or not chunk.startswith(b"data: {", nl + 1)
+            or chunk.find(LF, nl + 1, end) >= 0
+            or chunk[end - 1] != _CLOSE
+        ):
+            return frames, pos
+        frames += 1
+        pos = end + 2
 
 
 def looks_like_object(data: str | None) -> bool:

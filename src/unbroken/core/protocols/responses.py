@@ -17,8 +17,14 @@ import re
 import time
 from typing import Any
 
-from unbroken.core.protocols.base import Kind, error_is_retryable, loads_object, looks_like_object
-from unbroken.core.sse import LF, Event
+from unbroken.core.protocols.base import (
+    Kind,
+    error_is_retryable,
+    loads_object,
+    looks_like_object,
+    named_run,
+)
+from unbroken.core.sse import Event
 
 C, OUT, R = Kind.CONTROL, Kind.OUTPUT, Kind.REASONING
 TD = Kind.TOOL_DELTA
@@ -49,15 +55,13 @@ EVENTS: dict[str, int] = {
     "response.incomplete": Kind.TERMINAL_ERROR,  # max tokens / content filter: final
 }
 
-#: events that are released as they are once a turn has committed with no tool open
-#: (they open, close or end nothing): the byte-level fast path may pass them on
-PLAIN_EVENTS = frozenset(
-    name.encode()
+#: the ``event:`` lines of events released as they are once a turn has committed with
+#: no tool open (they open, close or end nothing): the fast path may pass them on
+PLAIN_EVENT_LINES = frozenset(
+    b"event: " + name.encode()
     for name, kind in EVENTS.items()
     if kind in (C, OUT, R) and name != "response.created"
 )
-
-_CLOSE = 0x7D  # }
 
 # Output item types the client executes: held until their output_item.done.
 CLIENT_TOOL_ITEMS = frozenset(
@@ -114,23 +118,7 @@ class ResponsesClassifier:
         same shape check `classify` makes for those names (stricter: the ``}`` must
         end the line), without building events.
         """
-        frames, pos = 0, start
-        while True:
-            end = chunk.find(b"\n\n", pos)
-            if end < 0:
-                return frames, pos
-            nl = chunk.find(LF, pos, end)
-            if (
-                nl < 0
-                or not chunk.startswith(b"event: ", pos)
-                or chunk[pos + 7 : nl] not in PLAIN_EVENTS
-                or not chunk.startswith(b"data: {", nl + 1)
-                or chunk.find(LF, nl + 1, end) >= 0
-                or chunk[end - 1] != _CLOSE
-            ):
-                return frames, pos
-            frames += 1
-            pos = end + 2
+        return named_run(chunk, start, PLAIN_EVENT_LINES)
 
     def _remember(self, data: str | None) -> None:
         obj = loads_object(data)
