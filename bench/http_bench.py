@@ -991,6 +991,27 @@ def reflow(md: str, width: int = 92) -> str:
     return "\n".join(out)
 
 
+def _throughput_rows(tp: dict[str, Any]) -> list[str]:
+    """A throughput window's table, one row per path."""
+    rows = ["| path | req/s | min – max | vs direct | SUT CPU | per SUT core | harness CPU |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for p in PATHS:
+        r = tp[p]
+        sut = "—" if r["sut_util"] is None else f"{r['sut_util']:.0%}"
+        core = "—" if r["per_core"] is None else _f(r["per_core"], 0)
+        rows.append(
+            f"| {p} | {_f(r['rps'], 0)} | {_f(r['rps_min'], 0)} – {_f(r['rps_max'], 0)} | "
+            f"{_ratio(r['rps'], tp['direct']['rps'])} | {sut} | {core} | "
+            f"{r['harness_util']:.0%} |"
+        )
+    return rows
+
+
+def _throughput_errors(tp: dict[str, Any]) -> list[str]:
+    errs = {p: tp[p]["errors"] for p in PATHS if tp[p]["errors"]}
+    return [f"Errors during the runs: {errs}."] if errs else []
+
+
 def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
     m = res["machine"]
     prof: dict[str, Any] = res["profile"]
@@ -1102,23 +1123,13 @@ def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
     a("(utime+stime / wall) by the SUT and by mock + load generator (together on the other")
     a("core). *Per SUT core* = req/s ÷ SUT CPU: the rate one fully used core would sustain.")
     a("")
-    a("| path | req/s | min – max | vs direct | SUT CPU | per SUT core | harness CPU |")
-    a("|---|---:|---:|---:|---:|---:|---:|")
-    for p in PATHS:
-        r = tp[p]
-        sut = "—" if r["sut_util"] is None else f"{r['sut_util']:.0%}"
-        core = "—" if r["per_core"] is None else _f(r["per_core"], 0)
-        a(f"| {p} | {_f(r['rps'], 0)} | {_f(r['rps_min'], 0)} – {_f(r['rps_max'], 0)} | "
-          f"{_ratio(r['rps'], tp['direct']['rps'])} | {sut} | {core} | "
-          f"{r['harness_util']:.0%} |")
+    L += _throughput_rows(tp)
     a("")
     a(f"unbroken / bare: {_ratio(tp['unbroken']['rps'], tp['bare']['rps'])} measured, "
       f"{_ratio(tp['unbroken']['per_core'], tp['bare']['per_core'])} per SUT core; CPU per "
       f"request {_f(1e6 / tp['unbroken']['per_core'], 0)} µs vs "
       f"{_f(1e6 / tp['bare']['per_core'], 0)} µs.")
-    errs = {p: tp[p]["errors"] for p in PATHS if tp[p]["errors"]}
-    if errs:
-        a(f"Errors during the runs: {errs}.")
+    L += _throughput_errors(tp)
     a("")
     # -- non-streamed throughput
     ns = res["throughput_ns"]
@@ -1127,22 +1138,12 @@ def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
     a("The same chat turn with `\"stream\": false` (one JSON body of the 20 deltas' text), 32")
     a("concurrent clients, one window per path per repetition as above.")
     a("")
-    a("| path | req/s | min – max | vs direct | SUT CPU | per SUT core | harness CPU |")
-    a("|---|---:|---:|---:|---:|---:|---:|")
-    for p in PATHS:
-        r = ns[p]
-        sut = "—" if r["sut_util"] is None else f"{r['sut_util']:.0%}"
-        core = "—" if r["per_core"] is None else _f(r["per_core"], 0)
-        a(f"| {p} | {_f(r['rps'], 0)} | {_f(r['rps_min'], 0)} – {_f(r['rps_max'], 0)} | "
-          f"{_ratio(r['rps'], ns['direct']['rps'])} | {sut} | {core} | "
-          f"{r['harness_util']:.0%} |")
+    L += _throughput_rows(ns)
     a("")
     a(f"unbroken / bare per SUT core: {_f(ns['per_core_ratio'], 2)}× (paired by repetition); "
       f"CPU per request {_f(1e6 / ns['unbroken']['per_core'], 0)} µs vs "
       f"{_f(1e6 / ns['bare']['per_core'], 0)} µs.")
-    errs = {p: ns[p]["errors"] for p in PATHS if ns[p]["errors"]}
-    if errs:
-        a(f"Errors during the runs: {errs}.")
+    L += _throughput_errors(ns)
     a("")
     # -- CPU per chunk
     a("## CPU per chunk")
