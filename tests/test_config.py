@@ -44,7 +44,7 @@ def test_defaults() -> None:
     assert config.grace_s == 30.0
     assert config.retry == RetryPolicy()
     assert config.retry.delay_ms == 250
-    assert config.retry.backoff == "exponential"
+    assert config.retry.backoff == "fixed"
     assert config.retry.max_delay_ms == 30_000
     assert config.retry.max_attempts == 0
     assert config.retry.honor_retry_after is True

@@ -204,6 +204,11 @@ RETRY_KEYS: dict[str, str] = {
     "max_attempts": _INT,
     "honor_retry_after": _BOOL,
     "max_retry_after_ms": _INT,
+    "pace_floor_per_s": _FLOAT,
+    "pace_ratio": _FLOAT,
+    "pace_burst": _FLOAT,
+    # before the pacer: budget_percent sets pace_ratio (its share / 100);
+    # min_retry_concurrency is ignored (the pacer's floor keeps retries going)
     "budget_percent": _FLOAT,
     "min_retry_concurrency": _INT,
     "verbose": _BOOL,
@@ -561,7 +566,7 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
     health = _health(_section(data, "health", HEALTH_KEYS))
     _env_overrides(retry, env)
 
-    backoff = retry.get("backoff", "exponential")
+    backoff = retry.get("backoff", "fixed")
     if backoff not in ("fixed", "exponential"):
         raise ConfigError("retry.backoff", f"expected 'fixed' or 'exponential', got {backoff!r}")
     hold = stream.get("hold", ["control", "tool_calls"])
@@ -607,12 +612,19 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
         max_attempts=retry.get("max_attempts", 0),
         honor_retry_after=retry.get("honor_retry_after", True),
         max_retry_after_ms=retry.get("max_retry_after_ms", 60_000),
-        budget_percent=float(retry.get("budget_percent", 0.0)),
-        min_retry_concurrency=retry.get("min_retry_concurrency", 3),
+        pace_floor_per_s=float(retry.get("pace_floor_per_s", 0.0)),
+        pace_ratio=float(retry.get("pace_ratio", _ratio_of_budget(retry))),
+        pace_burst=float(retry.get("pace_burst", 10.0)),
     )
-    if not 0 <= policy.budget_percent <= 100:
-        raise ConfigError("retry.budget_percent", "expected 0..100 (0 = no budget)")
-    if policy.min_retry_concurrency < 0:
+    if policy.delay_ms < 0:
+        raise ConfigError("retry.delay_ms", "must be 0 or more")
+    if policy.pace_floor_per_s < 0:
+        raise ConfigError("retry.pace_floor_per_s", "must be 0 (1000 / delay_ms) or more")
+    if policy.pace_ratio < 0:
+        raise ConfigError("retry.pace_ratio", "must be 0 or more")
+    if policy.pace_burst < 1:
+        raise ConfigError("retry.pace_burst", "must be at least 1")
+    if retry.get("min_retry_concurrency", 0) < 0:
         raise ConfigError("retry.min_retry_concurrency", "must be 0 or more")
     stream_settings = StreamSettings(**{**stream, "hold": tuple(hold)})
     return Config(
@@ -641,6 +653,14 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
         ),
         health=health,
     )
+
+
+def _ratio_of_budget(retry: dict[str, Any]) -> float:
+    """``pace_ratio`` from a config written before the pacer (``budget_percent``)."""
+    percent = float(retry.get("budget_percent", 0.0))
+    if not 0 <= percent <= 100:
+        raise ConfigError("retry.budget_percent", "expected 0..100 (0 = no budget)")
+    return percent / 100.0 if percent > 0 else 1.0
 
 
 def _health(health: dict[str, Any]) -> HealthSettings:

@@ -10,7 +10,6 @@ from unbroken.core.policy import (
     Failure,
     FailureClass,
     Park,
-    RetryBudget,
     RetryPolicy,
     RetryState,
     is_quota_body,
@@ -22,6 +21,7 @@ REFUSED = Failure(FailureClass.REFUSED, "refused")
 
 
 def board(**kw: object) -> tuple[HealthBoard, list[Change]]:
+    kw.setdefault("max_open_s", 60.0)  # these tests name open_s; the default caps it at 1 s
     b = HealthBoard(HealthSettings(**kw))  # type: ignore[arg-type]
     seen: list[Change] = []
     b.listeners.append(seen.append)
@@ -155,7 +155,7 @@ def test_every_upstream_open_parks_until_the_earliest_reopen() -> None:
     b.failure(KEYS[1], 1.0, "503")
     state = RetryState(RetryPolicy(), 2, rng=random.Random(0), board=b, keys=KEYS[:2])
     park = state.next_upstream(1.5)
-    assert park == Park(2.0, "breaker") and state.attempts == 0
+    assert park == Park(2.0, "breaker", KEYS[0]) and state.attempts == 0
     assert state.next_upstream(2.0) == 0  # the half-open probe
 
 
@@ -189,9 +189,11 @@ def test_quota_bodies_are_recognised() -> None:
     assert is_quota_body(b'{"error": {"code": "billing_hard_limit_reached"}}')
 
 
-def test_the_default_backoff_is_exponential_with_full_jitter() -> None:
-    policy = RetryPolicy()
-    assert policy.backoff == "exponential" and policy.delay_ms == 250
+def test_the_default_backoff_is_fixed_and_exponential_has_full_jitter() -> None:
+    assert RetryPolicy().backoff == "fixed"
+    assert RetryPolicy().base_delay(40, random.Random(0)) == 0.25
+    policy = RetryPolicy(backoff="exponential")
+    assert policy.delay_ms == 250
     rng = random.Random(1)
     waits = [policy.base_delay(10, rng) for _ in range(200)]
     assert max(waits) <= 30.0 and min(waits) < 5.0 and len(set(waits)) == 200
@@ -222,20 +224,23 @@ def test_rendezvous_moves_only_the_sessions_of_a_dead_upstream() -> None:
             assert got != 1
 
 
-def test_the_retry_budget_caps_concurrent_retries() -> None:
-    budget = RetryBudget(percent=20.0, min_concurrency=2, turns=50)
-    states = [RetryState(RetryPolicy(), 1, budget=budget) for _ in range(50)]
-    for s in states:
-        s.next_upstream(0.0)  # first attempts are never limited
+def test_retries_beyond_the_pacers_burst_wait_in_line_first_attempts_never() -> None:
+    b, _ = board()
+    states = [RetryState(RetryPolicy(), 1, board=b, keys=[K]) for _ in range(50)]
+    assert all(s.next_upstream(0.0) == 0 for s in states)  # first attempts: never paced
     got = [s.next_upstream(0.0) for s in states]
-    assert sum(1 for g in got if isinstance(g, int)) == 10 and budget.retrying == 10
-    assert all(g == Park(0.25, "budget") for g in got if not isinstance(g, int))
-    assert budget.exhausted_total == 40
-    for s, g in zip(states, got, strict=True):  # asking again is the same wait, not a new one
-        if not isinstance(g, int):
-            s.next_upstream(0.1)
-    assert budget.exhausted_total == 40
-    assert RetryBudget(percent=20.0, min_concurrency=3, turns=1).limit() == 3
+    assert sum(1 for g in got if isinstance(g, int)) == 10  # the burst
+    assert all(g == Park(1.0, "pacer", K) for g in got if not isinstance(g, int))  # a look
+    # again after park_check_s at the latest (they are woken when granted)
+    assert len(b.pacer(K).queue) == 40
+    # asking again keeps the place in line; the floor (4/s) lets the head go after 0.25 s
+    waiting = [s for s, g in zip(states, got, strict=True) if not isinstance(g, int)]
+    assert [s.next_upstream(0.25) for s in waiting[1:3]] == [Park(1.25, "pacer", K)] * 2
+    assert waiting[0].next_upstream(0.25) == 0
+    assert len(b.pacer(K).queue) == 39 and b.pacer(K).waited_total == 40
+    for s in waiting[1:]:
+        s.close()  # the turns went away: they leave the line
+    assert not b.pacer(K).queue
 
 
 # -- the turn machine parks -----------------------------------------------------------------
@@ -257,10 +262,11 @@ def test_the_machine_parks_until_the_reopen_and_sends_nothing_meanwhile() -> Non
     report = Recording()
     m = TurnMachine(protocol=CHAT, hold=Hold(), timers=Timers(), retry=retry, stream=True,
                     now=0.5, report=report)
-    assert m.start(0.5) == Wait(1.0)  # parked, looking again every park_check_s
+    # parked in the upstream's line (woken by its pacer), looking again every park_check_s
+    assert m.start(0.5) == Wait(1.0, K, 1)
     assert states == [TurnState.PARKED] and not report.of("started")
-    assert m.next_attempt(1.5) == Wait(1.0)
-    assert m.next_attempt(2.5) == Wait(0.5)  # the reopen is nearer than park_check_s
+    assert m.next_attempt(1.5) == Wait(1.0, K, 1)
+    assert m.next_attempt(2.5) == Wait(0.5, K, 1)  # the reopen is nearer than park_check_s
     assert m.next_attempt(3.0) == Open(0, 120.0)  # the half-open probe
     assert report.of("started") == [("started", 1, 0)] and retry.attempts == 1
 

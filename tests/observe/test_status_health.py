@@ -10,7 +10,7 @@ from rich.console import Console
 from unbroken.observe.status import render
 
 
-def test_the_view_shows_breakers_parked_turns_budget_and_a_degraded_store() -> None:
+def test_the_view_shows_breakers_parked_turns_lines_and_a_degraded_store() -> None:
     now = time.time()
     data = {
         "version": "0.1.0", "now": now, "uptime_s": 5.0,
@@ -19,14 +19,12 @@ def test_the_view_shows_breakers_parked_turns_budget_and_a_degraded_store() -> N
         "upstreams": [
             {"route": "mock", "upstream": "http://a", "up": False, "ok": 1, "failed": 6,
              "failure_rate": 0.75, "breaker": "open", "open_until": now + 12, "cooloff_s": 0,
-             "recent_failures": []},
+             "pacer": {"tokens": 10.0, "waiting": 7, "ramping": False}, "recent_failures": []},
             {"route": "mock", "upstream": "http://b", "up": True, "ok": 3, "failed": 1,
              "failure_rate": 0.25, "breaker": "half_open", "open_until": None, "cooloff_s": 0,
              "recent_failures": []},
         ],
         "totals": {},
-        "retry_budget": {"mock": {"turns": 10, "retrying": 2, "limit": 2.0,
-                                  "budget_percent": 20.0, "exhausted_total": 7}},
         "store": {"kind": "redis", "state": "degraded"},
         "workers": [{"id": 0}, {"id": 1}],
     }
@@ -36,4 +34,4 @@ def test_the_view_shows_breakers_parked_turns_budget_and_a_degraded_store() -> N
     assert "OPEN 12s" in text or "OPEN 11s" in text
     assert "probe" in text and "6 (75%)" in text
     assert "1 parked" in text and "2 workers" in text
-    assert "redis store DEGRADED" in text and "budget mock 2/2 (7 waited)" in text
+    assert "redis store DEGRADED" in text and "mock/http://a: 7 in line" in text

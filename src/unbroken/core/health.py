@@ -17,12 +17,22 @@ The breaker (the defaults are `HealthSettings`'):
   failures on one upstream count once, so a single request the provider always
   fails cannot open the breaker for everyone), or when the
   failure rate over ``window_s`` exceeds ``failure_rate_to_open`` (with at least
-  ``min_window_attempts`` attempts in the window);
+  ``min_window_attempts`` attempts in the window; with that many, only the rate
+  counts);
 * **open** → **half-open** once ``open_s`` has passed (``open_s`` doubles with every
   re-open, up to ``max_open_s``); while open, no turn sends it traffic;
 * **half-open**: one probe goes through; success closes the breaker, failure re-opens it.
   A probe that never reports (its client went away) frees the probe slot after
   ``probe_timeout_s``.
+
+The breaker is the retry pacer's slow mode (`unbroken.core.pacer`): the board keeps
+each upstream's `Pacer`, and the turns waiting on an upstream wait in its line
+whatever the reason (no token, an open breaker, a cool-off, a probe out).  ``open_s``
+and ``max_open_s`` are short (0.5 s, 1 s), so while turns wait a probe goes at least
+once a second, one for the whole fleet, and the line is released on the pacer's ramp
+as soon as an attempt is answered.  With many attempts in the window the failure rate
+decides, not a run of consecutive failures (a busy upstream that fails 30 % of its
+attempts would otherwise see five in a row every few seconds).
 
 Every change is given to the board's listeners as a `Change`: transitions for the
 logs and metrics, and what a shared store (`unbroken.relay.store`) publishes to the
@@ -39,11 +49,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from unbroken.core.pacer import Pacer, PaceSettings
+
 __all__ = [
     "Breaker",
     "Change",
     "HealthBoard",
     "HealthSettings",
+    "PaceListener",
     "ProbeGate",
     "UpstreamHealth",
     "upstream_key",
@@ -73,12 +86,12 @@ class HealthSettings:
     failure_rate_to_open: float = 0.5
     window_s: float = 30.0
     min_window_attempts: int = 20
-    open_s: float = 2.0
-    max_open_s: float = 30.0
+    open_s: float = 0.5
+    max_open_s: float = 1.0
     quota_cooloff_s: float = 3600.0
     probe_timeout_s: float = 30.0
-    #: a parked turn looks again at least this often (a change learned from another
-    #: instance, a closed breaker, budget freed up)
+    #: a parked turn is woken when the pacer grants it a go; it also looks again at
+    #: least this often (a fallback: a change another instance did not publish)
     park_check_s: float = 1.0
     #: "" or "memory": in-process; "redis://host:port/db": shared through Redis
     store: str = ""
@@ -104,6 +117,10 @@ class Change:
     def is_transition(self) -> bool:
         return self.kind != "cooloff"
 
+
+#: told when an upstream's pacing may have changed: (key, recovered); ``recovered``:
+#: the upstream answered after a run of failures (turns waiting out a delay may go)
+PaceListener = Callable[[str, bool], None]
 
 #: fleet-wide probe ownership: ``gate(key, ttl_s)`` is True (this instance probes),
 #: False (another one does), or None (not known yet: look again shortly)
@@ -150,12 +167,22 @@ class HealthBoard:
     """The health records of one relay process (see the module docstring)."""
 
     def __init__(
-        self, settings: HealthSettings | None = None, *, probe_gate: ProbeGate | None = None
+        self,
+        settings: HealthSettings | None = None,
+        *,
+        probe_gate: ProbeGate | None = None,
+        pace: PaceSettings | None = None,
     ) -> None:
         self.settings = settings or HealthSettings()
         self.records: dict[str, UpstreamHealth] = {}
         self.listeners: list[Callable[[Change], None]] = []
         self.probe_gate = probe_gate
+        self.pace = pace or PaceSettings()
+        #: each upstream's retry pacer (`core.pacer`), made on first use
+        self.pacers: dict[str, Pacer] = {}
+        #: told when a line may move (the relay pumps it and wakes who it grants)
+        self.pace_listener: PaceListener | None = None
+        self._tickets = 0
 
     def get(self, key: str) -> UpstreamHealth:
         rec = self.records.get(key)
@@ -166,6 +193,100 @@ class HealthBoard:
     def _emit(self, change: Change) -> None:
         for listener in self.listeners:
             listener(change)
+        if change.kind != "half_open":
+            self._poke(change.key)
+
+    def _poke(self, key: str, recovered: bool = False) -> None:
+        """Tell the listener that ``key``'s line may move (only when someone waits)."""
+        listener = self.pace_listener
+        if listener is None:
+            return
+        if recovered:
+            listener(key, True)
+            return
+        p = self.pacers.get(key)
+        if p is not None and (p.queue or p.granted):
+            listener(key, False)
+
+    # -- pacing (`core.pacer`) ------------------------------------------------------------
+    def pacer(self, key: str) -> Pacer:
+        p = self.pacers.get(key)
+        if p is None:
+            p = self.pacers[key] = Pacer(key, self.pace)
+        return p
+
+    def new_ticket(self) -> int:
+        """A waiting retry's place-holder in the pacers' lines (unique per board)."""
+        self._tickets += 1
+        return self._tickets
+
+    def admit(self, key: str, ticket: int, now: float) -> bool:
+        """May this retry go to ``key`` now?  (False: it waits in that line.)"""
+        p = self.pacer(key)
+        ok = p.admit(ticket, now)
+        if not ok:
+            self._poke(key)
+        return ok
+
+    def peek(self, key: str, ticket: int, now: float) -> bool:
+        p = self.pacers.get(key)
+        return True if p is None else p.peek(ticket, now)
+
+    def wait_in_line(self, key: str, ticket: int) -> None:
+        """A turn waits for ``key`` (blocked: an open breaker, a cool-off, a probe out)."""
+        p = self.pacer(key)
+        if ticket not in p.queue and ticket not in p.granted:
+            p.queue.append(ticket)
+            p.waited_total += 1
+            self._poke(key)
+
+    def withdraw(self, key: str, ticket: int) -> None:
+        p = self.pacers.get(key)
+        if p is not None:
+            p.withdraw(ticket)
+            self._poke(key)
+
+    def requeue(self, key: str, ticket: int) -> None:
+        p = self.pacers.get(key)
+        if p is not None:
+            p.requeue(ticket)
+
+    def pump(self, key: str, now: float) -> tuple[list[int], float | None]:
+        """The tickets that may go to ``key`` now, and when to pump it next."""
+        p = self.pacers.get(key)
+        if p is None:
+            return [], None
+        rec = self.records.get(key)
+        if rec is None:
+            return p.pump(now)
+        self._refresh(rec, now)
+        blocked = rec.cooloff_until if rec.cooloff_until > now else 0.0
+        probe: bool | None = None
+        if rec.state is Breaker.OPEN:
+            blocked = max(blocked, rec.open_until)
+        elif rec.state is Breaker.HALF_OPEN:
+            probe = rec.probe_until <= now
+        return p.pump(now, blocked_until=blocked, probe=probe)
+
+    def answered(self, key: str, now: float) -> None:
+        """An attempt's answer arrived (its headers: any status but a failure one).
+
+        The upstream is known good: a half-open breaker closes, the pacer is credited
+        and its line released on the ramp.  (`success` still counts the attempt when
+        it ends.)"""
+        rec = self.get(key)
+        self._refresh(rec, now)
+        rec.consecutive_failures = 0
+        if rec.state is not Breaker.CLOSED:
+            self._close(rec, now)
+        recovered = self.pacer(key).success(now)
+        self._poke(key, recovered)
+
+    def pace_failure(self, key: str, now: float) -> None:
+        """An attempt failed: the pacer's ramp stops (each failure, counted or not)."""
+        p = self.pacers.get(key)
+        if p is not None:
+            p.failure(now)
 
     def _refresh(self, rec: UpstreamHealth, now: float) -> None:
         if rec.state is Breaker.OPEN and now >= rec.open_until:
@@ -222,12 +343,18 @@ class HealthBoard:
         rec._count(now, self.settings.window_s, 0)
         rec.consecutive_failures = 0
         if rec.state is not Breaker.CLOSED:
-            old = rec.state
-            rec.state = Breaker.CLOSED
-            rec.reopens = 0
-            rec.probe_until = 0.0
-            rec.open_until = 0.0
-            self._emit(Change(key, "close", reason="probe succeeded", old=old))
+            self._close(rec, now)
+
+    def _close(self, rec: UpstreamHealth, now: float) -> None:
+        old = rec.state
+        rec.state = Breaker.CLOSED
+        rec.reopens = 0
+        rec.probe_until = 0.0
+        rec.open_until = 0.0
+        p = self.pacers.get(rec.key)
+        if p is not None:
+            p.start_ramp(now)
+        self._emit(Change(rec.key, "close", reason="probe succeeded", old=old))
 
     def failure(self, key: str, now: float, reason: str, *, count: bool = True) -> None:
         """An attempt failed in a way that counts against the upstream (never a 4xx).
@@ -237,6 +364,7 @@ class HealthBoard:
         """
         rec = self.get(key)
         s = self.settings
+        self.pace_failure(key, now)
         self._refresh(rec, now)
         if rec.state is Breaker.HALF_OPEN and s.breakers:
             rec._count(now, s.window_s, 1)
@@ -250,13 +378,15 @@ class HealthBoard:
         if not s.breakers:
             return
         if rec.state is Breaker.CLOSED:
-            if rec.consecutive_failures >= s.failures_to_open:
-                self._open(rec, now, f"{rec.consecutive_failures} consecutive failures ({reason})")
-                return
             ok, failed = rec.window(now, s.window_s)
             total = ok + failed
-            if total >= s.min_window_attempts and failed / total > s.failure_rate_to_open:
-                self._open(rec, now, f"failure rate {failed}/{total} over {s.window_s:g}s")
+            if total >= s.min_window_attempts:
+                # Enough attempts to tell: the rate decides (a run of five failures is
+                # routine for a busy upstream that fails a share of its attempts).
+                if failed / total > s.failure_rate_to_open:
+                    self._open(rec, now, f"failure rate {failed}/{total} over {s.window_s:g}s")
+            elif rec.consecutive_failures >= s.failures_to_open:
+                self._open(rec, now, f"{rec.consecutive_failures} consecutive failures ({reason})")
 
     def fleet_window(self, key: str, ok: int, failed: int, now: float) -> None:
         """The whole fleet's attempts over the window (from a shared store's counters).
@@ -320,6 +450,9 @@ class HealthBoard:
             rec.reopens = 0
             rec.open_until = rec.probe_until = 0.0
             rec.consecutive_failures = 0
+            p = self.pacers.get(rec.key)
+            if p is not None:
+                p.start_ramp(now)  # another instance's probe passed: release the line
             self._emit(remote)
 
     # -- views ------------------------------------------------------------------------------
@@ -338,4 +471,5 @@ class HealthBoard:
             "cooloff_s": round(max(0.0, rec.cooloff_until - now), 3),
             "cooloff_reason": rec.cooloff_reason if rec.cooloff_until > now else "",
             "reopens": rec.reopens,
+            "pacer": self.pacer(key).view(now),
         }

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 
 from unbroken.core.health import HealthBoard
+from unbroken.core.pacer import PaceSettings
 
 __all__ = [
     "QUOTA_STATUSES",
@@ -27,7 +28,6 @@ __all__ = [
     "Failure",
     "FailureClass",
     "Park",
-    "RetryBudget",
     "RetryPolicy",
     "RetryState",
     "counts_against_upstream",
@@ -159,18 +159,27 @@ def parse_retry_after(headers: Mapping[str, str], *, now_wall: float) -> float |
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """The ``[retry]`` settings that shape waiting (see README, Configuration)."""
+    """The ``[retry]`` settings that shape waiting (see README, Configuration).
+
+    A retry waits ``delay_ms`` (``backoff = "fixed"``, the default; or a full-jitter
+    exponential draw), then takes its go from the upstream's pacer
+    (`unbroken.core.pacer`): ``pace_floor_per_s`` retries a second while the upstream
+    fails (0: ``1000 / delay_ms``, so a lone turn never waits on it), plus
+    ``pace_ratio`` for every answered attempt, at most ``pace_burst`` at once.
+    """
 
     delay_ms: int = 250
-    backoff: str = "exponential"  # full jitter; or "fixed"
+    backoff: str = "fixed"  # or "exponential" (full jitter, up to max_delay_ms)
     max_delay_ms: int = 30_000
     max_attempts: int = 0  # total attempts including the first; 0 = unlimited
     honor_retry_after: bool = True
     max_retry_after_ms: int = 60_000
-    #: at most this share (%) of the turns in flight may be retrying at once; 0 = off
-    budget_percent: float = 0.0
-    #: this many retries at once are always allowed, whatever the budget says
-    min_retry_concurrency: int = 3
+    #: retries a second a failing upstream gets from this relay (0: 1000 / delay_ms)
+    pace_floor_per_s: float = 0.0
+    #: retries earned by each answered attempt (retries in proportion to successes)
+    pace_ratio: float = 1.0
+    #: retries that may go at once
+    pace_burst: float = 10.0
 
     def base_delay(self, retry_number: int, rng: random.Random) -> float:
         """Seconds before retry number ``retry_number`` (1 = the first retry)."""
@@ -182,13 +191,19 @@ class RetryPolicy:
     def clamp_retry_after(self, seconds: float) -> float:
         return min(seconds, self.max_retry_after_ms / 1000.0)
 
+    def pace_settings(self) -> PaceSettings:
+        floor = self.pace_floor_per_s or 1000.0 / max(1, self.delay_ms)
+        return PaceSettings(floor_per_s=floor, ratio=self.pace_ratio, burst=self.pace_burst)
+
 
 @dataclass(frozen=True, slots=True)
 class Park:
     """No upstream may be tried now: wait until ``until`` (monotonic), then look again."""
 
     until: float
-    why: str  # "breaker" | "cooloff" | "probe" | "budget"
+    why: str  # "breaker" | "cooloff" | "probe" | "pacer"
+    #: the upstream whose line the turn waits in (its key), if any
+    key: str | None = None
 
 
 def rendezvous_order(session: str, keys: Sequence[str]) -> list[int]:
@@ -205,41 +220,19 @@ def rendezvous_order(session: str, keys: Sequence[str]) -> list[int]:
 
 
 @dataclass(slots=True)
-class RetryBudget:
-    """Envoy's retry budget for one route (sans-IO counters, shared by its turns).
-
-    ``turns`` in flight and ``retrying`` (turns whose current attempt is a retry)
-    are counted by the relay; `allow` says if one more retry may start now.
-    """
-
-    percent: float = 0.0
-    min_concurrency: int = 3
-    turns: int = 0
-    retrying: int = 0
-    exhausted_total: int = 0  # retries that had to wait for the budget
-
-    def limit(self) -> float:
-        # at least one retry may always run, so parked retries can never all starve
-        return max(1.0, float(self.min_concurrency), self.percent / 100.0 * self.turns)
-
-    def allow(self) -> bool:
-        if self.percent <= 0:
-            return True
-        return self.retrying + 1 <= self.limit()
-
-
-@dataclass(slots=True)
 class RetryState:
     """Attempt bookkeeping for one turn over a route's upstreams (sans-IO).
 
     ``next_upstream`` picks the upstream for the next attempt: the session's
     rendezvous order when the turn carries a ``sticky`` key, else the route's order;
-    the first attempt takes the first usable one, a retry the next usable one after
-    the current.  An upstream is skipped while it asked (Retry-After, quota) to be
-    left alone or its breaker (``board``) is open.  With a ``board``, when no
-    upstream is usable it returns a `Park` (wait until the earliest reopen) instead
-    of an index; so it does when the retry ``budget`` is spent.  ``record_failure``
-    says how long to wait before the next attempt.
+    the first attempt takes the first usable one (from ``prefer``, when the turn
+    starts on a given upstream, as a WebSocket whose socket is there), a retry the
+    next usable one after the current.  An upstream is skipped while it asked
+    (Retry-After, quota) to be left alone or its breaker (``board``) is open; a retry
+    also needs its pacer's go (`core.pacer`).  With a ``board``, when no upstream
+    may be tried it returns a `Park`: the turn waits in that upstream's line (the
+    transport wakes it when the pacer grants it, or at ``until``).
+    ``record_failure`` says how long to wait before the next attempt.
     """
 
     policy: RetryPolicy
@@ -249,16 +242,22 @@ class RetryState:
     board: HealthBoard | None = None
     keys: Sequence[str] = ()  # the board's key of each upstream
     sticky: str | None = None  # the session key: same session, same upstream
-    budget: RetryBudget | None = None
     quota_cooloff_s: float = 3600.0
+    #: the first attempt goes here when it is usable (-1: the order's first)
+    prefer: int = -1
+    #: a parked turn looks again at least this often
+    park_check_s: float = 1.0
     attempts: int = 0
     retries: int = 0
     current: int = -1
     why: str = ""  # how the last upstream was chosen: first, sticky, rotated, breaker_skip
     quota_wall: bool = False  # the last failure was a spent quota with no other upstream
+    #: this turn's place-holder in the pacers' lines (0: none yet)
+    ticket: int = 0
+    #: the key of the line this turn waits in, if any
+    line: str | None = None
     _order: list[int] | None = None
     _counted: set[int] = field(default_factory=set)  # upstreams this turn has failed on
-    _budget_wait: bool = False  # this turn's retry is waiting for the budget
 
     def exhausted(self) -> bool:
         return self.policy.max_attempts > 0 and self.attempts >= self.policy.max_attempts
@@ -281,47 +280,65 @@ class RetryState:
             self._order = order
         return order
 
-    def next_upstream(self, now: float) -> int | Park:
-        """Choose the upstream for the next attempt and count the attempt (or `Park`)."""
+    def next_upstream(self, now: float, *, pace: bool = True) -> int | Park:
+        """Choose the upstream for the next attempt and count the attempt (or `Park`).
+
+        ``pace=False``: retries skip the pacer (the testing mode's no-wait runs)."""
         n = self.n_upstreams
         order = self.order()
         first = self.current < 0
-        budget = self.budget
-        if not first and budget is not None and not budget.allow():
-            if not self._budget_wait:  # counted once per retry that has to wait
-                self._budget_wait = True
-                budget.exhausted_total += 1
-            return Park(now + 0.25, "budget")
-        self._budget_wait = False
-        start = 0 if first else (order.index(self.current) + 1) % n
+        if first:
+            start = order.index(self.prefer) if 0 <= self.prefer < n else 0
+        else:
+            start = (order.index(self.current) + 1) % n
         board = self.board
+        paced = pace and not first and board is not None
+        ticket = self.ticket
+        if paced and not ticket:
+            assert board is not None
+            ticket = self.ticket = board.new_ticket()
         choice = -1
         skipped = False
         soonest = float("inf")
         why = "cooloff"
+        blocked_at = -1  # the upstream free soonest, when every one is blocked
+        in_line = -1  # the first free upstream whose pacer says wait
         for k in range(n):
             idx = order[(start + k) % n]
             until = self._blocked(idx, now)
             if until > 0.0:
                 skipped = True
                 if until < soonest:
-                    soonest = until
+                    soonest, blocked_at = until, idx
                     why = self._why_blocked(idx, now)
                 continue
-            if board is not None and not board.take(self.keys[idx], now):
-                skipped = True
-                probe_until = board.blocked_until(self.keys[idx], now) or now + 0.05
-                if probe_until < soonest:
-                    soonest, why = probe_until, "probe"
-                continue
+            if board is not None:
+                key = self.keys[idx]
+                if paced and not board.peek(key, ticket, now):
+                    if in_line < 0:
+                        in_line = idx
+                    continue
+                if not board.take(key, now):  # a half-open probe that is not ours
+                    skipped = True
+                    if paced:
+                        board.requeue(key, ticket)
+                    probe_until = board.blocked_until(key, now) or now + 0.05
+                    if probe_until < soonest:
+                        soonest, why, blocked_at = probe_until, "probe", idx
+                    continue
+                if paced:
+                    board.admit(key, ticket, now)  # peek said yes: spends the token
             choice = idx
             break
         if choice < 0:
             if board is not None:
-                return Park(soonest, why)
+                return self._park(board, now, in_line, blocked_at, soonest, why)
             # no board: everyone is cooling off, take the one free soonest
             choice = min(range(n), key=lambda i: self.cooloff_until.get(i, 0.0))
-        if skipped:
+        if self.line is not None and board is not None:
+            board.withdraw(self.line, ticket)
+            self.line = None
+        if skipped or in_line >= 0:
             self.why = "breaker_skip"
         elif first:
             self.why = "sticky" if self.sticky and n > 1 else "first"
@@ -329,9 +346,36 @@ class RetryState:
             self.why = "rotated"
         self.current = choice
         self.attempts += 1
-        if not first and budget is not None:
-            budget.retrying += 1
         return choice
+
+    def _park(
+        self, board: HealthBoard, now: float, in_line: int, blocked_at: int, soonest: float, why: str
+    ) -> Park:
+        """Wait in a line: a free upstream's pacer, else the one blocked the shortest."""
+        if not self.ticket:
+            self.ticket = board.new_ticket()
+        idx = in_line if in_line >= 0 else blocked_at
+        key = self.keys[idx]
+        if self.line is not None and self.line != key:
+            board.withdraw(self.line, self.ticket)
+        self.line = key
+        if in_line >= 0:
+            board.admit(key, self.ticket, now)  # no: it keeps (or takes) its place
+            return Park(now + self.park_check_s, "pacer", key)
+        board.wait_in_line(key, self.ticket)
+        return Park(soonest, why, key)
+
+    def close(self) -> None:
+        """The turn is over: it leaves any line it waits in."""
+        if self.line is not None and self.board is not None:
+            self.board.withdraw(self.line, self.ticket)
+            self.line = None
+
+    def record_answer(self, now: float) -> None:
+        """The current upstream answered (headers of a final answer): it is known good."""
+        board = self.board
+        if board is not None and self.keys and self.current >= 0:
+            board.answered(self.keys[self.current], now)
 
     def _why_blocked(self, i: int, now: float) -> str:
         board = self.board
@@ -368,6 +412,7 @@ class RetryState:
                 board.failure(key, now, failure.label, count=first_here)
             else:  # a 4xx (429, 408, ...) is an answer: the upstream is up (a probe passed)
                 board.success(key, now)
+                board.pace_failure(key, now)  # but not a success for its pacer
         other_free = self._other_free(now)
         if failure.cls.reroutes_at_once and other_free:
             return 0.0

@@ -38,7 +38,8 @@ Events in (method calls, each given ``now``, a monotonic time in seconds)::
 Actions out (frozen values; the transport carries each one out)::
 
     Open(upstream, timeout_s)    open an attempt on upstream i
-    Wait(seconds)                sleep, then call ``next_attempt()``
+    Wait(seconds, key, ticket)   wait, then call ``next_attempt()``; the wait ends early
+                                 when the upstream's pacer lets the turn go
     Stream / PassThrough /       read the answer's body this way
       ReadErrorBody / FinalInStream
     SendHeaders(status)          send the SSE status line and headers now
@@ -192,7 +193,7 @@ class TurnState(enum.StrEnum):
     """What a live turn is doing (for /status)."""
 
     WAITING = "waiting"  # connecting, or waiting before a retry
-    PARKED = "parked"  # every upstream is open, cooling off, or the retry budget is spent
+    PARKED = "parked"  # waiting in an upstream's line: its pacer, breaker or cool-off
     HOLDING = "holding"  # reading; nothing released yet
     STREAMING = "streaming"  # output is reaching the client
     DONE = "done"
@@ -245,7 +246,13 @@ class Open:
 
 @dataclass(frozen=True, slots=True)
 class Wait:
+    """Wait, then call ``next_attempt()``.  The wait ends early when the upstream
+    ``key`` lets the turn go: its pacer grants ``ticket`` (a turn in its line), or, with
+    no ticket (a retry's delay), it is known good again (`core.pacer`)."""
+
     seconds: float
+    key: str | None = None
+    ticket: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +332,7 @@ class TurnReport(TypingProtocol):
 
     def attempt_started(self, number: int, upstream: int, choice: str) -> None:
         """``choice``: how the upstream was chosen (first, sticky, rotated, breaker_skip,
-        or parked when the turn waited for a breaker, a cool-off or the budget first)."""
+        or parked when the turn waited in an upstream's line first)."""
     def attempt_ended(
         self, reason: str, phase: Phase | None, status: int | None, stats: AttemptStats | None
     ) -> None: ...
@@ -438,17 +445,18 @@ class TurnMachine:
         retry = self.retry
         if retry.exhausted():
             return self._give_up()
-        idx = retry.next_upstream(now)
+        idx = retry.next_upstream(now, pace=not _testing)
         if type(idx) is Park and _testing:
-            idx = retry.next_upstream(idx.until)  # testing mode: no real waits, parks neither
+            # testing mode: no real waits, parks neither
+            idx = retry.next_upstream(idx.until, pace=False)
         if type(idx) is Park:
-            # Parked: nothing goes upstream until the earliest reopen; the transport's
-            # timer keeps the client alive (early headers, keepalives) meanwhile.
+            # Parked in an upstream's line: the transport wakes the turn when the pacer
+            # grants it a go (or at ``until``); its timer keeps the client alive
+            # (early headers, keepalives) meanwhile.
             self.report.state(TurnState.PARKED)
             self._parked = True
-            board = retry.board
-            check = board.settings.park_check_s if board is not None else 1.0
-            return Wait(min(max(idx.until - now, 0.001), check))
+            wait = min(max(idx.until - now, 0.001), retry.park_check_s)
+            return Wait(wait, idx.key, retry.ticket)
         assert isinstance(idx, int)
         self.step = _Step.CONNECTING
         self.status = None
@@ -493,6 +501,7 @@ class TurnMachine:
             )
             self._reading(now)
             return ReadErrorBody()
+        self.retry.record_answer(now)  # known good: its pacer's line may move
         if status < 300 and sse:
             ledger = self.ledger
             if ledger is None:
@@ -799,7 +808,8 @@ class TurnMachine:
         report.attempt_failed(failure, phase, wait)
         report.state(TurnState.WAITING)
         if wait > 0 and not _testing:
-            return Wait(wait)
+            keys = retry.keys
+            return Wait(wait, keys[retry.current] if keys else None)
         return self.next_attempt(now)
 
     def _committed_failure(self, failure: Failure) -> None:
@@ -823,6 +833,7 @@ class TurnMachine:
         failure = self.failure
         reason = failure.reason if failure else "retries exhausted"
         self.step = _Step.ENDED
+        self.retry.close()
         if self.headers_out:
             ledger = self.ledger or Ledger(self.protocol, hold=self.hold)
             data = ledger.give_up(f"retries exhausted ({reason})")
@@ -838,6 +849,7 @@ class TurnMachine:
 
     def _end(self, outcome: Outcome, action: End) -> End:
         self.step = _Step.ENDED
+        self.retry.close()
         self.outcome = outcome
         if outcome.is_ok or outcome is Outcome.PASSED_THROUGH_ERROR:
             ok = outcome.is_ok
@@ -883,6 +895,7 @@ class TurnMachine:
                     self.stats,
                 )
         self.step = _Step.ENDED
+        self.retry.close()
         return self.outcome
 
     def crashed(self) -> Outcome:
@@ -893,6 +906,7 @@ class TurnMachine:
                 Outcome.INTERNAL_ERROR.value, None, self.status, self.stats
             )
         self.step = _Step.ENDED
+        self.retry.close()
         return self.outcome
 
     def shutdown_error(self) -> bytes:

@@ -84,6 +84,8 @@ class RecordedRequest:
     previous_response_id: str | None = None
     #: Whether that id was known (None when there was no ``previous_response_id``).
     previous_response_found: bool | None = None
+    #: When it arrived (the event loop's monotonic clock, seconds).
+    at: float = 0.0
 
     def json(self) -> Any:
         """The body parsed as JSON."""
@@ -108,6 +110,7 @@ class RecordedRequest:
             "socket": self.socket,
             "previous_response_id": self.previous_response_id,
             "previous_response_found": self.previous_response_found,
+            "at": self.at,
         }
         try:
             out["body"] = self.body.decode("utf-8")
@@ -524,6 +527,7 @@ class MockProvider:
                     action=action.raw if action is not None else None,
                     previous_response_id=previous,
                     previous_response_found=found,
+                    at=asyncio.get_running_loop().time(),
                 )
             )
         if action is None:
@@ -853,6 +857,7 @@ class MockProvider:
                     socket=sock.number,
                     previous_response_id=previous,
                     previous_response_found=found,
+                    at=asyncio.get_running_loop().time(),
                 )
             )
         if action is None:

@@ -108,6 +108,8 @@ class Health(Hooks):
                 "breaker": breaker,
                 "open_until": round(wall + open_for, 3) if breaker == "open" else None,
                 "failure_rate": b.get("failure_rate", 0.0),
+                #: the retry pacer (`core.pacer`): tokens, turns in line, ramping
+                "pacer": b.get("pacer") or {},
                 "recent_failures": [{"at": t, "reason": r} for t, r in h.recent],
             })
         return out

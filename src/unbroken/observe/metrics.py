@@ -66,6 +66,21 @@ class _Live:
             "The upstream's circuit breaker: 1 for its current state.",
             labels=["route", "upstream", "state"],
         )
+        line = GaugeMetricFamily(
+            "unbroken_pacer_waiting",
+            "Retries waiting in the upstream's line (its pacer, breaker or cool-off).",
+            labels=["route", "upstream"],
+        )
+        tokens = GaugeMetricFamily(
+            "unbroken_pacer_tokens",
+            "Retries the upstream's pacer would let go at once now.",
+            labels=["route", "upstream"],
+        )
+        waited = CounterMetricFamily(
+            "unbroken_pacer_waited",
+            "Retries that had to wait in the upstream's line.",
+            labels=["route", "upstream"],
+        )
         for h in self.upstreams():
             labels = [h["route"], h["upstream"]]
             up.add_metric(labels, 1.0 if h["up"] else 0.0)
@@ -73,12 +88,19 @@ class _Live:
             current = h.get("breaker", "closed")
             for s in ("closed", "open", "half_open"):
                 state.add_metric([*labels, s], 1.0 if s == current else 0.0)
+            pacer = h.get("pacer") or {}
+            line.add_metric(labels, float(pacer.get("waiting", 0)))
+            tokens.add_metric(labels, float(pacer.get("tokens", 0.0)))
+            waited.add_metric(labels, float(pacer.get("waited_total", 0)))
         yield up
         yield cool
         yield state
+        yield line
+        yield tokens
+        yield waited
         yield GaugeMetricFamily(
             "unbroken_parked_turns",
-            "Turns parked now: every upstream open or cooling off, or the retry budget spent.",
+            "Turns parked now: waiting in an upstream's line (pacer, breaker, cool-off).",
             value=sum(1 for t in turns if t.state == "parked"),
         )
         if self.fleet is not None:
@@ -89,7 +111,7 @@ class _Live:
 
 
 def _fleet_metrics(fleet: dict[str, Any]) -> Iterator[Metric]:
-    """Breaker transitions, the retry budget, the health store and the worker."""
+    """Breaker transitions, the health store and the worker."""
     trans = CounterMetricFamily(
         "unbroken_breaker_transitions",
         "Circuit breaker transitions, by the state entered (open, half_open, close).",
@@ -98,19 +120,6 @@ def _fleet_metrics(fleet: dict[str, Any]) -> Iterator[Metric]:
     for (route, upstream, kind), n in sorted(fleet.get("transitions", {}).items()):
         trans.add_metric([route, upstream, kind], float(n))
     yield trans
-    budget = CounterMetricFamily(
-        "unbroken_retry_budget_exhausted",
-        "Retries that had to wait (parked) because the route's retry budget was spent.",
-        labels=["route"],
-    )
-    retrying = GaugeMetricFamily(
-        "unbroken_retries_in_flight", "Turns whose current attempt is a retry.", labels=["route"]
-    )
-    for route, b in sorted(fleet.get("retry_budget", {}).items()):
-        budget.add_metric([route], float(b.get("exhausted_total", 0)))
-        retrying.add_metric([route], float(b.get("retrying", 0)))
-    yield budget
-    yield retrying
     store = fleet.get("store") or {}
     up = GaugeMetricFamily(
         "unbroken_store_up",

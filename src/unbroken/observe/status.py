@@ -285,16 +285,15 @@ class StatusView:
         store = data.get("store")
         if isinstance(store, dict) and store.get("state") == "degraded":
             head.append(f"  {store.get('kind', 'store')} store DEGRADED", style="red")
-        budgets = data.get("retry_budget")
-        if isinstance(budgets, dict):
-            for route, b in sorted(budgets.items()):
-                if isinstance(b, dict) and b.get("limit") is not None:
-                    # budget use: retries in flight / the limit, and retries that waited
-                    head.append(
-                        f"  budget {route} {b.get('retrying', 0)}/{b['limit']:g}"
-                        f" ({b.get('exhausted_total', 0)} waited)",
-                        style="yellow" if b.get("exhausted_total") else "",
-                    )
+        for u in data.get("upstreams", []):
+            pacer = u.get("pacer") if isinstance(u, dict) else None
+            if isinstance(pacer, dict) and pacer.get("waiting"):
+                # the upstream's line: retries waiting for its pacer, breaker or cool-off
+                ramp = ", ramping" if pacer.get("ramping") else ""
+                head.append(
+                    f"  {u.get('route')}/{u.get('upstream')}: {pacer['waiting']} in line{ramp}",
+                    style="yellow",
+                )
 
         rows: list[list[Any]] = []
         for t in inflight:

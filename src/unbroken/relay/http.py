@@ -33,7 +33,6 @@ from unbroken.core.ledger import Hold
 from unbroken.core.policy import (
     Failure,
     FailureClass,
-    RetryBudget,
     RetryState,
     parse_retry_after,
 )
@@ -63,6 +62,7 @@ from unbroken.core.turn import (
 from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnInfo
 from unbroken.observe.report import TurnReporter
 from unbroken.relay.errors import classify_exception
+from unbroken.relay.pacing import Waker
 from unbroken.relay.store import HealthStore, make_store
 from unbroken.relay.upstream import (
     Redactor,
@@ -166,17 +166,14 @@ class Relay:
         #: the keys and the token: redacted from any error answer that echoes them
         self.secrets = config.secrets()
         #: the health of every upstream (breakers, cool-offs), consulted by every turn
-        self.board = HealthBoard(config.health)
+        self.board = HealthBoard(config.health, pace=config.retry.pace_settings())
+        #: wakes the turns the upstreams' pacers let go (`relay.pacing`)
+        self.waker = Waker(self.board)
         self.clock = clock
         #: shares the board with other processes: in-process, a workers' channel, or Redis
         self.store: HealthStore = make_store(
             self.board, config.health.store, channel_dir=channel_dir, worker=worker
         )
-        #: route -> retry budget (turns in flight, retries in flight)
-        self.budgets: dict[str, RetryBudget] = {
-            name: RetryBudget(config.retry.budget_percent, config.retry.min_retry_concurrency)
-            for name in config.routes
-        }
         #: breaker transitions: (route, upstream, kind) -> count
         self.transitions: dict[tuple[str, str, str], int] = {}
         self.board.listeners.append(self._on_health_change)
@@ -228,20 +225,17 @@ class Relay:
         self._facts[route.name] = (route, names, renames)
         return names, renames
 
-    def retry_state(self, route: Route, sticky: str | None = None) -> RetryState:
-        """A turn's retry bookkeeping; cool-offs, breakers and the budget are the route's.
+    def retry_state(
+        self, route: Route, sticky: str | None = None, *, prefer: int = -1
+    ) -> RetryState:
+        """A turn's retry bookkeeping; cool-offs, breakers and pacers are the route's.
 
-        ``sticky``: the turn's session key (`sticky_key`), if it has one.
+        ``sticky``: the turn's session key (`sticky_key`), if it has one; ``prefer``:
+        the upstream its first attempt goes to when it is usable.
         """
         keys = self._keys.get(route.name)
         if keys is None or len(keys) != len(route.upstreams):
             keys = self._keys[route.name] = _route_keys(route)
-        budget = self.budgets.get(route.name)
-        if budget is None:
-            retry = self.config.retry
-            budget = self.budgets[route.name] = RetryBudget(
-                retry.budget_percent, retry.min_retry_concurrency
-            )
         return RetryState(
             self.config.retry,
             len(route.upstreams),
@@ -250,8 +244,9 @@ class Relay:
             board=self.board,
             keys=keys,
             sticky=sticky,
-            budget=budget,
             quota_cooloff_s=self.config.health.quota_cooloff_s,
+            prefer=prefer,
+            park_check_s=self.config.health.park_check_s,
         )
 
     def handle(
@@ -294,18 +289,6 @@ class Relay:
                 out.append(view)
         return out
 
-    def budget_view(self) -> dict[str, dict[str, Any]]:
-        return {
-            route: {
-                "turns": b.turns,
-                "retrying": b.retrying,
-                "limit": None if b.percent <= 0 else round(b.limit(), 2),
-                "budget_percent": b.percent,
-                "exhausted_total": b.exhausted_total,
-            }
-            for route, b in self.budgets.items()
-        }
-
     def running(self) -> _Running:
         """Track the current task as a running client request (``with relay.running():``)."""
         return _Running(self)
@@ -324,6 +307,7 @@ class Relay:
         return len(left)
 
     async def close(self) -> None:
+        self.waker.close()
         await self.client.close()
         await self.store.close()
 
@@ -365,9 +349,10 @@ def _route_keys(route: Route) -> tuple[str, ...]:
 class _HealthHook(Hooks):
     """Feeds attempt outcomes the machine does not record itself to the health board.
 
-    The machine records failures before commit (they decide the next wait); this
-    records answers (a success for the breaker), failures after commit, the fleet's
-    counters, and the retry budget's counts.
+    The machine records failures before commit (they decide the next wait) and
+    answers as they arrive (they release the pacer's line); this counts each
+    attempt's end (the failure window), failures after commit, and the fleet's
+    counters.
     """
 
     def __init__(self, relay: Relay) -> None:
@@ -375,23 +360,11 @@ class _HealthHook(Hooks):
         #: turn id -> the upstreams it failed on (the fleet counts one failure per turn)
         self._failed: dict[int, set[str]] = {}
 
-    def turn_started(self, turn: TurnInfo) -> None:
-        budget = self.relay.budgets.get(turn.route)
-        if budget is not None:
-            budget.turns += 1
-
     def turn_ended(self, turn: TurnInfo) -> None:
         self._failed.pop(turn.id, None)
-        budget = self.relay.budgets.get(turn.route)
-        if budget is not None and budget.turns > 0:
-            budget.turns -= 1
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         relay = self.relay
-        if attempt.number > 1:
-            budget = relay.budgets.get(turn.route)
-            if budget is not None and budget.retrying > 0:
-                budget.retrying -= 1
         reason = attempt.reason
         if reason == "aborted_by_client":
             return
@@ -807,7 +780,7 @@ class _HttpTurn:
                         action = await self._attempt(action)
                     elif type(action) is Wait:
                         self.watchdog.arm()  # keepalives and early headers go on meanwhile
-                        await asyncio.sleep(action.seconds)
+                        await self.relay.waker.wait(action)
                         action = machine.next_attempt(self.loop.time())
                     elif type(action) is End:
                         return await self._end(action)

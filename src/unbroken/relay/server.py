@@ -366,11 +366,10 @@ class RelayServer:
         }
 
     def _fleet(self) -> dict[str, Any]:
-        """Health-store state, retry budgets, breaker transitions and the worker's identity."""
+        """Health-store state, breaker transitions and the worker's identity."""
         worker = self.worker
         return {
             "store": self.relay.store.status(),
-            "retry_budget": self.relay.budget_view(),
             "transitions": self.relay.transitions,
             "worker": None if worker is None else {"id": worker.id, "pid": os.getpid()},
         }

@@ -240,6 +240,9 @@ class _Connection:
         )
         self.upstream: aiohttp.ClientWebSocketResponse[Any] | None = None
         self.upstream_idx = -1
+        #: the upstream the last turn's last attempt went to: the next turn starts there
+        #: (the socket opened before the first turn is not a choice: sticky order is)
+        self.turn_upstream = -1
         self.socket_gen = 0  # increments with every new upstream socket
         self.http_until = 0.0  # monotonic time until which turns go over HTTP
         self.history = History()
@@ -445,8 +448,10 @@ class _WsTurn:
         self.report = TurnReporter(
             info, relay.hooks, relay.route_facts(conn.route)[0], relay.inflight
         )
-        retry = relay.retry_state(conn.route, sticky_key(conn.request.headers, create))
-        retry.current = conn.upstream_idx - 1 if conn.upstream_idx >= 0 else -1
+        # The first attempt goes where the socket is (a turn, not a retry).
+        retry = relay.retry_state(
+            conn.route, sticky_key(conn.request.headers, create), prefer=conn.turn_upstream
+        )
         now = conn.loop.time()
         self.machine = TurnMachine(
             protocol=RESPONSES,
@@ -510,7 +515,7 @@ class _WsTurn:
                 action = await self._attempt(action)
             elif type(action) is Wait:
                 await conn.drop_upstream()
-                await asyncio.sleep(action.seconds)
+                await self.relay.waker.wait(action)
                 action = machine.next_attempt(conn.loop.time())
             elif type(action) is End:
                 if action.data:
@@ -525,6 +530,7 @@ class _WsTurn:
 
     async def _attempt(self, action: Open) -> Action:
         conn = self.conn
+        conn.turn_upstream = action.upstream
         up = conn.route.upstreams[action.upstream]
         self.socket = None
         if conn.loop.time() < conn.http_until:

@@ -1,0 +1,113 @@
+"""Carries out the pacers' grants: the turns an upstream lets go are woken at once.
+
+The decisions (who may go, when the next token is due, the ramp after a recovery)
+are the core's (`unbroken.core.pacer`, through `HealthBoard.pump`).  This module
+only does what they say: a turn's `Wait` ends when its ticket is granted, when the
+upstream it waits out a delay for is known good again, or at the wait's end; and the
+board is pumped again when it says the next grant is due.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from unbroken.core.health import HealthBoard
+from unbroken.core.turn import Wait
+
+__all__ = ["Waker"]
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Waker:
+    """One relay's waits on its upstreams' pacers (see the module docstring)."""
+
+    __slots__ = ("_delays", "_loop", "_scheduled", "_tickets", "_timers", "board")
+
+    def __init__(self, board: HealthBoard) -> None:
+        self.board = board
+        board.pace_listener = self._poke
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: ticket -> the future its turn waits on
+        self._tickets: dict[int, asyncio.Future[None]] = {}
+        #: key -> the futures of turns waiting out a retry's delay for it
+        self._delays: dict[str, set[asyncio.Future[None]]] = {}
+        #: key -> the timer of its next pump
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._scheduled: set[str] = set()
+
+    def _get_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
+    async def wait(self, action: Wait) -> None:
+        """Carry out ``action``: wait until the pacer lets the turn go, or its end."""
+        key = action.key
+        if key is None:
+            await asyncio.sleep(action.seconds)
+            return
+        loop = self._get_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        ticket = action.ticket
+        delays: set[asyncio.Future[None]] | None = None
+        if ticket:
+            self._tickets[ticket] = fut
+            self._poke(key, False)  # it may be granted already
+        else:
+            delays = self._delays.setdefault(key, set())
+            delays.add(fut)
+        handle = loop.call_later(action.seconds, _wake, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            if ticket:
+                if self._tickets.get(ticket) is fut:
+                    del self._tickets[ticket]
+            elif delays is not None:
+                delays.discard(fut)
+                if not delays and self._delays.get(key) is delays:
+                    del self._delays[key]
+
+    def _poke(self, key: str, recovered: bool) -> None:
+        """The board says ``key``'s line may move (``recovered``: it answered again)."""
+        if recovered:
+            for fut in self._delays.pop(key, ()):
+                _wake(fut)
+        if key in self._scheduled:
+            return
+        try:
+            loop = self._get_loop()
+        except RuntimeError:  # no loop (a board used outside the relay): nothing waits
+            return
+        self._scheduled.add(key)
+        loop.call_soon(self._pump, key)
+
+    def _pump(self, key: str) -> None:
+        self._scheduled.discard(key)
+        loop = self._get_loop()
+        granted, due = self.board.pump(key, loop.time())
+        tickets = self._tickets
+        for ticket in granted:
+            fut = tickets.get(ticket)
+            if fut is not None:
+                _wake(fut)
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        if due is not None:
+            self._timers[key] = loop.call_at(due, self._pump, key)
+
+    def view(self) -> dict[str, Any]:
+        return {"waiting": len(self._tickets), "delays": sum(map(len, self._delays.values()))}
+
+    def close(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
