@@ -349,12 +349,12 @@ class RetryState:
         return choice
 
     def _park(
-        self, board: HealthBoard, now: float, in_line: int, blocked_at: int, soonest: float, why: str
+        self, board: HealthBoard, now: float, in_line: int, at: int, soonest: float, why: str
     ) -> Park:
         """Wait in a line: a free upstream's pacer, else the one blocked the shortest."""
         if not self.ticket:
             self.ticket = board.new_ticket()
-        idx = in_line if in_line >= 0 else blocked_at
+        idx = in_line if in_line >= 0 else at
         key = self.keys[idx]
         if self.line is not None and self.line != key:
             board.withdraw(self.line, self.ticket)
