@@ -188,3 +188,37 @@ async def test_the_fleets_failure_rate_opens_a_breaker_no_instance_could_alone(
         await until(lambda: b.relay.board.state(key, time.monotonic()) == "open", cap=5)
         status = await (await http.get(a.url + "/status")).json()
         assert status["store"]["fleet_window"][key][1] == 12
+
+
+async def test_relays_with_turns_waiting_on_one_upstream_split_its_pacers_floor(
+    redis_server, mock
+):
+    """Issue 22: however many turns wait, a dead upstream gets a bounded rate of retries
+    from the whole fleet, not from every relay: the relays that have turns in its line
+    split the floor (and a value in Redis that is not a relay's mark counts as nobody)."""
+    cfg = fleet_config([mock.url], redis_server.url, breakers=False)
+    mock.script([{"status": 503, "count": 1_000_000}])  # down for the whole test
+    key = f"mock|{mock.url}"
+    async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
+        await until(lambda: up(a))
+        await until(lambda: up(b))
+        store = a.relay.store
+        await store.redis.hset(f"unbroken:{key}:waiters", "junk", "not-a-number")  # type: ignore[attr-defined]
+        turns = [
+            asyncio.ensure_future(post(http, server.url, who))
+            for server, who in ((a, "a"), (b, "b"))
+            for _ in range(20)
+        ]
+        try:
+            pa, pb = a.relay.board.pacer(key), b.relay.board.pacer(key)
+            await until(lambda: pa.share == 2 and pb.share == 2)
+            assert pa.view(0.0)["floor_per_s"] == pa.settings.floor_per_s / 2
+            data = await (await http.get(a.url + "/status")).json()
+            [u] = [u for u in data["upstreams"] if u["route"] == "mock"]
+            assert u["pacer"]["fleet_share"] == 2 and u["pacer"]["waiting"] > 0
+        finally:
+            for t in turns:
+                t.cancel()
+            await asyncio.gather(*turns, return_exceptions=True)
+        # nobody waits any more: each relay has its whole floor back
+        await until(lambda: pa.share == 1 and pb.share == 1)

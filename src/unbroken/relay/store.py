@@ -15,12 +15,16 @@ applies theirs to the local board:
       unbroken:K:probe            the half-open probe's owner (SET NX PX)
       unbroken:K:n:<bucket>:ok    attempts per window bucket (INCR + EXPIRE)
       unbroken:K:n:<bucket>:fail
+      unbroken:K:waiters          relays with turns in K's line: origin -> until (ms)
       channel unbroken:health     every change, JSON, for the other instances at once
 
   Turns never wait on Redis.  A change is written and published in the background;
   every instance applies what it hears on the channel within milliseconds and
   re-reads the keys every second (each read has a 50 ms budget, then local state is
-  used).  When Redis is unreachable the relay keeps serving on local state, logs one
+  used).  The same read says how many relays have turns waiting in an upstream's
+  line, and each splits the pacer's floor with them, so a dead upstream gets the
+  floor from the whole fleet, not from every relay (a relay alone keeps all of it).
+  When Redis is unreachable the relay keeps serving on local state, logs one
   warning per minute, reports ``degraded``, reconnects by itself, and then writes its
   local state back so the fleet shares it again.
 * `ChannelStore`: what ``unbroken serve --workers N`` uses when no Redis is
@@ -57,6 +61,10 @@ CHANNEL = "unbroken:health"
 PREFIX = "unbroken:"
 READ_BUDGET_S = 0.05
 RESYNC_S = 1.0
+#: a relay's mark in an upstream's ``waiters`` hash lasts this long unless renewed
+WAITERS_TTL_MS = 3000
+#: the floor is split among at most this many relays (a bound on garbage in Redis)
+MAX_SHARE = 1000
 WARN_EVERY_S = 60.0
 
 
@@ -332,10 +340,18 @@ class RedisStore(HealthStore):
             return
         window = self.board.settings.window_s
         width = window / 10
+        wall_ms = int(time.time() * 1000)
         current = int(time.time() // width)
         pipe = self.redis.pipeline(transaction=False)
         for key in keys:
             k = PREFIX + key
+            pacer = self.board.pacers.get(key)
+            if pacer is not None and pacer.queue:
+                pipe.hset(f"{k}:waiters", self.origin, wall_ms + WAITERS_TTL_MS)
+            else:
+                pipe.hdel(f"{k}:waiters", self.origin)
+            pipe.pexpire(f"{k}:waiters", WAITERS_TTL_MS * 2)
+            pipe.hgetall(f"{k}:waiters")
             pipe.pttl(f"{k}:breaker")
             pipe.get(f"{k}:breaker")
             pipe.pttl(f"{k}:cooloff")
@@ -351,7 +367,8 @@ class RedisStore(HealthStore):
             return  # slow Redis: local state stands until the next read
         now = self.clock()
         for i, key in enumerate(keys):
-            b_ttl, b_val, c_ttl, c_val, counts = res[i * 5:(i + 1) * 5]
+            _, _, waiters, b_ttl, b_val, c_ttl, c_val, counts = res[i * 8:(i + 1) * 8]
+            self._share(key, waiters, wall_ms)
             if isinstance(b_ttl, int) and b_ttl > 0:
                 reopens = int(b_val or 0)
                 self.board.apply(Change(key, "open", b_ttl / 1000.0, "fleet", reopens), now)
@@ -361,6 +378,21 @@ class RedisStore(HealthStore):
             nums = [int(x) if x is not None else 0 for x in counts]
             ok, failed = self.fleet[key] = (sum(nums[:10]), sum(nums[10:]))
             self.board.fleet_window(key, ok, failed, now)
+
+    def _share(self, key: str, waiters: Any, wall_ms: int) -> None:
+        """How many relays have turns in ``key``'s line (this one counts itself): the
+        pacer's floor is split among them.  Garbage counts as nobody."""
+        n = 0
+        if isinstance(waiters, dict):
+            for until in waiters.values():
+                try:
+                    if int(until) > wall_ms:
+                        n += 1
+                except (TypeError, ValueError):
+                    continue
+        pacer = self.board.pacers.get(key)
+        if pacer is not None:
+            pacer.share = min(max(n, 1), MAX_SHARE)
 
     def _degrade(self, exc: BaseException) -> None:
         if self.up or self.degraded_since is None:
