@@ -353,3 +353,52 @@ async def test_websocket_turns_stick_to_their_sessions_upstream(mock, mock2):
         for i in range(12):  # many sessions: both upstreams get some
             await turn(f"session-{i}")
         assert len(mock.requests) > before[0] and len(mock2.requests) > before[1]
+
+
+async def test_parked_turns_are_woken_when_the_upstream_answers_not_by_a_timer(mock, http):
+    """Issue 22: a parked turn looked again only every ``park_check_s`` (and a turn that
+    found the probe out waited for the probe's 30 s lease).  Now the turns in the line
+    are released as soon as the probe is answered: with ``park_check_s`` at 10 minutes,
+    30 turns behind an outage still all complete."""
+    cfg = config(
+        [mock.url],
+        health={"failures_to_open": 1, "open_s": 0.2, "max_open_s": 0.2, "park_check_s": 600},
+    )
+    mock.script([{"status": 503, "count": 40}])
+    async with RelayServer(cfg) as server:
+        results = await asyncio.wait_for(
+            asyncio.gather(*[chat(http, server.url) for _ in range(30)]), 20
+        )
+        assert all(status == 200 for status, _ in results)
+        views = await (await http.get(server.url + "/status")).json()
+        [u] = [u for u in views["upstreams"] if u["route"] == "mock"]
+        assert u["pacer"]["waited_total"] > 0 and u["pacer"]["waiting"] == 0
+    # while the breaker was open only probes went: far fewer requests than 30 turns x 40
+    assert len(mock.requests) < 120
+
+
+async def test_a_websocket_turn_on_its_sessions_second_upstream_is_never_a_retry(mock, mock2):
+    """Issue 22: ``relay/websocket.py`` set ``current = upstream_idx - 1``, so on any
+    upstream but the first a turn's first attempt counted as a retry (and was never
+    given back): with two upstreams, ``budget_percent = 20`` and a sticky session,
+    turn 5 parked forever.  A turn now starts on its connection's upstream as a
+    first attempt."""
+    from unbroken.core.policy import rendezvous_order
+
+    cfg = config([mock.url, mock2.url], retry={"budget_percent": 20})
+    keys = [f"mock|{mock.url}", f"mock|{mock2.url}"]
+    session = next(f"s{i}" for i in range(100) if rendezvous_order(f"s{i}", keys)[0] == 1)
+    async with RelayServer(cfg) as server, aiohttp.ClientSession() as s:
+        ws_url = server.url.replace("http://", "ws://") + "/mock/v1/responses"
+        create = json.dumps({"type": "response.create", "model": "m", "input": "hi"})
+        async with s.ws_connect(ws_url, headers={"session-id": session}) as ws:
+            for _ in range(8):
+                await ws.send_str(create)
+                while True:
+                    msg = await ws.receive(timeout=10)
+                    assert msg.type is aiohttp.WSMsgType.TEXT, msg
+                    if '"response.completed"' in msg.data:
+                        break
+        stats = server.relay.board.pacer(keys[1])
+        assert stats.waited_total == 0 and stats.granted_total == 0  # no turn was paced
+    assert len(mock2.requests) == 8 and len(mock.requests) == 0
