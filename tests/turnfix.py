@@ -36,6 +36,9 @@ class Report:
     def hold_overflow(self, held_bytes: int) -> None:
         self.calls.append(("overflow", held_bytes))
 
+    def parked(self, why: str) -> None:
+        self.calls.append(("parked", why))
+
     def headers_sent(self) -> None:
         self.calls.append(("headers",))
 

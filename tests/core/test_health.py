@@ -265,6 +265,7 @@ def test_the_machine_parks_until_the_reopen_and_sends_nothing_meanwhile() -> Non
     # parked in the upstream's line (woken by its pacer), looking again every park_check_s
     assert m.start(0.5) == Wait(1.0, K, 1)
     assert states == [TurnState.PARKED] and not report.of("started")
+    assert report.of("parked") == [("parked", "breaker")]  # /status says what it waits for
     assert m.next_attempt(1.5) == Wait(1.0, K, 1)
     assert m.next_attempt(2.5) == Wait(0.5, K, 1)  # the reopen is nearer than park_check_s
     assert m.next_attempt(3.0) == Open(0, 120.0)  # the half-open probe

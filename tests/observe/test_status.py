@@ -84,7 +84,7 @@ async def test_status_reflects_an_inflight_retry(mock, waiting_relay):
     assert turn["client"] == "unknown"  # the client profile (an aiohttp client)
     assert set(turn) == {
         "id", "route", "path", "protocol", "stream", "client", "state", "attempts", "upstream",
-        "last_failure", "next_retry_in_s", "age_s", "held_bytes",
+        "last_failure", "next_retry_in_s", "parked_for", "age_s", "held_bytes",
     }
     [up] = [u for u in data["upstreams"] if u["route"] == "mock"]
     assert up["upstream"] == mock.url and up["up"] is True

@@ -15,7 +15,8 @@ def test_the_view_shows_breakers_parked_turns_lines_and_a_degraded_store() -> No
     data = {
         "version": "0.1.0", "now": now, "uptime_s": 5.0,
         "inflight": [{"id": 1, "route": "mock", "state": "parked", "attempts": 2,
-                      "upstream": "http://a", "age_s": 1.0, "held_bytes": 0}],
+                      "upstream": "http://a", "age_s": 1.0, "held_bytes": 0,
+                      "parked_for": "breaker"}],
         "upstreams": [
             {"route": "mock", "upstream": "http://a", "up": False, "ok": 1, "failed": 6,
              "failure_rate": 0.75, "breaker": "open", "open_until": now + 12, "cooloff_s": 0,
@@ -33,5 +34,5 @@ def test_the_view_shows_breakers_parked_turns_lines_and_a_degraded_store() -> No
     text = console.export_text()
     assert "OPEN 12s" in text or "OPEN 11s" in text
     assert "probe" in text and "6 (75%)" in text
-    assert "1 parked" in text and "2 workers" in text
+    assert "1 parked" in text and "2 workers" in text and "breaker" in text
     assert "redis store DEGRADED" in text and "mock/http://a: 7 in line" in text

@@ -339,6 +339,9 @@ class TurnReport(TypingProtocol):
     def attempt_failed(self, failure: Failure, phase: Phase, wait_s: float | None) -> None: ...
     def state(self, state: TurnState) -> None: ...
     def hold_overflow(self, held_bytes: int) -> None: ...
+    def parked(self, why: str) -> None:
+        """The turn waits in an upstream's line: for its ``pacer``, an open ``breaker``,
+        a ``cooloff`` (Retry-After, quota) or a ``probe`` that is out."""
     def headers_sent(self) -> None: ...
 
 
@@ -453,6 +456,7 @@ class TurnMachine:
             # Parked in an upstream's line: the transport wakes the turn when the pacer
             # grants it a go (or at ``until``); its timer keeps the client alive
             # (early headers, keepalives) meanwhile.
+            self.report.parked(idx.why)
             self.report.state(TurnState.PARKED)
             self._parked = True
             wait = min(max(idx.until - now, 0.001), retry.park_check_s)

@@ -73,6 +73,8 @@ class TurnInfo:
     state: str = "waiting"  # waiting | holding | streaming | done
     last_failure: str | None = None
     next_retry_at: float | None = None  # wall clock
+    #: why a parked turn waits in its upstream's line: pacer | breaker | cooloff | probe
+    parked_for: str | None = None
     # ok | recovered | ended_with_error | passed_through_error | aborted_by_client
     outcome: str | None = None
     ended: float | None = None

@@ -137,6 +137,9 @@ class TurnReporter:
     def state(self, state: TurnState) -> None:
         self.info.state = _VALUE[state]
 
+    def parked(self, why: str) -> None:
+        self.info.parked_for = why
+
     def hold_overflow(self, held_bytes: int) -> None:
         self.flush()
         self.hooks.hold_overflow(self.info, held_bytes)

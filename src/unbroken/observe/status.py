@@ -96,6 +96,7 @@ class StatusTracker(Hooks):
             "upstream": turn.upstream,
             "last_failure": turn.last_failure,
             "next_retry_in_s": next_in,
+            "parked_for": turn.parked_for if turn.state == "parked" else None,
             "age_s": round(max(0.0, now - turn.started), 3),
             "held_bytes": held_bytes(turn),
         }
@@ -306,7 +307,8 @@ class StatusView:
                 str(t.get("attempts", 0)),
                 t.get("upstream", ""),
                 t.get("last_failure") or "-",
-                _dur(retry_in) if retry_in is not None else "-",
+                # a parked turn waits for its upstream's line: say for what
+                _dur(retry_in) if retry_in is not None else (t.get("parked_for") or "-"),
                 _dur(t.get("age_s")),
                 _size(int(t.get("held_bytes") or 0)) if t.get("held_bytes") else "-",
             ])
