@@ -402,3 +402,19 @@ async def test_a_websocket_turn_on_its_sessions_second_upstream_is_never_a_retry
         stats = server.relay.board.pacer(keys[1])
         assert stats.waited_total == 0 and stats.granted_total == 0  # no turn was paced
     assert len(mock2.requests) == 8 and len(mock.requests) == 0
+
+
+async def test_a_line_is_logged_once_when_it_forms_and_once_when_it_clears(mock, http, caplog):
+    """Every long wait is visible in the logs too: one line per upstream's line, not
+    one per waiting turn."""
+    caplog.set_level("INFO", logger="unbroken")
+    cfg = config(
+        [mock.url], health={"failures_to_open": 1, "open_s": 0.1, "max_open_s": 0.1}
+    )
+    mock.script([{"status": 503, "count": 20}])
+    async with RelayServer(cfg) as server:
+        results = await asyncio.gather(*[chat(http, server.url) for _ in range(20)])
+        assert all(status == 200 for status, _ in results)
+    formed = [r for r in caplog.records if "wait in line" in r.getMessage()]
+    cleared = [r for r in caplog.records if "line cleared after" in r.getMessage()]
+    assert 1 <= len(formed) <= 3 and len(cleared) == len(formed)  # not one per turn

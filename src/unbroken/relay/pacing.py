@@ -10,12 +10,15 @@ board is pumped again when it says the next grant is due.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from unbroken.core.health import HealthBoard
 from unbroken.core.turn import Wait
 
 __all__ = ["Waker"]
+
+log = logging.getLogger("unbroken")
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -26,7 +29,7 @@ def _wake(fut: asyncio.Future[None]) -> None:
 class Waker:
     """One relay's waits on its upstreams' pacers (see the module docstring)."""
 
-    __slots__ = ("_delays", "_loop", "_scheduled", "_tickets", "_timers", "board")
+    __slots__ = ("_delays", "_lines", "_loop", "_scheduled", "_tickets", "_timers", "board")
 
     def __init__(self, board: HealthBoard) -> None:
         self.board = board
@@ -39,6 +42,8 @@ class Waker:
         #: key -> the timer of its next pump
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._scheduled: set[str] = set()
+        #: key -> (when its line formed, grants since): logged when it forms and clears
+        self._lines: dict[str, tuple[float, int]] = {}
 
     def _get_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
@@ -92,7 +97,9 @@ class Waker:
     def _pump(self, key: str) -> None:
         self._scheduled.discard(key)
         loop = self._get_loop()
-        granted, due = self.board.pump(key, loop.time())
+        now = loop.time()
+        granted, due = self.board.pump(key, now)
+        self._log_line(key, now, len(granted))
         tickets = self._tickets
         for ticket in granted:
             fut = tickets.get(ticket)
@@ -103,6 +110,29 @@ class Waker:
             timer.cancel()
         if due is not None:
             self._timers[key] = loop.call_at(due, self._pump, key)
+
+    def _log_line(self, key: str, now: float, granted: int) -> None:
+        """One line when an upstream's line forms, one when it clears (not per turn)."""
+        pacer = self.board.pacers.get(key)
+        waiting = len(pacer.queue) if pacer is not None else 0
+        line = self._lines.get(key)
+        route, _, upstream = key.partition("|")
+        if line is None:
+            if waiting:
+                self._lines[key] = (now, granted)
+                rec = self.board.records.get(key)
+                log.warning(
+                    "pacing route=%s upstream=%s: %d turn(s) wait in line (breaker %s)",
+                    route, upstream, waiting, rec.state.value if rec else "closed",
+                )
+        elif waiting:
+            self._lines[key] = (line[0], line[1] + granted)
+        else:
+            del self._lines[key]
+            log.info(
+                "pacing route=%s upstream=%s: line cleared after %.2fs, %d turn(s) let go",
+                route, upstream, now - line[0], line[1] + granted,
+            )
 
     def view(self) -> dict[str, Any]:
         return {"waiting": len(self._tickets), "delays": sum(map(len, self._delays.values()))}
