@@ -28,9 +28,9 @@ The breaker (the defaults are `HealthSettings`'):
 The breaker is the retry pacer's slow mode (`unbroken.core.pacer`): the board keeps
 each upstream's `Pacer`, and the turns waiting on an upstream wait in its line
 whatever the reason (no token, an open breaker, a cool-off, a probe out).  ``open_s``
-and ``max_open_s`` are short (0.5 s, 1 s), so while turns wait a probe goes at least
-once a second, one for the whole fleet, and the line is released on the pacer's ramp
-as soon as an attempt is answered.  With many attempts in the window the failure rate
+and ``max_open_s`` are short (0.25 s, a lone turn's own retry delay, doubling to 1 s),
+so while turns wait a probe goes at least once a second, one for the whole fleet, and
+the line is released on the pacer's ramp as soon as an attempt is answered.  With many attempts in the window the failure rate
 decides, not a run of consecutive failures (a busy upstream that fails 30 % of its
 attempts would otherwise see five in a row every few seconds).
 
@@ -86,7 +86,7 @@ class HealthSettings:
     failure_rate_to_open: float = 0.5
     window_s: float = 30.0
     min_window_attempts: int = 20
-    open_s: float = 0.5
+    open_s: float = 0.25
     max_open_s: float = 1.0
     quota_cooloff_s: float = 3600.0
     probe_timeout_s: float = 30.0
