@@ -30,9 +30,10 @@ each upstream's `Pacer`, and the turns waiting on an upstream wait in its line
 whatever the reason (no token, an open breaker, a cool-off, a probe out).  ``open_s``
 and ``max_open_s`` are short (0.25 s, a lone turn's own retry delay, doubling to 1 s),
 so while turns wait a probe goes at least once a second, one for the whole fleet, and
-the line is released on the pacer's ramp as soon as an attempt is answered.  With many attempts in the window the failure rate
-decides, not a run of consecutive failures (a busy upstream that fails 30 % of its
-attempts would otherwise see five in a row every few seconds).
+the line is released on the pacer's ramp as soon as an attempt is answered.  With many
+attempts in the window the failure rate decides, not a run of consecutive failures (a
+busy upstream that fails 30 % of its attempts would otherwise see five in a row every
+few seconds).
 
 Every change is given to the board's listeners as a `Change`: transitions for the
 logs and metrics, and what a shared store (`unbroken.relay.store`) publishes to the
