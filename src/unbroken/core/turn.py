@@ -31,8 +31,9 @@ Events in (method calls, each given ``now``, a monotonic time in seconds)::
     body_ended()                 the upstream body ended cleanly
     transport_failed(failure)    reading the upstream failed (reset, stall abort, ...)
     tick()                       the clock: early headers, keepalives, stalls
-    headers_sent() / wrote()     the transport wrote to the client (write_started()
-                                 before a write: blocked time is not upstream silence)
+    headers_sent()               the transport sent the response headers
+    write_started() / wrote()    a write to the client began / ended (blocked time is
+                                 not upstream silence; a write is never upstream activity)
     client_gone() / crashed()    the turn ends from outside
 
 Actions out (frozen values; the transport carries each one out)::
@@ -70,9 +71,12 @@ Deadlines (`deadline()` says when `tick()` is next due):
   ``Keepalive``.
 * **stall**: measured on *upstream silence only*.  Before an attempt's first frame
   the deadline is ``first_frame_timeout_s`` after the attempt's body began (comments
-  do not count as a frame); after it, ``idle_timeout_s`` after the last byte.  While
-  the transport is blocked writing to a slow client the stall clock stops, and it
-  restarts when the write completes.
+  do not count as a frame); after it, ``idle_timeout_s`` after the last byte.  A
+  write to the client never restarts it (the relay's own keepalives least of all:
+  they would hide the very stall they wait through).  While the transport is
+  blocked writing to a slow client the stall clock stands still, and it goes on
+  from where it stood when the write completes (`wrote` moves the last byte's time
+  forward by the blocked time).
 
 The four invariants (checked by a property test over random event sequences):
 nothing is released after a replay decision; a truncated turn never ends cleanly;
@@ -346,6 +350,7 @@ class TurnMachine:
         "_overflow_reported",
         "_parked",
         "_splitter",
+        "_write_t0",
         "attempt_ledger",
         "clock",
         "failure",
@@ -412,7 +417,8 @@ class TurnMachine:
         self.attempt_ledger: Ledger | None = None  # the ledger this attempt's body went through
         self.stats: AttemptStats | None = None
         self.headers_out = False
-        self.writing = False
+        self.writing = 0  # writes to the client in progress (a keepalive may overlap one)
+        self._write_t0 = now  # when the writes in progress began
         self.stalled = False
         self.first_frame = False  # the current attempt's first (non-comment) frame arrived
         self.last_rx = now
@@ -914,15 +920,32 @@ class TurnMachine:
             self.report.headers_sent()
         self.last_tx = now
 
-    def write_started(self) -> None:
-        self.writing = True
+    def write_started(self, now: float) -> None:
+        """A write to the client begins: the stall clock stops until it completes."""
+        if not self.writing:
+            self._write_t0 = now
+        self.writing += 1
 
     def wrote(self, now: float) -> None:
-        """A write to the client completed.  Time blocked on it is not upstream silence."""
-        self.writing = False
+        """A write to the client completed (or failed).
+
+        A write is never upstream activity: a keepalive, or output, says nothing
+        about whether the upstream is still sending.  But time the transport spent
+        blocked on a slow client is not upstream silence either (it read nothing
+        meanwhile), so the stall clock stood still while writes were in progress:
+        the last byte's time (and the attempt's first-frame clock) move forward by
+        the blocked time, not to ``now``.  A byte that arrived during the write
+        counts from the write's end.
+        """
         self.last_tx = now
-        if now > self.last_rx:
-            self.last_rx = now
+        self.writing -= 1
+        if self.writing:
+            return
+        t0 = self._write_t0
+        blocked = now - t0
+        if blocked > 0:
+            self.last_rx = min(self.last_rx, t0) + blocked
+            self._attempt_t0 = min(self._attempt_t0, t0) + blocked
 
     @property
     def min_interval(self) -> float:
