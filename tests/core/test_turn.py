@@ -482,6 +482,27 @@ def test_illegal_events_raise_the_machines_own_error() -> None:
         m.next_attempt(0.0)
 
 
+def test_a_replay_decided_by_a_frame_does_not_end_the_next_attempt() -> None:
+    # Found with the legality checks: a replay decided by a frame, followed at once by
+    # the next attempt (no wait: testing mode, or a zero delay), left its decision
+    # behind, so the next attempt's first feed "ended" it again with the old Open
+    # (over real sockets, the turn then crashed with a 500).
+    m, _ = make(upstreams=2)
+    streaming(m)
+    set_testing(True)
+    try:
+        assert raw(m.feed_chunk(1.1, ROLE + RETRYABLE)) == b""
+        assert m.attempt_over == Open(1, 120.0)
+        assert m.answered(1.2, 200, sse=True) == Stream()
+        assert raw(m.feed_chunk(1.3, ROLE + TEXT)) == ROLE + TEXT
+        assert m.attempt_over is None
+        assert raw(m.feed_chunk(1.4, FINISH + DONE)) == FINISH + DONE
+        assert m.body_ended(1.5) == End(EndKind.CLEAN)
+    finally:
+        set_testing(False)
+    assert m.outcome is Outcome.RECOVERED
+
+
 def test_ended_machine_has_no_deadline() -> None:
     m, _ = make()
     streaming(m)

@@ -954,3 +954,25 @@ async def test_http_stall_behind_codex_keepalive_events_is_caught(mock):
     # Codex measured: a 20 s idle timer took 200 s through the relay (20 s direct),
     # because the relay's own keepalive writes kept resetting its stall clock.
     await _stall_behind_keepalives(mock, RESPONSES_PATH, RESPONSES, CODEX_UA, RESPONSES_KEEPALIVE)
+
+
+# -- 13. HTTP: a replay decided by a frame, retried at once, serves the next attempt ---------
+async def test_http_in_stream_error_replayed_with_no_delay_is_served(mock):
+    # Found with the turn machine's legality checks (issue 22): with no wait before the
+    # retry (delay_ms = 0, or a reroute), a replay decided by an in-stream error left
+    # its decision behind, and the next attempt's first chunk "ended" that attempt
+    # with it: the relay opened a third request mid-stream and the turn crashed (500).
+    async with relay_for(mock.url, retry={"delay_ms": 0}) as (server, rec):
+        mock.script([{"fault": "error_event", "after_frame": 1, "error": "overloaded"}, {}])
+        client = await RawHTTP.post(server.url, f"/mock/{CHAT_PATH}", CHAT)
+        try:
+            assert await client.head(cap=5) is not None
+            await client.read_all(cap=5)
+        finally:
+            client.close()
+        turns = await rec.wait_turns(1)
+    assert client.status == 200, bytes(client.body)
+    assert bytes(client.body) == b"".join(frames_for("chat", {}, CHAT))
+    assert len(mock.requests) == 2
+    assert [f[:2] for f in rec.failures] == [("stream_error", "pending")]
+    assert turns[0].outcome == "recovered"

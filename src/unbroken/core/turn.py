@@ -860,6 +860,7 @@ class TurnMachine:
         self.step = _Step.READING
         self.first_frame = False
         self.stalled = False
+        self._over = None  # this attempt's own decision, once a feed makes one
         self._attempt_t0 = now
         self.last_rx = now
 
