@@ -976,3 +976,40 @@ async def test_http_in_stream_error_replayed_with_no_delay_is_served(mock):
     assert len(mock.requests) == 2
     assert [f[:2] for f in rec.failures] == [("stream_error", "pending")]
     assert turns[0].outcome == "recovered"
+
+
+# -- 14. WebSocket: a client that pauses reading is not cut as a stall -----------------------
+async def test_ws_slow_reader_is_not_cut_as_a_stall(mock):
+    # The HTTP transport stops the stall clock while it is blocked writing to a slow
+    # client (test 5); the WebSocket transport waited for a full client buffer with
+    # the clock running, so a client that paused reading for longer than
+    # idle_timeout_s had its healthy stream cut with the native error.
+    # (first_frame_timeout_s: the mock takes most of a second to render this reply)
+    stream = {"idle_timeout_s": 0.5, "first_frame_timeout_s": 10}
+    action = {"text": "x" * 12_000_000, "deltas": 12_000}  # far more than socket buffers
+    async with relay_for(mock.url, stream=stream) as (server, rec):
+        mock.script([action])
+        # (max_msg_size=0: the final events carry the whole 12 MB text)
+        async with (
+            aiohttp.ClientSession() as s,
+            s.ws_connect(_ws_url(server), max_msg_size=0) as ws,
+        ):
+            await ws.send_str(json.dumps(CREATE))
+            types: list[str] = []
+            async with asyncio.timeout(5):
+                while "response.output_text.delta" not in types:
+                    types.append(json.loads((await ws.receive()).data)["type"])
+            await asyncio.sleep(2.0)  # the reader pauses: four idle timeouts long
+            ended = None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(20):
+                    while types[-1] not in (*WS_TERMINALS, "error"):
+                        msg = await ws.receive()
+                        assert msg.type is WSMsgType.TEXT, msg
+                        types.append(json.loads(msg.data)["type"])
+                    ended = time.monotonic()
+        turns = await rec.wait_turns(1)
+    assert ended is not None, f"the turn did not end within 20 s: ...{types[-3:]}"
+    assert types[-1] == "response.completed", (types[-3:], rec.failures)
+    assert rec.failures == []
+    assert turns[0].outcome == "ok"
