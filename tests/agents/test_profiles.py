@@ -10,6 +10,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from relayfix import start_relay
@@ -34,6 +36,8 @@ from unbroken.core.turn import (
     End,
     EndKind,
     FinalInStream,
+    GiveUp,
+    GiveUpKind,
     Keepalive,
     Open,
     Outcome,
@@ -352,6 +356,86 @@ def test_after_commit_end_is_a_client_setting() -> None:
     assert PROFILES["unknown"].after_commit_end is CommitEnd.ERROR  # the default, unchanged
     assert PROFILES["codex"].after_commit_end is CommitEnd.ERROR
     assert PROFILES["claude-code"].after_commit_end is CommitEnd.RESET
+
+
+def _anthropic_frame(tag: str, kind: str) -> bytes:
+    def ev(name: str, data: dict[str, Any]) -> bytes:
+        return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+    if kind == "start":
+        return ev("message_start", {"type": "message_start", "message": {
+            "id": tag, "type": "message", "role": "assistant", "content": [], "model": "m"}})
+    if kind == "text":
+        return ev("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                          "delta": {"type": "text_delta", "text": tag}})
+    if kind == "stop":
+        return ev("message_stop", {"type": "message_stop"})
+    if kind == "error":
+        return OVERLOADED
+    return b"event: content_block_delta\ndata: {broken " + tag.encode() + b"\n\n"
+
+
+_KINDS = st.sampled_from(["start", "text", "text", "stop", "error", "malformed"])
+_ATTEMPT = st.tuples(st.lists(_KINDS, max_size=6), st.sampled_from(["eof", "reset", "stall"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ATTEMPT, min_size=1, max_size=6))
+def test_the_reset_ending_never_ends_a_cut_turn_cleanly_nor_sends_an_error_event(
+    attempts: list[tuple[list[str], str]],
+) -> None:
+    """Claude Code's profile, over random attempts: a replay releases nothing; a turn
+    whose ``message_stop`` the client never got ends by an abort (never cleanly, and
+    never with an error event: that would make Claude Code re-send without streaming);
+    no frame is released twice; every turn ends."""
+    m = TurnMachine(
+        protocol=ANTHROPIC, hold=Hold(), timers=Timers(),
+        retry=RetryState(RetryPolicy(delay_ms=1, max_attempts=5), 1, rng=random.Random(0)),
+        stream=True, now=0.0, report=Report(), profile=PROFILES["claude-code"],
+    )
+    now, client, released = 0.0, bytearray(), []
+    action: Any = m.start(now)
+    for n in range(40):
+        if isinstance(action, (End, GiveUp)):
+            break
+        now += 1.0
+        if isinstance(action, Wait):
+            action = m.next_attempt(now)
+            continue
+        assert isinstance(action, Open)
+        kinds, ending = attempts[n % len(attempts)]
+        assert isinstance(m.answered(now, 200, sse=True), Stream)
+        before = len(client)
+        over = None
+        for i, kind in enumerate(kinds):
+            out = m.feed_chunk(now, _anthropic_frame(f"a{n}f{i}", kind))
+            released += [e.raw for e in out]
+            client += b"".join(e.raw for e in out)
+            over = m.attempt_over
+            if over is not None:
+                break
+        if over is None:
+            if ending == "stall":
+                m.tick(now + 10_000.0)
+            over = (m.body_ended(now) if ending == "eof"
+                    else m.transport_failed(now, Failure(FailureClass.RESET, "reset")))
+        if isinstance(over, (Wait, Open)):
+            assert len(client) == before  # a replay released nothing
+        if isinstance(over, End):
+            client += over.data
+        action = over
+    assert isinstance(action, (End, GiveUp)) and m.ended and m.outcome is not None
+    finished = b"message_stop" in client
+    if isinstance(action, End) and action.kind is EndKind.CLEAN:
+        assert finished
+    if client and not finished:
+        assert action == End(EndKind.ABORT)
+    if not client:  # nothing streamed: a give-up is a status (no early headers)
+        assert not isinstance(action, GiveUp) or action.kind is not GiveUpKind.IN_STREAM
+    # never an error event after output (what follows message_stop is the upstream's)
+    assert b"overloaded_error" not in client.split(b"message_stop")[0]
+    tagged = [f for f in released if b"text_delta" in f or b"message_start" in f]
+    assert len(tagged) == len(set(tagged))
 
 
 def test_before_commit_the_reset_profile_still_replays() -> None:
