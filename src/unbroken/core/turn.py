@@ -136,7 +136,7 @@ from unbroken.core.policy import (
     is_retryable_status,
 )
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
-from unbroken.core.profiles import KeepaliveForm, Profile
+from unbroken.core.profiles import CommitEnd, KeepaliveForm, Profile
 from unbroken.core.protocols import BODY, Protocol
 from unbroken.core.sse import CR, Event, EventTooLarge, SSESplitter
 
@@ -456,7 +456,7 @@ class TurnMachine:
         #: only for a profile that asks for events (pings keep the socket alive otherwise)
         self.socket = socket
         self.hold = hold
-        self.timers = timers
+        self.timers = _stall_timers(timers, self.profile)
         self.retry = retry
         self.stream = stream
         self.report = report
@@ -524,10 +524,12 @@ class TurnMachine:
         self.report.attempt_started(retry.attempts, idx, choice)
         self.report.state(TurnState.WAITING)
         t = self.timers
-        # A non-streamed answer arrives only once generated: allow it the first-frame time.
-        timeout = t.header_timeout_s if self.stream else (
-            self.profile.nonstream_wait_s or max(t.header_timeout_s, t.first_frame_timeout_s)
-        )
+        # A non-streamed answer arrives only once generated: allow it as long as the
+        # client waits for it (when known), else the first-frame time.
+        if self.stream:
+            timeout = t.header_timeout_s
+        else:
+            timeout = self.profile.nonstream_wait(t.header_timeout_s, t.first_frame_timeout_s)
         return Open(idx, timeout)
 
     def open_failed(self, now: float, failure: Failure) -> Action:
@@ -564,6 +566,7 @@ class TurnMachine:
                     hold=self.hold,
                     max_hold_bytes=self.timers.max_hold_bytes,
                     clock=self.clock,
+                    error_after_commit=not self.abort_after_commit,
                 )
                 ledger.stats = self.stats or AttemptStats()
             else:
@@ -839,11 +842,18 @@ class TurnMachine:
         if failure is None:
             failure = Failure(FailureClass.STREAM_ERROR, ledger.fail_reason)
         self._committed_failure(failure)
-        if ledger.protocol is BODY:
+        if ledger.protocol is BODY or self.abort_after_commit:
+            # A plain body has no error event; a profile may ask for the abort too.
             return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ABORT))
         # ``out`` is the native error when it came from failed()/ended(); an in-stream
         # error frame's native error was already released by feed().
         return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ERROR, out))
+
+    @property
+    def abort_after_commit(self) -> bool:
+        """A stream cut after commit ends by aborting the client connection, not with
+        the native error event (the profile's ``after_commit_end``; HTTP only)."""
+        return self.profile.after_commit_end is CommitEnd.RESET and not self.socket
 
     def _replay_phase(self, failure: Failure) -> Phase:
         if failure.cls is FailureClass.STALL:
@@ -1117,6 +1127,35 @@ class TurnMachine:
 
 
 _NO_HOLD = Hold(())
+
+
+@dataclass(frozen=True, slots=True)
+class _ProfileTimers:
+    """`Timers` with a client profile's stall timers in place of ``[stream]``'s."""
+
+    header_timeout_s: float
+    first_frame_timeout_s: float
+    idle_timeout_s: float
+    keepalive_s: float
+    early_headers_s: float
+    max_hold_bytes: int
+    max_event_bytes: int
+
+
+def _stall_timers(timers: Timers, profile: Profile) -> Timers:
+    """``timers``, with the profile's stall timers (`Profile.stall_timeouts`)."""
+    first_frame, idle = profile.stall_timeouts(timers.first_frame_timeout_s, timers.idle_timeout_s)
+    if first_frame == timers.first_frame_timeout_s and idle == timers.idle_timeout_s:
+        return timers
+    return _ProfileTimers(
+        timers.header_timeout_s,
+        first_frame,
+        idle,
+        timers.keepalive_s,
+        timers.early_headers_s,
+        timers.max_hold_bytes,
+        timers.max_event_bytes,
+    )
 
 
 def _stall_failure() -> Failure:
