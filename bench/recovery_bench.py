@@ -207,7 +207,7 @@ class Redis:
         if cpu is not None and shutil.which("taskset"):
             argv = ["taskset", "-c", str(cpu), *argv]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=hb._die_with_parent)
         deadline = now() + 10
         while now() < deadline:
             if self.proc.poll() is not None:
@@ -647,7 +647,7 @@ def summary_line(r: dict[str, Any]) -> str:
     rc = r["recovery"]
     return (f"{head} {r['completed']}/{r['turns']} completed; recovery p50 {fs(rc['p50'])} "
             f"max {fs(rc['max'])} s; during the outage ({r['outage_s']:.1f} s) "
-            f"{fs(r['rps_first'], 1)} first + {fs(r['rps_rest'], 1)} other req/s")
+            f"{fs(r['rps_first'])} first + {fs(r['rps_rest'])} other req/s")
 
 
 async def run_all(ctx: Context, runs: list[tuple[str, str, float, int]]) -> list[dict[str, Any]]:
@@ -1010,7 +1010,7 @@ def render(res: dict[str, Any], img_rel: str | None, files: list[str]) -> str:
             continue
         rc = r["recovery"]
         a(f"{head} {r['completed']}/{r['turns']} | {fs(rc['p50'], 3)} | {fs(rc['p99'], 3)} | "
-          f"{fs(rc['max'], 3)} | {fs(r['rps_first'], 1)} | {fs(r['rps_rest'], 1)} | "
+          f"{fs(rc['max'], 3)} | {fs(r['rps_first'])} | {fs(r['rps_rest'])} | "
           f"{r['after_recovery']} |")
     errs = [f"{r['system']} {describe(r)}: "
             + "; ".join(f"{n} × {e}" for e, n in r["errors"].items())
@@ -1090,7 +1090,7 @@ def render(res: dict[str, Any], img_rel: str | None, files: list[str]) -> str:
 
 
 def run(prof: Profile, systems: list[str], litellm: Path | None, litellm_reason: str,
-        command: str, quick: bool) -> dict[str, Any]:
+        command: str, quick: bool, keep_logs: bool = False) -> dict[str, Any]:
     import resource
 
     ncpu = len(os.sched_getaffinity(0))
@@ -1119,7 +1119,7 @@ def run(prof: Profile, systems: list[str], litellm: Path | None, litellm_reason:
         fleet.stop_all()
         if ctx.redis is not None:
             ctx.redis.stop()
-        if ok:
+        if ok and not keep_logs:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             log(f"logs kept in {workdir}")
@@ -1168,6 +1168,8 @@ def main() -> int:
                     "--out unless given)")
     ap.add_argument("--json", help="also write the raw numbers here")
     ap.add_argument("--from-json", type=Path, help="render the report again from a --json file")
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep the work directory (configs, journals, the relays' logs)")
     args = ap.parse_args()
 
     if args.from_json:
@@ -1210,7 +1212,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _term)
     signal.signal(signal.SIGHUP, _term)
     try:
-        res = run(prof, systems, litellm, reason, command, args.quick)
+        res = run(prof, systems, litellm, reason, command, args.quick, args.keep_logs)
     except KeyboardInterrupt:
         log("interrupted; all child processes stopped")
         return 130
