@@ -606,11 +606,14 @@ async def one_run(ctx: Context, http: Any, system: str, scenario: str, param: fl
         try:
             sut = await asyncio.to_thread(start_sut, ctx, system, mock.url, tag)
         except Exception as exc:
-            return {**row, "not_run": f"did not start: {exc}"[:300]}
+            why = " ".join(f"did not start: {exc}".split())[:300]
+            if system == "litellm":  # not again for every run: it would wait minutes each
+                ctx.litellm, ctx.litellm_reason = None, why
+            return {**row, "not_run": why}
         try:
             problem = await warm(http, sut)
             if problem:
-                return {**row, "not_run": problem}
+                return {**row, "not_run": " ".join(problem.split())}
             if scenario == "busy":
                 return {**row, **await busy_run(ctx, http, sut, mock, tag)}
             return {**row, **await outage_run(ctx, http, sut, mock, scenario, param, n, tag)}
@@ -950,23 +953,34 @@ def render(res: dict[str, Any], img_rel: str | None, files: list[str]) -> str:
     a("")
     a("| system | what it is |")
     a("|---|---|")
-    a("| defaults | unbroken; its config is `parse_config` of the route alone, plus `[retry] "
-      "verbose = false` and `[journal] path` in a temporary directory: nothing else set, what "
-      "a user gets |")
-    a("| fixed | unbroken; the same plus `[retry] backoff = \"fixed\"`, `delay_ms = 250` and "
-      "`[health] breakers = false` |")
-    if res["litellm"]:
-        a(f"| litellm | LiteLLM proxy {res.get('litellm_version', cmp.LITELLM_VERSION)} in its "
-          "own virtual environment, offline, one worker (as in `bench/compare.py`), with the "
-          f"retry settings below: `num_retries: {LITELLM_NUM_RETRIES}`, `retry_after: 0`, "
-          "`disable_cooldowns: true`, `max_retries: 0` on the deployment |")
-    else:
-        a(f"| litellm | **not run**: {res['litellm_reason']} |")
-    a("| redis | two unbroken relays with the defaults plus `[health] store = "
-      "\"redis://127.0.0.1:PORT/0\"`, sharing one real `redis-server` (flushed before each "
-      "run); turn *i* goes to relay *i* mod 2; many-turn and busy runs only |")
+    chosen = res["systems"]
+    ll_rows = [r for r in results if r["system"] == "litellm"]
+    ll_ran = [r for r in ll_rows if "not_run" not in r]
+    desc = {
+        "defaults": "unbroken; its config is `parse_config` of the route alone, plus `[retry] "
+        "verbose = false` and `[journal] path` in a temporary directory: nothing else set, "
+        "what a user gets",
+        "fixed": "unbroken; the same plus `[retry] backoff = \"fixed\"`, `delay_ms = 250` and "
+        "`[health] breakers = false`",
+        "litellm": f"LiteLLM proxy {res.get('litellm_version', cmp.LITELLM_VERSION)} in its own "
+        "virtual environment, offline, one worker (as in `bench/compare.py`), with the retry "
+        f"settings below: `num_retries: {LITELLM_NUM_RETRIES}`, `retry_after: 0`, "
+        "`disable_cooldowns: true`, `max_retries: 0` on the deployment",
+        "redis": "two unbroken relays with the defaults plus `[health] store = "
+        "\"redis://127.0.0.1:PORT/0\"`, sharing one real `redis-server` (flushed before each "
+        "run); turn *i* goes to relay *i* mod 2; many-turn and busy runs only",
+    }
+    if not res["litellm"]:
+        desc["litellm"] = f"**not run**: {res['litellm_reason']}"
+    elif ll_rows and not ll_ran:
+        desc["litellm"] = f"**not run**: {ll_rows[0]['not_run']}"
+    redis_rows = [r for r in results if r["system"] == "redis"]
+    if redis_rows and all("not_run" in r for r in redis_rows):
+        desc["redis"] = f"**not run**: {redis_rows[0]['not_run']}"
+    for system in SYSTEMS:
+        a(f"| {system} | {desc[system] if system in chosen else 'not in this run (--systems)'} |")
     a("")
-    if res["litellm"]:
+    if res["litellm"] and (ll_ran or not ll_rows):
         a("LiteLLM's settings, chosen for this job: `num_retries` high enough never to run out "
           "(in `litellm_settings` and `router_settings`; a turn is cut "
           f"{prof['tail_s']:g} s after recovery anyway); `retry_after: 0`, the router's minimum "
@@ -1074,7 +1088,7 @@ def render(res: dict[str, Any], img_rel: str | None, files: list[str]) -> str:
     if berrs:
         a("Busy turns not completed: " + " · ".join(berrs) + ".")
         a("")
-    if res["litellm"]:
+    if ll_ran:
         a("LiteLLM serves far fewer streamed requests per CPU-second than unbroken (about 18 "
           "per core on this VM: `docs/benchmarks.md`), so with many turns, and in the busy "
           "run, its times include its own queueing, on top of its backoff.")
@@ -1201,7 +1215,8 @@ def main() -> int:
         try:
             litellm = cmp.litellm_venv(args.litellm_venv)
         except Exception as exc:  # reported as "not run", with the reason
-            reason = f"could not be installed: {type(exc).__name__}: {exc}"[:300]
+            reason = " ".join(f"could not be installed: {type(exc).__name__}: {exc}"
+                              .split())[:300]
             log(f"LiteLLM {reason}")
     command = "python bench/recovery_bench.py" + ("" if len(sys.argv) < 2 else " "
                                                    + shlex.join(sys.argv[1:]))
