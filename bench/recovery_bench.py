@@ -3,9 +3,11 @@ much load the relay puts on the provider while it is down (issue 22).
 
 A benchmark, not a test: it measures and reports, it asserts nothing.
 
-    python bench/recovery_bench.py --out /tmp/recovery.md --img /tmp/img   # the full run
-    python bench/recovery_bench.py --outages 5,30 --counts 30 --no-litellm # a shorter trial
-    python bench/recovery_bench.py --quick                                 # smoke run, < 60 s
+    python bench/recovery_bench.py --out docs/recovery.md --img docs/img --json /tmp/recovery.json
+    python bench/recovery_bench.py --outages 5,30 --counts 30 --no-litellm   # a shorter trial
+    python bench/recovery_bench.py --quick                   # smoke run, < 60 s; report to stdout
+
+The first is the full run (about 40 minutes, plus a one-time install of LiteLLM).
 
 Everything is on loopback.  This process runs the fault-injecting mock provider
 (``unbroken.mock.MockProvider``, which timestamps every request it receives) and the
@@ -721,7 +723,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         r = find(results, system, "time", 30.0, many)
         why = "" if 30.0 in prof["outages"] else "no 30 s outage in this run (--outages)"
         add(f"{many} turns, 30 s outage, {who}: ≤ 10 upstream requests/s beyond first attempts",
-            r, f"{fs(r['rps_rest'], 1)} req/s" if r and "not_run" not in r else "",
+            r, f"{fs(r['rps_rest'])} req/s" if r and "not_run" not in r else "",
             bool(r and "not_run" not in r and r["rps_rest"] is not None
                  and r["rps_rest"] <= 10.0), why)
         rc = r["recovery"] if r and "not_run" not in r else None
@@ -1251,6 +1253,13 @@ def write_outputs(res: dict[str, Any], args: argparse.Namespace) -> None:
         outp.parent.mkdir(parents=True, exist_ok=True)
         outp.write_text(render(res, rel, files) + "\n")
         log(f"wrote {outp}" + (f" and {len(files)} plots in {img}" if img else ""))
+        print("unbroken recovery benchmark" + (" (QUICK: smoke test only)" if res["quick"]
+                                                else "") + f", {res['elapsed_s']:.0f} s:")
+        for r in res["results"]:
+            print("  " + summary_line(r))
+        print("targets:")
+        for t in res["targets"]:
+            print(f"  [{verdict(t['verdict']).strip('*')}] {t['target']}: {t['measured']}")
     else:
         sys.stdout.write(render(res, str(img) if img is not None else None, files) + "\n")
         sys.stdout.flush()
