@@ -138,6 +138,8 @@ class UpstreamHealth:
     cooloff_until: float = 0.0
     cooloff_reason: str = ""
     probe_until: float = 0.0  # a probe is out (here or elsewhere) until then
+    #: when the breaker last closed: the failures counted before are the outage's
+    closed_at: float = float("-inf")
     #: bucket number -> [ok, failed]
     buckets: dict[int, list[int]] = field(default_factory=dict)
 
@@ -352,6 +354,10 @@ class HealthBoard:
         rec.reopens = 0
         rec.probe_until = 0.0
         rec.open_until = 0.0
+        # The probe passed: the failures in the window were the outage's.  Kept, the
+        # first failure after it would reopen the breaker on a stale rate.
+        rec.buckets.clear()
+        rec.closed_at = now
         p = self.pacers.get(rec.key)
         if p is not None:
             p.start_ramp(now)
@@ -400,6 +406,8 @@ class HealthBoard:
         if not s.breakers or total < s.min_window_attempts:
             return
         rec = self.get(key)
+        if now - rec.closed_at < s.window_s:
+            return  # the fleet's window still holds the outage a probe just ended
         self._refresh(rec, now)
         if rec.state is Breaker.CLOSED and failed / total > s.failure_rate_to_open:
             self._open(rec, now, f"fleet failure rate {failed}/{total} over {s.window_s:g}s")
@@ -451,6 +459,8 @@ class HealthBoard:
             rec.reopens = 0
             rec.open_until = rec.probe_until = 0.0
             rec.consecutive_failures = 0
+            rec.buckets.clear()
+            rec.closed_at = now
             p = self.pacers.get(rec.key)
             if p is not None:
                 p.start_ramp(now)  # another instance's probe passed: release the line
