@@ -28,8 +28,8 @@ The breaker (the defaults are `HealthSettings`'):
 The breaker is the retry pacer's slow mode (`unbroken.core.pacer`): the board keeps
 each upstream's `Pacer`, and the turns waiting on an upstream wait in its line
 whatever the reason (no token, an open breaker, a cool-off, a probe out).  ``open_s``
-and ``max_open_s`` are short (0.25 s, a lone turn's own retry delay, doubling to 1 s),
-so while turns wait a probe goes at least once a second, one for the whole fleet, and
+and ``max_open_s`` are short (0.25 s, a lone turn's own retry delay, doubling to 0.5 s),
+so while turns wait a probe goes at least twice a second, one for the whole fleet, and
 the line is released on the pacer's ramp as soon as an attempt is answered.  With many
 attempts in the window the failure rate decides, not a run of consecutive failures (a
 busy upstream that fails 30 % of its attempts would otherwise see five in a row every
@@ -88,7 +88,7 @@ class HealthSettings:
     window_s: float = 30.0
     min_window_attempts: int = 20
     open_s: float = 0.25
-    max_open_s: float = 1.0
+    max_open_s: float = 0.5
     quota_cooloff_s: float = 3600.0
     probe_timeout_s: float = 30.0
     #: a parked turn is woken when the pacer grants it a go; it also looks again at
