@@ -170,6 +170,7 @@ def test_a_retry_that_finds_the_probe_taken_elsewhere_and_goes_on_leaves_no_plac
         probe_gate=lambda key, ttl: False,  # another instance of the fleet probes
     )
     b.failure(keys[0], 0.0, "503")  # a's breaker: half-open at 1.0
+    b.pacer(keys[0])  # a has had retries before
     state = RetryState(RetryPolicy(), 2, board=b, keys=keys)
     state.current = 1  # a retry: the rotation starts at a
     assert state.next_upstream(1.5) == 1  # a's probe is not ours: b takes the retry
