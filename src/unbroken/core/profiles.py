@@ -17,6 +17,14 @@ inside a stream, so one relay setting cannot suit them all:
   keepalive is Anthropic's own ``ping`` event, and unbroken's wait for a
   non-streamed answer stays well inside its 300 s, so a stalled attempt can still
   be retried before Claude Code gives up.
+* **Gemini CLI** retries the turn after an in-stream error and prints the text it
+  already showed a second time (measured with 0.61.0: ``HelloHello, world!``); a
+  connection reset after output ends its turn with the partial text and no
+  duplicate.  So after commit its stream is ended by a reset
+  (``after_commit_end = "reset"``).  Its header timer is about 60 s, so early
+  headers (20 s) keep a long storm inside one request; its keepalive is a blank line
+  (the Gemini protocol's, for every client: an SSE comment stops the genai SDK's
+  parser).
 * **OpenCode** (the AI SDK), the openai and anthropic SDKs, and anything unknown
   keep today's conservative defaults: SSE comments, early headers after
   ``[stream] early_headers_s``.
@@ -35,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "AFTER_COMMIT_ENDS",
     "CLIENT_KEYS",
     "DEFAULT",
     "PROFILES",
@@ -45,6 +54,10 @@ __all__ = [
     "profile_for",
     "profile_named",
 ]
+
+
+#: ``after_commit_end`` values: how a stream cut after commit ends for the client
+AFTER_COMMIT_ENDS = ("error", "reset")
 
 
 class KeepaliveForm(enum.StrEnum):
@@ -66,6 +79,10 @@ class Profile:
     #: how long an attempt of a non-streamed request may wait for its answer
     #: (default ``max(header_timeout_s, first_frame_timeout_s)``)
     nonstream_wait_s: float | None = None
+    #: how a stream that fails after commit ends: ``"error"``, the protocol's
+    #: retryable in-stream error event; ``"reset"``, the client connection is aborted
+    #: (for a client that would retry an error and show the text twice)
+    after_commit_end: str = "error"
 
 
 #: The profiles, as data.  ``unknown`` is today's conservative behaviour.
@@ -73,6 +90,9 @@ PROFILES: dict[str, Profile] = {
     "codex": Profile("codex", early_headers=False, keepalive=KeepaliveForm.EVENT),
     "claude-code": Profile(
         "claude-code", early_headers=False, keepalive=KeepaliveForm.EVENT, nonstream_wait_s=150.0
+    ),
+    "gemini-cli": Profile(
+        "gemini-cli", keepalive=KeepaliveForm.EVENT, after_commit_end="reset"
     ),
     "opencode": Profile("opencode"),
     "openai-sdk": Profile("openai-sdk"),
@@ -88,6 +108,7 @@ CLIENT_KEYS: dict[str, tuple[type, ...]] = {
     "keepalive": (str,),
     "keepalive_s": (int, float),
     "nonstream_wait_s": (int, float),
+    "after_commit_end": (str,),
 }
 
 
@@ -100,6 +121,9 @@ def identify(headers: Mapping[str, str]) -> str:
         return "codex"
     if ua.startswith("claude-cli/") or headers.get("x-claude-code-session-id"):
         return "claude-code"
+    # Gemini CLI: GeminiCLI-tui/0.61.0/<model> (...), GeminiCLI/<version>/... headless.
+    if ua.startswith("geminicli"):
+        return "gemini-cli"
     if ua.startswith("opencode/") or "opencode" in ua.split(" ", 1)[0]:
         return "opencode"
     if ua.startswith("openai/"):
@@ -128,6 +152,9 @@ def check_overrides(name: str, table: Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError(
                     f"keepalive: expected 'comment' or 'event', got {value!r}"
                 ) from None
+        elif key == "after_commit_end":
+            if value not in AFTER_COMMIT_ENDS:
+                raise ValueError(f"after_commit_end: expected 'error' or 'reset', got {value!r}")
         elif kinds[0] is not bool:
             if value <= 0:
                 raise ValueError(f"{key}: must be greater than 0")

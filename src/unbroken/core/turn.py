@@ -86,6 +86,7 @@ told through the `TurnReport` protocol, which the I/O layer implements.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,7 +99,6 @@ from unbroken.core.policy import (
     FailureClass,
     Park,
     RetryState,
-    is_quota_body,
     is_retryable_status,
 )
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
@@ -370,6 +370,7 @@ class TurnMachine:
         "profile",
         "protocol",
         "report",
+        "reset_after_commit",
         "retry",
         "socket",
         "stalled",
@@ -402,8 +403,13 @@ class TurnMachine:
         self.profile = profile or DEFAULT_PROFILE
         #: the keepalive the profile asks for, when the protocol has one (else comments)
         self.keepalive_event = (
-            protocol.keepalive_event if self.profile.keepalive is KeepaliveForm.EVENT else None
+            protocol.keepalive_event
+            if self.profile.keepalive is KeepaliveForm.EVENT or not protocol.comment_keepalive
+            else None
         )
+        #: a failure after commit resets the client connection instead of sending the
+        #: protocol's error event (the profile's ``after_commit_end``)
+        self.reset_after_commit = self.profile.after_commit_end == "reset"
         #: the client is a WebSocket: its keepalive is a message (the event's data), sent
         #: only for a profile that asks for events (pings keep the socket alive otherwise)
         self.socket = socket
@@ -514,6 +520,7 @@ class TurnMachine:
                     hold=self.hold,
                     max_hold_bytes=self.timers.max_hold_bytes,
                     clock=self.clock,
+                    native_error=not self.reset_after_commit,
                 )
                 ledger.stats = self.stats or AttemptStats()
             else:
@@ -540,7 +547,12 @@ class TurnMachine:
         failure = self.failure
         if failure is None:  # pragma: no cover - set by answered()
             raise TurnError("error_body() without a retryable answer")
-        if body and is_quota_body(body):  # insufficient_quota, billing: a quota wall
+        if body and failure.retry_after_s is None:
+            # A wait the body names (Gemini's RetryInfo), obeyed like Retry-After.
+            hint = self.protocol.retry_delay(body)
+            if hint is not None:
+                failure = self.failure = dataclasses.replace(failure, retry_after_s=hint)
+        if body and self.protocol.quota_body(body):  # insufficient_quota...: a quota wall
             failure = self.failure = Failure(
                 failure.cls, f"quota: {failure.reason}", failure.status, failure.retry_after_s
             )
@@ -776,7 +788,7 @@ class TurnMachine:
         if failure is None:
             failure = Failure(FailureClass.STREAM_ERROR, ledger.fail_reason)
         self._committed_failure(failure)
-        if ledger.protocol is BODY:
+        if ledger.protocol is BODY or (self.reset_after_commit and not out):
             return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ABORT))
         # ``out`` is the native error when it came from failed()/ended(); an in-stream
         # error frame's native error was already released by feed().
@@ -918,7 +930,12 @@ class TurnMachine:
         ledger = self.ledger
         if ledger is None or ledger.state is not State.COMMITTED or not self.headers_out:
             return b""
-        return ledger.failed("the relay is shutting down")
+        return ledger.failed("the relay is shutting down")  # b"" for a reset profile
+
+    @property
+    def keepalive_bytes(self) -> bytes:
+        """What a keepalive write sends: the profile's or protocol's event, or a comment."""
+        return self.keepalive_event if self.keepalive_event is not None else KEEPALIVE
 
     @property
     def ended(self) -> bool:

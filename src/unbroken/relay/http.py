@@ -37,10 +37,10 @@ from unbroken.core.policy import (
     parse_retry_after,
 )
 from unbroken.core.profiles import Profile, identify, profile_named
-from unbroken.core.protocols import Protocol, protocol_for_path
+from unbroken.core.protocols import GEMINI, Protocol, protocol_for_path
+from unbroken.core.protocols.gemini import is_stream_path
 from unbroken.core.sse import Event
 from unbroken.core.turn import (
-    KEEPALIVE,
     AbortUpstream,
     Action,
     End,
@@ -95,9 +95,6 @@ SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
-#: written right after early headers (the first keepalive), so the status line and
-#: headers leave at once whatever the server library buffers
-EARLY_FLUSH = KEEPALIVE
 
 
 #: the request headers that name a client session, in order of preference
@@ -710,7 +707,11 @@ class _HttpTurn:
         # A gzip body (Claude Code can send one) is decoded as a copy to read it; the
         # bytes forwarded stay the ones received.
         parsed = parse_body(body, request.headers, self.cfg.max_body_bytes)
-        if parsed is not None:
+        if self.protocol is GEMINI:
+            # The method says it (``:streamGenerateContent``); the answer is SSE only
+            # with ``alt=sse`` (else a JSON array, relayed as a plain body).
+            stream = is_stream_path(rest) and "alt=sse" in raw_query(request).split("&")
+        elif parsed is not None:
             stream = parsed.get("stream") is True
         else:
             stream = "text/event-stream" in request.headers.get("accept", "")
@@ -961,7 +962,9 @@ class _HttpTurn:
 
     async def _early_headers(self, status: int) -> None:
         if await self._prepare(CleanStream(status=status, headers=SSE_HEADERS)):
-            await self._write(EARLY_FLUSH)
+            # The first keepalive (the client's form: a Gemini client must not get an
+            # SSE comment)
+            await self._write(self.machine.keepalive_bytes)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = self._side_task = asyncio.ensure_future(coro)
