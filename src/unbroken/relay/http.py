@@ -73,6 +73,7 @@ from unbroken.relay.upstream import (
     redact,
     request_headers,
     response_headers,
+    strip_key_param,
     upstream_url,
 )
 
@@ -833,8 +834,15 @@ class _HttpTurn:
                 up,
                 content_encoding=req.headers.get("content-encoding"),
             )
-        headers = request_headers(req.headers, up, anthropic=self.protocol.anthropic_errors)
-        url = upstream_url(up, self.rest, raw_query(req))
+        query = raw_query(req)
+        keyed = False
+        if up.api_key is not None:  # the route's key replaces the client's, ?key= too
+            query, keyed = strip_key_param(query)
+        headers = request_headers(
+            req.headers, up, anthropic=self.protocol.anthropic_errors,
+            gemini=keyed or self.protocol is GEMINI,
+        )
+        url = upstream_url(up, self.rest, query)
         return self.upstream.run(action, req.method, url, headers, body)
 
     # -- Sink: where the attempt's output goes ---------------------------------------------
