@@ -1,7 +1,7 @@
 """The benchmarks keep working: each one runs in ``--quick`` mode (small counts; the numbers
 mean nothing here, only that every phase runs to its report).
 
-The five run at the same time, as separate processes started once for this module, so
+The six run at the same time, as separate processes started once for this module, so
 the suite waits for the slowest one, not for their sum.  ``bench/compare.py`` leaves
 LiteLLM out only because ``--no-litellm`` says so (installing it takes minutes), and the
 test checks that its report says so.
@@ -73,6 +73,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, R
         "compare": [str(BENCH / "compare.py"), "--quick", "--no-litellm",
                     "--out", str(tmp / "benchmarks.md"), "--img", str(tmp / "img"),
                     "--json", str(tmp / "compare.json")],
+        "recovery_bench": [str(BENCH / "recovery_bench.py"), "--quick",
+                           "--out", str(tmp / "recovery.md"), "--img", str(tmp / "rimg"),
+                           "--json", str(tmp / "recovery.json")],
     }
     # turn_cost's relays also run under bench/ttfc_trace (the c=1 step timestamps)
     path = os.pathsep.join(filter(None, (str(BENCH / "ttfc_trace"), os.environ.get("PYTHONPATH"))))
@@ -162,3 +165,38 @@ def test_compare_quick(runs: tuple[dict[str, Run], Path]) -> None:
     for png in ("ttfc.png", "rps_per_core.png", "memory.png", "fault_matrix.png"):
         assert (tmp / "img" / png).stat().st_size > 1000, png
         assert f"img/{png}" in md, png
+
+
+def test_recovery_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
+    procs, tmp = runs
+    procs["recovery_bench"].result()
+    md = (tmp / "recovery.md").read_text()
+    assert "python bench/recovery_bench.py --quick" in md  # the command comes first
+    for heading in ("## Systems", "## Targets", "## Outage by time", "## Outage by count",
+                    "## Busy and partly failing"):
+        assert heading in md, heading
+    for header in ("| target | measured | verdict |",
+                   "| outage | turns | system | completed | recovery p50 s |",
+                   "| 503s | turns | system | outage lasted s |",
+                   "| system | turns | completed | latency p50 s |"):
+        assert header in md, header
+    # every target has a verdict; LiteLLM is left out of --quick, and the report says so
+    assert md.count("**met**") + md.count("**missed**") + md.count("not measured") >= 8
+    assert "| litellm | **not run**: left out (--quick without --litellm) |" in md
+    res = json.loads((tmp / "recovery.json").read_text())
+    ran = [r for r in res["results"] if "not_run" not in r]
+    kinds = {(r["system"], r["scenario"], r["turns"] > 1) for r in ran}
+    for system in ("defaults", "fixed"):
+        for kind in (("time", False), ("time", True), ("count", False), ("count", True),
+                     ("busy", True)):
+            assert (system, *kind) in kinds, (system, kind)
+    # two relays sharing a real redis-server (found as tests/redisfix.py finds it)
+    redis = [r for r in res["results"] if r["system"] == "redis"]
+    assert redis and all("not_run" not in r for r in redis), [r.get("not_run") for r in redis]
+    for r in ran:  # the measurements exist (their values are not judged here)
+        assert r["turns"] > 0 and 0 <= r["completed"] <= r["turns"], r["system"]
+        assert ("waits" if r["scenario"] == "busy" else "recovery") in r, r["system"]
+    for png in ("recovery_latency.png", "outage_requests.png", "count_turn_time.png",
+                "busy_retry_waits.png"):
+        assert (tmp / "rimg" / png).stat().st_size > 1000, png
+        assert f"rimg/{png}" in md, png

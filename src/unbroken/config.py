@@ -208,13 +208,13 @@ RETRY_KEYS: dict[str, str] = {
     "pace_floor_per_s": _FLOAT,
     "pace_ratio": _FLOAT,
     "pace_burst": _FLOAT,
-    # before the pacer: budget_percent sets pace_ratio (its share / 100);
-    # min_retry_concurrency is ignored (the pacer's floor keeps retries going)
-    "budget_percent": _FLOAT,
-    "min_retry_concurrency": _INT,
     "verbose": _BOOL,
     "max_body_mb": _FLOAT,
 }
+#: keys from before the retry pacer, still accepted: ``budget_percent`` sets
+#: ``pace_ratio`` (its share / 100); ``min_retry_concurrency`` is ignored (the
+#: pacer's floor keeps retries going)
+RETIRED_RETRY_KEYS: dict[str, str] = {"budget_percent": _FLOAT, "min_retry_concurrency": _INT}
 STREAM_KEYS: dict[str, str] = {
     "hold": "a list of strings",
     "max_hold_bytes": _INT,
@@ -560,7 +560,7 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
         if section not in SECTIONS:
             raise ConfigError(section, f"unknown section (known: {', '.join(sorted(SECTIONS))})")
     server = _section(data, "server", SERVER_KEYS)
-    retry = _section(data, "retry", RETRY_KEYS)
+    retry = _section(data, "retry", {**RETRY_KEYS, **RETIRED_RETRY_KEYS})
     stream = _section(data, "stream", STREAM_KEYS)
     websocket = _section(data, "websocket", WEBSOCKET_KEYS)
     journal = _section(data, "journal", JOURNAL_KEYS)

@@ -48,9 +48,9 @@ in-stream error, a malformed frame):
 * PENDING   -> ``Verdict.REPLAY``: the shell retries the request; nothing held
   is ever sent.
 * COMMITTED -> ``Verdict.FAIL``: never replay.  ``error_bytes`` holds the
-  protocol-native, retryable error event; the stream then ends.  With
-  ``native_error = False`` (a client profile whose ending is a reset) no error
-  event is made: the shell aborts the client connection instead.  A truncated
+  protocol-native, retryable error event; the stream then ends (for a client
+  whose profile ends a cut stream by a reset, ``error_after_commit=False``: no
+  event, and the shell aborts the client connection).  A truncated
   turn never ends with ``[DONE]``, ``finish_reason``, ``response.completed``,
   ``message_stop`` or a bare clean end of body.
 * DONE      -> the turn completed; a failure afterwards (say before ``[DONE]``)
@@ -157,6 +157,7 @@ class Ledger:
     __slots__ = (
         "_classifier",
         "_clock",
+        "_error_after_commit",
         "_held",
         "_held_since",
         "_last_raw",
@@ -168,7 +169,6 @@ class Ledger:
         "hold",
         "hold_overflowed",
         "max_hold_bytes",
-        "native_error",
         "open_tools",
         "protocol",
         "released_frames",
@@ -184,15 +184,15 @@ class Ledger:
         hold: Hold | None = None,
         max_hold_bytes: int = 8 * 1024 * 1024,
         clock: Callable[[], float] | None = None,
-        native_error: bool = True,
+        error_after_commit: bool = True,
     ) -> None:
         self.protocol = protocol
-        #: a failure after commit ends with the protocol's error event (False: with
-        #: nothing, the shell resets the client connection)
-        self.native_error = native_error
         self.hold = hold or Hold()
         self.max_hold_bytes = max_hold_bytes
         self._clock = clock
+        #: False: a failure after commit emits no error event (the shell aborts the
+        #: client connection instead; `TurnMachine.abort_after_commit`)
+        self._error_after_commit = error_after_commit
         self.state = State.PENDING
         self.verdict = Verdict.CONTINUE
         self.error_bytes = b""
@@ -387,6 +387,10 @@ class Ledger:
             self._drop_held()
             return NOTHING
         if self.verdict is Verdict.FAIL:
+            if not self._error_after_commit:
+                self._drop_held()
+                self.state = State.FAILED
+                return NOTHING
             out = self._end_with_error(message)
             return [Event(out, None, None)] if out else NOTHING
         return NOTHING
@@ -398,16 +402,12 @@ class Ledger:
         self._tool_mark = 0
         self._tail = False
 
-    def _end_with_error(self, message: str, *, native: bool | None = None) -> bytes:
-        """Committed: drop anything held (a partial tool call) and emit the native error
-        (none when ``native_error`` is off: the connection is reset instead)."""
+    def _end_with_error(self, message: str) -> bytes:
+        """Committed: drop anything held (a partial tool call) and emit the native error."""
         self._drop_held()
         if self.state is State.FAILED:
             return b""
         self.state = State.FAILED
-        if not (self.native_error if native is None else native):
-            self.error_bytes = b""
-            return b""
         self.error_bytes = self.protocol.error_frame(
             f"unbroken: {message}; the turn was cut after output reached the client. "
             "Retry the request (server_error, upstream terminated).",
@@ -445,4 +445,4 @@ class Ledger:
         """Retries are exhausted while PENDING: drop held frames, emit the native error."""
         self.fail_reason = reason
         self.verdict = Verdict.FAIL
-        return self._end_with_error(reason, native=True)  # nothing was shown: retryable
+        return self._end_with_error(reason)

@@ -546,8 +546,9 @@ class HttpAttempt:
         chunks: list[bytes] = []
         size = 0
         machine = self.machine
+        # (The stall clock of an answer's body is the first-frame one: the whole
+        # body within first_frame_timeout_s of the answer.)
         async for chunk in resp.content.iter_any():
-            machine.last_rx = self.loop.time()
             if size < MAX_ERROR_BODY:
                 chunks.append(chunk)
             size += len(chunk)
@@ -931,12 +932,15 @@ class _HttpTurn:
             response = self.response
             assert response is not None
         machine = self.machine
-        machine.write_started()
+        machine.write_started(self.loop.time())
         try:
             await response.write(data)
         except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError) as exc:
             raise ClientGone() from exc
-        machine.wrote(self.loop.time())
+        finally:
+            # Also when the write failed: a keepalive's failure (a side task) must not
+            # leave the stall clock stopped while the turn still reads the upstream.
+            machine.wrote(self.loop.time())
         # A timer that fired during the write found no deadline (none runs while the
         # relay writes) and is not armed: arm it again (free when it is).
         self.watchdog.arm()

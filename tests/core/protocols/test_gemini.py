@@ -12,7 +12,7 @@ import pytest
 from turnfix import Report, Timers
 from unbroken.core.ledger import Hold, Ledger, State, Verdict
 from unbroken.core.policy import Failure, FailureClass, RetryPolicy, RetryState
-from unbroken.core.profiles import PROFILES, check_overrides, identify
+from unbroken.core.profiles import PROFILES, CommitEnd, check_overrides, identify
 from unbroken.core.protocols import GEMINI, GENERIC, Kind, kind_names, protocol_for_path
 from unbroken.core.protocols.gemini import (
     KEEPALIVE,
@@ -214,12 +214,12 @@ def test_a_cut_after_output_ends_with_the_native_error_or_nothing_for_a_reset() 
     assert ledger.verdict is Verdict.FAIL
     assert one(err).data is not None and json.loads(one(err).data or "")["error"]["code"] == 503
 
-    quiet = Ledger(GEMINI, native_error=False)
+    quiet = Ledger(GEMINI, error_after_commit=False)
     feed_all(quiet, HELLO)
     assert quiet.failed("reset") == b"" and quiet.verdict is Verdict.FAIL
     assert quiet.state is State.FAILED
     # retries exhausted before any output: the retryable error even for a reset profile
-    pending = Ledger(GEMINI, native_error=False)
+    pending = Ledger(GEMINI, error_after_commit=False)
     assert b"UNAVAILABLE" in pending.give_up("retries exhausted")
 
 
@@ -396,9 +396,9 @@ def test_every_gemini_client_gets_blank_line_keepalives(profile: str) -> None:
 
 def test_after_commit_end_is_a_client_setting() -> None:
     assert check_overrides("gemini-cli", {"after_commit_end": "error"}) == {
-        "after_commit_end": "error"
+        "after_commit_end": CommitEnd.ERROR
     }
     with pytest.raises(ValueError, match="after_commit_end"):
         check_overrides("unknown", {"after_commit_end": "close"})
-    assert PROFILES["unknown"].after_commit_end == "error"
-    assert PROFILES["gemini-cli"].after_commit_end == "reset"
+    assert PROFILES["unknown"].after_commit_end is CommitEnd.ERROR
+    assert PROFILES["gemini-cli"].after_commit_end is CommitEnd.RESET
