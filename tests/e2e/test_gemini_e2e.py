@@ -78,6 +78,30 @@ async def test_a_503_storm_is_absorbed(tmp_path, mock):
     print(f"\ngemini 503x30 through unbroken (defaults): exit 0 in {r.seconds:.1f} s")
 
 
+async def test_early_headers_and_blank_line_keepalives_before_the_first_event(tmp_path, mock):
+    """A storm that outlasts ``early_headers_s``: Gemini CLI gets the ``200`` and then
+    only blank-line keepalives for seconds before its first event, and reads the answer
+    (so early headers can serve its ~60 s header timer, and the Gemini keepalive does not
+    stop its parser)."""
+    env, cfg = _setup(tmp_path, mock, "[stream]\nearly_headers_s = 0.5\nkeepalive_s = 0.3\n")
+    mock.script([{"status": 503, "count": 12}])
+    r = await run(through_unbroken(cfg, gemini_argv("say hi")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == TEXT
+    assert len(mock.requests) == 13
+    conn = sqlite3.connect(tmp_path / "journal.sqlite3")
+    try:
+        ((first_byte, took, outcome),) = conn.execute(
+            "SELECT first_byte_s, ended - started, outcome FROM turns"
+        ).fetchall()
+    finally:
+        conn.close()
+    assert outcome == "recovered"
+    assert first_byte < 1.5 < took - 1.0  # the headers went early, the text came later
+    print(f"\ngemini early headers after {first_byte:.2f} s, blank lines, the text after "
+          f"{took:.1f} s: exit 0")
+
+
 RETRY_INFO = json.dumps(
     {
         "error": {
