@@ -51,6 +51,7 @@ BUILTIN_ROUTES: dict[str, str] = {
     "groq": "https://api.groq.com/openai",
     "deepseek": "https://api.deepseek.com",
     "mistral": "https://api.mistral.ai",
+    "gemini": "https://generativelanguage.googleapis.com",
 }
 
 # Environment overrides: (config key, UNBROKEN_ name, opencode-retry-forever alias)

@@ -72,6 +72,8 @@ def machine(profile: Profile | None, protocol: Protocol = RESPONSES, *, stream: 
         ({"originator": "codex_cli_rs", "User-Agent": "reqwest"}, "codex"),
         ({"User-Agent": "claude-cli/2.1.328 (external, sdk-cli)"}, "claude-code"),
         ({"X-Claude-Code-Session-Id": "abc", "User-Agent": "Anthropic/JS 0.60"}, "claude-code"),
+        ({"User-Agent": "GeminiCLI-tui/0.61.0/gemini-2.5-flash (linux; x64; terminal)"},
+         "gemini-cli"),
         ({"User-Agent": "opencode/1.18.33 ai-sdk/provider-utils/3"}, "opencode"),
         ({"User-Agent": "OpenAI/Python 3.57.0"}, "openai-sdk"),
         ({"User-Agent": "Anthropic/Python 2.14.0"}, "anthropic-sdk"),
@@ -195,6 +197,10 @@ def test_known_client_timers() -> None:
     assert claude.client_nonstream_wait_s == 300.0 and claude.client_idle_timeout_s == 300.0
     assert codex.client_idle_timeout_s == 300.0  # stream_idle_timeout_ms's default
     assert claude.nonstream_wait_s is None  # it follows the client's own
+    gemini = PROFILES["gemini-cli"]
+    assert gemini.client_idle_timeout_s == 300.0  # then it retries silently
+    assert gemini.client_nonstream_wait_s is None  # not measured: the [stream] default
+    assert gemini.early_headers  # its ~60 s header timer needs them
 
 
 def _overridden(name: str, table: dict[str, Any]) -> Profile:

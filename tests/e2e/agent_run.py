@@ -1,5 +1,6 @@
-"""Running the real Codex CLI and Claude Code, alone or through `unbroken run`, against
-the mock provider (tests/e2e/test_codex_e2e.py, tests/e2e/test_claude_e2e.py).
+"""Running the real Codex CLI, Claude Code and Gemini CLI, alone or through `unbroken run`,
+against the mock provider (tests/e2e/test_codex_e2e.py, test_claude_e2e.py,
+test_gemini_e2e.py).
 
 Every process gets its own HOME (and CODEX_HOME), runs from a scratch project
 directory, with stdin from /dev/null, in its own process group, and is killed,
@@ -26,7 +27,10 @@ from unbroken.config import SECTIONS
 
 #: environment variables of the test process that must not reach an agent
 _DROP = ("OPENAI_BASE_URL", "OPENAI_API_BASE", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY",
-         "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CODEX_HOME", "UNBROKEN_CONFIG")
+         "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CODEX_HOME", "UNBROKEN_CONFIG",
+         "GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GEMINI_BASE_URL", "GOOGLE_VERTEX_BASE_URL",
+         "GOOGLE_GENAI_USE_VERTEXAI", "GOOGLE_GENAI_USE_GCA", "GEMINI_CLI_HOME",
+         "GEMINI_CLI_SYSTEM_DEFAULTS_PATH", "GEMINI_CLI_SYSTEM_SETTINGS_PATH")
 
 
 @dataclass
@@ -183,3 +187,48 @@ def claude_result(result: Result) -> dict[str, Any]:
         if e.get("type") == "result":
             return e
     return {}
+
+
+# -- Gemini CLI ------------------------------------------------------------------------------
+GEMINI_MODEL = "gemini-2.5-flash"
+
+
+def gemini_bin() -> Path:
+    return installed("gemini")
+
+
+def gemini_env(root: Path, base_url: str, **extra: str) -> dict[str, str]:
+    """HOME, settings and environment for a headless Gemini CLI with API-key auth at
+    ``base_url`` (see /work/shared/notes/agents.md): its only connection is to it."""
+    home = root / "home"
+    for d in (home / ".gemini", root / "project", root / "tmp"):
+        d.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "security": {"auth": {"selectedType": "gemini-api-key"}},
+        "general": {"enableAutoUpdate": False},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+    }
+    (home / ".gemini" / "settings.json").write_text(json.dumps(settings))
+    env = base_env(home)
+    env.update({
+        "GEMINI_API_KEY": "AIza-fake-key-for-tests",
+        "GOOGLE_GEMINI_BASE_URL": base_url,
+        "GEMINI_CLI_HOME": str(home),
+        "TMPDIR": str(root / "tmp"),
+        "GEMINI_TELEMETRY_ENABLED": "false",
+        "GEMINI_CLI_TRUST_WORKSPACE": "true",
+        "NO_COLOR": "1",
+        # no system defaults or settings of this machine's
+        "GEMINI_CLI_SYSTEM_DEFAULTS_PATH": str(root / "no-system-defaults.json"),
+        "GEMINI_CLI_SYSTEM_SETTINGS_PATH": str(root / "no-system-settings.json"),
+    })
+    env.update(extra)
+    return env
+
+
+def gemini_argv(prompt: str, *, yolo: bool = False) -> list[str]:
+    argv = [str(gemini_bin()), "-p", prompt, "-m", GEMINI_MODEL]
+    if yolo:
+        argv += ["--approval-mode", "yolo"]
+    return argv

@@ -36,6 +36,16 @@ follow them (`Profile.stall_timeouts`, `Profile.nonstream_wait`).
   ``overloaded_error`` would have made it re-send without streaming, where an
   answer longer than its non-streamed timeout can never arrive (measured; see
   docs/gate.md, "The ending after commit, per client").
+* **Gemini CLI** retries the turn after an in-stream error and prints the text it
+  already showed a second time (measured with 0.61.0: ``HelloHello, world!``); a
+  connection reset after output ends its turn with the partial text and no
+  duplicate.  So after commit its stream is ended by a reset
+  (``after_commit_end = "reset"``).  It gives up on response headers after about
+  60 s, so early headers (20 s) keep a long storm inside one request; once they
+  came it waits about 300 s for the next event (``client_idle_timeout_s``), then
+  retries silently and shows the prefix again.  Its keepalive is a blank line (the
+  Gemini protocol's, for every client: an SSE comment stops the genai SDK's
+  parser).
 * **OpenCode** (the AI SDK), the openai and anthropic SDKs, and anything unknown
   keep today's conservative defaults: SSE comments, early headers after
   ``[stream] early_headers_s``, the native error event after commit.
@@ -152,6 +162,14 @@ PROFILES: dict[str, Profile] = {
         client_idle_timeout_s=300.0,
         client_nonstream_wait_s=300.0,
     ),
+    # Gemini CLI 0.61.0: about 60 s for response headers (early headers serve it),
+    # about 300 s for the next stream event.
+    "gemini-cli": Profile(
+        "gemini-cli",
+        keepalive=KeepaliveForm.EVENT,
+        after_commit_end=CommitEnd.RESET,
+        client_idle_timeout_s=300.0,
+    ),
     "opencode": Profile("opencode"),
     "openai-sdk": Profile("openai-sdk"),
     "anthropic-sdk": Profile("anthropic-sdk"),
@@ -189,6 +207,9 @@ def identify(headers: Mapping[str, str]) -> str:
         return "codex"
     if ua.startswith("claude-cli/") or headers.get("x-claude-code-session-id"):
         return "claude-code"
+    # Gemini CLI: GeminiCLI-tui/0.61.0/<model> (...), GeminiCLI/<version>/... headless.
+    if ua.startswith("geminicli"):
+        return "gemini-cli"
     if ua.startswith("opencode/") or "opencode" in ua.split(" ", 1)[0]:
         return "opencode"
     if ua.startswith("openai/"):

@@ -119,6 +119,7 @@ told through the `TurnReport` protocol, which the I/O layer implements.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -132,7 +133,6 @@ from unbroken.core.policy import (
     FailureClass,
     Park,
     RetryState,
-    is_quota_body,
     is_retryable_status,
 )
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
@@ -450,7 +450,9 @@ class TurnMachine:
         self.profile = profile or DEFAULT_PROFILE
         #: the keepalive the profile asks for, when the protocol has one (else comments)
         self.keepalive_event = (
-            protocol.keepalive_event if self.profile.keepalive is KeepaliveForm.EVENT else None
+            protocol.keepalive_event
+            if self.profile.keepalive is KeepaliveForm.EVENT or not protocol.comment_keepalive
+            else None
         )
         #: the client is a WebSocket: its keepalive is a message (the event's data), sent
         #: only for a profile that asks for events (pings keep the socket alive otherwise)
@@ -594,7 +596,12 @@ class TurnMachine:
         failure = self.failure
         if failure is None:  # pragma: no cover - set by answered()
             raise TurnError("error_body() without a retryable answer")
-        if body and is_quota_body(body):  # insufficient_quota, billing: a quota wall
+        if body and failure.retry_after_s is None:
+            # A wait the body names (Gemini's RetryInfo), obeyed like Retry-After.
+            hint = self.protocol.retry_delay(body)
+            if hint is not None:
+                failure = self.failure = dataclasses.replace(failure, retry_after_s=hint)
+        if body and self.protocol.quota_body(body):  # insufficient_quota...: a quota wall
             failure = self.failure = Failure(
                 failure.cls, f"quota: {failure.reason}", failure.status, failure.retry_after_s
             )
@@ -1001,7 +1008,12 @@ class TurnMachine:
         ledger = self.ledger
         if ledger is None or ledger.state is not State.COMMITTED or not self.headers_out:
             return b""
-        return ledger.failed("the relay is shutting down")
+        return ledger.failed("the relay is shutting down")  # b"" for a reset profile
+
+    @property
+    def keepalive_bytes(self) -> bytes:
+        """What a keepalive write sends: the profile's or protocol's event, or a comment."""
+        return self.keepalive_event if self.keepalive_event is not None else KEEPALIVE
 
     @property
     def ended(self) -> bool:
