@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from agent_run import (
+    STALL_TIMERS,
     claude_argv,
     claude_env,
     claude_result,
@@ -232,7 +233,7 @@ async def test_a_cut_while_the_tool_runs_lets_it_finish_once(tmp_path, mock):
     tool = _bash("sleep 5; echo ran >> marker.txt")
     events = events_for("anthropic", tool, {"model": "fake-model", "stream": True})
     stop = max(i for i, (name, _) in enumerate(events) if name == "content_block_stop")
-    env, cfg = _setup(tmp_path, mock)
+    env, cfg = _setup(tmp_path, mock, STALL_TIMERS)  # the defaults would wait 120 s
     mock.script([{**tool, "fault": "stall", "after_frame": stop + 1, "seconds": 60}])
     r = await run(through_unbroken(cfg, claude_argv("run the tool")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]

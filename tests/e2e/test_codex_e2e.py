@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 from agent_run import (
-    STALL_TIMERS,
     agent_text,
     codex_argv,
     codex_home,
@@ -123,7 +122,7 @@ async def test_silent_200_longer_than_codex_idle_timeout(tmp_path, mock):
     """An upstream answers 200 then stays silent: alone, Codex's idle timer fires and it
     reconnects; through unbroken Codex's timer never starts (no early headers for it),
     unbroken's stall detection replays, and Codex sees a clean turn."""
-    env, cfg = _setup(tmp_path, mock, STALL_TIMERS, stream_idle_timeout_ms=1500)
+    env, cfg = _setup(tmp_path, mock, stream_idle_timeout_ms=1500)
     stall = {"fault": "stall", "after_frame": 0, "seconds": 30}
     mock.script([stall])
     alone = await run(codex_argv(tmp_path, "say hi"), env, tmp_path / "project")
