@@ -1,7 +1,7 @@
 """The benchmarks keep working: each one runs in ``--quick`` mode (small counts; the numbers
 mean nothing here, only that every phase runs to its report).
 
-The six run at the same time, as separate processes started once for this module, so
+The seven run at the same time, as separate processes started once for this module, so
 the suite waits for the slowest one, not for their sum.  ``bench/compare.py`` leaves
 LiteLLM out only because ``--no-litellm`` says so (installing it takes minutes), and the
 test checks that its report says so.
@@ -76,6 +76,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, R
         "recovery_bench": [str(BENCH / "recovery_bench.py"), "--quick",
                            "--out", str(tmp / "recovery.md"), "--img", str(tmp / "rimg"),
                            "--json", str(tmp / "recovery.json")],
+        # the zero-config storm benchmark's `unbroken serve` 30 x 503 row (about 9 s)
+        "agent_storm_bench": [str(BENCH / "agent_storm_bench.py"), "--quick",
+                              "--out", str(tmp / "storm.md")],
     }
     # turn_cost's relays also run under bench/ttfc_trace (the c=1 step timestamps)
     path = os.pathsep.join(filter(None, (str(BENCH / "ttfc_trace"), os.environ.get("PYTHONPATH"))))
@@ -200,3 +203,13 @@ def test_recovery_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
                 "busy_retry_waits.png"):
         assert (tmp / "rimg" / png).stat().st_size > 1000, png
         assert f"rimg/{png}" in md, png
+
+
+def test_agent_storm_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
+    procs, tmp = runs
+    procs["agent_storm_bench"].result()
+    md = (tmp / "storm.md").read_text()
+    assert md.startswith("# Zero-config storm benchmark")
+    assert f"Reproduce: `python bench/agent_storm_bench.py --quick --out {tmp / 'storm.md'}`" in md
+    [row] = [line for line in md.splitlines() if line.startswith("| 503 x 30 |")]
+    assert "`unbroken serve` + streamed HTTP client" in row and row.endswith("| 1/1 |"), row

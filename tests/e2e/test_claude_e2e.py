@@ -3,7 +3,9 @@
 
 Claude Code runs headless (``claude -p --output-format stream-json --verbose
 --allowedTools Bash``) with ``ANTHROPIC_BASE_URL`` at the mock provider, as a user's
-own gateway would be; `unbroken run -- claude` relays to it.
+own gateway would be; `unbroken run -- claude` relays to it.  The storms run with no
+unbroken config at all (the defaults a user gets); the other tests give the relay a
+journal path and only the ``[stream]`` keys they are about.
 """
 
 from __future__ import annotations
@@ -13,7 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_run import claude_argv, claude_env, claude_result, relay_config, run, through_unbroken
+from agent_run import (
+    STALL_TIMERS,
+    claude_argv,
+    claude_env,
+    claude_result,
+    relay_config,
+    report,
+    run,
+    through_unbroken,
+    timeline,
+    zero_config,
+)
 
 from unbroken.mock import MockProvider
 from unbroken.mock.wire import events_for
@@ -23,9 +36,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.cli("claude"), pytest.mark.timeout(12
 TEXT = "Hello from the mock provider."
 
 
-def _setup(tmp_path: Path, mock: MockProvider, **extra: str) -> tuple[dict[str, str], Path]:
+def _setup(
+    tmp_path: Path, mock: MockProvider, stream: dict[str, Any] | None = None, **extra: str
+) -> tuple[dict[str, str], Path]:
     env = claude_env(tmp_path, mock.url, **extra)
-    return env, relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3")
+    cfg = relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3", **(stream or {}))
+    return env, cfg
 
 
 #: the error event as the ending after commit ([clients.claude-code]), for comparison
@@ -63,23 +79,36 @@ async def test_bash_tool_runs_once(tmp_path, mock):
     assert len(mock.requests) == 2
 
 
-async def test_529_storm_absorbed(tmp_path, mock):
-    env, cfg = _setup(tmp_path, mock, CLAUDE_CODE_MAX_RETRIES="2")
+async def test_529_storm_kills_claude_code_alone(tmp_path, mock, capsys):
+    """The baseline: Claude Code alone gives up on a 529 storm (its retries cut to 2
+    here; with its default 10 it gives up after 11 requests, ~190 s)."""
+    env = claude_env(tmp_path, mock.url, CLAUDE_CODE_MAX_RETRIES="2")
     mock.script([{"status": 529, "count": 100}])
     alone = await run(claude_argv("say hi"), env, tmp_path / "project")
-    alone_requests = len(mock.requests)
     assert alone.code != 0
-    mock.reset()
-    mock.script([{"status": 529, "count": 100}])
-    r = await run(through_unbroken(cfg, claude_argv("say hi")), env, tmp_path / "project")
+    assert len(mock.requests) == 3
+    report(capsys, f"claude 529 x 100 alone (CLAUDE_CODE_MAX_RETRIES=2): exit {alone.code} "
+           f"after {len(mock.requests)} requests ({alone.seconds:.1f} s)")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("count", [30, 100])
+async def test_529_storm_absorbed_with_no_unbroken_config(tmp_path, mock, capsys, count):
+    """`unbroken run -- claude` with no unbroken config (the defaults: a lone turn retried
+    every 250 ms, breakers that never open for one turn's failures): 529 x ``count``,
+    then the answer.  Claude Code sees one clean turn: no error, no ``api_retry``."""
+    env = claude_env(tmp_path, mock.url)
+    mock.script([{"status": 529, "count": count}])
+    r = await run(zero_config(claude_argv("say hi")), env, tmp_path / "project", limit_s=200)
     assert r.code == 0, r.stderr[-3000:]
-    assert claude_result(r).get("result") == TEXT
+    result = claude_result(r)
+    assert result.get("result") == TEXT and not result.get("is_error"), r.stdout[-3000:]
     retries = [e for e in r.events() if e.get("subtype") == "api_retry"]
     assert not retries  # Claude Code never saw a 529
-    assert len(mock.requests) == 101
-    print(f"\nclaude 529x100 (CLAUDE_CODE_MAX_RETRIES=2): alone exit {alone.code} after "
-          f"{alone_requests} requests ({alone.seconds:.1f} s); through unbroken exit 0 in "
-          f"{r.seconds:.1f} s")
+    assert len(mock.requests) == count + 1
+    assert all(req.path == "/v1/messages" for req in mock.requests)
+    report(capsys, f"claude 529 x {count} through `unbroken run -- claude` (no config): exit 0, "
+           f"{len(mock.requests)} requests, {r.seconds:.1f} s ({timeline(r, mock.requests)})")
 
 
 async def test_reset_mid_input_json_delta_runs_the_tool_once(tmp_path, mock):
@@ -112,7 +141,8 @@ async def test_a_final_400_after_a_long_storm_stays_a_400(tmp_path, mock):
     status and it stops, with no extra request.  With early headers forced on (the
     unknown-client default), the 400 can only be an in-stream error event, and Claude
     Code re-sends the request without streaming: one request more."""
-    env, cfg = _setup(tmp_path, mock)
+    # early_headers_s = 1: the 529's 1.5 s Retry-After outlasts it (the default is 20 s)
+    env, cfg = _setup(tmp_path, mock, {"early_headers_s": 1})
     mock.script(STORM_THEN_400)
     r = await run(through_unbroken(cfg, claude_argv("say hi")), env, tmp_path / "project")
     assert r.code != 0
@@ -184,9 +214,8 @@ async def test_cut_right_after_a_complete_tool_call(tmp_path, mock):
     marker.unlink()
     mock.reset()
     mock.script([cut, tool])
-    tail = tmp_path / "tail.toml"
-    tail.write_text(cfg.read_text().replace(
-        "[stream]", '[stream]\nhold = ["control", "tool_calls", "tool_tail"]'))
+    tail = relay_config(tmp_path / "tail.toml", tmp_path / "journal.sqlite3",
+                        hold=["control", "tool_calls", "tool_tail"])
     r = await run(through_unbroken(tail, claude_argv("run the tool")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
     assert marker.read_text() == "A\n"
@@ -204,7 +233,7 @@ async def test_a_cut_while_the_tool_runs_lets_it_finish_once(tmp_path, mock):
     tool = _bash("sleep 5; echo ran >> marker.txt")
     events = events_for("anthropic", tool, {"model": "fake-model", "stream": True})
     stop = max(i for i, (name, _) in enumerate(events) if name == "content_block_stop")
-    env, cfg = _setup(tmp_path, mock)
+    env, cfg = _setup(tmp_path, mock, STALL_TIMERS)  # the defaults would wait 120 s
     mock.script([{**tool, "fault": "stall", "after_frame": stop + 1, "seconds": 60}])
     r = await run(through_unbroken(cfg, claude_argv("run the tool")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]

@@ -4,6 +4,8 @@ Codex runs ``codex exec --json`` against the mock provider, configured as a user
 (a custom ``fake`` provider in ``$CODEX_HOME/config.toml``); `unbroken run -- codex`
 finds that provider and points Codex at its private relay with ``-c``.  Codex's own
 retry knobs are set low (1 request retry, 1 stream retry) to keep the baselines fast.
+The storm runs with no unbroken config at all (the defaults a user gets); the other
+tests give the relay a journal path and only the ``[stream]`` keys they are about.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from agent_run import (
     codex_home,
     reconnects,
     relay_config,
+    report,
     run,
     through_unbroken,
+    timeline,
+    zero_config,
 )
 
 from unbroken.mock import MockProvider
@@ -32,9 +37,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.cli("codex"), pytest.mark.timeout(120
 TEXT = "Hello from the mock provider."
 
 
-def _setup(tmp_path: Path, mock: MockProvider, **provider: Any) -> tuple[dict[str, str], Path]:
+def _setup(
+    tmp_path: Path, mock: MockProvider, stream: dict[str, Any] | None = None, **provider: Any
+) -> tuple[dict[str, str], Path]:
     env = codex_home(tmp_path, mock.url, **provider)
-    return env, relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3")
+    cfg = relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3", **(stream or {}))
+    return env, cfg
 
 
 def _tool(cmd: str) -> dict[str, Any]:
@@ -69,22 +77,29 @@ async def test_tool_turn_runs_once(tmp_path, mock):
     assert len(mock.requests) == 2  # the call, then the answer after its output
 
 
-async def test_503_storm_alone_dies_through_unbroken_completes(tmp_path, mock):
-    env, cfg = _setup(tmp_path, mock)
-    mock.script([{"status": 503, "count": 6}])
+@pytest.mark.timeout(240)
+async def test_503_storm_alone_dies_through_unbroken_with_no_config_completes(
+    tmp_path, mock, capsys
+):
+    """503 x 40, then the answer.  Alone, Codex gives up; through `unbroken run -- codex`
+    with no unbroken config (the defaults: a lone turn retried every 250 ms, breakers
+    that never open for one turn's failures) it sees one clean turn."""
+    env = codex_home(tmp_path, mock.url)
+    mock.script([{"status": 503, "count": 40}])
     alone = await run(codex_argv(tmp_path, "say hi"), env, tmp_path / "project")
     alone_requests = len(mock.requests)
     assert alone.code != 0 and not agent_text(alone)
     mock.reset()
-    mock.script([{"status": 503, "count": 6}])
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
-                  tmp_path / "project")
+    mock.script([{"status": 503, "count": 40}])
+    r = await run(zero_config(codex_argv(tmp_path, "say hi")), env, tmp_path / "project",
+                  limit_s=200)
     assert r.code == 0, r.stderr[-3000:]
     assert agent_text(r).startswith(TEXT)
     assert not reconnects(r)  # Codex never saw a failure
-    assert len(mock.requests) == 7
-    print(f"\ncodex 503x6: alone exit {alone.code} after {alone_requests} requests "
-          f"({alone.seconds:.1f} s); through unbroken exit 0 in {r.seconds:.1f} s")
+    assert len(mock.requests) == 41
+    report(capsys, f"codex 503 x 40: alone exit {alone.code} after {alone_requests} requests "
+           f"({alone.seconds:.1f} s); through `unbroken run -- codex` (no config) exit 0, "
+           f"{len(mock.requests)} requests, {r.seconds:.1f} s ({timeline(r, mock.requests)})")
 
 
 async def test_reset_mid_tool_arguments_runs_the_tool_once(tmp_path, mock):
@@ -257,7 +272,8 @@ async def test_a_final_400_after_a_storm_stops_codex(tmp_path, mock, early_heade
     Codex profile the 400 arrives as a status; with early headers forced on it can only
     be in-stream, as ``error`` + ``response.failed`` carrying the provider's code.  Either
     way Codex recognises it and stops: no extra request, no "Reconnecting"."""
-    env, cfg = _setup(tmp_path, mock, stream_max_retries=3)
+    # early_headers_s = 1: the 503's 1.5 s Retry-After outlasts it (the default is 20 s)
+    env, cfg = _setup(tmp_path, mock, {"early_headers_s": 1}, stream_max_retries=3)
     if early_headers:
         cfg.write_text(cfg.read_text() + "\n[clients.codex]\nearly_headers = true\n")
     mock.script([{"status": 503, "headers": {"retry-after-ms": "1500"}}] + [TOO_LONG] * 4)
