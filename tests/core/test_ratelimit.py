@@ -176,7 +176,7 @@ def test_aimd_window_halves_on_a_429_once_per_window_and_grows_back() -> None:
     assert lim.window is None
     for s in seqs[:4]:  # four 429s from requests already in flight: one decrease
         lim.limited(s, 0.0, 0.0, 0.0)
-        lim.finish(s, 0.0, limited=True)
+        lim.finish(s, 0.0, ok=False)
     assert lim.window == 8.0
     # 12 still run: the window is full, the next waits for a finish
     assert lim.admit(100, "s", 0.0, 0.0) == 0
@@ -194,7 +194,7 @@ def test_a_429_blocks_until_retry_after_or_the_learned_refill() -> None:
     lim = Limiter(K, "c", RateSettings(max_wait_s=30.0))
     s = lim.admit(0, "s", 0.0, 0.0)
     assert lim.limited(s, 2.5, 0.0, 10.0) == 12.5
-    lim.finish(s, 10.0, limited=True)
+    lim.finish(s, 10.0, ok=False)
     assert not lim.peek(0, 0.0, 12.0) and lim.peek(0, 0.0, 12.5)
     s = lim.admit(0, "s", 0.0, 13.0)
     assert lim.limited(s, 1e9, 0.0, 13.0) == 43.0  # clamped

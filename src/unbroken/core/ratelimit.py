@@ -405,17 +405,17 @@ class Limiter:
         seq: int,
         now: float,
         *,
-        limited: bool = False,
+        ok: bool = True,
         tokens_in: int | None = None,
         body_bytes: int = 0,
     ) -> None:
-        """The attempt of admission ``seq`` is over (its slot is free); learn from the
-        input tokens the provider reported for it."""
+        """The attempt of admission ``seq`` is over (its slot is free; ``ok``: it was
+        answered, the window grows); learn from the input tokens reported for it."""
         tokens = self.running.pop(seq, None)
         self.uncounted.pop(seq, None)
         if tokens is None:
             return
-        if not limited and self.window is not None:
+        if ok and self.window is not None:
             self.window = min(
                 float(self.settings.max_concurrency), self.window + 1.0 / max(self.window, 1.0)
             )
