@@ -54,25 +54,36 @@ def test_first_attempts_wait_in_the_rate_line_and_go_in_turn() -> None:
         granted, due = b.pump(K, float(i))
         assert granted == [t.ticket]
         assert t.next_upstream(float(i)) == 0
-        assert t.queued_s == float(i)  # the time it spent in the rate line
+        assert t.ticket not in b.rates.get(K, "c").line
 
 
-def test_a_429_is_waited_once_on_the_limiter_not_also_on_the_pacer() -> None:
+def test_a_429_with_retry_after_is_waited_once() -> None:
     b = HealthBoard()
     s = state(b)
     assert s.next_upstream(0.0) == 0
     s.record_rate(RateHeaders(requests=Reading(60, 0, 60.0), retry_after_s=2.0), 0.0)
     wait = s.record_failure(Failure(FailureClass.STATUS, "HTTP 429", 429, 2.0), 0.0)
-    assert wait == 0.0  # no retry delay on top
-    rec = b.get(K)
-    assert rec.cooloff_until == 0.0  # no cool-off on top
-    assert b.pacer(K).fail_streak == 0 and b.pacer(K).waited_total == 0  # no pacer on top
+    assert wait == 2.0  # the Retry-After: a cool-off shared like a breaker's
+    assert b.get(K).cooloff_until == 2.0 and b.rates.get(K, "c").blocked_until == 2.0
+    assert b.pacer(K).fail_streak == 0  # not a pacer failure
+    # when it ends, the retry goes at once: no retry delay, pacer or rate line on top
+    assert s.next_upstream(2.0) == 0 and s.retries == 1
+    assert b.pacer(K).waited_total == 0 and b.rates.get(K, "c").waited_total == 0
+
+
+def test_a_429_without_retry_after_waits_in_the_rate_line_only() -> None:
+    b = HealthBoard()
+    s = state(b)
+    assert s.next_upstream(0.0) == 0
+    s.record_rate(RateHeaders(requests=Reading(60, 0, 60.0)), 0.0)  # one a second
+    assert s.record_failure(E429, 0.0) == 0.0  # no retry delay
+    assert b.get(K).cooloff_until == 0.0 and b.pacer(K).fail_streak == 0
     park = s.next_upstream(0.0)
     assert isinstance(park, Park) and park.why == "ratelimit"
-    assert b.pump(K, 1.0)[0] == []
-    granted, _ = b.pump(K, 2.0)
+    assert b.pump(K, 0.5)[0] == []
+    granted, _ = b.pump(K, 1.0)
     assert granted == [s.ticket]
-    assert s.next_upstream(2.0) == 0 and s.retries == 1
+    assert s.next_upstream(1.0) == 0 and b.pacer(K).waited_total == 0
 
 
 def test_a_429_moves_the_retry_to_another_upstream_at_once() -> None:
@@ -107,7 +118,7 @@ def test_a_turn_that_ends_in_the_rate_line_leaves_it() -> None:
     lim = b.rates.get(K, "c")
     assert s.ticket in lim.line
     s.close(3.0)
-    assert s.ticket not in lim.line and s.queued_s == 3.0
+    assert s.ticket not in lim.line and not lim.waiting
 
 
 def test_disabled_rate_limits_leave_the_old_path() -> None:

@@ -495,4 +495,6 @@ class HealthBoard:
             "cooloff_reason": rec.cooloff_reason if rec.cooloff_until > now else "",
             "reopens": rec.reopens,
             "pacer": self.pacer(key).view(now),
+            #: the providers' rate limits learned per credential (`core.ratelimit`)
+            "ratelimits": self.rates.view(key, now),
         }

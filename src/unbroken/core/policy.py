@@ -269,11 +269,8 @@ class RetryState:
     #: the request body's size and the output tokens it asks for (its cost)
     body_bytes: int = 0
     max_output: int = 0
-    #: when the first attempt was asked for, and the time spent in a rate line
-    queued_s: float = 0.0
     _adm: tuple[Limiter, int, float] | None = None  # the live admission: (limiter, seq, tokens)
     _rate_line: Limiter | None = None  # the limiter whose line the turn waits in
-    _rate_since: float = -1.0
     _rate_retry: bool = False  # the last failure was a 429: the limiter paces the retry
     _pace_done: bool = False  # this retry has its pacer's go already
     _order: list[int] | None = None
@@ -404,7 +401,6 @@ class RetryState:
                 old.withdraw(self.ticket)
                 board.rates.changed(old.key)
             self._rate_line = None
-            self.queued_s += max(0.0, now - self._rate_since)
 
     def _park_rate(
         self, board: HealthBoard, now: float, idx: int, lim: Limiter, tokens: float
@@ -419,8 +415,6 @@ class RetryState:
         if old is not lim:
             if old is not None:
                 old.withdraw(ticket)
-            else:
-                self._rate_since = now
             self._rate_line = lim
         lim.admit(ticket, self.sticky or f"#{ticket}", tokens, now)  # keeps (or takes) its place
         board.rates.changed(key)
@@ -467,7 +461,6 @@ class RetryState:
             lim.withdraw(self.ticket)
             board.rates.changed(lim.key)
             self._rate_line = None
-            self.queued_s += max(0.0, now - self._rate_since)
         if self.line is not None and self.line != key:
             board.withdraw(self.line, self.ticket)
         self.line = key
@@ -488,8 +481,6 @@ class RetryState:
             lim.withdraw(self.ticket)
             board.rates.changed(lim.key)
             self._rate_line = None
-            if now is not None:
-                self.queued_s += max(0.0, now - self._rate_since)
         if self._adm is not None:  # not settled: it did not end well
             self._finish(now if now is not None else 0.0, ok=False)
 
@@ -514,19 +505,23 @@ class RetryState:
         board = self.board
         key = self.keys[self.current] if board is not None and self.keys else None
         adm = self._adm
-        if adm is not None and failure.status == 429 and not failure.quota:
-            # The provider's rate limit: the limiter blocks until it says (or until the
-            # learned budget refills) and the retry waits in its line: no retry delay,
-            # no pacer, no cool-off on top.  It answered: a probe passed.
+        limited = adm is not None and failure.status == 429 and not failure.quota
+        if adm is not None:
             lim, seq, tokens = adm
-            ra = failure.retry_after_s if self.policy.honor_retry_after else None
-            lim.limited(seq, ra, tokens, now)
+            if limited:
+                # The provider's rate limit: the limiter blocks this key until it says
+                # (Retry-After) or until the learned budget refills.  The retry is the
+                # limiter's: no pacer token, no pacer failure, no retry delay on top.
+                ra = failure.retry_after_s if self.policy.honor_retry_after else None
+                if ra is not None:
+                    ra = self.policy.clamp_retry_after(ra)
+                lim.limited(seq, ra, tokens, now)
+                self._rate_retry = True
             self._finish(now, ok=False)
-            self._rate_retry = True
+        if limited and (failure.retry_after_s is None or not self.policy.honor_retry_after):
             if board is not None and key is not None:
-                board.success(key, now)
-            return 0.0
-        self._finish(now, ok=False)
+                board.success(key, now)  # it answered: a probe passed
+            return 0.0  # the limiter's line is the wait
         if failure.quota:
             self.cooloff_until[self.current] = now + self.quota_cooloff_s
             if board is not None and key is not None:
@@ -548,8 +543,11 @@ class RetryState:
                 board.failure(key, now, failure.label, count=first_here)
             else:  # a 4xx (429, 408, ...) is an answer: the upstream is up (a probe passed)
                 board.success(key, now)
-                board.pace_failure(key, now)  # but not a success for its pacer
+                if not limited:  # a 429 is the rate limiter's, not a pacer failure
+                    board.pace_failure(key, now)  # but not a success for its pacer
         other_free = self._other_free(now)
+        if limited and other_free:
+            return 0.0  # another upstream (another key's budget): at once
         if failure.cls.reroutes_at_once and other_free:
             return 0.0
         if ra is not None:

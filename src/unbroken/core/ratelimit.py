@@ -457,6 +457,7 @@ class Limiter:
             "tokens_per_byte": round(self.tokens_per_byte, 4),
             "waited_total": self.waited_total,
             "limited_total": self.limited_total,
+            "shared": any(b.shared for b in self.buckets.values()),
         }
 
 
