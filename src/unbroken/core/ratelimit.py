@@ -104,7 +104,7 @@ def max_output_of(body: Any) -> int:
 class Bucket:
     """One budget: ``level`` of ``limit`` left, refilled at ``rate`` a second."""
 
-    __slots__ = ("level", "limit", "rate", "rate_seen", "shared", "t")
+    __slots__ = ("level", "limit", "rate", "rate_seen", "reported", "shared", "t", "version")
 
     def __init__(self, limit: float, now: float) -> None:
         self.limit = limit
@@ -115,6 +115,10 @@ class Bucket:
         self.rate_seen = False
         #: the level is the fleet's lease (refilled by the store, not by the clock)
         self.shared = False
+        #: the level the provider's last report implies, and how many reports came
+        #: (a fleet store lowers the fleet's level to it)
+        self.reported = limit
+        self.version = 0
 
     def refill(self, now: float) -> None:
         dt = now - self.t
@@ -150,6 +154,8 @@ class Bucket:
         elif r.reset_s is not None and rem <= 0 and r.reset_s <= 0.001:
             rem = min(self.limit, 1.0)  # spent, and reset now: one may go
         level = min(self.limit, rem) - uncounted
+        self.reported = level
+        self.version += 1
         if self.shared:
             self.level = min(self.level, level)  # the fleet's lease: only ever lowered here
         else:
@@ -470,6 +476,8 @@ class RateBoard:
         self.limiters: dict[str, dict[str, Limiter]] = {}
         #: told when a line of ``key`` may move (the health board's listener)
         self.poke: Callable[[str], None] | None = None
+        #: told of every change of ``key``'s limiters (a fleet store's top-ups)
+        self.listeners: list[Callable[[str], None]] = []
 
     def get(self, key: str, cred: str) -> Limiter:
         by = self.limiters.get(key)
@@ -498,6 +506,8 @@ class RateBoard:
         return out, due
 
     def changed(self, key: str) -> None:
+        for listener in self.listeners:
+            listener(key)
         poke = self.poke
         if poke is not None and self.waiting(key):
             poke(key)
