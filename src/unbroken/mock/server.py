@@ -260,6 +260,7 @@ class MockProvider:
         app.router.add_post("/_mock/script", self._h_script)
         app.router.add_post("/_mock/default", self._h_default)
         app.router.add_post("/_mock/limits", self._h_limits)
+        app.router.add_get("/_mock/limits", self._h_limits_get)
         app.on_response_prepare.append(_add_rate_headers)
         app.router.add_route("*", "/{tail:.*}", self._h_provider)
         return app
@@ -483,6 +484,13 @@ class MockProvider:
         except (ActionError, ValueError) as exc:
             return web.json_response({"ok": False, "error": str(exc)}, status=400)
         return web.json_response({"ok": True})
+
+    async def _h_limits_get(self, request: web.Request) -> web.Response:
+        """The limits, what they answered, and every request's (time, status)."""
+        limits = self.limits
+        if limits is None:
+            return web.json_response(None)
+        return web.json_response({**limits.view(), "log": [[t, s] for t, _, s in limits.log]})
 
     async def _h_default(self, request: web.Request) -> web.Response:
         try:
