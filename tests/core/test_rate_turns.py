@@ -96,6 +96,10 @@ def test_a_429_moves_the_retry_to_another_upstream_at_once() -> None:
 
 def test_a_429_with_nothing_learned_halves_the_window() -> None:
     b = HealthBoard()
+    first = state(b)
+    assert first.next_upstream(0.0) == 0
+    first.record_rate(RateHeaders(), 0.0)  # answered, no rate headers: nothing to learn
+    first.settle(0.0, None)
     turns = [state(b, f"a{i}") for i in range(8)]
     for t in turns:
         assert t.next_upstream(0.0) == 0

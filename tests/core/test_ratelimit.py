@@ -45,8 +45,27 @@ def test_max_output_of_a_body() -> None:
     assert max_output_of(None) == 0
 
 
-def test_nothing_learned_admits_everything() -> None:
+def answered(lim: Limiter) -> Limiter:
+    """The limiter has heard from the provider once (an answer with no rate headers)."""
+    seq = lim.admit(0, "s", 0.0, 0.0)
+    lim.learn(seq, RateHeaders(), 0.0)
+    lim.finish(seq, 0.0)
+    return lim
+
+
+def test_the_first_request_goes_alone_until_the_provider_answers() -> None:
     lim = Limiter(K, "c", RateSettings())
+    first = lim.admit(1, "a", 10.0, 0.0)
+    assert first > 0
+    assert [lim.admit(t, "b", 10.0, 0.0) for t in (2, 3, 4)] == [0, 0, 0]
+    assert lim.pump(0.0) == ([], None)  # woken by the answer, not by a timer
+    lim.learn(first, RateHeaders(), 0.05)  # its headers: no rate limit said
+    granted, due = lim.pump(0.05)
+    assert granted == [2, 3, 4] and due is None
+
+
+def test_with_no_limit_reported_everything_goes() -> None:
+    lim = answered(Limiter(K, "c", RateSettings()))
     seqs = [lim.admit(0, "s", 100.0, 0.0) for _ in range(1000)]
     assert all(seqs) and len(set(seqs)) == 1000 and lim.waited_total == 0
 
@@ -171,7 +190,7 @@ def test_an_unclaimed_grant_expires() -> None:
 
 
 def test_aimd_window_halves_on_a_429_once_per_window_and_grows_back() -> None:
-    lim = Limiter(K, "c", RateSettings(decrease=0.5))
+    lim = answered(Limiter(K, "c", RateSettings(decrease=0.5)))
     seqs = [lim.admit(0, "s", 0.0, 0.0) for _ in range(16)]
     assert lim.window is None
     for s in seqs[:4]:  # four 429s from requests already in flight: one decrease
@@ -203,6 +222,7 @@ def test_a_429_blocks_until_retry_after_or_the_learned_refill() -> None:
     s = lim.admit(0, "s", 0.0, 0.0)
     lim.learn(s, rpm(120, 5, 57.5), 0.0)  # 2 a second
     assert lim.limited(s, None, 0.0, 0.0) == pytest.approx(0.5)
+    assert lim.window is None  # explained by the learned budget: no smaller window
     # nothing learned at all: a second
     lim = Limiter(K, "c", RateSettings())
     assert lim.limited(lim.admit(0, "s", 0.0, 0.0), None, 0.0, 0.0) == 1.0

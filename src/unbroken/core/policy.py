@@ -264,7 +264,8 @@ class RetryState:
     ticket: int = 0
     #: the key of the line this turn waits in, if any
     line: str | None = None
-    #: each upstream's credential hash (`ratelimit.credential_hash`; empty: "-")
+    #: each upstream's credential hash (`ratelimit.credential_hash`); none given: the
+    #: turn is not rate limited (the transports always give them)
     creds: Sequence[str] = ()
     #: the request body's size and the output tokens it asks for (its cost)
     body_bytes: int = 0
@@ -310,7 +311,7 @@ class RetryState:
             start = (order.index(self.current) + 1) % n
         board = self.board
         paced = pace and not first and board is not None and not self._rate_retry
-        rated = board is not None and board.rates.settings.enabled and pace
+        rated = board is not None and pace and bool(self.creds) and board.rates.settings.enabled
         ticket = self.ticket
         if paced and not ticket:
             assert board is not None
@@ -341,7 +342,7 @@ class RetryState:
                         in_line = idx
                     continue
                 if rated:
-                    lim = board.rates.get(key, self.creds[idx] if self.creds else "-")
+                    lim = board.rates.get(key, self.creds[idx])
                     tokens = lim.estimate(self.body_bytes, self.max_output)
                     if not lim.peek(ticket, tokens, now):
                         if rate_in is None:
@@ -438,9 +439,10 @@ class RetryState:
     def record_rate(self, headers: RateHeaders, now: float) -> None:
         """The current attempt's answer said this about the key's budgets."""
         adm = self._adm
-        if adm is not None and not headers.empty:
+        if adm is not None:
+            first = not adm[0].seen
             adm[0].learn(adm[1], headers, now)
-            if self.board is not None:
+            if self.board is not None and (first or not headers.empty):
                 self.board.rates.changed(adm[0].key)
 
     def settle(self, now: float, tokens_in: int | None) -> None:

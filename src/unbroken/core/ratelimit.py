@@ -18,9 +18,15 @@ Each upstream, for each credential (a hash of the key, never the key), has a
   tokens the provider reports, per limiter) plus any ``max_tokens`` it asks for.
   Output tokens are not charged ahead (they are not known); an output budget the
   provider reports spent blocks until its reset.
-* **Concurrency** adapts (AIMD): unbounded until the first 429; then a window of
-  half the requests in flight, one more for every window of answered requests, and
-  half again on a 429 (at most once per window of requests, like TCP).
+* **The first request goes alone.**  Until the limiter has heard from the
+  provider once (an answer's headers, a 429, an attempt's end), one request is
+  in flight and the others wait for it: fifty agents starting at once on a key
+  already at its limit cost one 429, not fifty.  A relay pays this once per
+  upstream and key, one time to first byte, and only if turns start together.
+* **Concurrency** adapts (AIMD) for a provider that reports no budget: unbounded
+  until the first 429; then a window of half the requests in flight, one more for
+  every window of answered requests, and half again on a 429 (at most once per
+  window of requests, like TCP).  A 429 the learned budgets explain is theirs.
 * **A line.**  A turn whose cost is not available waits in the limiter's line.
   The line is fair: round robin across sessions (the turn's session key), first
   come first served within a session, so one busy agent cannot starve the others.
@@ -251,6 +257,7 @@ class Limiter:
         "limited_total",
         "line",
         "running",
+        "seen",
         "seq",
         "settings",
         "tokens_per_byte",
@@ -273,6 +280,8 @@ class Limiter:
         #: admissions in flight: seq -> tokens (until the attempt is over)
         self.running: dict[int, float] = {}
         self.seq = 0
+        #: the provider answered once (until then one request goes at a time)
+        self.seen = False
         #: the AIMD window (None: unbounded, no 429 seen)
         self.window: float | None = None
         self._decrease_seq = 0
@@ -303,6 +312,8 @@ class Limiter:
         window = self.window
         if window is not None and len(self.running) >= int(window):
             return math.inf
+        if not self.seen and self.running:
+            return math.inf  # the first request goes alone: wait for its answer
         for bucket, cost in self._costs(tokens):
             if cost > 0:
                 when = max(when, bucket.due(cost, now))
@@ -365,6 +376,7 @@ class Limiter:
     # -- what the provider said ----------------------------------------------------------
     def learn(self, seq: int, h: RateHeaders, now: float) -> None:
         """An answer's headers for admission ``seq`` (0: not admitted here)."""
+        self.seen = True
         self.uncounted.pop(seq, None)
         for name, reading in (("requests", h.requests), ("tokens", h.tokens), ("output", h.output)):
             if reading is None or (reading.limit is None and name not in self.buckets):
@@ -383,9 +395,12 @@ class Limiter:
     def limited(self, seq: int, retry_after_s: float | None, tokens: float, now: float) -> float:
         """A 429 for admission ``seq``: block until it may go again; returns that time."""
         self.limited_total += 1
+        self.seen = True
         self.uncounted.pop(seq, None)
         running = len(self.running)
-        if seq > self._decrease_seq:  # once per window of requests (like TCP)
+        if not self.buckets and seq > self._decrease_seq:
+            # A 429 no reported budget explains (a provider that sends no rate-limit
+            # headers): fewer at once.  Once per window of requests, like TCP.
             self._decrease_seq = self.seq
             base = self.window if self.window is not None else float(running)
             self.window = max(1.0, base * self.settings.decrease)
@@ -419,6 +434,7 @@ class Limiter:
         answered, the window grows); learn from the input tokens reported for it."""
         tokens = self.running.pop(seq, None)
         self.uncounted.pop(seq, None)
+        self.seen = True
         if tokens is None:
             return
         if ok and self.window is not None:
