@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import sqlite3
 import time
@@ -247,3 +248,25 @@ def test_an_older_journal_gains_the_queued_column_and_stats_read_one_without_it(
         assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
     finally:
         conn.close()
+
+
+async def test_geminis_retry_delay_in_a_429_body_blocks_the_key_for_that_long(mock, http):
+    body = json.dumps(
+        {
+            "error": {
+                "code": 429,
+                "status": "RESOURCE_EXHAUSTED",
+                "details": [
+                    {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "0.4s"}
+                ],
+            }
+        }
+    )
+    mock.script([{"status": 429, "body": body}])
+    async with RelayServer(config([mock.url])) as server:
+        assert (await chat(http, server.url))[0] == 200
+        [first, second] = mock.requests
+        assert second.at - first.at >= 0.4  # the delay the body asked for, not 5 ms
+        [lim] = list(server.relay.board.rates.all())
+        assert lim.limited_total == 1
+        assert server.relay.board.get(f"mock|{mock.url}").cooloff_reason == "retry_after"
