@@ -1,7 +1,7 @@
 """The benchmarks keep working: each one runs in ``--quick`` mode (small counts; the numbers
 mean nothing here, only that every phase runs to its report).
 
-The six run at the same time, as separate processes started once for this module, so
+The eight run at the same time, as separate processes started once for this module, so
 the suite waits for the slowest one, not for their sum.  ``bench/compare.py`` leaves
 LiteLLM out only because ``--no-litellm`` says so (installing it takes minutes), and the
 test checks that its report says so.
@@ -75,6 +75,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, R
                     "--json", str(tmp / "compare.json")],
         "ratelimit_bench": [str(BENCH / "ratelimit_bench.py"), "--quick", "--no-litellm",
                             "--out", str(tmp / "ratelimit.md"), "--img", str(tmp / "rlimg")],
+        "recovery_bench": [str(BENCH / "recovery_bench.py"), "--quick",
+                           "--out", str(tmp / "recovery.md"), "--img", str(tmp / "rimg"),
+                           "--json", str(tmp / "recovery.json")],
+        # the zero-config storm benchmark's `unbroken serve` 30 x 503 row (about 9 s)
+        "agent_storm_bench": [str(BENCH / "agent_storm_bench.py"), "--quick",
+                              "--out", str(tmp / "storm.md")],
     }
     # turn_cost's relays also run under bench/ttfc_trace (the c=1 step timestamps)
     path = os.pathsep.join(filter(None, (str(BENCH / "ttfc_trace"), os.environ.get("PYTHONPATH"))))
@@ -174,3 +180,48 @@ def test_compare_quick(runs: tuple[dict[str, Run], Path]) -> None:
     for png in ("ttfc.png", "rps_per_core.png", "memory.png", "fault_matrix.png"):
         assert (tmp / "img" / png).stat().st_size > 1000, png
         assert f"img/{png}" in md, png
+
+
+def test_recovery_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
+    procs, tmp = runs
+    procs["recovery_bench"].result()
+    md = (tmp / "recovery.md").read_text()
+    assert "python bench/recovery_bench.py --quick" in md  # the command comes first
+    for heading in ("## Systems", "## Targets", "## Outage by time", "## Outage by count",
+                    "## Busy and partly failing"):
+        assert heading in md, heading
+    for header in ("| target | measured | verdict |",
+                   "| outage | turns | system | completed | recovery p50 s |",
+                   "| 503s | turns | system | outage lasted s |",
+                   "| system | turns | completed | latency p50 s |"):
+        assert header in md, header
+    # every target has a verdict; LiteLLM is left out of --quick, and the report says so
+    assert md.count("**met**") + md.count("**missed**") + md.count("not measured") >= 8
+    assert "| litellm | **not run**: left out (--quick without --litellm) |" in md
+    res = json.loads((tmp / "recovery.json").read_text())
+    ran = [r for r in res["results"] if "not_run" not in r]
+    kinds = {(r["system"], r["scenario"], r["turns"] > 1) for r in ran}
+    for system in ("defaults", "fixed"):
+        for kind in (("time", False), ("time", True), ("count", False), ("count", True),
+                     ("busy", True)):
+            assert (system, *kind) in kinds, (system, kind)
+    # two relays sharing a real redis-server (found as tests/redisfix.py finds it)
+    redis = [r for r in res["results"] if r["system"] == "redis"]
+    assert redis and all("not_run" not in r for r in redis), [r.get("not_run") for r in redis]
+    for r in ran:  # the measurements exist (their values are not judged here)
+        assert r["turns"] > 0 and 0 <= r["completed"] <= r["turns"], r["system"]
+        assert ("waits" if r["scenario"] == "busy" else "recovery") in r, r["system"]
+    for png in ("recovery_latency.png", "outage_requests.png", "count_turn_time.png",
+                "busy_retry_waits.png"):
+        assert (tmp / "rimg" / png).stat().st_size > 1000, png
+        assert f"rimg/{png}" in md, png
+
+
+def test_agent_storm_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
+    procs, tmp = runs
+    procs["agent_storm_bench"].result()
+    md = (tmp / "storm.md").read_text()
+    assert md.startswith("# Zero-config storm benchmark")
+    assert f"Reproduce: `python bench/agent_storm_bench.py --quick --out {tmp / 'storm.md'}`" in md
+    [row] = [line for line in md.splitlines() if line.startswith("| 503 x 30 |")]
+    assert "`unbroken serve` + streamed HTTP client" in row and row.endswith("| 1/1 |"), row

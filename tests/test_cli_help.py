@@ -51,3 +51,20 @@ def test_help_runs_for_every_command(capsys: pytest.CaptureFixture[str]) -> None
                 main([*command.split()[1:], "--help"])
             assert exit_.value.code == 0
         assert capsys.readouterr().out.startswith(f"usage: {command}")
+
+
+def test_a_command_imports_only_its_own_module() -> None:
+    """``unbroken run`` starts the agent sooner: it no longer imports the demo (and with
+    it the openai SDK) or any other command's module (0.8 s -> 0.26 s to its parser)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from unbroken.cli import _parser; _parser('run'); "
+        "print(sorted(m for m in ('unbroken.demo', 'openai', 'unbroken.observe.status', "
+        "'unbroken.opencode.launcher') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "['unbroken.opencode.launcher']"

@@ -75,6 +75,7 @@ CASES: list[tuple[list[str], str]] = [
     (["resume", "--opencode", "http://127.0.0.1:9", "--delay-ms", "-5"], "--delay-ms"),
     (["demo", "--turns", "0"], "--turns"),
     (["demo", "--turns", "many"], "--turns"),
+    (["demo", "--protocol", "responses"], "--protocol"),
     (["run"], "opencode"),
     (["run", "--"], "opencode"),
     (["run", "--config", "missing.toml", "--", "opencode"], "--config"),

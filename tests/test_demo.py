@@ -8,6 +8,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -67,6 +68,50 @@ async def test_fast_storm_and_its_journal(tmp_path: Path) -> None:
     assert s["wasted_tokens_est"] > 0
     turns = sqlite3.connect(path).execute("SELECT DISTINCT session_id FROM turns").fetchall()
     assert len(turns) == 6  # one agent session per turn
+
+
+async def test_the_gemini_storm_through_the_relay_and_without_it(tmp_path: Path) -> None:
+    """`--protocol gemini`: the same agent turns over the Gemini API, each under one of the
+    Gemini API's storms; through the relay every one completes, straight at the mock a
+    third are lost."""
+    path = tmp_path / "gemini.sqlite3"
+    summary = await run_demo(
+        turns=6, retry_after_s=0.6, stall_s=10, journal=str(path), protocol="gemini"
+    )
+    assert summary["protocol"] == "gemini"
+    assert summary["completed"] == 6 and summary["lost"] == 0
+    assert summary["duplicates"] == 0 and summary["corrupted"] == 0
+    assert summary["faults_injected"] == sum(s.faults for s in storms(protocol="gemini")) == 12
+    absorbed = summary["absorbed_by_reason"]
+    # the in-stream RPC error before output is replayed like a reset (a slow machine may
+    # add a stall)
+    assert {k: absorbed[k] for k in ("503", "server_disconnected", "429", "stream_error")} == {
+        "503": 6, "server_disconnected": 2, "429": 1, "stream_error": 1
+    }
+    assert absorbed["stall"] >= 1
+    # the drop after output reached the client (as the native error event), nothing else
+    assert summary["failures_after_commit"] == summary["client_errors"] == 1
+    # straight at the mock: the 503 burst and the resets lose their turns
+    assert (summary["direct_completed"], summary["direct_lost"]) == (4, 2)
+    assert summary["direct_client_errors"] == 8 and summary["direct_duplicates"] == 0
+
+    db = sqlite3.connect(path)
+    turns = db.execute("SELECT protocol, client, stream, outcome FROM turns").fetchall()
+    assert len(turns) == 13  # 6 x 2 steps, plus the step retried after the drop
+    assert {t[:3] for t in turns} == {("gemini", "unknown", 1)}
+    assert Counter(t[3] for t in turns) == {"ok": 7, "recovered": 5, "ended_with_error": 1}
+    # the 429's RetryInfo.retryDelay (0.6 s) was obeyed, not the demo's 200 ms delay
+    ((wait,),) = db.execute("SELECT wait_s FROM attempts WHERE status = 429").fetchall()
+    assert wait >= 0.6
+
+
+def test_the_gemini_demo_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--protocol", "gemini", "--turns", "6", "--no-direct"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "6 concurrent agent turns over the Gemini API" in out
+    assert ", ".join(s.name for s in storms(protocol="gemini")) in out
+    assert "turns completed 6 of 6" in out and "duplicated frames 0" in out
+    assert "Client: a Gemini API client" in out
 
 
 def test_demo_text_summary(capsys: pytest.CaptureFixture[str]) -> None:

@@ -45,6 +45,17 @@ COMMAND_MODULES: tuple[str, ...] = (
     "unbroken.opencode.launcher",
     "unbroken.opencode.resume",
 )
+#: the module of each command, so that running one imports only its own (the demo
+#: alone pulls in the openai SDK: a quarter of a second before ``unbroken run`` starts
+#: its agent); ``--help`` and anything unknown still get every command
+COMMAND_OF: dict[str, str] = {
+    "stats": "unbroken.observe.stats",
+    "status": "unbroken.observe.status",
+    "demo": "unbroken.demo",
+    "run": "unbroken.opencode.launcher",
+    "opencode": "unbroken.opencode.launcher",
+    "resume": "unbroken.opencode.resume",
+}
 
 
 def setup_logging() -> None:
@@ -106,7 +117,8 @@ def _workers(text: str) -> int:
     return n
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``command`` (the first argument), only what that command needs."""
     parser = OneLineParser(
         prog="unbroken",
         description="A relay that keeps AI coding agent sessions alive when LLM providers fail.",
@@ -128,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p_serve.set_defaults(func=_serve)
     sub.add_parser("mock", help="run the fault-injecting mock provider (unbroken mock --help)")
-    for name in COMMAND_MODULES:
+    only = COMMAND_OF.get(command or "")
+    for name in COMMAND_MODULES if only is None else (only,):
         importlib.import_module(name).register(sub)
     return parser
 
@@ -139,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from unbroken.mock.cli import main_mock
 
         return main_mock(argv[1:])
-    args = _parser().parse_args(argv)
+    args = _parser(argv[0] if argv else None).parse_args(argv)
     try:
         result: int = args.func(args)
     except (ValueError, OSError, UnicodeError) as exc:

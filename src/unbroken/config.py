@@ -52,6 +52,7 @@ BUILTIN_ROUTES: dict[str, str] = {
     "groq": "https://api.groq.com/openai",
     "deepseek": "https://api.deepseek.com",
     "mistral": "https://api.mistral.ai",
+    "gemini": "https://generativelanguage.googleapis.com",
 }
 
 # Environment overrides: (config key, UNBROKEN_ name, opencode-retry-forever alias)
@@ -210,13 +211,13 @@ RETRY_KEYS: dict[str, str] = {
     "pace_floor_per_s": _FLOAT,
     "pace_ratio": _FLOAT,
     "pace_burst": _FLOAT,
-    # before the pacer: budget_percent sets pace_ratio (its share / 100);
-    # min_retry_concurrency is ignored (the pacer's floor keeps retries going)
-    "budget_percent": _FLOAT,
-    "min_retry_concurrency": _INT,
     "verbose": _BOOL,
     "max_body_mb": _FLOAT,
 }
+#: keys from before the retry pacer, still accepted: ``budget_percent`` sets
+#: ``pace_ratio`` (its share / 100); ``min_retry_concurrency`` is ignored (the
+#: pacer's floor keeps retries going)
+RETIRED_RETRY_KEYS: dict[str, str] = {"budget_percent": _FLOAT, "min_retry_concurrency": _INT}
 STREAM_KEYS: dict[str, str] = {
     "hold": "a list of strings",
     "max_hold_bytes": _INT,
@@ -571,7 +572,7 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
         if section not in SECTIONS:
             raise ConfigError(section, f"unknown section (known: {', '.join(sorted(SECTIONS))})")
     server = _section(data, "server", SERVER_KEYS)
-    retry = _section(data, "retry", RETRY_KEYS)
+    retry = _section(data, "retry", {**RETRY_KEYS, **RETIRED_RETRY_KEYS})
     stream = _section(data, "stream", STREAM_KEYS)
     websocket = _section(data, "websocket", WEBSOCKET_KEYS)
     journal = _section(data, "journal", JOURNAL_KEYS)

@@ -13,6 +13,14 @@ The client is the same both times: the openai SDK with its defaults (two
 retries of its own) and a short read timeout, in an agent loop that retries a
 failed step once, as agents do.  A turn is *lost* when a step fails twice.
 
+``--protocol gemini`` runs the same kind of storm over the Gemini API
+(``:streamGenerateContent?alt=sse``, a whole ``functionCall``, Google RPC errors,
+``RetryInfo``): the client is then a plain Gemini API client (aiohttp) with no
+retries of its own, in the same agent loop.  Its storms are the Gemini API's own
+(`storms`): a 429 names its wait in ``RetryInfo.retryDelay``, an ``error`` object
+arrives inside the stream, and since a function call arrives whole there is no
+"mid-tool-args": the cuts before output come before the call's event.
+
 Every completed stream is checked against the exact reply the mock sends
 (``unbroken.mock.frames_for``): a frame delivered twice (a leaked replay)
 counts as a duplicate, which must never happen.
@@ -28,9 +36,11 @@ import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
+
+import aiohttp
 
 from unbroken.config import JournalSettings, parse_config
 from unbroken.core.turn import NOT_FAILURES
@@ -38,10 +48,12 @@ from unbroken.mock import MockProvider, frames_for
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
 from unbroken.relay.server import RelayServer
 
-__all__ = ["STORMS", "DemoTurn", "register", "run_demo"]
+__all__ = ["PROTOCOLS", "STORMS", "DemoTurn", "register", "run_demo"]
 
 MODEL = "mock-coder-1"
 ROUTE = "demo"
+#: the wire protocols the demo's agent can speak (`run_demo`'s ``protocol``)
+PROTOCOLS = ("chat", "gemini")
 AGENT_RETRIES = 1  # the agent loop retries a failed step once
 TOOLS = [
     {
@@ -55,6 +67,22 @@ TOOLS = [
                 "required": ["command"],
             },
         },
+    }
+]
+#: the same tool, declared as the Gemini API declares it
+GEMINI_TOOLS = [
+    {
+        "functionDeclarations": [
+            {
+                "name": "bash",
+                "description": "Run a shell command.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"command": {"type": "string"}},
+                    "required": ["command"],
+                },
+            }
+        ]
     }
 ]
 TOOL_REPLY = {"reply": "tool"}
@@ -74,8 +102,13 @@ class Storm:
         )
 
 
-def storms(*, retry_after_s: float = 1.0, stall_s: float = 20.0) -> list[Storm]:
-    """The storm of each kind of turn (chat frames: 1 role, 2 tool start, 3-10 arguments)."""
+def storms(
+    *, retry_after_s: float = 1.0, stall_s: float = 20.0, protocol: str = "chat"
+) -> list[Storm]:
+    """The storm of each kind of turn (chat frames: 1 role, 2 tool start, 3-10 arguments;
+    Gemini frames: 1 the whole ``functionCall``, 2 the finish; text: 8 pieces)."""
+    if protocol == "gemini":
+        return _gemini_storms(retry_after_s, stall_s)
     return [
         Storm("503 burst", ({"status": 503, "count": 6}, TOOL_REPLY, TEXT_REPLY)),
         Storm(
@@ -106,6 +139,71 @@ def storms(*, retry_after_s: float = 1.0, stall_s: float = 20.0) -> list[Storm]:
             "stall",
             (
                 {"fault": "stall", "after_frame": 1, "seconds": stall_s, "reply": "tool"},
+                TOOL_REPLY,
+                TEXT_REPLY,
+            ),
+        ),
+    ]
+
+
+def retry_info_429(retry_after_s: float) -> str:
+    """A Gemini API 429 body whose ``RetryInfo`` names the wait (a per-minute quota)."""
+    return json.dumps(
+        {
+            "error": {
+                "code": 429,
+                "message": "You exceeded your current quota, please check your plan and "
+                f"billing details. Please retry in {retry_after_s:g}s.",
+                "status": "RESOURCE_EXHAUSTED",
+                "details": [
+                    {
+                        "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+                        "violations": [{"quotaId": "GenerateRequestsPerMinutePerProjectPerModel"}],
+                    },
+                    {
+                        "@type": "type.googleapis.com/google.rpc.RetryInfo",
+                        "retryDelay": f"{retry_after_s:g}s",
+                    },
+                ],
+            }
+        }
+    )
+
+
+def _gemini_storms(retry_after_s: float, stall_s: float) -> list[Storm]:
+    """The Gemini API's storms: the same kinds, in its own terms.  A ``functionCall``
+    arrives whole in one event (released at once: it commits), so the cuts before
+    output come before it: after the ``200``, with no event yet."""
+    return [
+        Storm("503 burst", ({"status": 503, "count": 6}, TOOL_REPLY, TEXT_REPLY)),
+        Storm(
+            "429 + RetryInfo",
+            ({"status": 429, "body": retry_info_429(retry_after_s)}, TOOL_REPLY, TEXT_REPLY),
+        ),
+        Storm(
+            "resets before output",
+            (
+                {"fault": "reset", "after_frame": 0, "reply": "tool", "count": 2},
+                TOOL_REPLY,
+                TEXT_REPLY,
+            ),
+        ),
+        Storm(
+            "in-stream 503",
+            (
+                {"fault": "error_event", "after_frame": 0, "error": "overloaded", "reply": "tool"},
+                TOOL_REPLY,
+                TEXT_REPLY,
+            ),
+        ),
+        Storm(
+            "drop after output",
+            (TOOL_REPLY, {"fault": "reset", "after_frame": 4, "reply": "text"}, TEXT_REPLY),
+        ),
+        Storm(
+            "stall",
+            (
+                {"fault": "stall", "after_frame": 0, "seconds": stall_s, "reply": "tool"},
                 TOOL_REPLY,
                 TEXT_REPLY,
             ),
@@ -246,17 +344,180 @@ async def _agent_turn(client: Any, turn: DemoTurn) -> None:
     turn.completed = True
 
 
+class GeminiStreamError(Exception):
+    """What the demo's Gemini client raises: an error status, an ``error`` object in the
+    stream, or a stream that ended without a ``finishReason`` (a cut turn)."""
+
+
+def _gemini_parts(obj: dict[str, Any]) -> tuple[str, list[dict[str, Any]], bool]:
+    """(text, function calls, finished) of one ``GenerateContentResponse``."""
+    text = ""
+    calls: list[dict[str, Any]] = []
+    finished = False
+    for candidate in obj.get("candidates") or []:
+        finished = finished or bool(candidate.get("finishReason"))
+        for part in (candidate.get("content") or {}).get("parts") or []:
+            if isinstance(part.get("text"), str) and not part.get("thought"):
+                text += part["text"]
+            call = part.get("functionCall")
+            if isinstance(call, dict):
+                calls.append(call)
+    return text, calls, finished
+
+
+def _call_text(calls: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(c.get("args") or {}, sort_keys=True) for c in calls)
+
+
+def _gemini_expected(shape: dict[str, Any], request: dict[str, Any]) -> tuple[int, str, str]:
+    """(events, text, function calls' arguments) of the clean reply the mock sends."""
+    chunks, text, calls = 0, "", []
+    for frame in frames_for("gemini", shape, request):
+        chunks += 1
+        piece, got, _ = _gemini_parts(json.loads(frame.decode().removeprefix("data: ")))
+        text += piece
+        calls += got
+    return chunks, text, _call_text(calls)
+
+
+async def _gemini_stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    turn: DemoTurn,
+) -> tuple[int, str, list[dict[str, Any]]]:
+    """One ``:streamGenerateContent?alt=sse`` call, read as a Gemini client reads it: one
+    JSON object per ``data:`` event (events end with a blank line; blank lines alone are
+    keepalives), an ``error`` object is an error, and no ``finishReason`` is a cut."""
+    async with session.post(url, json=body, headers=headers) as resp:
+        if resp.status != 200:
+            raise GeminiStreamError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+        turn.state = "streaming"
+        chunks, text, calls, finished = 0, "", [], False
+        data: list[str] = []
+        async for raw in resp.content:
+            line = raw.decode().rstrip("\r\n")
+            if line:
+                if line.startswith("data:"):
+                    data.append(line[5:].removeprefix(" "))
+                continue
+            if not data:
+                continue  # a keepalive
+            obj = json.loads("\n".join(data))
+            data = []
+            if not isinstance(obj, dict):
+                raise GeminiStreamError("an event that is not an object")
+            if "error" in obj:
+                raise GeminiStreamError(f"in-stream error: {obj['error']}")
+            chunks += 1
+            turn.chunks += 1
+            piece, got, done = _gemini_parts(obj)
+            text += piece
+            calls += got
+            finished = finished or done
+        if not finished:
+            raise GeminiStreamError("the stream ended without a finishReason")
+        return chunks, text, calls
+
+
+async def _gemini_agent_turn(session: aiohttp.ClientSession, base_url: str, turn: DemoTurn) -> None:
+    """`_agent_turn` over the Gemini API: the tool call, its result, the answer."""
+    contents: list[dict[str, Any]] = [
+        {"role": "user", "parts": [{"text": f"Task {turn.number}: say hello from the shell."}]}
+    ]
+    headers = {
+        "x-goog-api-key": "demo-no-key-needed",
+        "x-mock-key": turn.key,
+        "x-session-id": f"demo-session-{turn.number}",
+    }
+    url = f"{base_url}/v1beta/models/{MODEL}:streamGenerateContent?alt=sse"
+    for step, shape in enumerate((TOOL_REPLY, TEXT_REPLY)):
+        turn.step = step
+        body = {
+            "contents": contents,
+            "systemInstruction": {
+                "parts": [{"text": "You are a coding agent. Use the bash tool."}]
+            },
+            "tools": GEMINI_TOOLS,
+        }
+        # the mock renders a Gemini call as its body with the path's model and method
+        want_chunks, want_text, want_args = _gemini_expected(
+            shape, {**body, "model": MODEL, "stream": True}
+        )
+        calls: list[dict[str, Any]] = []
+        for _try in range(1 + AGENT_RETRIES):
+            turn.state = "requesting"
+            try:
+                chunks, text, calls = await _gemini_stream(session, url, body, headers, turn)
+            except Exception as exc:  # what an agent sees: errors, read timeouts, resets
+                turn.errors += 1
+                turn.last_error = type(exc).__name__
+                turn.state = "retrying"
+                continue
+            turn.duplicates += max(0, chunks - want_chunks)
+            if text != want_text or _call_text(calls) != want_args:
+                turn.corrupted += 1
+            break
+        else:
+            turn.state = "LOST"
+            turn.lost = True
+            return
+        if shape is TOOL_REPLY:
+            name = str(calls[0].get("name")) if calls else "bash"
+            contents = [
+                *contents,
+                {"role": "model", "parts": [{"functionCall": c} for c in calls]},
+                {
+                    "role": "user",
+                    "parts": [
+                        {"functionResponse": {"name": name, "response": {"output": "hello"}}}
+                    ],
+                },
+            ]
+    turn.step = 2
+    turn.state = "done"
+    turn.completed = True
+
+
 async def _drive(
     run: DemoRun,
     base_url: str,
     client_timeout_s: float,
     on_tick: Callable[[DemoRun], None] | None,
+    protocol: str = "chat",
 ) -> None:
+    if protocol == "gemini":
+        session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=client_timeout_s, sock_read=client_timeout_s
+            ),
+            headers={"User-Agent": "unbroken-demo"},
+        )
+        try:
+            await _tick_while(
+                run, on_tick, [_gemini_agent_turn(session, base_url, t) for t in run.turns]
+            )
+        finally:
+            await session.close()
+        return
     import openai
 
     client = openai.AsyncOpenAI(
-        base_url=base_url, api_key="demo-no-key-needed", timeout=client_timeout_s
+        base_url=f"{base_url}/v1", api_key="demo-no-key-needed", timeout=client_timeout_s
     )
+    try:
+        await _tick_while(run, on_tick, [_agent_turn(client, t) for t in run.turns])
+    finally:
+        await client.close()
+
+
+async def _tick_while(
+    run: DemoRun,
+    on_tick: Callable[[DemoRun], None] | None,
+    turns: list[Coroutine[Any, Any, None]],
+) -> None:
+    """Run the turns, with the live table refreshed meanwhile."""
     ticker: asyncio.Task[None] | None = None
     if on_tick is not None:
 
@@ -267,14 +528,13 @@ async def _drive(
 
         ticker = asyncio.ensure_future(tick())
     try:
-        await asyncio.gather(*(_agent_turn(client, t) for t in run.turns))
+        await asyncio.gather(*turns)
     finally:
         run.seconds = time.monotonic() - run.started
         if ticker is not None:
             ticker.cancel()
         if on_tick is not None:
             on_tick(run)
-        await client.close()
 
 
 def _turns(n: int, kinds: list[Storm], prefix: str) -> list[DemoTurn]:
@@ -303,9 +563,15 @@ async def run_demo(
     client_timeout_s: float = 5.0,
     journal: str | None = None,
     on_tick: Callable[[DemoRun], None] | None = None,
+    protocol: str = "chat",
 ) -> dict[str, Any]:
-    """Run the storm through the relay (and straight at the mock); return the summary."""
-    kinds = storms(retry_after_s=retry_after_s, stall_s=stall_s)
+    """Run the storm through the relay (and straight at the mock); return the summary.
+
+    ``protocol``: ``chat`` (the openai SDK, Chat Completions) or ``gemini`` (the
+    Gemini API's ``streamGenerateContent``)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol: expected one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    kinds = storms(retry_after_s=retry_after_s, stall_s=stall_s, protocol=protocol)
     async with MockProvider(host="127.0.0.1", port=0, record=False) as mock:
         config = parse_config(
             {
@@ -338,7 +604,7 @@ async def run_demo(
         await server.start()
         run = DemoRun("Through unbroken", relay_turns, server, absorbed)
         try:
-            await _drive(run, f"{server.url}/{ROUTE}/v1", client_timeout_s, on_tick)
+            await _drive(run, f"{server.url}/{ROUTE}", client_timeout_s, on_tick, protocol)
             totals = server.status.totals()
         finally:
             await server.stop()
@@ -349,9 +615,10 @@ async def run_demo(
             direct_turns = _turns(turns, kinds, "direct")
             _script(mock, direct_turns, kinds)
             direct_run = DemoRun("Straight to the mock, no relay", direct_turns)
-            await _drive(direct_run, f"{mock.url}/v1", client_timeout_s, on_tick)
+            await _drive(direct_run, mock.url, client_timeout_s, on_tick, protocol)
 
     summary: dict[str, Any] = {
+        "protocol": protocol,
         "turns": turns,
         "completed": sum(t.completed for t in relay_turns),
         "lost": sum(t.lost for t in relay_turns),
@@ -493,11 +760,19 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  ({s['direct_lost']} lost)",
             f"  what the client saw   {s['direct_client_errors']} errors",
         ]
-    lines += [
-        "",
-        "Client: openai SDK defaults (2 retries) and a short read timeout, in an agent loop",
-        "that retries a failed step once; a turn is lost when a step fails twice.",
-    ]
+    if s.get("protocol") == "gemini":
+        lines += [
+            "",
+            "Client: a Gemini API client (streamGenerateContent?alt=sse) with no retries of",
+            "its own and a short read timeout, in an agent loop that retries a failed step",
+            "once; a turn is lost when a step fails twice.",
+        ]
+    else:
+        lines += [
+            "",
+            "Client: openai SDK defaults (2 retries) and a short read timeout, in an agent loop",
+            "that retries a failed step once; a turn is lost when a step fails twice.",
+        ]
     return "\n".join(lines)
 
 
@@ -520,11 +795,12 @@ def _run_demo_command(args: argparse.Namespace) -> int:
 
     console = Console()
     live_view = console.is_terminal and not args.json
-    kinds = storms()
+    kinds = storms(protocol=args.protocol)
     if not args.json:
+        over = " over the Gemini API" if args.protocol == "gemini" else ""
         console.print(
-            f"[bold]unbroken demo[/bold]: {args.turns} concurrent agent turns (a streamed tool "
-            "call, then the answer), each under its own storm: "
+            f"[bold]unbroken demo[/bold]: {args.turns} concurrent agent turns{over} (a streamed "
+            "tool call, then the answer), each under its own storm: "
             + ", ".join(s.name for s in kinds)
             + ". No network, no keys: a local mock provider plays the LLM.\n"
         )
@@ -548,6 +824,7 @@ def _run_demo_command(args: argparse.Namespace) -> int:
                 direct=not args.no_direct,
                 journal=args.journal,
                 on_tick=on_tick if live_view else None,
+                protocol=args.protocol,
             )
         )
     finally:
@@ -569,6 +846,9 @@ def register(sub: Any) -> None:
     p.add_argument("--turns", type=int, default=12,
                    help="concurrent agent turns (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="chat",
+                   help="the agent's wire protocol: chat (the openai SDK, Chat Completions) or "
+                   "gemini (the Gemini API's streamGenerateContent) (default: %(default)s)")
     p.add_argument(
         "--no-direct", action="store_true", help="skip the run straight against the mock"
     )

@@ -6,17 +6,24 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from turnfix import Report
 from unbroken.agents import claude, codex
 from unbroken.agents.launcher import agent_of, generic_plan, plan_for, print_env, relay_config
 from unbroken.agents.plan import RELAY, route_name, split_version
 from unbroken.cli import main
-from unbroken.config import parse_config
+from unbroken.config import StreamSettings, parse_config
+from unbroken.core.ledger import Hold
+from unbroken.core.policy import RetryPolicy, RetryState
+from unbroken.core.profiles import Profile, profile_named
+from unbroken.core.protocols import RESPONSES
+from unbroken.core.turn import Open, TurnMachine
 
 
 @pytest.mark.parametrize(
@@ -52,7 +59,8 @@ def test_codex_plan_relays_every_provider(tmp_path: Path) -> None:
         "-c", 'model_providers.fake.base_url="http://R/fake/v1"',
         "-c", 'model_providers.my provider.base_url="http://R/my-provider"',
     ]
-    assert launch.clients == {"codex": {"keepalive_s": 1.0}}  # a third of its idle timeout
+    # a keepalive three times per idle timeout; the relay's stall timers follow it
+    assert launch.clients == {"codex": {"keepalive_s": 1.0, "client_idle_timeout_s": 3.0}}
     assert any("nourl" in n for n in launch.notes)
     assert launch.env == {}  # Codex 0.169 ignores OPENAI_BASE_URL: only -c
 
@@ -72,6 +80,50 @@ def test_claude_plan_uses_the_users_base_url() -> None:
                           "ANTHROPIC_API_KEY": "k", "ANTHROPIC_AUTH_TOKEN": "t"})
     assert launch.routes == {"anthropic": "https://gw.example.com/anthropic"}
     assert launch.resolved_env("http://R") == {"ANTHROPIC_BASE_URL": "http://R/anthropic"}
+
+
+def test_claude_plan_reads_its_nonstreamed_timeout() -> None:
+    """API_TIMEOUT_MS is how long Claude Code waits for a non-streamed answer: the relay's
+    claude-code profile is told, and waits as long."""
+    launch = claude.plan({"API_TIMEOUT_MS": "600000"})
+    assert launch.clients == {"claude-code": {"client_nonstream_wait_s": 600.0}}
+    cfg = relay_config(parse_config({}, env={}), launch)
+    profile = profile_named("claude-code", cfg.clients)
+    assert _machine(profile, stream=False).start(0.0) == Open(0, 600.0)
+    for raw in ("", "soon", "0", "-5"):
+        assert claude.plan({"API_TIMEOUT_MS": raw}).clients == {}
+    assert claude.plan({}).clients == {}
+
+
+def test_the_private_relay_stalls_no_later_than_codex(tmp_path: Path) -> None:
+    """Codex with stream_idle_timeout_ms = 20000 gets no early headers, so its idle timer
+    never runs while the relay waits: the relay's first-frame and idle timeouts (300 s and
+    120 s by default) come down to Codex's 20 s.  The user's own [clients.codex] stall
+    timers still win."""
+    (tmp_path / "config.toml").write_text(
+        'model_provider = "fake"\n[model_providers.fake]\nbase_url = "http://127.0.0.1:9/v1"\n'
+        "stream_idle_timeout_ms = 20000\n"
+    )
+    launch = codex.plan({"CODEX_HOME": str(tmp_path)})
+    cfg = relay_config(parse_config({}, env={}), launch)
+    m = _machine(profile_named("codex", cfg.clients))
+    assert (m.timers.first_frame_timeout_s, m.timers.idle_timeout_s) == (20.0, 20.0)
+    own = parse_config({"clients": {"codex": {"idle_timeout_s": 60}}}, env={})
+    m = _machine(profile_named("codex", relay_config(own, launch).clients))
+    assert (m.timers.first_frame_timeout_s, m.timers.idle_timeout_s) == (20.0, 60.0)
+    # Codex's default idle timeout (300 s): nothing to tell the relay
+    (tmp_path / "config.toml").write_text(
+        'model_provider = "fake"\n[model_providers.fake]\nbase_url = "http://127.0.0.1:9/v1"\n'
+    )
+    assert codex.plan({"CODEX_HOME": str(tmp_path)}).clients == {}
+
+
+def _machine(profile: Profile, *, stream: bool = True) -> TurnMachine:
+    return TurnMachine(
+        protocol=RESPONSES, hold=Hold(), timers=StreamSettings(),
+        retry=RetryState(RetryPolicy(), 1, rng=random.Random(0)), stream=stream, now=0.0,
+        report=Report(), profile=profile,
+    )
 
 
 def test_generic_plan_sets_the_sdk_variables() -> None:

@@ -294,3 +294,24 @@ def test_the_window_keeps_a_bounded_number_of_buckets() -> None:
     for t in range(10_000):  # a day of successes, never a failure or a view
         b.success(K, float(t))
     assert len(b.records[K].buckets) <= 11
+
+
+def test_a_closed_breaker_is_not_reopened_by_the_outages_own_failures() -> None:
+    """Found by bench/recovery_bench.py: two relays sharing Redis took up to 25 s to
+    recover from a 1 s outage.  A probe closed the breaker, and the next read of the
+    fleet's window (still holding the outage's failures) opened it again at once; so
+    did the first failure after recovery on the local window.  Once a probe passed,
+    the failures before it are history."""
+    b, seen = board(failures_to_open=1, min_window_attempts=10, open_s=0.25)
+    for t in range(20):
+        b.failure(K, t / 100, "503", count=True)  # the outage: 20 failures in the window
+    b.answered(K, 1.0)  # a probe got through: closed
+    assert b.state(K, 1.0) is Breaker.CLOSED
+    b.fleet_window(K, ok=2, failed=40, now=2.0)  # the fleet's window: the outage
+    assert b.state(K, 2.0) is Breaker.CLOSED
+    for t in range(9):  # a few ordinary attempts, one of them failing
+        b.success(K, 2.0 + t / 10)
+    b.failure(K, 3.0, "503")
+    assert b.state(K, 3.0) is Breaker.CLOSED, seen[-1]
+    b.fleet_window(K, ok=2, failed=40, now=40.0)  # a new outage, a window later: it counts
+    assert b.state(K, 40.0) is Breaker.OPEN

@@ -161,3 +161,17 @@ def test_a_fleet_splits_the_floor_among_the_relays_with_turns_waiting() -> None:
     p = Pacer(K, PaceSettings(floor_per_s=4.0))
     p.share = 2
     assert p.view(0.0)["floor_per_s"] == 2.0
+
+
+def test_a_retry_that_finds_the_probe_taken_elsewhere_and_goes_on_leaves_no_place_behind() -> None:
+    keys = ["r|http://a", "r|http://b"]
+    b = HealthBoard(
+        HealthSettings(failures_to_open=1, open_s=1.0, max_open_s=1.0),
+        probe_gate=lambda key, ttl: False,  # another instance of the fleet probes
+    )
+    b.failure(keys[0], 0.0, "503")  # a's breaker: half-open at 1.0
+    b.pacer(keys[0])  # a has had retries before
+    state = RetryState(RetryPolicy(), 2, board=b, keys=keys)
+    state.current = 1  # a retry: the rotation starts at a
+    assert state.next_upstream(1.5) == 1  # a's probe is not ours: b takes the retry
+    assert not b.pacer(keys[0]).queue and not b.pacer(keys[0]).granted

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from unbroken.core.ratehead import (
-    Reading,
-    parse_duration,
-    parse_rate_headers,
-    retry_delay_from_body,
-)
+from unbroken.core.ratehead import Reading, parse_duration, parse_rate_headers
 
 NOW = 1_750_000_000.0  # a wall-clock time
 
@@ -200,28 +193,3 @@ def test_absurd_retry_after_is_clamped_and_a_negative_one_ignored() -> None:
     h = parse_rate_headers({"retry-after-ms": "lots"}, now_wall=NOW)
     assert h.retry_after_s is None and "retry-after-ms" in h.problems[0]
 
-
-def _gemini(delay: object) -> bytes:
-    return json.dumps(
-        {
-            "error": {
-                "code": 429,
-                "status": "RESOURCE_EXHAUSTED",
-                "details": [
-                    {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": []},
-                    {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": delay},
-                ],
-            }
-        }
-    ).encode()
-
-
-def test_gemini_retry_delay_in_the_body() -> None:
-    assert retry_delay_from_body(_gemini("30s")) == 30.0
-    assert retry_delay_from_body(_gemini("1.5s")) == 1.5
-    assert retry_delay_from_body(_gemini("99999s"), max_wait_s=60.0) == 60.0
-    assert retry_delay_from_body(_gemini("-3s")) is None
-    assert retry_delay_from_body(_gemini(12)) is None
-    assert retry_delay_from_body(b'{"error": {"message": "RetryInfo"}}') is None
-    assert retry_delay_from_body(b"not json RetryInfo") is None
-    assert retry_delay_from_body(b"[" + _gemini("2s") + b"]") == 2.0

@@ -1,5 +1,6 @@
-"""Running the real Codex CLI and Claude Code, alone or through `unbroken run`, against
-the mock provider (tests/e2e/test_codex_e2e.py, tests/e2e/test_claude_e2e.py).
+"""Running the real Codex CLI, Claude Code and Gemini CLI, alone or through `unbroken run`,
+against the mock provider (tests/e2e/test_codex_e2e.py, test_claude_e2e.py,
+test_gemini_e2e.py).
 
 Every process gets its own HOME (and CODEX_HOME), runs from a scratch project
 directory, with stdin from /dev/null, in its own process group, and is killed,
@@ -18,15 +19,22 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clis import installed
 
-from unbroken.config import SECTIONS
+if TYPE_CHECKING:
+    import pytest
 
 #: environment variables of the test process that must not reach an agent
 _DROP = ("OPENAI_BASE_URL", "OPENAI_API_BASE", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY",
-         "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CODEX_HOME", "UNBROKEN_CONFIG")
+         "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CODEX_HOME", "UNBROKEN_CONFIG",
+         "GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GEMINI_BASE_URL", "GOOGLE_VERTEX_BASE_URL",
+         "GOOGLE_GENAI_USE_VERTEXAI", "GOOGLE_GENAI_USE_GCA", "GEMINI_CLI_HOME",
+         "GEMINI_CLI_SYSTEM_DEFAULTS_PATH", "GEMINI_CLI_SYSTEM_SETTINGS_PATH")
+#: prefixes of variables that would change the relay's settings (``UNBROKEN_RETRY_*``
+#: and their ``OPENCODE_RETRY_*`` aliases): the relay runs with the defaults a user gets
+_DROP_PREFIXES = ("UNBROKEN_", "OPENCODE_RETRY_")
 
 
 @dataclass
@@ -35,6 +43,8 @@ class Result:
     stdout: str
     stderr: str
     seconds: float
+    #: when the process started (``time.monotonic()``, the mock's ``RecordedRequest.at`` clock)
+    started: float = 0.0
 
     def events(self) -> list[dict[str, Any]]:
         """The JSON lines of stdout (``--json`` / ``stream-json``)."""
@@ -48,7 +58,8 @@ class Result:
 
 
 def base_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    env = {k: v for k, v in os.environ.items()
+           if k not in _DROP and not k.startswith(_DROP_PREFIXES)}
     env["HOME"] = str(home)
     env["XDG_CONFIG_HOME"] = str(home / ".config")
     env["XDG_STATE_HOME"] = str(home / ".state")
@@ -56,20 +67,36 @@ def base_env(home: Path) -> dict[str, str]:
     return env
 
 
-def relay_config(path: Path, journal: Path, **stream: float) -> Path:
-    """A small unbroken config for `unbroken run --config`: fast retries, short timers."""
-    timers = {"first_frame_timeout_s": 3, "idle_timeout_s": 3, "early_headers_s": 1, **stream}
-    lines = ["[retry]", "delay_ms = 20", 'backoff = "fixed"', "", "[stream]"]
-    lines += [f"{k} = {v}" for k, v in timers.items()]
-    lines += ["", "[journal]", f'path = "{journal}"', ""]
-    if "health" in SECTIONS:  # circuit breakers would park a one-upstream storm
-        lines += ["[health]", "breakers = false", ""]
+#: `[stream]` timers for a test about a stall: a silent upstream is replayed after 3 s
+#: (the defaults wait 300 s for a first frame and 120 s between frames)
+STALL_TIMERS: dict[str, float] = {"first_frame_timeout_s": 3, "idle_timeout_s": 3}
+
+
+def relay_config(path: Path, journal: Path, **stream: Any) -> Path:
+    """An unbroken config for `unbroken run --config`: the journal at ``journal`` and the
+    ``[stream]`` keys given (numbers, booleans, lists of strings); the defaults for
+    everything else (retries every 250 ms; breakers on, which a one-upstream storm
+    gets through)."""
+    lines = ["[stream]", *(f"{k} = {json.dumps(v)}" for k, v in stream.items()), ""]
+    lines += ["[journal]", f"path = {json.dumps(str(journal))}", ""]
     path.write_text("\n".join(lines))
     return path
 
 
 def through_unbroken(config: Path, argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "unbroken", "run", "--config", str(config), "--", *argv]
+
+
+def zero_config(argv: Sequence[str]) -> list[str]:
+    """``unbroken run -- <agent>`` with no unbroken config: the defaults a user gets (the
+    environment from `base_env` carries no ``UNBROKEN_*`` variable either)."""
+    return [sys.executable, "-m", "unbroken", "run", "--", *argv]
+
+
+def report(capsys: pytest.CaptureFixture[str], text: str) -> None:
+    """One ``e2e: ...`` line of what a test measured, shown past pytest's capture."""
+    with capsys.disabled():
+        print(f"\n    e2e: {text}", flush=True)
 
 
 async def run(
@@ -92,7 +119,16 @@ async def run(
         with contextlib.suppress(Exception):
             await proc.wait()
     return Result(proc.returncode, out.decode("utf-8", "replace"),
-                  err.decode("utf-8", "replace"), time.monotonic() - t0)
+                  err.decode("utf-8", "replace"), time.monotonic() - t0, t0)
+
+
+def timeline(result: Result, requests: Sequence[Any]) -> str:
+    """When the upstream requests arrived, from the start of the process: ``"first
+    request at +1.5 s, last at +11.6 s"`` (``requests``: the mock's `RecordedRequest` s)."""
+    if not requests:
+        return "no upstream request"
+    first, last = (requests[0].at - result.started, requests[-1].at - result.started)
+    return f"first upstream request at +{first:.1f} s, last at +{last:.1f} s"
 
 
 # -- Codex -----------------------------------------------------------------------------------
@@ -183,3 +219,48 @@ def claude_result(result: Result) -> dict[str, Any]:
         if e.get("type") == "result":
             return e
     return {}
+
+
+# -- Gemini CLI ------------------------------------------------------------------------------
+GEMINI_MODEL = "gemini-2.5-flash"
+
+
+def gemini_bin() -> Path:
+    return installed("gemini")
+
+
+def gemini_env(root: Path, base_url: str, **extra: str) -> dict[str, str]:
+    """HOME, settings and environment for a headless Gemini CLI with API-key auth at
+    ``base_url`` (see /work/shared/notes/agents.md): its only connection is to it."""
+    home = root / "home"
+    for d in (home / ".gemini", root / "project", root / "tmp"):
+        d.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "security": {"auth": {"selectedType": "gemini-api-key"}},
+        "general": {"enableAutoUpdate": False},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+    }
+    (home / ".gemini" / "settings.json").write_text(json.dumps(settings))
+    env = base_env(home)
+    env.update({
+        "GEMINI_API_KEY": "AIza-fake-key-for-tests",
+        "GOOGLE_GEMINI_BASE_URL": base_url,
+        "GEMINI_CLI_HOME": str(home),
+        "TMPDIR": str(root / "tmp"),
+        "GEMINI_TELEMETRY_ENABLED": "false",
+        "GEMINI_CLI_TRUST_WORKSPACE": "true",
+        "NO_COLOR": "1",
+        # no system defaults or settings of this machine's
+        "GEMINI_CLI_SYSTEM_DEFAULTS_PATH": str(root / "no-system-defaults.json"),
+        "GEMINI_CLI_SYSTEM_SETTINGS_PATH": str(root / "no-system-settings.json"),
+    })
+    env.update(extra)
+    return env
+
+
+def gemini_argv(prompt: str, *, yolo: bool = False) -> list[str]:
+    argv = [str(gemini_bin()), "-p", prompt, "-m", GEMINI_MODEL]
+    if yolo:
+        argv += ["--approval-mode", "yolo"]
+    return argv

@@ -67,6 +67,7 @@ PINNED: dict[str, NpmCli] = {
     "opencode": NpmCli("opencode-ai", "1.18.33", "opencode"),
     "codex": NpmCli("@openai/codex", "0.169.0", "codex"),
     "claude": NpmCli("@anthropic-ai/claude-code", "2.1.328", "claude"),
+    "gemini": NpmCli("@google/gemini-cli", "0.61.0", "gemini"),
 }
 
 

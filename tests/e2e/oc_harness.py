@@ -2,8 +2,10 @@
 
 Every OpenCode process gets its own scratch HOME, XDG directories and TMPDIR, with
 autoupdate, the models fetch and sharing disabled, and ``PWD`` set to its project
-(OpenCode takes its directory from ``PWD``).  Processes start in their own
-process group and are always killed, group and all.
+(OpenCode takes its directory from ``PWD``).  No ``UNBROKEN_*`` variable and no
+unbroken config reach the relay: ``unbroken run -- opencode`` runs with the defaults a
+user gets.  Processes start in their own process group and are always killed, group
+and all.
 """
 
 from __future__ import annotations
@@ -96,16 +98,6 @@ class Sandbox:
             "CLAUDE_CODE", "EXTERNAL_SKILLS",
         ):
             env[f"OPENCODE_DISABLE_{flag}"] = "1"
-        # The relay `unbroken run` starts: a fixed 250 ms retry delay and no circuit
-        # breaker, the single-agent timing these scenarios (and the documented numbers)
-        # are about.  With the fleet defaults (exponential backoff to 30 s, breakers that
-        # park a route whose only upstream keeps failing) a 30 x 503 storm takes minutes
-        # instead of seconds (these scenarios then ran past their 300 s limit).
-        relay_config = root / "unbroken.toml"
-        relay_config.write_text(
-            '[retry]\ndelay_ms = 250\nbackoff = "fixed"\n\n[health]\nbreakers = false\n'
-        )
-        env["UNBROKEN_CONFIG"] = str(relay_config)
         self.env = env
 
     @property

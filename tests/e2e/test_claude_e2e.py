@@ -3,7 +3,9 @@
 
 Claude Code runs headless (``claude -p --output-format stream-json --verbose
 --allowedTools Bash``) with ``ANTHROPIC_BASE_URL`` at the mock provider, as a user's
-own gateway would be; `unbroken run -- claude` relays to it.
+own gateway would be; `unbroken run -- claude` relays to it.  The storms run with no
+unbroken config at all (the defaults a user gets); the other tests give the relay a
+journal path and only the ``[stream]`` keys they are about.
 """
 
 from __future__ import annotations
@@ -13,7 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_run import claude_argv, claude_env, claude_result, relay_config, run, through_unbroken
+from agent_run import (
+    STALL_TIMERS,
+    claude_argv,
+    claude_env,
+    claude_result,
+    relay_config,
+    report,
+    run,
+    through_unbroken,
+    timeline,
+    zero_config,
+)
 
 from unbroken.mock import MockProvider
 from unbroken.mock.wire import events_for
@@ -23,9 +36,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.cli("claude"), pytest.mark.timeout(12
 TEXT = "Hello from the mock provider."
 
 
-def _setup(tmp_path: Path, mock: MockProvider, **extra: str) -> tuple[dict[str, str], Path]:
+def _setup(
+    tmp_path: Path, mock: MockProvider, stream: dict[str, Any] | None = None, **extra: str
+) -> tuple[dict[str, str], Path]:
     env = claude_env(tmp_path, mock.url, **extra)
-    return env, relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3")
+    cfg = relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3", **(stream or {}))
+    return env, cfg
+
+
+#: the error event as the ending after commit ([clients.claude-code]), for comparison
+ERROR_ENDING = '\n[clients.claude-code]\nafter_commit_end = "error"\n'
 
 
 def _bash(command: str) -> dict[str, Any]:
@@ -59,23 +79,36 @@ async def test_bash_tool_runs_once(tmp_path, mock):
     assert len(mock.requests) == 2
 
 
-async def test_529_storm_absorbed(tmp_path, mock):
-    env, cfg = _setup(tmp_path, mock, CLAUDE_CODE_MAX_RETRIES="2")
+async def test_529_storm_kills_claude_code_alone(tmp_path, mock, capsys):
+    """The baseline: Claude Code alone gives up on a 529 storm (its retries cut to 2
+    here; with its default 10 it gives up after 11 requests, ~190 s)."""
+    env = claude_env(tmp_path, mock.url, CLAUDE_CODE_MAX_RETRIES="2")
     mock.script([{"status": 529, "count": 100}])
     alone = await run(claude_argv("say hi"), env, tmp_path / "project")
-    alone_requests = len(mock.requests)
     assert alone.code != 0
-    mock.reset()
-    mock.script([{"status": 529, "count": 100}])
-    r = await run(through_unbroken(cfg, claude_argv("say hi")), env, tmp_path / "project")
+    assert len(mock.requests) == 3
+    report(capsys, f"claude 529 x 100 alone (CLAUDE_CODE_MAX_RETRIES=2): exit {alone.code} "
+           f"after {len(mock.requests)} requests ({alone.seconds:.1f} s)")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("count", [30, 100])
+async def test_529_storm_absorbed_with_no_unbroken_config(tmp_path, mock, capsys, count):
+    """`unbroken run -- claude` with no unbroken config (the defaults: a lone turn retried
+    every 250 ms, breakers that never open for one turn's failures): 529 x ``count``,
+    then the answer.  Claude Code sees one clean turn: no error, no ``api_retry``."""
+    env = claude_env(tmp_path, mock.url)
+    mock.script([{"status": 529, "count": count}])
+    r = await run(zero_config(claude_argv("say hi")), env, tmp_path / "project", limit_s=200)
     assert r.code == 0, r.stderr[-3000:]
-    assert claude_result(r).get("result") == TEXT
+    result = claude_result(r)
+    assert result.get("result") == TEXT and not result.get("is_error"), r.stdout[-3000:]
     retries = [e for e in r.events() if e.get("subtype") == "api_retry"]
     assert not retries  # Claude Code never saw a 529
-    assert len(mock.requests) == 101
-    print(f"\nclaude 529x100 (CLAUDE_CODE_MAX_RETRIES=2): alone exit {alone.code} after "
-          f"{alone_requests} requests ({alone.seconds:.1f} s); through unbroken exit 0 in "
-          f"{r.seconds:.1f} s")
+    assert len(mock.requests) == count + 1
+    assert all(req.path == "/v1/messages" for req in mock.requests)
+    report(capsys, f"claude 529 x {count} through `unbroken run -- claude` (no config): exit 0, "
+           f"{len(mock.requests)} requests, {r.seconds:.1f} s ({timeline(r, mock.requests)})")
 
 
 async def test_reset_mid_input_json_delta_runs_the_tool_once(tmp_path, mock):
@@ -108,7 +141,8 @@ async def test_a_final_400_after_a_long_storm_stays_a_400(tmp_path, mock):
     status and it stops, with no extra request.  With early headers forced on (the
     unknown-client default), the 400 can only be an in-stream error event, and Claude
     Code re-sends the request without streaming: one request more."""
-    env, cfg = _setup(tmp_path, mock)
+    # early_headers_s = 1: the 529's 1.5 s Retry-After outlasts it (the default is 20 s)
+    env, cfg = _setup(tmp_path, mock, {"early_headers_s": 1})
     mock.script(STORM_THEN_400)
     r = await run(through_unbroken(cfg, claude_argv("say hi")), env, tmp_path / "project")
     assert r.code != 0
@@ -130,34 +164,164 @@ async def test_a_final_400_after_a_long_storm_stays_a_400(tmp_path, mock):
 
 async def test_cut_right_after_a_complete_tool_call(tmp_path, mock):
     """A cut between the Bash call's content_block_stop and message_stop.  By default the
-    call was released (Claude Code dispatches it there): the tool runs once and Claude
-    Code shows a synthetic error message before carrying on.  With hold = [...,
-    "tool_tail"] the complete call waits for message_stop, so the cut is replayed and
-    Claude Code sees one clean tool call."""
-    tool = _bash("echo ran >> marker.txt")
+    call was released (Claude Code dispatches it there) and the claude-code profile ends
+    the stream with a reset.  Claude Code then does one of two things, depending on
+    whether it had started the call when the reset arrived (a race, both seen): it drops
+    the call it had not started and sends the same request again (an api_retry), whose
+    answer (the model's call, again) it runs; or it lets the started call finish, shows
+    "Connection lost mid-response" and carries on with its result.  Either way no call
+    runs twice.  With the error event instead, it runs the cut call, shows "Server error
+    mid-response" and carries on.  With hold = [..., "tool_tail"] the complete call waits
+    for message_stop, so the cut is replayed and Claude Code sees one clean tool call."""
+    tool = _bash("echo A >> marker.txt")
     events = events_for("anthropic", tool, {"model": "fake-model", "stream": True})
     stop = max(i for i, (name, _) in enumerate(events) if name == "content_block_stop")
     cut = {**tool, "fault": "reset", "after_frame": stop + 1}
+    again = _bash("echo B >> marker.txt")  # the model's answer to the same request, again
+    marker = tmp_path / "project" / "marker.txt"
 
-    def synthetic(r: Any) -> list[Any]:
-        return [e for e in r.events() if e.get("type") == "assistant"
-                and e["message"].get("model") == "<synthetic>"]
+    def synthetic(r: Any) -> list[str]:
+        return [e["message"]["content"][0].get("text", "") for e in r.events()
+                if e.get("type") == "assistant" and e["message"].get("model") == "<synthetic>"]
 
     env, cfg = _setup(tmp_path, mock)
+    mock.script([cut, again])
+    r = await run(through_unbroken(cfg, claude_argv("run the tool")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    ran = marker.read_text().splitlines()
+    assert len(ran) == len(set(ran))  # no call ran twice
+    if mock.requests[0].body == mock.requests[1].body:  # the same request again
+        assert ran == ["B"] and not synthetic(r)
+        assert [e for e in r.events() if e.get("subtype") == "api_retry"]
+        branch = "dropped the unstarted call, re-sent the request"
+    else:  # it carried on with the result of the call it had started
+        assert ran[0] == "A" and "Connection lost mid-response" in synthetic(r)[0]
+        follow_up = mock.requests[1].json()["messages"][-1]["content"]
+        assert any(c.get("type") == "tool_result" for c in follow_up)
+        branch = "finished the started call, carried on"
+    print(f"\nclaude, a reset after a complete call: {branch} ({len(mock.requests)} requests)")
+
+    marker.unlink()
+    mock.reset()
     mock.script([cut])
+    error = tmp_path / "error.toml"
+    error.write_text(cfg.read_text() + ERROR_ENDING)
+    r = await run(through_unbroken(error, claude_argv("run the tool")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert marker.read_text() == "A\n"
+    assert "Server error mid-response" in synthetic(r)[0] and len(mock.requests) == 2
+
+    marker.unlink()
+    mock.reset()
+    mock.script([cut, tool])
+    tail = relay_config(tmp_path / "tail.toml", tmp_path / "journal.sqlite3",
+                        hold=["control", "tool_calls", "tool_tail"])
+    r = await run(through_unbroken(tail, claude_argv("run the tool")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert marker.read_text() == "A\n"
+    assert not synthetic(r)
+    assert not [e for e in r.events() if e.get("subtype") == "api_retry"]
+    assert len(mock.requests) == 3  # the cut attempt, unbroken's replay, the follow-up
+
+
+async def test_a_cut_while_the_tool_runs_lets_it_finish_once(tmp_path, mock):
+    """The upstream goes silent after the Bash call's content_block_stop and the relay's
+    stall timer (3 s) cuts it while the tool (sleep 5) is still running.  After the
+    reset, Claude Code waits for the tool it started, shows "Connection lost
+    mid-response", and carries on with the result: the tool runs once and the next
+    request holds its result (the same as after the error event)."""
+    tool = _bash("sleep 5; echo ran >> marker.txt")
+    events = events_for("anthropic", tool, {"model": "fake-model", "stream": True})
+    stop = max(i for i, (name, _) in enumerate(events) if name == "content_block_stop")
+    env, cfg = _setup(tmp_path, mock, STALL_TIMERS)  # the defaults would wait 120 s
+    mock.script([{**tool, "fault": "stall", "after_frame": stop + 1, "seconds": 60}])
     r = await run(through_unbroken(cfg, claude_argv("run the tool")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
     assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
-    assert synthetic(r) and len(mock.requests) == 2
+    assert claude_result(r).get("result") == TEXT
+    assert len(mock.requests) == 2
+    follow_up = mock.requests[1].json()["messages"][-1]["content"]
+    assert any(c.get("type") == "tool_result" for c in follow_up)
 
-    (tmp_path / "project" / "marker.txt").unlink()
-    mock.reset()
-    mock.script([cut, tool])
-    tail = tmp_path / "tail.toml"
-    tail.write_text(cfg.read_text().replace(
-        "[stream]", '[stream]\nhold = ["control", "tool_calls", "tool_tail"]'))
-    r = await run(through_unbroken(tail, claude_argv("run the tool")), env, tmp_path / "project")
+
+#: message_start, the text block's start, a ping and three text deltas, then the upstream
+#: connection dies: after commit (the text reached Claude Code), so never replayed
+CUT_AFTER_TEXT = {"fault": "reset", "after_frame": 6}
+
+
+def _texts(r: Any) -> list[str]:
+    """Every text block of every assistant message Claude Code printed."""
+    return [b["text"] for e in r.events() if e.get("type") == "assistant"
+            for b in e["message"].get("content", []) if b.get("type") == "text"]
+
+
+def _streamed(mock: MockProvider) -> list[bool]:
+    return [req.json().get("stream") is True for req in mock.requests]
+
+
+async def test_a_cut_after_text_ends_with_a_reset_and_claude_code_streams_again(tmp_path, mock):
+    """The upstream dies after three text deltas, after commit: never replayed.  The
+    claude-code profile ends the stream by aborting Claude Code's connection; Claude Code
+    re-sends the request streamed (after ~0.6 s: one api_retry) and prints the answer
+    once.  With the error event instead (after_commit_end = "error", every other
+    client's ending) it re-sends it at once, without streaming: the answer also arrives
+    once, but not streamed (see the next test for what that costs)."""
+    env, cfg = _setup(tmp_path, mock)
+    mock.script([CUT_AFTER_TEXT])
+    r = await run(through_unbroken(cfg, claude_argv("say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
-    assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
-    assert not synthetic(r)
-    assert len(mock.requests) == 3  # the cut attempt, unbroken's replay, the follow-up
+    assert claude_result(r).get("result") == TEXT
+    assert _texts(r) == [TEXT]  # once: the cut prefix is not repeated
+    assert _streamed(mock) == [True, True]
+    assert len([e for e in r.events() if e.get("subtype") == "api_retry"]) == 1
+    conn = sqlite3.connect(tmp_path / "journal.sqlite3")
+    try:
+        outcomes = [o for (o,) in conn.execute("SELECT outcome FROM turns ORDER BY turn_id")]
+    finally:
+        conn.close()
+    assert outcomes == ["ended_with_error", "ok"]
+    reset_s = r.seconds
+
+    mock.reset()
+    mock.script([CUT_AFTER_TEXT])
+    error = tmp_path / "error.toml"
+    error.write_text(cfg.read_text() + ERROR_ENDING)
+    r = await run(through_unbroken(error, claude_argv("say hi")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert claude_result(r).get("result") == TEXT
+    assert _texts(r) == [TEXT]
+    assert _streamed(mock) == [True, False]  # re-sent without streaming
+    assert not [e for e in r.events() if e.get("subtype") == "api_retry"]
+    print(f"\nclaude, a cut after text: reset -> 2 requests (streamed, streamed), "
+          f"{reset_s:.1f} s; error event -> 2 requests (streamed, non-streamed), {r.seconds:.1f} s")
+
+
+async def test_after_a_cut_a_long_answer_arrives_only_streamed(tmp_path, mock):
+    """Why the reset: after a cut, the answer takes ~9 s to generate, longer than Claude
+    Code's wait for a non-streamed answer (API_TIMEOUT_MS = 5000 here; 300 s by default,
+    while it asks for max_tokens = 32000 on its non-streamed re-send too, minutes of
+    generation).  After the reset Claude Code re-streams: the frames arrive 0.7 s apart
+    and the answer completes.  After the error event its non-streamed re-sends time out,
+    one after the other (the same answer, which would arrive whole after 9 s), and the
+    session fails."""
+    env, cfg = _setup(tmp_path, mock, API_TIMEOUT_MS="5000", CLAUDE_CODE_MAX_RETRIES="2")
+    mock.script([CUT_AFTER_TEXT, {"chunk_delay_ms": 700}])
+    r = await run(through_unbroken(cfg, claude_argv("say hi")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert claude_result(r).get("result") == TEXT and _texts(r) == [TEXT]
+    assert _streamed(mock) == [True, True]
+    reset_s = r.seconds
+
+    mock.reset()
+    mock.script([CUT_AFTER_TEXT] + [{"delay_ms": 9000}] * 8)
+    error = tmp_path / "error.toml"
+    error.write_text(cfg.read_text() + ERROR_ENDING)
+    r = await run(through_unbroken(error, claude_argv("say hi")), env, tmp_path / "project")
+    assert r.code != 0
+    result = claude_result(r)
+    assert result.get("is_error") and "timed out" in str(result.get("result")), r.stdout[-2000:]
+    streamed = _streamed(mock)
+    assert streamed[0] and not any(streamed[1:]) and len(streamed) >= 3
+    print(f"\nclaude, a cut after text, then a 9 s answer (API_TIMEOUT_MS=5000): reset -> "
+          f"completes streamed in {reset_s:.1f} s; error event -> {len(streamed) - 1} "
+          f"non-streamed re-sends time out, exit {r.code} after {r.seconds:.1f} s")

@@ -4,6 +4,8 @@ Codex runs ``codex exec --json`` against the mock provider, configured as a user
 (a custom ``fake`` provider in ``$CODEX_HOME/config.toml``); `unbroken run -- codex`
 finds that provider and points Codex at its private relay with ``-c``.  Codex's own
 retry knobs are set low (1 request retry, 1 stream retry) to keep the baselines fast.
+The storm runs with no unbroken config at all (the defaults a user gets); the other
+tests give the relay a journal path and only the ``[stream]`` keys they are about.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from agent_run import (
     codex_home,
     reconnects,
     relay_config,
+    report,
     run,
     through_unbroken,
+    timeline,
+    zero_config,
 )
 
 from unbroken.mock import MockProvider
@@ -32,9 +37,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.cli("codex"), pytest.mark.timeout(120
 TEXT = "Hello from the mock provider."
 
 
-def _setup(tmp_path: Path, mock: MockProvider, **provider: Any) -> tuple[dict[str, str], Path]:
+def _setup(
+    tmp_path: Path, mock: MockProvider, stream: dict[str, Any] | None = None, **provider: Any
+) -> tuple[dict[str, str], Path]:
     env = codex_home(tmp_path, mock.url, **provider)
-    return env, relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3")
+    cfg = relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3", **(stream or {}))
+    return env, cfg
 
 
 def _tool(cmd: str) -> dict[str, Any]:
@@ -69,22 +77,29 @@ async def test_tool_turn_runs_once(tmp_path, mock):
     assert len(mock.requests) == 2  # the call, then the answer after its output
 
 
-async def test_503_storm_alone_dies_through_unbroken_completes(tmp_path, mock):
-    env, cfg = _setup(tmp_path, mock)
-    mock.script([{"status": 503, "count": 6}])
+@pytest.mark.timeout(240)
+async def test_503_storm_alone_dies_through_unbroken_with_no_config_completes(
+    tmp_path, mock, capsys
+):
+    """503 x 40, then the answer.  Alone, Codex gives up; through `unbroken run -- codex`
+    with no unbroken config (the defaults: a lone turn retried every 250 ms, breakers
+    that never open for one turn's failures) it sees one clean turn."""
+    env = codex_home(tmp_path, mock.url)
+    mock.script([{"status": 503, "count": 40}])
     alone = await run(codex_argv(tmp_path, "say hi"), env, tmp_path / "project")
     alone_requests = len(mock.requests)
     assert alone.code != 0 and not agent_text(alone)
     mock.reset()
-    mock.script([{"status": 503, "count": 6}])
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
-                  tmp_path / "project")
+    mock.script([{"status": 503, "count": 40}])
+    r = await run(zero_config(codex_argv(tmp_path, "say hi")), env, tmp_path / "project",
+                  limit_s=200)
     assert r.code == 0, r.stderr[-3000:]
     assert agent_text(r).startswith(TEXT)
     assert not reconnects(r)  # Codex never saw a failure
-    assert len(mock.requests) == 7
-    print(f"\ncodex 503x6: alone exit {alone.code} after {alone_requests} requests "
-          f"({alone.seconds:.1f} s); through unbroken exit 0 in {r.seconds:.1f} s")
+    assert len(mock.requests) == 41
+    report(capsys, f"codex 503 x 40: alone exit {alone.code} after {alone_requests} requests "
+           f"({alone.seconds:.1f} s); through `unbroken run -- codex` (no config) exit 0, "
+           f"{len(mock.requests)} requests, {r.seconds:.1f} s ({timeline(r, mock.requests)})")
 
 
 async def test_reset_mid_tool_arguments_runs_the_tool_once(tmp_path, mock):
@@ -124,14 +139,62 @@ async def test_silent_200_longer_than_codex_idle_timeout(tmp_path, mock):
           f"({r.seconds:.1f} s)")
 
 
+#: The relay's own stall timers for Codex: by default they follow Codex's idle timeout
+#: (a slow upstream is then cut as Codex would cut it); set longer, the keepalives must
+#: hold Codex's idle timer meanwhile.
+STALL_10S = "\n[clients.codex]\nfirst_frame_timeout_s = 10\nidle_timeout_s = 10\n"
+
+
+async def test_the_relay_cuts_a_silent_upstream_when_codex_would(tmp_path, mock):
+    """Codex's stream_idle_timeout_ms is 1.5 s; the relay's own [stream] timers would wait
+    60 s for a first frame.  Codex gets no early headers, so its idle timer never runs
+    while the relay waits: `unbroken run` tells the relay Codex's timeout, the relay cuts
+    the silent 200 after 1.5 s, not 60 s, and replays; Codex sees one clean turn."""
+    env, _ = _setup(tmp_path, mock, stream_idle_timeout_ms=1500)
+    cfg = relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3",
+                       first_frame_timeout_s=60, idle_timeout_s=60)
+    mock.script([{"fault": "stall", "after_frame": 0, "seconds": 90}])
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
+                  tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert not reconnects(r)
+    assert agent_text(r).startswith(TEXT)
+    assert len(mock.requests) == 2  # the silent attempt, then the relay's replay
+    assert r.seconds < 30, r.seconds  # not the relay's 60 s
+    print(f"\ncodex silent 200, idle timeout 1.5 s, [stream] 60 s: completes in "
+          f"{r.seconds:.1f} s")
+
+
+@pytest.mark.parametrize("ending", ["error", "reset"])
+async def test_a_cut_after_text_codex_retries_the_turn_once(tmp_path, mock, ending):
+    """The upstream dies after three text deltas, after commit.  Codex's profile ends the
+    stream with the error event (``error`` + ``response.failed``); a reset (for
+    comparison, as [clients.codex] after_commit_end) ends the same: Codex reconnects once
+    ("Reconnecting... 1/3") and prints the answer once; 2 requests.  The error event is
+    the default: Codex retries at once, with the reason in words, and it is the only
+    ending a WebSocket turn has."""
+    env, cfg = _setup(tmp_path, mock, stream_max_retries=3)
+    if ending == "reset":
+        cfg.write_text(cfg.read_text() + '\n[clients.codex]\nafter_commit_end = "reset"\n')
+    mock.script([{"fault": "reset", "after_frame": 7}])
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
+                  tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    text = agent_text(r)
+    assert text.startswith(TEXT) and text.count(TEXT) == 1  # once: no repeated prefix
+    [reconnect] = reconnects(r)
+    assert reconnect.startswith("Reconnecting... 1/3")
+    assert len(mock.requests) == 2
+    print(f"\ncodex, a cut after text, {ending}: {reconnect[:90]!r}, {r.seconds:.1f} s")
+
+
 async def test_keepalive_events_hold_codex_idle_timer(tmp_path, mock):
     """A slow upstream: a frame every second, against Codex's 0.7 s idle timer.  Alone,
-    Codex gives up; through unbroken, which holds the opening frames and then sends
-    its Responses keepalive event between frames (Codex's idle timer ignores SSE
-    comments), the turn completes."""
+    Codex gives up; through unbroken, told to wait 10 s for a frame ([clients.codex]),
+    which holds the opening frames and then sends its Responses keepalive event between
+    frames (Codex's idle timer ignores SSE comments), the turn completes."""
     env, cfg = _setup(tmp_path, mock, stream_idle_timeout_ms=700)
-    cfg = relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3",
-                       first_frame_timeout_s=10, idle_timeout_s=10)
+    cfg.write_text(cfg.read_text() + STALL_10S)
     text = {"text": "slow answer", "deltas": 1, "chunk_delay_ms": 1000}
     mock.script([text])
     alone = await run(codex_argv(tmp_path, "say hi"), env, tmp_path / "project")
@@ -209,7 +272,8 @@ async def test_a_final_400_after_a_storm_stops_codex(tmp_path, mock, early_heade
     Codex profile the 400 arrives as a status; with early headers forced on it can only
     be in-stream, as ``error`` + ``response.failed`` carrying the provider's code.  Either
     way Codex recognises it and stops: no extra request, no "Reconnecting"."""
-    env, cfg = _setup(tmp_path, mock, stream_max_retries=3)
+    # early_headers_s = 1: the 503's 1.5 s Retry-After outlasts it (the default is 20 s)
+    env, cfg = _setup(tmp_path, mock, {"early_headers_s": 1}, stream_max_retries=3)
     if early_headers:
         cfg.write_text(cfg.read_text() + "\n[clients.codex]\nearly_headers = true\n")
     mock.script([{"status": 503, "headers": {"retry-after-ms": "1500"}}] + [TOO_LONG] * 4)
@@ -243,12 +307,11 @@ async def test_websocket_socket_dies_mid_tool_arguments_tool_runs_once(tmp_path,
 
 async def test_keepalive_messages_hold_codex_idle_timer_over_websocket(tmp_path, mock):
     """The slow upstream over WebSocket (a frame a second, Codex idle timeout 0.7 s):
-    alone, Codex abandons the turn and sends it again; through unbroken, the keepalive
-    messages ({"type":"keepalive"}) between frames count for its idle timer (pings do
-    not), and the one slow turn completes."""
-    env, _ = _setup(tmp_path, mock, supports_websockets=True, stream_idle_timeout_ms=700)
-    cfg = relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3",
-                       first_frame_timeout_s=10, idle_timeout_s=10)
+    alone, Codex abandons the turn and sends it again; through unbroken (told to wait
+    10 s for a frame), the keepalive messages ({"type":"keepalive"}) between frames count
+    for its idle timer (pings do not), and the one slow turn completes."""
+    env, cfg = _setup(tmp_path, mock, supports_websockets=True, stream_idle_timeout_ms=700)
+    cfg.write_text(cfg.read_text() + STALL_10S)
     slow = {"text": "slow answer", "deltas": 1, "chunk_delay_ms": 1000}
     script = [{}, slow, {}, slow]  # the warm-up, then the turn (twice, for a retry)
     mock.script(script)

@@ -50,9 +50,10 @@ def test_503_storm_kills_opencode_alone_but_not_through_unbroken(
     report(
         capsys,
         f"503 storm: OpenCode alone: exit {alone.finished.code} after {alone.requests} requests "
-        f"({died_after:.0f} s from the first to the last); through unbroken: exit "
-        f"{relayed.finished.code}, {relayed.requests} upstream requests, "
-        f"{relayed.finished.stream_errors()} errors seen by OpenCode",
+        f"({died_after:.0f} s from the first to the last); through `unbroken run -- opencode "
+        f"run` (no config): exit {relayed.finished.code} in {relayed.finished.elapsed:.1f} s, "
+        f"{relayed.requests} upstream requests, {relayed.finished.stream_errors()} errors "
+        "seen by OpenCode",
     )
     assert alone.finished.code == 1, _fails(alone)
     assert alone.requests == 6, _fails(alone)  # the first try and OpenCode's 5 retries

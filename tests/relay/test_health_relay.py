@@ -283,7 +283,7 @@ def test_health_config_defaults() -> None:
     cfg = parse_config({}, env={})
     h = cfg.health
     assert (h.failures_to_open, h.open_s, h.max_open_s, h.quota_cooloff_s, h.store) == (
-        5, 0.25, 1.0, 3600.0, ""
+        5, 0.25, 0.5, 3600.0, ""
     )
     r = cfg.retry
     assert (r.backoff, r.delay_ms, r.pace_floor_per_s, r.pace_ratio, r.pace_burst) == (

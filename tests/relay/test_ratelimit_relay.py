@@ -251,6 +251,8 @@ def test_an_older_journal_gains_the_queued_column_and_stats_read_one_without_it(
 
 
 async def test_geminis_retry_delay_in_a_429_body_blocks_the_key_for_that_long(mock, http):
+    # The Gemini protocol reads the delay (`protocols.gemini.retry_delay`): the limiter
+    # is told it as the 429's Retry-After, and the retry waits it once.
     body = json.dumps(
         {
             "error": {
@@ -263,8 +265,14 @@ async def test_geminis_retry_delay_in_a_429_body_blocks_the_key_for_that_long(mo
         }
     )
     mock.script([{"status": 429, "body": body}])
+    gemini = "/mock/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse"
+    request = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
     async with RelayServer(config([mock.url])) as server:
-        assert (await chat(http, server.url))[0] == 200
+        async with http.post(
+            server.url + gemini, json=request, headers={"x-goog-api-key": "AIza-test-rl-0001"}
+        ) as r:
+            assert r.status == 200
+            assert b"finishReason" in await r.read()
         [first, second] = mock.requests
         assert second.at - first.at >= 0.4  # the delay the body asked for, not 5 ms
         [lim] = list(server.relay.board.rates.all())

@@ -105,7 +105,13 @@ class RawHTTP:
 
     @classmethod
     async def post(
-        cls, base: str, path: str, body: dict[str, Any], *, rcvbuf: int | None = None
+        cls,
+        base: str,
+        path: str,
+        body: dict[str, Any],
+        *,
+        rcvbuf: int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> RawHTTP:
         parts = urlsplit(base)
         host, port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -116,9 +122,10 @@ class RawHTTP:
         await asyncio.get_running_loop().sock_connect(sock, (host, port))
         reader, writer = await asyncio.open_connection(sock=sock)
         data = json.dumps(body).encode()
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         writer.write(
             (
-                f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{extra}"
                 "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
                 f"Content-Length: {len(data)}\r\nConnection: keep-alive\r\n\r\n"
             ).encode()
@@ -890,3 +897,119 @@ async def test_http_cut_after_finish_reason_gets_done_and_is_recorded(mock):
         f"(attempts: {[(a.reason, a.phase) for a in turns[0].attempt_log]})"
     )
 
+
+# -- 12. HTTP: keepalives to the client do not hide an upstream stall (issue 22) -------------
+RESPONSES_PATH = "v1/responses"
+RESPONSES: dict[str, Any] = {"model": "m", "input": "hi", "stream": True}
+CODEX_UA = {"User-Agent": "codex_exec/0.169.0"}
+RESPONSES_KEEPALIVE = b'event: keepalive\ndata: {"type":"keepalive"}\n\n'
+
+
+async def _stall_behind_keepalives(
+    mock: Any, path: str, body: dict[str, Any], headers: dict[str, str], keepalive: bytes
+) -> None:
+    """The upstream sends its first output, then hangs for 30 s while the relay writes
+    a keepalive to the client every 0.1 s: the stall must still end the turn within
+    idle_timeout_s of the last upstream byte (committed: the native error)."""
+    idle = 0.5
+    stream = {
+        "idle_timeout_s": idle,
+        "first_frame_timeout_s": idle,
+        "keepalive_s": 0.1,
+        "early_headers_s": 30,
+    }
+    proto = "responses" if path == RESPONSES_PATH else "chat"
+    frames = frames_for(proto, {}, body)
+    k = next(i for i, f in enumerate(frames, 1) if b"delta" in f and b"role" not in f)
+    async with relay_for(mock.url, stream=stream) as (server, rec):
+        mock.script([{"fault": "stall", "after_frame": k, "seconds": 30}])
+        client = await RawHTTP.post(server.url, f"/mock/{path}", body, headers=headers)
+        try:
+            assert await client.head(cap=5) is not None
+            last = await client.until(_contains(frames[k - 1]), cap=5)
+            assert last is not None, bytes(client.body)
+            ended = await client.read_all(cap=idle + 3)
+        finally:
+            client.close()
+        got = bytes(client.body)
+        elapsed = None if ended is None else round(ended - last, 2)
+        assert ended is not None and elapsed is not None and elapsed <= idle + 0.5, (
+            f"an upstream stall behind keepalives was not caught within idle_timeout_s + "
+            f"0.5 s (ended {elapsed} s after the last upstream frame; None: not within "
+            f"{idle + 3} s; {got.count(keepalive)} keepalives written)"
+        )
+        turns = await rec.wait_turns(1)
+    assert got.count(keepalive) >= 2  # the keepalives did flow meanwhile
+    assert got.startswith(b"".join(frames[:k]))
+    assert b"error" in _frames(got)[-1]
+    assert rec.failures == [("stall", "committed", None)]
+    assert turns[0].outcome == "ended_with_error"
+
+
+async def test_http_stall_behind_comment_keepalives_is_caught(mock):
+    await _stall_behind_keepalives(mock, CHAT_PATH, CHAT, {}, b": keepalive\n\n")
+
+
+async def test_http_stall_behind_codex_keepalive_events_is_caught(mock):
+    # Codex measured: a 20 s idle timer took 200 s through the relay (20 s direct),
+    # because the relay's own keepalive writes kept resetting its stall clock.
+    await _stall_behind_keepalives(mock, RESPONSES_PATH, RESPONSES, CODEX_UA, RESPONSES_KEEPALIVE)
+
+
+# -- 13. HTTP: a replay decided by a frame, retried at once, serves the next attempt ---------
+async def test_http_in_stream_error_replayed_with_no_delay_is_served(mock):
+    # Found with the turn machine's legality checks (issue 22): with no wait before the
+    # retry (delay_ms = 0, or a reroute), a replay decided by an in-stream error left
+    # its decision behind, and the next attempt's first chunk "ended" that attempt
+    # with it: the relay opened a third request mid-stream and the turn crashed (500).
+    async with relay_for(mock.url, retry={"delay_ms": 0}) as (server, rec):
+        mock.script([{"fault": "error_event", "after_frame": 1, "error": "overloaded"}, {}])
+        client = await RawHTTP.post(server.url, f"/mock/{CHAT_PATH}", CHAT)
+        try:
+            assert await client.head(cap=5) is not None
+            await client.read_all(cap=5)
+        finally:
+            client.close()
+        turns = await rec.wait_turns(1)
+    assert client.status == 200, bytes(client.body)
+    assert bytes(client.body) == b"".join(frames_for("chat", {}, CHAT))
+    assert len(mock.requests) == 2
+    assert [f[:2] for f in rec.failures] == [("stream_error", "pending")]
+    assert turns[0].outcome == "recovered"
+
+
+# -- 14. WebSocket: a client that pauses reading is not cut as a stall -----------------------
+async def test_ws_slow_reader_is_not_cut_as_a_stall(mock):
+    # The HTTP transport stops the stall clock while it is blocked writing to a slow
+    # client (test 5); the WebSocket transport waited for a full client buffer with
+    # the clock running, so a client that paused reading for longer than
+    # idle_timeout_s had its healthy stream cut with the native error.
+    # (first_frame_timeout_s: the mock takes most of a second to render this reply)
+    stream = {"idle_timeout_s": 0.5, "first_frame_timeout_s": 10}
+    action = {"text": "x" * 12_000_000, "deltas": 12_000}  # far more than socket buffers
+    async with relay_for(mock.url, stream=stream) as (server, rec):
+        mock.script([action])
+        # (max_msg_size=0: the final events carry the whole 12 MB text)
+        async with (
+            aiohttp.ClientSession() as s,
+            s.ws_connect(_ws_url(server), max_msg_size=0) as ws,
+        ):
+            await ws.send_str(json.dumps(CREATE))
+            types: list[str] = []
+            async with asyncio.timeout(5):
+                while "response.output_text.delta" not in types:
+                    types.append(json.loads((await ws.receive()).data)["type"])
+            await asyncio.sleep(2.0)  # the reader pauses: four idle timeouts long
+            ended = None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(20):
+                    while types[-1] not in (*WS_TERMINALS, "error"):
+                        msg = await ws.receive()
+                        assert msg.type is WSMsgType.TEXT, msg
+                        types.append(json.loads(msg.data)["type"])
+                    ended = time.monotonic()
+        turns = await rec.wait_turns(1)
+    assert ended is not None, f"the turn did not end within 20 s: ...{types[-3:]}"
+    assert types[-1] == "response.completed", (types[-3:], rec.failures)
+    assert rec.failures == []
+    assert turns[0].outcome == "ok"

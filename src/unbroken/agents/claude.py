@@ -4,6 +4,13 @@ The upstream is the user's own ``ANTHROPIC_BASE_URL`` when one is set (a gateway
 a proxy), else ``https://api.anthropic.com``.  ``ANTHROPIC_API_KEY`` and
 ``ANTHROPIC_AUTH_TOKEN`` are passed through untouched.  Claude Code posts to
 ``{base}/v1/messages?beta=true``, so the route's upstream is the bare base URL.
+
+Claude Code's own timers, when the environment sets them, go to the relay's
+``claude-code`` client profile: ``API_TIMEOUT_MS`` is how long it waits for a
+non-streamed answer (300 s without it; read from Claude Code 2.1.328), so the relay
+waits as long (``client_nonstream_wait_s``).  ``CLAUDE_STREAM_IDLE_TIMEOUT_MS`` only
+ever raises its 300 s stream idle timeout, which the relay's stall timers are
+already inside, so it changes nothing here.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from collections.abc import Mapping
 from unbroken.agents.plan import RELAY, Launch
 from unbroken.config import ConfigError, validate_url
 
-__all__ = ["ANTHROPIC_DEFAULT", "plan"]
+__all__ = ["ANTHROPIC_DEFAULT", "client_timers", "plan"]
 
 ANTHROPIC_DEFAULT = "https://api.anthropic.com"
 
@@ -26,9 +33,21 @@ def plan(env: Mapping[str, str]) -> Launch:
     except ConfigError as exc:
         return Launch("claude", notes=(f"claude: not relaying: {exc}",))
     note = f"claude: relaying anthropic -> {url}" + (" (your ANTHROPIC_BASE_URL)" if own else "")
+    timers = client_timers(env)
     return Launch(
         "claude",
         routes={"anthropic": url},
         env={"ANTHROPIC_BASE_URL": f"{RELAY}/anthropic"},
+        clients={"claude-code": timers} if timers else {},
         notes=(note,),
     )
+
+
+def client_timers(env: Mapping[str, str]) -> dict[str, object]:
+    """``[clients.claude-code]`` values for the timers Claude Code reads from ``env``."""
+    raw = (env.get("API_TIMEOUT_MS") or "").strip()
+    try:
+        ms = int(raw)
+    except ValueError:
+        return {}  # unset or not an integer: Claude Code keeps its 300 s
+    return {"client_nonstream_wait_s": ms / 1000.0} if ms > 0 else {}

@@ -12,7 +12,12 @@ Measured with the real Codex 0.169.0:
 * ``-c`` flags before the subcommand (``codex -c ... exec ...``) reach it.
 
 Codex counts only parsed events toward ``stream_idle_timeout_ms``, so the codex
-client profile's keepalive interval is kept below a third of it.
+client profile's keepalive interval is kept below a third of it.  The relay sends
+Codex no early headers, so Codex's idle timer never runs while the relay waits for
+an upstream's first frame: the active provider's ``stream_idle_timeout_ms`` goes to
+the profile as ``client_idle_timeout_s``, and the relay's stall timers
+(``first_frame_timeout_s``, ``idle_timeout_s``) are capped at it, so a silent
+upstream is cut, and replayed, no later than Codex would have cut it.
 """
 
 from __future__ import annotations
@@ -105,10 +110,16 @@ def plan(env: Mapping[str, str]) -> Launch:
             if pid == active and isinstance(idle, int | float) and not isinstance(idle, bool):
                 idle_ms = float(idle)
     clients: dict[str, dict[str, object]] = {}
+    tuned: dict[str, object] = {}
     keepalive_s = idle_ms / 1000.0 / 3.0
     if keepalive_s < KEEPALIVE_DEFAULT_S:
         # A keepalive event at least three times per Codex idle timeout.
-        clients["codex"] = {"keepalive_s": max(keepalive_s, 0.2)}
+        tuned["keepalive_s"] = max(keepalive_s, 0.2)
+    if idle_ms != IDLE_DEFAULT_MS and idle_ms > 0:
+        # The relay's stall timers follow Codex's own (`Profile.stall_timeouts`).
+        tuned["client_idle_timeout_s"] = idle_ms / 1000.0
+    if tuned:
+        clients["codex"] = tuned
     relayed = ", ".join(f"{n} -> {u}" for n, u in routes.items()) or "none"
     notes.append(f"codex: relaying {relayed} (active provider: {active})")
     return Launch("codex", routes=routes, args=tuple(args), clients=clients, notes=tuple(notes))

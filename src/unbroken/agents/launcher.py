@@ -1,4 +1,4 @@
-"""`unbroken run -- codex|claude|<any command> [args...]`: a private relay, then the agent.
+"""`unbroken run -- codex|claude|gemini|<any command> [args...]`: a private relay, then the agent.
 
 Zero config, like the OpenCode launcher: a relay starts on a free loopback port
 with one route per provider the agent uses, the agent is launched pointed at it
@@ -8,6 +8,8 @@ through, the agent's exit code is returned and the relay stops with it.
 * ``codex``: every provider of ``$CODEX_HOME/config.toml`` plus the built-in
   ``openai`` (`unbroken.agents.codex`);
 * ``claude``: ``ANTHROPIC_BASE_URL`` (`unbroken.agents.claude`);
+* ``gemini``: ``GOOGLE_GEMINI_BASE_URL`` (and ``GOOGLE_VERTEX_BASE_URL`` for Vertex
+  AI), keeping Gemini CLI's auth choice (`unbroken.agents.gemini`);
 * anything else: ``OPENAI_BASE_URL``, ``OPENAI_API_BASE`` and ``ANTHROPIC_BASE_URL``
   for SDK-based scripts and tools (aider and friends).
 
@@ -22,12 +24,13 @@ import dataclasses
 import logging
 import shlex
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from unbroken.agents import claude, codex
-from unbroken.agents.plan import RELAY, Launch, split_version
+from unbroken.agents import claude, codex, gemini
+from unbroken.agents.plan import FILES, RELAY, Launch, split_version
 from unbroken.config import Config, ConfigError, Route, Upstream, validate_url
 
 __all__ = ["agent_of", "generic_plan", "plan_for", "print_env", "relay_config", "run_agent"]
@@ -38,7 +41,7 @@ OPENAI_DEFAULT = "https://api.openai.com/v1"
 
 
 def agent_of(command: Sequence[str]) -> str:
-    """``codex``, ``claude`` or ``generic``, from the program's name."""
+    """``codex``, ``claude``, ``gemini`` or ``generic``, from the program's name."""
     name = Path(command[0]).name.lower()
     if name.endswith((".js", ".cmd", ".exe")):
         name = name.rsplit(".", 1)[0]
@@ -46,6 +49,8 @@ def agent_of(command: Sequence[str]) -> str:
         return "codex"
     if name == "claude" or name.startswith("claude-code"):
         return "claude"
+    if name == "gemini" or name.startswith("gemini-cli"):
+        return "gemini"
     return "generic"
 
 
@@ -82,6 +87,8 @@ def plan_for(command: Sequence[str], env: Mapping[str, str]) -> Launch:
         return codex.plan(env)
     if agent == "claude":
         return claude.plan(env)
+    if agent == "gemini":
+        return gemini.plan(env)
     return generic_plan(env)
 
 
@@ -118,13 +125,19 @@ def print_env(
             url = launch.routes[name]
             out.write(f'#   [routes.{name}]\n#   upstreams = [{{ url = "{url}" }}]\n')
     for key, value in launch.resolved_env(relay).items():
-        out.write(f"export {key}={shlex.quote(value)}\n")
+        if FILES not in launch.env[key]:  # a file `run` writes: shown below instead
+            out.write(f"export {key}={shlex.quote(value)}\n")
     args = launch.resolved_args(relay)
     if args:
         out.write(shlex.join([command[0], *args, *command[1:]]) + "\n")
     for table, values in launch.clients.items():
         out.write(f"# optional, for this agent's timers: [clients.{table}] "
                   + ", ".join(f"{k} = {v}" for k, v in values.items()) + "\n")
+    for name, text in launch.files.items():
+        var = next((k for k, v in launch.env.items() if FILES in v and name in v), None)
+        out.write(f"# `unbroken run` points {var} at a private file (keep yours if it has "
+                  "this; Gemini CLI: or put it in ~/.gemini/settings.json):\n")
+        out.writelines(f"#   {line}\n" for line in text.splitlines())
 
 
 async def run_agent(
@@ -142,17 +155,23 @@ async def run_agent(
     launch = plan_for(command, env)
     server = RelayServer(relay_config(base, launch))
     await server.start()
+    files = tempfile.TemporaryDirectory(prefix="unbroken-run-") if launch.files else None
     try:
         relay = server.url
         for note in launch.notes:
             log.info("%s", note)
         log.info("run: relay on %s", relay)
-        child_env = {**env, **launch.resolved_env(relay)}
+        if files is not None:
+            for name, text in launch.files.items():
+                (Path(files.name) / name).write_text(text, encoding="utf-8")
+        child_env = {**env, **launch.resolved_env(relay, files.name if files else "")}
         argv = [command[0], *launch.resolved_args(relay), *command[1:]]
         if ready is not None:
             ready(relay)
         return await run_child(argv, env=child_env, cwd=cwd)
     finally:
+        if files is not None:
+            files.cleanup()
         await server.stop()
 
 
@@ -166,6 +185,10 @@ def _interactive(command: Sequence[str], agent: str) -> bool:
         return not positional or positional[0] not in ("exec", "e", "mcp", "login", "logout")
     if agent == "claude":
         return not ({"-p", "--print"} & set(args))
+    if agent == "gemini":
+        return sys.stdin.isatty() and not any(
+            a in ("-p", "--prompt") or a.startswith("--prompt=") for a in args
+        )
     return False
 
 

@@ -6,10 +6,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["RELAY", "Launch", "route_name", "split_version"]
+__all__ = ["FILES", "RELAY", "Launch", "route_name", "split_version"]
 
 #: stands for the relay's base URL (``http://127.0.0.1:PORT``) in `Launch` values
 RELAY = "{relay}"
+#: stands for the run's private directory, where `Launch.files` are written
+FILES = "{files}"
 
 _RESERVED = frozenset({"t", "healthz", "status", "metrics"})
 
@@ -18,7 +20,7 @@ _RESERVED = frozenset({"t", "healthz", "status", "metrics"})
 class Launch:
     """How to run one agent through a relay."""
 
-    agent: str  # codex | claude | generic
+    agent: str  # codex | claude | gemini | generic
     #: route name -> the upstream base URL it relays to
     routes: Mapping[str, str] = field(default_factory=dict)
     #: environment variables to set; `RELAY` in a value is the relay's URL
@@ -30,9 +32,12 @@ class Launch:
     clients: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     #: one line each, logged at start (what was relayed, what was left alone)
     notes: tuple[str, ...] = ()
+    #: file name -> text, written into a private directory for the run (`FILES` in an
+    #: ``env`` value is its path); the directory is removed when the agent exits
+    files: Mapping[str, str] = field(default_factory=dict)
 
-    def resolved_env(self, relay: str) -> dict[str, str]:
-        return {k: v.replace(RELAY, relay) for k, v in self.env.items()}
+    def resolved_env(self, relay: str, files: str = FILES) -> dict[str, str]:
+        return {k: v.replace(RELAY, relay).replace(FILES, files) for k, v in self.env.items()}
 
     def resolved_args(self, relay: str) -> list[str]:
         return [a.replace(RELAY, relay) for a in self.args]

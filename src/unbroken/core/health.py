@@ -28,8 +28,8 @@ The breaker (the defaults are `HealthSettings`'):
 The breaker is the retry pacer's slow mode (`unbroken.core.pacer`): the board keeps
 each upstream's `Pacer`, and the turns waiting on an upstream wait in its line
 whatever the reason (no token, an open breaker, a cool-off, a probe out).  ``open_s``
-and ``max_open_s`` are short (0.25 s, a lone turn's own retry delay, doubling to 1 s),
-so while turns wait a probe goes at least once a second, one for the whole fleet, and
+and ``max_open_s`` are short (0.25 s, a lone turn's own retry delay, doubling to 0.5 s),
+so while turns wait a probe goes at least twice a second, one for the whole fleet, and
 the line is released on the pacer's ramp as soon as an attempt is answered.  With many
 attempts in the window the failure rate decides, not a run of consecutive failures (a
 busy upstream that fails 30 % of its attempts would otherwise see five in a row every
@@ -89,7 +89,7 @@ class HealthSettings:
     window_s: float = 30.0
     min_window_attempts: int = 20
     open_s: float = 0.25
-    max_open_s: float = 1.0
+    max_open_s: float = 0.5
     quota_cooloff_s: float = 3600.0
     probe_timeout_s: float = 30.0
     #: a parked turn is woken when the pacer grants it a go; it also looks again at
@@ -139,6 +139,8 @@ class UpstreamHealth:
     cooloff_until: float = 0.0
     cooloff_reason: str = ""
     probe_until: float = 0.0  # a probe is out (here or elsewhere) until then
+    #: when the breaker last closed: the failures counted before are the outage's
+    closed_at: float = float("-inf")
     #: bucket number -> [ok, failed]
     buckets: dict[int, list[int]] = field(default_factory=dict)
 
@@ -374,6 +376,10 @@ class HealthBoard:
         rec.reopens = 0
         rec.probe_until = 0.0
         rec.open_until = 0.0
+        # The probe passed: the failures in the window were the outage's.  Kept, the
+        # first failure after it would reopen the breaker on a stale rate.
+        rec.buckets.clear()
+        rec.closed_at = now
         p = self.pacers.get(rec.key)
         if p is not None:
             p.start_ramp(now)
@@ -422,6 +428,8 @@ class HealthBoard:
         if not s.breakers or total < s.min_window_attempts:
             return
         rec = self.get(key)
+        if now - rec.closed_at < s.window_s:
+            return  # the fleet's window still holds the outage a probe just ended
         self._refresh(rec, now)
         if rec.state is Breaker.CLOSED and failed / total > s.failure_rate_to_open:
             self._open(rec, now, f"fleet failure rate {failed}/{total} over {s.window_s:g}s")
@@ -473,6 +481,8 @@ class HealthBoard:
             rec.reopens = 0
             rec.open_until = rec.probe_until = 0.0
             rec.consecutive_failures = 0
+            rec.buckets.clear()
+            rec.closed_at = now
             p = self.pacers.get(rec.key)
             if p is not None:
                 p.start_ramp(now)  # another instance's probe passed: release the line

@@ -48,7 +48,9 @@ in-stream error, a malformed frame):
 * PENDING   -> ``Verdict.REPLAY``: the shell retries the request; nothing held
   is ever sent.
 * COMMITTED -> ``Verdict.FAIL``: never replay.  ``error_bytes`` holds the
-  protocol-native, retryable error event; the stream then ends.  A truncated
+  protocol-native, retryable error event; the stream then ends (for a client
+  whose profile ends a cut stream by a reset, ``error_after_commit=False``: no
+  event, and the shell aborts the client connection).  A truncated
   turn never ends with ``[DONE]``, ``finish_reason``, ``response.completed``,
   ``message_stop`` or a bare clean end of body.
 * DONE      -> the turn completed; a failure afterwards (say before ``[DONE]``)
@@ -155,6 +157,7 @@ class Ledger:
     __slots__ = (
         "_classifier",
         "_clock",
+        "_error_after_commit",
         "_held",
         "_held_since",
         "_last_raw",
@@ -181,11 +184,15 @@ class Ledger:
         hold: Hold | None = None,
         max_hold_bytes: int = 8 * 1024 * 1024,
         clock: Callable[[], float] | None = None,
+        error_after_commit: bool = True,
     ) -> None:
         self.protocol = protocol
         self.hold = hold or Hold()
         self.max_hold_bytes = max_hold_bytes
         self._clock = clock
+        #: False: a failure after commit emits no error event (the shell aborts the
+        #: client connection instead; `TurnMachine.abort_after_commit`)
+        self._error_after_commit = error_after_commit
         self.state = State.PENDING
         self.verdict = Verdict.CONTINUE
         self.error_bytes = b""
@@ -380,6 +387,10 @@ class Ledger:
             self._drop_held()
             return NOTHING
         if self.verdict is Verdict.FAIL:
+            if not self._error_after_commit:
+                self._drop_held()
+                self.state = State.FAILED
+                return NOTHING
             out = self._end_with_error(message)
             return [Event(out, None, None)] if out else NOTHING
         return NOTHING

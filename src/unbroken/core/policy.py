@@ -352,8 +352,8 @@ class RetryState:
                         continue
                 if not board.take(key, now):  # a half-open probe that is not ours
                     skipped = True
-                    if paced:
-                        board.requeue(key, ticket)
+                    if paced and self.line == key:
+                        board.requeue(key, ticket)  # granted the probe: first in line again
                     probe_until = board.blocked_until(key, now) or now + 0.05
                     if probe_until < soonest:
                         soonest, why, blocked_at = probe_until, "probe", idx

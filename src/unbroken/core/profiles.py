@@ -1,25 +1,54 @@
 """Client profiles: each agent's own timers, honoured (sans-IO).
 
-Clients differ in what keeps their stream alive and in how they treat an error
-inside a stream, so one relay setting cannot suit them all:
+Clients differ in what keeps their stream alive, in how long they wait, and in
+how they treat an error inside a stream, so one relay setting cannot suit them
+all.  The rule for every timer is *never wait longer, or cut sooner, than the
+client itself would*: each profile carries the client's own known timers as data
+(``client_idle_timeout_s``, ``client_nonstream_wait_s``), and the relay's waits
+follow them (`Profile.stall_timeouts`, `Profile.nonstream_wait`).
 
 * **Codex CLI** counts only parsed SSE events (or WebSocket messages) toward its
-  ``stream_idle_timeout_ms``: an SSE comment does not reset it.  So it gets a
-  keepalive *event*, ``event: keepalive`` with ``{"type": "keepalive"}``, an event
-  type its parser (and the openai SDK's) accepts and ignores (checked with the real
-  Codex 0.169.0: before ``response.created`` and between frames alike).  Its idle
-  timer starts only once response headers arrive (it waited 130 s for headers with a
-  2 s idle timeout), so it never gets early headers either: a long retry storm is
-  absorbed with no timer running, and a final ``400`` stays a status.
+  ``stream_idle_timeout_ms`` (300 s by default): an SSE comment does not reset
+  it.  So it gets a keepalive *event*, ``event: keepalive`` with
+  ``{"type": "keepalive"}``, an event type its parser (and the openai SDK's)
+  accepts and ignores (checked with the real Codex 0.169.0: before
+  ``response.created`` and between frames alike).  Its idle timer starts only once
+  response headers arrive (it waited 130 s for headers with a 2 s idle timeout), so
+  it never gets early headers either: a long retry storm is absorbed with no timer
+  running, and a final ``400`` stays a status.  With no early headers its own idle
+  timer never runs while unbroken waits for a first frame, so unbroken's stall
+  timers stand in for it: they are never longer than its idle timeout
+  (``unbroken run -- codex`` reads the active provider's ``stream_idle_timeout_ms``).
+  A cut after output ends with ``error`` + ``response.failed``: Codex shows the
+  message and retries the turn once (one of its ``stream_max_retries``), as it does
+  after a reset, but at once and with the reason in words.
 * **Claude Code** turns any in-stream error, a final one too, into an immediate
-  non-streamed retry, and waits at least 300 s for response headers from a custom
-  base URL.  So it never gets early headers (a final ``400`` stays a status), its
-  keepalive is Anthropic's own ``ping`` event, and unbroken's wait for a
-  non-streamed answer stays well inside its 300 s, so a stalled attempt can still
-  be retried before Claude Code gives up.
+  non-streamed retry (``stream: false``, ``max_tokens`` unchanged, 300 s timeout
+  or ``API_TIMEOUT_MS``), and waits at least 300 s for response headers from a
+  custom base URL.  So it never gets early headers (a final ``400`` stays a
+  status), its keepalive is Anthropic's own ``ping`` event, and unbroken waits for
+  a non-streamed answer at least as long as Claude Code does (300 s), so a slow
+  answer is never dropped and asked for again while Claude Code would still have
+  taken it.  A cut after output ends by aborting the connection
+  (``after_commit_end = "reset"``): Claude Code then re-sends the request
+  *streamed* (~0.6 s later), so a long answer still streams, stalls are still
+  caught, and the relay can still replay before commit; an in-stream
+  ``overloaded_error`` would have made it re-send without streaming, where an
+  answer longer than its non-streamed timeout can never arrive (measured; see
+  docs/gate.md, "The ending after commit, per client").
+* **Gemini CLI** retries the turn after an in-stream error and prints the text it
+  already showed a second time (measured with 0.61.0: ``HelloHello, world!``); a
+  connection reset after output ends its turn with the partial text and no
+  duplicate.  So after commit its stream is ended by a reset
+  (``after_commit_end = "reset"``).  It gives up on response headers after about
+  60 s, so early headers (20 s) keep a long storm inside one request; once they
+  came it waits about 300 s for the next event (``client_idle_timeout_s``), then
+  retries silently and shows the prefix again.  Its keepalive is a blank line (the
+  Gemini protocol's, for every client: an SSE comment stops the genai SDK's
+  parser).
 * **OpenCode** (the AI SDK), the openai and anthropic SDKs, and anything unknown
   keep today's conservative defaults: SSE comments, early headers after
-  ``[stream] early_headers_s``.
+  ``[stream] early_headers_s``, the native error event after commit.
 
 A profile is chosen from the request's ``User-Agent`` and a few headers
 (`identify`); ``[clients.<name>]`` config sections override its fields
@@ -38,6 +67,7 @@ __all__ = [
     "CLIENT_KEYS",
     "DEFAULT",
     "PROFILES",
+    "CommitEnd",
     "KeepaliveForm",
     "Profile",
     "check_overrides",
@@ -52,6 +82,13 @@ class KeepaliveForm(enum.StrEnum):
     EVENT = "event"  # the protocol's keepalive event (Responses, Anthropic); a comment else
 
 
+class CommitEnd(enum.StrEnum):
+    """How a stream cut after commit ends (never cleanly: the client must retry)."""
+
+    ERROR = "error"  # the protocol's native, retryable error event, then the end
+    RESET = "reset"  # abort the client connection: no error event, no clean end
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     """What one kind of client needs.  ``None`` means: the ``[stream]`` setting."""
@@ -64,15 +101,74 @@ class Profile:
     keepalive: KeepaliveForm = KeepaliveForm.COMMENT
     keepalive_s: float | None = None
     #: how long an attempt of a non-streamed request may wait for its answer
-    #: (default ``max(header_timeout_s, first_frame_timeout_s)``)
+    #: (default: ``client_nonstream_wait_s`` when known, else
+    #: ``max(header_timeout_s, first_frame_timeout_s)``)
     nonstream_wait_s: float | None = None
+    #: the relay's stall timers for this client (default: the ``[stream]`` setting,
+    #: capped at ``client_idle_timeout_s``)
+    first_frame_timeout_s: float | None = None
+    idle_timeout_s: float | None = None
+    #: how a stream cut after commit ends; a WebSocket turn always gets the error
+    #: message (the socket is the client's whole session)
+    after_commit_end: CommitEnd = CommitEnd.ERROR
+    #: the client's own timers, as measured (None: unknown).  How long it waits for
+    #: the next event of a stream before it gives up on it
+    client_idle_timeout_s: float | None = None
+    #: how long it waits for a non-streamed answer before it gives up on it
+    client_nonstream_wait_s: float | None = None
+
+    def stall_timeouts(self, first_frame_s: float, idle_s: float) -> tuple[float, float]:
+        """The relay's first-frame and idle timeouts for this client, from the
+        ``[stream]`` ones: a stall is caught no later than the client would catch
+        it, so it can still be replayed before commit (and, after commit, the client
+        is not kept waiting past its own patience by keepalives)."""
+        cap = self.client_idle_timeout_s
+        if self.first_frame_timeout_s is not None:
+            first_frame_s = self.first_frame_timeout_s
+        elif cap is not None:
+            first_frame_s = min(first_frame_s, cap)
+        if self.idle_timeout_s is not None:
+            idle_s = self.idle_timeout_s
+        elif cap is not None:
+            idle_s = min(idle_s, cap)
+        return first_frame_s, idle_s
+
+    def nonstream_wait(self, header_s: float, first_frame_s: float) -> float:
+        """How long an attempt of a non-streamed request waits for its answer: as long
+        as the client itself waits, when that is known (a non-streamed answer shows
+        nothing until it is whole, so a shorter wait drops slow answers the client
+        would have taken, and asks again, forever)."""
+        if self.nonstream_wait_s is not None:
+            return self.nonstream_wait_s
+        if self.client_nonstream_wait_s is not None:
+            return self.client_nonstream_wait_s
+        return max(header_s, first_frame_s)
 
 
 #: The profiles, as data.  ``unknown`` is today's conservative behaviour.
 PROFILES: dict[str, Profile] = {
-    "codex": Profile("codex", early_headers=False, keepalive=KeepaliveForm.EVENT),
+    # Codex 0.169: stream_idle_timeout_ms = 300000 by default (`agents.codex` reads
+    # the user's); it makes no non-streamed requests of its own.
+    "codex": Profile(
+        "codex", early_headers=False, keepalive=KeepaliveForm.EVENT, client_idle_timeout_s=300.0
+    ),
+    # Claude Code 2.1.328: 300 s for the next stream event (CLAUDE_STREAM_IDLE_TIMEOUT_MS
+    # raises it, never below 300 s) and for a non-streamed answer (API_TIMEOUT_MS).
     "claude-code": Profile(
-        "claude-code", early_headers=False, keepalive=KeepaliveForm.EVENT, nonstream_wait_s=150.0
+        "claude-code",
+        early_headers=False,
+        keepalive=KeepaliveForm.EVENT,
+        after_commit_end=CommitEnd.RESET,
+        client_idle_timeout_s=300.0,
+        client_nonstream_wait_s=300.0,
+    ),
+    # Gemini CLI 0.61.0: about 60 s for response headers (early headers serve it),
+    # about 300 s for the next stream event.
+    "gemini-cli": Profile(
+        "gemini-cli",
+        keepalive=KeepaliveForm.EVENT,
+        after_commit_end=CommitEnd.RESET,
+        client_idle_timeout_s=300.0,
     ),
     "opencode": Profile("opencode"),
     "openai-sdk": Profile("openai-sdk"),
@@ -88,6 +184,17 @@ CLIENT_KEYS: dict[str, tuple[type, ...]] = {
     "keepalive": (str,),
     "keepalive_s": (int, float),
     "nonstream_wait_s": (int, float),
+    "first_frame_timeout_s": (int, float),
+    "idle_timeout_s": (int, float),
+    "after_commit_end": (str,),
+    "client_idle_timeout_s": (int, float),
+    "client_nonstream_wait_s": (int, float),
+}
+
+#: ``[clients.<name>]`` keys whose value is one of an enum's values
+_CHOICES: dict[str, type[enum.StrEnum]] = {
+    "keepalive": KeepaliveForm,
+    "after_commit_end": CommitEnd,
 }
 
 
@@ -100,6 +207,9 @@ def identify(headers: Mapping[str, str]) -> str:
         return "codex"
     if ua.startswith("claude-cli/") or headers.get("x-claude-code-session-id"):
         return "claude-code"
+    # Gemini CLI: GeminiCLI-tui/0.61.0/<model> (...), GeminiCLI/<version>/... headless.
+    if ua.startswith("geminicli"):
+        return "gemini-cli"
     if ua.startswith("opencode/") or "opencode" in ua.split(" ", 1)[0]:
         return "opencode"
     if ua.startswith("openai/"):
@@ -121,13 +231,13 @@ def check_overrides(name: str, table: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"unknown key {key!r} (known: {', '.join(sorted(CLIENT_KEYS))})")
         if (isinstance(raw, bool) and bool not in kinds) or not isinstance(raw, kinds):
             raise ValueError(f"{key}: expected {kinds[0].__name__}, got {value!r}")
-        if key == "keepalive":
+        choices = _CHOICES.get(key)
+        if choices is not None:
             try:
-                value = KeepaliveForm(value)
+                value = choices(value)
             except ValueError:
-                raise ValueError(
-                    f"keepalive: expected 'comment' or 'event', got {value!r}"
-                ) from None
+                known = " or ".join(repr(c.value) for c in choices)
+                raise ValueError(f"{key}: expected {known}, got {value!r}") from None
         elif kinds[0] is not bool:
             if value <= 0:
                 raise ValueError(f"{key}: must be greater than 0")
@@ -144,9 +254,7 @@ def profile_for(
     return profile_named(identify(headers), overrides)
 
 
-def profile_named(
-    name: str, overrides: Mapping[str, Mapping[str, Any]] | None = None
-) -> Profile:
+def profile_named(name: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Profile:
     """The profile ``name`` (as `identify` says), with its overrides applied."""
     profile = PROFILES[name]
     if overrides:

@@ -10,9 +10,11 @@ output tokens, and a ``Retry-After``):
 * Anthropic: ``anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-
   {limit,remaining,reset}`` (the reset an RFC 3339 time); ``tokens`` is read when
   sent, else ``input-tokens``; ``output-tokens`` is its own reading;
-* ``retry-after-ms`` and ``retry-after`` (seconds or an HTTP date), any provider;
-* Gemini: ``RetryInfo.retryDelay`` (``"30s"``) in a 429's JSON body
-  (`retry_delay_from_body`).
+* ``retry-after-ms`` and ``retry-after`` (seconds or an HTTP date), any provider.
+
+Gemini's ``RetryInfo.retryDelay`` (``"30s"``) comes in a 429's JSON body, not in
+headers: the Gemini protocol reads it (`core.protocols.gemini.retry_delay`) and the
+turn makes it the failure's ``Retry-After``, which the limiter is told like a header's.
 
 Every value is checked.  A non-number, a negative or non-finite value, a limit of
 zero or more than `MAX_LIMIT` is ignored; a remaining above its limit is clamped to
@@ -27,7 +29,6 @@ dict with lower-case keys).  Time is passed in (``now_wall``, for the dates).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -41,7 +42,6 @@ __all__ = [
     "Reading",
     "parse_duration",
     "parse_rate_headers",
-    "retry_delay_from_body",
 ]
 
 #: a limit above this (a billion requests or tokens a window) is garbage
@@ -245,30 +245,3 @@ def parse_rate_headers(
         return RateHeaders(problems=tuple(c.problems)) if c.problems else NO_HEADERS
     return RateHeaders(requests, tokens, output, retry_after, tuple(c.problems))
 
-
-def retry_delay_from_body(body: bytes, *, max_wait_s: float = 60.0) -> float | None:
-    """Gemini's ``RetryInfo.retryDelay`` in an error body (``"30s"``), in seconds.
-
-    None when the body is not Gemini's error, has no valid delay, or is too large
-    to be one (64 KiB).  A delay past ``max_wait_s`` is clamped."""
-    if len(body) > 65536 or b"RetryInfo" not in body:
-        return None
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    items = data if isinstance(data, list) else [data]
-    for item in items:
-        err = item.get("error") if isinstance(item, dict) else None
-        details = err.get("details") if isinstance(err, dict) else None
-        if not isinstance(details, list):
-            continue
-        for d in details:
-            if not isinstance(d, dict) or not str(d.get("@type", "")).endswith("RetryInfo"):
-                continue
-            raw = d.get("retryDelay")
-            seconds = parse_duration(raw) if isinstance(raw, str) else None
-            if seconds is None or seconds < 0:
-                return None
-            return min(seconds, max_wait_s)
-    return None

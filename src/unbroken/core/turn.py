@@ -18,6 +18,7 @@ module decides everything else, the way h11's ``_state.py`` does for HTTP:
 Events in (method calls, each given ``now``, a monotonic time in seconds)::
 
     start()                      the turn begins
+    next_attempt()               a `Wait` is over
     open_failed(failure)         connecting or waiting for headers failed
     answered(status, sse, ...)   the upstream's status line and headers arrived
     error_body(body)             a retryable answer's (bounded) body was read
@@ -31,8 +32,9 @@ Events in (method calls, each given ``now``, a monotonic time in seconds)::
     body_ended()                 the upstream body ended cleanly
     transport_failed(failure)    reading the upstream failed (reset, stall abort, ...)
     tick()                       the clock: early headers, keepalives, stalls
-    headers_sent() / wrote()     the transport wrote to the client (write_started()
-                                 before a write: blocked time is not upstream silence)
+    headers_sent()               the transport sent the response headers
+    write_started() / wrote()    a write to the client began / ended (blocked time is
+                                 not upstream silence; a write is never upstream activity)
     client_gone() / crashed()    the turn ends from outside
 
 Actions out (frozen values; the transport carries each one out)::
@@ -71,13 +73,44 @@ Deadlines (`deadline()` says when `tick()` is next due):
   ``Keepalive``.
 * **stall**: measured on *upstream silence only*.  Before an attempt's first frame
   the deadline is ``first_frame_timeout_s`` after the attempt's body began (comments
-  do not count as a frame); after it, ``idle_timeout_s`` after the last byte.  While
-  the transport is blocked writing to a slow client the stall clock stops, and it
-  restarts when the write completes.
+  do not count as a frame); after it, ``idle_timeout_s`` after the last byte.  A
+  write to the client never restarts it (the relay's own keepalives least of all:
+  they would hide the very stall they wait through).  While the transport is
+  blocked writing to a slow client the stall clock stands still, and it goes on
+  from where it stood when the write completes (`wrote` moves the last byte's time
+  forward by the blocked time).
 
-The four invariants (checked by a property test over random event sequences):
-nothing is released after a replay decision; a truncated turn never ends cleanly;
-no frame is released twice; every turn ends.
+Legality: as h11 does, the machine refuses an event its step does not accept.  That
+is a transport bug (a chunk of a dead attempt read after its `Wait`, a feed after
+`End`): the event raises `TurnError` and the machine goes to ERROR, where every event
+raises again, except the end from outside (``client_gone``, ``crashed``, so that the
+transport can clean up) and the clock (``deadline``, ``tick``: None).  Nothing is
+released after an illegal event, and the ledger is left as it was.  The feed whose
+frame ends an attempt (a replay, a failure after commit) decides it at once; so the
+next feed of that attempt is illegal even before the transport asks `attempt_over`.
+The steps, and the events each one accepts::
+
+    step          entered by                     legal events
+    NEW           the machine's creation         start
+    IDLE          start, a Wait                  next_attempt
+    CONNECTING    Open                           open_failed, answered, transport_failed
+    STREAM        Stream                         feed_chunk, feed_verbatim, feed_frame,
+                                                 body_ended, transport_failed
+    PASS_THROUGH  PassThrough                    feed_body, body_ended, transport_failed
+    ERROR_BODY    ReadErrorBody                  error_body, transport_failed
+    FINAL_BODY    FinalInStream                  final_body, transport_failed
+    ENDED         End, GiveUp, the end from      (none)
+                  outside
+    ERROR         an illegal event               (none)
+
+In every step: ``client_gone``, ``crashed``, ``deadline``, ``tick``, and, but in ERROR,
+the write notifications ``headers_sent``, ``write_started``, ``wrote`` (``wrote`` only
+after a ``write_started``).  The checks are identity comparisons (one per chunk on the
+hot path).
+
+The four invariants (checked by a property test over random event sequences, illegal
+events among them): nothing is released after a replay decision; a truncated turn
+never ends cleanly; no frame is released twice; every turn ends.
 
 Nothing here does I/O: no aiohttp, asyncio or ssl.  Time comes in as ``now``,
 randomness through the `RetryState`'s injected ``random.Random``.  Observers are
@@ -86,9 +119,11 @@ told through the `TurnReport` protocol, which the I/O layer implements.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 from typing import Protocol as TypingProtocol
 
 from unbroken.core.attempt import AttemptStats
@@ -98,13 +133,12 @@ from unbroken.core.policy import (
     FailureClass,
     Park,
     RetryState,
-    is_quota_body,
     is_retryable_status,
 )
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
-from unbroken.core.profiles import KeepaliveForm, Profile
+from unbroken.core.profiles import CommitEnd, KeepaliveForm, Profile
 from unbroken.core.protocols import BODY, Protocol, usage_from
-from unbroken.core.ratehead import RateHeaders, retry_delay_from_body
+from unbroken.core.ratehead import RateHeaders
 from unbroken.core.sse import CR, Event, EventTooLarge, SSESplitter
 
 __all__ = [
@@ -201,12 +235,25 @@ class TurnState(enum.StrEnum):
 
 
 class _Step(enum.Enum):
-    """The machine's own position."""
+    """The machine's own position: which events are legal (the module's header)."""
 
-    IDLE = "idle"  # before start, or between attempts (waiting)
+    NEW = "new"  # before start
+    IDLE = "idle"  # between attempts (waiting)
     CONNECTING = "connecting"
-    READING = "reading"
+    STREAM = "stream"  # reading an SSE body, or WebSocket frames (`Stream`)
+    PASS_THROUGH = "pass_through"  # reading a plain body (`PassThrough`)
+    ERROR_BODY = "error_body"  # reading a retryable answer's body (`ReadErrorBody`)
+    FINAL_BODY = "final_body"  # reading a final answer's body (`FinalInStream`)
     ENDED = "ended"
+    ERROR = "error"  # an illegal event arrived (a transport bug): every event raises
+
+
+#: the steps that read an answer's body (the stall clock runs in them)
+_READING = frozenset({_Step.STREAM, _Step.PASS_THROUGH, _Step.ERROR_BODY, _Step.FINAL_BODY})
+#: where `TurnMachine.body_ended` is legal (an answer's body is read whole otherwise)
+_BODY_ENDS = frozenset({_Step.STREAM, _Step.PASS_THROUGH})
+#: where the clock has nothing to say
+_OVER = frozenset({_Step.ENDED, _Step.ERROR})
 
 
 class TurnError(RuntimeError):
@@ -357,6 +404,7 @@ class TurnMachine:
         "_overflow_reported",
         "_parked",
         "_splitter",
+        "_write_t0",
         "attempt_ledger",
         "clock",
         "failure",
@@ -403,19 +451,21 @@ class TurnMachine:
         self.profile = profile or DEFAULT_PROFILE
         #: the keepalive the profile asks for, when the protocol has one (else comments)
         self.keepalive_event = (
-            protocol.keepalive_event if self.profile.keepalive is KeepaliveForm.EVENT else None
+            protocol.keepalive_event
+            if self.profile.keepalive is KeepaliveForm.EVENT or not protocol.comment_keepalive
+            else None
         )
         #: the client is a WebSocket: its keepalive is a message (the event's data), sent
         #: only for a profile that asks for events (pings keep the socket alive otherwise)
         self.socket = socket
         self.hold = hold
-        self.timers = timers
+        self.timers = _stall_timers(timers, self.profile)
         self.retry = retry
         self.stream = stream
         self.report = report
         self.clock = clock  # for the ledger's hold time only
         self.t0 = now
-        self.step = _Step.IDLE
+        self.step = _Step.NEW
         self.outcome: Outcome | None = None
         self.failure: Failure | None = None
         self.status: int | None = None  # the current attempt's upstream status
@@ -423,7 +473,8 @@ class TurnMachine:
         self.attempt_ledger: Ledger | None = None  # the ledger this attempt's body went through
         self.stats: AttemptStats | None = None
         self.headers_out = False
-        self.writing = False
+        self.writing = 0  # writes to the client in progress (a keepalive may overlap one)
+        self._write_t0 = now  # when the writes in progress began
         self.stalled = False
         self.first_frame = False  # the current attempt's first (non-comment) frame arrived
         self.last_rx = now
@@ -438,14 +489,15 @@ class TurnMachine:
 
     # -- attempts ----------------------------------------------------------------------
     def start(self, now: float) -> Action:
-        if self.step is not _Step.IDLE or self.retry.attempts:
-            raise TurnError("start() twice")
+        if self.step is not _Step.NEW:
+            self._illegal("start")
+        self.step = _Step.IDLE
         return self.next_attempt(now)
 
     def next_attempt(self, now: float) -> Action:
         """After `start` or a `Wait`: open the next attempt, or give up."""
         if self.step is not _Step.IDLE:
-            raise TurnError(f"next_attempt() while {self.step.value}")
+            self._illegal("next_attempt")
         retry = self.retry
         if retry.exhausted():
             return self._give_up()
@@ -475,15 +527,17 @@ class TurnMachine:
         self.report.attempt_started(retry.attempts, idx, choice)
         self.report.state(TurnState.WAITING)
         t = self.timers
-        # A non-streamed answer arrives only once generated: allow it the first-frame time.
-        timeout = t.header_timeout_s if self.stream else (
-            self.profile.nonstream_wait_s or max(t.header_timeout_s, t.first_frame_timeout_s)
-        )
+        # A non-streamed answer arrives only once generated: allow it as long as the
+        # client waits for it (when known), else the first-frame time.
+        if self.stream:
+            timeout = t.header_timeout_s
+        else:
+            timeout = self.profile.nonstream_wait(t.header_timeout_s, t.first_frame_timeout_s)
         return Open(idx, timeout)
 
     def open_failed(self, now: float, failure: Failure) -> Action:
         """Connecting, sending, or waiting for the headers failed."""
-        self._expect(_Step.CONNECTING)
+        self._expect(_Step.CONNECTING, "open_failed")
         phase = Phase.HEADERS if failure.cls is FailureClass.HEADER_TIMEOUT else Phase.CONNECT
         return self._attempt_failed(now, failure, phase)
 
@@ -498,7 +552,7 @@ class TurnMachine:
     ) -> Action:
         """The upstream's status line and headers arrived (``rate``: what they say of
         the key's rate limits, `core.ratehead`)."""
-        self._expect(_Step.CONNECTING)
+        self._expect(_Step.CONNECTING, "answered")
         self.status = status
         if rate is not None:
             self.retry.record_rate(rate, now)
@@ -513,7 +567,7 @@ class TurnMachine:
             self.failure = Failure(
                 FailureClass.STATUS, f"HTTP {status}", status=status, retry_after_s=retry_after_s
             )
-            self._reading(now)
+            self._reading(now, _Step.ERROR_BODY)
             return ReadErrorBody()
         self.retry.record_answer(now)  # known good: its pacer's line may move
         if status < 300 and sse:
@@ -524,41 +578,43 @@ class TurnMachine:
                     hold=self.hold,
                     max_hold_bytes=self.timers.max_hold_bytes,
                     clock=self.clock,
+                    error_after_commit=not self.abort_after_commit,
                 )
                 ledger.stats = self.stats or AttemptStats()
             else:
                 ledger.start_attempt(self.stats)
             self.attempt_ledger = ledger
             self._splitter = SSESplitter(self.timers.max_event_bytes)
-            self._reading(now)
+            self._reading(now, _Step.STREAM)
             self.report.state(
                 TurnState.HOLDING if ledger.state is State.PENDING else TurnState.STREAMING
             )
             return Stream()
-        self._reading(now)
         if self.headers_out:
             # Early SSE headers are out: a final answer must be an in-stream event.
+            self._reading(now, _Step.FINAL_BODY)
             return FinalInStream()
+        self._reading(now, _Step.PASS_THROUGH)
         ledger = self.attempt_ledger = Ledger(BODY, hold=_NO_HOLD)
         ledger.stats = self.stats or AttemptStats()
         return PassThrough()
 
     def error_body(self, now: float, body: bytes = b"") -> Action:
         """A retryable answer's body was read and kept by the transport."""
-        self._expect(_Step.READING)
+        self._expect(_Step.ERROR_BODY, "error_body")
         self._answer_kept = True
         failure = self.failure
         if failure is None:  # pragma: no cover - set by answered()
             raise TurnError("error_body() without a retryable answer")
-        if body and is_quota_body(body):  # insufficient_quota, billing: a quota wall
+        if body and failure.retry_after_s is None:
+            # A wait the body names (Gemini's RetryInfo), obeyed like Retry-After.
+            hint = self.protocol.retry_delay(body)
+            if hint is not None:
+                failure = self.failure = dataclasses.replace(failure, retry_after_s=hint)
+        if body and self.protocol.quota_body(body):  # insufficient_quota...: a quota wall
             failure = self.failure = Failure(
                 failure.cls, f"quota: {failure.reason}", failure.status, failure.retry_after_s
             )
-        elif failure.status == 429 and failure.retry_after_s is None and body:
-            delay = retry_delay_from_body(body)  # Gemini's RetryInfo
-            if delay is not None:
-                delay = self.retry.policy.clamp_retry_after(delay)
-                failure = self.failure = Failure(failure.cls, failure.reason, failure.status, delay)
         return self._attempt_failed(now, failure, Phase.HEADERS)
 
     def final_body(
@@ -566,7 +622,7 @@ class TurnMachine:
     ) -> Action:
         """A final non-SSE answer after early headers: re-sent as the in-stream error,
         in the protocol's final terms, with the provider's request id when known."""
-        self._expect(_Step.READING)
+        self._expect(_Step.FINAL_BODY, "final_body")
         return self._end(Outcome.PASSED_THROUGH_ERROR, End(
             EndKind.ERROR, self.protocol.final_error_frame(status, body, request_id)
         ))
@@ -575,6 +631,8 @@ class TurnMachine:
     def feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]:
         """SSE body bytes, through the splitter and the ledger frame by frame.  Returns
         the frames to write now (boundaries kept); then check `attempt_over`."""
+        if self.step is not _Step.STREAM:
+            self._illegal("feed_chunk")
         self.last_rx = now
         splitter = self._splitter
         assert splitter is not None
@@ -585,7 +643,7 @@ class TurnMachine:
             # The complete events before it still count; then the attempt has failed.
             events, too_large = exc.events, exc
         if too_large is not None:
-            out = self._feed_events(events)
+            out = self._feed_events(now, events)
             if self._over is None and not self.ended:
                 self._over = self.transport_failed(
                     now, Failure(FailureClass.MALFORMED, str(too_large))
@@ -593,7 +651,7 @@ class TurnMachine:
             return out
         if not events:
             return NOTHING
-        return self._feed_events(events)
+        return self._feed_events(now, events)
 
     def feed_verbatim(self, now: float, chunk: bytes) -> bytes | None:
         """`feed_chunk` for a sink that writes bytes (`verbatim`).  Returns None when
@@ -615,6 +673,8 @@ class TurnMachine:
         splitter is `idle`, and a chunk holding a CR takes no run at all (a CR can
         end a line).
         """
+        if self.step is not _Step.STREAM:
+            self._illegal("feed_verbatim")
         splitter = self._splitter
         ledger = self.attempt_ledger
         assert splitter is not None and ledger is not None
@@ -649,7 +709,7 @@ class TurnMachine:
                         break
         return out[0] if len(out) == 1 else b"".join(out)
 
-    def _feed_events(self, events: list[Event]) -> Sequence[Event]:
+    def _feed_events(self, now: float, events: list[Event]) -> Sequence[Event]:
         if not events:
             return NOTHING
         ledger = self.attempt_ledger
@@ -677,10 +737,15 @@ class TurnMachine:
             self.report.hold_overflow(ledger.max_hold_bytes)
         if out:
             self._released()
+        verdict = ledger.verdict
+        if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
+            self._decide(now)
         return out
 
     def feed_frame(self, now: float, event: Event) -> Sequence[Event]:
         """One frame (a WebSocket message).  Returns the frames to send; then `attempt_over`."""
+        if self.step is not _Step.STREAM:
+            self._illegal("feed_frame")
         self.last_rx = now
         if not self.first_frame:
             self.first_frame = True
@@ -692,10 +757,15 @@ class TurnMachine:
             self.report.hold_overflow(ledger.max_hold_bytes)
         if released:
             self._released()
+        verdict = ledger.verdict
+        if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
+            self._decide(now)
         return released
 
     def feed_body(self, now: float, chunk: bytes) -> bytes:
         """Plain body bytes: each chunk is released at once (the first byte commits)."""
+        if self.step is not _Step.PASS_THROUGH:
+            self._illegal("feed_body")
         self.last_rx = now
         if not self.first_frame:
             self.first_frame = True
@@ -712,27 +782,24 @@ class TurnMachine:
             self.report.headers_sent()
             self.report.state(TurnState.STREAMING)
 
+    def _decide(self, now: float) -> None:
+        """A frame ended the attempt (a replay, or a failure after commit): decided
+        now, by the feed that brought it, so no later event of this attempt is legal."""
+        self._over = self._verdict_action(now, None)
+
     @property
     def attempt_over(self) -> Action | None:
         """After a feed: the action that ends this attempt, or None to keep reading.
 
-        Decided once: asking again returns the same action.
+        The feed that ended the attempt decided it (the machine is past the attempt
+        already); asking again returns the same action.
         """
-        over = self._over
-        if over is not None:
-            return over
-        ledger = self.attempt_ledger
-        if ledger is None:
-            return None
-        verdict = ledger.verdict
-        if verdict is Verdict.CONTINUE or verdict is Verdict.DONE:
-            return None
-        over = self._over = self._verdict_action(self.last_rx, None)
-        return over
+        return self._over
 
     def body_ended(self, now: float) -> Action:
         """The upstream body ended cleanly (EOF)."""
-        self._expect(_Step.READING)
+        if self.step not in _BODY_ENDS:
+            self._illegal("body_ended")
         ledger = self.attempt_ledger
         assert ledger is not None
         if self.stalled:
@@ -756,7 +823,8 @@ class TurnMachine:
         """Reading the upstream failed (or the connection was aborted for a stall)."""
         if self.step is _Step.CONNECTING:
             return self.open_failed(now, failure)
-        self._expect(_Step.READING)
+        if self.step not in _READING:
+            self._illegal("transport_failed")
         if self.stalled:
             failure = _stall_failure()
         ledger = self.attempt_ledger
@@ -791,11 +859,18 @@ class TurnMachine:
         if failure is None:
             failure = Failure(FailureClass.STREAM_ERROR, ledger.fail_reason)
         self._committed_failure(failure)
-        if ledger.protocol is BODY:
+        if ledger.protocol is BODY or self.abort_after_commit:
+            # A plain body has no error event; a profile may ask for the abort too.
             return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ABORT))
         # ``out`` is the native error when it came from failed()/ended(); an in-stream
         # error frame's native error was already released by feed().
         return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ERROR, out))
+
+    @property
+    def abort_after_commit(self) -> bool:
+        """A stream cut after commit ends by aborting the client connection, not with
+        the native error event (the profile's ``after_commit_end``; HTTP only)."""
+        return self.profile.after_commit_end is CommitEnd.RESET and not self.socket
 
     def _replay_phase(self, failure: Failure) -> Phase:
         if failure.cls is FailureClass.STALL:
@@ -885,16 +960,26 @@ class TurnMachine:
     def _ok_outcome(self) -> Outcome:
         return Outcome.RECOVERED if self.retry.retries else Outcome.OK
 
-    def _reading(self, now: float) -> None:
-        self.step = _Step.READING
+    def _reading(self, now: float, step: _Step) -> None:
+        self.step = step
         self.first_frame = False
         self.stalled = False
+        self._over = None  # this attempt's own decision, once a feed makes one
         self._attempt_t0 = now
         self.last_rx = now
 
-    def _expect(self, step: _Step) -> None:
+    def _expect(self, step: _Step, event: str) -> None:
         if self.step is not step:
-            raise TurnError(f"event needs step {step.value}, machine is {self.step.value}")
+            self._illegal(event)
+
+    def _illegal(self, event: str) -> NoReturn:
+        """Refuse an event the current step does not accept: a transport bug.  The
+        machine goes to ERROR, where every event but the end from outside raises."""
+        step = self.step
+        self.step = _Step.ERROR
+        if step is _Step.ERROR:
+            raise TurnError(f"{event}() after an illegal event")
+        raise TurnError(f"{event}() is illegal in step {step.value}")
 
     # -- the end from outside -------------------------------------------------------------
     def client_gone(self) -> Outcome:
@@ -937,7 +1022,12 @@ class TurnMachine:
         ledger = self.ledger
         if ledger is None or ledger.state is not State.COMMITTED or not self.headers_out:
             return b""
-        return ledger.failed("the relay is shutting down")
+        return ledger.failed("the relay is shutting down")  # b"" for a reset profile
+
+    @property
+    def keepalive_bytes(self) -> bytes:
+        """What a keepalive write sends: the profile's or protocol's event, or a comment."""
+        return self.keepalive_event if self.keepalive_event is not None else KEEPALIVE
 
     @property
     def ended(self) -> bool:
@@ -946,20 +1036,43 @@ class TurnMachine:
     # -- the clock ----------------------------------------------------------------------
     def headers_sent(self, now: float) -> None:
         """The transport sent the response headers (early, or with the first bytes)."""
+        if self.step is _Step.ERROR:
+            self._illegal("headers_sent")
         if not self.headers_out:
             self.headers_out = True
             self.report.headers_sent()
         self.last_tx = now
 
-    def write_started(self) -> None:
-        self.writing = True
+    def write_started(self, now: float) -> None:
+        """A write to the client begins: the stall clock stops until it completes."""
+        if self.step is _Step.ERROR:
+            self._illegal("write_started")
+        if not self.writing:
+            self._write_t0 = now
+        self.writing += 1
 
     def wrote(self, now: float) -> None:
-        """A write to the client completed.  Time blocked on it is not upstream silence."""
-        self.writing = False
+        """A write to the client completed (or failed).
+
+        A write is never upstream activity: a keepalive, or output, says nothing
+        about whether the upstream is still sending.  But time the transport spent
+        blocked on a slow client is not upstream silence either (it read nothing
+        meanwhile), so the stall clock stood still while writes were in progress:
+        the last byte's time (and the attempt's first-frame clock) move forward by
+        the blocked time, not to ``now``.  A byte that arrived during the write
+        counts from the write's end.
+        """
+        if self.step is _Step.ERROR or not self.writing:
+            self._illegal("wrote")
         self.last_tx = now
-        if now > self.last_rx:
-            self.last_rx = now
+        self.writing -= 1
+        if self.writing:
+            return
+        t0 = self._write_t0
+        blocked = now - t0
+        if blocked > 0:
+            self.last_rx = min(self.last_rx, t0) + blocked
+            self._attempt_t0 = min(self._attempt_t0, t0) + blocked
 
     @property
     def min_interval(self) -> float:
@@ -978,7 +1091,7 @@ class TurnMachine:
 
     def deadline(self) -> float | None:
         """When `tick` is next due, or None when nothing is timed."""
-        if self.step is _Step.ENDED:
+        if self.step in _OVER:
             return None
         t = self.timers
         p = self.profile
@@ -989,7 +1102,7 @@ class TurnMachine:
                     due = self.t0 + (p.early_headers_s or t.early_headers_s)
             elif not self.writing and (self.keepalive_event is not None or not self.socket):
                 due = self.last_tx + (p.keepalive_s or t.keepalive_s)
-        if self.step is _Step.READING and not self.writing and not self.stalled:
+        if self.step in _READING and not self.writing and not self.stalled:
             stall = (
                 self.last_rx + t.idle_timeout_s
                 if self.first_frame
@@ -1001,10 +1114,10 @@ class TurnMachine:
 
     def tick(self, now: float) -> TimerAction | None:
         """The clock: returns what is due now (at most one thing), or None."""
-        if self.step is _Step.ENDED:
+        if self.step in _OVER:
             return None
         t = self.timers
-        if self.step is _Step.READING and not self.writing and not self.stalled:
+        if self.step in _READING and not self.writing and not self.stalled:
             due = (
                 self.last_rx + t.idle_timeout_s
                 if self.first_frame
@@ -1040,6 +1153,35 @@ class TurnMachine:
 
 
 _NO_HOLD = Hold(())
+
+
+@dataclass(frozen=True, slots=True)
+class _ProfileTimers:
+    """`Timers` with a client profile's stall timers in place of ``[stream]``'s."""
+
+    header_timeout_s: float
+    first_frame_timeout_s: float
+    idle_timeout_s: float
+    keepalive_s: float
+    early_headers_s: float
+    max_hold_bytes: int
+    max_event_bytes: int
+
+
+def _stall_timers(timers: Timers, profile: Profile) -> Timers:
+    """``timers``, with the profile's stall timers (`Profile.stall_timeouts`)."""
+    first_frame, idle = profile.stall_timeouts(timers.first_frame_timeout_s, timers.idle_timeout_s)
+    if first_frame == timers.first_frame_timeout_s and idle == timers.idle_timeout_s:
+        return timers
+    return _ProfileTimers(
+        timers.header_timeout_s,
+        first_frame,
+        idle,
+        timers.keepalive_s,
+        timers.early_headers_s,
+        timers.max_hold_bytes,
+        timers.max_event_bytes,
+    )
 
 
 def _stall_failure() -> Failure:

@@ -26,9 +26,12 @@ from unbroken.mock.actions import (
     expand_upgrade_actions,
     parse_action,
 )
+from unbroken.mock.gemini import parse_path as parse_gemini_path
+from unbroken.mock.gemini import request_view as gemini_request_view
 from unbroken.mock.limits import MockLimits
 from unbroken.mock.wire import (
     ANTHROPIC,
+    GEMINI,
     RESPONSES,
     WS_GARBAGE,
     Reply,
@@ -533,6 +536,12 @@ class MockProvider:
                 problem = "request body must be a JSON object"
         except ValueError as exc:
             problem = f"request body is not valid JSON: {exc}"
+        gemini_call = parse_gemini_path(path) if protocol == GEMINI else None
+        if problem is None and gemini_call is not None and isinstance(req_json, dict):
+            model, streamed = gemini_call
+            if streamed and request.query.get("alt") != "sse":
+                problem = "mock: streamGenerateContent is served with alt=sse only"
+            req_json = gemini_request_view(req_json, model, streamed)
         if problem is None:
             raw_action = request.headers.get(ACTION_HEADER)
             try:

@@ -1,4 +1,4 @@
-"""Deterministic wire formats of the three provider protocols.
+"""Deterministic wire formats of the provider protocols (Gemini's: `unbroken.mock.gemini`).
 
 Every reply is described as a list of *events* ``(event_name | None, payload)``
 where ``payload`` is a JSON-able dict (or the raw string ``"[DONE]"`` for Chat
@@ -24,12 +24,14 @@ from functools import cached_property
 from json.encoder import encode_basestring
 from typing import Any, Final, TypeAlias
 
+from unbroken.mock import gemini as _gemini
 from unbroken.mock.actions import Action, parse_action
 
 __all__ = [
     "ANTHROPIC",
     "CHAT",
     "CREATED",
+    "GEMINI",
     "PROTOCOLS",
     "RESPONSES",
     "Event",
@@ -54,7 +56,8 @@ __all__ = [
 CHAT: Final = "chat"
 RESPONSES: Final = "responses"
 ANTHROPIC: Final = "anthropic"
-PROTOCOLS: Final[tuple[str, ...]] = (CHAT, RESPONSES, ANTHROPIC)
+GEMINI: Final = _gemini.GEMINI
+PROTOCOLS: Final[tuple[str, ...]] = (CHAT, RESPONSES, ANTHROPIC, GEMINI)
 
 #: Fixed ``created`` / ``created_at`` timestamp of every reply (determinism).
 CREATED: Final = 1_700_000_000
@@ -80,8 +83,11 @@ _PATH_SUFFIXES: Final = (
 
 
 def protocol_for_path(path: str) -> str | None:
-    """Map a request path to a protocol by suffix (``/x/v1/messages`` -> anthropic)."""
+    """Map a request path to a protocol by suffix (``/x/v1/messages`` -> anthropic;
+    ``/v1beta/models/<model>:streamGenerateContent`` -> gemini)."""
     path = path.rstrip("/")
+    if _gemini.parse_path(path) is not None:
+        return GEMINI
     for suffix, protocol in _PATH_SUFFIXES:
         if path.endswith("/v1" + suffix):
             return protocol
@@ -234,6 +240,11 @@ def _first_tool_name(request: Mapping[str, Any]) -> str | None:
         name = tool.get("name")
         if isinstance(name, str) and name:
             return name
+        decls = tool.get("functionDeclarations")  # Gemini
+        if isinstance(decls, list) and decls and isinstance(decls[0], dict):
+            name = decls[0].get("name")
+            if isinstance(name, str) and name:
+                return name
         for sub in ("function", "custom"):
             inner = tool.get(sub)
             if isinstance(inner, dict):
@@ -778,6 +789,9 @@ def _anthropic_error(kind: _ErrorKind) -> dict[str, Any]:
 def error_frame(reply: Reply, error: str, sequence_number: int, style: str = "failed") -> bytes:
     """The protocol-native in-stream error frame for ``error`` (an ERROR_KINDS name)."""
     kind = _ERRORS[error]
+    if reply.protocol == GEMINI:
+        _status, payload = _gemini.error_body(error)
+        return _gemini.to_crlf(encode_sse(None, payload.decode()))
     if reply.protocol == CHAT:
         return encode_sse(None, {"error": _openai_error(kind)})
     if reply.protocol == ANTHROPIC:
@@ -805,6 +819,8 @@ def error_frame(reply: Reply, error: str, sequence_number: int, style: str = "fa
 def error_body(protocol: str, error: str) -> tuple[int, bytes]:
     """HTTP status and JSON body of the non-streamed form of an error kind."""
     kind = _ERRORS[error]
+    if protocol == GEMINI:
+        return _gemini.error_body(error)
     if protocol == ANTHROPIC:
         return kind.anthropic_status, dumps(_anthropic_error(kind)).encode()
     return kind.openai_status, dumps({"error": _openai_error(kind)}).encode()
@@ -859,6 +875,8 @@ _ANTHROPIC_MESSAGES: Final[dict[str, str]] = {
 
 def status_error_body(protocol: str, status: int) -> bytes:
     """Default protocol-shaped JSON error body for an HTTP status."""
+    if protocol == GEMINI:
+        return _gemini.status_error_body(status)
     entry = _STATUS_MESSAGES.get(status)
     if entry is None:
         server = status >= 500
@@ -884,6 +902,7 @@ _GARBAGE: Final[dict[str, bytes]] = {
     ANTHROPIC: b"event: content_block_delta\n"
     b'data: {"type": "content_block_delta", "index": 0, '
     b'"delta": {"type": "text_delta", "text": "x"\n\n',
+    GEMINI: _gemini.garbage(),
 }
 #: Inserted into a non-streamed body; NUL bytes make any JSON invalid.
 BODY_GARBAGE: Final = b"\x00<malformed>\x00"
@@ -897,8 +916,18 @@ def garbage_frame(protocol: str, stream: bool = True) -> bytes:
 # ---------------------------------------------------------------------------
 # Public rendering API
 
-_ITEMS = {CHAT: _chat_items, RESPONSES: _responses_items, ANTHROPIC: _anthropic_items}
-_BODIES = {CHAT: _chat_body, RESPONSES: _responses_body, ANTHROPIC: _anthropic_body}
+_ITEMS = {
+    CHAT: _chat_items,
+    RESPONSES: _responses_items,
+    ANTHROPIC: _anthropic_items,
+    GEMINI: _gemini.items,
+}
+_BODIES = {
+    CHAT: _chat_body,
+    RESPONSES: _responses_body,
+    ANTHROPIC: _anthropic_body,
+    GEMINI: _gemini.body,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -926,6 +955,8 @@ def halves(body: bytes) -> tuple[bytes, bytes]:
 def _render_reply(reply: Reply) -> Rendered:
     if reply.stream:
         frames = tuple(_encode_items(_ITEMS[reply.protocol](reply)))
+        if reply.protocol == GEMINI:
+            frames = tuple(_gemini.to_crlf(f) for f in frames)
         body = b"".join(frames)
     else:
         body = dumps(_BODIES[reply.protocol](reply)).encode()

@@ -245,7 +245,7 @@ class LogHooks(Hooks):
         elif wait_s is None and phase == "committed":
             log.warning(
                 "stream cut after output route=%s upstream=%s attempt=%d reason=%s: "
-                "not replayable, ended with a native error",
+                "not replayable, ended with a native error (a reset for some clients)",
                 turn.route, upstream, turn.attempts, failure.label,
             )
         elif wait_s is None:

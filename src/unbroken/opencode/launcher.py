@@ -693,8 +693,8 @@ def _run_cmd(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        print("usage: unbroken run [--print-env] -- opencode|codex|claude|<command> [args...]",
-              file=sys.stderr)
+        print("usage: unbroken run [--print-env] -- "
+              "opencode|codex|claude|gemini|<command> [args...]", file=sys.stderr)
         return 2
     if "opencode" not in Path(command[0]).name:
         # Codex, Claude Code, or any other command: unbroken.agents.
@@ -989,7 +989,7 @@ def register(sub: Any) -> None:
     p_run.add_argument("--print-env", action="store_true",
                        help="print the environment and arguments it would set, and exit")
     p_run.add_argument("command", nargs=argparse.REMAINDER,
-                       help="-- opencode|codex|claude|<command> [args...]")
+                       help="-- opencode|codex|claude|gemini|<command> [args...]")
     p_run.set_defaults(func=_run_cmd)
 
     p_oc = sub.add_parser(

@@ -37,12 +37,12 @@ from unbroken.core.policy import (
     parse_retry_after,
 )
 from unbroken.core.profiles import Profile, identify, profile_named
-from unbroken.core.protocols import Protocol, protocol_for_path
+from unbroken.core.protocols import GEMINI, Protocol, protocol_for_path
+from unbroken.core.protocols.gemini import is_stream_path
 from unbroken.core.ratehead import parse_rate_headers
 from unbroken.core.ratelimit import max_output_of
 from unbroken.core.sse import Event
 from unbroken.core.turn import (
-    KEEPALIVE,
     AbortUpstream,
     Action,
     End,
@@ -75,6 +75,7 @@ from unbroken.relay.upstream import (
     redact,
     request_headers,
     response_headers,
+    strip_key_param,
     upstream_url,
 )
 
@@ -97,9 +98,6 @@ SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
-#: written right after early headers (the first keepalive), so the status line and
-#: headers leave at once whatever the server library buffers
-EARLY_FLUSH = KEEPALIVE
 
 
 #: the request headers that name a client session, in order of preference
@@ -593,8 +591,9 @@ class HttpAttempt:
         chunks: list[bytes] = []
         size = 0
         machine = self.machine
+        # (The stall clock of an answer's body is the first-frame one: the whole
+        # body within first_frame_timeout_s of the answer.)
         async for chunk in resp.content.iter_any():
-            machine.last_rx = self.loop.time()
             if size < MAX_ERROR_BODY:
                 chunks.append(chunk)
             size += len(chunk)
@@ -755,7 +754,11 @@ class _HttpTurn:
         # A gzip body (Claude Code can send one) is decoded as a copy to read it; the
         # bytes forwarded stay the ones received.
         parsed = parse_body(body, request.headers, self.cfg.max_body_bytes)
-        if parsed is not None:
+        if self.protocol is GEMINI:
+            # The method says it (``:streamGenerateContent``); the answer is SSE only
+            # with ``alt=sse`` (else a JSON array, relayed as a plain body).
+            stream = is_stream_path(rest) and "alt=sse" in raw_query(request).split("&")
+        elif parsed is not None:
             stream = parsed.get("stream") is True
         else:
             stream = "text/event-stream" in request.headers.get("accept", "")
@@ -883,8 +886,15 @@ class _HttpTurn:
                 up,
                 content_encoding=req.headers.get("content-encoding"),
             )
-        headers = request_headers(req.headers, up, anthropic=self.protocol.anthropic_errors)
-        url = upstream_url(up, self.rest, raw_query(req))
+        query = raw_query(req)
+        keyed = False
+        if up.api_key is not None:  # the route's key replaces the client's, ?key= too
+            query, keyed = strip_key_param(query)
+        headers = request_headers(
+            req.headers, up, anthropic=self.protocol.anthropic_errors,
+            gemini=keyed or self.protocol is GEMINI,
+        )
+        url = upstream_url(up, self.rest, query)
         return self.upstream.run(action, req.method, url, headers, body)
 
     # -- Sink: where the attempt's output goes ---------------------------------------------
@@ -973,12 +983,15 @@ class _HttpTurn:
             response = self.response
             assert response is not None
         machine = self.machine
-        machine.write_started()
+        machine.write_started(self.loop.time())
         try:
             await response.write(data)
         except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError) as exc:
             raise ClientGone() from exc
-        machine.wrote(self.loop.time())
+        finally:
+            # Also when the write failed: a keepalive's failure (a side task) must not
+            # leave the stall clock stopped while the turn still reads the upstream.
+            machine.wrote(self.loop.time())
         # A timer that fired during the write found no deadline (none runs while the
         # relay writes) and is not armed: arm it again (free when it is).
         self.watchdog.arm()
@@ -1012,7 +1025,9 @@ class _HttpTurn:
 
     async def _early_headers(self, status: int) -> None:
         if await self._prepare(CleanStream(status=status, headers=SSE_HEADERS)):
-            await self._write(EARLY_FLUSH)
+            # The first keepalive (the client's form: a Gemini client must not get an
+            # SSE comment)
+            await self._write(self.machine.keepalive_bytes)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = self._side_task = asyncio.ensure_future(coro)

@@ -37,6 +37,7 @@ __all__ = [
     "redact",
     "request_headers",
     "response_headers",
+    "strip_key_param",
     "upstream_url",
 ]
 
@@ -68,7 +69,11 @@ _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 
 
 def request_headers(
-    incoming: Mapping[str, str] | CIMultiDictProxy[str], upstream: Upstream, *, anthropic: bool
+    incoming: Mapping[str, str] | CIMultiDictProxy[str],
+    upstream: Upstream,
+    *,
+    anthropic: bool,
+    gemini: bool = False,
 ) -> CIMultiDict[str]:
     """Headers for the upstream request: hop-by-hop dropped, identity encoding, key injected.
 
@@ -77,7 +82,10 @@ def request_headers(
     ``api-key``, ``x-goog-api-key`` and the upstream's ``key_headers``) the key
     goes into one, the one the provider reads (``x-api-key`` first for
     Anthropic), and the others are removed.  None sent: the protocol's own
-    (``x-api-key`` for Anthropic, ``Authorization: Bearer`` otherwise).
+    (``x-api-key`` for Anthropic, ``Authorization: Bearer`` otherwise).  For the
+    Gemini API (``gemini``: a Gemini path, or a client that sent its key as
+    ``?key=``, which `strip_key_param` removes) it is always ``x-goog-api-key``: the
+    API takes a key there, and a bearer token only for OAuth.
     The relay's ``x-unbroken-token`` is never forwarded.
     """
     out: CIMultiDict[str] = CIMultiDict()
@@ -96,7 +104,9 @@ def request_headers(
         sent = [h for h in names if h in out]
         for h in names:
             out.popall(h, None)
-        if anthropic and "x-api-key" in sent:
+        if gemini:
+            target = "x-goog-api-key"
+        elif anthropic and "x-api-key" in sent:
             target = "x-api-key"
         elif sent:
             target = sent[0]
@@ -239,6 +249,19 @@ def _join(base: str, rest: str, query_string: str) -> URL:
 
 #: the last 1,024 short targets' URLs (a route's turns ask for the same few)
 _joined = functools.lru_cache(maxsize=1024)(_join)
+
+
+def strip_key_param(query: str) -> tuple[str, bool]:
+    """``query`` without its ``key=`` parameters (a Gemini API key in the URL), raw
+    bytes of the rest kept; and whether there was one.  Used when the route injects its
+    own key: the client's key never goes upstream."""
+    if "key" not in query:
+        return query, False
+    parts = query.split("&")
+    kept = [p for p in parts if p.split("=", 1)[0] != "key"]
+    if len(kept) == len(parts):
+        return query, False
+    return "&".join(kept), True
 
 
 def raw_query(request: web.BaseRequest) -> str:

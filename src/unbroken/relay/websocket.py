@@ -408,14 +408,20 @@ class _Connection:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
 
-    async def drain(self) -> None:
-        """Wait while a slow client's buffer is full (upstream reading pauses)."""
+    async def drain(self, machine: TurnMachine) -> None:
+        """Wait while a slow client's buffer is full (upstream reading pauses).  The
+        turn's stall clock stands still meanwhile: the time blocked on the client is
+        not upstream silence."""
         transport = self.request.transport
         if transport is not None and transport.get_write_buffer_size() > 1 << 20:
             self._flush()
             drain = getattr(self.request.protocol, "_drain_helper", None)
             if drain is not None:
-                await drain()
+                machine.write_started(self.loop.time())
+                try:
+                    await drain()
+                finally:
+                    machine.wrote(self.loop.time())
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -629,7 +635,7 @@ class _WsTurn:
                         self._start_fallback("websocket connection limit reached")
                     return over
                 if released:
-                    await conn.drain()
+                    await conn.drain(machine)
                 ledger = machine.attempt_ledger
                 if ledger is not None and ledger.state is State.DONE:
                     return machine.body_ended(loop_time())  # the terminal frame ends the turn
@@ -715,7 +721,7 @@ class _WsTurn:
 
     async def release(self, events: Sequence[Event]) -> None:
         self._send(events, self.machine.attempt_over, sse=True)
-        await self.conn.drain()
+        await self.conn.drain(self.machine)
 
     async def release_body(self, data: bytes) -> None:  # pragma: no cover - never plain
         raise TurnError("a WebSocket turn never passes a plain body through")

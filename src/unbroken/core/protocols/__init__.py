@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.core.protocols import anthropic, chat, responses
+from unbroken.core.policy import is_quota_body
+from unbroken.core.protocols import anthropic, chat, gemini, responses
 from unbroken.core.protocols.base import Classifier, Kind, kind_names, loads_object
 from unbroken.core.sse import Event
 
@@ -16,6 +17,7 @@ __all__ = [
     "ANTHROPIC",
     "BODY",
     "CHAT",
+    "GEMINI",
     "GENERIC",
     "RESPONSES",
     "Classifier",
@@ -55,6 +57,9 @@ class Protocol:
     #: the protocol's own keepalive event, for clients whose idle timer ignores SSE
     #: comments (`core.profiles`); None: only comments
     keepalive_event: bytes | None = None
+    #: False when an SSE comment would break the protocol's clients (the genai SDK
+    #: stops parsing at one): every client then gets ``keepalive_event``
+    comment_keepalive: bool = True
 
     def error_frame(self, message: str, classifier: Classifier, last_raw: bytes | None) -> bytes:
         """The protocol-native, retryable error event that ends a truncated turn."""
@@ -62,6 +67,8 @@ class Protocol:
             return chat.error_frame(message)
         if self is ANTHROPIC:
             return anthropic.error_frame(message)
+        if self is GEMINI:
+            return gemini.error_frame(message)
         if self is RESPONSES:
             snapshot = None
             if isinstance(classifier, responses.ResponsesClassifier):
@@ -86,6 +93,8 @@ class Protocol:
         ``authentication_error``, ...: never a retryable type), and the provider's
         ``request-id`` goes with it when known.
         """
+        if self is GEMINI:
+            return gemini.final_error_frame(status, body, request_id)
         obj = loads_object(body)
         err: Any = obj.get("error") if obj else None
         e: dict[str, Any] = dict(err) if isinstance(err, dict) else {}
@@ -134,9 +143,27 @@ class Protocol:
             return json.dumps(
                 {"type": "error", "error": {"type": "api_error", "message": message}}
             ).encode()
+        if self is GEMINI:
+            return json.dumps(
+                {"error": {"code": 502, "message": message, "status": "UNAVAILABLE"}}
+            ).encode()
         return json.dumps(
             {"error": {"message": message, "type": "server_error", "code": type_}}
         ).encode()
+
+
+    def retry_delay(self, body: bytes) -> float | None:
+        """Seconds to wait that a retryable answer's body names (Gemini's
+        ``RetryInfo.retryDelay``), or None; obeyed like ``Retry-After``."""
+        return gemini.retry_delay(body) if self is GEMINI else None
+
+    def quota_body(self, body: bytes) -> bool:
+        """The answer says the account's quota is spent (a long cool-off, no retry).
+        A Gemini 429 says "You exceeded your current quota" for a per-minute window
+        too, with a ``retryDelay``: only a per-day quota is a wall there."""
+        if self is GEMINI:
+            return gemini.is_quota_wall(body)
+        return is_quota_body(body)
 
 
 CHAT = Protocol("chat", True, chat.ChatClassifier, done_marker=b"data: [DONE]\n\n")
@@ -150,6 +177,12 @@ RESPONSES = Protocol(
 ANTHROPIC = Protocol(
     "anthropic", True, anthropic.AnthropicClassifier, anthropic_errors=True,
     keepalive_event=b'event: ping\ndata: {"type": "ping"}\n\n',
+)
+#: The Gemini API (``:streamGenerateContent?alt=sse``): keepalives are blank lines for
+#: every client (see `gemini.KEEPALIVE`).
+GEMINI = Protocol(
+    "gemini", True, gemini.GeminiClassifier,
+    keepalive_event=gemini.KEEPALIVE, comment_keepalive=False,
 )
 GENERIC = Protocol("generic", False, GenericClassifier)
 #: A non-SSE body (JSON answer, file): each chunk is one UNKNOWN frame, so the
@@ -167,8 +200,10 @@ _FINAL_TYPES = {
     422: "invalid_request_error",
 }
 
-_USAGE_IN = re.compile(rb'"(?:prompt_tokens|input_tokens)"\s*:\s*(\d+)')
-_USAGE_OUT = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d+)')
+_USAGE_IN = re.compile(rb'"(?:prompt_tokens|input_tokens|promptTokenCount)"\s*:\s*(\d+)')
+_USAGE_OUT = re.compile(
+    rb'"(?:completion_tokens|output_tokens|candidatesTokenCount)"\s*:\s*(\d+)'
+)
 
 
 def usage_from(frames: Iterable[bytes]) -> tuple[int | None, int | None]:
@@ -176,7 +211,7 @@ def usage_from(frames: Iterable[bytes]) -> tuple[int | None, int | None]:
     tokens_in: int | None = None
     tokens_out: int | None = None
     for raw in frames:
-        if raw.find(b"tokens") < 0:
+        if raw.find(b"oken") < 0:  # tokens, promptTokenCount
             continue
         found = _USAGE_IN.findall(raw)
         if found:
@@ -196,4 +231,6 @@ def protocol_for_path(path: str) -> Protocol:
         return RESPONSES
     if p.endswith("/messages") or p == "messages":
         return ANTHROPIC
+    if gemini.is_gemini_path(p):
+        return GEMINI
     return GENERIC
