@@ -43,6 +43,9 @@ def test_max_output_of_a_body() -> None:
     assert max_output_of({"max_tokens": True}) == 0
     assert max_output_of({"max_tokens": -3}) == 0
     assert max_output_of(None) == 0
+    assert max_output_of({"generationConfig": {"maxOutputTokens": 8192}}) == 8192  # Gemini
+    assert max_output_of({"generationConfig": {"maxOutputTokens": "8192"}}) == 0
+    assert max_output_of({"generationConfig": None, "maxOutputTokens": 5}) == 0
 
 
 def answered(lim: Limiter) -> Limiter:

@@ -20,10 +20,12 @@ import pytest
 import pytest_asyncio
 
 from unbroken.config import parse_config
+from unbroken.core.ratelimit import credential_hash
 from unbroken.mock import MockProvider
 from unbroken.mock.limits import MockLimits
 from unbroken.observe.journal import SCHEMA, Journal
 from unbroken.observe.stats import compute_stats, format_stats
+from unbroken.relay.pacing import RateLimitIO
 from unbroken.relay.server import RelayServer
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -278,3 +280,19 @@ async def test_geminis_retry_delay_in_a_429_body_blocks_the_key_for_that_long(mo
         [lim] = list(server.relay.board.rates.all())
         assert lim.limited_total == 1
         assert server.relay.board.get(f"mock|{mock.url}").cooloff_reason == "retry_after"
+
+
+def test_a_credential_is_the_injected_key_else_the_clients_header_else_its_key_param():
+    cfg = config(["http://127.0.0.1:1"])
+    route = cfg.routes["mock"]
+    io = RateLimitIO()
+    assert io.creds_for(route, {"x-goog-api-key": "AIza-h"}, "alt=sse&key=AIza-q") == (
+        credential_hash("AIza-h"),
+    )
+    # a Gemini API key in the URL (the header wins when both are sent)
+    assert io.creds_for(route, {}, "alt=sse&key=AIza-q") == (credential_hash("AIza-q"),)
+    assert io.creds_for(route, {}, "alt=sse&monkey=x") == ("-",)
+    keyed = dataclasses.replace(
+        route, upstreams=tuple(dataclasses.replace(u, api_key="sk-own") for u in route.upstreams)
+    )
+    assert io.creds_for(keyed, {}, "key=AIza-q") == (credential_hash("sk-own"),)

@@ -97,11 +97,19 @@ def credential_hash(value: str) -> str:
 
 
 def max_output_of(body: Any) -> int:
-    """The output tokens a parsed request body asks for at most (0: none named)."""
+    """The output tokens a parsed request body asks for at most (0: none named):
+    ``max_tokens`` (Chat, Anthropic), ``max_completion_tokens``, ``max_output_tokens``
+    (Responses), or the Gemini API's ``generationConfig.maxOutputTokens``."""
     if not isinstance(body, dict):
         return 0
-    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        v = body.get(name)
+    config = body.get("generationConfig")
+    for where, name in (
+        (body, "max_tokens"),
+        (body, "max_completion_tokens"),
+        (body, "max_output_tokens"),
+        (config, "maxOutputTokens"),
+    ):
+        v = where.get(name) if isinstance(where, dict) else None
         if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 10_000_000:
             return v
     return 0

@@ -784,7 +784,7 @@ class _HttpTurn:
             retry=relay.retry_state(
                 route,
                 sticky_key(request.headers, parsed),
-                creds=relay.limits.creds_for(route, request.headers),
+                creds=relay.limits.creds_for(route, request.headers, raw_query(request)),
                 body_bytes=len(body),
                 max_output=max_output_of(parsed),
             ),

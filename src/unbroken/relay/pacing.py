@@ -167,8 +167,9 @@ class RateLimitIO:
         #: (upstream key, header) already logged
         self.warned: set[tuple[str, str]] = set()
 
-    def creds_for(self, route: Route, headers: Any) -> tuple[str, ...]:
-        """Each upstream's credential: the injected key, else the client's own."""
+    def creds_for(self, route: Route, headers: Any, query: str = "") -> tuple[str, ...]:
+        """Each upstream's credential: the injected key, else the client's own (its
+        credential header, else a Gemini API ``key=`` in the raw ``query``)."""
         known = self._routes.get(route.name)
         if known is not None and len(known) == len(route.upstreams):
             return known
@@ -178,6 +179,12 @@ class RateLimitIO:
             if value:
                 client = value
                 break
+        if not client and "key=" in query:
+            for part in query.split("&"):
+                name, _, value = part.partition("=")
+                if name == "key" and value:
+                    client = value
+                    break
         out = tuple(self._hash(u.api_key or client) for u in route.upstreams)
         if all(u.api_key for u in route.upstreams):
             self._routes[route.name] = out
