@@ -1,7 +1,7 @@
 """The benchmarks keep working: each one runs in ``--quick`` mode (small counts; the numbers
 mean nothing here, only that every phase runs to its report).
 
-The seven run at the same time, as separate processes started once for this module, so
+The eight run at the same time, as separate processes started once for this module, so
 the suite waits for the slowest one, not for their sum.  ``bench/compare.py`` leaves
 LiteLLM out only because ``--no-litellm`` says so (installing it takes minutes), and the
 test checks that its report says so.
@@ -73,6 +73,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, R
         "compare": [str(BENCH / "compare.py"), "--quick", "--no-litellm",
                     "--out", str(tmp / "benchmarks.md"), "--img", str(tmp / "img"),
                     "--json", str(tmp / "compare.json")],
+        "ratelimit_bench": [str(BENCH / "ratelimit_bench.py"), "--quick", "--no-litellm",
+                            "--out", str(tmp / "ratelimit.md"), "--img", str(tmp / "rlimg")],
         "recovery_bench": [str(BENCH / "recovery_bench.py"), "--quick",
                            "--out", str(tmp / "recovery.md"), "--img", str(tmp / "rimg"),
                            "--json", str(tmp / "recovery.json")],
@@ -141,6 +143,16 @@ def test_turn_cost_quick(runs: tuple[dict[str, Run], Path]) -> None:
              "written")
     assert any("first request byte -> first delta written" in t and all(s in t for s in steps)
                for t in traces), traces
+
+
+def test_ratelimit_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
+    procs, tmp = runs
+    procs["ratelimit_bench"].result()
+    report = (tmp / "ratelimit.md").read_text()
+    assert "## Rate limits: many agents on one key" in report
+    for row in ("| direct |", "| unbroken |", "| unbroken x2 |"):
+        assert row in report, row
+    assert (tmp / "rlimg" / "ratelimit.png").stat().st_size > 0
 
 
 def test_compare_quick(runs: tuple[dict[str, Run], Path]) -> None:

@@ -25,6 +25,7 @@ from unbroken.core.health import HealthSettings
 from unbroken.core.ledger import HOLD_CHOICES
 from unbroken.core.policy import RetryPolicy
 from unbroken.core.profiles import check_overrides
+from unbroken.core.ratelimit import RateSettings
 
 __all__ = [
     "BUILTIN_ROUTES",
@@ -154,6 +155,8 @@ class Config:
     #: ``[clients.<name>]``: overrides of a client profile (`core.profiles`), validated
     clients: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     health: HealthSettings = field(default_factory=HealthSettings)
+    #: ``[ratelimit]``: admission by the providers' rate limits (`core.ratelimit`)
+    ratelimit: RateSettings = field(default_factory=RateSettings)
     #: the secret every request must carry (``x-unbroken-token`` or ``/t/<token>/``);
     #: None: no token (loopback only)
     token: str | None = field(default=None, repr=False, compare=False)
@@ -241,8 +244,17 @@ HEALTH_KEYS: dict[str, str] = {
     "park_check_s": _FLOAT,
     "store": _STR,
 }
+RATELIMIT_KEYS: dict[str, str] = {
+    "enabled": _BOOL,
+    "max_wait_s": _FLOAT,
+    "max_concurrency": _INT,
+    "decrease": _FLOAT,
+}
 UPSTREAM_KEYS = {"url", "api_key_env", "models", "key_headers"}
-SECTIONS = {"server", "retry", "stream", "websocket", "journal", "clients", "health", "routes"}
+SECTIONS = {
+    "server", "retry", "stream", "websocket", "journal", "clients", "health", "ratelimit",
+    "routes",
+}
 
 
 def _check(key: str, value: Any, kind: str) -> Any:
@@ -565,6 +577,7 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
     websocket = _section(data, "websocket", WEBSOCKET_KEYS)
     journal = _section(data, "journal", JOURNAL_KEYS)
     health = _health(_section(data, "health", HEALTH_KEYS))
+    ratelimit = _ratelimit(_section(data, "ratelimit", RATELIMIT_KEYS))
     _env_overrides(retry, env)
 
     backoff = retry.get("backoff", "fixed")
@@ -653,6 +666,24 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
             retention_days=float(journal.get("retention_days", 14.0)),
         ),
         health=health,
+        ratelimit=ratelimit,
+    )
+
+
+def _ratelimit(rl: dict[str, Any]) -> RateSettings:
+    """The ``[ratelimit]`` section (see README, Running many agents)."""
+    if rl.get("max_wait_s", 1.0) <= 0:
+        raise ConfigError("ratelimit.max_wait_s", "must be greater than 0")
+    if rl.get("max_concurrency", 1) < 1:
+        raise ConfigError("ratelimit.max_concurrency", "must be at least 1")
+    decrease = rl.get("decrease", 0.5)
+    if not 0 < decrease < 1:
+        raise ConfigError("ratelimit.decrease", f"expected a share in (0, 1), got {decrease!r}")
+    return RateSettings(
+        enabled=rl.get("enabled", True),
+        max_wait_s=float(rl.get("max_wait_s", 60.0)),
+        max_concurrency=rl.get("max_concurrency", 512),
+        decrease=float(decrease),
     )
 
 

@@ -36,3 +36,24 @@ def test_the_view_shows_breakers_parked_turns_lines_and_a_degraded_store() -> No
     assert "probe" in text and "6 (75%)" in text
     assert "1 parked" in text and "2 workers" in text and "breaker" in text
     assert "redis store DEGRADED" in text and "mock/http://a: 7 in line" in text
+
+
+def test_the_view_names_the_turns_waiting_for_a_rate_limit() -> None:
+    data = {
+        "version": "0.1.0", "now": time.time(), "uptime_s": 5.0,
+        "inflight": [{"id": 3, "route": "mock", "state": "parked", "attempts": 0,
+                      "upstream": "http://a", "age_s": 0.4, "held_bytes": 0,
+                      "parked_for": "ratelimit"}],
+        "upstreams": [
+            {"route": "mock", "upstream": "http://a", "up": True, "ok": 9, "failed": 0,
+             "breaker": "closed", "cooloff_s": 0, "recent_failures": [],
+             "ratelimits": [{"credential": "3f9a0c1d2e4b", "waiting": 4, "buckets": {}},
+                            {"credential": "idle00000000", "waiting": 0, "buckets": {}}]},
+        ],
+        "totals": {},
+    }
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(render(data, "http://127.0.0.1:4780"))
+    text = console.export_text()
+    assert "mock/http://a: 4 waiting for the rate limit (key 3f9a0c1d2e4b)" in text
+    assert "idle00000000" not in text and "ratelimit" in text

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.core.pacer import Pacer, PaceSettings
+from unbroken.core.ratelimit import RateBoard, RateSettings
 
 __all__ = [
     "Breaker",
@@ -175,6 +176,7 @@ class HealthBoard:
         *,
         probe_gate: ProbeGate | None = None,
         pace: PaceSettings | None = None,
+        rate: RateSettings | None = None,
     ) -> None:
         self.settings = settings or HealthSettings()
         self.records: dict[str, UpstreamHealth] = {}
@@ -185,6 +187,10 @@ class HealthBoard:
         self.pacers: dict[str, Pacer] = {}
         #: told when a line may move (the relay pumps it and wakes who it grants)
         self.pace_listener: PaceListener | None = None
+        #: the providers' rate limits per upstream and credential (`core.ratelimit`);
+        #: their lines are pumped with the pacers' (one ticket, one line per turn)
+        self.rates = RateBoard(rate)
+        self.rates.poke = self._poke_rate
         self._tickets = 0
 
     def get(self, key: str) -> UpstreamHealth:
@@ -208,7 +214,12 @@ class HealthBoard:
             listener(key, True)
             return
         p = self.pacers.get(key)
-        if p is not None and (p.queue or p.granted):
+        if (p is not None and (p.queue or p.granted)) or self.rates.waiting(key):
+            listener(key, False)
+
+    def _poke_rate(self, key: str) -> None:
+        listener = self.pace_listener
+        if listener is not None:
             listener(key, False)
 
     # -- pacing (`core.pacer`) ------------------------------------------------------------
@@ -255,7 +266,18 @@ class HealthBoard:
             p.requeue(ticket)
 
     def pump(self, key: str, now: float) -> tuple[list[int], float | None]:
-        """The tickets that may go to ``key`` now, and when to pump it next."""
+        """The tickets that may go to ``key`` now, and when to pump it next: its
+        pacer's line and its rate limiters' lines."""
+        granted, due = self._pump_pacer(key, now)
+        if key in self.rates.limiters:
+            more, when = self.rates.pump(key, now)
+            if more:
+                granted = [*granted, *more]
+            if when is not None and (due is None or when < due):
+                due = when
+        return granted, due
+
+    def _pump_pacer(self, key: str, now: float) -> tuple[list[int], float | None]:
         p = self.pacers.get(key)
         if p is None:
             return [], None
@@ -483,4 +505,6 @@ class HealthBoard:
             "cooloff_reason": rec.cooloff_reason if rec.cooloff_until > now else "",
             "reopens": rec.reopens,
             "pacer": self.pacer(key).view(now),
+            #: the providers' rate limits learned per credential (`core.ratelimit`)
+            "ratelimits": self.rates.view(key, now),
         }

@@ -21,6 +21,8 @@ from email.utils import parsedate_to_datetime
 
 from unbroken.core.health import HealthBoard
 from unbroken.core.pacer import PaceSettings
+from unbroken.core.ratehead import RateHeaders
+from unbroken.core.ratelimit import Limiter
 
 __all__ = [
     "QUOTA_STATUSES",
@@ -201,7 +203,7 @@ class Park:
     """No upstream may be tried now: wait until ``until`` (monotonic), then look again."""
 
     until: float
-    why: str  # "breaker" | "cooloff" | "probe" | "pacer"
+    why: str  # "breaker" | "cooloff" | "probe" | "pacer" | "ratelimit"
     #: the upstream whose line the turn waits in (its key), if any
     key: str | None = None
 
@@ -233,6 +235,12 @@ class RetryState:
     may be tried it returns a `Park`: the turn waits in that upstream's line (the
     transport wakes it when the pacer grants it, or at ``until``).
     ``record_failure`` says how long to wait before the next attempt.
+
+    Every attempt, the first included, also needs the provider's budget for the
+    upstream's credential (``creds``; `core.ratelimit`): a turn whose cost is not
+    there waits in that limiter's fair line (``Park(why="ratelimit")``).  A 429 is
+    the limiter's to pace: its retry waits in that line only (no retry delay, no
+    pacer, no cool-off), so nothing is waited twice.
     """
 
     policy: RetryPolicy
@@ -256,6 +264,16 @@ class RetryState:
     ticket: int = 0
     #: the key of the line this turn waits in, if any
     line: str | None = None
+    #: each upstream's credential hash (`ratelimit.credential_hash`); none given: the
+    #: turn is not rate limited (the transports always give them)
+    creds: Sequence[str] = ()
+    #: the request body's size and the output tokens it asks for (its cost)
+    body_bytes: int = 0
+    max_output: int = 0
+    _adm: tuple[Limiter, int, float] | None = None  # the live admission: (limiter, seq, tokens)
+    _rate_line: Limiter | None = None  # the limiter whose line the turn waits in
+    _rate_retry: bool = False  # the last failure was a 429: the limiter paces the retry
+    _pace_done: bool = False  # this retry has its pacer's go already
     _order: list[int] | None = None
     _counted: set[int] = field(default_factory=set)  # upstreams this turn has failed on
 
@@ -292,7 +310,8 @@ class RetryState:
         else:
             start = (order.index(self.current) + 1) % n
         board = self.board
-        paced = pace and not first and board is not None
+        paced = pace and not first and board is not None and not self._rate_retry
+        rated = board is not None and pace and bool(self.creds) and board.rates.settings.enabled
         ticket = self.ticket
         if paced and not ticket:
             assert board is not None
@@ -303,6 +322,9 @@ class RetryState:
         why = "cooloff"
         blocked_at = -1  # the upstream free soonest, when every one is blocked
         in_line = -1  # the first free upstream whose pacer says wait
+        rate_in: tuple[int, Limiter, float] | None = None  # the first whose budget is spent
+        lim: Limiter | None = None
+        tokens = 0.0
         for k in range(n):
             idx = order[(start + k) % n]
             until = self._blocked(idx, now)
@@ -314,10 +336,20 @@ class RetryState:
                 continue
             if board is not None:
                 key = self.keys[idx]
-                if paced and not board.peek(key, ticket, now):
+                pace_it = paced and not self._pace_done
+                if pace_it and not board.peek(key, ticket, now):
                     if in_line < 0:
                         in_line = idx
                     continue
+                if rated:
+                    lim = board.rates.get(key, self.creds[idx])
+                    tokens = lim.estimate(self.body_bytes, self.max_output)
+                    if not lim.peek(ticket, tokens, now):
+                        if rate_in is None:
+                            rate_in = (idx, lim, tokens)
+                            if pace_it:  # the pacer's go is this retry's: claim it
+                                self._pace_done = board.admit(key, self._ticket(board), now)
+                        continue
                 if not board.take(key, now):  # a half-open probe that is not ours
                     skipped = True
                     if paced and self.line == key:
@@ -326,12 +358,16 @@ class RetryState:
                     if probe_until < soonest:
                         soonest, why, blocked_at = probe_until, "probe", idx
                     continue
-                if paced:
+                if pace_it:
                     board.admit(key, ticket, now)  # peek said yes: spends the token
+                if rated and lim is not None:
+                    self._admitted(board, key, lim, tokens, now)
             choice = idx
             break
         if choice < 0:
             if board is not None:
+                if in_line < 0 and rate_in is not None:
+                    return self._park_rate(board, now, *rate_in)
                 return self._park(board, now, in_line, blocked_at, soonest, why)
             # no board: everyone is cooling off, take the one free soonest
             choice = min(range(n), key=lambda i: self.cooloff_until.get(i, 0.0))
@@ -346,7 +382,73 @@ class RetryState:
             self.why = "rotated"
         self.current = choice
         self.attempts += 1
+        self._rate_retry = self._pace_done = False
         return choice
+
+    def _ticket(self, board: HealthBoard) -> int:
+        if not self.ticket:
+            self.ticket = board.new_ticket()
+        return self.ticket
+
+    def _admitted(
+        self, board: HealthBoard, key: str, lim: Limiter, tokens: float, now: float
+    ) -> None:
+        """The limiter lets the attempt go: its cost is spent (it leaves any rate line)."""
+        seq = lim.admit(self.ticket, self.sticky or f"#{self.ticket}", tokens, now)
+        self._adm = (lim, seq, tokens)
+        old = self._rate_line
+        if old is not None:
+            if old is not lim:
+                old.withdraw(self.ticket)
+                board.rates.changed(old.key)
+            self._rate_line = None
+
+    def _park_rate(
+        self, board: HealthBoard, now: float, idx: int, lim: Limiter, tokens: float
+    ) -> Park:
+        """Wait in a limiter's line: the provider's budget for this key is spent."""
+        ticket = self._ticket(board)
+        key = self.keys[idx]
+        if self.line is not None:  # not in a pacer's line meanwhile
+            board.withdraw(self.line, ticket)
+            self.line = None
+        old = self._rate_line
+        if old is not lim:
+            if old is not None:
+                old.withdraw(ticket)
+            self._rate_line = lim
+        lim.admit(ticket, self.sticky or f"#{ticket}", tokens, now)  # keeps (or takes) its place
+        board.rates.changed(key)
+        return Park(now + self.park_check_s, "ratelimit", key)
+
+    @property
+    def admitted(self) -> bool:
+        """An attempt of this turn holds a limiter's admission."""
+        return self._adm is not None
+
+    def _finish(self, now: float, *, ok: bool, tokens_in: int | None = None) -> None:
+        adm = self._adm
+        if adm is None:
+            return
+        self._adm = None
+        lim, seq, _ = adm
+        lim.finish(seq, now, ok=ok, tokens_in=tokens_in, body_bytes=self.body_bytes)
+        if self.board is not None:
+            self.board.rates.changed(lim.key)
+
+    def record_rate(self, headers: RateHeaders, now: float) -> None:
+        """The current attempt's answer said this about the key's budgets."""
+        adm = self._adm
+        if adm is not None:
+            first = not adm[0].seen
+            adm[0].learn(adm[1], headers, now)
+            if self.board is not None and (first or not headers.empty):
+                self.board.rates.changed(adm[0].key)
+
+    def settle(self, now: float, tokens_in: int | None) -> None:
+        """The turn's last attempt ended well: its admission ends, its reported input
+        tokens teach the limiter what a byte costs."""
+        self._finish(now, ok=True, tokens_in=tokens_in)
 
     def _park(
         self, board: HealthBoard, now: float, in_line: int, at: int, soonest: float, why: str
@@ -356,6 +458,11 @@ class RetryState:
             self.ticket = board.new_ticket()
         idx = in_line if in_line >= 0 else at
         key = self.keys[idx]
+        lim = self._rate_line
+        if lim is not None:  # no longer waits for a budget, but for the pacer or a block
+            lim.withdraw(self.ticket)
+            board.rates.changed(lim.key)
+            self._rate_line = None
         if self.line is not None and self.line != key:
             board.withdraw(self.line, self.ticket)
         self.line = key
@@ -365,11 +472,19 @@ class RetryState:
         board.wait_in_line(key, self.ticket)
         return Park(soonest, why, key)
 
-    def close(self) -> None:
-        """The turn is over: it leaves any line it waits in."""
-        if self.line is not None and self.board is not None:
-            self.board.withdraw(self.line, self.ticket)
+    def close(self, now: float | None = None) -> None:
+        """The turn is over: it leaves any line it waits in, and ends its admission."""
+        board = self.board
+        if self.line is not None and board is not None:
+            board.withdraw(self.line, self.ticket)
             self.line = None
+        lim = self._rate_line
+        if lim is not None and board is not None:
+            lim.withdraw(self.ticket)
+            board.rates.changed(lim.key)
+            self._rate_line = None
+        if self._adm is not None:  # not settled: it did not end well
+            self._finish(now if now is not None else 0.0, ok=False)
 
     def record_answer(self, now: float) -> None:
         """The current upstream answered (headers of a final answer): it is known good."""
@@ -391,6 +506,24 @@ class RetryState:
         self.quota_wall = False
         board = self.board
         key = self.keys[self.current] if board is not None and self.keys else None
+        adm = self._adm
+        limited = adm is not None and failure.status == 429 and not failure.quota
+        if adm is not None:
+            lim, seq, tokens = adm
+            if limited:
+                # The provider's rate limit: the limiter blocks this key until it says
+                # (Retry-After) or until the learned budget refills.  The retry is the
+                # limiter's: no pacer token, no pacer failure, no retry delay on top.
+                ra = failure.retry_after_s if self.policy.honor_retry_after else None
+                if ra is not None:
+                    ra = self.policy.clamp_retry_after(ra)
+                lim.limited(seq, ra, tokens, now)
+                self._rate_retry = True
+            self._finish(now, ok=False)
+        if limited and (failure.retry_after_s is None or not self.policy.honor_retry_after):
+            if board is not None and key is not None:
+                board.success(key, now)  # it answered: a probe passed
+            return 0.0  # the limiter's line is the wait
         if failure.quota:
             self.cooloff_until[self.current] = now + self.quota_cooloff_s
             if board is not None and key is not None:
@@ -412,8 +545,11 @@ class RetryState:
                 board.failure(key, now, failure.label, count=first_here)
             else:  # a 4xx (429, 408, ...) is an answer: the upstream is up (a probe passed)
                 board.success(key, now)
-                board.pace_failure(key, now)  # but not a success for its pacer
+                if not limited:  # a 429 is the rate limiter's, not a pacer failure
+                    board.pace_failure(key, now)  # but not a success for its pacer
         other_free = self._other_free(now)
+        if limited and other_free:
+            return 0.0  # another upstream (another key's budget): at once
         if failure.cls.reroutes_at_once and other_free:
             return 0.0
         if ra is not None:

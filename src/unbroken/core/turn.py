@@ -137,7 +137,8 @@ from unbroken.core.policy import (
 )
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
 from unbroken.core.profiles import CommitEnd, KeepaliveForm, Profile
-from unbroken.core.protocols import BODY, Protocol
+from unbroken.core.protocols import BODY, Protocol, usage_from
+from unbroken.core.ratehead import RateHeaders
 from unbroken.core.sse import CR, Event, EventTooLarge, SSESplitter
 
 __all__ = [
@@ -541,11 +542,20 @@ class TurnMachine:
         return self._attempt_failed(now, failure, phase)
 
     def answered(
-        self, now: float, status: int, *, sse: bool, retry_after_s: float | None = None
+        self,
+        now: float,
+        status: int,
+        *,
+        sse: bool,
+        retry_after_s: float | None = None,
+        rate: RateHeaders | None = None,
     ) -> Action:
-        """The upstream's status line and headers arrived."""
+        """The upstream's status line and headers arrived (``rate``: what they say of
+        the key's rate limits, `core.ratehead`)."""
         self._expect(_Step.CONNECTING, "answered")
         self.status = status
+        if rate is not None:
+            self.retry.record_rate(rate, now)
         if status < 200:
             # 1xx (a 101 to a plain request, say) is no answer for the client.
             return self._attempt_failed(
@@ -933,7 +943,11 @@ class TurnMachine:
 
     def _end(self, outcome: Outcome, action: End) -> End:
         self.step = _Step.ENDED
-        self.retry.close()
+        retry = self.retry
+        if retry.admitted:  # the rate limiter learns what the request cost
+            stats = self.stats
+            retry.settle(self.last_rx, usage_from(stats.usage_frames())[0] if stats else None)
+        retry.close()
         self.outcome = outcome
         if outcome.is_ok or outcome is Outcome.PASSED_THROUGH_ERROR:
             ok = outcome.is_ok

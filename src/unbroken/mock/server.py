@@ -28,6 +28,7 @@ from unbroken.mock.actions import (
 )
 from unbroken.mock.gemini import parse_path as parse_gemini_path
 from unbroken.mock.gemini import request_view as gemini_request_view
+from unbroken.mock.limits import MockLimits
 from unbroken.mock.wire import (
     ANTHROPIC,
     GEMINI,
@@ -67,6 +68,17 @@ _FRAME_FAULTS: Final = frozenset({"reset", "stall", "end", "error_event", "close
 #: ``previous_response_id``; the oldest are forgotten first.
 _STORE_MAX: Final = 65_536
 _WS_MAX_MSG_SIZE: Final = 1 << 30
+
+
+_RATE_HEADERS: Final = web.RequestKey("unbroken_mock_rate_headers", list)
+
+
+async def _add_rate_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """The budgets left, on every answer the limits let through (any action's)."""
+    extra = request.get(_RATE_HEADERS)
+    if extra:
+        for name, value in extra:
+            response.headers[name] = value
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +220,14 @@ class MockProvider:
         default: Mapping[str, Any] | Action | None = None,
         *,
         record: bool = True,
+        limits: MockLimits | None = None,
     ) -> None:
         """``record=False`` skips request recording (flat memory for long benchmarks;
         ``requests`` stays empty and ``wait_for_requests`` cannot be used)."""
         self.host = host
         self.record = record
+        #: RPM/TPM enforced per key, reported in the providers' headers (`mock.limits`)
+        self.limits = limits
         self.port = port
         self._initial_default = parse_action(default, where="default")
         self._default = self._initial_default
@@ -247,6 +262,9 @@ class MockProvider:
         app.router.add_post("/_mock/reset", self._h_reset)
         app.router.add_post("/_mock/script", self._h_script)
         app.router.add_post("/_mock/default", self._h_default)
+        app.router.add_post("/_mock/limits", self._h_limits)
+        app.router.add_get("/_mock/limits", self._h_limits_get)
+        app.on_response_prepare.append(_add_rate_headers)
         app.router.add_route("*", "/{tail:.*}", self._h_provider)
         return app
 
@@ -461,6 +479,22 @@ class MockProvider:
             }
         )
 
+    async def _h_limits(self, request: web.Request) -> web.Response:
+        """``{"rpm": 60, "tpm": 0, "style": "openai"}`` sets the limits; ``null`` lifts them."""
+        try:
+            data = await self._read_json(request)
+            self.limits = None if data is None else MockLimits.from_dict(data)
+        except (ActionError, ValueError) as exc:
+            return web.json_response({"ok": False, "error": str(exc)}, status=400)
+        return web.json_response({"ok": True})
+
+    async def _h_limits_get(self, request: web.Request) -> web.Response:
+        """The limits, what they answered, and every request's (time, status)."""
+        limits = self.limits
+        if limits is None:
+            return web.json_response(None)
+        return web.json_response({**limits.view(), "log": [[t, s] for t, _, s in limits.log]})
+
     async def _h_default(self, request: web.Request) -> web.Response:
         try:
             self.set_default(await self._read_json(request))
@@ -545,6 +579,23 @@ class MockProvider:
                 body=_mock_error_body(protocol, problem or "invalid request"),
                 content_type=JSON_CONTENT_TYPE,
             )
+        limits = self.limits
+        if limits is not None:
+            max_tokens = req_json.get("max_tokens")
+            status, rate_headers = limits.charge(
+                request.headers,
+                max(1, len(canonical_json(req_json)) // 4),
+                max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0,
+                asyncio.get_running_loop().time(),
+            )
+            if status == 429:
+                return web.Response(
+                    status=429,
+                    body=status_error_body(protocol, 429),
+                    content_type=JSON_CONTENT_TYPE,
+                    headers=rate_headers,
+                )
+            request[_RATE_HEADERS] = rate_headers
         transport = request.transport
         if transport is None:
             return web.Response()

@@ -110,6 +110,9 @@ class Health(Hooks):
                 "failure_rate": b.get("failure_rate", 0.0),
                 #: the retry pacer (`core.pacer`): tokens, turns in line, ramping
                 "pacer": b.get("pacer") or {},
+                #: the provider's rate limits per credential (`core.ratelimit`): budgets
+                #: learned, the AIMD window, turns waiting for the budget
+                "ratelimits": b.get("ratelimits") or [],
                 "recent_failures": [{"at": t, "reason": r} for t, r in h.recent],
             })
         return out

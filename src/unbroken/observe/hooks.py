@@ -74,7 +74,10 @@ class TurnInfo:
     last_failure: str | None = None
     next_retry_at: float | None = None  # wall clock
     #: why a parked turn waits in its upstream's line: pacer | breaker | cooloff | probe
+    #: | ratelimit
     parked_for: str | None = None
+    #: seconds the turn waited at the relay for the provider's rate limit
+    queued_s: float = 0.0
     # ok | recovered | ended_with_error | passed_through_error | aborted_by_client
     outcome: str | None = None
     ended: float | None = None

@@ -37,7 +37,7 @@ __all__ = ["SCHEMA", "Journal", "default_journal_path", "journal_path"]
 
 log = logging.getLogger("unbroken")
 
-SCHEMA_VERSION = 3  # 2: turns.client; 3: attempts.choice, upstream_events
+SCHEMA_VERSION = 4  # 2: turns.client; 3: attempts.choice, upstream_events; 4: turns.queued_s
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
     uid          TEXT PRIMARY KEY,   -- '<run>:<turn id>'
@@ -59,7 +59,8 @@ CREATE TABLE IF NOT EXISTS turns (
     upstream     TEXT,               -- of the last attempt
     last_failure TEXT,               -- label of the last failed attempt
     first_byte_s REAL,               -- start to the first byte sent to the client
-    wait_s       REAL NOT NULL DEFAULT 0  -- total time waited between attempts
+    wait_s       REAL NOT NULL DEFAULT 0, -- total time waited between attempts
+    queued_s     REAL NOT NULL DEFAULT 0  -- time waited at the relay for the rate limit
 );
 CREATE INDEX IF NOT EXISTS turns_started ON turns (started);
 CREATE TABLE IF NOT EXISTS attempts (
@@ -106,8 +107,8 @@ _INSERT: dict[str, tuple[str, str]] = {
     "turn": (
         "INSERT OR REPLACE INTO turns (uid, run, turn_id, route, path, protocol, stream,"
         " session_id, client, started, ended, outcome, attempts, upstream, last_failure,"
-        " first_byte_s, wait_s) VALUES ",
-        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " first_byte_s, wait_s, queued_s) VALUES ",
+        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     ),
     "attempt": (
         "INSERT OR REPLACE INTO attempts (turn_uid, number, upstream, started, ended, status,"
@@ -124,11 +125,11 @@ _INSERT: dict[str, tuple[str, str]] = {
 _UPDATE: dict[str, str] = {
     "turn_end": (
         "UPDATE turns SET ended = ?, outcome = ?, attempts = ?, upstream = ?, last_failure = ?,"
-        " first_byte_s = ?, wait_s = ? WHERE uid = ?"
+        " first_byte_s = ?, wait_s = ?, queued_s = ? WHERE uid = ?"
     ),
     "wait": "UPDATE attempts SET wait_s = ? WHERE turn_uid = ? AND number = ?",
 }
-#: rows per multi-row insert (17 columns: 544 parameters, well within SQLite's limit)
+#: rows per multi-row insert (18 columns: 576 parameters, well within SQLite's limit)
 _ROWS_PER_INSERT = 32
 
 #: one log line about an unwritable journal per this many seconds
@@ -181,7 +182,7 @@ def _turn_end(turn: TurnInfo, wait_s: float) -> tuple[Any, ...]:
         first_byte_s = max(0.0, turn.first_byte_at - turn.started)
     return (
         turn.ended if turn.ended is not None else time.time(), turn.outcome, turn.attempts,
-        turn.upstream or None, turn.last_failure, first_byte_s, wait_s,
+        turn.upstream or None, turn.last_failure, first_byte_s, wait_s, turn.queued_s,
     )
 
 
@@ -190,6 +191,8 @@ def _migrate(conn: sqlite3.Connection) -> None:
     columns = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
     if "client" not in columns:  # version 1
         conn.execute("ALTER TABLE turns ADD COLUMN client TEXT")
+    if "queued_s" not in columns:  # versions 1 to 3
+        conn.execute("ALTER TABLE turns ADD COLUMN queued_s REAL NOT NULL DEFAULT 0")
     columns = {row[1] for row in conn.execute("PRAGMA table_info(attempts)")}
     if "choice" not in columns:  # version 2 (upstream_events comes with SCHEMA)
         conn.execute("ALTER TABLE attempts ADD COLUMN choice TEXT")
@@ -432,7 +435,7 @@ class Journal(Hooks):
                 turns[t.id] = [
                     f"{run}:{t.id}", run, t.id, t.route, _cut(t.path.split("?")[0]),
                     t.protocol, int(t.stream), _cut(t.session_id), t.client or None, t.started,
-                    None, None, 0, None, None, None, 0.0,
+                    None, None, 0, None, None, None, 0.0, 0.0,
                 ]
             elif kind == "turn_end":
                 t, wait_s = item

@@ -103,11 +103,57 @@ class _Live:
             "Turns parked now: waiting in an upstream's line (pacer, breaker, cool-off).",
             value=sum(1 for t in turns if t.state == "parked"),
         )
+        yield from _rate_metrics(self.upstreams())
         if self.fleet is not None:
             yield from _fleet_metrics(self.fleet())
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def _rate_metrics(upstreams: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The providers' rate limits the relay learned, per upstream and credential hash."""
+    labels = ["route", "upstream", "credential"]
+    limit = GaugeMetricFamily(
+        "unbroken_ratelimit_limit",
+        "A budget the provider reports for the key (requests, tokens, output), per window.",
+        labels=[*labels, "bucket"],
+    )
+    left = GaugeMetricFamily(
+        "unbroken_ratelimit_remaining",
+        "What the relay reckons is left of that budget now.",
+        labels=[*labels, "bucket"],
+    )
+    waiting = GaugeMetricFamily(
+        "unbroken_ratelimit_waiting",
+        "Turns waiting at the relay for the key's rate limit.",
+        labels=labels,
+    )
+    window = GaugeMetricFamily(
+        "unbroken_ratelimit_window",
+        "The adaptive concurrency window after 429s (absent while unbounded).",
+        labels=labels,
+    )
+    waited = CounterMetricFamily(
+        "unbroken_ratelimit_waited",
+        "Turns that waited at the relay for the key's rate limit.",
+        labels=labels,
+    )
+    limited = CounterMetricFamily(
+        "unbroken_ratelimit_limited", "429 answers for the key.", labels=labels
+    )
+    for h in upstreams:
+        for rl in h.get("ratelimits") or ():
+            ls = [h["route"], h["upstream"], str(rl.get("credential", ""))]
+            for name, b in (rl.get("buckets") or {}).items():
+                limit.add_metric([*ls, name], float(b.get("limit", 0)))
+                left.add_metric([*ls, name], float(b.get("left", 0.0)))
+            waiting.add_metric(ls, float(rl.get("waiting", 0)))
+            if rl.get("window") is not None:
+                window.add_metric(ls, float(rl["window"]))
+            waited.add_metric(ls, float(rl.get("waited_total", 0)))
+            limited.add_metric(ls, float(rl.get("limited_total", 0)))
+    yield from (limit, left, waiting, window, waited, limited)
 
 
 def _fleet_metrics(fleet: dict[str, Any]) -> Iterator[Metric]:
@@ -176,6 +222,13 @@ class Metrics(Hooks):
             buckets=WAIT_BUCKETS,
             registry=r,
         )
+        self.queued = Histogram(
+            "unbroken_ratelimit_queued_seconds",
+            "Time each turn waited at the relay for the provider's rate limit.",
+            ["route"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
         self.ttfb = Histogram(
             "unbroken_time_to_first_byte_seconds",
             "From the client's request to the first byte sent back, retries included.",
@@ -214,6 +267,8 @@ class Metrics(Hooks):
 
     def turn_ended(self, turn: TurnInfo) -> None:
         self._child(self.turns, turn.route, turn.outcome or "unknown").inc()
+        if turn.queued_s:
+            self._child(self.queued, turn.route).observe(turn.queued_s)
         if turn.first_byte_at is not None:
             self._child(self.ttfb, turn.route).observe(
                 max(0.0, turn.first_byte_at - turn.started)

@@ -31,7 +31,16 @@ _DONE, _WAITING = TurnState.DONE.value, TurnState.WAITING.value
 class TurnReporter:
     """One turn's record and its hook calls."""
 
-    __slots__ = ("_deferred", "current", "hooks", "inflight", "info", "upstreams", "wall")
+    __slots__ = (
+        "_deferred",
+        "_queued_at",
+        "current",
+        "hooks",
+        "inflight",
+        "info",
+        "upstreams",
+        "wall",
+    )
 
     def __init__(
         self,
@@ -46,6 +55,7 @@ class TurnReporter:
         self.wall = wall
         self.current: AttemptInfo | None = None
         self._deferred = False
+        self._queued_at: float | None = None  # parked for the rate limit since then
 
     # -- the turn ------------------------------------------------------------------------
     def open(self, *, defer: bool = False) -> None:
@@ -86,6 +96,7 @@ class TurnReporter:
                 None,
             )
         self.inflight.discard(info)
+        self._end_queue()
         info.state = _DONE
         info.ended = self.wall()
         info.held = None
@@ -98,6 +109,8 @@ class TurnReporter:
         info = self.info
         name = self.upstreams[upstream]
         info.attempts, info.upstream, info.next_retry_at = number, name, None
+        if self._queued_at is not None:
+            self._end_queue()
         self.current = AttemptInfo(
             number=number, upstream=name, started=self.wall(), choice=choice
         )
@@ -139,6 +152,18 @@ class TurnReporter:
 
     def parked(self, why: str) -> None:
         self.info.parked_for = why
+        if why == "ratelimit":
+            if self._queued_at is None:
+                self._queued_at = self.wall()
+        else:
+            self._end_queue()
+
+    def _end_queue(self) -> None:
+        """A wait for the rate limit ended: count it in ``queued_s``."""
+        at = self._queued_at
+        if at is not None:
+            self._queued_at = None
+            self.info.queued_s += max(0.0, self.wall() - at)
 
     def hold_overflow(self, held_bytes: int) -> None:
         self.flush()

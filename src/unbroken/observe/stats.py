@@ -60,6 +60,12 @@ def _dist(values: list[float], digits: int = 3) -> dict[str, float | None]:
     }
 
 
+def _queued(conn: sqlite3.Connection) -> str:
+    """The ``queued_s`` column, or 0 in a journal written before it (version < 4)."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
+    return "queued_s" if "queued_s" in columns else "0"
+
+
 def compute_stats(
     conn: sqlite3.Connection, *, since_s: float | None = 86400.0, now: float | None = None
 ) -> dict[str, Any]:
@@ -67,7 +73,8 @@ def compute_stats(
     now = time.time() if now is None else now
     cutoff = now - since_s if since_s is not None else float("-inf")
     turns = conn.execute(
-        "SELECT uid, outcome, attempts, wait_s, first_byte_s FROM turns WHERE started >= ?",
+        f"SELECT uid, outcome, attempts, wait_s, first_byte_s, {_queued(conn)} FROM turns"
+        " WHERE started >= ?",
         (cutoff,),
     ).fetchall()
     attempts = conn.execute(
@@ -82,13 +89,15 @@ def compute_stats(
     retries: list[float] = []
     waits: list[float] = []
     ttfb: list[float] = []
-    for uid, outcome, n_attempts, wait_s, first_byte_s in turns:
+    queued: list[float] = []
+    for uid, outcome, n_attempts, wait_s, first_byte_s, queued_s in turns:
         name = outcome or "unfinished"
         outcome_of[uid] = name
         outcomes[name] += 1
         if outcome is not None:
             retries.append(max(0, (n_attempts or 1) - 1))
             waits.append(wait_s or 0.0)
+            queued.append(queued_s or 0.0)
         if first_byte_s is not None:
             ttfb.append(first_byte_s)
 
@@ -143,6 +152,12 @@ def compute_stats(
         "retries_per_turn": _dist(retries, 0),
         "waiting_s": {"total": round(sum(waits), 3), **_dist(waits)},
         "time_to_first_byte_s": _dist(ttfb),
+        #: time turns waited at the relay for the providers' rate limits
+        "queued_s": {
+            "total": round(sum(queued), 3),
+            "turns": sum(1 for q in queued if q > 0),
+            **_dist(queued),
+        },
         "wasted_tokens_est": wasted,
         "tokens": {"input": tokens_in, "output": tokens_out},
         "replay_safety": {
@@ -211,6 +226,11 @@ def format_stats(s: dict[str, Any], *, since: str = "", journal: str = "") -> st
         f"{'Time waiting':<26}{_num(w['total'], ' s')} in total; "
         f"per turn p50 {_num(w['p50'], ' s')}, p99 {_num(w['p99'], ' s')}, "
         f"max {_num(w['max'], ' s')}"
+    )
+    q = s["queued_s"]
+    lines.append(
+        f"{'Queued for rate limits':<26}{_num(q['total'], ' s')} in total, {q['turns']} turns; "
+        f"per turn p50 {_num(q['p50'], ' s')}, p99 {_num(q['p99'], ' s')}"
     )
     t = s["time_to_first_byte_s"]
     lines.append(

@@ -295,6 +295,15 @@ class StatusView:
                     f"  {u.get('route')}/{u.get('upstream')}: {pacer['waiting']} in line{ramp}",
                     style="yellow",
                 )
+            limits = u.get("ratelimits") if isinstance(u, dict) else None
+            for rl in limits if isinstance(limits, list) else ():
+                if isinstance(rl, dict) and rl.get("waiting"):
+                    # turns waiting for the provider's budget on one key (a hash)
+                    head.append(
+                        f"  {u.get('route')}/{u.get('upstream')}: {rl['waiting']} waiting for "
+                        f"the rate limit (key {rl.get('credential', '?')})",
+                        style="yellow",
+                    )
 
         rows: list[list[Any]] = []
         for t in inflight:

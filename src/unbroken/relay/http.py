@@ -39,6 +39,8 @@ from unbroken.core.policy import (
 from unbroken.core.profiles import Profile, identify, profile_named
 from unbroken.core.protocols import GEMINI, Protocol, protocol_for_path
 from unbroken.core.protocols.gemini import is_stream_path
+from unbroken.core.ratehead import parse_rate_headers
+from unbroken.core.ratelimit import max_output_of
 from unbroken.core.sse import Event
 from unbroken.core.turn import (
     AbortUpstream,
@@ -62,7 +64,7 @@ from unbroken.core.turn import (
 from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnInfo
 from unbroken.observe.report import TurnReporter
 from unbroken.relay.errors import classify_exception
-from unbroken.relay.pacing import Waker
+from unbroken.relay.pacing import RateLimitIO, Waker
 from unbroken.relay.store import HealthStore, make_store
 from unbroken.relay.upstream import (
     Redactor,
@@ -164,7 +166,9 @@ class Relay:
         #: the keys and the token: redacted from any error answer that echoes them
         self.secrets = config.secrets()
         #: the health of every upstream (breakers, cool-offs), consulted by every turn
-        self.board = HealthBoard(config.health, pace=config.retry.pace_settings())
+        self.board = HealthBoard(
+            config.health, pace=config.retry.pace_settings(), rate=config.ratelimit
+        )
         #: wakes the turns the upstreams' pacers let go (`relay.pacing`)
         self.waker = Waker(self.board)
         self.clock = clock
@@ -196,6 +200,8 @@ class Relay:
         self._facts: dict[str, tuple[Route, tuple[str, ...], bool]] = {}
         self._profiles: dict[str, Profile] = {}
         self._intervals: dict[str, float] = {}
+        #: each upstream's credential hash, and bad rate-limit headers logged once
+        self.limits = RateLimitIO()
 
     def profile_for(self, headers: Any) -> Profile:
         """The client profile of a request, with the config's overrides (cached per client)."""
@@ -224,12 +230,21 @@ class Relay:
         return names, renames
 
     def retry_state(
-        self, route: Route, sticky: str | None = None, *, prefer: int = -1
+        self,
+        route: Route,
+        sticky: str | None = None,
+        *,
+        prefer: int = -1,
+        creds: tuple[str, ...] = (),
+        body_bytes: int = 0,
+        max_output: int = 0,
     ) -> RetryState:
         """A turn's retry bookkeeping; cool-offs, breakers and pacers are the route's.
 
         ``sticky``: the turn's session key (`sticky_key`), if it has one; ``prefer``:
-        the upstream its first attempt goes to when it is usable.
+        the upstream its first attempt goes to when it is usable; ``creds``,
+        ``body_bytes``, ``max_output``: each upstream's credential hash and the
+        request's size, for the rate limiters (`core.ratelimit`).
         """
         keys = self._keys.get(route.name)
         if keys is None or len(keys) != len(route.upstreams):
@@ -245,6 +260,9 @@ class Relay:
             quota_cooloff_s=self.config.health.quota_cooloff_s,
             prefer=prefer,
             park_check_s=self.config.health.park_check_s,
+            creds=creds,
+            body_bytes=body_bytes,
+            max_output=max_output,
         )
 
     def handle(
@@ -471,7 +489,17 @@ class HttpAttempt:
     the `Sink` differs.
     """
 
-    __slots__ = ("client", "loop", "machine", "reading", "secrets", "sink", "watchdog")
+    __slots__ = (
+        "client",
+        "loop",
+        "machine",
+        "rate_max_wait_s",
+        "reading",
+        "relay",
+        "secrets",
+        "sink",
+        "watchdog",
+    )
 
     def __init__(
         self,
@@ -480,12 +508,20 @@ class HttpAttempt:
         client: UpstreamClient,
         sink: Sink,
         secrets: tuple[str, ...] = (),
+        relay: Relay | None = None,
     ) -> None:
         self.machine, self.watchdog, self.client, self.sink = machine, watchdog, client, sink
         self.loop = watchdog.loop
         self.reading: aiohttp.ClientResponse | None = None
         #: the keys and token the relay knows: an error answer that echoes one is redacted
         self.secrets = secrets
+        self.relay = relay
+        self.rate_max_wait_s = relay.config.ratelimit.max_wait_s if relay is not None else 60.0
+
+    def on_rate_problems(self, problems: Sequence[str]) -> None:
+        retry = self.machine.retry
+        if self.relay is not None and retry.keys and retry.current >= 0:
+            self.relay.limits.problems(retry.keys[retry.current], problems)
 
     def abort(self) -> None:
         if self.reading is not None:
@@ -513,7 +549,16 @@ class HttpAttempt:
                 parse_retry_after(resp.headers, now_wall=time.time()) if status >= 400 else None
             )
             sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-            answer = machine.answered(self.loop.time(), status, sse=sse, retry_after_s=retry_after)
+            rate = None
+            if machine.retry.admitted:  # the provider's rate-limit headers, checked
+                rate = parse_rate_headers(
+                    resp.headers, now_wall=time.time(), max_wait_s=self.rate_max_wait_s
+                )
+                if rate.problems:
+                    self.on_rate_problems(rate.problems)
+            answer = machine.answered(
+                self.loop.time(), status, sse=sse, retry_after_s=retry_after, rate=rate
+            )
             self.watchdog.arm()
             if type(answer) is Stream:
                 return await self._stream(resp)
@@ -736,7 +781,13 @@ class _HttpTurn:
             protocol=self.protocol,
             hold=relay.hold,
             timers=self.cfg.stream,
-            retry=relay.retry_state(route, sticky_key(request.headers, parsed)),
+            retry=relay.retry_state(
+                route,
+                sticky_key(request.headers, parsed),
+                creds=relay.limits.creds_for(route, request.headers, raw_query(request)),
+                body_bytes=len(body),
+                max_output=max_output_of(parsed),
+            ),
             stream=stream,
             now=self.loop.time(),
             report=self.report,
@@ -755,7 +806,7 @@ class _HttpTurn:
             self.loop, self.machine, self._on_timer, relay.min_interval(self.machine)
         )
         self.upstream = HttpAttempt(
-            self.machine, self.watchdog, relay.client, self, relay.secrets
+            self.machine, self.watchdog, relay.client, self, relay.secrets, relay
         )
 
     def _sent(self) -> None:

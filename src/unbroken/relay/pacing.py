@@ -1,4 +1,5 @@
-"""Carries out the pacers' grants: the turns an upstream lets go are woken at once.
+"""Carries out the pacers' and rate limiters' grants: the turns an upstream lets go
+are woken at once.
 
 The decisions (who may go, when the next token is due, the ramp after a recovery)
 are the core's (`unbroken.core.pacer`, through `HealthBoard.pump`).  This module
@@ -11,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
+from unbroken.config import CREDENTIAL_HEADERS, Route
 from unbroken.core.health import HealthBoard
+from unbroken.core.ratelimit import credential_hash
 from unbroken.core.turn import Wait
 
-__all__ = ["Waker"]
+__all__ = ["RateLimitIO", "Waker"]
 
 log = logging.getLogger("unbroken")
 
@@ -123,7 +127,10 @@ class Waker:
                 rec = self.board.records.get(key)
                 log.warning(
                     "pacing route=%s upstream=%s: %d turn(s) wait in line (breaker %s)",
-                    route, upstream, waiting, rec.state.value if rec else "closed",
+                    route,
+                    upstream,
+                    waiting,
+                    rec.state.value if rec else "closed",
                 )
         elif waiting:
             self._lines[key] = (line[0], line[1] + granted)
@@ -131,7 +138,10 @@ class Waker:
             del self._lines[key]
             log.info(
                 "pacing route=%s upstream=%s: line cleared after %.2fs, %d turn(s) let go",
-                route, upstream, now - line[0], line[1] + granted,
+                route,
+                upstream,
+                now - line[0],
+                line[1] + granted,
             )
 
     def view(self) -> dict[str, Any]:
@@ -141,3 +151,64 @@ class Waker:
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
+
+
+class RateLimitIO:
+    """The rate limiters' inputs from requests: each upstream's credential as a hash
+    (`core.ratelimit.credential_hash`; the key itself is never kept), and each bad
+    rate-limit header logged once per upstream."""
+
+    __slots__ = ("_hashes", "_routes", "warned")
+
+    def __init__(self) -> None:
+        self._hashes: dict[str, str] = {}
+        #: route -> its hashes, when every upstream injects its own key
+        self._routes: dict[str, tuple[str, ...]] = {}
+        #: (upstream key, header) already logged
+        self.warned: set[tuple[str, str]] = set()
+
+    def creds_for(self, route: Route, headers: Any, query: str = "") -> tuple[str, ...]:
+        """Each upstream's credential: the injected key, else the client's own (its
+        credential header, else a Gemini API ``key=`` in the raw ``query``)."""
+        known = self._routes.get(route.name)
+        if known is not None and len(known) == len(route.upstreams):
+            return known
+        client = ""
+        for name in CREDENTIAL_HEADERS:
+            value = headers.get(name)
+            if value:
+                client = value
+                break
+        if not client and "key=" in query:
+            for part in query.split("&"):
+                name, _, value = part.partition("=")
+                if name == "key" and value:
+                    client = value
+                    break
+        out = tuple(self._hash(u.api_key or client) for u in route.upstreams)
+        if all(u.api_key for u in route.upstreams):
+            self._routes[route.name] = out
+        return out
+
+    def _hash(self, value: str) -> str:
+        h = self._hashes.get(value)
+        if h is None:
+            if len(self._hashes) >= 4096:
+                self._hashes.clear()
+            h = self._hashes[value] = credential_hash(value)
+        return h
+
+    def problems(self, key: str, problems: Sequence[str]) -> None:
+        """Log each upstream's bad rate-limit header once (its first bad value)."""
+        for problem in problems:
+            header = problem.partition("=")[0]
+            if (key, header) in self.warned or len(self.warned) >= 10_000:
+                continue
+            self.warned.add((key, header))
+            route, _, upstream = key.partition("|")
+            log.warning(
+                "rate-limit header route=%s upstream=%s: %s (logged once)",
+                route,
+                upstream,
+                problem,
+            )

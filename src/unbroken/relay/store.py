@@ -16,6 +16,8 @@ applies theirs to the local board:
       unbroken:K:n:<bucket>:ok    attempts per window bucket (INCR + EXPIRE)
       unbroken:K:n:<bucket>:fail
       unbroken:K:waiters          relays with turns in K's line: origin -> until (ms)
+      unbroken:rl:K|<cred>:<b>    a provider's rate-limit budget b (requests, tokens) for
+                                  one credential hash, the fleet's (`relay.ratestore`)
       channel unbroken:health     every change, JSON, for the other instances at once
 
   Turns never wait on Redis.  A change is written and published in the background;
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.health import Breaker, Change, HealthBoard
+from unbroken.relay.ratestore import RateShare
 
 __all__ = ["ChannelStore", "HealthStore", "RedisStore", "make_store"]
 
@@ -192,6 +195,12 @@ class RedisStore(HealthStore):
         self._warner = _Warner(clock)
         self.fleet: dict[str, tuple[int, int]] = {}  # key -> (ok, failed) over the window
         self.board.probe_gate = self._probe_gate
+        #: the providers' rate-limit budgets, one per key across the fleet (leases)
+        self.rates: RateShare | None = None
+        if board.rates.settings.enabled:
+            self.rates = RateShare(
+                board, self.redis, is_up=lambda: self.up, on_error=self._degrade
+            )
 
     def status(self) -> dict[str, Any]:
         host = self.url.split("@")[-1]  # never a password
@@ -201,6 +210,8 @@ class RedisStore(HealthStore):
             "url": host if "://" in host else f"redis://{host}",
             #: the fleet's attempts over the window, per upstream: [ok, failed]
             "fleet_window": {k: list(v) for k, v in sorted(self.fleet.items()) if any(v)},
+            #: rate-limit budgets shared through Redis, and the leases taken
+            "ratelimits": self.rates.status() if self.rates is not None else None,
         }
 
     async def start(self) -> None:
@@ -210,6 +221,8 @@ class RedisStore(HealthStore):
         ]
 
     async def close(self) -> None:
+        if self.rates is not None:
+            self.rates.close()
         tasks = [*self._tasks, *self._side]
         for task in tasks:
             task.cancel()
@@ -398,6 +411,8 @@ class RedisStore(HealthStore):
         if self.up or self.degraded_since is None:
             self.degraded_since = self.clock()
         self.up = False
+        if self.rates is not None:
+            self.rates.unshare_all()  # local pacing until Redis is back
         self._warner.warn(
             "health store degraded: redis unreachable (%s: %s); serving on local state, "
             "reconnecting", type(exc).__name__, exc,

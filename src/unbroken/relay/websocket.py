@@ -456,7 +456,10 @@ class _WsTurn:
         )
         # The first attempt goes where the socket is (a turn, not a retry).
         retry = relay.retry_state(
-            conn.route, sticky_key(conn.request.headers, create), prefer=conn.turn_upstream
+            conn.route,
+            sticky_key(conn.request.headers, create),
+            prefer=conn.turn_upstream,
+            creds=relay.limits.creds_for(conn.route, conn.request.headers),
         )
         now = conn.loop.time()
         self.machine = TurnMachine(
@@ -478,7 +481,9 @@ class _WsTurn:
         self.watchdog = Watchdog(
             conn.loop, self.machine, self._on_timer, relay.min_interval(self.machine)
         )
-        self.http = HttpAttempt(self.machine, self.watchdog, relay.client, self, relay.secrets)
+        self.http = HttpAttempt(
+            self.machine, self.watchdog, relay.client, self, relay.secrets, relay
+        )
         self.socket: int | None = None  # the upstream socket of this attempt (None: HTTP)
         self.reading_ws: aiohttp.ClientWebSocketResponse[Any] | None = None
         self.response_id: str | None = None

@@ -1,0 +1,545 @@
+"""Admission by the provider's rate limits (sans-IO): a turn waits at the relay, not
+in a storm of 429s.
+
+Theory of operation
+===================
+Each upstream, for each credential (a hash of the key, never the key), has a
+`Limiter` that learns the provider's budgets from its answers (`core.ratehead`):
+
+* **Buckets.**  Requests, tokens and output tokens each have a `Bucket`: a limit, a
+  level (what is left) and a refill rate.  Providers refill continuously (OpenAI's
+  and Anthropic's "reset" is when the budget is full again), so the rate is learned
+  as ``(limit - remaining) / reset``, smoothed; before any reset is seen it is a
+  limit per minute.  A header sets the level to what the provider says is left,
+  less what this relay admitted after the answered request was sent (it is not
+  counted yet).  Between answers the level refills at the rate.
+* **Cost.**  A request costs one request and its estimated tokens: the body's
+  bytes times the tokens a byte (``0.25`` to start, then learned from the input
+  tokens the provider reports, per limiter) plus any ``max_tokens`` it asks for.
+  Output tokens are not charged ahead (they are not known); an output budget the
+  provider reports spent blocks until its reset.
+* **The first request goes alone.**  Until the limiter has heard from the
+  provider once (an answer's headers, a 429, an attempt's end), one request is
+  in flight and the others wait for it: fifty agents starting at once on a key
+  already at its limit cost one 429, not fifty.  A relay pays this once per
+  upstream and key, one time to first byte, and only if turns start together.
+* **Concurrency** adapts (AIMD) for a provider that reports no budget: unbounded
+  until the first 429; then a window of half the requests in flight, one more for
+  every window of answered requests, and half again on a 429 (at most once per
+  window of requests, like TCP).  A 429 the learned budgets explain is theirs.
+* **A line.**  A turn whose cost is not available waits in the limiter's line.
+  The line is fair: round robin across sessions (the turn's session key), first
+  come first served within a session, so one busy agent cannot starve the others.
+  `pump` grants the head as the buckets refill and reserves its cost at once; it
+  says when the next grant is due; a grant nobody claims goes back after a while.
+* **A 429 or a Retry-After** blocks the limiter until it says; with no such
+  header, until the learned buckets would have refilled the request's cost.  The
+  429 is the limiter's to pace: the retry does not also wait out the retry delay
+  and the recovery pacer (`core.policy`), so nothing is waited twice.
+* **Shared.**  With a fleet store the buckets' levels are the fleet's
+  (`Bucket.shared`): they do not refill locally; the store leases budget from the
+  fleet's buckets in the background and adds it (`RateBoard.lease`), and turns
+  never wait on the store.  When the store is down, the buckets refill locally
+  again (split by the relays last seen).
+
+Time is a monotonic ``now`` in seconds, passed in.  Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from unbroken.core.ratehead import RateHeaders, Reading
+
+__all__ = [
+    "Bucket",
+    "FairLine",
+    "Limiter",
+    "RateBoard",
+    "RateSettings",
+    "credential_hash",
+    "max_output_of",
+]
+
+#: a grant nobody claims within this long goes back (its turn went away)
+GRANT_TTL_S = 5.0
+#: the tokens a request body byte starts at (about four bytes a token)
+DEFAULT_TOKENS_PER_BYTE = 0.25
+#: weight of a new observation in the learned rates and tokens a byte
+SMOOTH = 0.3
+#: a limit's window before a reset is seen (limits are per minute)
+DEFAULT_WINDOW_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class RateSettings:
+    """The ``[ratelimit]`` section."""
+
+    enabled: bool = True
+    #: a reset, Retry-After or retry delay longer than this is clamped to it
+    max_wait_s: float = 60.0
+    #: the AIMD window never grows past this many requests in flight
+    max_concurrency: int = 512
+    #: the share of the window kept after a 429
+    decrease: float = 0.5
+
+
+def credential_hash(value: str) -> str:
+    """A credential's identity in state, logs and the store: a short hash, never the key."""
+    if not value:
+        return "-"
+    return hashlib.blake2b(value.encode(), digest_size=6, person=b"unbroken-key").hexdigest()
+
+
+def max_output_of(body: Any) -> int:
+    """The output tokens a parsed request body asks for at most (0: none named):
+    ``max_tokens`` (Chat, Anthropic), ``max_completion_tokens``, ``max_output_tokens``
+    (Responses), or the Gemini API's ``generationConfig.maxOutputTokens``."""
+    if not isinstance(body, dict):
+        return 0
+    config = body.get("generationConfig")
+    for where, name in (
+        (body, "max_tokens"),
+        (body, "max_completion_tokens"),
+        (body, "max_output_tokens"),
+        (config, "maxOutputTokens"),
+    ):
+        v = where.get(name) if isinstance(where, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 10_000_000:
+            return v
+    return 0
+
+
+class Bucket:
+    """One budget: ``level`` of ``limit`` left, refilled at ``rate`` a second."""
+
+    __slots__ = ("level", "limit", "rate", "rate_seen", "reported", "shared", "t", "version")
+
+    def __init__(self, limit: float, now: float) -> None:
+        self.limit = limit
+        self.level = limit
+        self.rate = limit / DEFAULT_WINDOW_S
+        self.t = now
+        #: the rate was learned from a reset (not the per-minute guess)
+        self.rate_seen = False
+        #: the level is the fleet's lease (refilled by the store, not by the clock)
+        self.shared = False
+        #: the level the provider's last report implies, and how many reports came
+        #: (a fleet store lowers the fleet's level to it)
+        self.reported = limit
+        self.version = 0
+
+    def refill(self, now: float) -> None:
+        dt = now - self.t
+        if dt > 0:
+            if not self.shared:
+                self.level = min(self.limit, self.level + dt * self.rate)
+            self.t = now
+
+    def due(self, cost: float, now: float) -> float:
+        """When ``cost`` is available (``now`` if it is; shared: never by itself)."""
+        self.refill(now)
+        need = min(cost, self.limit) - self.level
+        if need <= 1e-9:
+            return now
+        if self.shared:
+            return math.inf
+        return now + need / self.rate if self.rate > 0 else math.inf
+
+    def learn(self, r: Reading, uncounted: float, now: float) -> None:
+        """A provider's reading; ``uncounted``: spent since that request was sent."""
+        self.refill(now)
+        if r.limit is not None and r.limit != self.limit:
+            self.limit = r.limit
+            if not self.rate_seen:
+                self.rate = self.limit / DEFAULT_WINDOW_S
+        rem = r.remaining
+        if rem is None:
+            return
+        if r.reset_s is not None and r.reset_s > 0.001 and rem < self.limit:
+            seen = max((self.limit - rem) / r.reset_s, self.limit / 3600.0)
+            self.rate = (1 - SMOOTH) * self.rate + SMOOTH * seen if self.rate_seen else seen
+            self.rate_seen = True
+        elif r.reset_s is not None and rem <= 0 and r.reset_s <= 0.001:
+            rem = min(self.limit, 1.0)  # spent, and reset now: one may go
+        level = min(self.limit, rem) - uncounted
+        self.reported = level
+        self.version += 1
+        if self.shared:
+            self.level = min(self.level, level)  # the fleet's lease: only ever lowered here
+        else:
+            self.level = level
+
+    def view(self, now: float) -> dict[str, Any]:
+        self.refill(now)
+        return {
+            "limit": round(self.limit),
+            "left": round(self.level, 1),
+            "per_s": round(self.rate, 3),
+        }
+
+
+class FairLine:
+    """Waiting tickets: round robin across sessions, first come first served within one."""
+
+    __slots__ = ("_sessions", "costs", "where")
+
+    def __init__(self) -> None:
+        #: session -> its tickets, oldest first; the dict's order is the rotation
+        self._sessions: dict[str, deque[int]] = {}
+        #: ticket -> its session
+        self.where: dict[int, str] = {}
+        #: ticket -> the tokens it asks for
+        self.costs: dict[int, float] = {}
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def __contains__(self, ticket: object) -> bool:
+        return ticket in self.where
+
+    def __iter__(self) -> Iterator[int]:
+        """The tickets in the order they would be granted (for views and tests)."""
+        queues = {s: list(q) for s, q in self._sessions.items()}
+        while queues:
+            for s in list(queues):
+                q = queues[s]
+                yield q.pop(0)
+                if not q:
+                    del queues[s]
+
+    def add(self, ticket: int, session: str, cost: float) -> None:
+        if ticket in self.where:
+            return
+        self.where[ticket] = session
+        self.costs[ticket] = cost
+        q = self._sessions.get(session)
+        if q is None:
+            q = self._sessions[session] = deque()
+        q.append(ticket)
+
+    def head(self) -> int | None:
+        for q in self._sessions.values():
+            return q[0]
+        return None
+
+    def pop_head(self) -> int:
+        session, q = next(iter(self._sessions.items()))
+        ticket = q.popleft()
+        del self._sessions[session]
+        if q:
+            self._sessions[session] = q  # to the end of the rotation
+        del self.where[ticket]
+        self.costs.pop(ticket, None)
+        return ticket
+
+    def remove(self, ticket: int) -> None:
+        session = self.where.pop(ticket, None)
+        if session is None:
+            return
+        self.costs.pop(ticket, None)
+        q = self._sessions[session]
+        q.remove(ticket)
+        if not q:
+            del self._sessions[session]
+
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+
+class Limiter:
+    """One upstream's budgets for one credential (see the module docstring)."""
+
+    __slots__ = (
+        "_decrease_seq",
+        "blocked_until",
+        "buckets",
+        "cred",
+        "granted",
+        "key",
+        "limited_total",
+        "line",
+        "running",
+        "seen",
+        "seq",
+        "settings",
+        "tokens_per_byte",
+        "uncounted",
+        "waited_total",
+        "window",
+    )
+
+    def __init__(self, key: str, cred: str, settings: RateSettings) -> None:
+        self.key = key
+        self.cred = cred
+        self.settings = settings
+        #: "requests", "tokens", "output" -> its bucket, once a header named it
+        self.buckets: dict[str, Bucket] = {}
+        self.line = FairLine()
+        #: ticket -> (when granted, the admission's seq)
+        self.granted: dict[int, tuple[float, int]] = {}
+        #: admissions the provider has not counted yet: seq -> tokens
+        self.uncounted: dict[int, float] = {}
+        #: admissions in flight: seq -> tokens (until the attempt is over)
+        self.running: dict[int, float] = {}
+        self.seq = 0
+        #: the provider answered once (until then one request goes at a time)
+        self.seen = False
+        #: the AIMD window (None: unbounded, no 429 seen)
+        self.window: float | None = None
+        self._decrease_seq = 0
+        self.blocked_until = 0.0
+        self.tokens_per_byte = DEFAULT_TOKENS_PER_BYTE
+        self.waited_total = 0  # turns that had to wait in line
+        self.limited_total = 0  # 429s answered
+
+    # -- cost ------------------------------------------------------------------------
+    def estimate(self, body_bytes: int, max_output: int = 0) -> float:
+        """The tokens a request of ``body_bytes`` is charged ahead."""
+        return body_bytes * self.tokens_per_byte + max_output
+
+    def _costs(self, tokens: float) -> Iterator[tuple[Bucket, float]]:
+        b = self.buckets.get("requests")
+        if b is not None:
+            yield b, 1.0
+        b = self.buckets.get("tokens")
+        if b is not None:
+            yield b, tokens
+        b = self.buckets.get("output")
+        if b is not None:
+            yield b, 1.0 if b.level < 1.0 else 0.0  # spent output blocks until it refills
+
+    def due(self, tokens: float, now: float) -> float:
+        """When a request of ``tokens`` may go (``now``: at once; inf: on a finish)."""
+        when = self.blocked_until if self.blocked_until > now else now
+        window = self.window
+        if window is not None and len(self.running) >= int(window):
+            return math.inf
+        if not self.seen and self.running:
+            return math.inf  # the first request goes alone: wait for its answer
+        for bucket, cost in self._costs(tokens):
+            if cost > 0:
+                when = max(when, bucket.due(cost, now))
+        return when
+
+    def _spend(self, tokens: float) -> int:
+        for bucket, cost in self._costs(tokens):
+            if cost > 0 and bucket is not self.buckets.get("output"):
+                bucket.level -= min(cost, bucket.limit)
+        self.seq += 1
+        self.uncounted[self.seq] = tokens
+        self.running[self.seq] = tokens
+        return self.seq
+
+    def _refund(self, seq: int) -> None:
+        tokens = self.running.pop(seq, None)
+        if tokens is None:
+            return
+        if self.uncounted.pop(seq, None) is not None:
+            for bucket, cost in self._costs(tokens):
+                if cost > 0 and bucket is not self.buckets.get("output"):
+                    bucket.level = min(bucket.limit, bucket.level + min(cost, bucket.limit))
+
+    # -- a turn's questions ------------------------------------------------------------
+    def admit(self, ticket: int, session: str, tokens: float, now: float) -> int:
+        """May this request go now?  The admission's seq (> 0; its cost is spent), or
+        0: it waits in line (keeping its place when it asks again)."""
+        got = self.granted.pop(ticket, None) if ticket else None
+        if got is not None:
+            return got[1]
+        line = self.line
+        head = line.head()
+        if (head is None or head == ticket) and self.due(tokens, now) <= now:
+            if head is not None:
+                line.pop_head()
+            return self._spend(tokens)
+        if ticket and ticket not in line:
+            line.add(ticket, session, tokens)
+            self.waited_total += 1
+        return 0
+
+    def peek(self, ticket: int, tokens: float, now: float) -> bool:
+        if ticket and ticket in self.granted:
+            return True
+        head = self.line.head()
+        if head is not None and head != ticket:
+            return False
+        return self.due(tokens, now) <= now
+
+    def withdraw(self, ticket: int) -> None:
+        got = self.granted.pop(ticket, None)
+        if got is not None:
+            self._refund(got[1])
+        self.line.remove(ticket)
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self.line) or bool(self.granted)
+
+    # -- what the provider said ----------------------------------------------------------
+    def learn(self, seq: int, h: RateHeaders, now: float) -> None:
+        """An answer's headers for admission ``seq`` (0: not admitted here)."""
+        self.seen = True
+        self.uncounted.pop(seq, None)
+        for name, reading in (("requests", h.requests), ("tokens", h.tokens), ("output", h.output)):
+            if reading is None or (reading.limit is None and name not in self.buckets):
+                continue
+            bucket = self.buckets.get(name)
+            if bucket is None:
+                assert reading.limit is not None
+                bucket = self.buckets[name] = Bucket(reading.limit, now)
+            after = 0.0
+            if name != "output":
+                after = sum(
+                    (1.0 if name == "requests" else t) for s, t in self.uncounted.items() if s > seq
+                )
+            bucket.learn(reading, after, now)
+
+    def limited(self, seq: int, retry_after_s: float | None, tokens: float, now: float) -> float:
+        """A 429 for admission ``seq``: block until it may go again; returns that time."""
+        self.limited_total += 1
+        self.seen = True
+        self.uncounted.pop(seq, None)
+        running = len(self.running)
+        if not self.buckets and seq > self._decrease_seq:
+            # A 429 no reported budget explains (a provider that sends no rate-limit
+            # headers): fewer at once.  Once per window of requests, like TCP.
+            self._decrease_seq = self.seq
+            base = self.window if self.window is not None else float(running)
+            self.window = max(1.0, base * self.settings.decrease)
+        if retry_after_s is not None:
+            until = now + min(retry_after_s, self.settings.max_wait_s)
+        else:
+            # The provider says a budget is spent (its headers, learned first, say
+            # which): wait until this request's cost has refilled.
+            due = now
+            for bucket, cost in self._costs(tokens):
+                if cost > 0:
+                    bucket.refill(now)
+                    bucket.level = min(bucket.level, 0.0)
+                    due = max(due, bucket.due(cost, now))
+            if not math.isfinite(due) or due <= now:
+                due = now + 1.0  # nothing learned: look again in a second
+            until = min(due, now + self.settings.max_wait_s)
+        self.blocked_until = max(self.blocked_until, until)
+        return self.blocked_until
+
+    def finish(
+        self,
+        seq: int,
+        now: float,
+        *,
+        ok: bool = True,
+        tokens_in: int | None = None,
+        body_bytes: int = 0,
+    ) -> None:
+        """The attempt of admission ``seq`` is over (its slot is free; ``ok``: it was
+        answered, the window grows); learn from the input tokens reported for it."""
+        tokens = self.running.pop(seq, None)
+        self.uncounted.pop(seq, None)
+        self.seen = True
+        if tokens is None:
+            return
+        if ok and self.window is not None:
+            self.window = min(
+                float(self.settings.max_concurrency), self.window + 1.0 / max(self.window, 1.0)
+            )
+        if tokens_in is not None and body_bytes > 0 and tokens_in > 0:
+            seen = min(tokens_in / body_bytes, 4.0)
+            self.tokens_per_byte = (1 - SMOOTH) * self.tokens_per_byte + SMOOTH * seen
+
+    # -- granting ------------------------------------------------------------------------
+    def pump(self, now: float) -> tuple[list[int], float | None]:
+        """The tickets that may go now (their cost reserved), and when to pump next
+        (None: when something changes, a finish or a header)."""
+        for ticket, (when, seq) in list(self.granted.items()):
+            if now - when > GRANT_TTL_S:
+                del self.granted[ticket]
+                self._refund(seq)
+        out: list[int] = []
+        line = self.line
+        while line:
+            head = line.head()
+            assert head is not None
+            due = self.due(line.costs[head], now)
+            if due > now:
+                return out, (due if math.isfinite(due) else None)
+            tokens = line.costs[head]
+            line.pop_head()
+            self.granted[head] = (now, self._spend(tokens))
+            out.append(head)
+        return out, None
+
+    def view(self, now: float) -> dict[str, Any]:
+        return {
+            "credential": self.cred,
+            "buckets": {n: b.view(now) for n, b in self.buckets.items()},
+            "window": None if self.window is None else round(self.window, 2),
+            "in_flight": len(self.running),
+            "waiting": len(self.line),
+            "sessions_waiting": self.line.sessions(),
+            "blocked_s": round(max(0.0, self.blocked_until - now), 3),
+            "tokens_per_byte": round(self.tokens_per_byte, 4),
+            "waited_total": self.waited_total,
+            "limited_total": self.limited_total,
+            "shared": any(b.shared for b in self.buckets.values()),
+        }
+
+
+class RateBoard:
+    """The limiters of one relay process, by upstream key and credential."""
+
+    def __init__(self, settings: RateSettings | None = None) -> None:
+        self.settings = settings or RateSettings()
+        #: upstream key -> credential hash -> its limiter
+        self.limiters: dict[str, dict[str, Limiter]] = {}
+        #: told when a line of ``key`` may move (the health board's listener)
+        self.poke: Callable[[str], None] | None = None
+        #: told of every change of ``key``'s limiters (a fleet store's top-ups)
+        self.listeners: list[Callable[[str], None]] = []
+
+    def get(self, key: str, cred: str) -> Limiter:
+        by = self.limiters.get(key)
+        if by is None:
+            by = self.limiters[key] = {}
+        lim = by.get(cred)
+        if lim is None:
+            lim = by[cred] = Limiter(key, cred, self.settings)
+        return lim
+
+    def waiting(self, key: str) -> bool:
+        by = self.limiters.get(key)
+        return by is not None and any(lim.waiting for lim in by.values())
+
+    def pump(self, key: str, now: float) -> tuple[list[int], float | None]:
+        by = self.limiters.get(key)
+        if not by:
+            return [], None
+        out: list[int] = []
+        due: float | None = None
+        for lim in by.values():
+            got, d = lim.pump(now)
+            out.extend(got)
+            if d is not None and (due is None or d < due):
+                due = d
+        return out, due
+
+    def changed(self, key: str) -> None:
+        for listener in self.listeners:
+            listener(key)
+        poke = self.poke
+        if poke is not None and self.waiting(key):
+            poke(key)
+
+    def all(self) -> Iterator[Limiter]:
+        for by in self.limiters.values():
+            yield from by.values()
+
+    def view(self, key: str, now: float) -> list[dict[str, Any]]:
+        by = self.limiters.get(key)
+        return [lim.view(now) for lim in by.values()] if by else []

@@ -1,0 +1,276 @@
+"""One rate-limit budget per key across a fleet, through Redis: leases taken atomically.
+
+The decisions are the core's (`unbroken.core.ratelimit`): each relay admits turns
+from its local buckets, synchronously, and never waits on Redis.  With a Redis
+store, a bucket the provider has reported becomes *shared*: the fleet's level
+lives in Redis (one hash per upstream, credential hash and budget)::
+
+    unbroken:rl:<route>|<url>|<credential hash>:<bucket>   limit, rate, level, t
+
+and the local level is a *lease*, budget this relay took out of the fleet's
+bucket.  When turns wait in a shared limiter's line, this module takes a lease for
+them in the background with one Lua script (`TAKE`: refill the fleet's buckets
+by the time elapsed, at Redis's own clock, and take as many head-of-line requests'
+worth as every bucket holds, all or nothing per request), adds it to the local
+buckets and pokes the line, so the turns are let go as soon as Redis answers.  A
+provider's report lowers the fleet's level to what it says is left (`LEARN`;
+it never raises it: refills do).  Keys expire two minutes after their last use.
+
+Redis unreachable or slower than the budget (250 ms): the limiter's buckets stop
+being shared and refill locally again (each relay paces alone; a 429 then still
+blocks its key and halves its window), and they are shared again with the next
+report once the store is back.  A turn never waits on Redis itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from unbroken.core.health import HealthBoard
+from unbroken.core.ratelimit import Limiter
+
+__all__ = ["RateShare"]
+
+log = logging.getLogger("unbroken")
+
+PREFIX = "unbroken:rl:"
+TTL_MS = 120_000
+BUDGET_S = 0.25
+#: head-of-line requests a lease covers at most (more wait for the next one)
+MAX_LEASE = 16
+#: a fleet that has nothing left is asked again after at most this long
+MAX_RETRY_S = 1.0
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+"""
+
+#: KEYS: the buckets; ARGV: most requests wanted, each bucket's cost per request, ttl ms.
+#: Returns {granted requests, seconds until one more is there} ({-1, 0}: unknown bucket).
+TAKE = (
+    _NOW
+    + """
+local n = tonumber(ARGV[1])
+local ttl = tonumber(ARGV[#ARGV])
+local state = {}
+local wait = 0
+for i, k in ipairs(KEYS) do
+  local h = redis.call('HMGET', k, 'limit', 'rate', 'level', 't')
+  if not h[1] then return {-1, '0'} end
+  local limit, rate = tonumber(h[1]), tonumber(h[2])
+  local level = math.min(limit, tonumber(h[3]) + math.max(0, now - tonumber(h[4])) * rate)
+  local cost = math.min(tonumber(ARGV[i + 1]), limit)
+  state[i] = {level, cost}
+  if cost > 0 then
+    local can = math.floor(level / cost + 1e-9)
+    if can < n then n = math.max(can, 0) end
+    if level < cost and rate > 0 then wait = math.max(wait, (cost - level) / rate) end
+  end
+end
+for i, k in ipairs(KEYS) do
+  local level = state[i][1] - n * state[i][2]
+  redis.call('HSET', k, 'level', tostring(level), 't', tostring(now))
+  redis.call('PEXPIRE', k, ttl)
+end
+return {n, tostring(wait)}
+"""
+)
+
+#: KEYS: one bucket; ARGV: limit, rate, the level the provider's report implies, ttl ms.
+LEARN = (
+    _NOW
+    + """
+local k = KEYS[1]
+local limit, rate, value = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local h = redis.call('HMGET', k, 'limit', 'rate', 'level', 't')
+local level = value
+if h[1] then
+  local old = math.min(tonumber(h[1]),
+    tonumber(h[3]) + math.max(0, now - tonumber(h[4])) * tonumber(h[2]))
+  level = math.min(old, value)
+end
+redis.call('HSET', k, 'limit', tostring(limit), 'rate', tostring(rate),
+  'level', tostring(level), 't', tostring(now))
+redis.call('PEXPIRE', k, tonumber(ARGV[4]))
+return tostring(level)
+"""
+)
+
+
+def _charged(lim: Limiter) -> list[str]:
+    """The buckets a request is charged ahead (not output: it only blocks when spent)."""
+    return [n for n in ("requests", "tokens") if n in lim.buckets]
+
+
+class RateShare:
+    """A Redis store's share of the rate limiters (see the module docstring)."""
+
+    def __init__(
+        self,
+        board: HealthBoard,
+        redis: Any,
+        *,
+        is_up: Callable[[], bool],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self.board = board
+        self.redis = redis
+        self.is_up = is_up
+        self.on_error = on_error
+        self._take = redis.register_script(TAKE)
+        self._learn = redis.register_script(LEARN)
+        #: (limiter, bucket) -> the report version pushed to Redis
+        self._pushed: dict[tuple[int, str], int] = {}
+        self._busy: set[int] = set()  # limiters with a top-up under way
+        self._dirty: set[int] = set()  # ... and a change since it began
+        self._again: dict[int, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Future[None]] = set()
+        self.leases = 0  # leases taken (for /status)
+        board.rates.listeners.append(self._changed)
+
+    def close(self) -> None:
+        for handle in self._again.values():
+            handle.cancel()
+        for task in self._tasks:
+            task.cancel()
+
+    def status(self) -> dict[str, Any]:
+        shared = sum(1 for lim in self.board.rates.all() for b in lim.buckets.values() if b.shared)
+        return {"shared_buckets": shared, "leases": self.leases}
+
+    def _name(self, lim: Limiter, bucket: str) -> str:
+        return f"{PREFIX}{lim.key}|{lim.cred}:{bucket}"
+
+    # -- events ------------------------------------------------------------------------
+    def _changed(self, key: str) -> None:
+        by = self.board.rates.limiters.get(key)
+        if not by:
+            return
+        up = self.is_up()
+        for lim in by.values():
+            if not up:
+                self.unshare(lim)
+                continue
+            reports = any(
+                self._pushed.get((id(lim), n), -1) != lim.buckets[n].version for n in _charged(lim)
+            )
+            waiting = bool(lim.line) and any(lim.buckets[n].shared for n in _charged(lim))
+            if reports or waiting:
+                if id(lim) in self._busy:
+                    self._dirty.add(id(lim))
+                else:
+                    self._spawn(self._work(lim))
+
+    def _spawn(self, coro: Any) -> None:
+        try:
+            task = asyncio.ensure_future(coro)
+        except RuntimeError:  # no running loop (a board used outside the relay)
+            coro.close()
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def unshare(self, lim: Limiter) -> None:
+        """Local pacing for this limiter (Redis is away): its buckets refill locally."""
+        changed = False
+        for b in lim.buckets.values():
+            if b.shared:
+                b.shared = False
+                changed = True
+        if changed:
+            for n in list(lim.buckets):
+                self._pushed.pop((id(lim), n), None)
+            poke = self.board.rates.poke
+            if poke is not None:
+                poke(lim.key)
+
+    def unshare_all(self) -> None:
+        for lim in list(self.board.rates.all()):
+            self.unshare(lim)
+
+    # -- Redis -------------------------------------------------------------------------
+    async def _work(self, lim: Limiter) -> None:
+        self._busy.add(id(lim))
+        try:
+            async with asyncio.timeout(BUDGET_S):
+                await self._push(lim)
+                if lim.line and all(lim.buckets[n].shared for n in _charged(lim)):
+                    await self._lease(lim)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            self.unshare(lim)  # slow: pace locally until the next report
+        except Exception as exc:
+            self.unshare(lim)
+            self.on_error(exc)
+        finally:
+            self._busy.discard(id(lim))
+            if id(lim) in self._dirty:
+                self._dirty.discard(id(lim))
+                self._again_in(lim, 0.0)
+
+    async def _push(self, lim: Limiter) -> None:
+        """Share the provider's new reports: the fleet's level is lowered to them."""
+        for n in _charged(lim):
+            b = lim.buckets[n]
+            if self._pushed.get((id(lim), n), -1) == b.version:
+                continue
+            if b.shared:
+                value = b.reported  # the provider's new report
+            else:  # sharing it (again): what this relay reckons is left now
+                b.refill(asyncio.get_running_loop().time())
+                value = b.level
+            await self._learn(keys=[self._name(lim, n)], args=[b.limit, b.rate, value, TTL_MS])
+            self._pushed[(id(lim), n)] = b.version
+            if not b.shared:
+                b.shared = True
+                b.level = 0.0  # from now on, what this relay holds is leased
+
+    async def _lease(self, lim: Limiter) -> None:
+        """Take budget for the turns in line from the fleet's buckets."""
+        names = _charged(lim)
+        head = lim.line.head()
+        if head is None or not names:
+            return
+        tokens = lim.line.costs.get(head, 0.0)
+        costs = [1.0 if n == "requests" else tokens for n in names]
+        want = min(len(lim.line), MAX_LEASE)
+        got, wait = await self._take(
+            keys=[self._name(lim, n) for n in names], args=[want, *costs, TTL_MS]
+        )
+        got, wait = int(got), float(wait)
+        if got < 0:  # the fleet forgot the bucket (expired, Redis restarted): teach it
+            for n in names:
+                self._pushed.pop((id(lim), n), None)
+            self._again_in(lim, 0.0)
+            return
+        if got:
+            self.leases += 1
+            for n, cost in zip(names, costs, strict=True):
+                b = lim.buckets[n]
+                b.level += got * min(cost, b.limit)
+            poke = self.board.rates.poke
+            if poke is not None:
+                poke(lim.key)
+        if lim.line and (got < want or got == 0):
+            self._again_in(lim, min(max(wait, 0.001), MAX_RETRY_S) if not got else 0.0)
+
+    def _again_in(self, lim: Limiter, delay: float) -> None:
+        """Ask again for ``lim`` after ``delay`` (the fleet's next refill)."""
+        key = id(lim)
+        old = self._again.pop(key, None)
+        if old is not None:
+            old.cancel()
+        loop = asyncio.get_running_loop()
+
+        def fire() -> None:
+            self._again.pop(key, None)
+            with contextlib.suppress(Exception):
+                self.board.rates.changed(lim.key)
+
+        self._again[key] = loop.call_later(delay, fire)

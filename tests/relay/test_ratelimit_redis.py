@@ -1,0 +1,109 @@
+"""One rate-limit budget per key across two relays, through a real ``redis-server``;
+a Redis outage falls back to local pacing, never to blocking.
+
+The mock enforces RPM per key and sends OpenAI's headers.  Waits poll a condition
+with a deadline, never a bare sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from redisfix import RedisServer
+from relay.test_health_relay import CHAT, PATH, until
+from unbroken.config import parse_config
+from unbroken.mock.limits import MockLimits
+from unbroken.relay.server import RelayServer
+
+KEY = {"Authorization": "Bearer sk-fleet-shared-key"}
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def fleet_config(upstream: str, store: str) -> Any:
+    data = {
+        "retry": {"delay_ms": 5, "max_delay_ms": 50},
+        "health": {"store": store},
+        "routes": {"mock": {"upstreams": [{"url": upstream}]}},
+        "journal": {"enabled": False},
+    }
+    return dataclasses.replace(parse_config(data, env={}), port=0, grace_s=2.0)
+
+
+async def post(http: aiohttp.ClientSession, url: str, who: str) -> int:
+    async with http.post(url + PATH, json=CHAT, headers={**KEY, "x-instance": who}) as r:
+        await r.read()
+        return r.status
+
+
+def count(mock: Any, status: int) -> int:
+    return sum(1 for _, _, s in mock.limits.log if s == status)
+
+
+def shared(server: RelayServer) -> bool:
+    lims = list(server.relay.board.rates.all())
+    return bool(lims) and all(b.shared for lim in lims for b in lim.buckets.values())
+
+
+async def test_two_relays_share_one_budget_per_key(redis_server, mock):
+    mock.limits = MockLimits(rpm=300, start=0.0)  # five a second, spent at first
+    cfg = fleet_config(mock.url, redis_server.url)
+    async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
+        await until(lambda: a.relay.store.status()["state"] == "ok")
+        await until(lambda: b.relay.store.status()["state"] == "ok")
+        # each relay learns the key's budget once (a 429, then its retry)
+        assert await post(http, a.url, "A") == 200
+        assert await post(http, b.url, "B") == 200
+        await until(lambda: shared(a) and shared(b))
+        mock.limits.log.clear()
+        # sixteen turns at once, half through each relay: alone, each relay would think
+        # it has the whole budget; sharing it, they hardly ever collect a 429
+        results = await asyncio.gather(
+            *(post(http, (a if i % 2 else b).url, "AB"[i % 2]) for i in range(16))
+        )
+        assert results == [200] * 16
+        assert count(mock, 200) == 16 and count(mock, 429) <= 2, mock.limits.log
+        status = a.relay.store.status()
+        assert status["ratelimits"]["shared_buckets"] == 1 and status["ratelimits"]["leases"] >= 1
+        up = await (await http.get(a.url + "/status")).json()
+        [u] = [u for u in up["upstreams"] if u["route"] == "mock"]
+        assert u["ratelimits"][0]["shared"] is True
+
+
+async def test_a_redis_outage_falls_back_to_local_pacing_never_to_blocking(redis_server, mock):
+    mock.limits = MockLimits(rpm=600, start=0.0)  # ten a second
+    cfg = fleet_config(mock.url, redis_server.url)
+    async with RelayServer(cfg) as a, aiohttp.ClientSession() as http:
+        await until(lambda: a.relay.store.status()["state"] == "ok")
+        assert await post(http, a.url, "A") == 200
+        await until(lambda: shared(a))
+        redis_server.stop()
+        # the turns do not wait on the dead Redis: each either finds the store degraded
+        # (local pacing) or the lease request fails and the limiter paces locally
+        results = await asyncio.wait_for(
+            asyncio.gather(*(post(http, a.url, "A") for _ in range(6))), 30
+        )
+        assert results == [200] * 6
+        await until(lambda: a.relay.store.status()["state"] == "degraded")
+        assert not shared(a)
+        assert [await post(http, a.url, "A") for _ in range(3)] == [200] * 3
+        redis_server.start()  # same port
+        await until(lambda: a.relay.store.status()["state"] == "ok", cap=10)
+        # the next report shares the budget again
+        assert await post(http, a.url, "A") == 200
+        await until(lambda: shared(a), cap=10)
