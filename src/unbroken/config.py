@@ -249,6 +249,7 @@ RATELIMIT_KEYS: dict[str, str] = {
     "max_wait_s": _FLOAT,
     "max_concurrency": _INT,
     "decrease": _FLOAT,
+    "cold_start": _INT,
 }
 UPSTREAM_KEYS = {"url", "api_key_env", "models", "key_headers"}
 SECTIONS = {
@@ -676,6 +677,8 @@ def _ratelimit(rl: dict[str, Any]) -> RateSettings:
         raise ConfigError("ratelimit.max_wait_s", "must be greater than 0")
     if rl.get("max_concurrency", 1) < 1:
         raise ConfigError("ratelimit.max_concurrency", "must be at least 1")
+    if rl.get("cold_start", 1) < 1:
+        raise ConfigError("ratelimit.cold_start", "must be at least 1")
     decrease = rl.get("decrease", 0.5)
     if not 0 < decrease < 1:
         raise ConfigError("ratelimit.decrease", f"expected a share in (0, 1), got {decrease!r}")
@@ -684,6 +687,7 @@ def _ratelimit(rl: dict[str, Any]) -> RateSettings:
         max_wait_s=float(rl.get("max_wait_s", 60.0)),
         max_concurrency=rl.get("max_concurrency", 512),
         decrease=float(decrease),
+        cold_start=rl.get("cold_start", 4),
     )
 
 

@@ -56,15 +56,17 @@ def answered(lim: Limiter) -> Limiter:
     return lim
 
 
-def test_the_first_request_goes_alone_until_the_provider_answers() -> None:
-    lim = Limiter(K, "c", RateSettings())
+def test_a_cold_start_sends_a_few_then_waits_for_the_providers_first_answer() -> None:
+    lim = Limiter(K, "c", RateSettings(cold_start=4))
     first = lim.admit(1, "a", 10.0, 0.0)
     assert first > 0
-    assert [lim.admit(t, "b", 10.0, 0.0) for t in (2, 3, 4)] == [0, 0, 0]
+    # a lone agent's own concurrent first requests never wait
+    assert all(lim.admit(t, "b", 10.0, 0.0) for t in (2, 3, 4))
+    assert [lim.admit(t, "c", 10.0, 0.0) for t in (5, 6, 7)] == [0, 0, 0]
     assert lim.pump(0.0) == ([], None)  # woken by the answer, not by a timer
     lim.learn(first, RateHeaders(), 0.05)  # its headers: no rate limit said
     granted, due = lim.pump(0.05)
-    assert granted == [2, 3, 4] and due is None
+    assert granted == [5, 6, 7] and due is None
 
 
 def test_with_no_limit_reported_everything_goes() -> None:

