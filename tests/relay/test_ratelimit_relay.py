@@ -12,14 +12,13 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 import pytest_asyncio
 
-from unbroken.config import parse_config
+from relay.test_health_relay import CHAT, PATH, config, until
 from unbroken.core.ratelimit import credential_hash
 from unbroken.mock import MockProvider
 from unbroken.mock.limits import MockLimits
@@ -28,32 +27,7 @@ from unbroken.observe.stats import compute_stats, format_stats
 from unbroken.relay.pacing import RateLimitIO
 from unbroken.relay.server import RelayServer
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-PATH = "/mock/v1/chat/completions"
 KEY = {"Authorization": "Bearer sk-test-ratelimit-0001"}
-
-
-def config(upstreams: list[str], **sections: dict[str, Any]) -> Any:
-    data: dict[str, Any] = {
-        "retry": {"delay_ms": 5, "max_delay_ms": 50, **sections.pop("retry", {})},
-        "routes": {"mock": {"upstreams": [{"url": u} for u in upstreams]}},
-        "journal": {"enabled": False},
-        **sections,
-    }
-    return dataclasses.replace(parse_config(data, env={}), port=0, grace_s=2.0)
-
-
-async def until(cond: Callable[[], Awaitable[bool] | bool], cap: float = 20.0) -> None:
-    deadline = time.monotonic() + cap
-    while True:
-        got = cond()
-        if not isinstance(got, bool):
-            got = await got
-        if got:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 async def chat(http: aiohttp.ClientSession, url: str, **headers: str) -> tuple[int, bytes]:
