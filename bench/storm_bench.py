@@ -7,7 +7,8 @@ A benchmark, not a test: it measures and reports, it asserts nothing.
 Everything runs in this process on loopback: mock providers
 (``unbroken.mock.MockProvider``), one relay (``RelayServer``) and the clients.
 Two scenarios, each run with ``[health] breakers`` on and off (default retry
-settings otherwise: exponential backoff from 250 ms, full jitter, 30 s cap):
+settings otherwise: 250 ms fixed retries, paced per upstream; see
+``bench/recovery_bench.py`` for the pacing model's own benchmark):
 
 * **failover**: a route of [primary, backup]; the primary answers 503 for
   ``--outage`` seconds.  ``--turns`` clients send streamed turns back to back.
