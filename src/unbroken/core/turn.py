@@ -1071,8 +1071,10 @@ class TurnMachine:
         t0 = self._write_t0
         blocked = now - t0
         if blocked > 0:
-            self.last_rx = min(self.last_rx, t0) + blocked
-            self._attempt_t0 = min(self._attempt_t0, t0) + blocked
+            rx = self.last_rx
+            self.last_rx = (rx if rx < t0 else t0) + blocked
+            a0 = self._attempt_t0
+            self._attempt_t0 = (a0 if a0 < t0 else t0) + blocked
 
     @property
     def min_interval(self) -> float:

@@ -908,12 +908,15 @@ class _HttpTurn:
 
     def release(self, events: Sequence[Event]) -> Awaitable[None]:
         # The write's own coroutine, awaited by the caller: no frame of its own per chunk.
+        # It follows the read that fed the machine at once: that read's time is when the
+        # write starts (no second clock read per chunk).
+        t0 = self.machine.last_rx
         if len(events) == 1:
-            return self._write(events[0].raw)
-        return self._write(b"".join([e.raw for e in events]))
+            return self._write(events[0].raw, t0)
+        return self._write(b"".join([e.raw for e in events]), t0)
 
     def release_body(self, data: bytes) -> Awaitable[None]:
-        return self._write(data)
+        return self._write(data, self.machine.last_rx)
 
     async def _end(self, action: End) -> web.StreamResponse:
         if action.kind is EndKind.ABORT:
@@ -976,14 +979,16 @@ class _HttpTurn:
             self.watchdog.arm()  # keepalives are now due from here
             return True
 
-    async def _write(self, data: bytes) -> None:
+    async def _write(self, data: bytes, t0: float | None = None) -> None:
+        """Write ``data`` to the client.  ``t0``: when the write began, if the caller
+        knows (the read it follows); else the clock says."""
         response = self.response
         if response is None:
             await self._prepare(self.pending or _WithFirstWrite(headers=SSE_HEADERS))
             response = self.response
             assert response is not None
         machine = self.machine
-        machine.write_started(self.loop.time())
+        machine.write_started(self.loop.time() if t0 is None else t0)
         try:
             await response.write(data)
         except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError) as exc:
