@@ -326,13 +326,7 @@ class RedisStore(HealthStore):
         pubsub = self.redis.pubsub()
         try:
             await pubsub.subscribe(CHANNEL)
-            was_down = self.degraded_since is not None
-            self.up = True
-            self.degraded_since = None
-            if was_down:
-                log.warning("health store: redis is back (%s)", self.status()["url"])
-            for change in self._local_changes():  # share what we learned meanwhile
-                self.publish(change)
+            self._back()
             await self._resync(budget=1.0)
             next_sync = self.clock() + RESYNC_S
             while True:
@@ -341,16 +335,31 @@ class RedisStore(HealthStore):
                     self._apply_message(msg["data"])
                 if self.clock() >= next_sync:
                     next_sync = self.clock() + RESYNC_S
-                    await self._resync(budget=READ_BUDGET_S)
+                    # A writer's failure (a stale connection after a restart, say) marks
+                    # the store degraded while this session still reads: a read that
+                    # succeeds brings it back, so sharing never stops for good.
+                    if await self._resync(budget=READ_BUDGET_S) and not self.up:
+                        self._back()
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
 
-    async def _resync(self, *, budget: float) -> None:
-        """Re-read every known upstream's keys; past ``budget`` seconds keep local state."""
+    def _back(self) -> None:
+        """Redis answers again: share again (logged once per outage)."""
+        was_down = self.degraded_since is not None
+        self.up = True
+        self.degraded_since = None
+        if was_down:
+            log.warning("health store: redis is back (%s)", self.status()["url"])
+        for change in self._local_changes():  # share what we learned meanwhile
+            self.publish(change)
+
+    async def _resync(self, *, budget: float) -> bool:
+        """Re-read every known upstream's keys; past ``budget`` seconds keep local state.
+        True when Redis answered."""
         keys = list(self.board.records)
         if not keys:
-            return
+            return True
         window = self.board.settings.window_s
         width = window / 10
         wall_ms = int(time.time() * 1000)
@@ -377,7 +386,7 @@ class RedisStore(HealthStore):
             async with asyncio.timeout(budget):
                 res = await pipe.execute()
         except TimeoutError:
-            return  # slow Redis: local state stands until the next read
+            return False  # slow Redis: local state stands until the next read
         now = self.clock()
         for i, key in enumerate(keys):
             _, _, waiters, b_ttl, b_val, c_ttl, c_val, counts = res[i * 8:(i + 1) * 8]
@@ -391,6 +400,7 @@ class RedisStore(HealthStore):
             nums = [int(x) if x is not None else 0 for x in counts]
             ok, failed = self.fleet[key] = (sum(nums[:10]), sum(nums[10:]))
             self.board.fleet_window(key, ok, failed, now)
+        return True
 
     def _share(self, key: str, waiters: Any, wall_ms: int) -> None:
         """How many relays have turns in ``key``'s line (this one counts itself): the
