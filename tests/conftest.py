@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
+from redisfix import RedisServer
 from unbroken.mock import MockProvider
 
 pytest_plugins = ("noskip",)
@@ -35,3 +37,14 @@ def no_waits() -> Iterator[None]:
         yield
     finally:
         set_testing(False)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port (`redisfix`), for the store tests."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

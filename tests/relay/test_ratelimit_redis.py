@@ -9,30 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 
-from redisfix import RedisServer
 from relay.test_health_relay import CHAT, PATH, until
 from unbroken.config import parse_config
 from unbroken.mock.limits import MockLimits
 from unbroken.relay.server import RelayServer
 
 KEY = {"Authorization": "Bearer sk-fleet-shared-key"}
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def fleet_config(upstream: str, store: str) -> Any:

@@ -10,29 +10,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import pytest
 import pytest_asyncio
 
-from redisfix import RedisServer
 from relay.test_health_relay import CHAT, PATH, DeadPort, until
 from unbroken.config import parse_config
 from unbroken.mock import MockProvider
 from unbroken.relay.server import RelayServer
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest_asyncio.fixture
