@@ -48,19 +48,30 @@ ROOT = hb.ROOT
 PY = hb.PY
 LITELLM_VERSION = "1.110.2"
 LITELLM_KEY = "sk-bench-0123456789abcdef0123456789abcdef"  # a local-only master key
-LITELLM_ENV = {"LITELLM_OFFLINE_MODE": "true", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-               "LITELLM_MASTER_KEY": LITELLM_KEY, "LITELLM_LOG": "ERROR"}
+LITELLM_ENV = {
+    "LITELLM_OFFLINE_MODE": "true",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "LITELLM_MASTER_KEY": LITELLM_KEY,
+    "LITELLM_LOG": "ERROR",
+}
 # The proxy extra's own packages: litellm-proxy is not on the index; the other two are
 # pinned to versions that are not published either.  Everything else of the extra is installed.
 LITELLM_NOT_INSTALLABLE = ("litellm-proxy", "litellm-proxy-extras", "litellm-enterprise")
 STREAM_TIMEOUT_S = 2.0  # stall detection, configured the same on unbroken and LiteLLM
 
 CHAT_BODY = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-MSG_BODY = {"model": "claude-bench", "stream": True, "max_tokens": 1024,
-            "messages": [{"role": "user", "content": "hi"}]}
+MSG_BODY = {
+    "model": "claude-bench",
+    "stream": True,
+    "max_tokens": 1024,
+    "messages": [{"role": "user", "content": "hi"}],
+}
 TEXT_MARKER = '"content":"Hel'  # the first text delta (LiteLLM's role chunk has "content":"")
-HEADERS = {"content-type": "application/json", "accept": "text/event-stream",
-           "authorization": f"Bearer {LITELLM_KEY}"}  # LiteLLM's key; the others ignore it
+HEADERS = {
+    "content-type": "application/json",
+    "accept": "text/event-stream",
+    "authorization": f"Bearer {LITELLM_KEY}",
+}  # LiteLLM's key; the others ignore it
 
 
 @dataclass(frozen=True)
@@ -77,34 +88,82 @@ class Profile:
     settle_s: float = 1.0  # a pause for RSS to settle before it is read
 
 
-FULL = Profile(reps=3, ttfc_n=200, rps_duration_s=5.0, rps_warmup_s=1.0, cpu_requests=96,
-               cpu_requests_litellm=16, mem_points=(100, 250, 500), failover_n=5,
-               fault_timeout_s=20.0)
-QUICK = Profile(reps=1, ttfc_n=20, rps_duration_s=0.8, rps_warmup_s=0.3, cpu_requests=16,
-                cpu_requests_litellm=4, mem_points=(40, 100), failover_n=2,
-                fault_timeout_s=3.0, settle_s=0.2)
+FULL = Profile(
+    reps=3,
+    ttfc_n=200,
+    rps_duration_s=5.0,
+    rps_warmup_s=1.0,
+    cpu_requests=96,
+    cpu_requests_litellm=16,
+    mem_points=(100, 250, 500),
+    failover_n=5,
+    fault_timeout_s=20.0,
+)
+QUICK = Profile(
+    reps=1,
+    ttfc_n=20,
+    rps_duration_s=0.8,
+    rps_warmup_s=0.3,
+    cpu_requests=16,
+    cpu_requests_litellm=4,
+    mem_points=(40, 100),
+    failover_n=2,
+    fault_timeout_s=3.0,
+    settle_s=0.2,
+)
 
 # name, description, protocol, queued mock actions ("refused" uses the refused-primary route)
 FAULTS: list[tuple[str, str, str, list[dict[str, Any]]]] = [
     ("503 storm", "six 503s, then a clean reply", "chat", [{"status": 503, "count": 6}]),
-    ("429 + Retry-After", "429 with Retry-After: 1, then a clean reply", "chat",
-     [{"status": 429, "headers": {"Retry-After": "1"}}]),
-    ("refused primary", "first upstream refuses the connection; a second one is fine",
-     "chat", []),
-    ("reset before output", "role chunk, then a connection reset", "chat",
-     [{"fault": "reset", "after_frame": 1}]),
-    ("reset after output", "role chunk + 2 text deltas, then a reset", "chat",
-     [{"fault": "reset", "after_frame": 3}]),
-    ("clean end after output", "role chunk + 2 text deltas, then a clean end of body",
-     "chat", [{"fault": "end", "after_frame": 3}]),
-    ("stall before output", "role chunk, then 30 s of silence", "chat",
-     [{"fault": "stall", "after_frame": 1, "seconds": 30}]),
-    ("reset mid tool arguments", "a streamed tool call cut after 2 argument fragments",
-     "tool", [{"fault": "reset", "after_frame": 4, "reply": "tool"}, {"reply": "tool"}]),
-    ("in-stream error", "role chunk, then an `overloaded` error event", "chat",
-     [{"fault": "error_event", "after_frame": 1, "error": "overloaded"}]),
-    ("Anthropic reset after message_start", "`message_start`, then a reset", "messages",
-     [{"fault": "reset", "after_frame": 1}]),
+    (
+        "429 + Retry-After",
+        "429 with Retry-After: 1, then a clean reply",
+        "chat",
+        [{"status": 429, "headers": {"Retry-After": "1"}}],
+    ),
+    ("refused primary", "first upstream refuses the connection; a second one is fine", "chat", []),
+    (
+        "reset before output",
+        "role chunk, then a connection reset",
+        "chat",
+        [{"fault": "reset", "after_frame": 1}],
+    ),
+    (
+        "reset after output",
+        "role chunk + 2 text deltas, then a reset",
+        "chat",
+        [{"fault": "reset", "after_frame": 3}],
+    ),
+    (
+        "clean end after output",
+        "role chunk + 2 text deltas, then a clean end of body",
+        "chat",
+        [{"fault": "end", "after_frame": 3}],
+    ),
+    (
+        "stall before output",
+        "role chunk, then 30 s of silence",
+        "chat",
+        [{"fault": "stall", "after_frame": 1, "seconds": 30}],
+    ),
+    (
+        "reset mid tool arguments",
+        "a streamed tool call cut after 2 argument fragments",
+        "tool",
+        [{"fault": "reset", "after_frame": 4, "reply": "tool"}, {"reply": "tool"}],
+    ),
+    (
+        "in-stream error",
+        "role chunk, then an `overloaded` error event",
+        "chat",
+        [{"fault": "error_event", "after_frame": 1, "error": "overloaded"}],
+    ),
+    (
+        "Anthropic reset after message_start",
+        "`message_start`, then a reset",
+        "messages",
+        [{"fault": "reset", "after_frame": 1}],
+    ),
 ]
 OUTCOMES = ("complete", "spliced", "truncated, shown as success", "error")
 
@@ -137,10 +196,15 @@ class CompareGen(hb._Gen):
                 error = f"no complete answer within {c['timeout']:g} s"
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"[:200]
-            out.append({"status": status, "error": error,
-                        "elapsed_ms": (time.perf_counter() - t0) * 1000,
-                        "first_ms": None if first is None else first * 1000,
-                        "body": data.decode("latin-1") if c.get("keep_body") else None})
+            out.append(
+                {
+                    "status": status,
+                    "error": error,
+                    "elapsed_ms": (time.perf_counter() - t0) * 1000,
+                    "first_ms": None if first is None else first * 1000,
+                    "body": data.decode("latin-1") if c.get("keep_body") else None,
+                }
+            )
         return {"results": out}
 
 
@@ -156,9 +220,12 @@ def _refused_port() -> tuple[socket.socket, int]:
 
 
 def mock_call(mock_url: str, path: str, payload: dict[str, Any] | None = None) -> None:
-    req = urllib.request.Request(f"{mock_url}/_mock/{path}",
-                                 data=json.dumps(payload or {}).encode(),
-                                 headers={"content-type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        f"{mock_url}/_mock/{path}",
+        data=json.dumps(payload or {}).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         r.read()
 
@@ -169,8 +236,10 @@ def litellm_venv(path: Path) -> Path:
     stamp = path / f".ok-{LITELLM_VERSION}"
     if stamp.exists() and exe.exists():
         return exe
-    hb.log(f"installing litellm {LITELLM_VERSION} + its proxy extra's dependencies into {path} "
-           "(once; a few minutes)")
+    hb.log(
+        f"installing litellm {LITELLM_VERSION} + its proxy extra's dependencies into {path} "
+        "(once; a few minutes)"
+    )
     shutil.rmtree(path, ignore_errors=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
@@ -185,8 +254,9 @@ def litellm_venv(path: Path) -> Path:
         " and not q.marker.evaluate({'extra': ''}):\n"
         "        print(str(q).split(';')[0].strip())\n"
     )
-    reqs = subprocess.run([str(path / "bin" / "python"), "-c", lister], check=True,
-                          capture_output=True, text=True).stdout.split("\n")
+    reqs = subprocess.run(
+        [str(path / "bin" / "python"), "-c", lister], check=True, capture_output=True, text=True
+    ).stdout.split("\n")
     keep = [r for r in reqs if r and re.split(r"[<>=!~ \[]", r)[0] not in LITELLM_NOT_INSTALLABLE]
     subprocess.run([*pip, *keep], check=True)
     stamp.write_text("\n".join(keep) + "\n")
@@ -195,8 +265,10 @@ def litellm_venv(path: Path) -> Path:
 
 def litellm_config(mock_url: str, fault_url: str, refused: list[int]) -> str:
     def dep(group: str, model: str, base: str, extra: str = "") -> str:
-        return (f"  - model_name: {group}\n    litellm_params:\n      model: {model}\n"
-                f"      api_base: {base}\n      api_key: sk-bench\n{extra}")
+        return (
+            f"  - model_name: {group}\n    litellm_params:\n      model: {model}\n"
+            f"      api_base: {base}\n      api_key: sk-bench\n{extra}"
+        )
 
     stall = f"      stream_timeout: {STREAM_TIMEOUT_S:g}\n      timeout: 10\n"
     return (
@@ -214,8 +286,10 @@ def litellm_config(mock_url: str, fault_url: str, refused: list[int]) -> str:
 def unbroken_config(upstreams: dict[str, list[str]], stall: bool) -> str:
     text = "[server]\ngrace_s = 1.0\n\n[retry]\nverbose = false\n\n"
     if stall:
-        text += (f"[stream]\nfirst_frame_timeout_s = {STREAM_TIMEOUT_S:g}\n"
-                 f"idle_timeout_s = {STREAM_TIMEOUT_S:g}\n\n")
+        text += (
+            f"[stream]\nfirst_frame_timeout_s = {STREAM_TIMEOUT_S:g}\n"
+            f"idle_timeout_s = {STREAM_TIMEOUT_S:g}\n\n"
+        )
     for route, urls in upstreams.items():
         ups = ", ".join(f'{{ url = "{u}" }}' for u in urls)
         text += f"[routes.{route}]\nupstreams = [{ups}]\n\n"
@@ -225,31 +299,52 @@ def unbroken_config(upstreams: dict[str, list[str]], stall: bool) -> str:
 class Suts:
     """One fresh set of systems under test: {name: (Proc, base URL for the chat path)}."""
 
-    def __init__(self, fleet: hb.Fleet, tag: str, *, mock_url: str, fault_url: str,
-                 refused: list[int], litellm: Path | None) -> None:
+    def __init__(
+        self,
+        fleet: hb.Fleet,
+        tag: str,
+        *,
+        mock_url: str,
+        fault_url: str,
+        refused: list[int],
+        litellm: Path | None,
+    ) -> None:
         self.fleet = fleet
         self.procs: dict[str, hb.Proc] = {}
         wd = fleet.workdir
         self.procs["bare"] = fleet.start(
-            f"bare-{tag}", [PY, str(ROOT / "bench" / "bare_proxy.py"), "--upstream", mock_url],
-            cpu=fleet.sut_cpu, ready=r"listening on (http://\S+)")
+            f"bare-{tag}",
+            [PY, str(ROOT / "bench" / "bare_proxy.py"), "--upstream", mock_url],
+            cpu=fleet.sut_cpu,
+            ready=r"listening on (http://\S+)",
+        )
         state = wd / f"state-{tag}"
         state.mkdir(exist_ok=True)
         cfg = wd / f"unbroken-{tag}.toml"
-        cfg.write_text(unbroken_config(
-            {"mock": [mock_url], "failover": [f"http://127.0.0.1:{refused[0]}", mock_url]},
-            stall=False))
+        cfg.write_text(
+            unbroken_config(
+                {"mock": [mock_url], "failover": [f"http://127.0.0.1:{refused[0]}", mock_url]},
+                stall=False,
+            )
+        )
         self.procs["unbroken"] = fleet.start(
-            f"unbroken-{tag}", [PY, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"],
-            cpu=fleet.sut_cpu, ready=r"relaying on (http://\S+)",
-            env={"XDG_STATE_HOME": str(state), "HOME": str(state)})
+            f"unbroken-{tag}",
+            [PY, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"],
+            cpu=fleet.sut_cpu,
+            ready=r"relaying on (http://\S+)",
+            env={"XDG_STATE_HOME": str(state), "HOME": str(state)},
+        )
         if litellm is not None:
             lcfg = wd / f"litellm-{tag}.yaml"
             lcfg.write_text(litellm_config(mock_url, fault_url, refused))
             port = hb_free_port()
-            p = fleet.start(f"litellm-{tag}", [str(litellm), "--config", str(lcfg), "--host",
-                                                "127.0.0.1", "--port", str(port)],
-                            cpu=fleet.sut_cpu, ready=None, env={**LITELLM_ENV, "HOME": str(state)})
+            p = fleet.start(
+                f"litellm-{tag}",
+                [str(litellm), "--config", str(lcfg), "--host", "127.0.0.1", "--port", str(port)],
+                cpu=fleet.sut_cpu,
+                ready=None,
+                env={**LITELLM_ENV, "HOME": str(state)},
+            )
             wait_http(f"http://127.0.0.1:{port}/health/liveliness", p, 120)
             p.url = f"http://127.0.0.1:{port}"
             self.procs["litellm"] = p
@@ -283,8 +378,10 @@ def wait_http(url: str, proc: hb.Proc, timeout: float) -> None:
             if r.status == 200:
                 return
         time.sleep(0.5)
-    raise RuntimeError(f"{proc.name} did not start:\n{proc.err_path.read_text()[-3000:]}\n"
-                       f"{proc.out_path.read_text()[-2000:]}")
+    raise RuntimeError(
+        f"{proc.name} did not start:\n{proc.err_path.read_text()[-3000:]}\n"
+        f"{proc.out_path.read_text()[-2000:]}"
+    )
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -325,8 +422,9 @@ def measure_memory(gen: hb.Proc, mock_url: str, suts: Suts, prof: Profile) -> di
         idle = tree_rss(pid)
         points = [(0, idle)]
         for n in prof.mem_points:
-            h = gen.call({"op": "hold", "url": suts.url(name), "n": n, "timeout": 120, **s},
-                         timeout=150)
+            h = gen.call(
+                {"op": "hold", "url": suts.url(name), "n": n, "timeout": 120, **s}, timeout=150
+            )
             time.sleep(prof.settle_s)
             samples = []
             for _ in range(3):
@@ -337,10 +435,15 @@ def measure_memory(gen: hb.Proc, mock_url: str, suts: Suts, prof: Profile) -> di
             points.append((h["ready"], loaded))
             time.sleep(prof.settle_s * 0.5)
         n_max, top = points[-1]
-        out[name] = {"idle_mib": idle / 1024, "points": points,
-                     "kib_per_stream": (top - idle) / max(n_max, 1)}
-        hb.log(f"  memory {name:8s}: idle {idle / 1024:.1f} MiB; "
-               + ", ".join(f"{n} streams {k / 1024:.1f} MiB" for n, k in points[1:]))
+        out[name] = {
+            "idle_mib": idle / 1024,
+            "points": points,
+            "kib_per_stream": (top - idle) / max(n_max, 1),
+        }
+        hb.log(
+            f"  memory {name:8s}: idle {idle / 1024:.1f} MiB; "
+            + ", ".join(f"{n} streams {k / 1024:.1f} MiB" for n, k in points[1:])
+        )
     return out
 
 
@@ -348,15 +451,25 @@ def measure_ttfc(gen: hb.Proc, mock_url: str, suts: Suts, prof: Profile) -> dict
     mock_call(mock_url, "default", {"deltas": 1, "chunk_delay_ms": 5})
     targets = [["direct", f"{mock_url}/v1/chat/completions"]]
     targets += [[n, suts.url(n)] for n in suts.names()]
-    r = gen.call({"op": "ttfc", "targets": targets, "n": prof.ttfc_n, "marker": TEXT_MARKER,
-                  **spec(CHAT_BODY)}, timeout=300 + prof.ttfc_n * 2)
-    hb.log("  TTFC p50 ms: " + ", ".join(f"{n} {hb.pct(v, 50):.2f}"
-                                          for n, v in r["first_ms"].items()))
+    r = gen.call(
+        {
+            "op": "ttfc",
+            "targets": targets,
+            "n": prof.ttfc_n,
+            "marker": TEXT_MARKER,
+            **spec(CHAT_BODY),
+        },
+        timeout=300 + prof.ttfc_n * 2,
+    )
+    hb.log(
+        "  TTFC p50 ms: " + ", ".join(f"{n} {hb.pct(v, 50):.2f}" for n, v in r["first_ms"].items())
+    )
     return {"first_ms": r["first_ms"], "errors": r["errors"], "last_error": r["last_error"]}
 
 
-def measure_rps(gen: hb.Proc, mock: hb.Proc, suts: Suts, prof: Profile, rep: int,
-                stream: bool) -> dict[str, Any]:
+def measure_rps(
+    gen: hb.Proc, mock: hb.Proc, suts: Suts, prof: Profile, rep: int, stream: bool
+) -> dict[str, Any]:
     mock_call(mock.url, "default", {"deltas": 20})
     conc = 64 if stream else 32
     s = spec(CHAT_BODY, stream=stream)
@@ -368,16 +481,27 @@ def measure_rps(gen: hb.Proc, mock: hb.Proc, suts: Suts, prof: Profile, rep: int
         sut = [] if name == "direct" else tree_pids(suts.procs[name].pid)
         # LiteLLM needs seconds per request at this concurrency: a longer warm-up and window
         slow = 3.0 if name == "litellm" else 1.0
-        r = gen.call({"op": "throughput", "url": url, "concurrency": conc,
-                      "warmup": prof.rps_warmup_s * slow, "duration": prof.rps_duration_s * slow,
-                      "cpu_pids": [mock.pid, gen.pid, *sut], **s}, timeout=300)
+        r = gen.call(
+            {
+                "op": "throughput",
+                "url": url,
+                "concurrency": conc,
+                "warmup": prof.rps_warmup_s * slow,
+                "duration": prof.rps_duration_s * slow,
+                "cpu_pids": [mock.pid, gen.pid, *sut],
+                **s,
+            },
+            timeout=300,
+        )
         util = sum(r["cpu_util"][str(p)] for p in sut) if sut else None
         r["sut_util"] = util
         r["per_core"] = r["rps"] / util if util else None
         out[name] = r
-        hb.log(f"  {'streamed' if stream else 'non-streamed'} c={conc} {name:8s}: "
-               f"{r['rps']:7.1f} req/s, errors {r['errors']}"
-               + (f", SUT CPU {util:.0%} -> {r['per_core']:.0f} per core" if util else ""))
+        hb.log(
+            f"  {'streamed' if stream else 'non-streamed'} c={conc} {name:8s}: "
+            f"{r['rps']:7.1f} req/s, errors {r['errors']}"
+            + (f", SUT CPU {util:.0%} -> {r['per_core']:.0f} per core" if util else "")
+        )
     return out
 
 
@@ -386,18 +510,20 @@ def measure_cpu(gen: hb.Proc, mock_url: str, suts: Suts, prof: Profile) -> dict[
     s = spec(CHAT_BODY)
     out: dict[str, Any] = {}
     for name in suts.names():
-        gen.call({"op": "batch", "url": suts.url(name), "n": 2, "concurrency": 2, **s},
-                 timeout=120)
+        gen.call({"op": "batch", "url": suts.url(name), "n": 2, "concurrency": 2, **s}, timeout=120)
         n = prof.cpu_requests_litellm if name == "litellm" else prof.cpu_requests
         pid = suts.procs[name].pid
         before = tree_cpu(pid)
-        r = gen.call({"op": "batch", "url": suts.url(name), "n": n, "concurrency": 16, **s},
-                     timeout=600)
+        r = gen.call(
+            {"op": "batch", "url": suts.url(name), "n": n, "concurrency": 16, **s}, timeout=600
+        )
         used = tree_cpu(pid) - before
         r["us_per_frame"] = used / r["frames"] * 1e6 if r["frames"] else float("nan")
         out[name] = r
-        hb.log(f"  CPU {name:8s}: {r['us_per_frame']:.1f} µs/frame ({used:.2f} s, "
-               f"{r['frames']} frames, errors {r['errors']})")
+        hb.log(
+            f"  CPU {name:8s}: {r['us_per_frame']:.1f} µs/frame ({used:.2f} s, "
+            f"{r['frames']} frames, errors {r['errors']})"
+        )
     return out
 
 
@@ -407,25 +533,47 @@ def measure_failover(gen: hb.Proc, mock_url: str, suts: Suts, prof: Profile) -> 
     for name in suts.names():
         if name == "bare":
             continue  # one upstream, no failover
-        clean = gen.call({"op": "fetch", "url": suts.url(name), "n": 3, "timeout": 60,
-                          "marker": TEXT_MARKER,
-                          **spec(CHAT_BODY)}, timeout=120)["results"]
+        clean = gen.call(
+            {
+                "op": "fetch",
+                "url": suts.url(name),
+                "n": 3,
+                "timeout": 60,
+                "marker": TEXT_MARKER,
+                **spec(CHAT_BODY),
+            },
+            timeout=120,
+        )["results"]
         if name == "litellm":
             s = spec(CHAT_BODY, model="bench-failover")
             url = suts.url(name)
         else:
             s, url = spec(CHAT_BODY), suts.url(name, route="failover")
-        res = gen.call({"op": "fetch", "url": url, "n": prof.failover_n, "marker": TEXT_MARKER,
-                        "timeout": 60, **s}, timeout=600)["results"]
+        res = gen.call(
+            {
+                "op": "fetch",
+                "url": url,
+                "n": prof.failover_n,
+                "marker": TEXT_MARKER,
+                "timeout": 60,
+                **s,
+            },
+            timeout=600,
+        )["results"]
         ok = [r for r in res if r["status"] == 200 and not r["error"]]
         base = hb.med([r["elapsed_ms"] for r in clean])
-        out[name] = {"first_ms": res[0]["elapsed_ms"] - base if res[0] in ok else None,
-                     "later_ms": hb.med([r["elapsed_ms"] - base for r in ok[1:]]) if ok[1:]
-                     else None, "clean_ms": base, "failed": len(res) - len(ok),
-                     "errors": [r["error"] or r["status"] for r in res if r not in ok][:2]}
+        out[name] = {
+            "first_ms": res[0]["elapsed_ms"] - base if res[0] in ok else None,
+            "later_ms": hb.med([r["elapsed_ms"] - base for r in ok[1:]]) if ok[1:] else None,
+            "clean_ms": base,
+            "failed": len(res) - len(ok),
+            "errors": [r["error"] or r["status"] for r in res if r not in ok][:2],
+        }
         x = out[name]
-        hb.log(f"  failover {name:8s}: first {x['first_ms']} ms, later {x['later_ms']} ms over "
-               f"a clean {base:.1f} ms; failed {x['failed']}")
+        hb.log(
+            f"  failover {name:8s}: first {x['first_ms']} ms, later {x['later_ms']} ms over "
+            f"a clean {base:.1f} ms; failed {x['failed']}"
+        )
     return out
 
 
@@ -478,8 +626,14 @@ def parse_stream(body: str, protocol: str) -> dict[str, Any]:
             text.append(d.get("content") or "")
             for tc in d.get("tool_calls") or []:
                 args.append((tc.get("function") or {}).get("arguments") or "")
-    return {"text": "".join(text), "args": "".join(args), "roles": roles,
-            "models": len(set(models)), "terminal": terminal, "error": error}
+    return {
+        "text": "".join(text),
+        "args": "".join(args),
+        "roles": roles,
+        "models": len(set(models)),
+        "terminal": terminal,
+        "error": error,
+    }
 
 
 _VOLATILE = re.compile(r'"created":\s*\d+')
@@ -523,27 +677,43 @@ def judge(got: dict[str, Any], ref: dict[str, Any] | None, protocol: str) -> tup
     return "truncated, shown as success", "content differs from the clean reply"
 
 
-def fault_matrix(fleet: hb.Fleet, gen: hb.Proc, fault: hb.Proc, refused: list[int],
-                 litellm: Suts | None, timeout: float) -> dict[str, Any]:
+def fault_matrix(
+    fleet: hb.Fleet,
+    gen: hb.Proc,
+    fault: hb.Proc,
+    refused: list[int],
+    litellm: Suts | None,
+    timeout: float,
+) -> dict[str, Any]:
     """Each case through each path, on a mock of its own; references are clean replies."""
     wd = fleet.workdir
     state = wd / "state-faults"
     state.mkdir(exist_ok=True)
     cfg = wd / "unbroken-faults.toml"
     refused_url = f"http://127.0.0.1:{refused[1]}"
-    cfg.write_text(unbroken_config({"mock": [fault.url], "refused": [refused_url, fault.url]},
-                                   stall=True))
+    cfg.write_text(
+        unbroken_config({"mock": [fault.url], "refused": [refused_url, fault.url]}, stall=True)
+    )
     procs = {
-        "bare": fleet.start("bare-faults", [PY, str(ROOT / "bench" / "bare_proxy.py"),
-                                            "--upstream", fault.url],
-                            cpu=fleet.sut_cpu, ready=r"listening on (http://\S+)"),
-        "bare-refused": fleet.start("bare-refused", [PY, str(ROOT / "bench" / "bare_proxy.py"),
-                                                     "--upstream", refused_url],
-                                    cpu=fleet.sut_cpu, ready=r"listening on (http://\S+)"),
-        "unbroken": fleet.start("unbroken-faults", [PY, "-m", "unbroken", "serve", "--config",
-                                                    str(cfg), "--port", "0"],
-                                cpu=fleet.sut_cpu, ready=r"relaying on (http://\S+)",
-                                env={"XDG_STATE_HOME": str(state), "HOME": str(state)}),
+        "bare": fleet.start(
+            "bare-faults",
+            [PY, str(ROOT / "bench" / "bare_proxy.py"), "--upstream", fault.url],
+            cpu=fleet.sut_cpu,
+            ready=r"listening on (http://\S+)",
+        ),
+        "bare-refused": fleet.start(
+            "bare-refused",
+            [PY, str(ROOT / "bench" / "bare_proxy.py"), "--upstream", refused_url],
+            cpu=fleet.sut_cpu,
+            ready=r"listening on (http://\S+)",
+        ),
+        "unbroken": fleet.start(
+            "unbroken-faults",
+            [PY, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"],
+            cpu=fleet.sut_cpu,
+            ready=r"relaying on (http://\S+)",
+            env={"XDG_STATE_HOME": str(state), "HOME": str(state)},
+        ),
     }
     paths = ["direct", "bare", "unbroken"] + (["litellm"] if litellm else [])
 
@@ -560,16 +730,23 @@ def fault_matrix(fleet: hb.Fleet, gen: hb.Proc, fault: hb.Proc, refused: list[in
         if path == "unbroken":
             return f"{procs['unbroken'].url}/{'refused' if refused_case else 'mock'}/{rel}", s
         assert litellm is not None
-        model = ("claude-faults" if proto == "messages"
-                 else "bench-refused" if refused_case else "bench-faults")
+        model = (
+            "claude-faults"
+            if proto == "messages"
+            else "bench-refused"
+            if refused_case
+            else "bench-faults"
+        )
         return litellm.url("litellm", proto), spec(body, model=model)
 
     def fetch(url: str, s: dict[str, Any], actions: list[dict[str, Any]]) -> dict[str, Any]:
         mock_call(fault.url, "reset")
         if actions:
             mock_call(fault.url, "script", {"actions": actions})
-        r = gen.call({"op": "fetch", "url": url, "keep_body": True, "timeout": timeout, **s},
-                     timeout=timeout + 30)
+        r = gen.call(
+            {"op": "fetch", "url": url, "keep_body": True, "timeout": timeout, **s},
+            timeout=timeout + 30,
+        )
         res: dict[str, Any] = r["results"][0]
         return res
 
@@ -591,13 +768,23 @@ def fault_matrix(fleet: hb.Fleet, gen: hb.Proc, fault: hb.Proc, refused: list[in
                 url, s = target(path, proto, name == "refused primary")
                 got = fetch(url, s, actions)
                 outcome, detail = judge(got, refs[key], proto)
-                if outcome == "complete" and path != "direct" and got["body"] != refs[
-                        ("direct", kind)]["body"] and detail == "byte-identical":
+                if (
+                    outcome == "complete"
+                    and path != "direct"
+                    and got["body"] != refs[("direct", kind)]["body"]
+                    and detail == "byte-identical"
+                ):
                     detail = "same bytes as its clean reply; re-encoded vs direct"
-                cells[name][path] = {"outcome": outcome, "detail": detail,
-                                     "elapsed_ms": got["elapsed_ms"], "status": got["status"]}
-                hb.log(f"  fault {name:36s} {path:8s}: {outcome} ({detail}), "
-                       f"{got['elapsed_ms']:.0f} ms")
+                cells[name][path] = {
+                    "outcome": outcome,
+                    "detail": detail,
+                    "elapsed_ms": got["elapsed_ms"],
+                    "status": got["status"],
+                }
+                hb.log(
+                    f"  fault {name:36s} {path:8s}: {outcome} ({detail}), "
+                    f"{got['elapsed_ms']:.0f} ms"
+                )
         return {"paths": paths, "cells": cells, "timeout_s": timeout}
     finally:
         for p in procs.values():
@@ -615,43 +802,72 @@ def aggregate(reps: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     for p in paths:
         p50s = [pct(r["ttfc"]["first_ms"][p], 50) for r in reps]
         p99s = [pct(r["ttfc"]["first_ms"][p], 99) for r in reps]
-        added = [pct(r["ttfc"]["first_ms"][p], 50) - pct(r["ttfc"]["first_ms"]["direct"], 50)
-                 for r in reps]
-        added99 = [pct(r["ttfc"]["first_ms"][p], 99) - pct(r["ttfc"]["first_ms"]["direct"], 99)
-                   for r in reps]
+        added = [
+            pct(r["ttfc"]["first_ms"][p], 50) - pct(r["ttfc"]["first_ms"]["direct"], 50)
+            for r in reps
+        ]
+        added99 = [
+            pct(r["ttfc"]["first_ms"][p], 99) - pct(r["ttfc"]["first_ms"]["direct"], 99)
+            for r in reps
+        ]
         # every sample minus its repetition's direct p50: the added-TTFC distribution
-        dist = [x - pct(r["ttfc"]["first_ms"]["direct"], 50) for r in reps
-                for x in r["ttfc"]["first_ms"][p]]
-        ttfc[p] = {"p50": med(p50s), "p99": med(p99s), "added_p50": med(added),
-                   "added_p99": med(added99), "dist": dist,
-                   "errors": sum(r["ttfc"]["errors"][p] for r in reps)}
+        dist = [
+            x - pct(r["ttfc"]["first_ms"]["direct"], 50)
+            for r in reps
+            for x in r["ttfc"]["first_ms"][p]
+        ]
+        ttfc[p] = {
+            "p50": med(p50s),
+            "p99": med(p99s),
+            "added_p50": med(added),
+            "added_p99": med(added99),
+            "dist": dist,
+            "errors": sum(r["ttfc"]["errors"][p] for r in reps),
+        }
     out: dict[str, Any] = {"ttfc": ttfc}
     for key in ("rps_stream", "rps_plain"):
         d: dict[str, Any] = {}
         for p in paths:
             runs = [r[key][p] for r in reps]
-            d[p] = {"rps": med([x["rps"] for x in runs]),
-                    "per_core": med([x["per_core"] for x in runs]) if p != "direct" else None,
-                    "sut_util": med([x["sut_util"] for x in runs]) if p != "direct" else None,
-                    "errors": sum(x["errors"] for x in runs)}
+            d[p] = {
+                "rps": med([x["rps"] for x in runs]),
+                "per_core": med([x["per_core"] for x in runs]) if p != "direct" else None,
+                "sut_util": med([x["sut_util"] for x in runs]) if p != "direct" else None,
+                "errors": sum(x["errors"] for x in runs),
+            }
         for p in names:  # paired with bare in the same repetition
-            d[p]["vs_bare"] = med([r[key][p]["per_core"] / r[key]["bare"]["per_core"]
-                                   for r in reps])
+            d[p]["vs_bare"] = med(
+                [r[key][p]["per_core"] / r[key]["bare"]["per_core"] for r in reps]
+            )
         out[key] = d
-    out["cpu"] = {p: {"us_per_frame": med([r["cpu"][p]["us_per_frame"] for r in reps]),
-                      "vs_bare": med([r["cpu"][p]["us_per_frame"] / r["cpu"]["bare"]["us_per_frame"]
-                                      for r in reps]),
-                      "frames_per_req": med([r["cpu"][p]["frames"] / max(r["cpu"][p]["ok"], 1)
-                                             for r in reps]),
-                      "errors": sum(r["cpu"][p]["errors"] for r in reps)} for p in names}
+    out["cpu"] = {
+        p: {
+            "us_per_frame": med([r["cpu"][p]["us_per_frame"] for r in reps]),
+            "vs_bare": med(
+                [r["cpu"][p]["us_per_frame"] / r["cpu"]["bare"]["us_per_frame"] for r in reps]
+            ),
+            "frames_per_req": med(
+                [r["cpu"][p]["frames"] / max(r["cpu"][p]["ok"], 1) for r in reps]
+            ),
+            "errors": sum(r["cpu"][p]["errors"] for r in reps),
+        }
+        for p in names
+    }
     mem: dict[str, Any] = {}
     for p in names:
         runs = [r["memory"][p] for r in reps]
         npts = len(runs[0]["points"])
-        mem[p] = {"idle_mib": med([x["idle_mib"] for x in runs]),
-                  "kib_per_stream": med([x["kib_per_stream"] for x in runs]),
-                  "points": [(med([x["points"][i][0] for x in runs]),
-                              med([x["points"][i][1] for x in runs]) / 1024) for i in range(npts)]}
+        mem[p] = {
+            "idle_mib": med([x["idle_mib"] for x in runs]),
+            "kib_per_stream": med([x["kib_per_stream"] for x in runs]),
+            "points": [
+                (
+                    med([x["points"][i][0] for x in runs]),
+                    med([x["points"][i][1] for x in runs]) / 1024,
+                )
+                for i in range(npts)
+            ],
+        }
     out["memory"] = mem
     fo: dict[str, Any] = {}
     for p in names:
@@ -660,10 +876,12 @@ def aggregate(reps: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
         runs = [r["failover"][p] for r in reps]
         firsts = [x["first_ms"] for x in runs if x["first_ms"] is not None]
         laters = [x["later_ms"] for x in runs if x["later_ms"] is not None]
-        fo[p] = {"first_ms": med(firsts) if firsts else None,
-                 "later_ms": med(laters) if laters else None,
-                 "failed": sum(x["failed"] for x in runs),
-                 "errors": [e for x in runs for e in x["errors"]][:2]}
+        fo[p] = {
+            "first_ms": med(firsts) if firsts else None,
+            "later_ms": med(laters) if laters else None,
+            "failed": sum(x["failed"] for x in runs),
+            "errors": [e for x in runs for e in x["errors"]][:2],
+        }
     out["failover"] = fo
     return out
 
@@ -690,8 +908,13 @@ def plots(agg: dict[str, Any], matrix: dict[str, Any], img: Path) -> list[str]:
         if not xs:
             continue
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        ax.step(xs, ys, where="post", color=colors[p],
-                label=f"{p} (p50 +{agg['ttfc'][p]['added_p50']:.2f} ms)")
+        ax.step(
+            xs,
+            ys,
+            where="post",
+            color=colors[p],
+            label=f"{p} (p50 +{agg['ttfc'][p]['added_p50']:.2f} ms)",
+        )
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_xlabel("added time to first text delta, ms (sample − direct p50 of its round)")
     ax.set_ylabel("fraction of requests")
@@ -705,15 +928,28 @@ def plots(agg: dict[str, Any], matrix: dict[str, Any], img: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.38
-    for i, (key, label) in enumerate((("rps_stream", "streamed, c=64"),
-                                      ("rps_plain", "non-streamed, c=32"))):
+    for i, (key, label) in enumerate(
+        (("rps_stream", "streamed, c=64"), ("rps_plain", "non-streamed, c=32"))
+    ):
         vals = [agg[key][p]["per_core"] or 0 for p in names]
         xs = [j + (i - 0.5) * width for j in range(len(names))]
-        bars = ax.bar(xs, vals, width, label=label, color=[colors[p] for p in names],
-                      alpha=1.0 if i == 0 else 0.55, edgecolor="black")
+        bars = ax.bar(
+            xs,
+            vals,
+            width,
+            label=label,
+            color=[colors[p] for p in names],
+            alpha=1.0 if i == 0 else 0.55,
+            edgecolor="black",
+        )
         for b, v in zip(bars, vals, strict=True):
-            ax.annotate(f"{v:,.0f}", (b.get_x() + b.get_width() / 2, v), ha="center",
-                        va="bottom", fontsize=8)
+            ax.annotate(
+                f"{v:,.0f}",
+                (b.get_x() + b.get_width() / 2, v),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(names)), names)
     ax.set_yscale("log")
     ax.set_ylabel("requests per SUT CPU-second (log)")
@@ -727,10 +963,20 @@ def plots(agg: dict[str, Any], matrix: dict[str, Any], img: Path) -> list[str]:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for p in names:
         pts = agg["memory"][p]["points"]
-        ax.plot([n for n, _ in pts], [m for _, m in pts], marker="o", color=colors[p],
-                label=f"{p} ({agg['memory'][p]['kib_per_stream']:.0f} KiB/stream)")
-        ax2.plot([n for n, _ in pts], [m - pts[0][1] for _, m in pts], marker="o",
-                 color=colors[p], label=p)
+        ax.plot(
+            [n for n, _ in pts],
+            [m for _, m in pts],
+            marker="o",
+            color=colors[p],
+            label=f"{p} ({agg['memory'][p]['kib_per_stream']:.0f} KiB/stream)",
+        )
+        ax2.plot(
+            [n for n, _ in pts],
+            [m - pts[0][1] for _, m in pts],
+            marker="o",
+            color=colors[p],
+            label=p,
+        )
     ax.set_yscale("log")
     ax.set_xlabel("open streams")
     ax.set_ylabel("RSS, MiB (log)")
@@ -753,8 +999,14 @@ def plots(agg: dict[str, Any], matrix: dict[str, Any], img: Path) -> list[str]:
     ax.imshow(grid, cmap=ListedColormap(palette), vmin=0, vmax=3, aspect="auto")
     for i, r in enumerate(rows):
         for j, p in enumerate(paths):
-            ax.text(j, i, matrix["cells"][r][p]["outcome"].replace(", ", ",\n"), ha="center",
-                    va="center", fontsize=8)
+            ax.text(
+                j,
+                i,
+                matrix["cells"][r][p]["outcome"].replace(", ", ",\n"),
+                ha="center",
+                va="center",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(paths)), paths)
     ax.set_yticks(range(len(rows)), rows, fontsize=8)
     ax.xaxis.tick_top()
@@ -779,7 +1031,8 @@ def headline(agg: dict[str, Any], matrix: dict[str, Any], names: list[str]) -> l
         f"**unbroken vs the bare floor** (same rounds): {rs[u]['vs_bare']:.2f}× its streamed and "
         f"{rp[u]['vs_bare']:.2f}× its non-streamed requests per core, {c[u]['vs_bare']:.2f}× its "
         f"CPU per frame, {t[u]['added_p50'] - t['bare']['added_p50']:+.2f} ms added TTFC p50 "
-        f"beyond the bare hop's, {m[u]['idle_mib'] - m['bare']['idle_mib']:+.1f} MiB idle RSS."]
+        f"beyond the bare hop's, {m[u]['idle_mib'] - m['bare']['idle_mib']:+.1f} MiB idle RSS."
+    ]
     if "litellm" in names:
         x = "litellm"
         out.append(
@@ -788,15 +1041,23 @@ def headline(agg: dict[str, Any], matrix: dict[str, Any], names: list[str]) -> l
             f"core, {c[x]['us_per_frame'] / c[u]['us_per_frame']:.0f}× less CPU per frame, "
             f"{t[x]['added_p50'] / t[u]['added_p50']:.0f}× less added TTFC, "
             f"{m[x]['idle_mib'] / m[u]['idle_mib']:.1f}× less idle memory and "
-            f"{m[x]['kib_per_stream'] / m[u]['kib_per_stream']:.1f}× less per open stream.")
+            f"{m[x]['kib_per_stream'] / m[u]['kib_per_stream']:.1f}× less per open stream."
+        )
     cells = matrix["cells"]
     for p in matrix["paths"]:
         done = [k for k in cells if cells[k][p]["outcome"] == "complete"]
-        bad = [k for k in cells if cells[k][p]["outcome"] in ("spliced",
-                                                              "truncated, shown as success")]
-        out.append(f"**fault matrix, {p}**: {len(done)} of {len(cells)} cases complete"
-                   + (f"; spliced or silently truncated: {', '.join(bad)}" if bad else
-                      "; nothing spliced or silently truncated") + ".")
+        bad = [
+            k for k in cells if cells[k][p]["outcome"] in ("spliced", "truncated, shown as success")
+        ]
+        out.append(
+            f"**fault matrix, {p}**: {len(done)} of {len(cells)} cases complete"
+            + (
+                f"; spliced or silently truncated: {', '.join(bad)}"
+                if bad
+                else "; nothing spliced or silently truncated"
+            )
+            + "."
+        )
     return out
 
 
@@ -809,8 +1070,10 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
     a("# Benchmarks: unbroken side by side")
     a("")
     a("Regenerate this page, its plots and every number in it with one command (Linux, from")
-    a("the repository root, `pip install -e '.[bench]'`; "
-      f"{res['elapsed_s'] / 60:.1f} minutes here, plus a one-time install of LiteLLM into")
+    a(
+        "the repository root, `pip install -e '.[bench]'`; "
+        f"{res['elapsed_s'] / 60:.1f} minutes here, plus a one-time install of LiteLLM into"
+    )
     a("`~/.cache/unbroken-bench/litellm-venv`):")
     a("")
     a("```")
@@ -829,26 +1092,39 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
     a("")
     a("## Setup")
     a("")
-    lite = (f"LiteLLM proxy {LITELLM_VERSION} in its own virtual environment (litellm plus "
-            "the dependencies of its `proxy` extra; the extra's `litellm-proxy` pin is not on "
-            "the package index), offline (`LITELLM_OFFLINE_MODE=true`, "
-            "`LITELLM_LOCAL_MODEL_COST_MAP=True`), one worker, a master key, every other setting "
-            "at its default except `num_retries: 3` and, for the fault runs, the fallbacks and "
-            f"`stream_timeout: {STREAM_TIMEOUT_S:g}` shown below"
-            if res["litellm"] else "**LiteLLM left out** (`--no-litellm`)")
-    a(f"* {m['date']}; unbroken {m['unbroken']} at commit `{m['commit'] or 'unknown'}`"
-      f"{'; **quick run**' if res['quick'] else ''}; {res['elapsed_s']:.0f} s.")
-    a(f"* nproc {m['nproc']} ({m['cpu_model'] or 'unknown CPU'}), Linux {m['kernel']}; load "
-      f"average {m['loadavg_start'][0]:.2f} at the start, {res['loadavg_end'][0]:.2f} at the end;"
-      f" Python {m['python']}, aiohttp {m['aiohttp']}.")
-    a(f"* Pinning: {m['pinning']}: each SUT on CPU 0, the mock provider and the load generator "
-      "on CPU 1 (so **direct** is the harness's own ceiling).")
-    a("* SUTs: the bare proxy; `python -m unbroken serve` with `[retry] verbose = false`, all "
-      "else default (ledger, journal in a temporary directory, default hold rules); " + lite + ".")
-    a(f"* {prof['reps']} round(s); each round starts every SUT afresh and runs memory, TTFC, "
-      "streamed and non-streamed throughput, CPU per frame and failover, the paths interleaved "
-      "(TTFC request by request, throughput windows in a rotated order). Every number is the "
-      "median over the rounds; each ratio is paired within a round, then the median.")
+    lite = (
+        f"LiteLLM proxy {LITELLM_VERSION} in its own virtual environment (litellm plus "
+        "the dependencies of its `proxy` extra; the extra's `litellm-proxy` pin is not on "
+        "the package index), offline (`LITELLM_OFFLINE_MODE=true`, "
+        "`LITELLM_LOCAL_MODEL_COST_MAP=True`), one worker, a master key, every other setting "
+        "at its default except `num_retries: 3` and, for the fault runs, the fallbacks and "
+        f"`stream_timeout: {STREAM_TIMEOUT_S:g}` shown below"
+        if res["litellm"]
+        else "**LiteLLM left out** (`--no-litellm`)"
+    )
+    a(
+        f"* {m['date']}; unbroken {m['unbroken']} at commit `{m['commit'] or 'unknown'}`"
+        f"{'; **quick run**' if res['quick'] else ''}; {res['elapsed_s']:.0f} s."
+    )
+    a(
+        f"* nproc {m['nproc']} ({m['cpu_model'] or 'unknown CPU'}), Linux {m['kernel']}; load "
+        f"average {m['loadavg_start'][0]:.2f} at the start, {res['loadavg_end'][0]:.2f} at the end;"
+        f" Python {m['python']}, aiohttp {m['aiohttp']}."
+    )
+    a(
+        f"* Pinning: {m['pinning']}: each SUT on CPU 0, the mock provider and the load generator "
+        "on CPU 1 (so **direct** is the harness's own ceiling)."
+    )
+    a(
+        "* SUTs: the bare proxy; `python -m unbroken serve` with `[retry] verbose = false`, all "
+        "else default (ledger, journal in a temporary directory, default hold rules); " + lite + "."
+    )
+    a(
+        f"* {prof['reps']} round(s); each round starts every SUT afresh and runs memory, TTFC, "
+        "streamed and non-streamed throughput, CPU per frame and failover, the paths interleaved "
+        "(TTFC request by request, throughput windows in a rotated order). Every number is the "
+        "median over the rounds; each ratio is paired within a round, then the median."
+    )
     a("")
     a("## Summary")
     a("")
@@ -856,26 +1132,47 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
     a(hdr)
     a("|---|---:|" + "---:|" * len(names))
     t = agg["ttfc"]
+
     def vs_bare(p: str, text: str) -> str:
         return "" if p == "bare" else f" ({text} bare)"
 
-    a("| added TTFC p50, c=1 | — | " + " | ".join(
-        f"+{f(t[p]['added_p50'], 2)} ms"
-        + vs_bare(p, ratio(t[p]["added_p50"], t["bare"]["added_p50"])) for p in names) + " |")
-    for key, label in (("rps_stream", "streamed req/s per core, c=64"),
-                       ("rps_plain", "non-streamed req/s per core, c=32")):
+    a(
+        "| added TTFC p50, c=1 | — | "
+        + " | ".join(
+            f"+{f(t[p]['added_p50'], 2)} ms"
+            + vs_bare(p, ratio(t[p]["added_p50"], t["bare"]["added_p50"]))
+            for p in names
+        )
+        + " |"
+    )
+    for key, label in (
+        ("rps_stream", "streamed req/s per core, c=64"),
+        ("rps_plain", "non-streamed req/s per core, c=32"),
+    ):
         d = agg[key]
-        a(f"| {label} | ({f(d['direct']['rps'], 0)} req/s, harness) | " + " | ".join(
-            f"{f(d[p]['per_core'], 0)}" + vs_bare(p, f"{d[p]['vs_bare']:.2f}×")
-            for p in names) + " |")
+        a(
+            f"| {label} | ({f(d['direct']['rps'], 0)} req/s, harness) | "
+            + " | ".join(
+                f"{f(d[p]['per_core'], 0)}" + vs_bare(p, f"{d[p]['vs_bare']:.2f}×") for p in names
+            )
+            + " |"
+        )
     c = agg["cpu"]
-    a("| CPU per SSE frame | — | " + " | ".join(
-        f"{f(c[p]['us_per_frame'], 1)} µs" + vs_bare(p, f"{c[p]['vs_bare']:.2f}×")
-        for p in names) + " |")
+    a(
+        "| CPU per SSE frame | — | "
+        + " | ".join(
+            f"{f(c[p]['us_per_frame'], 1)} µs" + vs_bare(p, f"{c[p]['vs_bare']:.2f}×")
+            for p in names
+        )
+        + " |"
+    )
     mm = agg["memory"]
     a("| idle RSS | — | " + " | ".join(f"{f(mm[p]['idle_mib'], 1)} MiB" for p in names) + " |")
-    a("| RSS per open stream | — | " + " | ".join(f"{f(mm[p]['kib_per_stream'], 1)} KiB"
-                                                  for p in names) + " |")
+    a(
+        "| RSS per open stream | — | "
+        + " | ".join(f"{f(mm[p]['kib_per_stream'], 1)} KiB" for p in names)
+        + " |"
+    )
     fo = agg["failover"]
 
     def fo_cell(p: str) -> str:
@@ -887,8 +1184,11 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
         later = "n/a" if x["later_ms"] is None else f"{x['later_ms']:+.1f} ms"
         return f"{x['first_ms']:+.1f} ms (later: {later})"
 
-    a("| failover from a refused primary | — (error) | " + " | ".join(fo_cell(p) for p in names)
-      + " |")
+    a(
+        "| failover from a refused primary | — (error) | "
+        + " | ".join(fo_cell(p) for p in names)
+        + " |"
+    )
     a("")
     for line in headline(agg, matrix, names):
         a(f"* {line}")
@@ -907,9 +1207,11 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
     a("|---|---:|---:|---:|---:|---:|")
     for p in ["direct", *names]:
         x = t[p]
-        a(f"| {p} | {f(x['p50'], 3)} | {f(x['p99'], 3)} | "
-          f"{'—' if p == 'direct' else f(x['added_p50'], 3)} | "
-          f"{'—' if p == 'direct' else f(x['added_p99'], 3)} | {x['errors']} |")
+        a(
+            f"| {p} | {f(x['p50'], 3)} | {f(x['p99'], 3)} | "
+            f"{'—' if p == 'direct' else f(x['added_p50'], 3)} | "
+            f"{'—' if p == 'direct' else f(x['added_p99'], 3)} | {x['errors']} |"
+        )
     a("")
     a(f"![added TTFC distribution]({img_rel}/ttfc.png)")
     a("")
@@ -922,19 +1224,28 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
     a("tree in the window (what one busy core sustains, harness limits aside). Direct has no")
     a("SUT; its rate is the harness ceiling.")
     a("")
-    a("| path | streamed req/s | SUT CPU | per core | vs bare | non-streamed req/s | SUT CPU | "
-      "per core | vs bare |")
+    a(
+        "| path | streamed req/s | SUT CPU | per core | vs bare | non-streamed req/s | SUT CPU | "
+        "per core | vs bare |"
+    )
     a("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for p in ["direct", *names]:
         cells = []
         for key in ("rps_stream", "rps_plain"):
             x = agg[key][p]
-            cells += [f(x["rps"], 1), "—" if x["sut_util"] is None else f"{x['sut_util']:.0%}",
-                      "—" if x["per_core"] is None else f(x["per_core"], 0),
-                      f"{x['vs_bare']:.2f}×" if "vs_bare" in x else "—"]
+            cells += [
+                f(x["rps"], 1),
+                "—" if x["sut_util"] is None else f"{x['sut_util']:.0%}",
+                "—" if x["per_core"] is None else f(x["per_core"], 0),
+                f"{x['vs_bare']:.2f}×" if "vs_bare" in x else "—",
+            ]
         a(f"| {p} | " + " | ".join(cells) + " |")
-    errs = {f"{k}/{p}": agg[k][p]["errors"] for k in ("rps_stream", "rps_plain")
-            for p in ["direct", *names] if agg[k][p]["errors"]}
+    errs = {
+        f"{k}/{p}": agg[k][p]["errors"]
+        for k in ("rps_stream", "rps_plain")
+        for p in ["direct", *names]
+        if agg[k][p]["errors"]
+    }
     if errs:
         a("")
         a(f"Client errors in the windows: {errs}.")
@@ -961,14 +1272,21 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
     a("them all within 120 s).")
     a("")
     pts = [n for n, _ in mm[names[0]]["points"]]
-    a("| path | " + " | ".join("idle MiB" if n == 0 else f"{n:.0f} streams MiB" for n in pts)
-      + " | KiB per stream |")
+    a(
+        "| path | "
+        + " | ".join("idle MiB" if n == 0 else f"{n:.0f} streams MiB" for n in pts)
+        + " | KiB per stream |"
+    )
     a("|---|" + "---:|" * (len(pts) + 1))
     for p in names:
-        a(f"| {p} | " + " | ".join(
-            f(x, 1) + ("" if n == want else f" ({n:.0f} open)")
-            for (n, x), want in zip(mm[p]["points"], pts, strict=True))
-          + f" | {f(mm[p]['kib_per_stream'], 1)} |")
+        a(
+            f"| {p} | "
+            + " | ".join(
+                f(x, 1) + ("" if n == want else f" ({n:.0f} open)")
+                for (n, x), want in zip(mm[p]["points"], pts, strict=True)
+            )
+            + f" | {f(mm[p]['kib_per_stream'], 1)} |"
+        )
     a("")
     a(f"![memory vs open streams]({img_rel}/memory.png)")
     a("")
@@ -992,8 +1310,10 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
     a("## Fault matrix")
     a("")
     a("One streamed request per case and path against a mock scripted for that case (then")
-    a(f"clean), the client waiting up to {prof['fault_timeout_s']:g} s. Stall detection is "
-      f"{STREAM_TIMEOUT_S:g} s on both relays")
+    a(
+        f"clean), the client waiting up to {prof['fault_timeout_s']:g} s. Stall detection is "
+        f"{STREAM_TIMEOUT_S:g} s on both relays"
+    )
     a("(unbroken `[stream] first_frame_timeout_s` / `idle_timeout_s`; LiteLLM `stream_timeout`).")
     a("Each outcome is judged from the bytes the client received, against the same path's")
     a("reply to the clean request:")
@@ -1010,20 +1330,37 @@ def render(res: dict[str, Any], img_rel: str, cmd: str) -> str:
     a("")
     a("| case | what the mock does | " + " | ".join(paths) + " |")
     a("|---|---|" + "---|" * len(paths))
+
     def took(ms: float) -> str:
         return f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.1f} s"
 
     for name, desc, _k, _a in FAULTS:
         row = matrix["cells"][name]
-        a(f"| {name} | {desc} | " + " | ".join(
-            f"**{row[p]['outcome']}** ({short_error(row[p]['detail'])}; "
-            f"{took(row[p]['elapsed_ms'])})" for p in paths) + " |")
+        a(
+            f"| {name} | {desc} | "
+            + " | ".join(
+                f"**{row[p]['outcome']}** ({short_error(row[p]['detail'])}; "
+                f"{took(row[p]['elapsed_ms'])})"
+                for p in paths
+            )
+            + " |"
+        )
     a("")
-    a("Outcomes per path (of " + str(len(FAULTS)) + " cases): " + "; ".join(
-        f"**{p}** " + ", ".join(
-            f"{n} {o}" for o in OUTCOMES
-            if (n := sum(matrix["cells"][c][p]["outcome"] == o for c in matrix["cells"])))
-        for p in paths) + ".")
+    a(
+        "Outcomes per path (of "
+        + str(len(FAULTS))
+        + " cases): "
+        + "; ".join(
+            f"**{p}** "
+            + ", ".join(
+                f"{n} {o}"
+                for o in OUTCOMES
+                if (n := sum(matrix["cells"][c][p]["outcome"] == o for c in matrix["cells"]))
+            )
+            for p in paths
+        )
+        + "."
+    )
     a("")
     a(f"![fault matrix]({img_rel}/fault_matrix.png)")
     a("")
@@ -1053,8 +1390,10 @@ def run(prof: Profile, quick: bool, litellm_exe: Path | None) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 4 * max(prof.mem_points) + 1024
     if soft != resource.RLIM_INFINITY and soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE,
-                           (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE,
+            (want if hard == resource.RLIM_INFINITY else min(want, hard), hard),
+        )
     machine = hb.machine_info(pinning)
     workdir = Path(tempfile.mkdtemp(prefix="unbroken-compare-"))
     fleet = hb.Fleet(workdir, pinning)
@@ -1063,26 +1402,49 @@ def run(prof: Profile, quick: bool, litellm_exe: Path | None) -> dict[str, Any]:
     ok = False
     try:
         hbpy = str(ROOT / "bench" / "http_bench.py")
-        mock = fleet.start("mock", [PY, hbpy, "--mock"], cpu=harness,
-                           ready=r"listening on (http://\S+)")
-        fault = fleet.start("fault-mock", [PY, hbpy, "--mock"], cpu=harness,
-                            ready=r"listening on (http://\S+)")
-        gen = fleet.start("loadgen", [PY, str(Path(__file__).resolve()), "--loadgen"],
-                          cpu=harness, ready=None, pipe_stdio=True)
+        mock = fleet.start(
+            "mock", [PY, hbpy, "--mock"], cpu=harness, ready=r"listening on (http://\S+)"
+        )
+        fault = fleet.start(
+            "fault-mock", [PY, hbpy, "--mock"], cpu=harness, ready=r"listening on (http://\S+)"
+        )
+        gen = fleet.start(
+            "loadgen",
+            [PY, str(Path(__file__).resolve()), "--loadgen"],
+            cpu=harness,
+            ready=None,
+            pipe_stdio=True,
+        )
         hb.log(f"mock {mock.url}, fault mock {fault.url}; logs in {workdir}")
         reps: list[dict[str, Any]] = []
         names: list[str] = []
         for rep in range(prof.reps):
-            suts = Suts(fleet, f"r{rep}", mock_url=mock.url, fault_url=fault.url,
-                        refused=refused, litellm=litellm_exe)
+            suts = Suts(
+                fleet,
+                f"r{rep}",
+                mock_url=mock.url,
+                fault_url=fault.url,
+                refused=refused,
+                litellm=litellm_exe,
+            )
             names = suts.names()
-            hb.log(f"round {rep + 1}/{prof.reps}: fresh " + ", ".join(
-                f"{n} (pid {p.pid})" for n, p in suts.procs.items()))
+            hb.log(
+                f"round {rep + 1}/{prof.reps}: fresh "
+                + ", ".join(f"{n} (pid {p.pid})" for n, p in suts.procs.items())
+            )
             try:
                 mock_call(mock.url, "default", {"deltas": 20})
                 for n in names:  # one warm-up request each, then idle memory
-                    gen.call({"op": "batch", "url": suts.url(n), "n": 1, "concurrency": 1,
-                              **spec(CHAT_BODY)}, timeout=60)
+                    gen.call(
+                        {
+                            "op": "batch",
+                            "url": suts.url(n),
+                            "n": 1,
+                            "concurrency": 1,
+                            **spec(CHAT_BODY),
+                        },
+                        timeout=60,
+                    )
                 time.sleep(prof.settle_s)
                 r: dict[str, Any] = {"memory": measure_memory(gen, mock.url, suts, prof)}
                 r["ttfc"] = measure_ttfc(gen, mock.url, suts, prof)
@@ -1093,16 +1455,30 @@ def run(prof: Profile, quick: bool, litellm_exe: Path | None) -> dict[str, Any]:
                 reps.append(r)
                 if rep == prof.reps - 1:
                     hb.log("fault matrix")
-                    matrix = fault_matrix(fleet, gen, fault, refused,
-                                          suts if litellm_exe else None, prof.fault_timeout_s)
+                    matrix = fault_matrix(
+                        fleet,
+                        gen,
+                        fault,
+                        refused,
+                        suts if litellm_exe else None,
+                        prof.fault_timeout_s,
+                    )
             finally:
                 suts.stop()
-        res = {"quick": quick, "machine": machine, "profile": prof.__dict__,
-               "litellm": litellm_exe is not None, "agg": aggregate(reps, names),
-               "matrix": matrix, "loadavg_end": os.getloadavg(),
-               "litellm_config": litellm_config("http://127.0.0.1:MOCK", "http://127.0.0.1:FAULTS",
-                                                [1111, 2222]).replace(":1111", ":REFUSED1")
-               .replace(":2222", ":REFUSED2")}
+        res = {
+            "quick": quick,
+            "machine": machine,
+            "profile": prof.__dict__,
+            "litellm": litellm_exe is not None,
+            "agg": aggregate(reps, names),
+            "matrix": matrix,
+            "loadavg_end": os.getloadavg(),
+            "litellm_config": litellm_config(
+                "http://127.0.0.1:MOCK", "http://127.0.0.1:FAULTS", [1111, 2222]
+            )
+            .replace(":1111", ":REFUSED1")
+            .replace(":2222", ":REFUSED2"),
+        }
         with contextlib.suppress(Exception):
             gen.call({"op": "quit"}, timeout=1)
         ok = True
@@ -1124,22 +1500,33 @@ def main() -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small counts: a smoke test")
-    parser.add_argument("--no-litellm", action="store_true",
-                        help="leave LiteLLM out (said in the report)")
+    parser.add_argument(
+        "--no-litellm", action="store_true", help="leave LiteLLM out (said in the report)"
+    )
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    parser.add_argument("--litellm-venv", type=Path,
-                        default=cache / "unbroken-bench" / "litellm-venv")
-    parser.add_argument("--out", help="Markdown report (default docs/benchmarks.md; "
-                        "none with --quick unless given)")
+    parser.add_argument(
+        "--litellm-venv", type=Path, default=cache / "unbroken-bench" / "litellm-venv"
+    )
+    parser.add_argument(
+        "--out", help="Markdown report (default docs/benchmarks.md; none with --quick unless given)"
+    )
     parser.add_argument("--img", help="PNG directory (default: img/ next to --out)")
     parser.add_argument("--json", help="also write the aggregated results here")
-    parser.add_argument("--from-json", type=Path,
-                        help="render the report and plots again from a --json file; no run")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        help="render the report and plots again from a --json file; no run",
+    )
     args = parser.parse_args()
     if args.from_json:
         res = json.loads(args.from_json.read_text())
-        write_report(res, args.out or str(ROOT / "docs" / "benchmarks.md"), args.img,
-                     quick=res["quick"], no_litellm=not res["litellm"])
+        write_report(
+            res,
+            args.out or str(ROOT / "docs" / "benchmarks.md"),
+            args.img,
+            quick=res["quick"],
+            no_litellm=not res["litellm"],
+        )
         return 0
     if not sys.platform.startswith("linux"):
         print("compare: needs Linux (/proc, CPU pinning)", file=sys.stderr)
@@ -1158,10 +1545,12 @@ def main() -> int:
     for p, x in agg["ttfc"].items():
         line = f"  {p:8s} TTFC p50 {x['p50']:.2f} ms (added {x['added_p50']:+.2f})"
         if p != "direct":
-            line += (f"; per core: streamed {agg['rps_stream'][p]['per_core']:.0f}, non-streamed "
-                     f"{agg['rps_plain'][p]['per_core']:.0f}; {agg['cpu'][p]['us_per_frame']:.1f} "
-                     f"µs/frame; idle {agg['memory'][p]['idle_mib']:.1f} MiB, "
-                     f"{agg['memory'][p]['kib_per_stream']:.1f} KiB/stream")
+            line += (
+                f"; per core: streamed {agg['rps_stream'][p]['per_core']:.0f}, non-streamed "
+                f"{agg['rps_plain'][p]['per_core']:.0f}; {agg['cpu'][p]['us_per_frame']:.1f} "
+                f"µs/frame; idle {agg['memory'][p]['idle_mib']:.1f} MiB, "
+                f"{agg['memory'][p]['kib_per_stream']:.1f} KiB/stream"
+            )
         print(line)
     for case, row in res["matrix"]["cells"].items():
         print(f"  {case:36s} " + "  ".join(f"{p}: {c['outcome']}" for p, c in row.items()))
@@ -1175,13 +1564,17 @@ def main() -> int:
     return 0
 
 
-def write_report(res: dict[str, Any], out: str, img_dir: str | None, *, quick: bool,
-                 no_litellm: bool) -> None:
+def write_report(
+    res: dict[str, Any], out: str, img_dir: str | None, *, quick: bool, no_litellm: bool
+) -> None:
     outp = Path(out).resolve()
     img = Path(img_dir).resolve() if img_dir else outp.parent / "img"
     plots(res["agg"], res["matrix"], img)
-    cmd = "python bench/compare.py" + (" --quick" if quick else "") + (
-        " --no-litellm" if no_litellm else "")
+    cmd = (
+        "python bench/compare.py"
+        + (" --quick" if quick else "")
+        + (" --no-litellm" if no_litellm else "")
+    )
     outp.write_text(render(res, os.path.relpath(img, outp.parent), cmd) + "\n")
     hb.log(f"wrote {outp} and 4 plots in {img}")
 

@@ -112,14 +112,35 @@ class Profile:
 
 
 FULL = Profile(
-    reps=5, ttfc_n=300, tool_n=40, rps_duration_s=5.0, rps_warmup_s=1.0,
-    cpu_requests=96, cpu_concurrency=16, cpu_deltas=200, cpu_delay_ms=2.0,
-    mem_streams=500, mem_reps=2, big_n=60, big_streams=100,
+    reps=5,
+    ttfc_n=300,
+    tool_n=40,
+    rps_duration_s=5.0,
+    rps_warmup_s=1.0,
+    cpu_requests=96,
+    cpu_concurrency=16,
+    cpu_deltas=200,
+    cpu_delay_ms=2.0,
+    mem_streams=500,
+    mem_reps=2,
+    big_n=60,
+    big_streams=100,
 )
 QUICK = Profile(
-    reps=1, ttfc_n=30, tool_n=6, rps_duration_s=0.8, rps_warmup_s=0.3,
-    cpu_requests=16, cpu_concurrency=8, cpu_deltas=200, cpu_delay_ms=2.0,
-    mem_streams=200, mem_reps=1, big_n=10, big_streams=40, settle_s=0.2,
+    reps=1,
+    ttfc_n=30,
+    tool_n=6,
+    rps_duration_s=0.8,
+    rps_warmup_s=0.3,
+    cpu_requests=16,
+    cpu_concurrency=8,
+    cpu_deltas=200,
+    cpu_delay_ms=2.0,
+    mem_streams=200,
+    mem_reps=1,
+    big_n=10,
+    big_streams=40,
+    settle_s=0.2,
 )
 
 
@@ -584,8 +605,18 @@ def start_unbroken(
     state.mkdir(exist_ok=True)
     return fleet.start(
         f"unbroken-{tag}",
-        [*launcher, PY, *python_args, "-m", "unbroken", "serve", "--config", str(cfg),
-         "--port", "0"],
+        [
+            *launcher,
+            PY,
+            *python_args,
+            "-m",
+            "unbroken",
+            "serve",
+            "--config",
+            str(cfg),
+            "--port",
+            "0",
+        ],
         cpu=fleet.sut_cpu,
         ready=r"relaying on (http://\S+)",
         env={"XDG_STATE_HOME": str(state), "HOME": str(state), **(env or {})},
@@ -648,15 +679,18 @@ def latency_rep(
 ) -> dict[str, Any]:
     """One repetition: n sequential requests per path, interleaved; p50/p99 of the marker."""
     r = gen.call(
-        {"op": "ttfc", "targets": [[p, urls[p]] for p in PATHS], "n": n, "marker": marker,
-         **spec},
+        {"op": "ttfc", "targets": [[p, urls[p]] for p in PATHS], "n": n, "marker": marker, **spec},
         timeout=120 + n * 3,
     )
     rep: dict[str, Any] = {"errors": r["errors"], "last_error": r["last_error"]}
     for p in PATHS:
         first, end = r["first_ms"][p], r["end_ms"][p]
-        rep[p] = {"p50": pct(first, 50), "p99": pct(first, 99), "end_p50": pct(end, 50),
-                  "n": len(first)}
+        rep[p] = {
+            "p50": pct(first, 50),
+            "p99": pct(first, 99),
+            "end_p50": pct(end, 50),
+            "n": len(first),
+        }
     return rep
 
 
@@ -676,8 +710,14 @@ def aggregate_latency(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def throughput_rep(
-    gen: Proc, mock: Proc, urls: dict[str, str], suts: SUTs, spec: dict[str, Any],
-    prof: Profile, rep: int, concurrency: int = 64,
+    gen: Proc,
+    mock: Proc,
+    urls: dict[str, str],
+    suts: SUTs,
+    spec: dict[str, Any],
+    prof: Profile,
+    rep: int,
+    concurrency: int = 64,
 ) -> dict[str, dict[str, Any]]:
     sut_pid = {"direct": None, "bare": suts.bare.pid, "unbroken": suts.unbroken.pid}
     out: dict[str, dict[str, Any]] = {}
@@ -685,9 +725,15 @@ def throughput_rep(
         pid = sut_pid[p]
         pids = [mock.pid, gen.pid] + ([pid] if pid else [])
         r = gen.call(
-            {"op": "throughput", "url": urls[p], "concurrency": concurrency,
-             "warmup": prof.rps_warmup_s, "duration": prof.rps_duration_s,
-             "cpu_pids": pids, **spec},
+            {
+                "op": "throughput",
+                "url": urls[p],
+                "concurrency": concurrency,
+                "warmup": prof.rps_warmup_s,
+                "duration": prof.rps_duration_s,
+                "cpu_pids": pids,
+                **spec,
+            },
             timeout=120,
         )
         util = r["cpu_util"]
@@ -697,19 +743,22 @@ def throughput_rep(
         # Requests per CPU-second of the SUT: its capacity on one core, harness limits aside.
         r["per_core"] = r["rps"] / r["sut_util"] if r["sut_util"] else None
         out[p] = r
-        log(f"  c={concurrency} {p:8s}: {r['rps']:6.0f} req/s, errors {r['errors']}"
-            + (f", SUT CPU {r['sut_util']:.0%} -> {r['per_core']:5.0f} req per SUT CPU-s"
-               if pid else "")
-            + f", mock {r['mock_util']:.0%} + loadgen {r['gen_util']:.0%}")
+        log(
+            f"  c={concurrency} {p:8s}: {r['rps']:6.0f} req/s, errors {r['errors']}"
+            + (
+                f", SUT CPU {r['sut_util']:.0%} -> {r['per_core']:5.0f} req per SUT CPU-s"
+                if pid
+                else ""
+            )
+            + f", mock {r['mock_util']:.0%} + loadgen {r['gen_util']:.0%}"
+        )
     return out
 
 
 def aggregate_throughput(reps: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {"runs": {p: [r[p] for r in reps] for p in PATHS}}
     # paired within a repetition (same minute, same noise), then the median
-    out["per_core_ratio"] = med(
-        [r["unbroken"]["per_core"] / r["bare"]["per_core"] for r in reps]
-    )
+    out["per_core_ratio"] = med([r["unbroken"]["per_core"] / r["bare"]["per_core"] for r in reps])
     for p in PATHS:
         rr = out["runs"][p]
         sut = p != "direct"
@@ -735,22 +784,30 @@ def cpu_rep(gen: Proc, mock_url: str, suts: SUTs, prof: Profile, rep: int) -> di
         urls = _urls(mock_url, suts, proto)
         order = suts.items() if rep % 2 == 0 else suts.items()[::-1]
         for name, _proc in order:  # warm-up: first-use imports, pools, caches
-            gen.call({"op": "batch", "url": urls[name], "n": 2, "concurrency": 2, **spec},
-                     timeout=120)
+            gen.call(
+                {"op": "batch", "url": urls[name], "n": 2, "concurrency": 2, **spec}, timeout=120
+            )
         for name, proc in order:
             before = cpu_seconds(proc.pid)
             r = gen.call(
-                {"op": "batch", "url": urls[name], "n": prof.cpu_requests,
-                 "concurrency": prof.cpu_concurrency, **spec},
+                {
+                    "op": "batch",
+                    "url": urls[name],
+                    "n": prof.cpu_requests,
+                    "concurrency": prof.cpu_concurrency,
+                    **spec,
+                },
                 timeout=300,
             )
             used = cpu_seconds(proc.pid) - before
             frames = r["frames"]
             r.update(cpu_s=used, us_per_frame=used / frames * 1e6 if frames else float("nan"))
             out.setdefault(proto, {})[name] = r
-            log(f"  cpu {proto:9s} {name:8s}: {r['us_per_frame']:5.1f} µs/frame "
+            log(
+                f"  cpu {proto:9s} {name:8s}: {r['us_per_frame']:5.1f} µs/frame "
                 f"({used:.2f} s / {frames} frames; client reads/frame "
-                f"{r['reads'] / max(frames, 1):.2f}; errors {r['errors']})")
+                f"{r['reads'] / max(frames, 1):.2f}; errors {r['errors']})"
+            )
     return out
 
 
@@ -769,12 +826,10 @@ def aggregate_cpu(reps: list[dict[str, Any]]) -> dict[str, Any]:
             }
         # paired within a repetition (same minute, same noise), then the median
         res[proto]["ratio"] = med(
-            [r[proto]["unbroken"]["us_per_frame"] / r[proto]["bare"]["us_per_frame"]
-             for r in reps]
+            [r[proto]["unbroken"]["us_per_frame"] / r[proto]["bare"]["us_per_frame"] for r in reps]
         )
         res[proto]["extra_us"] = med(
-            [r[proto]["unbroken"]["us_per_frame"] - r[proto]["bare"]["us_per_frame"]
-             for r in reps]
+            [r[proto]["unbroken"]["us_per_frame"] - r[proto]["bare"]["us_per_frame"] for r in reps]
         )
     return res
 
@@ -790,14 +845,23 @@ def big_body(kib: int) -> str:
             content = json.dumps({"stdout": f"line {i}\n" * 30, "exit_code": 0})
             msgs.append({"role": "tool", "tool_call_id": f"call_{i:06d}", "content": content})
         else:
-            msgs.append({"role": "user" if i % 3 == 1 else "assistant",
-                         "content": f"step {i}: " + "lorem ipsum dolor sit amet " * 20})
+            msgs.append(
+                {
+                    "role": "user" if i % 3 == 1 else "assistant",
+                    "content": f"step {i}: " + "lorem ipsum dolor sit amet " * 20,
+                }
+            )
         size += len(json.dumps(msgs[-1]))
     return json.dumps({"model": "bench", "stream": True, "messages": msgs})
 
 
 def _rss_per_stream(
-    fleet: Fleet, gen: Proc, mock_url: str, tag: str, n: int, body: str | None,
+    fleet: Fleet,
+    gen: Proc,
+    mock_url: str,
+    tag: str,
+    n: int,
+    body: str | None,
     settle_s: float = 1.0,
 ) -> dict[str, Any]:
     """Fresh SUTs: idle RSS after one warm-up request, then with ``n`` open slow streams."""
@@ -810,13 +874,15 @@ def _rss_per_stream(
             warm["body"] = slow["body"] = body
         urls = _urls(mock_url, suts, "chat")
         for name, _proc in suts.items():
-            gen.call({"op": "batch", "url": urls[name], "n": 1, "concurrency": 1, **warm},
-                     timeout=30)
+            gen.call(
+                {"op": "batch", "url": urls[name], "n": 1, "concurrency": 1, **warm}, timeout=30
+            )
         time.sleep(settle_s)
         idle = {name: rss_kib(proc.pid) for name, proc in suts.items()}
         for name, proc in suts.items():
-            h = gen.call({"op": "hold", "url": urls[name], "n": n, "timeout": 60, **slow},
-                         timeout=90)
+            h = gen.call(
+                {"op": "hold", "url": urls[name], "n": n, "timeout": 60, **slow}, timeout=90
+            )
             time.sleep(settle_s)
             samples = []
             for _ in range(3):
@@ -825,12 +891,19 @@ def _rss_per_stream(
             gen.call({"op": "release"}, timeout=60)
             loaded = max(samples)
             per = (loaded - idle[name]) / max(h["ready"], 1)
-            out[name] = {"idle_kib": idle[name], "loaded_kib": loaded, "streams": h["ready"],
-                         "failed": h["failed"], "kib_per_stream": per,
-                         "last_error": h["last_error"]}
-            log(f"  memory {tag} {name:8s}: idle {idle[name] / 1024:.1f} MiB, "
+            out[name] = {
+                "idle_kib": idle[name],
+                "loaded_kib": loaded,
+                "streams": h["ready"],
+                "failed": h["failed"],
+                "kib_per_stream": per,
+                "last_error": h["last_error"],
+            }
+            log(
+                f"  memory {tag} {name:8s}: idle {idle[name] / 1024:.1f} MiB, "
                 f"{h['ready']} open streams {loaded / 1024:.1f} MiB -> {per:.1f} KiB/stream"
-                + (f" ({h['failed']} failed: {h['last_error']})" if h["failed"] else ""))
+                + (f" ({h['failed']} failed: {h['last_error']})" if h["failed"] else "")
+            )
             time.sleep(settle_s * 0.5)
     finally:
         fleet.stop(suts.bare)
@@ -868,12 +941,18 @@ def machine_info(pinning: str) -> dict[str, Any]:
     commit = ""
     with contextlib.suppress(Exception):
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
             timeout=10,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src"], cwd=ROOT, capture_output=True,
-            text=True, timeout=10,
+            ["git", "status", "--porcelain", "--", "src"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout.strip()
         if dirty:
             commit += " (src/ has uncommitted changes)"
@@ -919,42 +998,91 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     lim = TARGETS
     rows: list[tuple[str, str, str, float, float, float, str, bool, int]] = [
         # (metric, short, target, unbroken, bare, value, value unit, pass, decimals)
-        ("added TTFC p50 (chat, c=1)", "added-TTFC",
-         f"≤ bare + {lim['ttfc_added_over_bare_ms']} ms",
-         t["unbroken"]["added_p50"], t["bare"]["added_p50"],
-         t["unbroken"]["added_p50"] - t["bare"]["added_p50"], "ms over bare",
-         t["unbroken"]["added_p50"] - t["bare"]["added_p50"] <= lim["ttfc_added_over_bare_ms"],
-         3),
-        ("streamed req/s per core, c=64 (*)", "streamed-req/s",
-         f"≥ {lim['rps_per_core_vs_bare']}× bare",
-         tp["unbroken"]["per_core"], tp["bare"]["per_core"], tp["per_core_ratio"], "× bare",
-         tp["per_core_ratio"] >= lim["rps_per_core_vs_bare"], 0),
-        ("non-streamed req/s per core, c=32 (*)", "non-streamed-req/s",
-         f"≥ {lim['rps_per_core_vs_bare']}× bare",
-         ns["unbroken"]["per_core"], ns["bare"]["per_core"], ns["per_core_ratio"], "× bare",
-         ns["per_core_ratio"] >= lim["rps_per_core_vs_bare"], 0),
+        (
+            "added TTFC p50 (chat, c=1)",
+            "added-TTFC",
+            f"≤ bare + {lim['ttfc_added_over_bare_ms']} ms",
+            t["unbroken"]["added_p50"],
+            t["bare"]["added_p50"],
+            t["unbroken"]["added_p50"] - t["bare"]["added_p50"],
+            "ms over bare",
+            t["unbroken"]["added_p50"] - t["bare"]["added_p50"] <= lim["ttfc_added_over_bare_ms"],
+            3,
+        ),
+        (
+            "streamed req/s per core, c=64 (*)",
+            "streamed-req/s",
+            f"≥ {lim['rps_per_core_vs_bare']}× bare",
+            tp["unbroken"]["per_core"],
+            tp["bare"]["per_core"],
+            tp["per_core_ratio"],
+            "× bare",
+            tp["per_core_ratio"] >= lim["rps_per_core_vs_bare"],
+            0,
+        ),
+        (
+            "non-streamed req/s per core, c=32 (*)",
+            "non-streamed-req/s",
+            f"≥ {lim['rps_per_core_vs_bare']}× bare",
+            ns["unbroken"]["per_core"],
+            ns["bare"]["per_core"],
+            ns["per_core_ratio"],
+            "× bare",
+            ns["per_core_ratio"] >= lim["rps_per_core_vs_bare"],
+            0,
+        ),
     ]
     for proto in PROTOCOLS:
         d = cpu[proto]
-        rows.append((
-            f"CPU per frame ({proto}), µs", f"CPU-per-frame-{proto}",
-            f"≤ {lim['cpu_per_frame_vs_bare']}× bare",
-            d["unbroken"]["us_per_frame"], d["bare"]["us_per_frame"], d["ratio"], "× bare",
-            d["ratio"] <= lim["cpu_per_frame_vs_bare"], 1,
-        ))
+        rows.append(
+            (
+                f"CPU per frame ({proto}), µs",
+                f"CPU-per-frame-{proto}",
+                f"≤ {lim['cpu_per_frame_vs_bare']}× bare",
+                d["unbroken"]["us_per_frame"],
+                d["bare"]["us_per_frame"],
+                d["ratio"],
+                "× bare",
+                d["ratio"] <= lim["cpu_per_frame_vs_bare"],
+                1,
+            )
+        )
     rows += [
-        ("idle RSS, MiB", "idle-RSS", f"≤ {lim['idle_rss_mib']} MiB",
-         mem["unbroken"]["idle_mib"], mem["bare"]["idle_mib"],
-         mem["unbroken"]["idle_mib"] - mem["bare"]["idle_mib"], "MiB over bare",
-         mem["unbroken"]["idle_mib"] <= lim["idle_rss_mib"], 1),
-        ("RSS per open stream, KiB", "RSS-per-stream", f"≤ {lim['kib_per_stream']} KiB",
-         mem["unbroken"]["kib_per_stream"], mem["bare"]["kib_per_stream"],
-         mem["unbroken"]["kib_per_stream"] - mem["bare"]["kib_per_stream"], "KiB over bare",
-         mem["unbroken"]["kib_per_stream"] <= lim["kib_per_stream"], 1),
+        (
+            "idle RSS, MiB",
+            "idle-RSS",
+            f"≤ {lim['idle_rss_mib']} MiB",
+            mem["unbroken"]["idle_mib"],
+            mem["bare"]["idle_mib"],
+            mem["unbroken"]["idle_mib"] - mem["bare"]["idle_mib"],
+            "MiB over bare",
+            mem["unbroken"]["idle_mib"] <= lim["idle_rss_mib"],
+            1,
+        ),
+        (
+            "RSS per open stream, KiB",
+            "RSS-per-stream",
+            f"≤ {lim['kib_per_stream']} KiB",
+            mem["unbroken"]["kib_per_stream"],
+            mem["bare"]["kib_per_stream"],
+            mem["unbroken"]["kib_per_stream"] - mem["bare"]["kib_per_stream"],
+            "KiB over bare",
+            mem["unbroken"]["kib_per_stream"] <= lim["kib_per_stream"],
+            1,
+        ),
     ]
     return [
-        {"metric": m, "short": short, "target": tgt, "unbroken": u, "bare": b, "value": v,
-         "value_unit": vu, "pass": ok and v == v, "nd": nd}
+        {
+            "metric": m,
+            "short": short,
+            "target": tgt,
+            "unbroken": u,
+            "bare": b,
+            "value": v,
+            "value_unit": vu,
+            "pass": ok and v == v,
+            "nd": nd,
+        }
         for m, short, tgt, u, b, v, vu, ok, nd in rows
     ]
 
@@ -970,8 +1098,15 @@ def reflow(md: str, width: int = 92) -> str:
         nonlocal para, bullet
         if para:
             text = " ".join(x.strip() for x in para)
-            out.append(textwrap.fill(text, width, subsequent_indent="  " if bullet else "",
-                                     break_long_words=False, break_on_hyphens=False))
+            out.append(
+                textwrap.fill(
+                    text,
+                    width,
+                    subsequent_indent="  " if bullet else "",
+                    break_long_words=False,
+                    break_on_hyphens=False,
+                )
+            )
         para, bullet = [], False
 
     for line in md.split("\n"):
@@ -993,8 +1128,10 @@ def reflow(md: str, width: int = 92) -> str:
 
 def _throughput_rows(tp: dict[str, Any]) -> list[str]:
     """A throughput window's table, one row per path."""
-    rows = ["| path | req/s | min – max | vs direct | SUT CPU | per SUT core | harness CPU |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| path | req/s | min – max | vs direct | SUT CPU | per SUT core | harness CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for p in PATHS:
         r = tp[p]
         sut = "—" if r["sut_util"] is None else f"{r['sut_util']:.0%}"
@@ -1016,7 +1153,11 @@ def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
     m = res["machine"]
     prof: dict[str, Any] = res["profile"]
     t, tool, tp, cpu, mem = (
-        res["ttfc"], res["tool"], res["throughput"], res["cpu"], res["memory"],
+        res["ttfc"],
+        res["tool"],
+        res["throughput"],
+        res["cpu"],
+        res["memory"],
     )
     reps = prof["reps"]
     cmd = "python bench/http_bench.py" + "".join(f" {a}" for a in argv)
@@ -1041,11 +1182,15 @@ def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
     a("")
     a("## Machine and setup")
     a("")
-    a(f"* {m['date']}; unbroken {m['unbroken']} at commit `{m['commit'] or 'unknown'}`"
-      f"{'; **quick run**' if res['quick'] else ''}; {res['elapsed_s']:.0f} s.")
-    a(f"* nproc {m['nproc']} ({m['cpu_model'] or 'unknown CPU'}, a KVM guest), Linux "
-      f"{m['kernel']}; a shared, noisy machine: load average {m['loadavg_start'][0]:.2f} at "
-      f"the start, {res['loadavg_end'][0]:.2f} at the end.")
+    a(
+        f"* {m['date']}; unbroken {m['unbroken']} at commit `{m['commit'] or 'unknown'}`"
+        f"{'; **quick run**' if res['quick'] else ''}; {res['elapsed_s']:.0f} s."
+    )
+    a(
+        f"* nproc {m['nproc']} ({m['cpu_model'] or 'unknown CPU'}, a KVM guest), Linux "
+        f"{m['kernel']}; a shared, noisy machine: load average {m['loadavg_start'][0]:.2f} at "
+        f"the start, {res['loadavg_end'][0]:.2f} at the end."
+    )
     a(f"* Python {m['python']}, aiohttp {m['aiohttp']}.")
     pin = {
         "taskset": "`taskset -c 0` for the system under test (SUT), `taskset -c 1` for the "
@@ -1079,8 +1224,10 @@ def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
         nd = r["nd"]
         vnd = 2 if r["value_unit"] == "× bare" else (3 if r["nd"] == 3 else 1)
         sign = "" if r["value_unit"] == "× bare" else ("+" if r["value"] >= 0 else "")
-        a(f"| {r['metric']} | {r['target']} | {_f(r['unbroken'], nd)} | {_f(r['bare'], nd)} | "
-          f"{sign}{_f(r['value'], vnd)} {r['value_unit']} | {_verdict(r['pass'])} |")
+        a(
+            f"| {r['metric']} | {r['target']} | {_f(r['unbroken'], nd)} | {_f(r['bare'], nd)} | "
+            f"{sign}{_f(r['value'], vnd)} {r['value_unit']} | {_verdict(r['pass'])} |"
+        )
     a("")
     a("(*) Requests completed per CPU-second of the SUT process in the window: its rate on")
     a("one fully used core. It equals the measured rate when the SUT saturates its core; when")
@@ -1094,8 +1241,10 @@ def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
     a("every 5 ms (`chunk_delay_ms: 5`: the role chunk at once, the first text delta 5 ms")
     a("later). TTFC = request sent → first **text delta** at the client, on every path")
     a("(unbroken holds the role chunk, and the response headers, until the first output, so")
-    a("\"first byte\" would not compare like with like). Per repetition "
-      f"{prof['ttfc_n']} requests per path, p50 and p99; added = path − direct, same")
+    a(
+        '"first byte" would not compare like with like). Per repetition '
+        f"{prof['ttfc_n']} requests per path, p50 and p99; added = path − direct, same"
+    )
     a("percentile, same repetition.")
     a("")
     a("| path | TTFC p50 ms | TTFC p99 ms | added p50 ms | added p99 ms | p50 vs direct |")
@@ -1104,67 +1253,89 @@ def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
         r = t[p]
         added50 = "—" if p == "direct" else _f(r["added_p50"], 3)
         added99 = "—" if p == "direct" else _f(r["added_p99"], 3)
-        a(f"| {p} | {_f(r['p50'], 3)} | {_f(r['p99'], 3)} | {added50} | {added99} | "
-          f"{_ratio(r['p50'], t['direct']['p50'])} |")
+        a(
+            f"| {p} | {_f(r['p50'], 3)} | {_f(r['p99'], 3)} | {added50} | {added99} | "
+            f"{_ratio(r['p50'], t['direct']['p50'])} |"
+        )
     a("")
-    a(f"unbroken adds {_ratio(t['unbroken']['added_p50'], t['bare']['added_p50'])} what the "
-      f"bare proxy adds at p50 ({_f(t['unbroken']['added_p50'] - t['bare']['added_p50'], 3)} ms "
-      "more).")
+    a(
+        f"unbroken adds {_ratio(t['unbroken']['added_p50'], t['bare']['added_p50'])} what the "
+        f"bare proxy adds at p50 ({_f(t['unbroken']['added_p50'] - t['bare']['added_p50'], 3)} ms "
+        "more)."
+    )
     if any(t["errors"].values()):
         a(f"Errors: {t['errors']} (last: `{t['last_error']}`).")
     a("")
     # -- throughput
     a("## Streamed requests per second (concurrency 64)")
     a("")
-    a(f"Streamed chat, 20 text deltas, no delay ({_f(tp['unbroken']['frames_per_req'], 0)} SSE "
-      "frames a response), 64 concurrent clients, the SUT pinned to one core; per repetition")
-    a(f"one {prof['rps_duration_s']:g} s window (after {prof['rps_warmup_s']:g} s warm-up) per "
-      "path. *SUT CPU* and *harness CPU* are the share of a core used in the window")
+    a(
+        f"Streamed chat, 20 text deltas, no delay ({_f(tp['unbroken']['frames_per_req'], 0)} SSE "
+        "frames a response), 64 concurrent clients, the SUT pinned to one core; per repetition"
+    )
+    a(
+        f"one {prof['rps_duration_s']:g} s window (after {prof['rps_warmup_s']:g} s warm-up) per "
+        "path. *SUT CPU* and *harness CPU* are the share of a core used in the window"
+    )
     a("(utime+stime / wall) by the SUT and by mock + load generator (together on the other")
     a("core). *Per SUT core* = req/s ÷ SUT CPU: the rate one fully used core would sustain.")
     a("")
     L += _throughput_rows(tp)
     a("")
-    a(f"unbroken / bare: {_ratio(tp['unbroken']['rps'], tp['bare']['rps'])} measured, "
-      f"{_ratio(tp['unbroken']['per_core'], tp['bare']['per_core'])} per SUT core; CPU per "
-      f"request {_f(1e6 / tp['unbroken']['per_core'], 0)} µs vs "
-      f"{_f(1e6 / tp['bare']['per_core'], 0)} µs.")
+    a(
+        f"unbroken / bare: {_ratio(tp['unbroken']['rps'], tp['bare']['rps'])} measured, "
+        f"{_ratio(tp['unbroken']['per_core'], tp['bare']['per_core'])} per SUT core; CPU per "
+        f"request {_f(1e6 / tp['unbroken']['per_core'], 0)} µs vs "
+        f"{_f(1e6 / tp['bare']['per_core'], 0)} µs."
+    )
     L += _throughput_errors(tp)
     a("")
     # -- non-streamed throughput
     ns = res["throughput_ns"]
     a("## Non-streamed requests per second (concurrency 32)")
     a("")
-    a("The same chat turn with `\"stream\": false` (one JSON body of the 20 deltas' text), 32")
+    a('The same chat turn with `"stream": false` (one JSON body of the 20 deltas\' text), 32')
     a("concurrent clients, one window per path per repetition as above.")
     a("")
     L += _throughput_rows(ns)
     a("")
-    a(f"unbroken / bare per SUT core: {_f(ns['per_core_ratio'], 2)}× (paired by repetition); "
-      f"CPU per request {_f(1e6 / ns['unbroken']['per_core'], 0)} µs vs "
-      f"{_f(1e6 / ns['bare']['per_core'], 0)} µs.")
+    a(
+        f"unbroken / bare per SUT core: {_f(ns['per_core_ratio'], 2)}× (paired by repetition); "
+        f"CPU per request {_f(1e6 / ns['unbroken']['per_core'], 0)} µs vs "
+        f"{_f(1e6 / ns['bare']['per_core'], 0)} µs."
+    )
     L += _throughput_errors(ns)
     a("")
     # -- CPU per chunk
     a("## CPU per chunk")
     a("")
-    a(f"utime+stime of the SUT process (`/proc/PID/stat`, 10 ms ticks, all threads) over "
-      f"{prof['cpu_requests']} streamed requests of {prof['cpu_deltas']} deltas")
-    a(f"(concurrency {prof['cpu_concurrency']}, `chunk_delay_ms: {prof['cpu_delay_ms']:g}`, so "
-      "each frame travels on its own as with a real model), divided by the SSE frames the")
+    a(
+        f"utime+stime of the SUT process (`/proc/PID/stat`, 10 ms ticks, all threads) over "
+        f"{prof['cpu_requests']} streamed requests of {prof['cpu_deltas']} deltas"
+    )
+    a(
+        f"(concurrency {prof['cpu_concurrency']}, `chunk_delay_ms: {prof['cpu_delay_ms']:g}`, so "
+        "each frame travels on its own as with a real model), divided by the SSE frames the"
+    )
     a("client received. Nothing is subtracted: per-request work (accept, headers, upstream")
-    a("request, per-turn bookkeeping) is included, spread over "
-      f"~{cpu['chat']['unbroken']['frames_per_req']:.0f} frames.")
+    a(
+        "request, per-turn bookkeeping) is included, spread over "
+        f"~{cpu['chat']['unbroken']['frames_per_req']:.0f} frames."
+    )
     a("")
-    a("| protocol | frames/response | bare µs/frame | unbroken µs/frame | unbroken − bare | "
-      "unbroken / bare | client reads/frame |")
+    a(
+        "| protocol | frames/response | bare µs/frame | unbroken µs/frame | unbroken − bare | "
+        "unbroken / bare | client reads/frame |"
+    )
     a("|---|---:|---:|---:|---:|---:|---:|")
     for proto in PROTOCOLS:
         d = cpu[proto]
         b, u = d["bare"], d["unbroken"]
-        a(f"| {proto} (`/{PROTOCOLS[proto]['path']}`) | {u['frames_per_req']:.0f} | "
-          f"{_f(b['us_per_frame'], 1)} | {_f(u['us_per_frame'], 1)} | "
-          f"{_f(d['extra_us'], 1)} | {d['ratio']:.2f}× | {u['reads_per_frame']:.2f} |")
+        a(
+            f"| {proto} (`/{PROTOCOLS[proto]['path']}`) | {u['frames_per_req']:.0f} | "
+            f"{_f(b['us_per_frame'], 1)} | {_f(u['us_per_frame'], 1)} | "
+            f"{_f(d['extra_us'], 1)} | {d['ratio']:.2f}× | {u['reads_per_frame']:.2f} |"
+        )
     a("")
     a("Direct has no relay process, so it has no column here. The difference and the ratio")
     a("are paired within each repetition, then the median.")
@@ -1175,35 +1346,45 @@ def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
     # -- memory
     a("## Memory")
     a("")
-    a("RSS (`VmRSS`) of freshly started SUTs after one warm-up request (idle), and with "
-      f"{prof['mem_streams']}")
+    a(
+        "RSS (`VmRSS`) of freshly started SUTs after one warm-up request (idle), and with "
+        f"{prof['mem_streams']}"
+    )
     a("open slow streams (`chunk_delay_ms: 1000`; every client has its first bytes and keeps")
     a("the stream open). Per stream = (RSS with streams − idle RSS) / streams. The mock and")
-    a(f"the clients are other processes (so direct has no row). Median of {prof['mem_reps']} "
-      "fresh start(s).")
+    a(
+        f"the clients are other processes (so direct has no row). Median of {prof['mem_reps']} "
+        "fresh start(s)."
+    )
     a("")
     a("| path | idle RSS MiB | RSS with streams MiB | streams | KiB per open stream |")
     a("|---|---:|---:|---:|---:|")
     for name in SUT_NAMES:
         r = mem[name]
-        a(f"| {name} | {_f(r['idle_mib'], 1)} | {_f(r['loaded_mib'], 1)} | {r['streams']} | "
-          f"{_f(r['kib_per_stream'], 1)} |")
+        a(
+            f"| {name} | {_f(r['idle_mib'], 1)} | {_f(r['loaded_mib'], 1)} | {r['streams']} | "
+            f"{_f(r['kib_per_stream'], 1)} |"
+        )
     a("")
-    a(f"unbroken / bare: idle {_ratio(mem['unbroken']['idle_mib'], mem['bare']['idle_mib'])}, "
-      f"per stream {_ratio(mem['unbroken']['kib_per_stream'], mem['bare']['kib_per_stream'])}.")
+    a(
+        f"unbroken / bare: idle {_ratio(mem['unbroken']['idle_mib'], mem['bare']['idle_mib'])}, "
+        f"per stream {_ratio(mem['unbroken']['kib_per_stream'], mem['bare']['kib_per_stream'])}."
+    )
     a("")
     # -- tool gate
     a("## Dispatch gate: when a streamed tool call becomes visible")
     a("")
-    a("A streamed chat tool call (`x-mock-action: {\"reply\": \"tool\", \"chunk_delay_ms\": 5}`:")
+    a('A streamed chat tool call (`x-mock-action: {"reply": "tool", "chunk_delay_ms": 5}`:')
     a("role chunk, tool-call start, 8 argument deltas, finish, `[DONE]`, 5 ms apart). Time from")
-    a("the request to the first byte of the tool call (`\"tool_calls\"`) at the client, per")
+    a('the request to the first byte of the tool call (`"tool_calls"`) at the client, per')
     a(f"repetition {prof['tool_n']} requests per path. Direct and bare stream the call as it is")
     a("generated; unbroken holds it until it is complete (the dispatch gate) and releases it")
     a("whole, so the difference is the time the model spent streaming the arguments.")
     a("")
-    a("| path | first tool-call byte p50 ms | p99 ms | end of stream p50 ms | "
-      "first byte − direct |")
+    a(
+        "| path | first tool-call byte p50 ms | p99 ms | end of stream p50 ms | "
+        "first byte − direct |"
+    )
     a("|---|---:|---:|---:|---:|")
     for p in PATHS:
         r = tool[p]
@@ -1212,10 +1393,14 @@ def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
     a("")
     before_end = tool["unbroken"]["end_p50"] - tool["unbroken"]["p50"]
     end_delta = tool["unbroken"]["end_p50"] - tool["direct"]["end_p50"]
-    a(f"Through unbroken the call arrives {_f(tool['unbroken']['added_p50'], 1)} ms later than "
-      f"directly and {_f(before_end, 1)} ms before the end of the stream: the gate costs the")
-    a("argument-streaming time, not the turn: the stream ends "
-      f"{_f(end_delta, 2)} ms after direct's.")
+    a(
+        f"Through unbroken the call arrives {_f(tool['unbroken']['added_p50'], 1)} ms later than "
+        f"directly and {_f(before_end, 1)} ms before the end of the stream: the gate costs the"
+    )
+    a(
+        "argument-streaming time, not the turn: the stream ends "
+        f"{_f(end_delta, 2)} ms after direct's."
+    )
     a("")
     # -- large body supplement
     bb = res["big_body"]
@@ -1223,14 +1408,20 @@ def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
     a(f"## Supplement: a {bb['body_kib']:.0f} KiB request body")
     a("")
     a("The tables above use a tiny request. A coding agent late in a session sends its whole")
-    a(f"history every turn, so here the same chat request carries a {bb['body_kib']:.0f} KiB body "
-      "(system prompt, a long")
-    a("conversation, tool outputs). Added TTFC as above (c=1, 5 ms/chunk, "
-      f"{prof['big_n']} requests per path per repetition), and RSS per open stream")
+    a(
+        "history every turn, so here the same chat request carries a "
+        f"{bb['body_kib']:.0f} KiB body (system prompt, a long"
+    )
+    a(
+        "conversation, tool outputs). Added TTFC as above (c=1, 5 ms/chunk, "
+        f"{prof['big_n']} requests per path per repetition), and RSS per open stream"
+    )
     a(f"({prof['big_streams']} streams, fresh processes, one start).")
     a("")
-    a("| path | TTFC p50 ms | added p50 ms | idle RSS MiB | RSS with streams MiB | "
-      "KiB per open stream |")
+    a(
+        "| path | TTFC p50 ms | added p50 ms | idle RSS MiB | RSS with streams MiB | "
+        "KiB per open stream |"
+    )
     a("|---|---:|---:|---:|---:|---:|")
     for p in PATHS:
         r = bt[p]
@@ -1239,14 +1430,19 @@ def render_markdown(res: dict[str, Any], argv: Sequence[str]) -> str:
             a(f"| {p} | {_f(r['p50'], 3)} | {added} | — | — | — |")
         else:
             mm = bm[p]
-            a(f"| {p} | {_f(r['p50'], 3)} | {added} | {_f(mm['idle_mib'], 1)} | "
-              f"{_f(mm['loaded_mib'], 1)} | {_f(mm['kib_per_stream'], 1)} |")
+            a(
+                f"| {p} | {_f(r['p50'], 3)} | {added} | {_f(mm['idle_mib'], 1)} | "
+                f"{_f(mm['loaded_mib'], 1)} | {_f(mm['kib_per_stream'], 1)} |"
+            )
     a("")
-    a(f"With this body unbroken adds {_f(bt['unbroken']['added_p50'] - bt['bare']['added_p50'], 2)}"
-      f" ms more than the bare proxy to TTFC (tiny body: "
-      f"{_f(t['unbroken']['added_p50'] - t['bare']['added_p50'], 2)} ms) and holds "
-      f"{_ratio(bm['unbroken']['kib_per_stream'], bm['bare']['kib_per_stream'])} the bare "
-      "proxy's memory per open stream.")
+    a(
+        "With this body unbroken adds "
+        f"{_f(bt['unbroken']['added_p50'] - bt['bare']['added_p50'], 2)}"
+        f" ms more than the bare proxy to TTFC (tiny body: "
+        f"{_f(t['unbroken']['added_p50'] - t['bare']['added_p50'], 2)} ms) and holds "
+        f"{_ratio(bm['unbroken']['kib_per_stream'], bm['bare']['kib_per_stream'])} the bare "
+        "proxy's memory per open stream."
+    )
     a("")
     a("## Interpretation")
     a("")
@@ -1279,12 +1475,15 @@ def interpretation(res: dict[str, Any]) -> list[str]:
     parts = []
     for name, r in (("bare", bb), ("unbroken", ub)):
         if r["sut_util"] >= 0.9:
-            parts.append(f"{name} saturates its core ({r['sut_util']:.0%} CPU), so the SUT is "
-                         "the limit")
+            parts.append(
+                f"{name} saturates its core ({r['sut_util']:.0%} CPU), so the SUT is the limit"
+            )
         else:
-            parts.append(f"{name} uses {r['sut_util']:.0%} of its core while mock + load "
-                         f"generator use {r['harness_util']:.0%} of theirs, so the harness is "
-                         "(at least partly) the limit")
+            parts.append(
+                f"{name} uses {r['sut_util']:.0%} of its core while mock + load "
+                f"generator use {r['harness_util']:.0%} of theirs, so the harness is "
+                "(at least partly) the limit"
+            )
     out.append(
         f"**Throughput.** Direct reaches {_f(d['rps'], 0)} req/s with mock and load generator "
         "on one core: the harness ceiling on this machine (a relay in between can even raise "
@@ -1294,7 +1493,7 @@ def interpretation(res: dict[str, Any]) -> list[str]:
         f"proxy's {_f(bb['per_core'], 0)} ({_ratio(ub['per_core'], bb['per_core'])}): "
         f"{_f(1e6 / ub['per_core'] - 1e6 / bb['per_core'], 0)} µs more CPU per "
         f"{_f(ub['frames_per_req'], 0)}-frame request: the gate's proof of each frame and the "
-        "relay's per-turn work (see \"Where the per-turn floor is\" below for a profile; "
+        'relay\'s per-turn work (see "Where the per-turn floor is" below for a profile; '
         "this window's ratio moves by ±0.1 between runs of the same code)."
     )
     cu = cpu["chat"]
@@ -1324,8 +1523,8 @@ def interpretation(res: dict[str, Any]) -> list[str]:
         f"{_f(mu['kib_per_stream'], 1)} KiB against {_f(mb['kib_per_stream'], 1)} KiB: most of "
         "it is the two connections' aiohttp state (client side and upstream side) that any "
         "relay pays; unbroken adds its per-turn state (ledger, classifier, watchdog, "
-        "turn and attempt records) and more coroutines per turn (see \"Where the per-turn "
-        "floor is\")."
+        'turn and attempt records) and more coroutines per turn (see "Where the per-turn '
+        'floor is").'
     )
     return out
 
@@ -1333,35 +1532,49 @@ def interpretation(res: dict[str, Any]) -> list[str]:
 def print_summary(res: dict[str, Any]) -> None:
     print("\nunbroken HTTP benchmark" + (" (QUICK: smoke test only)" if res["quick"] else ""))
     t, tp = res["ttfc"], res["throughput"]
-    print(f"  TTFC c=1 added p50/p99: bare {t['bare']['added_p50']:+.3f}/"
-          f"{t['bare']['added_p99']:+.3f} ms, unbroken {t['unbroken']['added_p50']:+.3f}/"
-          f"{t['unbroken']['added_p99']:+.3f} ms")
+    print(
+        f"  TTFC c=1 added p50/p99: bare {t['bare']['added_p50']:+.3f}/"
+        f"{t['bare']['added_p99']:+.3f} ms, unbroken {t['unbroken']['added_p50']:+.3f}/"
+        f"{t['unbroken']['added_p99']:+.3f} ms"
+    )
     for label, r in (("req/s c=64", tp), ("non-streamed req/s c=32", res["throughput_ns"])):
-        print(f"  {label}: direct {r['direct']['rps']:.0f}, bare {r['bare']['rps']:.0f} "
-              f"({r['bare']['per_core']:.0f} per SUT core), unbroken {r['unbroken']['rps']:.0f} "
-              f"({r['unbroken']['per_core']:.0f} per SUT core)")
+        print(
+            f"  {label}: direct {r['direct']['rps']:.0f}, bare {r['bare']['rps']:.0f} "
+            f"({r['bare']['per_core']:.0f} per SUT core), unbroken {r['unbroken']['rps']:.0f} "
+            f"({r['unbroken']['per_core']:.0f} per SUT core)"
+        )
     for proto, d in res["cpu"].items():
-        print(f"  CPU/frame {proto:9s}: bare {d['bare']['us_per_frame']:.1f} µs, "
-              f"unbroken {d['unbroken']['us_per_frame']:.1f} µs ({d['extra_us']:+.1f})")
+        print(
+            f"  CPU/frame {proto:9s}: bare {d['bare']['us_per_frame']:.1f} µs, "
+            f"unbroken {d['unbroken']['us_per_frame']:.1f} µs ({d['extra_us']:+.1f})"
+        )
     mem = res["memory"]
-    print(f"  RSS idle: bare {mem['bare']['idle_mib']:.1f} MiB, unbroken "
-          f"{mem['unbroken']['idle_mib']:.1f} MiB; per stream: bare "
-          f"{mem['bare']['kib_per_stream']:.1f} KiB, unbroken "
-          f"{mem['unbroken']['kib_per_stream']:.1f} KiB")
+    print(
+        f"  RSS idle: bare {mem['bare']['idle_mib']:.1f} MiB, unbroken "
+        f"{mem['unbroken']['idle_mib']:.1f} MiB; per stream: bare "
+        f"{mem['bare']['kib_per_stream']:.1f} KiB, unbroken "
+        f"{mem['unbroken']['kib_per_stream']:.1f} KiB"
+    )
     big = res["big_body"]
-    print(f"  {big['body_kib']:.0f} KiB body: added TTFC p50 bare "
-          f"{big['ttfc']['bare']['added_p50']:+.3f} ms, unbroken "
-          f"{big['ttfc']['unbroken']['added_p50']:+.3f} ms; per stream bare "
-          f"{big['memory']['bare']['kib_per_stream']:.0f} KiB, unbroken "
-          f"{big['memory']['unbroken']['kib_per_stream']:.0f} KiB")
+    print(
+        f"  {big['body_kib']:.0f} KiB body: added TTFC p50 bare "
+        f"{big['ttfc']['bare']['added_p50']:+.3f} ms, unbroken "
+        f"{big['ttfc']['unbroken']['added_p50']:+.3f} ms; per stream bare "
+        f"{big['memory']['bare']['kib_per_stream']:.0f} KiB, unbroken "
+        f"{big['memory']['unbroken']['kib_per_stream']:.0f} KiB"
+    )
     tool = res["tool"]
-    print(f"  first tool-call byte p50: direct {tool['direct']['p50']:.1f} ms, bare "
-          f"{tool['bare']['p50']:.1f} ms, unbroken {tool['unbroken']['p50']:.1f} ms")
+    print(
+        f"  first tool-call byte p50: direct {tool['direct']['p50']:.1f} ms, bare "
+        f"{tool['bare']['p50']:.1f} ms, unbroken {tool['unbroken']['p50']:.1f} ms"
+    )
     print("  targets:")
     for r in evaluate_targets(res):
-        print(f"    {'PASS' if r['pass'] else 'MISS'}  {r['metric']:38s} {r['target']:16s} "
-              f"{_f(r['value'], 3)} {r['value_unit']} (unbroken {_f(r['unbroken'], r['nd'])}, "
-              f"bare {_f(r['bare'], r['nd'])})")
+        print(
+            f"    {'PASS' if r['pass'] else 'MISS'}  {r['metric']:38s} {r['target']:16s} "
+            f"{_f(r['value'], 3)} {r['value_unit']} (unbroken {_f(r['unbroken'], r['nd'])}, "
+            f"bare {_f(r['bare'], r['nd'])})"
+        )
 
 
 # -------------------------------------------------------------------------------------
@@ -1401,19 +1614,24 @@ def run(prof: Profile, quick: bool, argv: Sequence[str]) -> dict[str, Any]:
     ok = False
     try:
         me = str(Path(__file__).resolve())
-        mock = fleet.start("mock", [PY, me, "--mock"], cpu=harness_cpu,
-                           ready=r"listening on (http://\S+)")
-        gen = fleet.start("loadgen", [PY, me, "--loadgen"], cpu=harness_cpu, ready=None,
-                          pipe_stdio=True)
+        mock = fleet.start(
+            "mock", [PY, me, "--mock"], cpu=harness_cpu, ready=r"listening on (http://\S+)"
+        )
+        gen = fleet.start(
+            "loadgen", [PY, me, "--loadgen"], cpu=harness_cpu, ready=None, pipe_stdio=True
+        )
         log(f"mock {mock.url} (pid {mock.pid}); load generator pid {gen.pid}; logs in {workdir}")
 
         # Memory first, on fresh processes of their own.
         log(f"memory: idle and {prof.mem_streams} open streams")
-        memory = aggregate_memory([
-            _rss_per_stream(fleet, gen, mock.url, f"mem{i}", prof.mem_streams, None,
-                            prof.settle_s)
-            for i in range(prof.mem_reps)
-        ])
+        memory = aggregate_memory(
+            [
+                _rss_per_stream(
+                    fleet, gen, mock.url, f"mem{i}", prof.mem_streams, None, prof.settle_s
+                )
+                for i in range(prof.mem_reps)
+            ]
+        )
         body = big_body(BIG_BODY_KIB)
         log(f"memory: {prof.big_streams} open streams with a {len(body) // 1024} KiB request body")
         big_memory = aggregate_memory(
@@ -1436,27 +1654,37 @@ def run(prof: Profile, quick: bool, argv: Sequence[str]) -> dict[str, Any]:
         big_reps: list[dict[str, Any]] = []
         for rep in range(prof.reps):
             suts = start_suts(fleet, mock.url, f"r{rep}")
-            log(f"repetition {rep + 1}/{prof.reps}: fresh bare (pid {suts.bare.pid}) and "
-                f"unbroken (pid {suts.unbroken.pid})")
+            log(
+                f"repetition {rep + 1}/{prof.reps}: fresh bare (pid {suts.bare.pid}) and "
+                f"unbroken (pid {suts.unbroken.pid})"
+            )
             urls = _urls(mock.url, suts, "chat")
             for p in PATHS:
-                gen.call({"op": "batch", "url": urls[p], "n": 16, "concurrency": 4, **tp_spec},
-                         timeout=60)
+                gen.call(
+                    {"op": "batch", "url": urls[p], "n": 16, "concurrency": 4, **tp_spec},
+                    timeout=60,
+                )
 
             r = latency_rep(gen, urls, ttfc_spec, PROTOCOLS["chat"]["text_marker"], prof.ttfc_n)
             ttfc_reps.append(r)
-            log("  TTFC (first text delta) p50/p99 ms: " + ", ".join(
-                f"{p} {r[p]['p50']:.3f}/{r[p]['p99']:.3f}" for p in PATHS))
+            log(
+                "  TTFC (first text delta) p50/p99 ms: "
+                + ", ".join(f"{p} {r[p]['p50']:.3f}/{r[p]['p99']:.3f}" for p in PATHS)
+            )
 
             r = latency_rep(gen, urls, big_spec, PROTOCOLS["chat"]["text_marker"], prof.big_n)
             big_reps.append(r)
-            log(f"  TTFC with the {len(body) // 1024} KiB body, p50 ms: " + ", ".join(
-                f"{p} {r[p]['p50']:.3f}" for p in PATHS))
+            log(
+                f"  TTFC with the {len(body) // 1024} KiB body, p50 ms: "
+                + ", ".join(f"{p} {r[p]['p50']:.3f}" for p in PATHS)
+            )
 
             r = latency_rep(gen, urls, tool_spec, TOOL_MARKER, prof.tool_n)
             tool_reps.append(r)
-            log("  first tool-call byte p50 ms: " + ", ".join(
-                f"{p} {r[p]['p50']:.2f}" for p in PATHS))
+            log(
+                "  first tool-call byte p50 ms: "
+                + ", ".join(f"{p} {r[p]['p50']:.2f}" for p in PATHS)
+            )
 
             tp_reps.append(throughput_rep(gen, mock, urls, suts, tp_spec, prof, rep))
             ns_reps.append(throughput_rep(gen, mock, urls, suts, ns_spec, prof, rep, 32))
@@ -1466,8 +1694,11 @@ def run(prof: Profile, quick: bool, argv: Sequence[str]) -> dict[str, Any]:
 
         ttfc = aggregate_latency(ttfc_reps)
         tool = aggregate_latency(tool_reps)
-        big = {"body_kib": len(body) / 1024, "ttfc": aggregate_latency(big_reps),
-               "memory": big_memory}
+        big = {
+            "body_kib": len(body) / 1024,
+            "ttfc": aggregate_latency(big_reps),
+            "memory": big_memory,
+        }
         throughput = aggregate_throughput(tp_reps)
         throughput_ns = aggregate_throughput(ns_reps)
         cpu = aggregate_cpu(cpu_reps)

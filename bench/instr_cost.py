@@ -64,7 +64,9 @@ class Counted:
     def _control(self, flag: str) -> None:
         subprocess.run(
             ["callgrind_control", flag, str(self.proc.pid)],
-            check=True, capture_output=True, timeout=120,
+            check=True,
+            capture_output=True,
+            timeout=120,
         )
 
     def zero(self) -> None:
@@ -89,22 +91,35 @@ class Counted:
 def _valgrind(out: Path) -> list[str]:
     # Not instrumented while it starts (imports run several times faster): `Counted.zero`
     # switches instrumentation on before the warm-up.
-    return ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-            f"--callgrind-out-file={out}"]
+    return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
 
 
 def _start(fleet: hb.Fleet, mock_url: str, name: str, src: Path | None, extra: str) -> Counted:
     out = fleet.workdir / f"callgrind.{name}"
     env = {"PYTHONHASHSEED": "0"}
     if src is None:
-        argv = [*_valgrind(out), hb.PY, str(hb.ROOT / "bench" / "bare_proxy.py"),
-                "--upstream", mock_url, "--port", "0"]
-        proc = fleet.start(name, argv, cpu=fleet.sut_cpu, ready=r"listening on (http://\S+)",
-                           env=env)
+        argv = [
+            *_valgrind(out),
+            hb.PY,
+            str(hb.ROOT / "bench" / "bare_proxy.py"),
+            "--upstream",
+            mock_url,
+            "--port",
+            "0",
+        ]
+        proc = fleet.start(
+            name, argv, cpu=fleet.sut_cpu, ready=r"listening on (http://\S+)", env=env
+        )
         return Counted(proc, out)
     path = os.pathsep.join(filter(None, (str(src / "src"), os.environ.get("PYTHONPATH"))))
-    proc = hb.start_unbroken(fleet, mock_url, name, extra_config=extra,
-                             env={**env, "PYTHONPATH": path}, launcher=_valgrind(out))
+    proc = hb.start_unbroken(
+        fleet,
+        mock_url,
+        name,
+        extra_config=extra,
+        env={**env, "PYTHONPATH": path},
+        launcher=_valgrind(out),
+    )
     return Counted(proc, out)
 
 
@@ -125,15 +140,28 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--deltas", type=int, default=6, help="text deltas per short turn")
     parser.add_argument("--non-streamed", action="store_true", help="stream=false turns")
-    parser.add_argument("--frames", type=int, default=200,
-                        help="deltas per long turn for the per-frame count (0: skip)")
+    parser.add_argument(
+        "--frames",
+        type=int,
+        default=200,
+        help="deltas per long turn for the per-frame count (0: skip)",
+    )
     parser.add_argument("--long-turns", type=int, default=10)
-    parser.add_argument("--config-extra", default="",
-                        help="TOML appended to unbroken's config (and the --also trees')")
-    parser.add_argument("--also", action="append", default=[], metavar="NAME=SRC",
-                        help="also count unbroken from another source tree, as NAME")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny counts (a smoke test: the numbers mean little)")
+    parser.add_argument(
+        "--config-extra",
+        default="",
+        help="TOML appended to unbroken's config (and the --also trees')",
+    )
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="NAME=SRC",
+        help="also count unbroken from another source tree, as NAME",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny counts (a smoke test: the numbers mean little)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.turns, args.warmup, args.frames, args.long_turns = 20, 10, 12, 2
@@ -142,11 +170,14 @@ def main() -> int:
         return 2
     missing = [t for t in ("valgrind", "callgrind_control") if shutil.which(t) is None]
     if missing:
-        print(f"instr_cost: needs {' and '.join(missing)} (Debian: apt install valgrind)",
-              file=sys.stderr)
+        print(
+            f"instr_cost: needs {' and '.join(missing)} (Debian: apt install valgrind)",
+            file=sys.stderr,
+        )
         return 2
-    pinning = "taskset" if shutil.which("taskset") and len(os.sched_getaffinity(0)) >= 2 else (
-        "none")
+    pinning = (
+        "taskset" if shutil.which("taskset") and len(os.sched_getaffinity(0)) >= 2 else ("none")
+    )
     if pinning != "none":
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, {hb.HARNESS_CPU})
@@ -159,10 +190,12 @@ def main() -> int:
     frame: dict[str, tuple[float, float]] = {}
     try:
         me = str(Path(hb.__file__).resolve())
-        mock = fleet.start("mock", [hb.PY, me, "--mock"], cpu=fleet.harness_cpu,
-                           ready=r"listening on (http://\S+)")
-        gen = fleet.start("loadgen", [hb.PY, me, "--loadgen"], cpu=fleet.harness_cpu,
-                          ready=None, pipe_stdio=True)
+        mock = fleet.start(
+            "mock", [hb.PY, me, "--mock"], cpu=fleet.harness_cpu, ready=r"listening on (http://\S+)"
+        )
+        gen = fleet.start(
+            "loadgen", [hb.PY, me, "--loadgen"], cpu=fleet.harness_cpu, ready=None, pipe_stdio=True
+        )
         long_spec = hb._spec("chat", {"deltas": args.frames, "chunk_delay_ms": FRAME_DELAY_MS})
         for name, src in trees.items():
             sut = _start(fleet, mock.url, name, src, "" if src is None else args.config_extra)
@@ -170,8 +203,13 @@ def main() -> int:
             turn[name] = _per_turn(gen, sut, spec, args.turns, args.concurrency)
             hb.log(f"{name}: {turn[name] / 1e3:,.1f} k instructions per turn")
             if args.frames > args.deltas and not args.non_streamed:
-                short = _per_turn(gen, sut, hb._spec("chat", {"deltas": args.deltas,
-                                  "chunk_delay_ms": FRAME_DELAY_MS}), args.long_turns, 1)
+                short = _per_turn(
+                    gen,
+                    sut,
+                    hb._spec("chat", {"deltas": args.deltas, "chunk_delay_ms": FRAME_DELAY_MS}),
+                    args.long_turns,
+                    1,
+                )
                 long = _per_turn(gen, sut, long_spec, args.long_turns, 1)
                 frames = args.frames + 3  # role chunk, finish chunk, [DONE]
                 frame[name] = ((long - short) / (args.frames - args.deltas), long / frames)
@@ -181,22 +219,32 @@ def main() -> int:
         fleet.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
     kind = "non-streamed" if args.non_streamed else f"streamed ({args.deltas} deltas)"
-    print(f"\ninstructions (callgrind), {kind} turns, c={args.concurrency}, {args.turns} turns"
-          f" after {args.warmup} warm-up:")
-    print(f"  {'system':12s} {'k instr/turn':>13s} {'vs bare':>8s}" + (
-        f" {'k instr/frame':>14s} {'vs bare':>8s} {'incl. turn':>11s} {'vs bare':>8s}"
-        if frame else ""))
+    print(
+        f"\ninstructions (callgrind), {kind} turns, c={args.concurrency}, {args.turns} turns"
+        f" after {args.warmup} warm-up:"
+    )
+    print(
+        f"  {'system':12s} {'k instr/turn':>13s} {'vs bare':>8s}"
+        + (
+            f" {'k instr/frame':>14s} {'vs bare':>8s} {'incl. turn':>11s} {'vs bare':>8s}"
+            if frame
+            else ""
+        )
+    )
     for name in trees:
         line = f"  {name:12s} {turn[name] / 1e3:13,.1f} {turn[name] / turn['bare']:7.3f}x"
         if frame:
             f, b = frame[name], frame["bare"]
-            line += (f" {f[0] / 1e3:14,.2f} {f[0] / b[0]:7.3f}x {f[1] / 1e3:11,.2f}"
-                     f" {f[1] / b[1]:7.3f}x")
+            line += (
+                f" {f[0] / 1e3:14,.2f} {f[0] / b[0]:7.3f}x {f[1] / 1e3:11,.2f} {f[1] / b[1]:7.3f}x"
+            )
         print(line)
     if frame:
-        print(f"  (per frame: {args.long_turns} turns of {args.frames} deltas, "
-              f"{FRAME_DELAY_MS} ms apart, minus as many of {args.deltas}; incl. turn: a long "
-              "turn's instructions / its frames)")
+        print(
+            f"  (per frame: {args.long_turns} turns of {args.frames} deltas, "
+            f"{FRAME_DELAY_MS} ms apart, minus as many of {args.deltas}; incl. turn: a long "
+            "turn's instructions / its frames)"
+        )
     return 0
 
 

@@ -74,12 +74,26 @@ PATHS = {"chat": "v1/chat/completions", "responses": "v1/responses", "anthropic"
 BODIES: dict[str, dict[str, Any]] = {
     "chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True},
     "responses": {"model": "m", "input": "hi", "stream": True, "store": False},
-    "anthropic": {"model": "m", "max_tokens": 64, "stream": True,
-                  "messages": [{"role": "user", "content": "hi"}]},
+    "anthropic": {
+        "model": "m",
+        "max_tokens": 64,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    },
 }
 SHAPE = {"deltas": 20, "chunk_delay_ms": 100}
-FAULTS = ["503", "429", "500", "close_before_headers", "reset_after_headers", "reset", "stall",
-          "end", "error_event", "malformed"]
+FAULTS = [
+    "503",
+    "429",
+    "500",
+    "close_before_headers",
+    "reset_after_headers",
+    "reset",
+    "stall",
+    "end",
+    "error_event",
+    "malformed",
+]
 TURN_LIMIT_S = 90.0
 
 
@@ -120,12 +134,20 @@ class RelayProcess:
         self._err = self.stderr_path.open("wb")  # the relay's stderr; closed in __aexit__
 
     async def __aenter__(self) -> RelayProcess:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
         env.update(XDG_STATE_HOME=str(self.workdir / "state"), UNBROKEN_TOKEN=TOKEN)
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "unbroken", "serve", "--config", str(self.config),
-            "--port", "0", stdout=asyncio.subprocess.PIPE, stderr=self._err, env=env,
+            sys.executable,
+            "-m",
+            "unbroken",
+            "serve",
+            "--config",
+            str(self.config),
+            "--port",
+            "0",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=self._err,
+            env=env,
         )
         assert self.proc.stdout is not None
         line = (await asyncio.wait_for(self.proc.stdout.readline(), 60)).decode()
@@ -238,8 +260,14 @@ def check_turn(proto: str, received: bytes, counts: Counts, faulted: bool) -> No
 
 
 async def one_turn(
-    session: aiohttp.ClientSession, relay_url: str, mock: MockProvider, key: str,
-    proto: str, rng: random.Random, counts: Counts, fault_rate: float,
+    session: aiohttp.ClientSession,
+    relay_url: str,
+    mock: MockProvider,
+    key: str,
+    proto: str,
+    rng: random.Random,
+    counts: Counts,
+    fault_rate: float,
 ) -> None:
     faulted = rng.random() < fault_rate
     abort = rng.random() < 0.03
@@ -251,8 +279,9 @@ async def one_turn(
     counts.turns += 1
     try:
         async with asyncio.timeout(TURN_LIMIT_S):
-            async with session.post(f"{relay_url}/mock/{PATHS[proto]}", json=BODIES[proto],
-                                    headers=headers) as r:
+            async with session.post(
+                f"{relay_url}/mock/{PATHS[proto]}", json=BODIES[proto], headers=headers
+            ) as r:
                 if r.status != 200:
                     counts.unexpected += 1
                     counts.add_error(f"{proto}: HTTP {r.status}")
@@ -319,8 +348,10 @@ def verdict(r: SoakReport) -> list[str]:
         base = after[0]["rss_mib"]
         peak = max(s["rss_mib"] for s in after)
         if peak > base * 1.10:
-            failures.append(f"RSS drifted {100 * (peak / base - 1):.1f} % after warm-up "
-                            f"({base:.1f} -> {peak:.1f} MiB)")
+            failures.append(
+                f"RSS drifted {100 * (peak / base - 1):.1f} % after warm-up "
+                f"({base:.1f} -> {peak:.1f} MiB)"
+            )
         for key in ("fds", "tasks"):
             grew, first, last = _grows([float(s[key]) for s in after])
             if grew:
@@ -335,8 +366,9 @@ def verdict(r: SoakReport) -> list[str]:
     if c.unexpected:
         failures.append(f"{c.unexpected} unexpected answer(s)")
     if r.idle_after["tasks"] > r.idle_before["tasks"] + 2:
-        failures.append(f"tasks did not return to idle: {r.idle_before['tasks']} -> "
-                        f"{r.idle_after['tasks']}")
+        failures.append(
+            f"tasks did not return to idle: {r.idle_before['tasks']} -> {r.idle_after['tasks']}"
+        )
     if r.idle_after["connections"] > 1 or r.idle_after["inflight"]:
         failures.append(f"connections/turns still open after the load: {r.idle_after}")
     if any(s.get("journal_healthy") is False for s in r.samples):
@@ -345,8 +377,13 @@ def verdict(r: SoakReport) -> list[str]:
 
 
 async def run_soak(
-    duration_s: float = 600, streams: int = 200, fault_rate: float = 0.05,
-    warmup_s: float = 120, sample_s: float = 10, seed: int = 1, log: Any = None,
+    duration_s: float = 600,
+    streams: int = 200,
+    fault_rate: float = 0.05,
+    warmup_s: float = 120,
+    sample_s: float = 10,
+    seed: int = 1,
+    log: Any = None,
 ) -> SoakReport:
     rng = random.Random(seed)
     counts = Counts()
@@ -354,12 +391,16 @@ async def run_soak(
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="unbroken-soak-") as tmp:
-        async with MockProvider(record=False, default=SHAPE) as mock, \
-                RelayProcess(mock.url, Path(tmp)) as relay:
+        async with (
+            MockProvider(record=False, default=SHAPE) as mock,
+            RelayProcess(mock.url, Path(tmp)) as relay,
+        ):
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
             conn = aiohttp.TCPConnector(limit=0, force_close=False)
-            async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session, \
-                    aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as probe:
+            async with (
+                aiohttp.ClientSession(timeout=timeout, connector=conn) as session,
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as probe,
+            ):
                 idle_before = await relay.wait_idle(probe)
                 t0 = time.monotonic()
                 end = t0 + duration_s
@@ -369,8 +410,9 @@ async def run_soak(
                     n = 0
                     while time.monotonic() < end:
                         proto = ("chat", "responses", "anthropic")[n % 3]
-                        await one_turn(session, relay.url, mock, f"c{i}-{n}", proto, crng,
-                                       counts, fault_rate)
+                        await one_turn(
+                            session, relay.url, mock, f"c{i}-{n}", proto, crng, counts, fault_rate
+                        )
                         n += 1
 
                 async def sampler() -> None:
@@ -381,9 +423,11 @@ async def run_soak(
                         s["turns"] = counts.turns
                         samples.append(s)
                         if log:
-                            log(f"t={s['t']:6.1f}s turns={counts.turns:6d} rss={s['rss_mib']:6.1f}"
+                            log(
+                                f"t={s['t']:6.1f}s turns={counts.turns:6d} rss={s['rss_mib']:6.1f}"
                                 f" MiB fds={s['fds']} tasks={s['tasks']} conns={s['connections']}"
-                                f" journal={s['journal_kib']} KiB")
+                                f" journal={s['journal_kib']} KiB"
+                            )
 
                 sampling = asyncio.create_task(sampler())
                 try:
@@ -396,10 +440,20 @@ async def run_soak(
                 idle_after = await relay.wait_idle(probe)
             tail = relay.stderr()[-3000:]
     report = SoakReport(
-        duration_s=duration_s, streams=streams, fault_rate=fault_rate, warmup_s=warmup_s,
-        sample_s=sample_s, samples=samples, idle_before=idle_before, idle_after=idle_after,
-        counts=counts, failures=[], started=started, stderr_tail=tail,
-        load_start=load_start, load_end=os.getloadavg()[0],
+        duration_s=duration_s,
+        streams=streams,
+        fault_rate=fault_rate,
+        warmup_s=warmup_s,
+        sample_s=sample_s,
+        samples=samples,
+        idle_before=idle_before,
+        idle_after=idle_after,
+        counts=counts,
+        failures=[],
+        started=started,
+        stderr_tail=tail,
+        load_start=load_start,
+        load_end=os.getloadavg()[0],
     )
     report.failures = verdict(report)
     if "Traceback" in tail:
@@ -421,14 +475,19 @@ class LeakReport:
 
 
 async def run_leak_check(
-    requests: int = 2000, concurrency: int = 20, abort_rate: float = 0.3, seed: int = 2,
+    requests: int = 2000,
+    concurrency: int = 20,
+    abort_rate: float = 0.3,
+    seed: int = 2,
 ) -> LeakReport:
     rng = random.Random(seed)
     shape = {"deltas": 8, "chunk_delay_ms": 5}
     aborted = 0
     with tempfile.TemporaryDirectory(prefix="unbroken-leak-") as tmp:
-        async with MockProvider(record=False, default=shape) as mock, \
-                RelayProcess(mock.url, Path(tmp)) as relay:
+        async with (
+            MockProvider(record=False, default=shape) as mock,
+            RelayProcess(mock.url, Path(tmp)) as relay,
+        ):
             headers = {"x-unbroken-token": TOKEN}
             url = f"{relay.url}/mock/{PATHS['chat']}"
 
@@ -436,10 +495,13 @@ async def run_leak_check(
                 nonlocal aborted
                 sem = asyncio.Semaphore(concurrency)
                 async with aiohttp.ClientSession() as session:
+
                     async def one() -> None:
                         nonlocal aborted
-                        async with sem, session.post(url, json=BODIES["chat"],
-                                                     headers=headers) as r:
+                        async with (
+                            sem,
+                            session.post(url, json=BODIES["chat"], headers=headers) as r,
+                        ):
                             if rng.random() < abort_share:
                                 await r.content.readany()
                                 aborted += 1
@@ -461,8 +523,9 @@ async def run_leak_check(
     if idle_after["tasks"] > idle_before["tasks"]:
         failures.append(f"tasks {idle_before['tasks']} -> {idle_after['tasks']}")
     if idle_after["fds"] > idle_before["fds"] + concurrency:
-        failures.append(f"fds {idle_before['fds']} -> {idle_after['fds']} "
-                        f"(pool slack {concurrency})")
+        failures.append(
+            f"fds {idle_before['fds']} -> {idle_after['fds']} (pool slack {concurrency})"
+        )
     if idle_after["connections"] > 1 or idle_after["inflight"]:
         failures.append(f"not idle after the load: {idle_after}")
     if "Traceback" in stderr:
@@ -489,17 +552,25 @@ def render(r: SoakReport) -> str:
         "checked against the exact bytes of the fault-free reply. To reproduce: "
         "`python bench/soak.py --out docs/performance.md`."
     )
-    lines = [HEADING, "", *textwrap.wrap(intro, 92, break_on_hyphens=False), "",
-             "| turns | clean | recovered | ended with the error event | client aborts | "
-             "slow readers | faults injected | duplicates | unexpected | hangs |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-             f"| {c.turns} | {c.clean} | {c.recovered} | {c.ended_with_error} | {c.aborted} | "
-             f"{c.slow} | {c.faults} | {c.duplicates} | {c.unexpected} | {c.hangs} |", "",
-             "| t (s) | turns | RSS MiB | open fds | tasks | client connections | journal KiB |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        HEADING,
+        "",
+        *textwrap.wrap(intro, 92, break_on_hyphens=False),
+        "",
+        "| turns | clean | recovered | ended with the error event | client aborts | "
+        "slow readers | faults injected | duplicates | unexpected | hangs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {c.turns} | {c.clean} | {c.recovered} | {c.ended_with_error} | {c.aborted} | "
+        f"{c.slow} | {c.faults} | {c.duplicates} | {c.unexpected} | {c.hangs} |",
+        "",
+        "| t (s) | turns | RSS MiB | open fds | tasks | client connections | journal KiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in r.samples[:: max(1, len(r.samples) // 12)]:
-        lines.append(f"| {s['t']:.0f} | {s['turns']} | {s['rss_mib']:.1f} | {s['fds']} | "
-                     f"{s['tasks']} | {s['connections']} | {s['journal_kib']:.0f} |")
+        lines.append(
+            f"| {s['t']:.0f} | {s['turns']} | {s['rss_mib']:.1f} | {s['fds']} | "
+            f"{s['tasks']} | {s['connections']} | {s['journal_kib']:.0f} |"
+        )
     spread = f"{min(rss):.1f}-{max(rss):.1f} MiB" if rss else "n/a"
     outro = (
         f"After the {r.warmup_s:.0f} s warm-up RSS stayed within {spread}; idle before the load: "
@@ -527,8 +598,9 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=600, help="seconds of load (default 600)")
     p.add_argument("--streams", type=int, default=200)
     p.add_argument("--fault-rate", type=float, default=0.05)
-    p.add_argument("--warmup", type=float, default=120,
-                   help="seconds before RSS drift is judged (default 120)")
+    p.add_argument(
+        "--warmup", type=float, default=120, help="seconds before RSS drift is judged (default 120)"
+    )
     p.add_argument("--sample", type=float, default=10)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, help="Markdown file whose soak section to replace")
@@ -545,8 +617,11 @@ def main() -> int:
         leak = asyncio.run(run_leak_check(args.requests, args.concurrency))
         print(json.dumps(asdict(leak), indent=1))
         return 0 if not leak.failures else 1
-    report = asyncio.run(run_soak(args.duration, args.streams, args.fault_rate, args.warmup,
-                                  args.sample, args.seed, log))
+    report = asyncio.run(
+        run_soak(
+            args.duration, args.streams, args.fault_rate, args.warmup, args.sample, args.seed, log
+        )
+    )
     section = render(report)
     print(section)
     if args.out:

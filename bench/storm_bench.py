@@ -58,8 +58,10 @@ async def _turn(http: aiohttp.ClientSession, url: str) -> float:
 
 
 async def failover(turns: int, outage: float, breakers: bool) -> dict[str, Any]:
-    async with MockProvider(port=0, record=True) as primary, \
-            MockProvider(port=0, record=False) as backup:
+    async with (
+        MockProvider(port=0, record=True) as primary,
+        MockProvider(port=0, record=False) as backup,
+    ):
         primary.script([{"status": 503, "count": 1_000_000}])
         async with RelayServer(_config([primary.url, backup.url], breakers)) as server:
             conn = aiohttp.TCPConnector(limit=0)

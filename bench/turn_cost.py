@@ -77,27 +77,50 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=3000, help="turns per batch")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--interleave", type=int, default=1, metavar="K",
-                        help="split each batch into K slices taken in turn across systems")
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=1,
+        metavar="K",
+        help="split each batch into K slices taken in turn across systems",
+    )
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--deltas", type=int, default=6, help="text deltas per turn")
     parser.add_argument("--non-streamed", action="store_true", help="stream=false turns")
     parser.add_argument("--profile", help="also cProfile unbroken for one batch, stats here")
     parser.add_argument("--top", type=int, default=40, help="profile rows to print")
-    parser.add_argument("--config-extra", default="",
-                        help="TOML appended to unbroken's config (e.g. to switch the journal off)")
-    parser.add_argument("--gap-ms", type=float, default=5.0,
-                        help="--ttfc: idle time before each request (the systems under test "
-                             "share a CPU; without it one's end-of-turn work delays the next's "
-                             "request)")
-    parser.add_argument("--ttfc", type=int, default=0, metavar="N",
-                        help="also N sequential requests per system per round (c=1, one text "
-                        "delta after 5 ms): time to first text delta, added over direct")
-    parser.add_argument("--also", action="append", default=[], metavar="NAME=SRC",
-                        help="also measure unbroken from another source tree (e.g. a git "
-                        "worktree of an older commit), as NAME, in the same rounds")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny counts (a smoke test: the numbers mean nothing)")
+    parser.add_argument(
+        "--config-extra",
+        default="",
+        help="TOML appended to unbroken's config (e.g. to switch the journal off)",
+    )
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=5.0,
+        help="--ttfc: idle time before each request (the systems under test "
+        "share a CPU; without it one's end-of-turn work delays the next's "
+        "request)",
+    )
+    parser.add_argument(
+        "--ttfc",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N sequential requests per system per round (c=1, one text "
+        "delta after 5 ms): time to first text delta, added over direct",
+    )
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="NAME=SRC",
+        help="also measure unbroken from another source tree (e.g. a git "
+        "worktree of an older commit), as NAME, in the same rounds",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny counts (a smoke test: the numbers mean nothing)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.turns, args.rounds, args.interleave = 100, 1, 2
@@ -105,8 +128,11 @@ def main() -> int:
     if not sys.platform.startswith("linux"):
         print("turn_cost: needs Linux (/proc)", file=sys.stderr)
         return 2
-    pinning = "taskset" if shutil.which("taskset") and os.cpu_count() and (
-        len(os.sched_getaffinity(0)) >= 2) else "none"
+    pinning = (
+        "taskset"
+        if shutil.which("taskset") and os.cpu_count() and (len(os.sched_getaffinity(0)) >= 2)
+        else "none"
+    )
     harness = None if pinning == "none" else hb.HARNESS_CPU
     if harness is not None:
         with contextlib.suppress(OSError):
@@ -120,23 +146,24 @@ def main() -> int:
     ttfc: dict[str, list[float]] = {name: [] for name in names}
     try:
         me = str(Path(hb.__file__).resolve())
-        mock = fleet.start("mock", [hb.PY, me, "--mock"], cpu=harness,
-                           ready=r"listening on (http://\S+)")
-        gen = fleet.start("loadgen", [hb.PY, me, "--loadgen"], cpu=harness, ready=None,
-                          pipe_stdio=True)
+        mock = fleet.start(
+            "mock", [hb.PY, me, "--mock"], cpu=harness, ready=r"listening on (http://\S+)"
+        )
+        gen = fleet.start(
+            "loadgen", [hb.PY, me, "--loadgen"], cpu=harness, ready=None, pipe_stdio=True
+        )
         path = hb.PROTOCOLS["chat"]["path"]
         for rnd in range(args.rounds):
             suts = hb.start_suts(fleet, mock.url, f"r{rnd}", extra_config=args.config_extra)
             procs = dict(suts.items())
             for name, src in also.items():
-                procs[name] = _start_tree(
-                    fleet, mock.url, f"{name}-r{rnd}", src, args.config_extra
-                )
+                procs[name] = _start_tree(fleet, mock.url, f"{name}-r{rnd}", src, args.config_extra)
             k = rnd % len(names)
             order = names[k:] + names[:k]
             for name in order:  # warm-up: imports, pools, caches
-                _batch(gen, procs[name], f"{procs[name].url}/mock/{path}", spec, 200,
-                       args.concurrency)
+                _batch(
+                    gen, procs[name], f"{procs[name].url}/mock/{path}", spec, 200, args.concurrency
+                )
             line = []
             # Each system's batch in --interleave slices, taken in turn: a slow spell
             # of the machine then falls on every system alike.
@@ -144,8 +171,17 @@ def main() -> int:
             part = max(1, args.turns // args.interleave)
             for _ in range(args.interleave):
                 for name in order:
-                    used[name] += _batch(gen, procs[name], f"{procs[name].url}/mock/{path}",
-                                         spec, part, args.concurrency) * part
+                    used[name] += (
+                        _batch(
+                            gen,
+                            procs[name],
+                            f"{procs[name].url}/mock/{path}",
+                            spec,
+                            part,
+                            args.concurrency,
+                        )
+                        * part
+                    )
             for name in order:
                 us = used[name] / (part * args.interleave)
                 results[name].append(us)
@@ -156,33 +192,47 @@ def main() -> int:
                     name: f"{procs[name].url}/mock/{path}" for name in order
                 }
                 r = gen.call(
-                    {"op": "ttfc", "targets": [[n, u] for n, u in urls.items()], "n": args.ttfc,
-                     "marker": hb.PROTOCOLS["chat"]["text_marker"], "gap_ms": args.gap_ms,
-                     **hb._spec("chat", {"deltas": 1, "chunk_delay_ms": 5})},
+                    {
+                        "op": "ttfc",
+                        "targets": [[n, u] for n, u in urls.items()],
+                        "n": args.ttfc,
+                        "marker": hb.PROTOCOLS["chat"]["text_marker"],
+                        "gap_ms": args.gap_ms,
+                        **hb._spec("chat", {"deltas": 1, "chunk_delay_ms": 5}),
+                    },
                     timeout=120 + args.ttfc * 3,
                 )
                 direct = hb.pct(r["first_ms"]["direct"], 50)
                 for name in order:
                     ttfc[name].append(hb.pct(r["first_ms"][name], 50) - direct)
-                hb.log("  added TTFC p50 ms: " + ", ".join(
-                    f"{name} {ttfc[name][-1]:+.3f}" for name in order))
+                hb.log(
+                    "  added TTFC p50 ms: "
+                    + ", ".join(f"{name} {ttfc[name][-1]:+.3f}" for name in order)
+                )
             for proc in procs.values():
                 fleet.stop(proc)
         bare = statistics.median(results["bare"])
         kind = "non-streamed" if args.non_streamed else f"streamed ({args.deltas} deltas)"
-        print(f"\n{kind} turns, c={args.concurrency}, {args.turns} per batch, "
-              f"{args.rounds} rounds, median CPU per turn:")
+        print(
+            f"\n{kind} turns, c={args.concurrency}, {args.turns} per batch, "
+            f"{args.rounds} rounds, median CPU per turn:"
+        )
         print(f"  {'bare':12s} {bare:7.1f} µs")
         for name in names[1:]:
             ours = statistics.median(results[name])
             ratios = [u / b for u, b in zip(results[name], results["bare"], strict=True)]
-            print(f"  {name:12s} {ours:7.1f} µs  (+{ours - bare:.1f} µs; "
-                  f"{statistics.median(ratios):.2f}x bare, median of the rounds' ratios "
-                  + ", ".join(f"{r:.2f}" for r in ratios) + f"; req/s per core "
-                  f"{1e6 / ours:,.0f} = {bare / ours:.2f}x bare)")
+            print(
+                f"  {name:12s} {ours:7.1f} µs  (+{ours - bare:.1f} µs; "
+                f"{statistics.median(ratios):.2f}x bare, median of the rounds' ratios "
+                + ", ".join(f"{r:.2f}" for r in ratios)
+                + f"; req/s per core "
+                f"{1e6 / ours:,.0f} = {bare / ours:.2f}x bare)"
+            )
         if args.ttfc:
-            print(f"  added TTFC p50 over direct (median of {args.rounds} rounds of {args.ttfc}): "
-                  + ", ".join(f"{n} {statistics.median(ttfc[n]):+.3f} ms" for n in names))
+            print(
+                f"  added TTFC p50 over direct (median of {args.rounds} rounds of {args.ttfc}): "
+                + ", ".join(f"{n} {statistics.median(ttfc[n]):+.3f} ms" for n in names)
+            )
         if args.profile:
             _profile(fleet, gen, mock, spec, args)
         return 0
@@ -201,8 +251,10 @@ def _profile(
     _batch(gen, proc, url, spec, args.turns, args.concurrency)
     fleet.stop(proc)
     stats = pstats.Stats(out)
-    print(f"\ncProfile of unbroken serve, {args.turns + 200} turns; "
-          f"unbroken's own functions by self time (all: python -m pstats {args.profile}):")
+    print(
+        f"\ncProfile of unbroken serve, {args.turns + 200} turns; "
+        f"unbroken's own functions by self time (all: python -m pstats {args.profile}):"
+    )
     rows = []
     total = 0.0
     for (file, line, fn), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]

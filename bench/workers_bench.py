@@ -125,8 +125,18 @@ def run_once(mock_url: str, workers: int, args: argparse.Namespace) -> float:
             f'[routes.mock]\nupstreams = [{{ url = "{mock_url}" }}]\n'
         )
         relay, url = _start(
-            [sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0",
-             "--workers", str(workers)],
+            [
+                sys.executable,
+                "-m",
+                "unbroken",
+                "serve",
+                "--config",
+                str(cfg),
+                "--port",
+                "0",
+                "--workers",
+                str(workers),
+            ],
             r"http://127\.0\.0\.1:\d+",
         )
         try:
@@ -154,8 +164,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--clients", type=int, default=2, help="load-generator processes")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--aiohttp", action="store_true",
-                    help="load with aiohttp clients (default: raw sockets, cheaper per request)")
+    ap.add_argument(
+        "--aiohttp",
+        action="store_true",
+        help="load with aiohttp clients (default: raw sockets, cheaper per request)",
+    )
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     mock, mock_url = _start([sys.executable, "-c", MOCK], r"http://127\.0\.0\.1:\d+")
@@ -171,8 +184,12 @@ def main() -> None:
         mock.wait(10)
     one, two = statistics.median(runs[1]), statistics.median(runs[2])
     report = {
-        "cpus": os.cpu_count(), "seconds": args.seconds, "concurrency": args.concurrency,
-        "clients": args.clients, "runs": runs, "median_rps": {"1": one, "2": two},
+        "cpus": os.cpu_count(),
+        "seconds": args.seconds,
+        "concurrency": args.concurrency,
+        "clients": args.clients,
+        "runs": runs,
+        "median_rps": {"1": one, "2": two},
         "ratio": round(two / one, 2) if one else None,
     }
     print(json.dumps(report), flush=True)

@@ -115,9 +115,20 @@ async def _turns(url: str, action: dict[str, Any], seconds: float, conc: int) ->
 
 def _loadgen(url: str, action: dict[str, Any], seconds: float, conc: int) -> dict[str, Any]:
     out = subprocess.run(
-        [*_pin(1), sys.executable, __file__, "--loadgen", url, json.dumps(action),
-         str(seconds), str(conc)],
-        capture_output=True, text=True, timeout=seconds + 120, check=True,
+        [
+            *_pin(1),
+            sys.executable,
+            __file__,
+            "--loadgen",
+            url,
+            json.dumps(action),
+            str(seconds),
+            str(conc),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 120,
+        check=True,
     )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -131,8 +142,14 @@ class Procs:
 
     def start(self, args: list[str], pattern: str) -> subprocess.Popen[str]:
         env = {**os.environ, "XDG_STATE_HOME": self.tmp}
-        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True, env=env, start_new_session=True)
+        p = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         self.procs.append(p)
         assert p.stdout is not None
         deadline = time.monotonic() + 30
@@ -162,18 +179,33 @@ def run(quick: bool) -> dict[str, Any]:
     procs = Procs()
     try:
         mport, rport, bport = _free_port(), _free_port(), _free_port()
-        procs.start([*_pin(1), sys.executable, "-m", "unbroken", "mock", "--port", str(mport)],
-                    "listening")
+        procs.start(
+            [*_pin(1), sys.executable, "-m", "unbroken", "mock", "--port", str(mport)], "listening"
+        )
         cfg = Path(procs.tmp) / "unbroken.toml"
         # As shipped (journal on, in a temporary XDG_STATE_HOME), but quiet logs.
         cfg.write_text(
             "[retry]\nverbose = false\n"
             f'[routes.mock]\nupstreams = [{{ url = "http://127.0.0.1:{mport}" }}]\n'
         )
-        procs.start([*_pin(0), sys.executable, "-m", "unbroken", "serve", "--config", str(cfg),
-                     "--port", str(rport)], "relaying on")
-        procs.start([*_pin(0), sys.executable, __file__, "--bare", f"ws://127.0.0.1:{mport}",
-                     str(bport)], "ready")
+        procs.start(
+            [
+                *_pin(0),
+                sys.executable,
+                "-m",
+                "unbroken",
+                "serve",
+                "--config",
+                str(cfg),
+                "--port",
+                str(rport),
+            ],
+            "relaying on",
+        )
+        procs.start(
+            [*_pin(0), sys.executable, __file__, "--bare", f"ws://127.0.0.1:{mport}", str(bport)],
+            "ready",
+        )
         urls = {
             "direct": f"ws://127.0.0.1:{mport}/v1/responses",
             "bare": f"ws://127.0.0.1:{bport}/v1/responses",

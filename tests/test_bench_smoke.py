@@ -35,7 +35,10 @@ class Run:
         self.log = tmp / f"{name}.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, *argv], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                [sys.executable, *argv],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
 
@@ -45,8 +48,10 @@ class Run:
             rc = self.proc.wait(TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.stop()
-            pytest.fail(f"{self.name} --quick still running after {TIMEOUT_S} s:\n"
-                        f"{self.log.read_text(errors='replace')[-3000:]}")
+            pytest.fail(
+                f"{self.name} --quick still running after {TIMEOUT_S} s:\n"
+                f"{self.log.read_text(errors='replace')[-3000:]}"
+            )
         out = self.log.read_text(errors="replace")
         assert rc == 0, f"{self.name} --quick exited {rc}:\n{out[-3000:]}"
         return out
@@ -68,19 +73,53 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, R
         "http_bench": [str(BENCH / "http_bench.py"), "--quick", "--json", str(tmp / "http.json")],
         "ws_bench": [str(BENCH / "ws_bench.py"), "--quick"],
         "instr_cost": [str(BENCH / "instr_cost.py"), "--quick"],
-        "turn_cost": [str(BENCH / "turn_cost.py"), "--quick", "--also", f"again={ROOT}",
-                      "--profile", str(tmp / "turns.prof"), "--top", "5"],
-        "compare": [str(BENCH / "compare.py"), "--quick", "--no-litellm",
-                    "--out", str(tmp / "benchmarks.md"), "--img", str(tmp / "img"),
-                    "--json", str(tmp / "compare.json")],
-        "ratelimit_bench": [str(BENCH / "ratelimit_bench.py"), "--quick", "--no-litellm",
-                            "--out", str(tmp / "ratelimit.md"), "--img", str(tmp / "rlimg")],
-        "recovery_bench": [str(BENCH / "recovery_bench.py"), "--quick",
-                           "--out", str(tmp / "recovery.md"), "--img", str(tmp / "rimg"),
-                           "--json", str(tmp / "recovery.json")],
+        "turn_cost": [
+            str(BENCH / "turn_cost.py"),
+            "--quick",
+            "--also",
+            f"again={ROOT}",
+            "--profile",
+            str(tmp / "turns.prof"),
+            "--top",
+            "5",
+        ],
+        "compare": [
+            str(BENCH / "compare.py"),
+            "--quick",
+            "--no-litellm",
+            "--out",
+            str(tmp / "benchmarks.md"),
+            "--img",
+            str(tmp / "img"),
+            "--json",
+            str(tmp / "compare.json"),
+        ],
+        "ratelimit_bench": [
+            str(BENCH / "ratelimit_bench.py"),
+            "--quick",
+            "--no-litellm",
+            "--out",
+            str(tmp / "ratelimit.md"),
+            "--img",
+            str(tmp / "rlimg"),
+        ],
+        "recovery_bench": [
+            str(BENCH / "recovery_bench.py"),
+            "--quick",
+            "--out",
+            str(tmp / "recovery.md"),
+            "--img",
+            str(tmp / "rimg"),
+            "--json",
+            str(tmp / "recovery.json"),
+        ],
         # the zero-config storm benchmark's `unbroken serve` 30 x 503 row (about 9 s)
-        "agent_storm_bench": [str(BENCH / "agent_storm_bench.py"), "--quick",
-                              "--out", str(tmp / "storm.md")],
+        "agent_storm_bench": [
+            str(BENCH / "agent_storm_bench.py"),
+            "--quick",
+            "--out",
+            str(tmp / "storm.md"),
+        ],
     }
     # turn_cost's relays also run under bench/ttfc_trace (the c=1 step timestamps)
     path = os.pathsep.join(filter(None, (str(BENCH / "ttfc_trace"), os.environ.get("PYTHONPATH"))))
@@ -120,9 +159,12 @@ def test_instr_cost_quick(runs: tuple[dict[str, Run], Path]) -> None:
     procs, _ = runs
     out = procs["instr_cost"].result()
     assert "instructions (callgrind)" in out
-    rows = {m[1]: m for m in re.finditer(
-        r"^  (bare|unbroken) +([\d,.]+) +([\d.]+)x +([\d,.]+) +([\d.]+)x", out, re.M
-    )}
+    rows = {
+        m[1]: m
+        for m in re.finditer(
+            r"^  (bare|unbroken) +([\d,.]+) +([\d.]+)x +([\d,.]+) +([\d.]+)x", out, re.M
+        )
+    }
     assert set(rows) == {"bare", "unbroken"}, out
     for name, m in rows.items():
         per_turn, per_frame = float(m[2].replace(",", "")), float(m[4].replace(",", ""))
@@ -139,10 +181,11 @@ def test_turn_cost_quick(runs: tuple[dict[str, Run], Path]) -> None:
     assert "cProfile of unbroken serve" in out and (tmp / "turns.prof").stat().st_size > 0
     traces = [p.read_text() for p in tmp.glob("ttfc_trace_*.txt")]
     assert traces, "bench/ttfc_trace wrote nothing"
-    steps = ("bytes_in", "turn_built", "client.request", "upstream_answered", "prepare",
-             "written")
-    assert any("first request byte -> first delta written" in t and all(s in t for s in steps)
-               for t in traces), traces
+    steps = ("bytes_in", "turn_built", "client.request", "upstream_answered", "prepare", "written")
+    assert any(
+        "first request byte -> first delta written" in t and all(s in t for s in steps)
+        for t in traces
+    ), traces
 
 
 def test_ratelimit_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
@@ -187,13 +230,20 @@ def test_recovery_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
     procs["recovery_bench"].result()
     md = (tmp / "recovery.md").read_text()
     assert "python bench/recovery_bench.py --quick" in md  # the command comes first
-    for heading in ("## Systems", "## Targets", "## Outage by time", "## Outage by count",
-                    "## Busy and partly failing"):
+    for heading in (
+        "## Systems",
+        "## Targets",
+        "## Outage by time",
+        "## Outage by count",
+        "## Busy and partly failing",
+    ):
         assert heading in md, heading
-    for header in ("| target | measured | verdict |",
-                   "| outage | turns | system | completed | recovery p50 s |",
-                   "| 503s | turns | system | outage lasted s |",
-                   "| system | turns | completed | latency p50 s |"):
+    for header in (
+        "| target | measured | verdict |",
+        "| outage | turns | system | completed | recovery p50 s |",
+        "| 503s | turns | system | outage lasted s |",
+        "| system | turns | completed | latency p50 s |",
+    ):
         assert header in md, header
     # every target has a verdict; LiteLLM is left out of --quick, and the report says so
     assert md.count("**met**") + md.count("**missed**") + md.count("not measured") >= 8
@@ -202,8 +252,13 @@ def test_recovery_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
     ran = [r for r in res["results"] if "not_run" not in r]
     kinds = {(r["system"], r["scenario"], r["turns"] > 1) for r in ran}
     for system in ("defaults", "fixed"):
-        for kind in (("time", False), ("time", True), ("count", False), ("count", True),
-                     ("busy", True)):
+        for kind in (
+            ("time", False),
+            ("time", True),
+            ("count", False),
+            ("count", True),
+            ("busy", True),
+        ):
             assert (system, *kind) in kinds, (system, kind)
     # two relays sharing a real redis-server (found as tests/redisfix.py finds it)
     redis = [r for r in res["results"] if r["system"] == "redis"]
@@ -211,8 +266,12 @@ def test_recovery_bench_quick(runs: tuple[dict[str, Run], Path]) -> None:
     for r in ran:  # the measurements exist (their values are not judged here)
         assert r["turns"] > 0 and 0 <= r["completed"] <= r["turns"], r["system"]
         assert ("waits" if r["scenario"] == "busy" else "recovery") in r, r["system"]
-    for png in ("recovery_latency.png", "outage_requests.png", "count_turn_time.png",
-                "busy_retry_waits.png"):
+    for png in (
+        "recovery_latency.png",
+        "outage_requests.png",
+        "count_turn_time.png",
+        "busy_retry_waits.png",
+    ):
         assert (tmp / "rimg" / png).stat().st_size > 1000, png
         assert f"rimg/{png}" in md, png
 

@@ -25,8 +25,13 @@ def _env(**extra: str) -> dict[str, str]:
 
 async def _run(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        sys.executable,
+        "-m",
+        "unbroken",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     return proc.returncode or 0, out.decode(), err.decode()
@@ -41,8 +46,17 @@ class Served:
     @classmethod
     async def start(cls, config: Path, env: dict[str, str]) -> Served:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "unbroken", "serve", "--config", str(config), "--port", "0",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            sys.executable,
+            "-m",
+            "unbroken",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            "0",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
         )
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
@@ -105,11 +119,14 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, t
     served = await Served.start(cfg, env)
     try:
         mock.script([{"status": 503}, {"fault": "close_before_headers"}, {"status": 429}])
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{served.url}/mock/v1/chat/completions",
-            json=CHAT,
-            headers={"Authorization": f"Bearer {canary}"},
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{served.url}/mock/v1/chat/completions",
+                json=CHAT,
+                headers={"Authorization": f"Bearer {canary}"},
+            ) as r,
+        ):
             assert r.status == 200
             await r.read()
         async with aiohttp.ClientSession() as s, s.get(f"{served.url}/healthz") as r:
@@ -134,11 +151,14 @@ async def test_sigterm_lets_inflight_stream_finish(mock, tmp_path):
     served = await Served.start(cfg, _env())
     try:
         action = json.dumps({"deltas": 20, "chunk_delay_ms": 50})
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{served.url}/mock/v1/chat/completions",
-            json=CHAT,
-            headers={"x-mock-action": action},
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{served.url}/mock/v1/chat/completions",
+                json=CHAT,
+                headers={"x-mock-action": action},
+            ) as r,
+        ):
             first = await r.content.readany()
             assert first
             served.proc.send_signal(signal.SIGTERM)
@@ -156,11 +176,14 @@ async def test_second_signal_cuts_the_grace_period_short(mock, tmp_path):
     served = await Served.start(cfg, _env())
     try:
         action = json.dumps({"deltas": 5, "fault": "stall", "after_frame": 2, "seconds": 600})
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{served.url}/mock/v1/chat/completions",
-            json=CHAT,
-            headers={"x-mock-action": action},
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{served.url}/mock/v1/chat/completions",
+                json=CHAT,
+                headers={"x-mock-action": action},
+            ) as r,
+        ):
             assert r.status == 200  # headers are out only once output was released
             served.proc.send_signal(signal.SIGTERM)
             # the same signal twice in a row may coalesce: wait until the first is handled
@@ -187,9 +210,14 @@ async def test_grace_period_cuts_a_stalled_stream(mock, tmp_path):
     served = await Served.start(cfg, _env())
     try:
         action = json.dumps({"deltas": 5, "fault": "stall", "after_frame": 3, "seconds": 600})
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{served.url}/mock/v1/chat/completions", json=CHAT, headers={"x-mock-action": action}
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{served.url}/mock/v1/chat/completions",
+                json=CHAT,
+                headers={"x-mock-action": action},
+            ) as r,
+        ):
             first = await r.content.readany()
             assert first
             served.proc.send_signal(signal.SIGTERM)

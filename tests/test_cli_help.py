@@ -9,8 +9,13 @@ import pytest
 from unbroken.cli import _parser, main
 from unbroken.mock.cli import main_mock
 
-FLAGS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction,
-         argparse._VersionAction, argparse._SubParsersAction)
+FLAGS = (
+    argparse._StoreTrueAction,
+    argparse._StoreFalseAction,
+    argparse._HelpAction,
+    argparse._VersionAction,
+    argparse._SubParsersAction,
+)
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:
@@ -37,8 +42,11 @@ def test_every_option_says_its_default(command: str) -> None:
 def test_the_mock_command_says_its_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert main_mock(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    for option in ("--host HOST bind address (default", "--port PORT port (default",
-                   "(default: none"):
+    for option in (
+        "--host HOST bind address (default",
+        "--port PORT port (default",
+        "(default: none",
+    ):
         assert option in text, text
 
 

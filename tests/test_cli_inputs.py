@@ -89,7 +89,6 @@ CASES: list[tuple[list[str], str]] = [
 ]
 
 
-
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     try:
         code = main(argv)
@@ -115,15 +114,26 @@ def test_bad_input_is_one_line_and_exit_2(
 
 @pytest.mark.parametrize(
     "argv",
-    [["serve", "--port", "65536"], ["mock", "--port", "-1"], ["serve", "--config", "latin1.toml"],
-     ["opencode", "setup", "--relay", "notaurl"], ["serve", "--host", "0.0.0.0"]],
+    [
+        ["serve", "--port", "65536"],
+        ["mock", "--port", "-1"],
+        ["serve", "--config", "latin1.toml"],
+        ["opencode", "setup", "--relay", "notaurl"],
+        ["serve", "--host", "0.0.0.0"],
+    ],
     ids=lambda a: " ".join(a),
 )
 async def test_real_entry_point_no_traceback(argv: list[str], files: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", *argv, cwd=files, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "unbroken",
+        *argv,
+        cwd=files,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2

@@ -108,8 +108,12 @@ url = "http://127.0.0.1:4781"
     config = load_config(path, env={"BACKUP_KEY": SECRET})
     assert (config.host, config.port, config.grace_s) == ("0.0.0.0", 8080, 5.0)
     assert config.retry == RetryPolicy(
-        delay_ms=100, backoff="exponential", max_delay_ms=4000, max_attempts=7,
-        honor_retry_after=False, max_retry_after_ms=1000,
+        delay_ms=100,
+        backoff="exponential",
+        max_delay_ms=4000,
+        max_attempts=7,
+        honor_retry_after=False,
+        max_retry_after_ms=1000,
     )
     assert config.verbose is False
     assert config.max_body_bytes == int(1.5 * 1024 * 1024)
@@ -119,7 +123,9 @@ url = "http://127.0.0.1:4781"
     route = config.routes["work"]
     assert not route.builtin
     assert [u.url for u in route.upstreams] == [
-        "https://api.example.com", "https://backup.example.com/api", "http://127.0.0.1:4781",
+        "https://api.example.com",
+        "https://backup.example.com/api",
+        "http://127.0.0.1:4781",
     ]
     assert route.upstreams[1].api_key == SECRET
     assert route.upstreams[1].api_key_env == "BACKUP_KEY"
@@ -152,8 +158,9 @@ def test_load_config_invalid_toml(tmp_path: Path) -> None:
 
 def test_load_config_error_names_nested_key(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[routes.backup]\nupstreams = ["https://a.example", "ftp://b"]\n',
-                    encoding="utf-8")
+    path.write_text(
+        '[routes.backup]\nupstreams = ["https://a.example", "ftp://b"]\n', encoding="utf-8"
+    )
     with pytest.raises(ConfigError) as info:
         load_config(path, env={})
     assert info.value.key == "routes.backup.upstreams[1].url"
@@ -172,8 +179,10 @@ def test_load_config_error_names_nested_key(tmp_path: Path) -> None:
         ({"websocket": {"cooldown": 1}}, "websocket.cooldown"),
         ({"retries": {}}, "retries"),
         ({"routes": {"r": {"upstream": ["https://a.example"]}}}, "routes.r.upstream"),
-        ({"routes": {"r": {"upstreams": [{"url": "https://a.example", "key": "x"}]}}},
-         "routes.r.upstreams[0].key"),
+        (
+            {"routes": {"r": {"upstreams": [{"url": "https://a.example", "key": "x"}]}}},
+            "routes.r.upstreams[0].key",
+        ),
     ],
 )
 def test_unknown_keys_are_named(data: dict[str, Any], key: str) -> None:
@@ -222,13 +231,18 @@ def test_unknown_keys_are_named(data: dict[str, Any], key: str) -> None:
         ({"routes": {"r": {"upstreams": [5]}}}, "routes.r.upstreams[0]"),
         ({"routes": {"r": {"upstreams": [{}]}}}, "routes.r.upstreams[0].url"),
         ({"routes": {"r": {"upstreams": [{"url": 5}]}}}, "routes.r.upstreams[0].url"),
-        ({"routes": {"r": {"upstreams": [{"url": "https://a.example", "api_key_env": 5}]}}},
-         "routes.r.upstreams[0].api_key_env"),
-        ({"routes": {"r": {"upstreams": [{"url": "https://a.example", "models": "m"}]}}},
-         "routes.r.upstreams[0].models"),
-        ({"routes": {"r": {"upstreams": [{"url": "https://a.example",
-                                          "models": {"a": 1}}]}}},
-         "routes.r.upstreams[0].models.a"),
+        (
+            {"routes": {"r": {"upstreams": [{"url": "https://a.example", "api_key_env": 5}]}}},
+            "routes.r.upstreams[0].api_key_env",
+        ),
+        (
+            {"routes": {"r": {"upstreams": [{"url": "https://a.example", "models": "m"}]}}},
+            "routes.r.upstreams[0].models",
+        ),
+        (
+            {"routes": {"r": {"upstreams": [{"url": "https://a.example", "models": {"a": 1}}]}}},
+            "routes.r.upstreams[0].models.a",
+        ),
         ({"routes": {"": {"upstreams": ["https://a.example"]}}}, "routes."),
         ({"routes": {"a/b": {"upstreams": ["https://a.example"]}}}, "routes.a/b"),
         ({"routes": {"_mock": {"upstreams": ["https://a.example"]}}}, "routes._mock"),
@@ -239,8 +253,13 @@ def test_wrong_values_are_named(data: dict[str, Any], key: str) -> None:
 
 
 def test_valid_edge_values() -> None:
-    config = parse({"server": {"port": 0}, "retry": {"delay_ms": 0, "max_attempts": 1},
-                    "stream": {"hold": ["all"], "max_hold_bytes": 0}})
+    config = parse(
+        {
+            "server": {"port": 0},
+            "retry": {"delay_ms": 0, "max_attempts": 1},
+            "stream": {"hold": ["all"], "max_hold_bytes": 0},
+        }
+    )
     assert config.port == 0
     assert config.retry.delay_ms == 0
     assert config.stream.hold == ("all",)
@@ -351,8 +370,10 @@ ENV_CASES = [
 @pytest.mark.parametrize(("suffix", "raw", "field", "value"), ENV_CASES)
 @pytest.mark.parametrize("prefix", ["UNBROKEN_RETRY_", "OPENCODE_RETRY_"])
 def test_env_overrides(prefix: str, suffix: str, raw: str, field: str, value: Any) -> None:
-    config = parse({"retry": {"delay_ms": 1, "max_attempts": 2, "max_retry_after_ms": 3}},
-                   **{prefix + suffix: raw})
+    config = parse(
+        {"retry": {"delay_ms": 1, "max_attempts": 2, "max_retry_after_ms": 3}},
+        **{prefix + suffix: raw},
+    )
     assert getattr(config.retry, field) == value
 
 
@@ -380,8 +401,9 @@ def test_env_bool_false(raw: str) -> None:
 
 
 def test_empty_env_value_is_ignored() -> None:
-    config = parse({"retry": {"delay_ms": 5}}, UNBROKEN_RETRY_DELAY_MS="",
-                   OPENCODE_RETRY_DELAY_MS="7")
+    config = parse(
+        {"retry": {"delay_ms": 5}}, UNBROKEN_RETRY_DELAY_MS="", OPENCODE_RETRY_DELAY_MS="7"
+    )
     assert config.retry.delay_ms == 7
 
 
@@ -424,18 +446,25 @@ def test_builtin_routes() -> None:
 
 
 def test_config_route_replaces_builtin_of_same_name() -> None:
-    routes = parse({"routes": {"openai": {"upstreams": [
-        "https://proxy.example.com/openai", "https://api.openai.com"]}}}).routes
+    routes = parse(
+        {
+            "routes": {
+                "openai": {
+                    "upstreams": ["https://proxy.example.com/openai", "https://api.openai.com"]
+                }
+            }
+        }
+    ).routes
     assert not routes["openai"].builtin
     assert [u.url for u in routes["openai"].upstreams] == [
-        "https://proxy.example.com/openai", "https://api.openai.com",
+        "https://proxy.example.com/openai",
+        "https://api.openai.com",
     ]
     assert routes["anthropic"].builtin  # the others stay
 
 
 def test_api_key_env_missing_or_empty() -> None:
-    data = {"routes": {"r": {"upstreams": [{"url": "https://a.example",
-                                            "api_key_env": "MY_KEY"}]}}}
+    data = {"routes": {"r": {"upstreams": [{"url": "https://a.example", "api_key_env": "MY_KEY"}]}}}
     assert error_key(data) == "routes.r.upstreams[0].api_key_env"
     assert error_key(data, MY_KEY="") == "routes.r.upstreams[0].api_key_env"
     with pytest.raises(ConfigError, match="MY_KEY"):
@@ -444,18 +473,32 @@ def test_api_key_env_missing_or_empty() -> None:
 
 
 def test_api_key_never_in_repr_or_errors() -> None:
-    data = {"routes": {"r": {"upstreams": [
-        {"url": "https://a.example", "api_key_env": "K1"},
-        {"url": "https://b.example", "api_key_env": "K2", "models": {"x": "y"}},
-    ]}}}
+    data = {
+        "routes": {
+            "r": {
+                "upstreams": [
+                    {"url": "https://a.example", "api_key_env": "K1"},
+                    {"url": "https://b.example", "api_key_env": "K2", "models": {"x": "y"}},
+                ]
+            }
+        }
+    }
     config = parse(data, K1=SECRET, K2=SECRET + "2")
-    for text in (repr(config), str(config), repr(config.routes),
-                 repr(config.routes["r"]), repr(config.routes["r"].upstreams[0]),
-                 config.routes["r"].upstreams[0].name):
+    for text in (
+        repr(config),
+        str(config),
+        repr(config.routes),
+        repr(config.routes["r"]),
+        repr(config.routes["r"].upstreams[0]),
+        config.routes["r"].upstreams[0].name,
+    ):
         assert SECRET not in text
     # a later error in the same config does not leak an earlier key either
-    bad = {"routes": {"r": {"upstreams": [
-        {"url": "https://a.example", "api_key_env": "K1"}, {"url": "nope"}]}}}
+    bad = {
+        "routes": {
+            "r": {"upstreams": [{"url": "https://a.example", "api_key_env": "K1"}, {"url": "nope"}]}
+        }
+    }
     with pytest.raises(ConfigError) as info:
         parse(bad, K1=SECRET)
     assert SECRET not in str(info.value)
@@ -471,13 +514,26 @@ def test_api_key_does_not_affect_equality() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["..", ".", "a b?#", "a b", "a?b", "a#b", "a%2fb", "é", "a\x00", "t", "healthz",
-             "status", "metrics", "_x"],
+    "name",
+    [
+        "..",
+        ".",
+        "a b?#",
+        "a b",
+        "a?b",
+        "a#b",
+        "a%2fb",
+        "é",
+        "a\x00",
+        "t",
+        "healthz",
+        "status",
+        "metrics",
+        "_x",
+    ],
 )
 def test_bad_route_names(name: str) -> None:
-    assert error_key({"routes": {name: {"upstreams": ["https://a.example"]}}}) == (
-        f"routes.{name}"
-    )
+    assert error_key({"routes": {name: {"upstreams": ["https://a.example"]}}}) == (f"routes.{name}")
 
 
 @pytest.mark.parametrize("name", ["a", "my-route", "v1.2", "A_b-C.d", "..x", "x.."])
@@ -513,11 +569,19 @@ def test_weak_or_unsafe_tokens_are_refused_without_echo(bad: str) -> None:
 
 
 def test_server_access_and_limit_keys() -> None:
-    config = parse({"server": {
-        "allowed_hosts": ["Relay.Example.com", "box:8080", "*"],
-        "allowed_origins": ["https://App.Example.com:443", "http://localhost:3000"],
-        "header_read_timeout_s": 2, "keepalive_timeout_s": 30, "max_connections": 5,
-    }, "stream": {"max_event_bytes": 2048}, "websocket": {"max_queued_messages": 4}})
+    config = parse(
+        {
+            "server": {
+                "allowed_hosts": ["Relay.Example.com", "box:8080", "*"],
+                "allowed_origins": ["https://App.Example.com:443", "http://localhost:3000"],
+                "header_read_timeout_s": 2,
+                "keepalive_timeout_s": 30,
+                "max_connections": 5,
+            },
+            "stream": {"max_event_bytes": 2048},
+            "websocket": {"max_queued_messages": 4},
+        }
+    )
     assert config.allowed_hosts == ("relay.example.com", "box:8080", "*")
     assert config.allowed_origins == ("https://app.example.com", "http://localhost:3000")
     assert (config.header_read_timeout_s, config.keepalive_timeout_s) == (2.0, 30.0)
@@ -538,8 +602,7 @@ def test_server_access_and_limit_keys() -> None:
         ({"server": {"allowed_hosts": ["ok", "http://x"]}}, "server.allowed_hosts[1]"),
         ({"server": {"allowed_hosts": ["x:99999"]}}, "server.allowed_hosts[0]"),
         ({"server": {"allowed_origins": ["app.example.com"]}}, "server.allowed_origins[0]"),
-        ({"server": {"allowed_origins": ["https://a.example/path"]}},
-         "server.allowed_origins[0]"),
+        ({"server": {"allowed_origins": ["https://a.example/path"]}}, "server.allowed_origins[0]"),
         ({"server": {"header_read_timeout_s": 0}}, "server.header_read_timeout_s"),
         ({"server": {"keepalive_timeout_s": -1}}, "server.keepalive_timeout_s"),
         ({"server": {"max_connections": 0}}, "server.max_connections"),
@@ -548,9 +611,16 @@ def test_server_access_and_limit_keys() -> None:
         ({"server": {"host": "http://x"}}, "server.host"),
         ({"stream": {"max_event_bytes": 10}}, "stream.max_event_bytes"),
         ({"websocket": {"max_queued_messages": 0}}, "websocket.max_queued_messages"),
-        ({"routes": {"r": {"upstreams": [{"url": "https://a.example",
-                                          "key_headers": ["bad header"]}]}}},
-         "routes.r.upstreams[0].key_headers"),
+        (
+            {
+                "routes": {
+                    "r": {
+                        "upstreams": [{"url": "https://a.example", "key_headers": ["bad header"]}]
+                    }
+                }
+            },
+            "routes.r.upstreams[0].key_headers",
+        ),
     ],
 )
 def test_access_and_limit_errors_are_named(data: dict[str, Any], key: str) -> None:
@@ -558,8 +628,11 @@ def test_access_and_limit_errors_are_named(data: dict[str, Any], key: str) -> No
 
 
 def test_key_headers_are_lower_case() -> None:
-    data = {"routes": {"r": {"upstreams": [{"url": "https://a.example",
-                                            "key_headers": ["X-Custom-Key"]}]}}}
+    data = {
+        "routes": {
+            "r": {"upstreams": [{"url": "https://a.example", "key_headers": ["X-Custom-Key"]}]}
+        }
+    }
     assert parse(data).routes["r"].upstreams[0].key_headers == ("x-custom-key",)
 
 
@@ -586,8 +659,15 @@ def test_config_file_not_utf8(tmp_path: Path) -> None:
 
 
 def test_secrets_lists_keys_and_token_longest_first() -> None:
-    data = {"routes": {"r": {"upstreams": [
-        {"url": "https://a.example", "api_key_env": "K1"},
-        {"url": "https://b.example", "api_key_env": "K2"}]}}}
+    data = {
+        "routes": {
+            "r": {
+                "upstreams": [
+                    {"url": "https://a.example", "api_key_env": "K1"},
+                    {"url": "https://b.example", "api_key_env": "K2"},
+                ]
+            }
+        }
+    }
     config = parse(data, K1="sk-short-000000", K2="sk-longer-key-0000000", UNBROKEN_TOKEN=TOKEN)
     assert config.secrets() == (TOKEN, "sk-longer-key-0000000", "sk-short-000000")

@@ -27,7 +27,10 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
     journal = tmp_path_factory.mktemp("demo") / "journal.sqlite3"
     done = subprocess.run(
         [sys.executable, "-m", "unbroken", "demo", "--json", "--journal", str(journal)],
-        capture_output=True, text=True, timeout=90, check=False,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     summary: dict[str, Any] = json.loads(done.stdout)
@@ -86,7 +89,10 @@ async def test_the_gemini_storm_through_the_relay_and_without_it(tmp_path: Path)
     # the in-stream RPC error before output is replayed like a reset (a slow machine may
     # add a stall)
     assert {k: absorbed[k] for k in ("503", "server_disconnected", "429", "stream_error")} == {
-        "503": 6, "server_disconnected": 2, "429": 1, "stream_error": 1
+        "503": 6,
+        "server_disconnected": 2,
+        "429": 1,
+        "stream_error": 1,
     }
     assert absorbed["stall"] >= 1
     # the drop after output reached the client (as the native error event), nothing else
@@ -158,7 +164,7 @@ def test_every_number_the_demo_prints_is_explained_in_the_readme(
 ) -> None:
     summary, _ = demo_run
     text = README.read_text()
-    explained = text[text.index("What the numbers mean:"):]
+    explained = text[text.index("What the numbers mean:") :]
     explained = explained[: explained.index("\n## ")]
     labels = {
         m.group(1).strip()

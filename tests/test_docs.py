@@ -92,8 +92,12 @@ LOGGED = {
     "src/unbroken/observe/hooks.py": None,  # every line
     "src/unbroken/observe/journal.py": None,
     "src/unbroken/opencode/resume.py": (
-        "resume: cannot reach", "resume: watching", "resume: lost", "resume session=%s attempt",
-        "resumed session=", "no resume session=",
+        "resume: cannot reach",
+        "resume: watching",
+        "resume: lost",
+        "resume session=%s attempt",
+        "resumed session=",
+        "no resume session=",
     ),
 }
 
@@ -144,7 +148,8 @@ def test_the_log_lines_are_found_where_expected() -> None:
 @pytest.mark.parametrize(("path", "fmt"), _explained(), ids=lambda v: str(v)[:40])
 def test_troubleshooting_explains_every_log_line(path: str, fmt: str) -> None:
     samples = [
-        line for block in code_blocks(section(README, "Troubleshooting"))
+        line
+        for block in code_blocks(section(README, "Troubleshooting"))
         for line in block.splitlines()
     ]
     pattern = _pattern(fmt)
@@ -155,9 +160,15 @@ def test_troubleshooting_explains_every_log_line(path: str, fmt: str) -> None:
 
 def test_troubleshooting_says_what_a_stall_and_a_degraded_journal_are() -> None:
     text = section(README, "Troubleshooting")
-    for words in ("reason=stall", "**A stall.**", "**The journal is degraded.**",
-                  "**A retry.**", "**A stream cut after output.**", "**Giving up.**",
-                  "**The hold limit.**"):
+    for words in (
+        "reason=stall",
+        "**A stall.**",
+        "**The journal is degraded.**",
+        "**A retry.**",
+        "**A stream cut after output.**",
+        "**Giving up.**",
+        "**The hold limit.**",
+    ):
         assert words in text, words
 
 

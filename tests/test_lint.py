@@ -21,6 +21,12 @@ def test_ruff_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_ruff_format_clean() -> None:
+    paths = [p for p in ("src", "tests", "bench", "tools") if (ROOT / p).is_dir()]
+    result = _run("ruff", "format", "--check", *paths)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_mypy_strict_on_the_sans_io_core() -> None:
     result = _run("mypy")  # files and strictness come from pyproject.toml
     assert result.returncode == 0, result.stdout + result.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-SAMPLE = '''
+SAMPLE = """
 import pytest
 
 def test_runs():
@@ -23,7 +23,7 @@ def test_skips():
 @pytest.mark.xfail(reason="known")
 def test_xfails():
     assert False
-'''
+"""
 
 
 def _pytest(tmp_path: Path, *args: str, allow: bool = False) -> tuple[int, str]:
@@ -33,9 +33,25 @@ def _pytest(tmp_path: Path, *args: str, allow: bool = False) -> tuple[int, str]:
     if allow:
         env["UNBROKEN_ALLOW_SKIPS"] = "1"
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "noskip", "-p", "no:cacheprovider",
-         "-o", "markers=slow", *args, "test_sample.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "noskip",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "markers=slow",
+            *args,
+            "test_sample.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     return done.returncode, done.stdout + done.stderr
 

@@ -75,15 +75,26 @@ def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tests", action="store_true",
-                        help="also install the test extra at its lower bounds and run "
-                        "pytest -m 'not e2e' (default: runtime dependencies only)")
-    parser.add_argument("--try", dest="overrides", action="append", default=[],
-                        metavar="REQ", help="use this requirement instead of the lower bound "
-                        "of the same package (repeatable; default: none)")
-    parser.add_argument("--venv", metavar="DIR",
-                        help="the virtual environment to create (default: a temporary one, "
-                        "removed afterwards)")
+    parser.add_argument(
+        "--tests",
+        action="store_true",
+        help="also install the test extra at its lower bounds and run "
+        "pytest -m 'not e2e' (default: runtime dependencies only)",
+    )
+    parser.add_argument(
+        "--try",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="REQ",
+        help="use this requirement instead of the lower bound "
+        "of the same package (repeatable; default: none)",
+    )
+    parser.add_argument(
+        "--venv",
+        metavar="DIR",
+        help="the virtual environment to create (default: a temporary one, removed afterwards)",
+    )
     args = parser.parse_args(argv)
 
     requirements = pins("test" if args.tests else None)
@@ -100,32 +111,49 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode:
             print("min-deps: the lower bounds cannot be installed together", file=sys.stderr)
             return 1
-        freeze = run([py, "-m", "pip", "freeze", "--exclude", "unbroken"], env=env,
-                     capture_output=True)
+        freeze = run(
+            [py, "-m", "pip", "freeze", "--exclude", "unbroken"], env=env, capture_output=True
+        )
         print("installed:", ", ".join(freeze.stdout.split()), flush=True)
         ok = True
-        demo = run([py, "-m", "unbroken", "demo", "--json"], env=env, capture_output=True,
-                   cwd=scratch, timeout=300)
+        demo = run(
+            [py, "-m", "unbroken", "demo", "--json"],
+            env=env,
+            capture_output=True,
+            cwd=scratch,
+            timeout=300,
+        )
         try:
             summary = json.loads(demo.stdout)
         except ValueError:
             summary = None
         if demo.returncode or not summary:
             ok = False
-            print(f"min-deps: `unbroken demo --json` failed (exit {demo.returncode}):\n"
-                  f"{demo.stderr[-4000:]}", file=sys.stderr)
+            print(
+                f"min-deps: `unbroken demo --json` failed (exit {demo.returncode}):\n"
+                f"{demo.stderr[-4000:]}",
+                file=sys.stderr,
+            )
         else:
-            print(f"demo: {summary['completed']} of {summary['turns']} turns completed, "
-                  f"{summary['duplicates']} duplicated frames", flush=True)
+            print(
+                f"demo: {summary['completed']} of {summary['turns']} turns completed, "
+                f"{summary['duplicates']} duplicated frames",
+                flush=True,
+            )
         imports = run([py, "-c", _IMPORT_ALL], env=env, capture_output=True, cwd=scratch)
         if imports.returncode:
             ok = False
-            print(f"min-deps: importing every module failed:\n{imports.stderr[-4000:]}",
-                  file=sys.stderr)
+            print(
+                f"min-deps: importing every module failed:\n{imports.stderr[-4000:]}",
+                file=sys.stderr,
+            )
         if args.tests:
             # The tests import from the source tree; the installed copy is the same code.
-            suite = run([py, "-m", "pytest", "-p", "no:cacheprovider", "-m", "not e2e", "-q",
-                         "-x"], env=env, cwd=ROOT)
+            suite = run(
+                [py, "-m", "pytest", "-p", "no:cacheprovider", "-m", "not e2e", "-q", "-x"],
+                env=env,
+                cwd=ROOT,
+            )
             ok = ok and suite.returncode == 0
     print("min-deps: OK, every lower bound works" if ok else "min-deps: FAILED", flush=True)
     return 0 if ok else 1

@@ -58,15 +58,19 @@ def _dump() -> None:
     folder = os.environ.get("TTFC_TRACE_DIR") or "/tmp"
     with open(os.path.join(folder, f"ttfc_trace_{os.getpid()}.txt"), "w") as f:
         if _TO_FIRST:
-            f.write(f"first request byte -> first delta written: median "
-                    f"{statistics.median(_TO_FIRST) / 1000:.1f} us of {len(_TO_FIRST)}\n")
+            f.write(
+                f"first request byte -> first delta written: median "
+                f"{statistics.median(_TO_FIRST) / 1000:.1f} us of {len(_TO_FIRST)}\n"
+            )
         f.write(f"{len(rows)} requests; µs: p50 p75 p90 mean (of the fastest 99 %)\n")
         for i in range(len(labels) - 1):
             col = sorted(r[i] for r in rows)
             n = len(col)
-            f.write(f"  {labels[i]:>18} -> {labels[i + 1]:<18} {col[n // 2] / 1000:8.1f} "
-                    f"{col[n * 3 // 4] / 1000:8.1f} {col[n * 9 // 10] / 1000:8.1f} "
-                    f"{statistics.fmean(col[: max(1, n * 99 // 100)]) / 1000:8.1f}\n")
+            f.write(
+                f"  {labels[i]:>18} -> {labels[i + 1]:<18} {col[n // 2] / 1000:8.1f} "
+                f"{col[n * 3 // 4] / 1000:8.1f} {col[n * 9 // 10] / 1000:8.1f} "
+                f"{statistics.fmean(col[: max(1, n * 99 // 100)]) / 1000:8.1f}\n"
+            )
 
 
 def _wrap(owner: Any, name: str, label: str, *, end: str | None = None) -> None:

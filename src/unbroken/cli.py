@@ -134,7 +134,10 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     p_serve.add_argument("--port", type=port_number, help="listen port, 0-65535 (default 4780)")
     p_serve.add_argument(
-        "--workers", type=_workers, default=1, metavar="N",
+        "--workers",
+        type=_workers,
+        default=1,
+        metavar="N",
         help="N relay processes on the same port (SO_REUSEPORT), supervised: a crashed worker "
         "is restarted; they share upstream health (default 1)",
     )

@@ -253,7 +253,14 @@ RATELIMIT_KEYS: dict[str, str] = {
 }
 UPSTREAM_KEYS = {"url", "api_key_env", "models", "key_headers"}
 SECTIONS = {
-    "server", "retry", "stream", "websocket", "journal", "clients", "health", "ratelimit",
+    "server",
+    "retry",
+    "stream",
+    "websocket",
+    "journal",
+    "clients",
+    "health",
+    "ratelimit",
     "routes",
 }
 
@@ -343,8 +350,10 @@ def validate_url(
     wanted = " or ".join(f"{s}://" for s in schemes)
     bad = _bad_char(url)
     if bad is not None:
-        raise ConfigError(key, f"a URL may not contain whitespace or control characters "
-                               f"(found {bad!r} in {url!r})")
+        raise ConfigError(
+            key,
+            f"a URL may not contain whitespace or control characters (found {bad!r} in {url!r})",
+        )
     try:
         parts = urlsplit(url)
         host = parts.hostname
@@ -439,8 +448,9 @@ def _token(server: dict[str, Any], env: Mapping[str, str]) -> tuple[str | None, 
     if not _TOKEN.fullmatch(value):
         # Never echo the value: it is a secret.
         raise ConfigError(
-            key, "the token must be 16 to 512 characters from [A-Za-z0-9._~-] "
-                 "(it travels in a header and in /t/<token>/ URLs)"
+            key,
+            "the token must be 16 to 512 characters from [A-Za-z0-9._~-] "
+            "(it travels in a header and in /t/<token>/ URLs)",
         )
     return value, name
 
@@ -529,18 +539,16 @@ def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
     }
     for name, raw in _table("routes", data.get("routes", {})).items():
         key = f"routes.{name}"
-        if (
-            not _ROUTE_NAME.fullmatch(name)
-            or name in (".", "..")
-            or name.startswith("_")
-        ):
+        if not _ROUTE_NAME.fullmatch(name) or name in (".", "..") or name.startswith("_"):
             raise ConfigError(
-                key, "a route name is made of A-Z a-z 0-9 . _ - (not '.' or '..', "
-                     "not starting with '_')"
+                key,
+                "a route name is made of A-Z a-z 0-9 . _ - (not '.' or '..', "
+                "not starting with '_')",
             )
         if name in RESERVED_ROUTES:
-            raise ConfigError(key, f"{name!r} is reserved (/t/<token>/, /healthz, /status, "
-                                   "/metrics)")
+            raise ConfigError(
+                key, f"{name!r} is reserved (/t/<token>/, /healthz, /status, /metrics)"
+            )
         table = _table(key, raw)
         for k in table:
             if k != "upstreams":
@@ -591,8 +599,13 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
     if bad:
         known = sorted(HOLD_CHOICES)
         raise ConfigError("stream.hold", f"unknown choice {bad[0]!r} (known: {known})")
-    for k in ("connect_timeout_s", "header_timeout_s", "first_frame_timeout_s", "idle_timeout_s",
-              "keepalive_s"):
+    for k in (
+        "connect_timeout_s",
+        "header_timeout_s",
+        "first_frame_timeout_s",
+        "idle_timeout_s",
+        "keepalive_s",
+    ):
         if k in stream and stream[k] <= 0:
             raise ConfigError(f"stream.{k}", "must be greater than 0")
     if stream.get("max_event_bytes", 1024) < 1024:
@@ -714,9 +727,7 @@ def _health(health: dict[str, Any]) -> HealthSettings:
         raise ConfigError("health.failure_rate_to_open", "expected a share in (0, 1]")
     store = health.get("store", "").strip()
     if store not in ("", "memory") and not store.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(
-            "health.store", f"expected \"memory\" or a redis:// URL, got {store!r}"
-        )
+        raise ConfigError("health.store", f'expected "memory" or a redis:// URL, got {store!r}')
     floats = {k: float(v) for k, v in health.items() if HEALTH_KEYS[k] == _FLOAT}
     return HealthSettings(**{**health, **floats, "store": store})
 

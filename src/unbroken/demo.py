@@ -97,9 +97,7 @@ class Storm:
 
     @property
     def faults(self) -> int:
-        return sum(
-            int(a.get("count", 1)) for a in self.script if "fault" in a or "status" in a
-        )
+        return sum(int(a.get("count", 1)) for a in self.script if "fault" in a or "status" in a)
 
 
 def storms(
@@ -756,8 +754,7 @@ def format_summary(s: dict[str, Any]) -> str:
         lines += [
             "",
             f"Straight against the mock, same storm, same client ({s['direct_seconds']:.1f} s)",
-            f"  turns completed       {s['direct_completed']} of {n}"
-            f"  ({s['direct_lost']} lost)",
+            f"  turns completed       {s['direct_completed']} of {n}  ({s['direct_lost']} lost)",
             f"  what the client saw   {s['direct_client_errors']} errors",
         ]
     if s.get("protocol") == "gemini":
@@ -843,17 +840,24 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "demo", help="watch the relay absorb a scripted storm (no network, no keys, < 60 s)"
     )
-    p.add_argument("--turns", type=int, default=12,
-                   help="concurrent agent turns (default: %(default)s)")
+    p.add_argument(
+        "--turns", type=int, default=12, help="concurrent agent turns (default: %(default)s)"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.add_argument("--protocol", choices=PROTOCOLS, default="chat",
-                   help="the agent's wire protocol: chat (the openai SDK, Chat Completions) or "
-                   "gemini (the Gemini API's streamGenerateContent) (default: %(default)s)")
+    p.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="chat",
+        help="the agent's wire protocol: chat (the openai SDK, Chat Completions) or "
+        "gemini (the Gemini API's streamGenerateContent) (default: %(default)s)",
+    )
     p.add_argument(
         "--no-direct", action="store_true", help="skip the run straight against the mock"
     )
-    p.add_argument("--journal", metavar="FILE",
-                   help="also write the relay's journal to this SQLite file, for `unbroken "
-                   "stats --journal FILE` (default: none)")
+    p.add_argument(
+        "--journal",
+        metavar="FILE",
+        help="also write the relay's journal to this SQLite file, for `unbroken "
+        "stats --journal FILE` (default: none)",
+    )
     p.set_defaults(func=_demo)
-

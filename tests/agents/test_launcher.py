@@ -28,15 +28,22 @@ from unbroken.core.turn import Open, TurnMachine
 
 @pytest.mark.parametrize(
     ("argv0", "agent"),
-    [("codex", "codex"), ("/usr/local/bin/codex", "codex"), ("claude", "claude"),
-     ("/x/node_modules/.bin/claude", "claude"), ("python", "generic"), ("aider", "generic")],
+    [
+        ("codex", "codex"),
+        ("/usr/local/bin/codex", "codex"),
+        ("claude", "claude"),
+        ("/x/node_modules/.bin/claude", "claude"),
+        ("python", "generic"),
+        ("aider", "generic"),
+    ],
 )
 def test_agent_of(argv0: str, agent: str) -> None:
     assert agent_of([argv0]) == agent
 
 
 def test_codex_plan_relays_every_provider(tmp_path: Path) -> None:
-    (tmp_path / "config.toml").write_text(textwrap.dedent("""
+    (tmp_path / "config.toml").write_text(
+        textwrap.dedent("""
         model_provider = "fake"
         openai_base_url = "https://gw.example.com/openai/v1"
         [model_providers.fake]
@@ -47,7 +54,8 @@ def test_codex_plan_relays_every_provider(tmp_path: Path) -> None:
         base_url = "https://other.example.com/api"
         [model_providers.nourl]
         name = "x"
-    """))
+    """)
+    )
     launch = codex.plan({"CODEX_HOME": str(tmp_path)})
     assert launch.routes == {
         "openai": "https://gw.example.com/openai",
@@ -55,9 +63,12 @@ def test_codex_plan_relays_every_provider(tmp_path: Path) -> None:
         "my-provider": "https://other.example.com/api",
     }
     assert launch.resolved_args("http://R") == [
-        "-c", 'openai_base_url="http://R/openai/v1"',
-        "-c", 'model_providers.fake.base_url="http://R/fake/v1"',
-        "-c", 'model_providers.my provider.base_url="http://R/my-provider"',
+        "-c",
+        'openai_base_url="http://R/openai/v1"',
+        "-c",
+        'model_providers.fake.base_url="http://R/fake/v1"',
+        "-c",
+        'model_providers.my provider.base_url="http://R/my-provider"',
     ]
     # a keepalive three times per idle timeout; the relay's stall timers follow it
     assert launch.clients == {"codex": {"keepalive_s": 1.0, "client_idle_timeout_s": 3.0}}
@@ -76,8 +87,13 @@ def test_codex_plan_without_a_config_relays_openai(tmp_path: Path) -> None:
 
 def test_claude_plan_uses_the_users_base_url() -> None:
     assert claude.plan({}).routes == {"anthropic": "https://api.anthropic.com"}
-    launch = claude.plan({"ANTHROPIC_BASE_URL": "https://gw.example.com/anthropic/",
-                          "ANTHROPIC_API_KEY": "k", "ANTHROPIC_AUTH_TOKEN": "t"})
+    launch = claude.plan(
+        {
+            "ANTHROPIC_BASE_URL": "https://gw.example.com/anthropic/",
+            "ANTHROPIC_API_KEY": "k",
+            "ANTHROPIC_AUTH_TOKEN": "t",
+        }
+    )
     assert launch.routes == {"anthropic": "https://gw.example.com/anthropic"}
     assert launch.resolved_env("http://R") == {"ANTHROPIC_BASE_URL": "http://R/anthropic"}
 
@@ -120,25 +136,39 @@ def test_the_private_relay_stalls_no_later_than_codex(tmp_path: Path) -> None:
 
 def _machine(profile: Profile, *, stream: bool = True) -> TurnMachine:
     return TurnMachine(
-        protocol=RESPONSES, hold=Hold(), timers=StreamSettings(),
-        retry=RetryState(RetryPolicy(), 1, rng=random.Random(0)), stream=stream, now=0.0,
-        report=Report(), profile=profile,
+        protocol=RESPONSES,
+        hold=Hold(),
+        timers=StreamSettings(),
+        retry=RetryState(RetryPolicy(), 1, rng=random.Random(0)),
+        stream=stream,
+        now=0.0,
+        report=Report(),
+        profile=profile,
     )
 
 
 def test_generic_plan_sets_the_sdk_variables() -> None:
     launch = generic_plan({"OPENAI_BASE_URL": "http://127.0.0.1:5/v1"})
-    assert launch.routes == {"openai": "http://127.0.0.1:5", "anthropic": "https://api.anthropic.com"}
-    assert launch.env == {"OPENAI_BASE_URL": f"{RELAY}/openai/v1",
-                          "OPENAI_API_BASE": f"{RELAY}/openai/v1",
-                          "ANTHROPIC_BASE_URL": f"{RELAY}/anthropic"}
+    assert launch.routes == {
+        "openai": "http://127.0.0.1:5",
+        "anthropic": "https://api.anthropic.com",
+    }
+    assert launch.env == {
+        "OPENAI_BASE_URL": f"{RELAY}/openai/v1",
+        "OPENAI_API_BASE": f"{RELAY}/openai/v1",
+        "ANTHROPIC_BASE_URL": f"{RELAY}/anthropic",
+    }
     assert "OPENAI_BASE_URL" in launch.notes[-1]
 
 
 def test_route_names_and_versions() -> None:
     taken: set[str] = set()
     assert [route_name(n, taken) for n in ("a b", "a-b", "status", "..")] == [
-        "a-b", "a-b-2", "status-provider", "provider"]
+        "a-b",
+        "a-b-2",
+        "status-provider",
+        "provider",
+    ]
     assert split_version("https://api.openai.com/v1/") == ("https://api.openai.com", "/v1")
     assert split_version("https://api.anthropic.com") == ("https://api.anthropic.com", "")
 
@@ -185,18 +215,32 @@ async def test_unbroken_run_a_python_script_with_the_openai_sdk(tmp_path, mock):
     """`unbroken run -- python script.py`: the openai SDK finds its base URL; a 503 storm
     is absorbed; the script's exit code comes back."""
     (tmp_path / "script.py").write_text(SCRIPT)
-    (tmp_path / "u.toml").write_text('[retry]\ndelay_ms = 10\nbackoff = "fixed"\n'
-                                     "[journal]\nenabled = false\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OPENAI_", "ANTHROPIC_", "UNBROKEN_"))}
+    (tmp_path / "u.toml").write_text(
+        '[retry]\ndelay_ms = 10\nbackoff = "fixed"\n[journal]\nenabled = false\n'
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OPENAI_", "ANTHROPIC_", "UNBROKEN_"))
+    }
     env.update(OPENAI_BASE_URL=f"{mock.url}/v1", OPENAI_API_KEY="sk-test", OPENAI_MAX_RETRIES="0")
     # a token set for `unbroken serve` must not lock the agent out of its private relay
     env["UNBROKEN_TOKEN"] = "a-token-for-serve-only-0123456789"
     mock.script([{"status": 503, "count": 5}])
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", "run", "--config", str(tmp_path / "u.toml"), "--",
-        sys.executable, str(tmp_path / "script.py"), env=env, cwd=str(tmp_path),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "unbroken",
+        "run",
+        "--config",
+        str(tmp_path / "u.toml"),
+        "--",
+        sys.executable,
+        str(tmp_path / "script.py"),
+        env=env,
+        cwd=str(tmp_path),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     async with asyncio.timeout(60):
         out, err = await proc.communicate()

@@ -49,8 +49,14 @@ from unbroken.core.turn import (
 from unbroken.relay.http import session_id_of
 
 
-def machine(profile: Profile | None, protocol: Protocol = RESPONSES, *, stream: bool = True,
-            socket: bool = False, **timers: Any) -> TurnMachine:
+def machine(
+    profile: Profile | None,
+    protocol: Protocol = RESPONSES,
+    *,
+    stream: bool = True,
+    socket: bool = False,
+    **timers: Any,
+) -> TurnMachine:
     return TurnMachine(
         protocol=protocol,
         hold=Hold(),
@@ -72,8 +78,10 @@ def machine(profile: Profile | None, protocol: Protocol = RESPONSES, *, stream: 
         ({"originator": "codex_cli_rs", "User-Agent": "reqwest"}, "codex"),
         ({"User-Agent": "claude-cli/2.1.328 (external, sdk-cli)"}, "claude-code"),
         ({"X-Claude-Code-Session-Id": "abc", "User-Agent": "Anthropic/JS 0.60"}, "claude-code"),
-        ({"User-Agent": "GeminiCLI-tui/0.61.0/gemini-2.5-flash (linux; x64; terminal)"},
-         "gemini-cli"),
+        (
+            {"User-Agent": "GeminiCLI-tui/0.61.0/gemini-2.5-flash (linux; x64; terminal)"},
+            "gemini-cli",
+        ),
         ({"User-Agent": "opencode/1.18.33 ai-sdk/provider-utils/3"}, "opencode"),
         ({"User-Agent": "OpenAI/Python 3.57.0"}, "openai-sdk"),
         ({"User-Agent": "Anthropic/Python 2.14.0"}, "anthropic-sdk"),
@@ -144,8 +152,11 @@ def test_claude_code_gets_anthropic_pings() -> None:
     m.start(0.0)
     assert m.tick(100.0) is None  # never early headers
     assert isinstance(m.answered(100.0, 200, sse=True), Stream)
-    m.feed_chunk(100.0, b'event: content_block_delta\ndata: {"type":"content_block_delta",'
-                 b'"index":0,"delta":{"type":"text_delta","text":"hi"}}\n\n')
+    m.feed_chunk(
+        100.0,
+        b'event: content_block_delta\ndata: {"type":"content_block_delta",'
+        b'"index":0,"delta":{"type":"text_delta","text":"hi"}}\n\n',
+    )
     assert m.tick(115.0) == Keepalive(b'event: ping\ndata: {"type": "ping"}\n\n')
 
 
@@ -154,8 +165,12 @@ def test_claude_code_nonstreamed_wait_is_at_least_its_own(first_frame_timeout_s:
     """Claude Code waits 300 s for a non-streamed answer (its re-send after any in-stream
     error).  The relay used to give up on it at 150 s and ask again: an answer that
     takes 170 s never arrived through the relay, and did directly."""
-    n = machine(PROFILES["claude-code"], ANTHROPIC, stream=False,
-                first_frame_timeout_s=first_frame_timeout_s)
+    n = machine(
+        PROFILES["claude-code"],
+        ANTHROPIC,
+        stream=False,
+        first_frame_timeout_s=first_frame_timeout_s,
+    )
     opened = n.start(0.0)
     assert isinstance(opened, Open) and opened.timeout_s >= 300.0
     # an unknown client: the [stream] default, as before
@@ -224,15 +239,17 @@ def test_stall_timers_follow_the_clients_idle_timeout() -> None:
     m = machine(codex)
     m.start(0.0)
     m.answered(0.0, 200, sse=True)
-    m.feed_chunk(1.0, b'event: response.created\ndata: {"type":"response.created",'
-                 b'"response":{"id":"r"}}\n\n')
+    m.feed_chunk(
+        1.0, b'event: response.created\ndata: {"type":"response.created","response":{"id":"r"}}\n\n'
+    )
     assert m.deadline() == 21.0
     # [stream] shorter than the client's: kept (a replay before the client notices)
     m = machine(codex, first_frame_timeout_s=5.0, idle_timeout_s=3.0)
     assert (m.timers.first_frame_timeout_s, m.timers.idle_timeout_s) == (5.0, 3.0)
     # the profile's own stall timers win, even over the client's (the user asked)
-    own = _overridden("codex", {"client_idle_timeout_s": 0.7, "first_frame_timeout_s": 10,
-                                "idle_timeout_s": 12})
+    own = _overridden(
+        "codex", {"client_idle_timeout_s": 0.7, "first_frame_timeout_s": 10, "idle_timeout_s": 12}
+    )
     m = machine(own)
     assert (m.timers.first_frame_timeout_s, m.timers.idle_timeout_s) == (10.0, 12.0)
     assert m.min_interval == 10.0
@@ -265,8 +282,9 @@ def _final(protocol: Protocol, status: int, body: bytes, rid: str | None) -> lis
 
 
 def test_final_answers_stay_final_in_each_protocol() -> None:
-    body = (b'{"type":"error","error":{"type":"invalid_request_error",'
-            b'"message":"prompt is too long"}}')
+    body = (
+        b'{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long"}}'
+    )
     (a,) = _final(ANTHROPIC, 400, body, "req_1")
     assert a["error"]["type"] == "invalid_request_error" and a["request_id"] == "req_1"
     (a,) = _final(ANTHROPIC, 401, b"not json", None)
@@ -295,12 +313,18 @@ def test_session_names_in_order() -> None:
     assert sid({}) is None
 
 
-MESSAGE_START = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1",'
-                 b'"type":"message","role":"assistant","content":[],"model":"m"}}\n\n')
-TEXT_DELTA = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
-              b'"delta":{"type":"text_delta","text":"Hel"}}\n\n')
-OVERLOADED = (b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
-              b'"message":"Overloaded"}}\n\n')
+MESSAGE_START = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1",'
+    b'"type":"message","role":"assistant","content":[],"model":"m"}}\n\n'
+)
+TEXT_DELTA = (
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"Hel"}}\n\n'
+)
+OVERLOADED = (
+    b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
+    b'"message":"Overloaded"}}\n\n'
+)
 
 
 def _committed(profile: Profile | None, *, socket: bool = False) -> TurnMachine:
@@ -369,11 +393,28 @@ def _anthropic_frame(tag: str, kind: str) -> bytes:
         return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
     if kind == "start":
-        return ev("message_start", {"type": "message_start", "message": {
-            "id": tag, "type": "message", "role": "assistant", "content": [], "model": "m"}})
+        return ev(
+            "message_start",
+            {
+                "type": "message_start",
+                "message": {
+                    "id": tag,
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [],
+                    "model": "m",
+                },
+            },
+        )
     if kind == "text":
-        return ev("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                          "delta": {"type": "text_delta", "text": tag}})
+        return ev(
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": tag},
+            },
+        )
     if kind == "stop":
         return ev("message_stop", {"type": "message_stop"})
     if kind == "error":
@@ -395,9 +436,14 @@ def test_the_reset_ending_never_ends_a_cut_turn_cleanly_nor_sends_an_error_event
     never with an error event: that would make Claude Code re-send without streaming);
     no frame is released twice; every turn ends."""
     m = TurnMachine(
-        protocol=ANTHROPIC, hold=Hold(), timers=Timers(),
+        protocol=ANTHROPIC,
+        hold=Hold(),
+        timers=Timers(),
         retry=RetryState(RetryPolicy(delay_ms=1, max_attempts=5), 1, rng=random.Random(0)),
-        stream=True, now=0.0, report=Report(), profile=PROFILES["claude-code"],
+        stream=True,
+        now=0.0,
+        report=Report(),
+        profile=PROFILES["claude-code"],
     )
     now, client, released = 0.0, bytearray(), []
     action: Any = m.start(now)
@@ -423,8 +469,11 @@ def test_the_reset_ending_never_ends_a_cut_turn_cleanly_nor_sends_an_error_event
         if over is None:
             if ending == "stall":
                 m.tick(now + 10_000.0)
-            over = (m.body_ended(now) if ending == "eof"
-                    else m.transport_failed(now, Failure(FailureClass.RESET, "reset")))
+            over = (
+                m.body_ended(now)
+                if ending == "eof"
+                else m.transport_failed(now, Failure(FailureClass.RESET, "reset"))
+            )
         if isinstance(over, (Wait, Open)):
             assert len(client) == before  # a replay released nothing
         if isinstance(over, End):
@@ -458,13 +507,19 @@ MESSAGES = "mock/v1/messages"
 CLAUDE = {"User-Agent": "claude-cli/2.1.328 (external, sdk-cli)"}
 
 
-async def _relay(mock: Any, clients: dict[str, Any] | None = None,
-                 stream: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    cfg = parse_config({"retry": {"delay_ms": 5, "backoff": "fixed"},
-                        "routes": {"mock": {"upstreams": [{"url": mock.url}]}},
-                        "journal": {"enabled": False},
-                        "stream": stream or {},
-                        "clients": clients or {}}, env={})
+async def _relay(
+    mock: Any, clients: dict[str, Any] | None = None, stream: dict[str, Any] | None = None
+) -> tuple[Any, Any]:
+    cfg = parse_config(
+        {
+            "retry": {"delay_ms": 5, "backoff": "fixed"},
+            "routes": {"mock": {"upstreams": [{"url": mock.url}]}},
+            "journal": {"enabled": False},
+            "stream": stream or {},
+            "clients": clients or {},
+        },
+        env={},
+    )
     return await start_relay(dataclasses.replace(cfg, port=0, grace_s=5.0))
 
 
@@ -488,8 +543,7 @@ async def test_a_slow_nonstreamed_answer_arrives_when_the_relay_waits_as_long_as
         try:
             async with aiohttp.ClientSession(timeout=timeout) as s:
                 try:
-                    async with s.post(f"{server.url}/{MESSAGES}", json=body,
-                                      headers=CLAUDE) as r:
+                    async with s.post(f"{server.url}/{MESSAGES}", json=body, headers=CLAUDE) as r:
                         answer: Any = (r.status, await r.json())
                 except TimeoutError:
                     answer = "client timed out"
@@ -505,8 +559,12 @@ async def test_a_slow_nonstreamed_answer_arrives_when_the_relay_waits_as_long_as
 
 async def _read_stream(url: str, headers: dict[str, str]) -> tuple[bytes, str | None]:
     """A streamed Anthropic request: the bytes received, and how the body ended."""
-    body = {"model": "m", "max_tokens": 16, "stream": True,
-            "messages": [{"role": "user", "content": "hi"}]}
+    body = {
+        "model": "m",
+        "max_tokens": 16,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     got = bytearray()
     async with aiohttp.ClientSession() as s, s.post(url, json=body, headers=headers) as r:
         assert r.status == 200
@@ -527,10 +585,13 @@ async def test_a_cut_after_text_reaches_claude_code_as_a_reset_and_others_as_an_
     replayed: one upstream request each."""
     server, rec = await _relay(mock)
     try:
-        for n, (headers, cut) in enumerate([
-            (CLAUDE, True),
-            ({"User-Agent": "Anthropic/Python 2.14.0"}, False),
-        ], start=1):
+        for n, (headers, cut) in enumerate(
+            [
+                (CLAUDE, True),
+                ({"User-Agent": "Anthropic/Python 2.14.0"}, False),
+            ],
+            start=1,
+        ):
             mock.script([{"fault": "reset", "after_frame": 6}])
             got, ended = await _read_stream(f"{server.url}/{MESSAGES}", headers)
             assert b"Hel" in got and b"message_stop" not in got
@@ -551,14 +612,20 @@ async def test_a_silent_upstream_is_cut_at_codexs_idle_timeout_not_the_relays(mo
     nothing: the relay cuts it at Codex's 0.5 s and replays, so Codex (whose idle timer
     has not started: no headers yet) gets the answer of the second attempt, as it would
     have got it by reconnecting after its own timeout if it had been talking directly."""
-    server, rec = await _relay(mock, {"codex": {"client_idle_timeout_s": 0.5}},
-                               {"first_frame_timeout_s": 30, "idle_timeout_s": 30})
+    server, rec = await _relay(
+        mock,
+        {"codex": {"client_idle_timeout_s": 0.5}},
+        {"first_frame_timeout_s": 30, "idle_timeout_s": 30},
+    )
     mock.script([{"fault": "stall", "after_frame": 0, "seconds": 60}])
     body = {"model": "m", "stream": True, "input": "hi"}
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-            async with s.post(f"{server.url}/mock/v1/responses", json=body,
-                              headers={"User-Agent": "codex_exec/0.169.0"}) as r:
+            async with s.post(
+                f"{server.url}/mock/v1/responses",
+                json=body,
+                headers={"User-Agent": "codex_exec/0.169.0"},
+            ) as r:
                 assert r.status == 200
                 got = await r.read()
         assert b"response.completed" in got

@@ -33,19 +33,27 @@ def _rows(path: Path, sql: str) -> list[dict[str, Any]]:
 
 async def test_journal_names_sessions_and_clients(mock, tmp_path, capsys):
     path = tmp_path / "j.sqlite3"
-    cfg = dataclasses.replace(make_config([{"url": mock.url}]),
-                              journal=JournalSettings(path=str(path)))
+    cfg = dataclasses.replace(
+        make_config([{"url": mock.url}]), journal=JournalSettings(path=str(path))
+    )
     server, rec = await start_relay(cfg)
     chat = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    anthropic = {"model": "m", "max_tokens": 16, "stream": True,
-                 "messages": [{"role": "user", "content": "hi"}]}
+    anthropic = {
+        "model": "m",
+        "max_tokens": 16,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     mock.script([{"status": 503}])
     try:
         async with aiohttp.ClientSession() as s:
             for url, body, headers in [
                 (CHAT, chat, {"User-Agent": "codex_exec/0.169.0", "session-id": "codex-s1"}),
-                (MESSAGES, anthropic, {"User-Agent": "claude-cli/2.1.328",
-                                       "X-Claude-Code-Session-Id": "claude-s1"}),
+                (
+                    MESSAGES,
+                    anthropic,
+                    {"User-Agent": "claude-cli/2.1.328", "X-Claude-Code-Session-Id": "claude-s1"},
+                ),
                 (CHAT, {**chat, "prompt_cache_key": "pck-1"}, {"User-Agent": "curl/8"}),
             ]:
                 async with s.post(f"{server.url}/{url}", json=body, headers=headers) as r:
@@ -58,7 +66,9 @@ async def test_journal_names_sessions_and_clients(mock, tmp_path, capsys):
         await server.stop()
     rows = _rows(path, "SELECT session_id, client, outcome FROM turns ORDER BY turn_id")
     assert [(r["session_id"], r["client"]) for r in rows] == [
-        ("codex-s1", "codex"), ("claude-s1", "claude-code"), ("pck-1", "unknown")
+        ("codex-s1", "codex"),
+        ("claude-s1", "claude-code"),
+        ("pck-1", "unknown"),
     ]
     conn = sqlite3.connect(path)
     try:
@@ -107,8 +117,11 @@ async def test_an_old_journal_gains_the_new_columns_and_tables(tmp_path):
     conn.close()
     journal = Journal(path)
     journal.start()
-    journal.turn_started(TurnInfo(route="x", path="p", protocol="chat", stream=True,
-                                  session_id="new", client="codex"))
+    journal.turn_started(
+        TurnInfo(
+            route="x", path="p", protocol="chat", stream=True, session_id="new", client="codex"
+        )
+    )
     await journal.aclose()
     cols = [r["name"] for r in _rows(path, "PRAGMA table_info(turns)")]
     assert "client" in cols
@@ -117,5 +130,6 @@ async def test_an_old_journal_gains_the_new_columns_and_tables(tmp_path):
     assert "queued_s" in cols  # version 4: the time queued for rate limits
     assert _rows(path, "PRAGMA user_version")[0]["user_version"] == 4
     assert _rows(path, "SELECT session_id, client FROM turns ORDER BY started") == [
-        {"session_id": "new", "client": "codex"}, {"session_id": "old", "client": None}
+        {"session_id": "new", "client": "codex"},
+        {"session_id": "old", "client": None},
     ]

@@ -11,8 +11,12 @@ from unbroken.core.sse import Event, SSESplitter
 from unbroken.mock.wire import frames_for
 
 TAIL = Hold(("control", "tool_calls", "tool_tail"))
-BODY = {"model": "m", "stream": True, "max_tokens": 16,
-        "messages": [{"role": "user", "content": "hi"}]}
+BODY = {
+    "model": "m",
+    "stream": True,
+    "max_tokens": 16,
+    "messages": [{"role": "user", "content": "hi"}],
+}
 
 
 def _events(protocol: str, action: dict[str, Any]) -> list[Event]:
@@ -30,7 +34,7 @@ def _name(ev: Event) -> str:
 def test_anthropic_call_waits_for_message_stop_and_a_cut_in_the_gap_replays() -> None:
     events = _events("anthropic", {"reply": "tool"})
     stop = max(i for i, e in enumerate(events) if _name(e) == "content_block_stop")
-    assert [_name(e) for e in events[stop + 1:]] == ["message_delta", "message_stop"]
+    assert [_name(e) for e in events[stop + 1 :]] == ["message_delta", "message_stop"]
     # without tool_tail the call is released at its content_block_stop: a cut after it
     # is a failure after commit
     plain = Ledger(ANTHROPIC)
@@ -90,7 +94,7 @@ def test_text_before_the_call_commits_as_before() -> None:
     _feed(ledger, events[:start])
     assert ledger.feed(text)
     stop = max(i for i, e in enumerate(events) if _name(e) == "content_block_stop")
-    out = _feed(ledger, events[start: stop + 1])
+    out = _feed(ledger, events[start : stop + 1])
     assert out[-1]  # the call is released at its end, as without tool_tail
 
 

@@ -41,15 +41,17 @@ async def _turn(ws: aiohttp.ClientWebSocketResponse, create: dict[str, Any]) -> 
 
 
 async def test_handshake_headers_reach_the_client_and_the_turn_state_goes_back(mock):
-    server, _ = await start_relay(make_config([{"url": mock.url}],
-                                              stream={"first_frame_timeout_s": 2}))
+    server, _ = await start_relay(
+        make_config([{"url": mock.url}], stream={"first_frame_timeout_s": 2})
+    )
     mock.script_upgrades([{"headers": HEADERS}, {"headers": {"x-codex-turn-state": "ts-2"}}])
     # the first turn's socket dies before output: unbroken opens a second upstream socket
     mock.script([{"fault": "close", "after_frame": 1, "code": 1011}])
     try:
-        async with aiohttp.ClientSession() as s, s.ws_connect(
-            _ws_url(server), headers={"x-codex-turn-state": "from-client"}
-        ) as ws:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.ws_connect(_ws_url(server), headers={"x-codex-turn-state": "from-client"}) as ws,
+        ):
             got = ws._response.headers
             for name, value in HEADERS.items():
                 if name == "x-unrelated":
@@ -95,17 +97,17 @@ async def test_unreachable_upstream_still_accepts_the_client(unused_tcp_port):
 async def test_codex_gets_keepalive_messages_on_a_quiet_socket(mock):
     """Codex's idle timer counts WebSocket messages, not pings: while the upstream is
     quiet, a Codex client gets ``{"type":"keepalive"}`` messages; another client none."""
-    cfg = make_config([{"url": mock.url}], stream={"first_frame_timeout_s": 5,
-                                                    "idle_timeout_s": 5})
+    cfg = make_config([{"url": mock.url}], stream={"first_frame_timeout_s": 5, "idle_timeout_s": 5})
     cfg = dataclasses.replace(cfg, clients={"codex": {"keepalive_s": 0.08}})
     server, _ = await start_relay(cfg)
     slow = {"deltas": 1, "chunk_delay_ms": 250}
     try:
         for ua, want in (("codex_cli_rs/0.169.0", True), ("curl/8", False)):
             mock.script([slow])
-            async with aiohttp.ClientSession() as s, s.ws_connect(
-                _ws_url(server), headers={"User-Agent": ua}
-            ) as ws:
+            async with (
+                aiohttp.ClientSession() as s,
+                s.ws_connect(_ws_url(server), headers={"User-Agent": ua}) as ws,
+            ):
                 turn = await _turn(ws, CREATE)
             keepalives = [m for m in turn if m.get("type") == "keepalive"]
             assert turn[-1]["type"] == "response.completed"

@@ -197,8 +197,10 @@ def test_an_empty_chunk_releases_nothing_before_or_after_commit() -> None:
 def test_no_fast_path_while_a_tool_call_is_open_or_before_commit() -> None:
     for proto in PROTOCOLS:
         frames = FRAMES[proto]("t", Shape(text=0, tools=(6,)))
-        for chunks in ([b"".join(frames[i : i + 2]) for i in range(0, len(frames), 2)],
-                       [b"".join(frames)]):
+        for chunks in (
+            [b"".join(frames[i : i + 2]) for i in range(0, len(frames), 2)],
+            [b"".join(frames)],
+        ):
             slow, _ = run(proto, chunks, verbatim=False)
             fast, taken = run(proto, chunks, verbatim=True)
             assert fast == slow

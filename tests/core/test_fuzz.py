@@ -78,10 +78,12 @@ def fields(lines: list[bytes]) -> tuple[str | None, str | None]:
 
 def test_reference_on_known_streams() -> None:
     assert reference(b"data: a\r\n\r\n\ndata:b\r\rx") == (
-        [(b"data: a\r\n\r\n", None, "a"), (b"\n", None, None), (b"data:b\r\r", None, "b")], b"x"
+        [(b"data: a\r\n\r\n", None, "a"), (b"\n", None, None), (b"data:b\r\r", None, "b")],
+        b"x",
     )
     assert reference(BOM + b"\nevent: e\ndata: 1\n\n\r") == (
-        [(BOM + b"\n", None, None), (b"event: e\ndata: 1\n\n", "e", "1")], b"\r"
+        [(BOM + b"\n", None, None), (b"event: e\ndata: 1\n\n", "e", "1")],
+        b"\r",
     )
 
 
@@ -89,10 +91,33 @@ def test_reference_on_known_streams() -> None:
 # Hostile streams
 
 TOKENS = [
-    b"data:", b"data: ", b"event:", b"event: ", b"id: 1", b"retry: 5", b":", b": ping",
-    b"\n", b"\r", b"\r\n", b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r",
-    b"{\"a\":1}", b"[DONE]", b"x", b"  ", b"\xff", b"\xc3", b"\xc3\xa9", b"\xf0\x9f\x98",
-    b"\xef\xbb\xbf", b"\x00", b"data", b"Data: no",
+    b"data:",
+    b"data: ",
+    b"event:",
+    b"event: ",
+    b"id: 1",
+    b"retry: 5",
+    b":",
+    b": ping",
+    b"\n",
+    b"\r",
+    b"\r\n",
+    b"\n\n",
+    b"\r\n\r\n",
+    b"\r\r",
+    b"\n\r",
+    b'{"a":1}',
+    b"[DONE]",
+    b"x",
+    b"  ",
+    b"\xff",
+    b"\xc3",
+    b"\xc3\xa9",
+    b"\xf0\x9f\x98",
+    b"\xef\xbb\xbf",
+    b"\x00",
+    b"data",
+    b"Data: no",
 ]
 
 
@@ -212,29 +237,81 @@ def test_fifty_megabyte_line_is_refused_early_and_cheaply() -> None:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-        st.sampled_from([
-            "type", "choices", "delta", "tool_calls", "index", "id", "function", "arguments",
-            "name", "content", "finish_reason", "usage", "error", "response", "item",
-            "output_index", "content_block", "message", "stop_reason", "sequence_number",
-            "output", "status", "reasoning", "text", "role", "x",
-        ]) | st.text(max_size=6),
-        inner,
-        max_size=5,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "type",
+                    "choices",
+                    "delta",
+                    "tool_calls",
+                    "index",
+                    "id",
+                    "function",
+                    "arguments",
+                    "name",
+                    "content",
+                    "finish_reason",
+                    "usage",
+                    "error",
+                    "response",
+                    "item",
+                    "output_index",
+                    "content_block",
+                    "message",
+                    "stop_reason",
+                    "sequence_number",
+                    "output",
+                    "status",
+                    "reasoning",
+                    "text",
+                    "role",
+                    "x",
+                ]
+            )
+            | st.text(max_size=6),
+            inner,
+            max_size=5,
+        )
     ),
     max_leaves=20,
 )
 typed = st.fixed_dictionaries(
-    {"type": st.sampled_from([
-        "response.created", "response.output_item.added", "response.output_text.delta",
-        "response.function_call_arguments.delta", "response.output_item.done",
-        "response.completed", "response.failed", "error", "message_start",
-        "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
-        "message_stop", "ping", "response.in_progress", "response.incomplete",
-    ])},
-    optional={"item": json_values, "delta": json_values, "content_block": json_values,
-              "index": json_values, "response": json_values, "error": json_values,
-              "output_index": json_values, "message": json_values, "usage": json_values},
+    {
+        "type": st.sampled_from(
+            [
+                "response.created",
+                "response.output_item.added",
+                "response.output_text.delta",
+                "response.function_call_arguments.delta",
+                "response.output_item.done",
+                "response.completed",
+                "response.failed",
+                "error",
+                "message_start",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop",
+                "ping",
+                "response.in_progress",
+                "response.incomplete",
+            ]
+        )
+    },
+    optional={
+        "item": json_values,
+        "delta": json_values,
+        "content_block": json_values,
+        "index": json_values,
+        "response": json_values,
+        "error": json_values,
+        "output_index": json_values,
+        "message": json_values,
+        "usage": json_values,
+    },
 )
 frame_data = (
     json_values.map(json.dumps)
@@ -246,12 +323,16 @@ frame_data = (
 frame = st.builds(
     lambda name, data: Event(
         (f"event: {name}\n" if name is not None else "").encode()
-        + (f"data: {data}\n" if data is not None else "").encode() + b"\n",
+        + (f"data: {data}\n" if data is not None else "").encode()
+        + b"\n",
         name,
         data,
     ),
-    st.none() | st.sampled_from(["message_start", "content_block_delta", "error", "ping",
-                                 "response.completed", "x"]) | st.text(max_size=6),
+    st.none()
+    | st.sampled_from(
+        ["message_start", "content_block_delta", "error", "ping", "response.completed", "x"]
+    )
+    | st.text(max_size=6),
     frame_data,
 )
 
@@ -274,8 +355,10 @@ def test_classifiers_never_raise_on_arbitrary_json(frames: list[Event]) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(status=st.integers(100, 599), body=st.binary(max_size=64) | json_values.map(
-    lambda v: json.dumps(v).encode()))
+@given(
+    status=st.integers(100, 599),
+    body=st.binary(max_size=64) | json_values.map(lambda v: json.dumps(v).encode()),
+)
 def test_final_error_frames_never_raise(status: int, body: bytes) -> None:
     for protocol in (CHAT, RESPONSES, ANTHROPIC, GENERIC):
         out: Any = protocol.final_error_frame(status, body)

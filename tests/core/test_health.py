@@ -125,8 +125,9 @@ def test_4xx_answers_never_count() -> None:
 
 def test_probe_gate_pending_then_lost() -> None:
     answers: list[bool | None] = [None, False]
-    b = HealthBoard(HealthSettings(failures_to_open=1, open_s=1.0),
-                    probe_gate=lambda key, ttl: answers.pop(0))
+    b = HealthBoard(
+        HealthSettings(failures_to_open=1, open_s=1.0), probe_gate=lambda key, ttl: answers.pop(0)
+    )
     b.failure(K, 0.0, "503")
     assert b.take(K, 1.0) is False  # the fleet has not answered
     assert b.blocked_until(K, 1.0) == 1.05
@@ -170,8 +171,9 @@ def test_an_open_upstream_is_skipped_while_another_is_healthy() -> None:
 
 def test_quota_cools_off_for_an_hour_and_reroutes() -> None:
     b, seen = board()
-    state = RetryState(RetryPolicy(), 2, rng=random.Random(0), board=b, keys=KEYS[:2],
-                       quota_cooloff_s=3600.0)
+    state = RetryState(
+        RetryPolicy(), 2, rng=random.Random(0), board=b, keys=KEYS[:2], quota_cooloff_s=3600.0
+    )
     assert state.next_upstream(0.0) == 0
     wait = state.record_failure(Failure(FailureClass.STATUS, "HTTP 402", status=402), 0.0)
     assert wait == 0.0 and not state.quota_wall
@@ -206,8 +208,10 @@ def test_sticky_sessions_keep_their_upstream_and_spread() -> None:
         state = RetryState(RetryPolicy(), 3, board=b, keys=KEYS, sticky=f"session-{i}")
         picks[state.next_upstream(0.0)] += 1
     assert min(picks.values()) > 60  # spread over all three
-    same = {RetryState(RetryPolicy(), 3, board=b, keys=KEYS, sticky="s").next_upstream(0.0)
-            for _ in range(20)}
+    same = {
+        RetryState(RetryPolicy(), 3, board=b, keys=KEYS, sticky="s").next_upstream(0.0)
+        for _ in range(20)
+    }
     assert len(same) == 1
 
 
@@ -260,8 +264,15 @@ def test_the_machine_parks_until_the_reopen_and_sends_nothing_meanwhile() -> Non
     b.failure(K, 0.0, "503")
     retry = RetryState(RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K])
     report = Recording()
-    m = TurnMachine(protocol=CHAT, hold=Hold(), timers=Timers(), retry=retry, stream=True,
-                    now=0.5, report=report)
+    m = TurnMachine(
+        protocol=CHAT,
+        hold=Hold(),
+        timers=Timers(),
+        retry=retry,
+        stream=True,
+        now=0.5,
+        report=report,
+    )
     # parked in the upstream's line (woken by its pacer), looking again every park_check_s
     assert m.start(0.5) == Wait(1.0, K, 1)
     assert states == [TurnState.PARKED] and not report.of("started")

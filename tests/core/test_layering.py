@@ -19,9 +19,7 @@ def _imports(path: Path) -> set[str]:
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
-            if node.module.startswith("unbroken.") and not node.module.startswith(
-                "unbroken.core"
-            ):
+            if node.module.startswith("unbroken.") and not node.module.startswith("unbroken.core"):
                 names.add(node.module)
     return names
 

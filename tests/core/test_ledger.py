@@ -64,12 +64,18 @@ class Shape:
 
 def chat_frames(tag: str, shape: Shape) -> list[bytes]:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return sse(None, {
-            "id": f"chatcmpl-{tag}", "object": "chat.completion.chunk",
-            "created": 1_700_000_000, "model": "gpt-4o",
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                         "finish_reason": finish}],
-        })
+        return sse(
+            None,
+            {
+                "id": f"chatcmpl-{tag}",
+                "object": "chat.completion.chunk",
+                "created": 1_700_000_000,
+                "model": "gpt-4o",
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ],
+            },
+        )
 
     frames = [chunk({"role": "assistant", "content": ""})]
     frames += [chunk({"reasoning_content": f"think {tag} {j}. "}) for j in range(shape.reasoning)]
@@ -77,10 +83,24 @@ def chat_frames(tag: str, shape: Shape) -> list[bytes]:
     per_call: list[list[bytes]] = []
     for i, pieces in enumerate(shape.tools):
         call_id = f"call_{tag}_{i}"
-        seq = [chunk({"tool_calls": [{"index": i, "id": call_id, "type": "function",
-                                      "function": {"name": "bash", "arguments": ""}}]})]
-        seq += [chunk({"tool_calls": [{"index": i, "function": {"arguments": p}}]})
-                for p in split_pieces(tool_args(call_id), pieces)]
+        seq = [
+            chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": i,
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": "bash", "arguments": ""},
+                        }
+                    ]
+                }
+            )
+        ]
+        seq += [
+            chunk({"tool_calls": [{"index": i, "function": {"arguments": p}}]})
+            for p in split_pieces(tool_args(call_id), pieces)
+        ]
         per_call.append(seq)
     if shape.interleave:
         while any(per_call):
@@ -91,10 +111,19 @@ def chat_frames(tag: str, shape: Shape) -> list[bytes]:
         for seq in per_call:
             frames += seq
     frames.append(chunk({}, "tool_calls" if shape.tools else "stop"))
-    frames.append(sse(None, {"id": f"chatcmpl-{tag}", "object": "chat.completion.chunk",
-                             "created": 1_700_000_000, "model": "gpt-4o", "choices": [],
-                             "usage": {"prompt_tokens": 5, "completion_tokens": 7,
-                                       "total_tokens": 12}}))
+    frames.append(
+        sse(
+            None,
+            {
+                "id": f"chatcmpl-{tag}",
+                "object": "chat.completion.chunk",
+                "created": 1_700_000_000,
+                "model": "gpt-4o",
+                "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
+            },
+        )
+    )
     frames.append(b"data: [DONE]\n\n")
     return frames
 
@@ -109,10 +138,20 @@ def responses_frames(tag: str, shape: Shape, *, reasoning_item: bool = False) ->
         seq += 1
 
     def resp(status: str) -> dict[str, Any]:
-        return {"id": f"resp_{tag}", "object": "response", "created_at": 1_700_000_000,
-                "status": status, "model": "gpt-5", "output": [], "error": None,
-                "incomplete_details": None, "tools": [], "tool_choice": "auto",
-                "parallel_tool_calls": True, "usage": None}
+        return {
+            "id": f"resp_{tag}",
+            "object": "response",
+            "created_at": 1_700_000_000,
+            "status": status,
+            "model": "gpt-5",
+            "output": [],
+            "error": None,
+            "incomplete_details": None,
+            "tools": [],
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "usage": None,
+        }
 
     ev("response.created", response=resp("in_progress"))
     ev("response.in_progress", response=resp("in_progress"))
@@ -121,46 +160,103 @@ def responses_frames(tag: str, shape: Shape, *, reasoning_item: bool = False) ->
         rs = {"id": f"rs_{tag}", "type": "reasoning", "summary": []}
         ev("response.output_item.added", output_index=idx, item=rs)
         if shape.reasoning:
-            ev("response.reasoning_summary_part.added", item_id=rs["id"], output_index=idx,
-               summary_index=0, part={"type": "summary_text", "text": ""})
+            ev(
+                "response.reasoning_summary_part.added",
+                item_id=rs["id"],
+                output_index=idx,
+                summary_index=0,
+                part={"type": "summary_text", "text": ""},
+            )
             for j in range(shape.reasoning):
-                ev("response.reasoning_summary_text.delta", item_id=rs["id"], output_index=idx,
-                   summary_index=0, delta=f"think {tag} {j}. ")
-            ev("response.reasoning_summary_text.done", item_id=rs["id"], output_index=idx,
-               summary_index=0, text="...")
-            ev("response.reasoning_summary_part.done", item_id=rs["id"], output_index=idx,
-               summary_index=0, part={"type": "summary_text", "text": "..."})
-        ev("response.output_item.done", output_index=idx,
-           item={**rs, "encrypted_content": "gAAAA" + tag})
+                ev(
+                    "response.reasoning_summary_text.delta",
+                    item_id=rs["id"],
+                    output_index=idx,
+                    summary_index=0,
+                    delta=f"think {tag} {j}. ",
+                )
+            ev(
+                "response.reasoning_summary_text.done",
+                item_id=rs["id"],
+                output_index=idx,
+                summary_index=0,
+                text="...",
+            )
+            ev(
+                "response.reasoning_summary_part.done",
+                item_id=rs["id"],
+                output_index=idx,
+                summary_index=0,
+                part={"type": "summary_text", "text": "..."},
+            )
+        ev(
+            "response.output_item.done",
+            output_index=idx,
+            item={**rs, "encrypted_content": "gAAAA" + tag},
+        )
         idx += 1
     if shape.text:
-        msg = {"id": f"msg_{tag}", "type": "message", "status": "in_progress", "content": [],
-               "role": "assistant"}
+        msg = {
+            "id": f"msg_{tag}",
+            "type": "message",
+            "status": "in_progress",
+            "content": [],
+            "role": "assistant",
+        }
         ev("response.output_item.added", output_index=idx, item=msg)
-        ev("response.content_part.added", item_id=msg["id"], output_index=idx, content_index=0,
-           part={"type": "output_text", "annotations": [], "text": ""})
+        ev(
+            "response.content_part.added",
+            item_id=msg["id"],
+            output_index=idx,
+            content_index=0,
+            part={"type": "output_text", "annotations": [], "text": ""},
+        )
         for j in range(shape.text):
-            ev("response.output_text.delta", item_id=msg["id"], output_index=idx,
-               content_index=0, delta=f"text {tag} {j}. ", logprobs=[])
-        ev("response.output_text.done", item_id=msg["id"], output_index=idx, content_index=0,
-           text="...", logprobs=[])
-        ev("response.content_part.done", item_id=msg["id"], output_index=idx, content_index=0,
-           part={"type": "output_text", "annotations": [], "text": "..."})
+            ev(
+                "response.output_text.delta",
+                item_id=msg["id"],
+                output_index=idx,
+                content_index=0,
+                delta=f"text {tag} {j}. ",
+                logprobs=[],
+            )
+        ev(
+            "response.output_text.done",
+            item_id=msg["id"],
+            output_index=idx,
+            content_index=0,
+            text="...",
+            logprobs=[],
+        )
+        ev(
+            "response.content_part.done",
+            item_id=msg["id"],
+            output_index=idx,
+            content_index=0,
+            part={"type": "output_text", "annotations": [], "text": "..."},
+        )
         ev("response.output_item.done", output_index=idx, item={**msg, "status": "completed"})
         idx += 1
     for i, pieces in enumerate(shape.tools):
         fc_id = f"fc_{tag}_{i}"
         args = tool_args(fc_id)
-        item = {"id": fc_id, "type": "function_call", "status": "in_progress", "arguments": "",
-                "call_id": f"call_{tag}_{i}", "name": "bash"}
+        item = {
+            "id": fc_id,
+            "type": "function_call",
+            "status": "in_progress",
+            "arguments": "",
+            "call_id": f"call_{tag}_{i}",
+            "name": "bash",
+        }
         ev("response.output_item.added", output_index=idx, item=item)
         for p in split_pieces(args, pieces):
-            ev("response.function_call_arguments.delta", item_id=fc_id, output_index=idx,
-               delta=p)
-        ev("response.function_call_arguments.done", item_id=fc_id, output_index=idx,
-           arguments=args)
-        ev("response.output_item.done", output_index=idx,
-           item={**item, "status": "completed", "arguments": args})
+            ev("response.function_call_arguments.delta", item_id=fc_id, output_index=idx, delta=p)
+        ev("response.function_call_arguments.done", item_id=fc_id, output_index=idx, arguments=args)
+        ev(
+            "response.output_item.done",
+            output_index=idx,
+            item={**item, "status": "completed", "arguments": args},
+        )
         idx += 1
     ev("response.completed", response=resp("completed"))
     return frames
@@ -172,42 +268,75 @@ def anthropic_frames(tag: str, shape: Shape) -> list[bytes]:
     def ev(name: str, **fields: Any) -> None:
         frames.append(sse(name, {"type": name, **fields}))
 
-    ev("message_start", message={"id": f"msg_{tag}", "type": "message", "role": "assistant",
-                                 "model": "claude-sonnet-4-5", "content": [],
-                                 "stop_reason": None, "stop_sequence": None,
-                                 "usage": {"input_tokens": 10, "output_tokens": 1}})
+    ev(
+        "message_start",
+        message={
+            "id": f"msg_{tag}",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-sonnet-4-5",
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 10, "output_tokens": 1},
+        },
+    )
     ev("ping")
     index = 0
     if shape.reasoning:
-        ev("content_block_start", index=index,
-           content_block={"type": "thinking", "thinking": "", "signature": ""})
+        ev(
+            "content_block_start",
+            index=index,
+            content_block={"type": "thinking", "thinking": "", "signature": ""},
+        )
         for j in range(shape.reasoning):
-            ev("content_block_delta", index=index,
-               delta={"type": "thinking_delta", "thinking": f"think {tag} {j}. "})
-        ev("content_block_delta", index=index,
-           delta={"type": "signature_delta", "signature": "Eq" + tag})
+            ev(
+                "content_block_delta",
+                index=index,
+                delta={"type": "thinking_delta", "thinking": f"think {tag} {j}. "},
+            )
+        ev(
+            "content_block_delta",
+            index=index,
+            delta={"type": "signature_delta", "signature": "Eq" + tag},
+        )
         ev("content_block_stop", index=index)
         index += 1
     if shape.text:
         ev("content_block_start", index=index, content_block={"type": "text", "text": ""})
         for j in range(shape.text):
-            ev("content_block_delta", index=index,
-               delta={"type": "text_delta", "text": f"text {tag} {j}. "})
+            ev(
+                "content_block_delta",
+                index=index,
+                delta={"type": "text_delta", "text": f"text {tag} {j}. "},
+            )
         ev("content_block_stop", index=index)
         index += 1
     for i, pieces in enumerate(shape.tools):
         tid = f"toolu_{tag}_{i}"
-        ev("content_block_start", index=index,
-           content_block={"type": "tool_use", "id": tid, "name": "bash", "input": {}})
-        ev("content_block_delta", index=index,
-           delta={"type": "input_json_delta", "partial_json": ""})
+        ev(
+            "content_block_start",
+            index=index,
+            content_block={"type": "tool_use", "id": tid, "name": "bash", "input": {}},
+        )
+        ev(
+            "content_block_delta",
+            index=index,
+            delta={"type": "input_json_delta", "partial_json": ""},
+        )
         for p in split_pieces(tool_args(tid), pieces):
-            ev("content_block_delta", index=index,
-               delta={"type": "input_json_delta", "partial_json": p})
+            ev(
+                "content_block_delta",
+                index=index,
+                delta={"type": "input_json_delta", "partial_json": p},
+            )
         ev("content_block_stop", index=index)
         index += 1
-    ev("message_delta", delta={"stop_reason": "tool_use" if shape.tools else "end_turn",
-                               "stop_sequence": None}, usage={"output_tokens": 20})
+    ev(
+        "message_delta",
+        delta={"stop_reason": "tool_use" if shape.tools else "end_turn", "stop_sequence": None},
+        usage={"output_tokens": 20},
+    )
     ev("message_stop")
     return frames
 
@@ -219,35 +348,78 @@ BUILDERS: dict[str, Callable[[str, Shape], list[bytes]]] = {
 }
 
 RETRYABLE_ERROR = {
-    "chat": sse(None, {"error": {"message": "The server had an error while processing your "
-                                            "request.", "type": "server_error", "param": None,
-                                 "code": None}}),
-    "responses": sse("response.failed", {
-        "type": "response.failed", "sequence_number": 99,
-        "response": {"id": "resp_x", "object": "response", "status": "failed",
-                     "error": {"code": "server_error", "message": "An error occurred"},
-                     "output": []}}),
-    "anthropic": sse("error", {"type": "error",
-                               "error": {"type": "overloaded_error", "message": "Overloaded"}}),
+    "chat": sse(
+        None,
+        {
+            "error": {
+                "message": "The server had an error while processing your request.",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }
+        },
+    ),
+    "responses": sse(
+        "response.failed",
+        {
+            "type": "response.failed",
+            "sequence_number": 99,
+            "response": {
+                "id": "resp_x",
+                "object": "response",
+                "status": "failed",
+                "error": {"code": "server_error", "message": "An error occurred"},
+                "output": [],
+            },
+        },
+    ),
+    "anthropic": sse(
+        "error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+    ),
 }
 FATAL_ERROR = {
-    "chat": sse(None, {"error": {"message": "This model's maximum context length is 128000 "
-                                            "tokens.", "type": "invalid_request_error",
-                                 "param": "messages", "code": "context_length_exceeded"}}),
-    "responses": sse("response.incomplete", {
-        "type": "response.incomplete", "sequence_number": 99,
-        "response": {"id": "resp_x", "object": "response", "status": "incomplete",
-                     "incomplete_details": {"reason": "max_output_tokens"}, "output": []}}),
-    "anthropic": sse("error", {"type": "error", "error": {
-        "type": "invalid_request_error",
-        "message": "prompt is too long: 250000 tokens > 200000 maximum"}}),
+    "chat": sse(
+        None,
+        {
+            "error": {
+                "message": "This model's maximum context length is 128000 tokens.",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "context_length_exceeded",
+            }
+        },
+    ),
+    "responses": sse(
+        "response.incomplete",
+        {
+            "type": "response.incomplete",
+            "sequence_number": 99,
+            "response": {
+                "id": "resp_x",
+                "object": "response",
+                "status": "incomplete",
+                "incomplete_details": {"reason": "max_output_tokens"},
+                "output": [],
+            },
+        },
+    ),
+    "anthropic": sse(
+        "error",
+        {
+            "type": "error",
+            "error": {
+                "type": "invalid_request_error",
+                "message": "prompt is too long: 250000 tokens > 200000 maximum",
+            },
+        },
+    ),
 }
 MALFORMED = {
     "chat": b'data: {"choices":[{"index":0,"delta":{"content":"tru\n\n',
     "responses": b"event: response.output_text.delta\n"
-                 b'data: {"type":"response.output_text.delta","delta":"x"\n\n',
+    b'data: {"type":"response.output_text.delta","delta":"x"\n\n',
     "anthropic": b"event: content_block_delta\n"
-                 b'data: {"type":"content_block_delta","index":0,"delta":{"type":"text_de\n\n',
+    b'data: {"type":"content_block_delta","index":0,"delta":{"type":"text_de\n\n',
 }
 
 
@@ -772,8 +944,9 @@ def test_responses_reasoning_item_does_not_commit(hold: tuple[str, ...], reasoni
 
     Then a cut inside the following function call was FAIL instead of REPLAY.
     """
-    frames = responses_frames("A0Z", Shape(reasoning=reasoning, text=0, tools=(3,)),
-                              reasoning_item=True)
+    frames = responses_frames(
+        "A0Z", Shape(reasoning=reasoning, text=0, tools=(3,)), reasoning_item=True
+    )
     kinds = kinds_of(RESPONSES, frames)
     cut_at = first_index(kinds, Kind.TOOL_DELTA) + 1
     ledger = Ledger(RESPONSES, hold=Hold(hold))
@@ -842,8 +1015,11 @@ def test_non_retryable_error_after_commit_passes_through_without_partial_call(
 
 @pytest.mark.parametrize(
     ("proto", "hold"),
-    [("responses", ("control", "tool_calls")), ("anthropic", ("control", "tool_calls")),
-     ("chat", ("all",))],
+    [
+        ("responses", ("control", "tool_calls")),
+        ("anthropic", ("control", "tool_calls")),
+        ("chat", ("all",)),
+    ],
 )
 def test_non_retryable_error_keeps_held_frames_before_partial_call(
     proto: str, hold: tuple[str, ...]
@@ -879,12 +1055,35 @@ def test_non_retryable_error_keeps_a_complete_held_call_and_drops_the_partial_on
 def test_non_retryable_error_after_a_chunk_starting_two_calls(hold: tuple[str, ...]) -> None:
     text = 1 if hold == ("all",) else 0
     frames = chat_frames("A0Z", Shape(text=text))[: 1 + text]  # role (+ text)
-    both = sse(None, {"id": "chatcmpl-A0Z", "object": "chat.completion.chunk",
-                      "choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
-                          {"index": 0, "id": "call_a", "type": "function",
-                           "function": {"name": "bash", "arguments": ""}},
-                          {"index": 1, "id": "call_b", "type": "function",
-                           "function": {"name": "bash", "arguments": ""}}]}}]})
+    both = sse(
+        None,
+        {
+            "id": "chatcmpl-A0Z",
+            "object": "chat.completion.chunk",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": None,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_a",
+                                "type": "function",
+                                "function": {"name": "bash", "arguments": ""},
+                            },
+                            {
+                                "index": 1,
+                                "id": "call_b",
+                                "type": "function",
+                                "function": {"name": "bash", "arguments": ""},
+                            },
+                        ]
+                    },
+                }
+            ],
+        },
+    )
     ledger = Ledger(CHAT, hold=Hold(hold))
     assert b"".join(feed_all(ledger, [*frames, both])) == b""
     assert ledger.open_tools == 2
@@ -907,8 +1106,9 @@ def test_unknown_frame_commits_with_held_control() -> None:
     frames = responses_frames("A0Z", Shape(text=1))
     ledger = Ledger(RESPONSES)
     feed_all(ledger, frames[:2])
-    unknown = sse("response.brand_new_event", {"type": "response.brand_new_event",
-                                               "sequence_number": 2})
+    unknown = sse(
+        "response.brand_new_event", {"type": "response.brand_new_event", "sequence_number": 2}
+    )
     assert ledger.feed_bytes(to_event(unknown)) == frames[0] + frames[1] + unknown
     assert ledger.state is State.COMMITTED
 
@@ -1043,12 +1243,14 @@ def drive(proto: str, hold: tuple[str, ...], attempts: list[Attempt]) -> tuple[L
         elif att.fault == "reset":
             out += ledger.failed("connection reset")
         elif att.fault == "cut":
-            leftover = att.frames[stop][: len(att.frames[stop]) // 2] if stop < len(
-                att.frames) else b""
+            leftover = (
+                att.frames[stop][: len(att.frames[stop]) // 2] if stop < len(att.frames) else b""
+            )
             out += ledger.ended(leftover)
         else:
-            frame = {"retryable": RETRYABLE_ERROR, "malformed": MALFORMED,
-                     "fatal": FATAL_ERROR}[att.fault][proto]
+            frame = {"retryable": RETRYABLE_ERROR, "malformed": MALFORMED, "fatal": FATAL_ERROR}[
+                att.fault
+            ][proto]
             att.received.append(frame)
             out += ledger.feed_bytes(to_event(frame))
             if ledger.verdict in (Verdict.CONTINUE, Verdict.DONE):
@@ -1106,8 +1308,11 @@ def check_invariants(proto: str, hold: tuple[str, ...], attempts: list[Attempt])
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
 def test_property_fault_schedules(proto: str) -> None:
-    @settings(max_examples=250, deadline=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=250,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(scenario=scenarios(proto))
     def run(scenario: tuple[tuple[str, ...], list[Attempt]]) -> None:
         hold, attempts = scenario

@@ -40,8 +40,11 @@ CONNECT_LEVEL = {
 FIXED_250 = RetryPolicy(backoff="fixed", delay_ms=250)
 
 
-def fail(cls: FailureClass = FailureClass.RESET, retry_after: float | None = None,
-         status: int | None = None) -> Failure:
+def fail(
+    cls: FailureClass = FailureClass.RESET,
+    retry_after: float | None = None,
+    status: int | None = None,
+) -> Failure:
     return Failure(cls, "test", status=status, retry_after_s=retry_after)
 
 
@@ -143,9 +146,7 @@ def test_connection_failure_with_one_upstream_waits(cls: FailureClass) -> None:
     assert state.record_failure(fail(cls), 0.0) == 0.25
 
 
-@pytest.mark.parametrize(
-    "cls", sorted(set(FailureClass) - CONNECT_LEVEL, key=lambda c: c.value)
-)
+@pytest.mark.parametrize("cls", sorted(set(FailureClass) - CONNECT_LEVEL, key=lambda c: c.value))
 def test_other_failures_wait_even_with_another_upstream(cls: FailureClass) -> None:
     state = RetryState(FIXED_250, n_upstreams=2, rng=random.Random(0))
     state.next_upstream(0.0)
@@ -216,8 +217,12 @@ def test_all_upstreams_cooling_waits_for_the_soonest() -> None:
 
 
 def test_next_upstream_when_everyone_cools_picks_the_soonest_free() -> None:
-    state = RetryState(RetryPolicy(), n_upstreams=3, rng=random.Random(0),
-                       cooloff_until={0: 50.0, 1: 20.0, 2: 30.0})
+    state = RetryState(
+        RetryPolicy(),
+        n_upstreams=3,
+        rng=random.Random(0),
+        cooloff_until={0: 50.0, 1: 20.0, 2: 30.0},
+    )
     assert state.next_upstream(0.0) == 1
     assert state.attempts == 1
 
@@ -323,22 +328,29 @@ def test_retry_statuses_include_the_usual_suspects() -> None:
 
 EXCEPTION_FACTORIES: dict[type[BaseException], object] = {
     aiohttp.ClientConnectorDNSError: lambda: aiohttp.ClientConnectorDNSError(
-        KEY, OSError(socket.EAI_NONAME, "Name or service not known")),
+        KEY, OSError(socket.EAI_NONAME, "Name or service not known")
+    ),
     aiohttp.ClientConnectorCertificateError: lambda: aiohttp.ClientConnectorCertificateError(
-        KEY, ssl.SSLCertVerificationError(1, "certificate verify failed")),
+        KEY, ssl.SSLCertVerificationError(1, "certificate verify failed")
+    ),
     aiohttp.ClientConnectorSSLError: lambda: aiohttp.ClientConnectorSSLError(
-        KEY, ssl.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number")),
+        KEY, ssl.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number")
+    ),
     aiohttp.ClientSSLError: lambda: aiohttp.ClientSSLError(KEY, ssl.SSLError(1, "bad")),
     ssl.SSLError: lambda: ssl.SSLError(1, "[SSL: DECRYPTION_FAILED_OR_BAD_RECORD_MAC]"),
     aiohttp.ConnectionTimeoutError: lambda: aiohttp.ConnectionTimeoutError(
-        "Connection timeout to host https://api.example.com"),
+        "Connection timeout to host https://api.example.com"
+    ),
     aiohttp.SocketTimeoutError: lambda: aiohttp.SocketTimeoutError(
-        "Timeout on reading data from socket"),
+        "Timeout on reading data from socket"
+    ),
     aiohttp.ServerDisconnectedError: lambda: aiohttp.ServerDisconnectedError(),
     aiohttp.ClientPayloadError: lambda: aiohttp.ClientPayloadError(
-        "400, message: Can not decode content-encoding: br"),
+        "400, message: Can not decode content-encoding: br"
+    ),
     aiohttp.ClientConnectionResetError: lambda: aiohttp.ClientConnectionResetError(
-        "Cannot write to closing transport"),
+        "Cannot write to closing transport"
+    ),
     ConnectionRefusedError: lambda: ConnectionRefusedError(),
     ConnectionResetError: lambda: ConnectionResetError(),
     ConnectionAbortedError: lambda: ConnectionAbortedError(),
@@ -365,7 +377,8 @@ def test_classify_every_exception_class(etype: type[BaseException], cls: Failure
 
 
 @pytest.mark.parametrize(
-    ("code", "cls"), sorted(ERRNO_CLASSES.items()),
+    ("code", "cls"),
+    sorted(ERRNO_CLASSES.items()),
     ids=[errno.errorcode[c] for c in sorted(ERRNO_CLASSES)],
 )
 def test_classify_every_errno(code: int, cls: FailureClass) -> None:
@@ -392,19 +405,25 @@ def test_classify_every_errno(code: int, cls: FailureClass) -> None:
     [
         (ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), FailureClass.REFUSED),
         (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), FailureClass.RESET),
-        (aiohttp.ClientConnectorError(
-            KEY, ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed")),
-         FailureClass.REFUSED),
-        (aiohttp.ClientOSError(errno.ECONNRESET, "Connection reset by peer"),
-         FailureClass.RESET),
-        (aiohttp.ClientConnectorDNSError(KEY, OSError(socket.EAI_AGAIN, "Temporary failure")),
-         FailureClass.DNS),
+        (
+            aiohttp.ClientConnectorError(
+                KEY, ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed")
+            ),
+            FailureClass.REFUSED,
+        ),
+        (aiohttp.ClientOSError(errno.ECONNRESET, "Connection reset by peer"), FailureClass.RESET),
+        (
+            aiohttp.ClientConnectorDNSError(KEY, OSError(socket.EAI_AGAIN, "Temporary failure")),
+            FailureClass.DNS,
+        ),
         (ssl.SSLEOFError(8, "EOF occurred in violation of protocol"), FailureClass.TLS),
         (ssl.SSLCertVerificationError(1, "certificate verify failed"), FailureClass.TLS),
         (aiohttp.ServerTimeoutError("timeout"), FailureClass.HEADER_TIMEOUT),
         # the connection closed before the body's end: the server went away mid-body
-        (aiohttp.ClientPayloadError("Response payload is not completed"),
-         FailureClass.DISCONNECTED),
+        (
+            aiohttp.ClientPayloadError("Response payload is not completed"),
+            FailureClass.DISCONNECTED,
+        ),
         (aiohttp.ServerDisconnectedError("Server disconnected"), FailureClass.DISCONNECTED),
         (OSError(errno.EINVAL, "Invalid argument"), FailureClass.OTHER),
         (OSError("no errno"), FailureClass.OTHER),

@@ -192,4 +192,3 @@ def test_absurd_retry_after_is_clamped_and_a_negative_one_ignored() -> None:
     assert h.retry_after_s is None and "in the past" in h.problems[0]
     h = parse_rate_headers({"retry-after-ms": "lots"}, now_wall=NOW)
     assert h.retry_after_s is None and "retry-after-ms" in h.problems[0]
-

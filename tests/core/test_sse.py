@@ -271,7 +271,7 @@ REALISTIC_LF = (
     b'"h\xc3\xa9llo \xe2\x9c\x93 \xf0\x9f\x98\x80"}}]}\n\n'
     b"event: content_block_delta\n"
     b'data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"x"}}\n\n'
-    b"event: ping\nid: 7\nretry: 3000\ndata: {\"type\": \"ping\"}\n\n"
+    b'event: ping\nid: 7\nretry: 3000\ndata: {"type": "ping"}\n\n'
     b"data: line one\ndata:line two\ndata\ndata: \n\n"
     b"event: empty\ndata:\n\n"
     b"event:\n\n"
@@ -392,9 +392,7 @@ def test_lf_stream_after_a_crlf_chunk() -> None:
     assert [e.data for e in first] == ["a"]
     second = splitter.feed(b"\ndata: c\n\n")
     assert [e.data for e in second] == ["b", "c"]
-    assert b"".join(e.raw for e in [*first, *second]) == (
-        b"data: a\r\n\r\ndata: b\n\ndata: c\n\n"
-    )
+    assert b"".join(e.raw for e in [*first, *second]) == (b"data: a\r\n\r\ndata: b\n\ndata: c\n\n")
 
 
 # ---------------------------------------------------------------------------
@@ -418,7 +416,7 @@ def test_lf_stream_after_a_crlf_chunk() -> None:
         (b"Data: nope\n\n", None, None),  # field names are case-sensitive
         (b" data: nope\n\n", None, None),
         (b"data: \xe2\x82\xac\n\n", None, "€"),
-        (b"data: {\"a\": \"\\u00e9\"}\n\n", None, '{"a": "\\u00e9"}'),
+        (b'data: {"a": "\\u00e9"}\n\n', None, '{"a": "\\u00e9"}'),
     ],
 )
 def test_field_parsing(block: bytes, name: str | None, data: str | None) -> None:
@@ -479,8 +477,14 @@ def test_many_events_in_one_chunk_keep_order() -> None:
 
 @pytest.mark.parametrize(
     "stream",
-    [b"data: a\n\n\n", b"data: a\n\n\n\n\n", b"data: a\r\n\r\n\r\n", b"data: a\r\n\r\n\n",
-     b"\n", b"\n\n\n"],
+    [
+        b"data: a\n\n\n",
+        b"data: a\n\n\n\n\n",
+        b"data: a\r\n\r\n\r\n",
+        b"data: a\r\n\r\n\n",
+        b"\n",
+        b"\n\n\n",
+    ],
 )
 def test_trailing_blank_lines_are_not_an_unterminated_event(stream: bytes) -> None:
     """Regression: the LF fast path left trailing blank lines in ``pending``.
@@ -492,9 +496,7 @@ def test_trailing_blank_lines_are_not_an_unterminated_event(stream: bytes) -> No
         events, splitter = feed_chunks([stream[:i], stream[i:]])
         assert splitter.pending == b""
         assert b"".join(e.raw for e in events) == stream
-        assert [e.data for e in events if significant(e.raw)] == (
-            ["a"] if b"a" in stream else []
-        )
+        assert [e.data for e in events if significant(e.raw)] == (["a"] if b"a" in stream else [])
 
 
 # ---------------------------------------------------------------------------

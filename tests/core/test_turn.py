@@ -302,8 +302,9 @@ def test_min_interval_bounds_every_deadline_an_event_sets() -> None:
     # The watchdog's rule (relay.http.Watchdog): armed no later than min_interval from
     # now, it is never late for a deadline a later event sets, because each deadline
     # counts from the event that sets it.
-    m, _ = make(early_headers_s=20.0, keepalive_s=15.0, idle_timeout_s=8.0,
-                first_frame_timeout_s=10.0)
+    m, _ = make(
+        early_headers_s=20.0, keepalive_s=15.0, idle_timeout_s=8.0, first_frame_timeout_s=10.0
+    )
     assert m.min_interval == 8.0
     assert isinstance(m.start(0.0), Open)
     assert m.deadline() == 20.0  # from the start

@@ -27,11 +27,25 @@ if TYPE_CHECKING:
     import pytest
 
 #: environment variables of the test process that must not reach an agent
-_DROP = ("OPENAI_BASE_URL", "OPENAI_API_BASE", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY",
-         "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CODEX_HOME", "UNBROKEN_CONFIG",
-         "GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GEMINI_BASE_URL", "GOOGLE_VERTEX_BASE_URL",
-         "GOOGLE_GENAI_USE_VERTEXAI", "GOOGLE_GENAI_USE_GCA", "GEMINI_CLI_HOME",
-         "GEMINI_CLI_SYSTEM_DEFAULTS_PATH", "GEMINI_CLI_SYSTEM_SETTINGS_PATH")
+_DROP = (
+    "OPENAI_BASE_URL",
+    "OPENAI_API_BASE",
+    "ANTHROPIC_BASE_URL",
+    "OPENAI_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_AUTH_TOKEN",
+    "CODEX_HOME",
+    "UNBROKEN_CONFIG",
+    "GEMINI_API_KEY",
+    "GOOGLE_API_KEY",
+    "GOOGLE_GEMINI_BASE_URL",
+    "GOOGLE_VERTEX_BASE_URL",
+    "GOOGLE_GENAI_USE_VERTEXAI",
+    "GOOGLE_GENAI_USE_GCA",
+    "GEMINI_CLI_HOME",
+    "GEMINI_CLI_SYSTEM_DEFAULTS_PATH",
+    "GEMINI_CLI_SYSTEM_SETTINGS_PATH",
+)
 #: prefixes of variables that would change the relay's settings (``UNBROKEN_RETRY_*``
 #: and their ``OPENCODE_RETRY_*`` aliases): the relay runs with the defaults a user gets
 _DROP_PREFIXES = ("UNBROKEN_", "OPENCODE_RETRY_")
@@ -58,8 +72,9 @@ class Result:
 
 
 def base_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _DROP and not k.startswith(_DROP_PREFIXES)}
+    env = {
+        k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith(_DROP_PREFIXES)
+    }
     env["HOME"] = str(home)
     env["XDG_CONFIG_HOME"] = str(home / ".config")
     env["XDG_STATE_HOME"] = str(home / ".state")
@@ -104,8 +119,12 @@ async def run(
 ) -> Result:
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *argv, env=dict(env), cwd=str(cwd), stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        *argv,
+        env=dict(env),
+        cwd=str(cwd),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
     )
     try:
@@ -118,8 +137,13 @@ async def run(
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             await proc.wait()
-    return Result(proc.returncode, out.decode("utf-8", "replace"),
-                  err.decode("utf-8", "replace"), time.monotonic() - t0, t0)
+    return Result(
+        proc.returncode,
+        out.decode("utf-8", "replace"),
+        err.decode("utf-8", "replace"),
+        time.monotonic() - t0,
+        t0,
+    )
 
 
 def timeline(result: Result, requests: Sequence[Any]) -> str:
@@ -143,8 +167,12 @@ def codex_home(root: Path, mock_url: str, **provider: Any) -> dict[str, str]:
     codex = root / "codex"
     for d in (home, codex, root / "project"):
         d.mkdir(parents=True, exist_ok=True)
-    knobs = {"request_max_retries": 1, "stream_max_retries": 1,
-             "stream_idle_timeout_ms": 20000, **provider}
+    knobs = {
+        "request_max_retries": 1,
+        "stream_max_retries": 1,
+        "stream_idle_timeout_ms": 20000,
+        **provider,
+    }
     lines = [
         'model = "fake-model"',
         'model_provider = "fake"',
@@ -166,18 +194,30 @@ def codex_home(root: Path, mock_url: str, **provider: Any) -> dict[str, str]:
 
 
 def codex_argv(root: Path, prompt: str) -> list[str]:
-    return [str(codex_bin()), "exec", "--json", "--skip-git-repo-check", "--ephemeral",
-            "-C", str(root / "project"), prompt]
+    return [
+        str(codex_bin()),
+        "exec",
+        "--json",
+        "--skip-git-repo-check",
+        "--ephemeral",
+        "-C",
+        str(root / "project"),
+        prompt,
+    ]
 
 
 def reconnects(result: Result) -> list[str]:
-    return [e["message"] for e in result.events()
-            if e.get("type") == "error" and "Reconnecting" in str(e.get("message"))]
+    return [
+        e["message"]
+        for e in result.events()
+        if e.get("type") == "error" and "Reconnecting" in str(e.get("message"))
+    ]
 
 
 def agent_text(result: Result) -> str:
     return "".join(
-        e["item"].get("text", "") for e in result.events()
+        e["item"].get("text", "")
+        for e in result.events()
         if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"
     )
 
@@ -192,26 +232,41 @@ def claude_env(root: Path, base_url: str, **extra: str) -> dict[str, str]:
     for d in (home, root / "project"):
         d.mkdir(parents=True, exist_ok=True)
     env = base_env(home)
-    env.update({
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": "sk-ant-fake",
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-        "DISABLE_BUG_COMMAND": "1",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-    })
-    for var in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
-                "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_SMALL_FAST_MODEL",
-                "ANTHROPIC_DEFAULT_HAIKU_MODEL"):
+    env.update(
+        {
+            "ANTHROPIC_BASE_URL": base_url,
+            "ANTHROPIC_API_KEY": "sk-ant-fake",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "DISABLE_BUG_COMMAND": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        }
+    )
+    for var in (
+        "ANTHROPIC_MODEL",
+        "ANTHROPIC_DEFAULT_SONNET_MODEL",
+        "ANTHROPIC_DEFAULT_OPUS_MODEL",
+        "ANTHROPIC_SMALL_FAST_MODEL",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+    ):
         env[var] = "fake-model"
     env.update(extra)
     return env
 
 
 def claude_argv(prompt: str) -> list[str]:
-    return [str(claude_bin()), "-p", prompt, "--output-format", "stream-json", "--verbose",
-            "--allowedTools", "Bash", "--no-session-persistence"]
+    return [
+        str(claude_bin()),
+        "-p",
+        prompt,
+        "--output-format",
+        "stream-json",
+        "--verbose",
+        "--allowedTools",
+        "Bash",
+        "--no-session-persistence",
+    ]
 
 
 def claude_result(result: Result) -> dict[str, Any]:
@@ -243,18 +298,20 @@ def gemini_env(root: Path, base_url: str, **extra: str) -> dict[str, str]:
     }
     (home / ".gemini" / "settings.json").write_text(json.dumps(settings))
     env = base_env(home)
-    env.update({
-        "GEMINI_API_KEY": "AIza-fake-key-for-tests",
-        "GOOGLE_GEMINI_BASE_URL": base_url,
-        "GEMINI_CLI_HOME": str(home),
-        "TMPDIR": str(root / "tmp"),
-        "GEMINI_TELEMETRY_ENABLED": "false",
-        "GEMINI_CLI_TRUST_WORKSPACE": "true",
-        "NO_COLOR": "1",
-        # no system defaults or settings of this machine's
-        "GEMINI_CLI_SYSTEM_DEFAULTS_PATH": str(root / "no-system-defaults.json"),
-        "GEMINI_CLI_SYSTEM_SETTINGS_PATH": str(root / "no-system-settings.json"),
-    })
+    env.update(
+        {
+            "GEMINI_API_KEY": "AIza-fake-key-for-tests",
+            "GOOGLE_GEMINI_BASE_URL": base_url,
+            "GEMINI_CLI_HOME": str(home),
+            "TMPDIR": str(root / "tmp"),
+            "GEMINI_TELEMETRY_ENABLED": "false",
+            "GEMINI_CLI_TRUST_WORKSPACE": "true",
+            "NO_COLOR": "1",
+            # no system defaults or settings of this machine's
+            "GEMINI_CLI_SYSTEM_DEFAULTS_PATH": str(root / "no-system-defaults.json"),
+            "GEMINI_CLI_SYSTEM_SETTINGS_PATH": str(root / "no-system-settings.json"),
+        }
+    )
     env.update(extra)
     return env
 

@@ -145,13 +145,25 @@ def ensure_npm_cli(
         home.mkdir()
         say(f"unbroken tests: installing {spec} with npm into {home} (once per machine)")
         argv = [
-            npm, "install", "--prefix", str(home), "--no-save", "--no-package-lock",
-            "--no-audit", "--no-fund", "--loglevel=error", spec,
+            npm,
+            "install",
+            "--prefix",
+            str(home),
+            "--no-save",
+            "--no-package-lock",
+            "--no-audit",
+            "--no-fund",
+            "--loglevel=error",
+            spec,
         ]
         try:
             done = subprocess.run(
-                argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                timeout=timeout_s, check=False,
+                argv,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
             )
         except subprocess.TimeoutExpired:
             shutil.rmtree(home, ignore_errors=True)
@@ -183,8 +195,12 @@ def _installed(home: Path, exe: Path, spec: str) -> bool:
 def _registry(npm: str) -> str:
     try:
         done = subprocess.run(
-            [npm, "config", "get", "registry"], stdin=subprocess.DEVNULL,
-            capture_output=True, text=True, timeout=30, check=False,
+            [npm, "config", "get", "registry"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return "the configured registry"

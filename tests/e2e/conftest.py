@@ -117,13 +117,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         override = os.environ.get(cli.override_env)
         if override:
             path = Path(override)
-            INSTALLED[name] = path if path.exists() else CliUnavailable(
-                f"{cli.override_env}={override}: no such file"
+            INSTALLED[name] = (
+                path
+                if path.exists()
+                else CliUnavailable(f"{cli.override_env}={override}: no such file")
             )
             continue
         try:
-            INSTALLED[name] = ensure_npm_cli(cli.package, cli.version, cli.bin, cache=cache,
-                                             say=say)
+            INSTALLED[name] = ensure_npm_cli(
+                cli.package, cli.version, cli.bin, cache=cache, say=say
+            )
         except CliUnavailable as exc:
             INSTALLED[name] = exc
             say(f"unbroken tests: cannot install {cli.spec}; its tests will fail: {exc}")

@@ -94,8 +94,13 @@ class Sandbox:
             OPENCODE_PURE="1",
         )
         for flag in (
-            "AUTOUPDATE", "MODELS_FETCH", "SHARE", "DEFAULT_PLUGINS", "LSP_DOWNLOAD",
-            "CLAUDE_CODE", "EXTERNAL_SKILLS",
+            "AUTOUPDATE",
+            "MODELS_FETCH",
+            "SHARE",
+            "DEFAULT_PLUGINS",
+            "LSP_DOWNLOAD",
+            "CLAUDE_CODE",
+            "EXTERNAL_SKILLS",
         ):
             env[f"OPENCODE_DISABLE_{flag}"] = "1"
         self.env = env
@@ -133,7 +138,14 @@ def opencode(*args: str) -> list[str]:
 def run_args(*prompt: str) -> list[str]:
     """``opencode run`` arguments for one headless turn with the fake model."""
     return [
-        "run", "--print-logs", "--log-level", "WARN", "--title", "e2e", "--model", MODEL,
+        "run",
+        "--print-logs",
+        "--log-level",
+        "WARN",
+        "--title",
+        "e2e",
+        "--model",
+        MODEL,
         *(prompt or ("say", "hi")),
     ]
 
@@ -193,8 +205,12 @@ async def run_to_end(
     finally:
         await _kill_group(proc)
     assert proc.returncode is not None
-    return Finished(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
-                    time.monotonic() - start)
+    return Finished(
+        proc.returncode,
+        out.decode(errors="replace"),
+        err.decode(errors="replace"),
+        time.monotonic() - start,
+    )
 
 
 class Background:
@@ -277,8 +293,9 @@ class OpenCodeClient:
             while True:
                 assert alive(), "the OpenCode process exited before its server came up"
                 try:
-                    async with self.http.get(f"{self.base_url}/global/health",
-                                             timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    async with self.http.get(
+                        f"{self.base_url}/global/health", timeout=aiohttp.ClientTimeout(total=2)
+                    ) as r:
                         if r.status == 200:
                             return
                 except (aiohttp.ClientError, OSError, TimeoutError):
@@ -289,8 +306,9 @@ class OpenCodeClient:
         connected = asyncio.Event()
 
         async def follow() -> None:
-            async with self.http.get(f"{self.base_url}/event",
-                                     timeout=aiohttp.ClientTimeout(total=None)) as r:
+            async with self.http.get(
+                f"{self.base_url}/event", timeout=aiohttp.ClientTimeout(total=None)
+            ) as r:
                 async for raw in r.content:
                     line = raw.decode(errors="replace").strip()
                     if not line.startswith("data:"):
@@ -348,7 +366,8 @@ def turn_requests(mock: MockProvider) -> list[RecordedRequest]:
         except ValueError:
             continue
         system = " ".join(
-            m.get("content", "") for m in messages
+            m.get("content", "")
+            for m in messages
             if m.get("role") == "system" and isinstance(m.get("content"), str)
         )
         if "title generator" in system:

@@ -272,8 +272,7 @@ async def setup_undo() -> dict[str, Any]:
         try:
             path = box.project / "opencode.json"
             original = (
-                "// my project's OpenCode config\n"
-                + _indent_json(fake_provider(mock.url + "/v1"))
+                "// my project's OpenCode config\n" + _indent_json(fake_provider(mock.url + "/v1"))
             ).encode()
             path.write_bytes(original)
             cmd = [sys.executable, "-m", "unbroken", "opencode"]

@@ -49,8 +49,11 @@ ERROR_ENDING = '\n[clients.claude-code]\nafter_commit_end = "error"\n'
 
 
 def _bash(command: str) -> dict[str, Any]:
-    return {"reply": "tool", "tool_name": "Bash",
-            "tool_args": {"command": command, "description": "mark"}}
+    return {
+        "reply": "tool",
+        "tool_name": "Bash",
+        "tool_args": {"command": command, "description": "mark"},
+    }
 
 
 async def test_text_turn_and_its_session_in_the_journal(tmp_path, mock):
@@ -87,8 +90,11 @@ async def test_529_storm_kills_claude_code_alone(tmp_path, mock, capsys):
     alone = await run(claude_argv("say hi"), env, tmp_path / "project")
     assert alone.code != 0
     assert len(mock.requests) == 3
-    report(capsys, f"claude 529 x 100 alone (CLAUDE_CODE_MAX_RETRIES=2): exit {alone.code} "
-           f"after {len(mock.requests)} requests ({alone.seconds:.1f} s)")
+    report(
+        capsys,
+        f"claude 529 x 100 alone (CLAUDE_CODE_MAX_RETRIES=2): exit {alone.code} "
+        f"after {len(mock.requests)} requests ({alone.seconds:.1f} s)",
+    )
 
 
 @pytest.mark.timeout(240)
@@ -107,17 +113,22 @@ async def test_529_storm_absorbed_with_no_unbroken_config(tmp_path, mock, capsys
     assert not retries  # Claude Code never saw a 529
     assert len(mock.requests) == count + 1
     assert all(req.path == "/v1/messages" for req in mock.requests)
-    report(capsys, f"claude 529 x {count} through `unbroken run -- claude` (no config): exit 0, "
-           f"{len(mock.requests)} requests, {r.seconds:.1f} s ({timeline(r, mock.requests)})")
+    report(
+        capsys,
+        f"claude 529 x {count} through `unbroken run -- claude` (no config): exit 0, "
+        f"{len(mock.requests)} requests, {r.seconds:.1f} s ({timeline(r, mock.requests)})",
+    )
 
 
 async def test_reset_mid_input_json_delta_runs_the_tool_once(tmp_path, mock):
     env, cfg = _setup(tmp_path, mock)
     tool = _bash("echo ran >> marker.txt")
     events = events_for("anthropic", tool, {"model": "fake-model", "stream": True})
-    first_json = next(i for i, (_, p) in enumerate(events)
-                      if isinstance(p, dict) and p.get("delta", {}).get("type")
-                      == "input_json_delta")
+    first_json = next(
+        i
+        for i, (_, p) in enumerate(events)
+        if isinstance(p, dict) and p.get("delta", {}).get("type") == "input_json_delta"
+    )
     mock.script([{**tool, "fault": "reset", "after_frame": first_json + 1}] * 3 + [tool])
     r = await run(through_unbroken(cfg, claude_argv("run the tool")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
@@ -130,7 +141,7 @@ TOO_LONG = {
     "status": 400,
     "headers": {"request-id": "req_too_long", "content-type": "application/json"},
     "body": '{"type":"error","error":{"type":"invalid_request_error","message":'
-            '"prompt is too long: 250000 tokens > 200000 maximum"},"request_id":"req_too_long"}',
+    '"prompt is too long: 250000 tokens > 200000 maximum"},"request_id":"req_too_long"}',
 }
 STORM_THEN_400 = [{"status": 529, "headers": {"retry-after-ms": "1500"}}, TOO_LONG, TOO_LONG]
 
@@ -158,8 +169,10 @@ async def test_a_final_400_after_a_long_storm_stays_a_400(tmp_path, mock):
     assert r.code != 0
     assert len(mock.requests) == 3
     assert mock.requests[2].json().get("stream") is not True  # the non-streamed retry
-    print("\nclaude 529 past early_headers_s then a final 400: with the profile 2 requests "
-          "(the 400 as a status); with early headers 3 (re-sent without streaming)")
+    print(
+        "\nclaude 529 past early_headers_s then a final 400: with the profile 2 requests "
+        "(the 400 as a status); with early headers 3 (re-sent without streaming)"
+    )
 
 
 async def test_cut_right_after_a_complete_tool_call(tmp_path, mock):
@@ -181,8 +194,11 @@ async def test_cut_right_after_a_complete_tool_call(tmp_path, mock):
     marker = tmp_path / "project" / "marker.txt"
 
     def synthetic(r: Any) -> list[str]:
-        return [e["message"]["content"][0].get("text", "") for e in r.events()
-                if e.get("type") == "assistant" and e["message"].get("model") == "<synthetic>"]
+        return [
+            e["message"]["content"][0].get("text", "")
+            for e in r.events()
+            if e.get("type") == "assistant" and e["message"].get("model") == "<synthetic>"
+        ]
 
     env, cfg = _setup(tmp_path, mock)
     mock.script([cut, again])
@@ -214,8 +230,11 @@ async def test_cut_right_after_a_complete_tool_call(tmp_path, mock):
     marker.unlink()
     mock.reset()
     mock.script([cut, tool])
-    tail = relay_config(tmp_path / "tail.toml", tmp_path / "journal.sqlite3",
-                        hold=["control", "tool_calls", "tool_tail"])
+    tail = relay_config(
+        tmp_path / "tail.toml",
+        tmp_path / "journal.sqlite3",
+        hold=["control", "tool_calls", "tool_tail"],
+    )
     r = await run(through_unbroken(tail, claude_argv("run the tool")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
     assert marker.read_text() == "A\n"
@@ -251,8 +270,13 @@ CUT_AFTER_TEXT = {"fault": "reset", "after_frame": 6}
 
 def _texts(r: Any) -> list[str]:
     """Every text block of every assistant message Claude Code printed."""
-    return [b["text"] for e in r.events() if e.get("type") == "assistant"
-            for b in e["message"].get("content", []) if b.get("type") == "text"]
+    return [
+        b["text"]
+        for e in r.events()
+        if e.get("type") == "assistant"
+        for b in e["message"].get("content", [])
+        if b.get("type") == "text"
+    ]
 
 
 def _streamed(mock: MockProvider) -> list[bool]:
@@ -292,8 +316,10 @@ async def test_a_cut_after_text_ends_with_a_reset_and_claude_code_streams_again(
     assert _texts(r) == [TEXT]
     assert _streamed(mock) == [True, False]  # re-sent without streaming
     assert not [e for e in r.events() if e.get("subtype") == "api_retry"]
-    print(f"\nclaude, a cut after text: reset -> 2 requests (streamed, streamed), "
-          f"{reset_s:.1f} s; error event -> 2 requests (streamed, non-streamed), {r.seconds:.1f} s")
+    print(
+        f"\nclaude, a cut after text: reset -> 2 requests (streamed, streamed), "
+        f"{reset_s:.1f} s; error event -> 2 requests (streamed, non-streamed), {r.seconds:.1f} s"
+    )
 
 
 async def test_after_a_cut_a_long_answer_arrives_only_streamed(tmp_path, mock):
@@ -322,6 +348,8 @@ async def test_after_a_cut_a_long_answer_arrives_only_streamed(tmp_path, mock):
     assert result.get("is_error") and "timed out" in str(result.get("result")), r.stdout[-2000:]
     streamed = _streamed(mock)
     assert streamed[0] and not any(streamed[1:]) and len(streamed) >= 3
-    print(f"\nclaude, a cut after text, then a 9 s answer (API_TIMEOUT_MS=5000): reset -> "
-          f"completes streamed in {reset_s:.1f} s; error event -> {len(streamed) - 1} "
-          f"non-streamed re-sends time out, exit {r.code} after {r.seconds:.1f} s")
+    print(
+        f"\nclaude, a cut after text, then a 9 s answer (API_TIMEOUT_MS=5000): reset -> "
+        f"completes streamed in {reset_s:.1f} s; error event -> {len(streamed) - 1} "
+        f"non-streamed re-sends time out, exit {r.code} after {r.seconds:.1f} s"
+    )

@@ -14,7 +14,7 @@ import pytest
 from clis import CACHE_ENV, CliUnavailable, cache_root, ensure_npm_cli
 
 #: Writes the package's bin like npm would (``--prefix DIR ... pkg@ver``), or fails.
-FAKE_NPM = r'''#!{python}
+FAKE_NPM = r"""#!{python}
 import os, sys
 args = sys.argv[1:]
 if args[:2] == ["config", "get"]:
@@ -35,7 +35,7 @@ path = os.path.join(bin_dir, os.environ.get("FAKE_NPM_BIN", name))
 with open(path, "w") as f:
     f.write("#!/bin/sh\necho " + spec + "\n")
 os.chmod(path, 0o755)
-'''
+"""
 
 
 @pytest.fixture

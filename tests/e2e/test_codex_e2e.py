@@ -51,8 +51,7 @@ def _tool(cmd: str) -> dict[str, Any]:
 
 async def test_text_turn(tmp_path, mock):
     env, cfg = _setup(tmp_path, mock)
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
-                  tmp_path / "project")
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
     assert agent_text(r).startswith(TEXT)
     assert not reconnects(r)
@@ -70,8 +69,9 @@ async def test_text_turn(tmp_path, mock):
 async def test_tool_turn_runs_once(tmp_path, mock):
     env, cfg = _setup(tmp_path, mock)
     mock.script([_tool("echo ran >> marker.txt")])
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "run the tool")), env,
-                  tmp_path / "project")
+    r = await run(
+        through_unbroken(cfg, codex_argv(tmp_path, "run the tool")), env, tmp_path / "project"
+    )
     assert r.code == 0, r.stderr[-3000:]
     assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
     assert len(mock.requests) == 2  # the call, then the answer after its output
@@ -91,26 +91,32 @@ async def test_503_storm_alone_dies_through_unbroken_with_no_config_completes(
     assert alone.code != 0 and not agent_text(alone)
     mock.reset()
     mock.script([{"status": 503, "count": 40}])
-    r = await run(zero_config(codex_argv(tmp_path, "say hi")), env, tmp_path / "project",
-                  limit_s=200)
+    r = await run(
+        zero_config(codex_argv(tmp_path, "say hi")), env, tmp_path / "project", limit_s=200
+    )
     assert r.code == 0, r.stderr[-3000:]
     assert agent_text(r).startswith(TEXT)
     assert not reconnects(r)  # Codex never saw a failure
     assert len(mock.requests) == 41
-    report(capsys, f"codex 503 x 40: alone exit {alone.code} after {alone_requests} requests "
-           f"({alone.seconds:.1f} s); through `unbroken run -- codex` (no config) exit 0, "
-           f"{len(mock.requests)} requests, {r.seconds:.1f} s ({timeline(r, mock.requests)})")
+    report(
+        capsys,
+        f"codex 503 x 40: alone exit {alone.code} after {alone_requests} requests "
+        f"({alone.seconds:.1f} s); through `unbroken run -- codex` (no config) exit 0, "
+        f"{len(mock.requests)} requests, {r.seconds:.1f} s ({timeline(r, mock.requests)})",
+    )
 
 
 async def test_reset_mid_tool_arguments_runs_the_tool_once(tmp_path, mock):
     env, cfg = _setup(tmp_path, mock)
     tool = _tool("echo ran >> marker.txt")
     events = events_for("responses", tool, {"model": "fake-model", "stream": True})
-    first_args = next(i for i, (name, _) in enumerate(events)
-                      if name == "response.function_call_arguments.delta")
+    first_args = next(
+        i for i, (name, _) in enumerate(events) if name == "response.function_call_arguments.delta"
+    )
     mock.script([{**tool, "fault": "reset", "after_frame": first_args + 1}] * 3 + [tool])
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "run the tool")), env,
-                  tmp_path / "project")
+    r = await run(
+        through_unbroken(cfg, codex_argv(tmp_path, "run the tool")), env, tmp_path / "project"
+    )
     assert r.code == 0, r.stderr[-3000:]
     assert not reconnects(r)
     assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
@@ -129,14 +135,14 @@ async def test_silent_200_longer_than_codex_idle_timeout(tmp_path, mock):
     assert any("idle timeout" in m for m in reconnects(alone)), alone.stdout[-2000:]
     mock.reset()
     mock.script([stall])
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
-                  tmp_path / "project")
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
     assert not reconnects(r)
     assert agent_text(r).startswith(TEXT)
     assert len(mock.requests) == 2  # the stalled attempt, then unbroken's replay
-    print(f"\ncodex silent 200: alone {reconnects(alone)}; through unbroken none "
-          f"({r.seconds:.1f} s)")
+    print(
+        f"\ncodex silent 200: alone {reconnects(alone)}; through unbroken none ({r.seconds:.1f} s)"
+    )
 
 
 #: The relay's own stall timers for Codex: by default they follow Codex's idle timeout
@@ -151,18 +157,20 @@ async def test_the_relay_cuts_a_silent_upstream_when_codex_would(tmp_path, mock)
     while the relay waits: `unbroken run` tells the relay Codex's timeout, the relay cuts
     the silent 200 after 1.5 s, not 60 s, and replays; Codex sees one clean turn."""
     env, _ = _setup(tmp_path, mock, stream_idle_timeout_ms=1500)
-    cfg = relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3",
-                       first_frame_timeout_s=60, idle_timeout_s=60)
+    cfg = relay_config(
+        tmp_path / "unbroken.toml",
+        tmp_path / "journal.sqlite3",
+        first_frame_timeout_s=60,
+        idle_timeout_s=60,
+    )
     mock.script([{"fault": "stall", "after_frame": 0, "seconds": 90}])
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
-                  tmp_path / "project")
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
     assert not reconnects(r)
     assert agent_text(r).startswith(TEXT)
     assert len(mock.requests) == 2  # the silent attempt, then the relay's replay
     assert r.seconds < 30, r.seconds  # not the relay's 60 s
-    print(f"\ncodex silent 200, idle timeout 1.5 s, [stream] 60 s: completes in "
-          f"{r.seconds:.1f} s")
+    print(f"\ncodex silent 200, idle timeout 1.5 s, [stream] 60 s: completes in {r.seconds:.1f} s")
 
 
 @pytest.mark.parametrize("ending", ["error", "reset"])
@@ -177,8 +185,7 @@ async def test_a_cut_after_text_codex_retries_the_turn_once(tmp_path, mock, endi
     if ending == "reset":
         cfg.write_text(cfg.read_text() + '\n[clients.codex]\nafter_commit_end = "reset"\n')
     mock.script([{"fault": "reset", "after_frame": 7}])
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
-                  tmp_path / "project")
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
     text = agent_text(r)
     assert text.startswith(TEXT) and text.count(TEXT) == 1  # once: no repeated prefix
@@ -201,14 +208,15 @@ async def test_keepalive_events_hold_codex_idle_timer(tmp_path, mock):
     assert any("idle timeout" in m for m in reconnects(alone)), alone.stdout[-2000:]
     mock.reset()
     mock.script([text])
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
-                  tmp_path / "project")
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
     assert not reconnects(r), r.stdout
     assert "slow answer" in agent_text(r)
     assert len(mock.requests) == 1
-    print(f"\ncodex 1 s between frames, 0.7 s idle timeout: alone {reconnects(alone)}; "
-          "through unbroken none")
+    print(
+        f"\ncodex 1 s between frames, 0.7 s idle timeout: alone {reconnects(alone)}; "
+        "through unbroken none"
+    )
 
 
 def test_unbroken_run_print_env_for_codex(tmp_path, capsys):
@@ -232,9 +240,9 @@ def test_unbroken_run_print_env_for_codex(tmp_path, capsys):
         else:
             os.environ["CODEX_HOME"] = old
     out = capsys.readouterr().out
-    assert "model_providers.fake.base_url=\"http://127.0.0.1:4780/fake/v1\"" in out
-    assert "openai_base_url=\"http://127.0.0.1:4780/openai/v1\"" in out
-    assert '[routes.fake]' in out and json.dumps("http://127.0.0.1:9") in out
+    assert 'model_providers.fake.base_url="http://127.0.0.1:4780/fake/v1"' in out
+    assert 'openai_base_url="http://127.0.0.1:4780/openai/v1"' in out
+    assert "[routes.fake]" in out and json.dumps("http://127.0.0.1:9") in out
 
 
 async def test_websocket_turn_and_its_handshake_headers_reach_codex(tmp_path, mock):
@@ -243,26 +251,31 @@ async def test_websocket_turn_and_its_handshake_headers_reach_codex(tmp_path, mo
     ``openai-model`` as a reroute notice, which proves it (the notice appears alone and
     through unbroken alike)."""
     env, cfg = _setup(tmp_path, mock, supports_websockets=True)
-    headers = {"openai-model": "gpt-other", "x-codex-turn-state": "ts-1",
-               "x-models-etag": "etag-1", "x-reasoning-included": "true"}
+    headers = {
+        "openai-model": "gpt-other",
+        "x-codex-turn-state": "ts-1",
+        "x-models-etag": "etag-1",
+        "x-reasoning-included": "true",
+    }
     mock.script_upgrades([{"headers": headers}] * 3)
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
-                  tmp_path / "project")
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
     assert agent_text(r).startswith(TEXT)
-    notices = [e["item"].get("message", "") for e in r.events()
-               if e.get("type") == "item.completed" and e["item"].get("type") == "error"]
+    notices = [
+        e["item"].get("message", "")
+        for e in r.events()
+        if e.get("type") == "item.completed" and e["item"].get("type") == "error"
+    ]
     assert any("model rerouted: fake-model -> gpt-other" in n for n in notices), notices
     assert [q.method for q in mock.requests] == ["WS", "WS"]  # the warm-up, then the turn
     assert [u.status for u in mock.upgrades] == [101]  # one upstream socket, reused
-
 
 
 TOO_LONG = {
     "status": 400,
     "headers": {"x-request-id": "req_too_long", "content-type": "application/json"},
     "body": '{"error":{"message":"Your input exceeds the context window","type":'
-            '"invalid_request_error","param":null,"code":"context_length_exceeded"}}',
+    '"invalid_request_error","param":null,"code":"context_length_exceeded"}}',
 }
 
 
@@ -277,8 +290,7 @@ async def test_a_final_400_after_a_storm_stops_codex(tmp_path, mock, early_heade
     if early_headers:
         cfg.write_text(cfg.read_text() + "\n[clients.codex]\nearly_headers = true\n")
     mock.script([{"status": 503, "headers": {"retry-after-ms": "1500"}}] + [TOO_LONG] * 4)
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
-                  tmp_path / "project")
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
     assert r.code != 0
     assert not reconnects(r)
     failed = [e for e in r.events() if e.get("type") == "turn.failed"]
@@ -293,12 +305,14 @@ async def test_websocket_socket_dies_mid_tool_arguments_tool_runs_once(tmp_path,
     env, cfg = _setup(tmp_path, mock, supports_websockets=True)
     tool = _tool("echo ran >> marker.txt")
     events = events_for("responses", tool, {"model": "fake-model", "stream": True})
-    first_args = next(i for i, (name, _) in enumerate(events)
-                      if name == "response.function_call_arguments.delta")
+    first_args = next(
+        i for i, (name, _) in enumerate(events) if name == "response.function_call_arguments.delta"
+    )
     close = {**tool, "fault": "close", "after_frame": first_args + 1, "code": 1011}
     mock.script([{}, close, close, tool])  # the warm-up, two dead sockets, the call
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "run the tool")), env,
-                  tmp_path / "project")
+    r = await run(
+        through_unbroken(cfg, codex_argv(tmp_path, "run the tool")), env, tmp_path / "project"
+    )
     assert r.code == 0, r.stderr[-3000:]
     assert not reconnects(r)
     assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
@@ -319,8 +333,7 @@ async def test_keepalive_messages_hold_codex_idle_timer_over_websocket(tmp_path,
     assert len(mock.requests) > 2 and "slow answer" not in agent_text(alone)
     mock.reset()
     mock.script(script)
-    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env,
-                  tmp_path / "project")
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
     assert agent_text(r) == "slow answer" and not reconnects(r)
     assert [q.method for q in mock.requests] == ["WS", "WS"]

@@ -27,15 +27,28 @@ def test_a_fresh_machine_installs_the_clis_and_skips_nothing(tmp_path: Path) -> 
     cache = tmp_path / "empty-cache"
     report = tmp_path / "report.xml"
     env = {
-        k: v for k, v in os.environ.items()
+        k: v
+        for k, v in os.environ.items()
         if not k.startswith(("UNBROKEN_", "PYTEST_")) or k == "PYTEST_ADDOPTS"
     }
     env[CACHE_ENV] = str(cache)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}",
-         ONE_TEST],
-        cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-        timeout=1400, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={report}",
+            ONE_TEST,
+        ],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=1400,
+        check=False,
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output

@@ -98,8 +98,10 @@ async def test_early_headers_and_blank_line_keepalives_before_the_first_event(tm
         conn.close()
     assert outcome == "recovered"
     assert first_byte < 1.5 < took - 1.0  # the headers went early, the text came later
-    print(f"\ngemini early headers after {first_byte:.2f} s, blank lines, the text after "
-          f"{took:.1f} s: exit 0")
+    print(
+        f"\ngemini early headers after {first_byte:.2f} s, blank lines, the text after "
+        f"{took:.1f} s: exit 0"
+    )
 
 
 RETRY_INFO = json.dumps(

@@ -33,8 +33,13 @@ TURN = TurnInfo(route="r", path="v1/chat/completions", protocol="chat", stream=T
 
 def test_every_hook_method_is_an_event() -> None:
     assert set(HOOK_NAMES) == {
-        "turn_started", "attempt_started", "attempt_failed", "attempt_ended",
-        "hold_overflow", "turn_ended", "upstream_changed",
+        "turn_started",
+        "attempt_started",
+        "attempt_failed",
+        "attempt_ended",
+        "hold_overflow",
+        "turn_ended",
+        "upstream_changed",
     }
     for name in HOOK_NAMES:
         assert getattr(MultiHooks, name) is not getattr(Hooks, name)
@@ -56,14 +61,22 @@ def test_a_nested_fan_out_is_flattened_and_follows_changes_to_the_inner_list() -
     inner = MultiHooks(Seen("a", log))
     outer = MultiHooks(inner, Guarded(Seen("b", log)))
     outer.turn_started(TURN)
-    assert all(m.__self__ is not inner for m in outer._bound["turn_started"]
-               if hasattr(m, "__self__"))
+    assert all(
+        m.__self__ is not inner for m in outer._bound["turn_started"] if hasattr(m, "__self__")
+    )
     inner.hooks.append(Seen("c", log))  # a change inside: the outer re-binds
     outer.turn_started(TURN)
     del inner.hooks[0]
     outer.turn_started(TURN)
-    assert log == ["a:started", "b:started", "a:started", "c:started", "b:started",
-                   "c:started", "b:started"]
+    assert log == [
+        "a:started",
+        "b:started",
+        "a:started",
+        "c:started",
+        "b:started",
+        "c:started",
+        "b:started",
+    ]
 
 
 def test_fan_out_calls_the_hooks_that_implement_an_event_in_order() -> None:
@@ -105,8 +118,9 @@ class Calls(Hooks):
     def attempt_started(self, turn: TurnInfo, upstream: str) -> None:
         self.log.append(f"attempt_started:{upstream}")
 
-    def attempt_failed(self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str,
-                       wait_s: float | None) -> None:
+    def attempt_failed(
+        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+    ) -> None:
         self.log.append(f"attempt_failed:{upstream}")
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
@@ -144,7 +158,16 @@ def _run(defer: bool, flush_after: int) -> list[str]:
 def test_deferred_opening_gives_the_observers_the_same_calls_in_order(flush_after: int) -> None:
     # The HTTP transport defers the first calls until its request is on its way; the
     # other reports flush first, so wherever the flush falls nothing moves or repeats.
-    assert _run(True, flush_after) == _run(False, flush_after) == [
-        "turn_started", "attempt_started:a", "attempt_failed:a", "attempt_ended:a",
-        "attempt_started:b", "attempt_ended:b", "turn_ended",
-    ]
+    assert (
+        _run(True, flush_after)
+        == _run(False, flush_after)
+        == [
+            "turn_started",
+            "attempt_started:a",
+            "attempt_failed:a",
+            "attempt_ended:a",
+            "attempt_started:b",
+            "attempt_ended:b",
+            "turn_ended",
+        ]
+    )

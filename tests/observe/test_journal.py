@@ -90,7 +90,11 @@ async def test_rows_for_each_outcome(mock, tmp_path):
 
     turns = _rows(path, "SELECT * FROM turns ORDER BY turn_id")
     assert [t["outcome"] for t in turns] == [
-        "ok", "recovered", "ended_with_error", "passed_through_error", "aborted_by_client",
+        "ok",
+        "recovered",
+        "ended_with_error",
+        "passed_through_error",
+        "aborted_by_client",
     ]
     ok, recovered, ended, passed, aborted = turns
     assert len({t["run"] for t in turns}) == 1
@@ -104,8 +108,7 @@ async def test_rows_for_each_outcome(mock, tmp_path):
     assert ok["first_byte_s"] is not None and ok["first_byte_s"] >= 0
 
     def attempts(turn: dict[str, Any]) -> list[dict[str, Any]]:
-        return _rows(path, "SELECT * FROM attempts WHERE turn_uid = ? ORDER BY number",
-                     turn["uid"])
+        return _rows(path, "SELECT * FROM attempts WHERE turn_uid = ? ORDER BY number", turn["uid"])
 
     [a] = attempts(ok)
     assert (a["reason"], a["status"], a["upstream"]) == ("ok", 200, mock.url)
@@ -308,8 +311,9 @@ async def test_a_turn_ended_in_a_later_batch_gets_the_same_row(tmp_path):
             first = AttemptInfo(number=1, upstream="u", reason="503", status=503)
             turn.attempt_log.append(first)
             journal.attempt_ended(turn, first)
-            journal.attempt_failed(turn, "u", Failure(FailureClass.STATUS, "503", 503),
-                                   phase="headers", wait_s=0.5)
+            journal.attempt_failed(
+                turn, "u", Failure(FailureClass.STATUS, "503", 503), phase="headers", wait_s=0.5
+            )
             if split:
                 await journal.flush()
             second = AttemptInfo(number=2, upstream="u", reason="ok", status=200)
@@ -322,17 +326,18 @@ async def test_a_turn_ended_in_a_later_batch_gets_the_same_row(tmp_path):
             turns.append(turn)
     finally:
         await journal.aclose()
-    rows = [
-        _rows(path, "SELECT * FROM turns WHERE turn_id = ?", t.id)[0] for t in turns
-    ]
+    rows = [_rows(path, "SELECT * FROM turns WHERE turn_id = ?", t.id)[0] for t in turns]
     for row in rows:
         row.pop("uid"), row.pop("turn_id"), row.pop("started"), row.pop("ended")
     assert rows[0] == rows[1]
     assert rows[0]["outcome"] == "recovered" and rows[0]["wait_s"] == 0.5
     assert rows[0]["first_byte_s"] == 1.25 and rows[0]["session_id"] == "sess"
     for t in turns:
-        waits = _rows(path, "SELECT number, wait_s FROM attempts WHERE turn_uid = ?"
-                      " ORDER BY number", f"{journal.run}:{t.id}")
+        waits = _rows(
+            path,
+            "SELECT number, wait_s FROM attempts WHERE turn_uid = ? ORDER BY number",
+            f"{journal.run}:{t.id}",
+        )
         assert waits == [{"number": 1, "wait_s": 0.5}, {"number": 2, "wait_s": None}]
 
 
@@ -404,8 +409,16 @@ async def test_serve_exits_2_on_a_bad_journal_key(tmp_path):
     conf = tmp_path / "u.toml"
     conf.write_text("[journal]\nretention_days = 'two weeks'\n")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", "serve", "--config", str(conf), "--port", "0",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "unbroken",
+        "serve",
+        "--config",
+        str(conf),
+        "--port",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2

@@ -64,8 +64,9 @@ async def test_metrics_parse_and_move_with_traffic(mock):
         assert _get(after, "unbroken_retry_wait_seconds_count", route="mock") == 2
         assert _get(after, "unbroken_retry_wait_seconds_sum", route="mock") > 0
         assert _get(after, "unbroken_time_to_first_byte_seconds_count", route="mock") == 2
-        assert _get(after, "unbroken_time_to_first_byte_seconds_bucket", route="mock",
-                    le="+Inf") == 2
+        assert (
+            _get(after, "unbroken_time_to_first_byte_seconds_bucket", route="mock", le="+Inf") == 2
+        )
         assert _get(after, "unbroken_inflight_turns") == 0
     finally:
         await server.stop()
@@ -80,8 +81,9 @@ async def test_upstream_down_and_inflight_gauges(mock):
         await _post(f"{server.url}/mock/v1/chat/completions")
         await rec.wait_turns(1)
         _, samples = await _scrape(server.url)
-        assert _get(samples, "unbroken_turns_total", route="mock",
-                    outcome="passed_through_error") == 1
+        assert (
+            _get(samples, "unbroken_turns_total", route="mock", outcome="passed_through_error") == 1
+        )
         assert _get(samples, "unbroken_upstream_up", route="mock", upstream=mock.url) == 0
         # a waiting turn shows as in flight
         mock.script([{"status": 429, "headers": {"Retry-After": "30"}}])

@@ -21,37 +21,83 @@ A, B = "http://a.test", "http://b.test"
 SEED: list[tuple[str, str | None, float, float | None, list[tuple[Any, ...]]]] = [
     ("t1", "ok", 1, 0.5, [(A, "ok", None, 200, 5, None, 10, 5)]),
     ("t2", "ok", 2, 0.7, [(A, "ok", None, 200, 5, None, 10, 5)]),
-    ("t3", "recovered", 3, 1.2, [
-        (A, "503", "headers", 503, 0, 0.25, None, None),
-        (B, "connection_reset", "pending", 200, 7, 0.25, None, None),
-        (A, "ok", None, 200, 6, None, 12, 6),
-    ]),
-    ("t4", "recovered", 4, 2.0, [
-        (A, "stall", "stall", 200, 3, 1.0, None, None),
-        (A, "ok", None, 200, 6, None, 12, 6),
-    ]),
-    ("t5", "ended_with_error", 5, 0.3, [(A, "connection_reset", "committed", 200, 20, None,
-                                         None, None)]),
-    ("t6", "passed_through_error", 6, 0.1, [(A, "passed_through_error", "committed", 400, 0,
-                                             None, None, None)]),
-    ("t7", "aborted_by_client", 7, None, [
-        (A, "503", "headers", 503, 0, 0.25, None, None),
-        (A, "aborted_by_client", "committed", None, 0, None, None, None),
-    ]),
-    ("t8", "passed_through_error", 8, 0.9, [
-        (A, "503", "headers", 503, 0, 0.25, None, None),
-        (A, "503", "headers", 503, 0, 0.25, None, None),
-        (A, "503", "headers", 503, 0, None, None, None),
-    ]),
+    (
+        "t3",
+        "recovered",
+        3,
+        1.2,
+        [
+            (A, "503", "headers", 503, 0, 0.25, None, None),
+            (B, "connection_reset", "pending", 200, 7, 0.25, None, None),
+            (A, "ok", None, 200, 6, None, 12, 6),
+        ],
+    ),
+    (
+        "t4",
+        "recovered",
+        4,
+        2.0,
+        [
+            (A, "stall", "stall", 200, 3, 1.0, None, None),
+            (A, "ok", None, 200, 6, None, 12, 6),
+        ],
+    ),
+    (
+        "t5",
+        "ended_with_error",
+        5,
+        0.3,
+        [(A, "connection_reset", "committed", 200, 20, None, None, None)],
+    ),
+    (
+        "t6",
+        "passed_through_error",
+        6,
+        0.1,
+        [(A, "passed_through_error", "committed", 400, 0, None, None, None)],
+    ),
+    (
+        "t7",
+        "aborted_by_client",
+        7,
+        None,
+        [
+            (A, "503", "headers", 503, 0, 0.25, None, None),
+            (A, "aborted_by_client", "committed", None, 0, None, None, None),
+        ],
+    ),
+    (
+        "t8",
+        "passed_through_error",
+        8,
+        0.9,
+        [
+            (A, "503", "headers", 503, 0, 0.25, None, None),
+            (A, "503", "headers", 503, 0, 0.25, None, None),
+            (A, "503", "headers", 503, 0, None, None, None),
+        ],
+    ),
     ("t9", None, 0.01, None, []),  # in flight (or the relay died)
-    ("t11", "ended_with_error", 9, 0.4, [
-        (A, "payload_error", "pending", 200, 5, 0.25, None, None),
-        (A, "stall", "committed", 200, 9, None, None, None),
-    ]),
-    ("t10", "recovered", 48, 0.8, [  # outside the last 24 h
-        (A, "503", "headers", 503, 0, 0.25, None, None),
-        (A, "ok", None, 200, 5, None, 10, 5),
-    ]),
+    (
+        "t11",
+        "ended_with_error",
+        9,
+        0.4,
+        [
+            (A, "payload_error", "pending", 200, 5, 0.25, None, None),
+            (A, "stall", "committed", 200, 9, None, None, None),
+        ],
+    ),
+    (
+        "t10",
+        "recovered",
+        48,
+        0.8,
+        [  # outside the last 24 h
+            (A, "503", "headers", 503, 0, 0.25, None, None),
+            (A, "ok", None, 200, 5, None, 10, 5),
+        ],
+    ),
 ]
 
 
@@ -65,16 +111,24 @@ def seed(path: Path, now: float) -> None:
             "INSERT INTO turns (uid, run, turn_id, route, path, protocol, stream, started, ended,"
             " outcome, attempts, upstream, first_byte_s, wait_s)"
             " VALUES (?, 'run', ?, 'r', 'v1/chat/completions', 'chat', 1, ?, ?, ?, ?, ?, ?, ?)",
-            (uid, n, started, None if outcome is None else started + 3, outcome,
-             len(attempts), attempts[-1][0] if attempts else None, ttfb, wait),
+            (
+                uid,
+                n,
+                started,
+                None if outcome is None else started + 3,
+                outcome,
+                len(attempts),
+                attempts[-1][0] if attempts else None,
+                ttfb,
+                wait,
+            ),
         )
         for i, (up, reason, phase, status, est, wait_s, t_in, t_out) in enumerate(attempts, 1):
             conn.execute(
                 "INSERT INTO attempts (turn_uid, number, upstream, started, ended, status, reason,"
                 " phase, est_output_tokens, wait_s, input_tokens, output_tokens)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (uid, i, up, started, started + 1, status, reason, phase, est, wait_s, t_in,
-                 t_out),
+                (uid, i, up, started, started + 1, status, reason, phase, est, wait_s, t_in, t_out),
             )
     conn.commit()
     conn.close()
@@ -93,8 +147,12 @@ def test_stats_over_the_last_24h(journal):
     s = compute_stats(sqlite3.connect(path), since_s=86400, now=now)
     assert s["turns"] == 10
     assert s["outcomes"] == {
-        "ok": 2, "recovered": 2, "ended_with_error": 2, "passed_through_error": 2,
-        "aborted_by_client": 1, "unfinished": 1,
+        "ok": 2,
+        "recovered": 2,
+        "ended_with_error": 2,
+        "passed_through_error": 2,
+        "aborted_by_client": 1,
+        "unfinished": 1,
     }
     # turns that hit a failure and were not aborted: t3 t4 t5 t8 t11; recovered: t3 t4
     assert s["turns_with_failures"] == 5
@@ -103,7 +161,10 @@ def test_stats_over_the_last_24h(journal):
     assert s["failures"] == 10
     assert s["failures_by_phase"] == {"headers": 5, "pending": 2, "committed": 2, "stall": 1}
     assert s["failures_by_cause"] == {
-        "503": 5, "connection_reset": 2, "stall": 2, "payload_error": 1,
+        "503": 5,
+        "connection_reset": 2,
+        "stall": 2,
+        "payload_error": 1,
     }
     assert s["failures_by_upstream"] == {A: 9, B: 1}
     assert s["retries_per_turn"] == {"p50": 1, "p99": 2, "max": 2}
@@ -113,13 +174,21 @@ def test_stats_over_the_last_24h(journal):
     assert s["tokens"] == {"input": 44, "output": 22}
     before = s["replay_safety"]["before_commit"]
     assert before == {
-        "failures": 8, "turns": 5, "recovered": 2,
-        "ended": {"recovered": 2, "aborted_by_client": 1, "passed_through_error": 1,
-                  "ended_with_error": 1},
+        "failures": 8,
+        "turns": 5,
+        "recovered": 2,
+        "ended": {
+            "recovered": 2,
+            "aborted_by_client": 1,
+            "passed_through_error": 1,
+            "ended_with_error": 1,
+        },
     }
     after = s["replay_safety"]["after_commit"]
     assert after == {
-        "failures": 2, "turns": 2, "ended": {"ended_with_error": 2},
+        "failures": 2,
+        "turns": 2,
+        "ended": {"ended_with_error": 2},
         "by_cause": {"connection_reset": 1, "stall": 1},
     }
 

@@ -83,8 +83,20 @@ async def test_status_reflects_an_inflight_retry(mock, waiting_relay):
     assert turn["age_s"] >= 0 and turn["held_bytes"] == 0
     assert turn["client"] == "unknown"  # the client profile (an aiohttp client)
     assert set(turn) == {
-        "id", "route", "path", "protocol", "stream", "client", "state", "attempts", "upstream",
-        "last_failure", "next_retry_in_s", "parked_for", "age_s", "held_bytes",
+        "id",
+        "route",
+        "path",
+        "protocol",
+        "stream",
+        "client",
+        "state",
+        "attempts",
+        "upstream",
+        "last_failure",
+        "next_retry_in_s",
+        "parked_for",
+        "age_s",
+        "held_bytes",
     }
     [up] = [u for u in data["upstreams"] if u["route"] == "mock"]
     assert up["upstream"] == mock.url and up["up"] is True
@@ -145,8 +157,11 @@ def test_held_bytes_and_render():
     turn = TurnInfo(route="r", path="v1/messages?beta=true", protocol="anthropic", stream=True)
     turn.state, turn.attempts, turn.upstream = "holding", 2, "http://u.test"
     turn.held = lambda: 2048
-    tracker = StatusTracker(lambda: [turn], list, extra=lambda: {"journal": {
-        "healthy": False, "dropped": 7, "path": "/x", "pending": 0}})
+    tracker = StatusTracker(
+        lambda: [turn],
+        list,
+        extra=lambda: {"journal": {"healthy": False, "dropped": 7, "path": "/x", "pending": 0}},
+    )
     data = tracker.snapshot()
     [view] = data["inflight"]
     assert view["held_bytes"] == 2048 and view["path"] == "v1/messages"
@@ -167,19 +182,51 @@ ROUTE = "openrouter-with-a-long-route-name"
 def _snapshot(*, inflight: bool) -> dict[str, Any]:
     now = time.time()
     turns = [
-        {"id": 12345, "route": ROUTE, "state": "streaming",
-         "attempts": 3, "upstream": LONG_URL, "last_failure": "server_disconnected",
-         "next_retry_in_s": None, "age_s": 1234.5, "held_bytes": 4096},
-        {"id": 7, "route": "mock", "state": "waiting", "attempts": 1,
-         "upstream": "http://127.0.0.1:43167", "last_failure": "429", "next_retry_in_s": 29.3,
-         "age_s": 0.2, "held_bytes": 0},
+        {
+            "id": 12345,
+            "route": ROUTE,
+            "state": "streaming",
+            "attempts": 3,
+            "upstream": LONG_URL,
+            "last_failure": "server_disconnected",
+            "next_retry_in_s": None,
+            "age_s": 1234.5,
+            "held_bytes": 4096,
+        },
+        {
+            "id": 7,
+            "route": "mock",
+            "state": "waiting",
+            "attempts": 1,
+            "upstream": "http://127.0.0.1:43167",
+            "last_failure": "429",
+            "next_retry_in_s": 29.3,
+            "age_s": 0.2,
+            "held_bytes": 0,
+        },
     ]
-    ups = [{"route": "openrouter", "upstream": LONG_URL, "up": False, "ok": 1234, "failed": 56,
-            "recent_failures": [{"reason": "server_disconnected", "at": now - 3},
-                                {"reason": "503", "at": now - 1}], "cooloff_s": 12}]
-    return {"version": "0.1.0", "now": now, "uptime_s": 3.0,
-            "inflight": turns if inflight else [], "upstreams": ups if inflight else [],
-            "totals": {"turns": 3, "outcomes": {"ok": 3}, "failures_by_reason": {"503": 2}}}
+    ups = [
+        {
+            "route": "openrouter",
+            "upstream": LONG_URL,
+            "up": False,
+            "ok": 1234,
+            "failed": 56,
+            "recent_failures": [
+                {"reason": "server_disconnected", "at": now - 3},
+                {"reason": "503", "at": now - 1},
+            ],
+            "cooloff_s": 12,
+        }
+    ]
+    return {
+        "version": "0.1.0",
+        "now": now,
+        "uptime_s": 3.0,
+        "inflight": turns if inflight else [],
+        "upstreams": ups if inflight else [],
+        "totals": {"turns": 3, "outcomes": {"ok": 3}, "failures_by_reason": {"503": 2}},
+    }
 
 
 def _text(data: dict[str, Any], width: int) -> str:
@@ -194,7 +241,7 @@ def _first_row(text: str, table: str, index: int) -> list[str]:
     start = next(i for i, line in enumerate(lines) if line.rstrip() == table)
     rule = next(i for i in range(start, len(lines)) if "╇" in lines[i])
     cells: list[str] = []
-    for line in lines[rule + 1:]:
+    for line in lines[rule + 1 :]:
         parts = line.split("│")
         if len(parts) <= index or (cells and parts[0].strip()):
             break  # the end of the table, or the next row
@@ -208,8 +255,22 @@ def test_the_live_view_fits_the_terminal(width: int, inflight: bool) -> None:
     text = _text(_snapshot(inflight=inflight), width)
     assert max(len(line) for line in text.splitlines()) <= width, text
     # headers are never cut: a narrow header is whole, a wide one wraps at its space
-    for word in ("turn", "route", "state", "try", "upstream", "last", "failure", "retry",
-                 "age", "held", "failed", "recent", "failures", "cool-off"):
+    for word in (
+        "turn",
+        "route",
+        "state",
+        "try",
+        "upstream",
+        "last",
+        "failure",
+        "retry",
+        "age",
+        "held",
+        "failed",
+        "recent",
+        "failures",
+        "cool-off",
+    ):
         assert re.search(rf"(^|[ ┃]){word}( |$)", text, re.M), (word, text)
     if inflight:
         # a wide column wraps its whole value; a narrow one truncates with an ellipsis
@@ -228,9 +289,16 @@ async def test_status_once_fits_80_columns_with_nothing_in_flight(mock, tmp_path
     await server.start()
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "unbroken", "status", "--once", "--url", server.url,
+            sys.executable,
+            "-m",
+            "unbroken",
+            "status",
+            "--once",
+            "--url",
+            server.url,
             env={**__import__("os").environ, "COLUMNS": "80"},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         out, err = await asyncio.wait_for(proc.communicate(), 60)
     finally:
@@ -256,8 +324,14 @@ def test_since_start_names_the_top_reasons_and_how_many_more() -> None:
 @pytest.mark.parametrize("interval", ["0", "-1", "0.1", "nan"])
 async def test_status_refuses_an_interval_below_0_2_s(interval: str) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", "status", "--interval", interval,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "unbroken",
+        "status",
+        "--interval",
+        interval,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2
@@ -295,8 +369,9 @@ async def test_the_status_json_sample_has_the_shape_of_a_real_one(mock, waiting_
     _keys(sample["inflight"][0], real["inflight"][0], "inflight[]")
     [up] = [u for u in real["upstreams"] if u["route"] == "mock"]
     _keys(sample["upstreams"][0], up, "upstreams[]")
-    _keys(sample["upstreams"][0]["recent_failures"][0], up["recent_failures"][0],
-          "recent_failures[]")
+    _keys(
+        sample["upstreams"][0]["recent_failures"][0], up["recent_failures"][0], "recent_failures[]"
+    )
     for key in ("totals", "journal", *(k for k in ("process",) if k in real)):
         _keys(sample[key], real[key], key)
     _keys(sample["totals"]["outcomes"], real["totals"]["outcomes"], "outcomes")

@@ -13,17 +13,47 @@ from unbroken.observe.status import render
 def test_the_view_shows_breakers_parked_turns_lines_and_a_degraded_store() -> None:
     now = time.time()
     data = {
-        "version": "0.1.0", "now": now, "uptime_s": 5.0,
-        "inflight": [{"id": 1, "route": "mock", "state": "parked", "attempts": 2,
-                      "upstream": "http://a", "age_s": 1.0, "held_bytes": 0,
-                      "parked_for": "breaker"}],
+        "version": "0.1.0",
+        "now": now,
+        "uptime_s": 5.0,
+        "inflight": [
+            {
+                "id": 1,
+                "route": "mock",
+                "state": "parked",
+                "attempts": 2,
+                "upstream": "http://a",
+                "age_s": 1.0,
+                "held_bytes": 0,
+                "parked_for": "breaker",
+            }
+        ],
         "upstreams": [
-            {"route": "mock", "upstream": "http://a", "up": False, "ok": 1, "failed": 6,
-             "failure_rate": 0.75, "breaker": "open", "open_until": now + 12, "cooloff_s": 0,
-             "pacer": {"tokens": 10.0, "waiting": 7, "ramping": False}, "recent_failures": []},
-            {"route": "mock", "upstream": "http://b", "up": True, "ok": 3, "failed": 1,
-             "failure_rate": 0.25, "breaker": "half_open", "open_until": None, "cooloff_s": 0,
-             "recent_failures": []},
+            {
+                "route": "mock",
+                "upstream": "http://a",
+                "up": False,
+                "ok": 1,
+                "failed": 6,
+                "failure_rate": 0.75,
+                "breaker": "open",
+                "open_until": now + 12,
+                "cooloff_s": 0,
+                "pacer": {"tokens": 10.0, "waiting": 7, "ramping": False},
+                "recent_failures": [],
+            },
+            {
+                "route": "mock",
+                "upstream": "http://b",
+                "up": True,
+                "ok": 3,
+                "failed": 1,
+                "failure_rate": 0.25,
+                "breaker": "half_open",
+                "open_until": None,
+                "cooloff_s": 0,
+                "recent_failures": [],
+            },
         ],
         "totals": {},
         "store": {"kind": "redis", "state": "degraded"},
@@ -40,15 +70,36 @@ def test_the_view_shows_breakers_parked_turns_lines_and_a_degraded_store() -> No
 
 def test_the_view_names_the_turns_waiting_for_a_rate_limit() -> None:
     data = {
-        "version": "0.1.0", "now": time.time(), "uptime_s": 5.0,
-        "inflight": [{"id": 3, "route": "mock", "state": "parked", "attempts": 0,
-                      "upstream": "http://a", "age_s": 0.4, "held_bytes": 0,
-                      "parked_for": "ratelimit"}],
+        "version": "0.1.0",
+        "now": time.time(),
+        "uptime_s": 5.0,
+        "inflight": [
+            {
+                "id": 3,
+                "route": "mock",
+                "state": "parked",
+                "attempts": 0,
+                "upstream": "http://a",
+                "age_s": 0.4,
+                "held_bytes": 0,
+                "parked_for": "ratelimit",
+            }
+        ],
         "upstreams": [
-            {"route": "mock", "upstream": "http://a", "up": True, "ok": 9, "failed": 0,
-             "breaker": "closed", "cooloff_s": 0, "recent_failures": [],
-             "ratelimits": [{"credential": "3f9a0c1d2e4b", "waiting": 4, "buckets": {}},
-                            {"credential": "idle00000000", "waiting": 0, "buckets": {}}]},
+            {
+                "route": "mock",
+                "upstream": "http://a",
+                "up": True,
+                "ok": 9,
+                "failed": 0,
+                "breaker": "closed",
+                "cooloff_s": 0,
+                "recent_failures": [],
+                "ratelimits": [
+                    {"credential": "3f9a0c1d2e4b", "waiting": 4, "buckets": {}},
+                    {"credential": "idle00000000", "waiting": 0, "buckets": {}},
+                ],
+            },
         ],
         "totals": {},
     }

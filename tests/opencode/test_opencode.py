@@ -76,7 +76,8 @@ def test_jsonc_reads_comments_and_trailing_commas() -> None:
         "model": "fake/m",
     }
     assert jsonc.loads('{"url": "http://x//y", "s": "/* no */"}') == {
-        "url": "http://x//y", "s": "/* no */"
+        "url": "http://x//y",
+        "s": "/* no */",
     }
     with pytest.raises(jsonc.JsoncError, match="line 2"):
         jsonc.loads('{\n  "a": }')
@@ -107,8 +108,11 @@ def test_config_files_merge_global_then_project_root_most_first(home: dict[str, 
     (project / "sub" / "opencode.json").write_text('{"small_model": "s/m"}')
     (project.parent / "opencode.json").write_text('{"model": "outside/m"}')  # above the repo
     files = find_config_files(project / "sub", env)
-    assert files == [gdir / "opencode.jsonc", project / "opencode.json",
-                     project / "sub" / "opencode.json"]
+    assert files == [
+        gdir / "opencode.jsonc",
+        project / "opencode.json",
+        project / "sub" / "opencode.json",
+    ]
     merged, sources = load_merged(
         project / "sub", {**env, "OPENCODE_CONFIG_CONTENT": '{"provider": {"c": {}}}'}
     )
@@ -120,18 +124,24 @@ def test_config_files_merge_global_then_project_root_most_first(home: dict[str, 
 def test_merge_is_deep() -> None:
     base = {"provider": {"a": {"options": {"apiKey": "k", "baseURL": "u"}}}, "x": [1]}
     over = {"provider": {"a": {"options": {"baseURL": "v"}}}, "x": [2]}
-    assert merge(base, over) == {"provider": {"a": {"options": {"apiKey": "k", "baseURL": "v"}}},
-                                 "x": [2]}
+    assert merge(base, over) == {
+        "provider": {"a": {"options": {"apiKey": "k", "baseURL": "v"}}},
+        "x": [2],
+    }
 
 
 def test_discover_finds_every_provider_in_use_with_its_real_base_url(home: dict[str, Any]) -> None:
     env = {**home["env"], "ANTHROPIC_API_KEY": "sk-ant", "MY_URL": "http://10.0.0.5:8000/v1"}
     data = Path(env["XDG_DATA_HOME"]) / "opencode"
     data.mkdir(parents=True)
-    (data / "auth.json").write_text(json.dumps({
-        "openrouter": {"type": "api", "key": "sk-or"},
-        "github-copilot": {"type": "oauth", "refresh": "r"},
-    }))
+    (data / "auth.json").write_text(
+        json.dumps(
+            {
+                "openrouter": {"type": "api", "key": "sk-or"},
+                "github-copilot": {"type": "oauth", "refresh": "r"},
+            }
+        )
+    )
     config = {
         "model": "deepseek/deepseek-chat",
         "agent": {"review": {"model": "groq/llama"}},
@@ -187,8 +197,12 @@ def test_builtin_table_is_sane() -> None:
 def test_relay_config_has_one_route_per_placed_provider() -> None:
     base = parse_config({"routes": {"openai": {"upstreams": ["https://my-gateway/v1"]}}}, env={})
     providers = discover(
-        {"provider": {"fake": {"options": {"baseURL": "http://127.0.0.1:9/v1"}},
-                      "_odd/id": {"options": {"baseURL": "https://odd.example.com"}}}},
+        {
+            "provider": {
+                "fake": {"options": {"baseURL": "http://127.0.0.1:9/v1"}},
+                "_odd/id": {"options": {"baseURL": "https://odd.example.com"}},
+            }
+        },
         {"OPENAI_API_KEY": "k"},
         probe=no_probe,
     )
@@ -227,15 +241,19 @@ def test_parse_opencode_args(
 ) -> None:
     parsed = parse_opencode_args(argv)
     assert (parsed.subcommand, parsed.project, parsed.model, parsed.port) == (
-        sub, project, model, port
+        sub,
+        project,
+        model,
+        port,
     )
 
 
 def test_server_args_expose_the_server_for_resume() -> None:
     args, url, _ = server_args([], parse_opencode_args([]))  # the TUI: gets a --port
     assert args[0] == "--port" and url == f"http://127.0.0.1:{args[1]}"
-    args, url, _ = server_args(["serve", "--port", "4096"], parse_opencode_args(["serve", "--port",
-                                                                                  "4096"]))
+    args, url, _ = server_args(
+        ["serve", "--port", "4096"], parse_opencode_args(["serve", "--port", "4096"])
+    )
     assert args == ["serve", "--port", "4096"] and url == "http://127.0.0.1:4096"
     argv = ["web", "--hostname", "0.0.0.0"]
     args, url, _ = server_args(argv, parse_opencode_args(argv))
@@ -256,12 +274,13 @@ RELAY = "http://127.0.0.1:4780"
 
 
 def test_setup_patches_keeps_a_backup_is_idempotent_and_undo_restores_bytes(
-    home: dict[str, Any]
+    home: dict[str, Any],
 ) -> None:
     env, project = {**home["env"], "OPENAI_API_KEY": "sk"}, home["project"]
     path = project / "opencode.json"
-    original = (COMMENTED.replace("http://127.0.0.1:1/v1", "http://127.0.0.1:9/v1")
-                .replace("\n", "\r\n")).encode()  # CRLF and comments must survive undo
+    original = (
+        COMMENTED.replace("http://127.0.0.1:1/v1", "http://127.0.0.1:9/v1").replace("\n", "\r\n")
+    ).encode()  # CRLF and comments must survive undo
     path.write_bytes(original)
     first = setup("project", relay_url=RELAY, routes=ROUTES, project=project, env=env)
     assert first.changed and first.path == path
@@ -286,14 +305,21 @@ def test_setup_patches_keeps_a_backup_is_idempotent_and_undo_restores_bytes(
     assert not (project / "opencode.json.unbroken-backup").exists()
     again = undo("project", project=project, env=env)
     assert again == UndoResult(path, "nothing")
-    assert again.lines() == [f"{path}: nothing to undo (no opencode.json.unbroken-backup or "
-                             "opencode.json.unbroken-created next to it)"]
+    assert again.lines() == [
+        f"{path}: nothing to undo (no opencode.json.unbroken-backup or "
+        "opencode.json.unbroken-created next to it)"
+    ]
 
 
 def test_setup_creates_a_missing_global_file_and_undo_removes_it(home: dict[str, Any]) -> None:
     env = {**home["env"], "ANTHROPIC_API_KEY": "sk"}
-    result = setup("global", relay_url=RELAY, routes=parse_config({}, env={}).routes,
-                   project=home["project"], env=env)
+    result = setup(
+        "global",
+        relay_url=RELAY,
+        routes=parse_config({}, env={}).routes,
+        project=home["project"],
+        env=env,
+    )
     path = home["gdir"] / "opencode.json"
     assert result.changed and result.path == path
     assert jsonc.loads(path.read_text())["provider"]["anthropic"]["options"]["baseURL"] == (
@@ -354,13 +380,15 @@ def test_setup_names_providers_no_route_reaches(home: dict[str, Any]) -> None:
     assert "no route" in result.missing[0].problem
 
 
-def test_setup_cli_prints_what_it_did(home: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_setup_cli_prints_what_it_did(
+    home: dict[str, Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from unbroken.cli import main
 
     project = home["project"]
-    (project / "opencode.json").write_text('{"provider": {"local": {"options": '
-                                           '{"baseURL": "http://10.1.1.1:8000/v1"}}}}')
+    (project / "opencode.json").write_text(
+        '{"provider": {"local": {"options": {"baseURL": "http://10.1.1.1:8000/v1"}}}}'
+    )
     for k, v in home["env"].items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("UNBROKEN_CONFIG", raising=False)
@@ -401,10 +429,18 @@ async def test_run_relays_the_providers_and_returns_opencodes_exit_code(
     stand_in.write_text(STAND_IN.format(python=sys.executable))
     stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
     project = home["project"]
-    (home["gdir"] / "opencode.json").write_text(json.dumps(
-        {"provider": {"fake": {"npm": "@ai-sdk/openai-compatible",
-                               "options": {"baseURL": f"{mock.url}/v1", "apiKey": "sk-user"}}}}
-    ))
+    (home["gdir"] / "opencode.json").write_text(
+        json.dumps(
+            {
+                "provider": {
+                    "fake": {
+                        "npm": "@ai-sdk/openai-compatible",
+                        "options": {"baseURL": f"{mock.url}/v1", "apiKey": "sk-user"},
+                    }
+                }
+            }
+        )
+    )
     mock.script([{"status": 503}, {"fault": "reset", "after_frame": 0}])
     urls: list[str] = []
     env = {**home["env"], "PATH": os.environ.get("PATH", "")}
@@ -475,12 +511,26 @@ async def test_the_resumer_shuts_down_cleanly_when_opencode_exits(
     fake.write_text(DYING_SERVER.format(python=sys.executable, how=how, at_once=at_once))
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     log = tmp_path / "run.log"
-    env = {**home["env"], "PATH": os.environ.get("PATH", ""), "UNBROKEN_RESUME_DELAY_MS": "10",
-           "PYTHONDEVMODE": "1"}  # dev mode: unclosed resources are reported too
+    env = {
+        **home["env"],
+        "PATH": os.environ.get("PATH", ""),
+        "UNBROKEN_RESUME_DELAY_MS": "10",
+        "PYTHONDEVMODE": "1",
+    }  # dev mode: unclosed resources are reported too
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", "run", "--log", str(log), "--", str(fake), "serve",
-        cwd=str(home["project"]), env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "unbroken",
+        "run",
+        "--log",
+        str(log),
+        "--",
+        str(fake),
+        "serve",
+        cwd=str(home["project"]),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     text = log.read_text()
@@ -488,8 +538,13 @@ async def test_the_resumer_shuts_down_cleanly_when_opencode_exits(
     if not at_once:
         assert "resume: watching http://127.0.0.1:" in text, text
     everything = text + out.decode() + err.decode()
-    for sign in ("Traceback", "Task exception was never retrieved", "Unclosed",
-                 "was never awaited", "Task was destroyed"):
+    for sign in (
+        "Traceback",
+        "Task exception was never retrieved",
+        "Unclosed",
+        "was never awaited",
+        "Task was destroyed",
+    ):
         assert sign not in everything, everything
 
 

@@ -47,7 +47,10 @@ def user(mid: str = "msg_u1", provider: str = "fake", model: str = "fake-model")
     return ev(
         "message.updated",
         info={
-            "id": mid, "sessionID": SID, "role": "user", "agent": "build",
+            "id": mid,
+            "sessionID": SID,
+            "role": "user",
+            "agent": "build",
             "model": {"providerID": provider, "modelID": model},
         },
     )
@@ -62,8 +65,12 @@ def assistant(
     model: str = "fake-model",
 ) -> dict[str, Any]:
     info: dict[str, Any] = {
-        "id": mid, "sessionID": SID, "role": "assistant", "providerID": provider,
-        "modelID": model, "time": {"created": 1},
+        "id": mid,
+        "sessionID": SID,
+        "role": "assistant",
+        "providerID": provider,
+        "modelID": model,
+        "time": {"created": 1},
     }
     if finish is not None:
         info["finish"] = finish
@@ -73,8 +80,10 @@ def assistant(
 
 
 def text(mid: str = "msg_a1", content: str = "Hello f") -> dict[str, Any]:
-    return ev("message.part.updated", part={"id": "prt_1", "messageID": mid, "sessionID": SID,
-                                             "type": "text", "text": content})
+    return ev(
+        "message.part.updated",
+        part={"id": "prt_1", "messageID": mid, "sessionID": SID, "type": "text", "text": content},
+    )
 
 
 def status(kind: str, **extra: Any) -> dict[str, Any]:
@@ -92,11 +101,15 @@ RETRY = status("retry", attempt=1, message="overloaded", next=0)
 RELAY_ERROR = {
     "name": "UnknownError",
     "data": {
-        "message": json.dumps({
-            "message": "unbroken: server_disconnected: body cut short; the turn was cut after "
-            "output reached the client. Retry the request.",
-            "type": "server_error", "param": None, "code": "upstream_unavailable",
-        })
+        "message": json.dumps(
+            {
+                "message": "unbroken: server_disconnected: body cut short; the turn was cut after "
+                "output reached the client. Retry the request.",
+                "type": "server_error",
+                "param": None,
+                "code": "upstream_unavailable",
+            }
+        )
     },
 }
 
@@ -130,45 +143,78 @@ def test_decisions_on_events_captured_from_opencode(name: str, expected: type, r
     ("events", "expected", "reason"),
     [
         # session.error once OpenCode's retries are spent
-        (turn(text(), RETRY, ev("session.error", error=RELAY_ERROR)), Resume,
-         "retryable UnknownError"),
+        (
+            turn(text(), RETRY, ev("session.error", error=RELAY_ERROR)),
+            Resume,
+            "retryable UnknownError",
+        ),
         (turn(error("APIError", statusCode=503, isRetryable=True)), Resume, "APIError 503"),
         (turn(error("APIError", statusCode=529, isRetryable=False)), Resume, "APIError 529"),
-        (turn(error("APIError", message="Provider is overloaded", isRetryable=False)), Resume,
-         "overloaded"),
+        (
+            turn(error("APIError", message="Provider is overloaded", isRetryable=False)),
+            Resume,
+            "overloaded",
+        ),
         (turn(error("UnknownError", message="socket hang up")), Resume, "socket hang up"),
         (turn(error("UnknownError", message="TypeError: x is undefined")), Skip, "not transient"),
-        (turn(error("APIError", statusCode=400, isRetryable=False, message="bad tool schema")),
-         Skip, "not retryable"),
+        (
+            turn(error("APIError", statusCode=400, isRetryable=False, message="bad tool schema")),
+            Skip,
+            "not retryable",
+        ),
         # never
         (turn(text(), error("MessageAbortedError", message="Aborted")), Skip, "aborted"),
         (turn(error("ProviderAuthError", providerID="fake")), Skip, "auth"),
         (turn(error("APIError", statusCode=401, isRetryable=False)), Skip, "auth"),
         (turn(error("APIError", statusCode=500, message="invalid x-api-key")), Skip, "auth"),
         (turn(error("ContextOverflowError")), Skip, "context overflowed"),
-        (turn(error("UnknownError", message='{"code":"context_length_exceeded"}')), Skip,
-         "context overflowed"),
+        (
+            turn(error("UnknownError", message='{"code":"context_length_exceeded"}')),
+            Skip,
+            "context overflowed",
+        ),
         (turn(error("MessageOutputLengthError")), Skip, "output length"),
         # no session.error: the last assistant message decides
         (turn(text(), assistant(finish="unknown")), Resume, "finish 'unknown' after output"),
         (turn(assistant(finish="unknown")), Skip, "zero-output 'unknown' finish"),
-        (turn(ev("message.part.delta", messageID="msg_a1", partID="p", field="text", delta="Hi"),
-              assistant(finish="unknown")), Resume, "after output"),
+        (
+            turn(
+                ev("message.part.delta", messageID="msg_a1", partID="p", field="text", delta="Hi"),
+                assistant(finish="unknown"),
+            ),
+            Resume,
+            "after output",
+        ),
         (turn(text(), assistant(error=RELAY_ERROR)), Resume, "error after output"),
         (turn(assistant(error=RELAY_ERROR)), Skip, "before any output"),
-        (turn(text(), assistant(error={"name": "MessageAbortedError", "data": {}})), Skip,
-         "aborted"),
+        (
+            turn(text(), assistant(error={"name": "MessageAbortedError", "data": {}})),
+            Skip,
+            "aborted",
+        ),
         (turn(text(), RETRY, status("busy")), Skip, "aborted during a retry"),
         (turn(text()), Skip, "interrupted"),
         (turn(text(), assistant(finish="stop")), Skip, "completed"),
         (turn(text(), assistant(finish="tool-calls")), Skip, "completed"),
         ([user(), status("busy"), *IDLE], Skip, "no assistant reply"),
         # only the latest turn counts
-        ([*turn(error("APIError", statusCode=503, isRetryable=True)), user("msg_u2"),
-          status("busy"), assistant("msg_a2", finish="stop"), *IDLE], Skip, "completed"),
+        (
+            [
+                *turn(error("APIError", statusCode=503, isRetryable=True)),
+                user("msg_u2"),
+                status("busy"),
+                assistant("msg_a2", finish="stop"),
+                *IDLE,
+            ],
+            Skip,
+            "completed",
+        ),
         # a repeated update of the same user message does not start a new turn
-        ([*turn(error("APIError", statusCode=503, isRetryable=True))[:-2], user(), *IDLE],
-         Resume, "APIError 503"),
+        (
+            [*turn(error("APIError", statusCode=503, isRetryable=True))[:-2], user(), *IDLE],
+            Resume,
+            "APIError 503",
+        ),
     ],
 )
 def test_decision_table(events: list[dict[str, Any]], expected: type, reason: str) -> None:
@@ -186,8 +232,12 @@ def test_filters_on_provider_glob_and_model_prefix() -> None:
     assert isinstance(skip, Skip) and "not covered" in skip.reason
     assert isinstance(decide(events, ResumeSettings(model="claude")), Skip)
     # a turn that failed before any assistant message: the user message names the model
-    early = [user(provider="anthropic", model="claude-x"), status("busy"),
-             error("APIError", statusCode=503, isRetryable=True), *IDLE]
+    early = [
+        user(provider="anthropic", model="claude-x"),
+        status("busy"),
+        error("APIError", statusCode=503, isRetryable=True),
+        *IDLE,
+    ]
     assert isinstance(decide(early, ResumeSettings(provider="anthropic")), Resume)
     assert isinstance(decide(early, ResumeSettings(provider="openai")), Skip)
 
@@ -204,10 +254,14 @@ def test_is_retryable_mirrors_opencode() -> None:
 
 def test_settings_from_env_defaults_aliases_and_precedence() -> None:
     assert settings_from_env({}) == ResumeSettings("*", "*", 3000, 0)
-    s = settings_from_env({
-        "OPENCODE_RESUME_PROVIDER": "anthropic", "OPENCODE_RESUME_MODEL": "claude",
-        "OPENCODE_RESUME_DELAY_MS": "10", "OPENCODE_RESUME_MAX_ATTEMPTS": "4",
-    })
+    s = settings_from_env(
+        {
+            "OPENCODE_RESUME_PROVIDER": "anthropic",
+            "OPENCODE_RESUME_MODEL": "claude",
+            "OPENCODE_RESUME_DELAY_MS": "10",
+            "OPENCODE_RESUME_MAX_ATTEMPTS": "4",
+        }
+    )
     assert s == ResumeSettings("anthropic", "claude", 10, 4)
     s = settings_from_env({"OPENCODE_RESUME_DELAY_MS": "10", "UNBROKEN_RESUME_DELAY_MS": "20"})
     assert s.delay_ms == 20  # UNBROKEN_ wins
@@ -219,14 +273,29 @@ def test_settings_from_env_defaults_aliases_and_precedence() -> None:
 
 def test_resume_body_resends_the_users_own_prompt() -> None:
     message = {
-        "info": {"id": "msg_u1", "role": "user", "agent": "plan", "system": "be brief",
-                 "model": {"providerID": "fake", "modelID": "m", "variant": "high"}},
+        "info": {
+            "id": "msg_u1",
+            "role": "user",
+            "agent": "plan",
+            "system": "be brief",
+            "model": {"providerID": "fake", "modelID": "m", "variant": "high"},
+        },
         "parts": [
-            {"id": "prt_1", "sessionID": SID, "messageID": "msg_u1", "type": "text",
-             "text": "fix the bug"},
+            {
+                "id": "prt_1",
+                "sessionID": SID,
+                "messageID": "msg_u1",
+                "type": "text",
+                "text": "fix the bug",
+            },
             {"id": "prt_2", "type": "text", "text": "Called the Read tool", "synthetic": True},
-            {"id": "prt_3", "type": "file", "mime": "text/plain", "url": "file:///a.py",
-             "filename": "a.py"},
+            {
+                "id": "prt_3",
+                "type": "file",
+                "mime": "text/plain",
+                "url": "file:///a.py",
+                "filename": "a.py",
+            },
         ],
     }
     assert resume_body(message) == {
@@ -321,11 +390,17 @@ class FakeOpenCode:
 async def fake() -> AsyncIterator[FakeOpenCode]:
     server = FakeOpenCode()
     await server.start()
-    server.messages[SID] = [{
-        "info": {"id": "msg_u1", "role": "user", "agent": "build",
-                 "model": {"providerID": "fake", "modelID": "fake-model"}},
-        "parts": [{"id": "prt_u", "type": "text", "text": "say hi"}],
-    }]
+    server.messages[SID] = [
+        {
+            "info": {
+                "id": "msg_u1",
+                "role": "user",
+                "agent": "build",
+                "model": {"providerID": "fake", "modelID": "fake-model"},
+            },
+            "parts": [{"id": "prt_u", "type": "text", "text": "say hi"}],
+        }
+    ]
     yield server
     server.drop_streams()
     await server.runner.cleanup()
@@ -355,8 +430,16 @@ async def until(predicate: Any, limit_s: float = 5.0) -> None:
 
 
 def failed_turn(uid: str = "msg_u1", aid: str = "msg_a1") -> list[dict[str, Any]]:
-    return [user(uid), status("busy"), assistant(aid), text(aid), RETRY, status("busy"),
-            ev("session.error", error=RELAY_ERROR), *IDLE]
+    return [
+        user(uid),
+        status("busy"),
+        assistant(aid),
+        text(aid),
+        RETRY,
+        status("busy"),
+        ev("session.error", error=RELAY_ERROR),
+        *IDLE,
+    ]
 
 
 async def test_a_dead_turn_is_resumed_with_the_users_prompt(
@@ -367,11 +450,16 @@ async def test_a_dead_turn_is_resumed_with_the_users_prompt(
     fake.emit(*failed_turn())
     async with asyncio.timeout(5):
         await fake.prompted.wait()
-    assert fake.prompts == [(SID, {
-        "parts": [{"type": "text", "text": "say hi"}],
-        "model": {"providerID": "fake", "modelID": "fake-model"},
-        "agent": "build",
-    })]
+    assert fake.prompts == [
+        (
+            SID,
+            {
+                "parts": [{"type": "text", "text": "say hi"}],
+                "model": {"providerID": "fake", "modelID": "fake-model"},
+                "agent": "build",
+            },
+        )
+    ]
     await until(lambda: bool(resumer.outcomes))
     assert resumer.outcomes == [(SID, "resumed")] and resumer.resumes == 1
     await stopped(resumer, task)
@@ -532,16 +620,25 @@ async def test_an_unreachable_server_is_named_at_once(
         (["--opencode", "http://"], "--opencode: expected an http"),
         (["--opencode", "http://u:p@127.0.0.1:4096"], "--opencode: credentials in the URL"),
         (["--opencode", "ws://127.0.0.1:4096"], "--opencode: expected an http:// or https://"),
-        (["--opencode", "http://127.0.0.1:4096", "--delay-ms", "-5"],
-         "--delay-ms must not be negative, got -5"),
-        (["--opencode", "http://127.0.0.1:4096", "--max-attempts", "-1"],
-         "--max-attempts must not be negative, got -1"),
+        (
+            ["--opencode", "http://127.0.0.1:4096", "--delay-ms", "-5"],
+            "--delay-ms must not be negative, got -5",
+        ),
+        (
+            ["--opencode", "http://127.0.0.1:4096", "--max-attempts", "-1"],
+            "--max-attempts must not be negative, got -1",
+        ),
     ],
 )
 async def test_cli_refuses_bad_input_in_one_line(args: list[str], says: str) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", "resume", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "unbroken",
+        "resume",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2
@@ -553,8 +650,14 @@ async def test_cli_refuses_bad_input_in_one_line(args: list[str], says: str) -> 
 async def test_cli_says_at_once_when_opencode_is_unreachable(unused_tcp_port: int) -> None:
     url = f"http://127.0.0.1:{unused_tcp_port}"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", "resume", "--opencode", url,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "unbroken",
+        "resume",
+        "--opencode",
+        url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     assert proc.stderr is not None
     seen = []

@@ -10,8 +10,9 @@ from unbroken.relay.access import Access, Denied, Target, parse_target
 TOKEN = "tok-0123456789abcdef-XYZ"
 
 
-def _access(port: int = 4780, host: str = "127.0.0.1", token: str | None = None,
-            **server: object) -> Access:
+def _access(
+    port: int = 4780, host: str = "127.0.0.1", token: str | None = None, **server: object
+) -> Access:
     env = {"UNBROKEN_TOKEN": token} if token else {}
     cfg = parse_config({"server": {"host": host, **server}}, env=env)
     return Access(cfg, port)
@@ -146,8 +147,12 @@ def test_check_order_and_token() -> None:
     assert _check(a, "/healthz", good, open_path=True) is None
     # Host before Origin before token: a rebinding page learns nothing about the token
     assert _check(a, "/mock/v1/x", {"host": "evil.example:4780"}) == 421
-    assert _check(a, "/mock/v1/x", {**good, "origin": "https://evil.example",
-                                    "x-unbroken-token": TOKEN}) == 403
+    assert (
+        _check(
+            a, "/mock/v1/x", {**good, "origin": "https://evil.example", "x-unbroken-token": TOKEN}
+        )
+        == 403
+    )
     # without a token configured, no token is asked for
     assert _check(_access(), "/mock/v1/x", good) is None
 

@@ -27,8 +27,12 @@ PATHS = {"chat": "v1/chat/completions", "responses": "v1/responses", "anthropic"
 BODIES: dict[str, dict[str, Any]] = {
     "chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True},
     "responses": {"model": "m", "input": "hi", "stream": True},
-    "anthropic": {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}],
-                  "stream": True},
+    "anthropic": {
+        "model": "m",
+        "max_tokens": 9,
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+    },
 }
 STREAM = {"first_frame_timeout_s": 0.3, "idle_timeout_s": 0.3}
 FAULTS = ["reset", "end", "stall", "malformed", "error_event", "status", "close_before_headers"]
@@ -88,8 +92,11 @@ async def _scenario(proto: str, reply: str, schedule: list[tuple[str, int]]) -> 
     assert commit_at is not None
     frame_faults = {"reset", "end", "stall", "malformed", "error_event"}
     fatal = next(
-        (i for i, (f, k) in enumerate(schedule)
-         if f in frame_faults and min(k, len(frames) - 1) >= commit_at),
+        (
+            i
+            for i, (f, k) in enumerate(schedule)
+            if f in frame_faults and min(k, len(frames) - 1) >= commit_at
+        ),
         None,
     )
     if fatal is None:
@@ -107,8 +114,8 @@ async def _scenario(proto: str, reply: str, schedule: list[tuple[str, int]]) -> 
         return  # the turn had completed before the fault: a complete answer
     # invariant 4: the rest is exactly the native error, and no success terminal
     assert not any(kinds & Kind.TERMINAL_OK for _, kinds, _ in seen)
-    tail = _classify(proto, got[len(expected):])
-    assert len(tail) == (2 if proto == "responses" else 1), got[len(expected):]
+    tail = _classify(proto, got[len(expected) :])
+    assert len(tail) == (2 if proto == "responses" else 1), got[len(expected) :]
     assert all(kinds & Kind.TERMINAL_ERROR for _, kinds, _ in tail)
     assert b"unbroken" in tail[-1][0]
     # invariant 2: no tool call left partial in what was released

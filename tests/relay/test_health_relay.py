@@ -105,8 +105,11 @@ async def test_an_open_breaker_sends_nothing_to_the_dead_upstream_until_the_prob
                 assert (await chat(http, server.url))[0] == 200
             assert time.monotonic() - t0 < 4.0, "too slow to test before the probe"
             assert dead.accepted == 5  # zero connection attempts while open
-            await until(lambda: server.relay.board.blocked_until(
-                f"mock|{dead.url}", time.monotonic()) == 0.0)
+            await until(
+                lambda: (
+                    server.relay.board.blocked_until(f"mock|{dead.url}", time.monotonic()) == 0.0
+                )
+            )
             for _ in range(10):
                 assert (await chat(http, server.url))[0] == 200
             assert dead.accepted == 6  # exactly one probe; it failed: open again
@@ -114,8 +117,9 @@ async def test_an_open_breaker_sends_nothing_to_the_dead_upstream_until_the_prob
             [up] = [u for u in status["upstreams"] if u["upstream"] == dead.url]
             assert up["breaker"] == "open" and up["open_until"] > time.time()
             metrics = await (await http.get(server.url + "/metrics")).text()
-            assert (f'unbroken_upstream_state{{route="mock",state="open",upstream="{dead.url}"}}'
-                    ' 1.0') in metrics
+            assert (
+                f'unbroken_upstream_state{{route="mock",state="open",upstream="{dead.url}"}} 1.0'
+            ) in metrics
             assert "unbroken_breaker_transitions_total{" in metrics
 
 
@@ -133,8 +137,10 @@ async def test_a_down_upstream_parks_turns_and_they_all_complete_when_it_returns
 
         await until(parked)
         metrics = await (await http.get(server.url + "/metrics")).text()
-        assert any(line.startswith("unbroken_parked_turns ") and float(line.split()[1]) >= 9
-                   for line in metrics.splitlines())
+        assert any(
+            line.startswith("unbroken_parked_turns ") and float(line.split()[1]) >= 9
+            for line in metrics.splitlines()
+        )
         opened_at = len(mock.requests)
         await asyncio.sleep(max(0.0, down_s - (time.monotonic() - t0)))  # the outage itself
         during = len(mock.requests) - opened_at
@@ -177,9 +183,7 @@ async def test_the_relays_own_final_errors_say_do_not_retry(mock, http):
                 assert r.status == 502 and r.headers["x-should-retry"] == "false"
 
 
-async def test_sticky_sessions_stay_on_one_upstream_and_spread_across_sessions(
-    mock, mock2, http
-):
+async def test_sticky_sessions_stay_on_one_upstream_and_spread_across_sessions(mock, mock2, http):
     async with RelayServer(config([mock.url, mock2.url])) as server:
         for _ in range(20):
             assert (await chat(http, server.url, **{"x-session-id": "one"}))[0] == 200
@@ -192,9 +196,7 @@ async def test_sticky_sessions_stay_on_one_upstream_and_spread_across_sessions(
 
 
 @pytest.mark.parametrize("encoding", [None, "gzip"])
-async def test_a_body_prompt_cache_key_is_a_sticky_session_gzip_or_not(
-    mock, mock2, http, encoding
-):
+async def test_a_body_prompt_cache_key_is_a_sticky_session_gzip_or_not(mock, mock2, http, encoding):
     """Codex sends ``prompt_cache_key`` in the body; Claude Code may gzip its body."""
     async with RelayServer(config([mock.url, mock2.url])) as server:
         for i in range(40):  # 10 turns of one session, then 30 sessions
@@ -256,10 +258,14 @@ async def test_a_failover_to_another_vendor_rewrites_the_model(mock, mock2, http
     data = {
         "retry": {"delay_ms": 5},
         "journal": {"enabled": False},
-        "routes": {"mock": {"upstreams": [
-            {"url": mock.url},
-            {"url": mock2.url, "models": {"m": "vendor/m-large"}},
-        ]}},
+        "routes": {
+            "mock": {
+                "upstreams": [
+                    {"url": mock.url},
+                    {"url": mock2.url, "models": {"m": "vendor/m-large"}},
+                ]
+            }
+        },
     }
     cfg = dataclasses.replace(parse_config(data, env={}), port=0, grace_s=2.0)
     mock.script([{"status": 503}])
@@ -292,11 +298,19 @@ def test_health_config_defaults() -> None:
     cfg = parse_config({}, env={})
     h = cfg.health
     assert (h.failures_to_open, h.open_s, h.max_open_s, h.quota_cooloff_s, h.store) == (
-        5, 0.25, 0.5, 3600.0, ""
+        5,
+        0.25,
+        0.5,
+        3600.0,
+        "",
     )
     r = cfg.retry
     assert (r.backoff, r.delay_ms, r.pace_floor_per_s, r.pace_ratio, r.pace_burst) == (
-        "fixed", 250, 0.0, 1.0, 10.0
+        "fixed",
+        250,
+        0.0,
+        1.0,
+        10.0,
     )
     assert r.pace_settings().floor_per_s == 4.0  # 1000 / delay_ms: a lone turn's own pace
     # a config from before the pacer still loads: its budget becomes the pacer's ratio
@@ -331,8 +345,10 @@ async def test_the_journal_records_how_each_upstream_was_chosen_and_breaker_tran
         events = db.execute("SELECT route, upstream, kind, reason FROM upstream_events").fetchall()
     choices = [(n, up == dead_url, choice) for _, n, up, choice in rows]
     assert choices == [
-        (1, True, "first"), (2, False, "rotated"),
-        (1, True, "first"), (2, False, "rotated"),
+        (1, True, "first"),
+        (2, False, "rotated"),
+        (1, True, "first"),
+        (2, False, "rotated"),
         (1, False, "breaker_skip"),
     ]
     assert [(r, u, k) for r, u, k, _ in events] == [("mock", dead_url, "open")]
@@ -417,9 +433,7 @@ async def test_a_line_is_logged_once_when_it_forms_and_once_when_it_clears(mock,
     """Every long wait is visible in the logs too: one line per upstream's line, not
     one per waiting turn."""
     caplog.set_level("INFO", logger="unbroken")
-    cfg = config(
-        [mock.url], health={"failures_to_open": 1, "open_s": 0.1, "max_open_s": 0.1}
-    )
+    cfg = config([mock.url], health={"failures_to_open": 1, "open_s": 0.1, "max_open_s": 0.1})
     mock.script([{"status": 503, "count": 20}])
     async with RelayServer(cfg) as server:
         results = await asyncio.gather(*[chat(http, server.url) for _ in range(20)])

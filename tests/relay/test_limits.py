@@ -45,7 +45,8 @@ def _request(server: RelayServer, body: bytes = b"", close: bool = False) -> byt
     return (
         f"POST /mock/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        + ("Connection: close\r\n" if close else "") + "\r\n"
+        + ("Connection: close\r\n" if close else "")
+        + "\r\n"
     ).encode() + body
 
 
@@ -149,9 +150,10 @@ async def test_connections_beyond_the_cap_get_503_at_once(mock):
         # a slot frees: the next request is served
         silent.pop()[1].close()
         await asyncio.wait_for(guard.wait_connections(lambda n: n < 3), 10)
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{server.url}/mock/v1/chat/completions", json=CHAT
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{server.url}/mock/v1/chat/completions", json=CHAT) as r,
+        ):
             assert r.status == 200
     finally:
         for _, w in silent:
@@ -164,10 +166,12 @@ async def test_accept_exhaustion_is_logged_once_a_minute(caplog):
     install_accept_log_limiter(loop)
     caplog.set_level(logging.DEBUG)
     for _ in range(500):
-        loop.call_exception_handler({
-            "message": "socket.accept() out of system resource",
-            "exception": OSError(errno.EMFILE, "Too many open files"),
-        })
+        loop.call_exception_handler(
+            {
+                "message": "socket.accept() out of system resource",
+                "exception": OSError(errno.EMFILE, "Too many open files"),
+            }
+        )
     lines = [r for r in caplog.records if "accept()" in r.getMessage()]
     assert len(lines) == 1 and lines[0].exc_info is None
     assert "Too many open files" in lines[0].getMessage()
@@ -189,8 +193,17 @@ async def test_slowloris_with_a_low_fd_limit_does_not_starve_clients(mock, tmp_p
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
     env["XDG_STATE_HOME"] = str(tmp_path)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        sys.executable,
+        "-m",
+        "unbroken",
+        "serve",
+        "--config",
+        str(cfg),
+        "--port",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
         preexec_fn=_low_fd_limit,
     )
     assert proc.stdout is not None and proc.stderr is not None
@@ -266,14 +279,14 @@ async def test_fifty_megabyte_sse_line_fails_the_attempt_quickly(tmp_path: Path)
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     up = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    cfg = make_config([{"url": up}], retry={"max_attempts": 2},
-                      stream={"max_event_bytes": 4 << 20})
+    cfg = make_config([{"url": up}], retry={"max_attempts": 2}, stream={"max_event_bytes": 4 << 20})
     server, rec = await start_relay(cfg)
     try:
         t0 = time.monotonic()
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{server.url}/mock/v1/chat/completions", json={**CHAT, "stream": True}
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{server.url}/mock/v1/chat/completions", json={**CHAT, "stream": True}) as r,
+        ):
             body = await r.read()
         took = time.monotonic() - t0
         assert took < 10, took
@@ -302,7 +315,11 @@ def test_the_cap_fits_the_open_file_limit(limits, cap, soft_after):
         "resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits),
     ).stdout.split()
     assert [int(x) for x in out] == [cap, soft_after]

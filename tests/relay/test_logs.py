@@ -88,8 +88,17 @@ async def test_canary_key_appears_nowhere(mock, tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
     env.update(XDG_STATE_HOME=str(tmp_path / "state"), INJ=INJECTED, UNBROKEN_TOKEN=TOKEN)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        sys.executable,
+        "-m",
+        "unbroken",
+        "serve",
+        "--config",
+        str(cfg),
+        "--port",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
     )
     assert proc.stdout is not None
     ready = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
@@ -104,20 +113,39 @@ async def test_canary_key_appears_nowhere(mock, tmp_path: Path):
         timeout = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(timeout=timeout) as s:
             # retries with the canary as the client's key (logged while verbose)
-            mock.script([{"status": 503}, {"fault": "close_before_headers"},
-                         {"fault": "reset", "after_frame": 1}])
-            async with s.post(f"{base}/mock/v1/chat/completions", json=CHAT,
-                              headers={**ok, "Authorization": f"Bearer {CANARY}"}) as r:
+            mock.script(
+                [
+                    {"status": 503},
+                    {"fault": "close_before_headers"},
+                    {"fault": "reset", "after_frame": 1},
+                ]
+            )
+            async with s.post(
+                f"{base}/mock/v1/chat/completions",
+                json=CHAT,
+                headers={**ok, "Authorization": f"Bearer {CANARY}"},
+            ) as r:
                 assert r.status == 200
                 await r.read()
             # a client that goes away mid-stream
             mock.script([{"chunk_delay_ms": 200, "deltas": 20}])
-            async with s.post(f"{base}/mock/v1/chat/completions", json=CHAT,
-                              headers={**ok, "Authorization": f"Bearer {CANARY}"}) as r:
+            async with s.post(
+                f"{base}/mock/v1/chat/completions",
+                json=CHAT,
+                headers={**ok, "Authorization": f"Bearer {CANARY}"},
+            ) as r:
                 await r.content.readany()
             # an upstream error answer that echoes the injected key
-            mock.script([{"status": 400, "body": json.dumps(
-                {"error": {"message": f"bad key {INJECTED} / {CANARY}"}})}])
+            mock.script(
+                [
+                    {
+                        "status": 400,
+                        "body": json.dumps(
+                            {"error": {"message": f"bad key {INJECTED} / {CANARY}"}}
+                        ),
+                    }
+                ]
+            )
             async with s.post(f"{base}/mock/v1/chat/completions", json=CHAT, headers=ok) as r:
                 await r.read()
             async with s.get(f"{base}/status", headers=ok) as r:
@@ -130,16 +158,29 @@ async def test_canary_key_appears_nowhere(mock, tmp_path: Path):
     logs = ready + out.decode() + err.decode()
     journal = b"".join(p.read_bytes() for p in (tmp_path / "state").rglob("*") if p.is_file())
     stats = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", "stats", "--json", "--since", "all", "--journal",
+        sys.executable,
+        "-m",
+        "unbroken",
+        "stats",
+        "--json",
+        "--since",
+        "all",
+        "--journal",
         str(next((tmp_path / "state").rglob("journal.sqlite3"))),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
     )
     stats_out, stats_err = await asyncio.wait_for(stats.communicate(), 60)
     assert stats.returncode == 0, stats_err
     assert json.loads(stats_out)  # a real report
 
-    for where, text in (("logs", logs), ("status", status), ("metrics", metrics),
-                        ("stats", stats_out.decode() + stats_err.decode())):
+    for where, text in (
+        ("logs", logs),
+        ("status", status),
+        ("metrics", metrics),
+        ("stats", stats_out.decode() + stats_err.decode()),
+    ):
         for secret in (CANARY, INJECTED, TOKEN):
             assert secret not in text, (where, secret)
     for secret in (CANARY, INJECTED, TOKEN):
@@ -159,9 +200,15 @@ def test_filter_turns_client_aborts_into_info_lines() -> None:
     try:
         raise ClientGone()
     except ClientGone:
-        record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1,
-                                   "Error handling request from %s", ("127.0.0.1",),
-                                   sys.exc_info())
+        record = logging.LogRecord(
+            "aiohttp.server",
+            logging.ERROR,
+            __file__,
+            1,
+            "Error handling request from %s",
+            ("127.0.0.1",),
+            sys.exc_info(),
+        )
     assert SafeLogFilter().filter(record)
     assert record.levelno == logging.INFO and record.exc_info is None
     assert record.getMessage() == (
@@ -171,13 +218,25 @@ def test_filter_turns_client_aborts_into_info_lines() -> None:
 
 def test_filter_drops_bytes_and_unsafe_arguments() -> None:
     record = logging.LogRecord(
-        "aiohttp.server", logging.ERROR, __file__, 1, "Data after close: %r from %s %s",
-        (f"b'{CANARY}'", "10.0.0.7", f"Authorization: Bearer {CANARY}"), None,
+        "aiohttp.server",
+        logging.ERROR,
+        __file__,
+        1,
+        "Data after close: %r from %s %s",
+        (f"b'{CANARY}'", "10.0.0.7", f"Authorization: Bearer {CANARY}"),
+        None,
     )
     assert SafeLogFilter().filter(record)
     text = record.getMessage()
     assert CANARY not in text and "10.0.0.7" in text
-    record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1,
-                               f"Bad line b'{CANARY}\\n' more\nsecond line", (), None)
+    record = logging.LogRecord(
+        "aiohttp.server",
+        logging.ERROR,
+        __file__,
+        1,
+        f"Bad line b'{CANARY}\\n' more\nsecond line",
+        (),
+        None,
+    )
     assert SafeLogFilter().filter(record)
     assert CANARY not in record.getMessage() and "\n" not in record.getMessage()

@@ -73,8 +73,9 @@ async def test_openai_sdk_recipe(mock: Any, relay: str) -> None:
 
 async def test_anthropic_sdk_recipe(mock: Any, relay: str) -> None:
     # README: Anthropic(base_url="http://127.0.0.1:4780/anthropic")
-    client = anthropic.AsyncAnthropic(base_url=f"{relay}/anthropic", api_key="sk-ant-user",
-                                      max_retries=0)
+    client = anthropic.AsyncAnthropic(
+        base_url=f"{relay}/anthropic", api_key="sk-ant-user", max_retries=0
+    )
     mock.script(FAULTS)
     async with client.messages.stream(
         model="claude-x", max_tokens=64, messages=[{"role": "user", "content": "hi"}]
@@ -103,15 +104,23 @@ async def test_claude_code_recipe(mock: Any, relay: str) -> None:
     mock.script(FAULTS)
     status, body = await _post(
         f"{base}/v1/messages?beta=true",
-        {"model": "claude-x", "max_tokens": 64, "stream": True,
-         "messages": [{"role": "user", "content": "hi"}]},
-        {"x-api-key": "sk-ant-user", "anthropic-version": "2023-06-01",
-         "anthropic-beta": "interleaved-thinking-2025-05-14"},
+        {
+            "model": "claude-x",
+            "max_tokens": 64,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        {
+            "x-api-key": "sk-ant-user",
+            "anthropic-version": "2023-06-01",
+            "anthropic-beta": "interleaved-thinking-2025-05-14",
+        },
     )
     assert status == 200
     events = sse_json(body)
-    text = "".join(e["delta"].get("text", "") for e in events
-                   if e.get("type") == "content_block_delta")
+    text = "".join(
+        e["delta"].get("text", "") for e in events if e.get("type") == "content_block_delta"
+    )
     assert text == TEXT and events[-1]["type"] == "message_stop"
     assert mock.requests[-1].path == "/v1/messages"
     assert mock.requests[-1].query.get("beta") == "true"
@@ -131,8 +140,10 @@ async def test_codex_cli_recipe(mock: Any, relay: str) -> None:
     assert status == 200
     events = sse_json(body)
     assert events[-1]["type"] == "response.completed"
-    assert "".join(e.get("delta", "") for e in events
-                   if e.get("type") == "response.output_text.delta") == TEXT
+    assert (
+        "".join(e.get("delta", "") for e in events if e.get("type") == "response.output_text.delta")
+        == TEXT
+    )
     assert mock.requests[-1].path == "/v1/responses"
 
 
@@ -151,8 +162,9 @@ async def test_aider_and_litellm_recipe(mock: Any, relay: str, stream: bool) -> 
     assert status == 200
     if stream:
         chunks = sse_json(body)
-        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
-                       if c.get("choices"))
+        text = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")
+        )
     else:
         text = json.loads(body)["choices"][0]["message"]["content"]
     assert text == TEXT

@@ -93,8 +93,7 @@ async def test_a_retry_after_seen_by_one_instance_steers_the_other_at_once(
 
 async def test_exactly_one_instance_probes_a_half_open_upstream(redis_server, mock):
     async with DeadPort() as dead:
-        cfg = fleet_config([dead.url, mock.url], redis_server.url,
-                           failures_to_open=2, open_s=1.0)
+        cfg = fleet_config([dead.url, mock.url], redis_server.url, failures_to_open=2, open_s=1.0)
         async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
             await until(lambda: up(a))
             await until(lambda: up(b))
@@ -104,7 +103,6 @@ async def test_exactly_one_instance_probes_a_half_open_upstream(redis_server, mo
             await until(lambda: b.relay.board.state(key, time.monotonic()) == "open", cap=2)
             assert dead.accepted == 2
             await until(lambda: a.relay.board.blocked_until(key, time.monotonic()) == 0.0)
-
 
             async def probed() -> bool:
                 results = await asyncio.gather(
@@ -160,8 +158,13 @@ async def test_the_fleets_failure_rate_opens_a_breaker_no_instance_could_alone(
     redis_server, mock, mock2
 ):
     # each instance sees 6 failing turns: under min_window_attempts (10) alone, over together
-    cfg = fleet_config([mock.url, mock2.url], redis_server.url, failures_to_open=100,
-                       min_window_attempts=10, failure_rate_to_open=0.5)
+    cfg = fleet_config(
+        [mock.url, mock2.url],
+        redis_server.url,
+        failures_to_open=100,
+        min_window_attempts=10,
+        failure_rate_to_open=0.5,
+    )
     async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
         await until(lambda: up(a))
         await until(lambda: up(b))
@@ -177,9 +180,7 @@ async def test_the_fleets_failure_rate_opens_a_breaker_no_instance_could_alone(
         assert status["store"]["fleet_window"][key][1] == 12
 
 
-async def test_relays_with_turns_waiting_on_one_upstream_split_its_pacers_floor(
-    redis_server, mock
-):
+async def test_relays_with_turns_waiting_on_one_upstream_split_its_pacers_floor(redis_server, mock):
     """Issue 22: however many turns wait, a dead upstream gets a bounded rate of retries
     from the whole fleet, not from every relay: the relays that have turns in its line
     split the floor (and a value in Redis that is not a relay's mark counts as nobody)."""

@@ -42,7 +42,9 @@ class Capture:
     def __init__(self) -> None:
         self.seen: list[Seen] = []
         self.reply: tuple[int, dict[str, str], bytes] = (
-            200, {"Content-Type": "application/json"}, b'{"ok": true}'
+            200,
+            {"Content-Type": "application/json"},
+            b'{"ok": true}',
         )
         self._runner: web.ServerRunner | None = None
         self.url = ""
@@ -87,8 +89,10 @@ async def _raw(url: str, request: bytes) -> tuple[int, bytes]:
 
 
 def _req(path: str, host: str, extra: str = "", body: bytes = b"") -> bytes:
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
+    )
     return head.encode("latin-1") + body
 
 
@@ -113,8 +117,11 @@ async def test_websocket_from_a_web_page_is_refused(mock, caplog):
             assert mock.upgrades == [] and mock.requests == []
             # the same socket without an Origin (an agent, an SDK) works
             async with s.ws_connect(url) as ws:
-                await ws.send_str(json.dumps({"type": "response.create", "model": "m",
-                                              "input": "hi", "store": False}))
+                await ws.send_str(
+                    json.dumps(
+                        {"type": "response.create", "model": "m", "input": "hi", "store": False}
+                    )
+                )
                 kinds = []
                 while not kinds or kinds[-1] != "response.completed":
                     kinds.append(json.loads((await ws.receive(timeout=10)).data)["type"])
@@ -130,23 +137,42 @@ async def test_dns_rebinding_host_and_foreign_origin_are_refused(mock):
     cfg = make_config([{"url": mock.url, "api_key_env": "K"}], env={"K": KEY})
     server, _ = await start_relay(cfg)
     try:
-        mock.set_default({"headers": {"Access-Control-Allow-Origin": "*",
-                                      "Access-Control-Allow-Credentials": "true"}})
+        mock.set_default(
+            {
+                "headers": {
+                    "Access-Control-Allow-Origin": "*",
+                    "Access-Control-Allow-Credentials": "true",
+                }
+            }
+        )
         body = json.dumps(CHAT).encode()
         port = server.port
-        status, answer = await _raw(server.url, _req(
-            "/mock/v1/chat/completions", f"attacker-rebind.example:{port}",
-            "Origin: http://attacker-rebind.example:4780\r\n", body))
+        status, answer = await _raw(
+            server.url,
+            _req(
+                "/mock/v1/chat/completions",
+                f"attacker-rebind.example:{port}",
+                "Origin: http://attacker-rebind.example:4780\r\n",
+                body,
+            ),
+        )
         assert status == 421 and b"access-control" not in answer.lower()
-        status, answer = await _raw(server.url, _req(
-            "/mock/v1/chat/completions", _hostport(server),
-            "Origin: https://evil.example\r\n", body))
+        status, answer = await _raw(
+            server.url,
+            _req(
+                "/mock/v1/chat/completions",
+                _hostport(server),
+                "Origin: https://evil.example\r\n",
+                body,
+            ),
+        )
         assert status == 403 and b"access-control" not in answer.lower()
         assert mock.requests == []  # nothing reached the provider, no key was spent
         # an agent (no Origin, a local Host) gets the answer, without the CORS headers
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{server.url}/mock/v1/chat/completions", json=CHAT
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{server.url}/mock/v1/chat/completions", json=CHAT) as r,
+        ):
             assert r.status == 200
             assert not [h for h in r.headers if h.lower().startswith("access-control-")]
             await r.read()
@@ -162,15 +188,22 @@ async def test_allowed_origin_gets_cors_from_the_relay_only(mock):
     try:
         mock.set_default({"headers": {"Access-Control-Allow-Origin": "*"}})
         async with aiohttp.ClientSession() as s:
-            async with s.options(f"{server.url}/mock/v1/chat/completions", headers={
-                "Origin": "https://app.example.com",
-                "Access-Control-Request-Method": "POST",
-                "Access-Control-Request-Headers": "content-type, authorization"}) as r:
+            async with s.options(
+                f"{server.url}/mock/v1/chat/completions",
+                headers={
+                    "Origin": "https://app.example.com",
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "content-type, authorization",
+                },
+            ) as r:
                 assert r.status == 204
                 assert r.headers["Access-Control-Allow-Origin"] == "https://app.example.com"
                 assert "authorization" in r.headers["Access-Control-Allow-Headers"]
-            async with s.post(f"{server.url}/mock/v1/chat/completions", json=CHAT,
-                              headers={"Origin": "https://app.example.com"}) as r:
+            async with s.post(
+                f"{server.url}/mock/v1/chat/completions",
+                json=CHAT,
+                headers={"Origin": "https://app.example.com"},
+            ) as r:
                 assert r.status == 200
                 assert r.headers["Access-Control-Allow-Origin"] == "https://app.example.com"
                 await r.read()
@@ -186,6 +219,7 @@ async def test_token_on_every_request_healthz_open(mock):
     server, _ = await start_relay(cfg)
     try:
         async with aiohttp.ClientSession() as s:
+
             async def status(method: str, path: str, **kw: Any) -> int:
                 async with s.request(method, f"{server.url}{path}", **kw) as r:
                     await r.read()
@@ -197,19 +231,25 @@ async def test_token_on_every_request_healthz_open(mock):
             assert await status("GET", "/nowhere") == 401  # no route list for strangers
             assert await status("GET", "/healthz") == 200
             ok = {"x-unbroken-token": TOKEN}
-            assert await status("POST", "/mock/v1/chat/completions", json=CHAT,
-                                headers=ok) == 200
+            assert await status("POST", "/mock/v1/chat/completions", json=CHAT, headers=ok) == 200
             assert await status("GET", "/status", headers=ok) == 200
             assert await status("GET", "/metrics", headers=ok) == 200
-            assert await status("POST", f"/t/{TOKEN}/mock/v1/chat/completions",
-                                json=CHAT) == 200
-            assert await status("POST", "/mock/v1/chat/completions", json=CHAT,
-                                headers={"x-unbroken-token": TOKEN[:-1] + "X"}) == 401
+            assert await status("POST", f"/t/{TOKEN}/mock/v1/chat/completions", json=CHAT) == 200
+            assert (
+                await status(
+                    "POST",
+                    "/mock/v1/chat/completions",
+                    json=CHAT,
+                    headers={"x-unbroken-token": TOKEN[:-1] + "X"},
+                )
+                == 401
+            )
             with pytest.raises(aiohttp.WSServerHandshakeError) as info:
                 await s.ws_connect(server.url.replace("http", "ws") + "/mock/v1/responses")
             assert info.value.status == 401
-            async with s.ws_connect(server.url.replace("http", "ws") + "/mock/v1/responses",
-                                    headers=ok):
+            async with s.ws_connect(
+                server.url.replace("http", "ws") + "/mock/v1/responses", headers=ok
+            ):
                 pass
         # the token never goes upstream
         assert all("x-unbroken-token" not in r.headers for r in mock.requests)
@@ -225,8 +265,7 @@ async def test_non_loopback_bind_without_token_refuses_to_start():
         with pytest.raises(ValueError, match="UNBROKEN_TOKEN"):
             await RelayServer(cfg).start()
     # an empty host is loopback, never every interface
-    server = RelayServer(dataclasses.replace(make_config([{"url": "http://127.0.0.1:9"}]),
-                                             host=""))
+    server = RelayServer(dataclasses.replace(make_config([{"url": "http://127.0.0.1:9"}]), host=""))
     await server.start()
     try:
         assert server.url.startswith("http://127.0.0.1:")
@@ -239,11 +278,19 @@ async def test_keyed_route_forwards_no_client_key(mock):
     cfg = make_config([{"url": mock.url, "api_key_env": "K"}], env={"K": KEY})
     server, _ = await start_relay(cfg)
     try:
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{server.url}/mock/v1/chat/completions", json=CHAT,
-            headers={"Authorization": "Bearer sk-client-a", "api-key": "sk-client-b",
-                     "x-goog-api-key": "sk-client-c", "x-api-key": "sk-client-d"},
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{server.url}/mock/v1/chat/completions",
+                json=CHAT,
+                headers={
+                    "Authorization": "Bearer sk-client-a",
+                    "api-key": "sk-client-b",
+                    "x-goog-api-key": "sk-client-c",
+                    "x-api-key": "sk-client-d",
+                },
+            ) as r,
+        ):
             assert r.status == 200
         sent = mock.requests[0].headers
         assert sent["Authorization"] == f"Bearer {KEY}"
@@ -292,8 +339,9 @@ async def test_path_and_query_go_upstream_still_encoded(capture, path, upstream_
 )
 async def test_bad_request_targets_get_400_and_never_reach_upstream(capture, path, caplog):
     caplog.set_level(logging.DEBUG)
-    cfg = make_config([{"url": capture.url + "/base", "api_key_env": "K"}], env={"K": KEY},
-                      route="cap")
+    cfg = make_config(
+        [{"url": capture.url + "/base", "api_key_env": "K"}], env={"K": KEY}, route="cap"
+    )
     server, _ = await start_relay(cfg)
     try:
         status, answer = await _raw(server.url, _req(path, _hostport(server)))
@@ -311,10 +359,14 @@ async def test_a_gzip_body_is_read_as_a_copy_for_streaming_and_model_renames(moc
     server, rec = await start_relay(cfg)
     gz = gzip.compress(json.dumps({**CHAT, "model": "alias", "stream": True}).encode())
     try:
-        async with aiohttp.ClientSession(auto_decompress=False) as s, s.post(
-            f"{server.url}/mock/v1/chat/completions", data=gz,
-            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
-        ) as r:
+        async with (
+            aiohttp.ClientSession(auto_decompress=False) as s,
+            s.post(
+                f"{server.url}/mock/v1/chat/completions",
+                data=gz,
+                headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+            ) as r,
+        ):
             assert r.status == 200
             assert r.headers["Content-Type"].startswith("text/event-stream")
             assert (await r.read()).endswith(b"data: [DONE]\n\n")
@@ -338,14 +390,20 @@ async def test_gzip_request_body_arrives_byte_identical(capture):
     assert len(gz) < 10_000
     try:
         async with aiohttp.ClientSession(auto_decompress=False) as s:
-            async with s.post(f"{server.url}/cap/v1/chat/completions", data=gz, headers={
-                    "Content-Type": "application/json", "Content-Encoding": "gzip"}) as r:
+            async with s.post(
+                f"{server.url}/cap/v1/chat/completions",
+                data=gz,
+                headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+            ) as r:
                 assert r.status == 200
             # max_body_mb counts the bytes received, not what they would decompress to
             assert capture.seen[0].body == gz
             assert capture.seen[0].headers["Content-Encoding"] == "gzip"
-            async with s.post(f"{server.url}/cap/v1/chat/completions", data=payload, headers={
-                    "Content-Type": "application/json"}) as r:
+            async with s.post(
+                f"{server.url}/cap/v1/chat/completions",
+                data=payload,
+                headers={"Content-Type": "application/json"},
+            ) as r:
                 assert r.status == 413
         assert len(capture.seen) == 1
     finally:
@@ -357,16 +415,24 @@ async def test_gzip_request_body_arrives_byte_identical(capture):
 
 async def test_key_echoed_in_a_final_error_answer_is_redacted(capture, caplog):
     caplog.set_level(logging.DEBUG)
-    cfg = make_config([{"url": capture.url, "api_key_env": "K"}], env={"K": KEY},
-                      retry={"max_attempts": 2}, route="cap")
+    cfg = make_config(
+        [{"url": capture.url, "api_key_env": "K"}],
+        env={"K": KEY},
+        retry={"max_attempts": 2},
+        route="cap",
+    )
     server, _ = await start_relay(cfg)
     echo = json.dumps({"error": {"message": f"Rate limited for key {KEY}."}}).encode()
-    capture.reply = (429, {"Content-Type": "application/json",
-                           "Content-Length": str(len(echo))}, echo)
+    capture.reply = (
+        429,
+        {"Content-Type": "application/json", "Content-Length": str(len(echo))},
+        echo,
+    )
     try:
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{server.url}/cap/v1/chat/completions", json=CHAT
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{server.url}/cap/v1/chat/completions", json=CHAT) as r,
+        ):
             got = await r.read()
             assert r.status == 429
         assert KEY.encode() not in got and "sk-…REDACTED".encode() in got
@@ -382,9 +448,10 @@ async def test_key_echoed_in_a_passed_through_401_is_redacted(capture):
     echo = json.dumps({"error": {"message": f"Incorrect API key provided: {KEY}"}}).encode()
     capture.reply = (401, {"Content-Type": "application/json"}, echo)
     try:
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{server.url}/cap/v1/chat/completions", json=CHAT
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{server.url}/cap/v1/chat/completions", json=CHAT) as r,
+        ):
             got = await r.read()
             assert r.status == 401
         assert KEY.encode() not in got
@@ -403,14 +470,14 @@ async def test_an_upstream_cookie_never_goes_back_upstream(capture):
         b'{"ok": true}',
     )
     port = capture.url.rsplit(":", 1)[1]
-    server, _ = await start_relay(make_config([{"url": f"http://localhost:{port}"}],
-                                              route="cap"))
+    server, _ = await start_relay(make_config([{"url": f"http://localhost:{port}"}], route="cap"))
     try:
         async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
             for sent in (None, "mine=1", None):
                 headers = {} if sent is None else {"Cookie": sent}
-                async with http.post(f"{server.url}/cap/v1/chat/completions",
-                                     json=CHAT, headers=headers) as resp:
+                async with http.post(
+                    f"{server.url}/cap/v1/chat/completions", json=CHAT, headers=headers
+                ) as resp:
                     assert resp.status == 200
                     # the client that got it still sees what the provider set
                     assert "__cf_bm=upstream-set" in resp.headers.get("Set-Cookie", "")

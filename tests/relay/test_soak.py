@@ -24,12 +24,15 @@ pytestmark = pytest.mark.soak
 @pytest.mark.timeout(240)
 async def test_soak_60s_200_streams_with_faults() -> None:
     # warm-up: the first 30 s (allocator arenas, SQLite's page cache, aiohttp's caches fill)
-    report = await soak.run_soak(duration_s=60, streams=200, fault_rate=0.05, warmup_s=30,
-                                 sample_s=10)
+    report = await soak.run_soak(
+        duration_s=60, streams=200, fault_rate=0.05, warmup_s=30, sample_s=10
+    )
     c = report.counts
-    summary = (f"{c.turns} turns, {c.faults} faults, {c.recovered} recovered, "
-               f"{c.ended_with_error} ended with the error event, {c.aborted} aborted; "
-               f"samples {report.samples}; errors {c.errors}; stderr {report.stderr_tail}")
+    summary = (
+        f"{c.turns} turns, {c.faults} faults, {c.recovered} recovered, "
+        f"{c.ended_with_error} ended with the error event, {c.aborted} aborted; "
+        f"samples {report.samples}; errors {c.errors}; stderr {report.stderr_tail}"
+    )
     assert report.ok, "; ".join(report.failures) + " | " + summary
     assert c.turns >= 500 and c.faults >= 20, summary  # the load really ran
     assert c.recovered + c.ended_with_error >= c.faults // 2, summary

@@ -128,8 +128,8 @@ async def test_failure_after_commit_ends_with_native_error(mock, relay, proto, f
     got = await _fetch(f"{server.url}/mock/{PATHS[proto]}", BODIES[proto])
     prefix = b"".join(raw for raw, _ in frames[:k])
     assert got.startswith(prefix)
-    tail = SSESplitter().feed(got[len(prefix):])
-    assert b"".join(e.raw for e in tail) == got[len(prefix):]
+    tail = SSESplitter().feed(got[len(prefix) :])
+    assert b"".join(e.raw for e in tail) == got[len(prefix) :]
     assert len(tail) == (2 if proto == "responses" else 1)
     err = tail[-1]
     payload = json.loads(err.data or "")
@@ -182,15 +182,16 @@ async def test_hold_all_replays_after_output(mock):
 
 async def test_early_headers_and_keepalive_while_retrying(mock):
     stream = {**STREAM, "early_headers_s": 0.2, "keepalive_s": 0.1}
-    server, _ = await start_relay(make_config([{"url": mock.url}], retry={"delay_ms": 400,
-                                                 "backoff": "fixed"},
-                                             stream=stream))
+    server, _ = await start_relay(
+        make_config([{"url": mock.url}], retry={"delay_ms": 400, "backoff": "fixed"}, stream=stream)
+    )
     try:
         direct = await _direct(mock, "chat", "text")
         mock.script([{"status": 503}, {"status": 503}, {"reply": "text"}])
-        async with aiohttp.ClientSession() as s, s.post(
-            f"{server.url}/mock/{PATHS['chat']}", json=BODIES["chat"]
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{server.url}/mock/{PATHS['chat']}", json=BODIES["chat"]) as r,
+        ):
             assert r.status == 200  # sent early, while the relay still retried
             got = await r.read()
         assert got.startswith(b": keepalive\n\n")
@@ -201,9 +202,9 @@ async def test_early_headers_and_keepalive_while_retrying(mock):
 
 async def test_non_retryable_status_after_early_headers_is_an_error_event(mock):
     stream = {**STREAM, "early_headers_s": 0.1}
-    server, _ = await start_relay(make_config([{"url": mock.url}], retry={"delay_ms": 300,
-                                                 "backoff": "fixed"},
-                                             stream=stream))
+    server, _ = await start_relay(
+        make_config([{"url": mock.url}], retry={"delay_ms": 300, "backoff": "fixed"}, stream=stream)
+    )
     try:
         mock.script([{"status": 503}, {"status": 400}])
         got = await _fetch(f"{server.url}/mock/{PATHS['chat']}", BODIES["chat"])

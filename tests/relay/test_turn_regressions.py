@@ -60,9 +60,7 @@ async def relay_for(
     url: str, *, stream: dict[str, Any] | None = None, retry: dict[str, Any] | None = None
 ) -> AsyncIterator[tuple[Any, Recorder]]:
     """A relay in front of ``url``, with a short shutdown grace (a failing test ends fast)."""
-    cfg = dataclasses.replace(
-        make_config([{"url": url}], stream=stream, retry=retry), grace_s=1.0
-    )
+    cfg = dataclasses.replace(make_config([{"url": url}], stream=stream, retry=retry), grace_s=1.0)
     server, rec = await start_relay(cfg)
     try:
         yield server, rec
@@ -465,9 +463,10 @@ class HungWSUpstream:
 async def test_ws_stall_after_first_frames_is_replayed_within_idle_timeout():
     idle = 1.0
     messages = ws_messages_for({}, CREATE)
-    async with HungWSUpstream(messages) as up, relay_for(
-        up.url, stream={"idle_timeout_s": idle}
-    ) as (server, rec):
+    async with (
+        HungWSUpstream(messages) as up,
+        relay_for(up.url, stream={"idle_timeout_s": idle}) as (server, rec),
+    ):
         async with aiohttp.ClientSession() as s, s.ws_connect(_ws_url(server)) as ws:
             t0 = time.monotonic()
             got, ended = await _ws_turn(ws, CREATE, cap=idle + 3)
@@ -541,12 +540,19 @@ class CancellableWSUpstream:
                     if running:
                         running["cancelled"].set()
                     else:
-                        await ws.send_str(json.dumps({
-                            "type": "error", "status": 400,
-                            "error": {"type": "invalid_request_error",
-                                      "code": "no_active_response",
-                                      "message": "no response in progress to cancel"},
-                        }))
+                        await ws.send_str(
+                            json.dumps(
+                                {
+                                    "type": "error",
+                                    "status": 400,
+                                    "error": {
+                                        "type": "invalid_request_error",
+                                        "code": "no_active_response",
+                                        "message": "no response in progress to cancel",
+                                    },
+                                }
+                            )
+                        )
         finally:
             for task in tasks:
                 task.cancel()
@@ -572,28 +578,55 @@ class CancellableWSUpstream:
         await send("response.created", response=response)
         await send("response.in_progress", response=response)
         await send("response.output_item.added", output_index=0, item=item)
-        await send("response.content_part.added", item_id=item["id"], output_index=0,
-                   content_index=0, part=part)
-        await send("response.output_text.delta", item_id=item["id"], output_index=0,
-                   content_index=0, delta="Hello")
+        await send(
+            "response.content_part.added",
+            item_id=item["id"],
+            output_index=0,
+            content_index=0,
+            part=part,
+        )
+        await send(
+            "response.output_text.delta",
+            item_id=item["id"],
+            output_index=0,
+            content_index=0,
+            delta="Hello",
+        )
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.pause):
                 await cancelled.wait()
         running.clear()
         if cancelled.is_set():
-            await send("response.incomplete", response={
-                **response, "status": "incomplete", "incomplete_details": {"reason": "cancelled"},
-            })
+            await send(
+                "response.incomplete",
+                response={
+                    **response,
+                    "status": "incomplete",
+                    "incomplete_details": {"reason": "cancelled"},
+                },
+            )
             return
         text = {**part, "text": "Hello"}
-        await send("response.output_text.done", item_id=item["id"], output_index=0,
-                   content_index=0, text="Hello")
-        await send("response.content_part.done", item_id=item["id"], output_index=0,
-                   content_index=0, part=text)
+        await send(
+            "response.output_text.done",
+            item_id=item["id"],
+            output_index=0,
+            content_index=0,
+            text="Hello",
+        )
+        await send(
+            "response.content_part.done",
+            item_id=item["id"],
+            output_index=0,
+            content_index=0,
+            part=text,
+        )
         done_item = {**item, "status": "completed", "content": [text]}
         await send("response.output_item.done", output_index=0, item=done_item)
-        await send("response.completed",
-                   response={**response, "status": "completed", "output": [done_item]})
+        await send(
+            "response.completed",
+            response={**response, "status": "completed", "output": [done_item]},
+        )
 
 
 async def test_ws_cancel_reaches_upstream_at_once_and_next_turn_gets_its_own_events():
@@ -614,9 +647,7 @@ async def test_ws_cancel_reaches_upstream_at_once_and_next_turn_gets_its_own_eve
                     assert msg.type is WSMsgType.TEXT, msg
                     if json.loads(msg.data)["type"] in (*WS_TERMINALS, "error"):
                         break
-            delay = (
-                round(up.cancel_arrivals[0] - sent, 3) if up.cancel_arrivals else None
-            )
+            delay = round(up.cancel_arrivals[0] - sent, 3) if up.cancel_arrivals else None
             second, _ = await _ws_turn(ws, CREATE, cap=5)
     types = [e["type"] for e in second]
     assert delay is not None and delay <= 0.1, (
@@ -687,9 +718,9 @@ async def test_http_early_headers_reach_a_raw_client_on_time(mock):
 
 
 # -- 5. HTTP: a client that pauses reading is not cut as a stall ----------------------------
-async def _paused_reader(mock: Any, action: dict[str, Any], read_cap: float) -> tuple[
-    RawHTTP, Any, list[Any], float | None
-]:
+async def _paused_reader(
+    mock: Any, action: dict[str, Any], read_cap: float
+) -> tuple[RawHTTP, Any, list[Any], float | None]:
     """A reader that pauses for four idle timeouts after the first output, then reads
     the rest within ``read_cap``: (client, recorder, turns, when the body ended)."""
     stream = {
@@ -730,8 +761,11 @@ async def test_http_stall_after_a_slow_reader_resumes_is_still_caught(mock):
     # armed it again after the write, so a stall that followed was never caught (the
     # turn hung until the upstream gave up).
     action = {
-        "text": "x" * 12_000_000, "deltas": 12_000,
-        "fault": "stall", "after_frame": 11_000, "seconds": 30,
+        "text": "x" * 12_000_000,
+        "deltas": 12_000,
+        "fault": "stall",
+        "after_frame": 11_000,
+        "seconds": 30,
     }
     _, rec, turns, at = await _paused_reader(mock, action, read_cap=10)
     assert at is not None, (
@@ -746,9 +780,10 @@ async def test_http_stall_after_a_slow_reader_resumes_is_still_caught(mock):
 async def test_http_comment_only_stream_trips_first_frame_timeout():
     first = 1.0
     clean = frames_for("chat", {}, CHAT)
-    async with FakeUpstream(comments_forever, sse_answer(clean)) as up, relay_for(
-        up.url, stream={"first_frame_timeout_s": first}
-    ) as (server, rec):
+    async with (
+        FakeUpstream(comments_forever, sse_answer(clean)) as up,
+        relay_for(up.url, stream={"first_frame_timeout_s": first}) as (server, rec),
+    ):
         t0 = time.monotonic()
         client = await RawHTTP.post(server.url, f"/mock/{CHAT_PATH}", CHAT)
         try:
@@ -773,9 +808,10 @@ async def test_http_comment_only_stream_trips_first_frame_timeout():
 async def test_http_upstream_101_is_retried():
     plain = {k: v for k, v in CHAT.items() if k != "stream"}
     answer = b"".join(frames_for("chat", {}, plain))
-    async with FakeUpstream(switching_protocols, json_answer(answer)) as up, relay_for(
-        up.url
-    ) as (server, rec):
+    async with (
+        FakeUpstream(switching_protocols, json_answer(answer)) as up,
+        relay_for(up.url) as (server, rec),
+    ):
         client = await RawHTTP.post(server.url, f"/mock/{CHAT_PATH}", plain)
         try:
             head = await client.head(cap=4)

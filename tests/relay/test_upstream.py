@@ -39,8 +39,13 @@ def _h(**kv: str) -> CIMultiDict[str]:
 
 def test_keyed_route_forwards_no_other_key() -> None:
     """Review finding: api-key and x-goog-api-key went upstream next to the injected key."""
-    sent = _h(authorization="Bearer sk-client", x_api_key="sk-client2", api_key="sk-client3",
-              x_goog_api_key="sk-client4", openai_beta="b")
+    sent = _h(
+        authorization="Bearer sk-client",
+        x_api_key="sk-client2",
+        api_key="sk-client3",
+        x_goog_api_key="sk-client4",
+        openai_beta="b",
+    )
     out = request_headers(sent, KEYED, anthropic=False)
     assert out["Authorization"] == f"Bearer {KEY}"
     for h in ("x-api-key", "api-key", "x-goog-api-key"):
@@ -71,10 +76,12 @@ def test_key_goes_where_the_client_put_its_own(
 
 
 def test_declared_key_headers_are_dropped_too() -> None:
-    up = Upstream(url="https://a.example", api_key_env="K", api_key=KEY,
-                  key_headers=("x-custom-key",))
-    out = request_headers(_h(x_custom_key="sk-client", authorization="Bearer c"), up,
-                          anthropic=False)
+    up = Upstream(
+        url="https://a.example", api_key_env="K", api_key=KEY, key_headers=("x-custom-key",)
+    )
+    out = request_headers(
+        _h(x_custom_key="sk-client", authorization="Bearer c"), up, anthropic=False
+    )
     assert "x-custom-key" not in out and out["Authorization"] == f"Bearer {KEY}"
     only = request_headers(_h(x_custom_key="sk-client"), up, anthropic=False)
     assert only["x-custom-key"] == KEY and "authorization" not in only
@@ -89,8 +96,13 @@ def test_without_injection_client_credentials_pass_and_token_never() -> None:
 
 
 def test_upstream_cors_headers_are_dropped() -> None:
-    up = {"Access-Control-Allow-Origin": "*", "access-control-allow-credentials": "true",
-          "Content-Type": "application/json", "Content-Length": "5", "x-request-id": "r"}
+    up = {
+        "Access-Control-Allow-Origin": "*",
+        "access-control-allow-credentials": "true",
+        "Content-Type": "application/json",
+        "Content-Length": "5",
+        "x-request-id": "r",
+    }
     out = response_headers(up, keep_length=True)
     assert not [k for k in out if k.lower().startswith("access-control-")]
     assert out["content-length"] == "5" and out["x-request-id"] == "r"
@@ -130,8 +142,9 @@ RENAMES = Upstream(url="https://a.example", models={"m-1": "vendor/m-1"})
 def test_gzip_body_is_byte_identical_without_a_rename() -> None:
     gz = gzip.compress(json.dumps(CHAT).encode())
     assert body_for(gz, None, PLAIN) is gz
-    parsed = parse_body(gz, {"content-type": "application/json", "content-encoding": "gzip"},
-                        1 << 20)
+    parsed = parse_body(
+        gz, {"content-type": "application/json", "content-encoding": "gzip"}, 1 << 20
+    )
     assert parsed == CHAT
     assert body_for(gz, parsed, PLAIN, content_encoding="gzip") is gz
 
@@ -140,8 +153,14 @@ def test_gzip_body_is_byte_identical_without_a_rename() -> None:
 def test_a_rename_is_re_encoded_in_the_same_encoding(encoding: str | None) -> None:
     raw = json.dumps(CHAT).encode()
     body = {"gzip": gzip.compress, "deflate": zlib.compress}.get(encoding or "", bytes)(raw)
-    parsed = parse_body(body, {"content-type": "application/json",
-                               **({"content-encoding": encoding} if encoding else {})}, 1 << 20)
+    parsed = parse_body(
+        body,
+        {
+            "content-type": "application/json",
+            **({"content-encoding": encoding} if encoding else {}),
+        },
+        1 << 20,
+    )
     assert parsed == CHAT
     out = body_for(body, parsed, RENAMES, content_encoding=encoding)
     decoded = decoded_body(out, encoding, 1 << 20)
@@ -158,8 +177,10 @@ def test_decoding_is_bounded_and_never_raises() -> None:
     assert decoded_body(b"not gzip", "gzip", 100) is None
     assert decoded_body(b"x", "br", 100) is None
     assert decoded_body(gzip.compress(b"ab")[:-3], "gzip", 100) is None  # truncated
-    assert parse_body(b"x", {"content-type": "application/json", "content-encoding": "zstd"},
-                      10) is None
+    assert (
+        parse_body(b"x", {"content-type": "application/json", "content-encoding": "zstd"}, 10)
+        is None
+    )
     unknown = Upstream(url="https://a.example", models={"m-1": "x"})
     assert body_for(b"\x28\xb5", CHAT, unknown, content_encoding="zstd") == b"\x28\xb5"
 
@@ -177,8 +198,10 @@ def test_redact_replaces_every_known_secret() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(
-    prefix=st.binary(max_size=40), suffix=st.binary(max_size=40),
-    cuts=st.lists(st.integers(0, 200), max_size=8), times=st.integers(0, 3),
+    prefix=st.binary(max_size=40),
+    suffix=st.binary(max_size=40),
+    cuts=st.lists(st.integers(0, 200), max_size=8),
+    times=st.integers(0, 3),
 )
 def test_streaming_redactor_equals_redact_whatever_the_chunking(
     prefix: bytes, suffix: bytes, cuts: list[int], times: int

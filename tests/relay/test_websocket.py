@@ -195,9 +195,10 @@ async def test_concurrent_client_sockets(mock, relay):
         mock.script([{"fault": "reset", "after_frame": i % 5}, {}], key=f"k{i}")
 
     async def one(i: int) -> list[bytes]:
-        async with aiohttp.ClientSession() as s, s.ws_connect(
-            _ws_url(server), headers={"x-mock-key": f"k{i}"}
-        ) as ws:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.ws_connect(_ws_url(server), headers={"x-mock-key": f"k{i}"}) as ws,
+        ):
             return await _turn(ws, {**CREATE, "input": f"hi {i}"})
 
     results = await asyncio.gather(*(one(i) for i in range(n)))
@@ -229,9 +230,10 @@ async def test_pings_are_answered_while_retrying(mock):
     server, _ = await start_relay(cfg)
     try:
         mock.script([{"status": 503}])
-        async with aiohttp.ClientSession() as s, s.ws_connect(
-            _ws_url(server), autoping=False
-        ) as ws:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.ws_connect(_ws_url(server), autoping=False) as ws,
+        ):
             await ws.send_str(json.dumps(CREATE))
             await mock.wait_for_requests(1)
             await ws.ping(b"are-you-there")
@@ -251,15 +253,20 @@ def test_history_rebuilds_a_chain_only_off_its_socket() -> None:
 
     h = History()
     h.record({"input": "a"}, _resp("r1", "A"), socket=1)
-    h.record({"input": [{"role": "user", "content": "b"}], "previous_response_id": "r1"},
-             _resp("r2", "B"), socket=1)
+    h.record(
+        {"input": [{"role": "user", "content": "b"}], "previous_response_id": "r1"},
+        _resp("r2", "B"),
+        socket=1,
+    )
     nxt = {"type": "response.create", "input": "c", "previous_response_id": "r2", "store": False}
     assert h.request_for(nxt, socket=1) is nxt  # same socket: it still holds the state
     rebuilt = h.request_for(nxt, socket=2)
     assert "previous_response_id" not in rebuilt and rebuilt["store"] is False
     assert rebuilt["input"] == [
-        {"role": "user", "content": "a"}, *_resp("r1", "A")["output"],
-        {"role": "user", "content": "b"}, *_resp("r2", "B")["output"],
+        {"role": "user", "content": "a"},
+        *_resp("r1", "A")["output"],
+        {"role": "user", "content": "b"},
+        *_resp("r2", "B")["output"],
         {"role": "user", "content": "c"},
     ]
     assert h.request_for(nxt, socket=None) == rebuilt  # HTTP fallback: always self-contained

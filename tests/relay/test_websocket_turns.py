@@ -47,8 +47,7 @@ async def test_turns_on_one_socket_complete_even_when_the_upstream_reuses_ids(mo
 def _event(etype: str, rid: str, **extra: Any) -> str:
     body: dict[str, Any] = {"type": etype, **extra}
     if etype.startswith("response.") and "delta" not in etype:
-        body["response"] = {"id": rid, "object": "response", "status": "in_progress",
-                            "output": []}
+        body["response"] = {"id": rid, "object": "response", "status": "in_progress", "output": []}
     return json.dumps(body)
 
 
@@ -73,8 +72,11 @@ async def new_id_per_socket() -> AsyncIterator[str]:
                 assert request.transport is not None
                 request.transport.abort()  # cut before any output: a replay
                 break
-            await ws.send_str(json.dumps({"type": "response.output_text.delta",
-                                          "item_id": "m1", "delta": "hello"}))
+            await ws.send_str(
+                json.dumps(
+                    {"type": "response.output_text.delta", "item_id": "m1", "delta": "hello"}
+                )
+            )
             await ws.send_str(_event("response.completed", rid))
         return ws
 

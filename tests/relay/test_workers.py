@@ -42,9 +42,19 @@ async def start_fleet(tmp_path: Path, upstreams: list[str], workers: int = 2) ->
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0",
-        "--workers", str(workers),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        sys.executable,
+        "-m",
+        "unbroken",
+        "serve",
+        "--config",
+        str(cfg),
+        "--port",
+        "0",
+        "--workers",
+        str(workers),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
     )
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()

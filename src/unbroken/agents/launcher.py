@@ -74,9 +74,11 @@ def generic_plan(env: Mapping[str, str]) -> Launch:
         for var in names:
             out_env[var] = f"{RELAY}/{name}{version}"
     notes.append(
-        "run: not a known agent; setting " + ", ".join(out_env)
+        "run: not a known agent; setting "
+        + ", ".join(out_env)
         + " for the openai/anthropic SDKs and the tools built on them ("
-        + ", ".join(f"{n} -> {u}" for n, u in routes.items()) + ")"
+        + ", ".join(f"{n} -> {u}" for n, u in routes.items())
+        + ")"
     )
     return Launch("generic", routes=routes, env=out_env, notes=tuple(notes))
 
@@ -117,8 +119,11 @@ def print_env(
     shown = f"[{host}]" if ":" in host else host
     relay = f"http://{shown}:{base.port}"
     out.write(f"# unbroken run -- {command[0]}: point it at unbroken serve ({relay})\n")
-    missing = [n for n, u in launch.routes.items()
-               if n not in base.routes or base.routes[n].upstreams[0].url != u]
+    missing = [
+        n
+        for n, u in launch.routes.items()
+        if n not in base.routes or base.routes[n].upstreams[0].url != u
+    ]
     if missing:
         out.write("# routes to add to your unbroken config (--config / $UNBROKEN_CONFIG):\n")
         for name in missing:
@@ -131,12 +136,17 @@ def print_env(
     if args:
         out.write(shlex.join([command[0], *args, *command[1:]]) + "\n")
     for table, values in launch.clients.items():
-        out.write(f"# optional, for this agent's timers: [clients.{table}] "
-                  + ", ".join(f"{k} = {v}" for k, v in values.items()) + "\n")
+        out.write(
+            f"# optional, for this agent's timers: [clients.{table}] "
+            + ", ".join(f"{k} = {v}" for k, v in values.items())
+            + "\n"
+        )
     for name, text in launch.files.items():
         var = next((k for k, v in launch.env.items() if FILES in v and name in v), None)
-        out.write(f"# `unbroken run` points {var} at a private file (keep yours if it has "
-                  "this; Gemini CLI: or put it in ~/.gemini/settings.json):\n")
+        out.write(
+            f"# `unbroken run` points {var} at a private file (keep yours if it has "
+            "this; Gemini CLI: or put it in ~/.gemini/settings.json):\n"
+        )
         out.writelines(f"#   {line}\n" for line in text.splitlines())
 
 
@@ -192,8 +202,9 @@ def _interactive(command: Sequence[str], agent: str) -> bool:
     return False
 
 
-def run_cmd(command: Sequence[str], *, config: str | None, log_path: str | None,
-            print_only: bool) -> int:
+def run_cmd(
+    command: Sequence[str], *, config: str | None, log_path: str | None, print_only: bool
+) -> int:
     """`unbroken run -- <non-OpenCode command>` (called by the run subcommand)."""
     import os
 

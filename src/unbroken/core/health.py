@@ -497,7 +497,8 @@ class HealthBoard:
         return {
             "breaker": rec.state.value,
             "open_for_s": round(max(0.0, rec.open_until - now), 3)
-            if rec.state is Breaker.OPEN else 0.0,
+            if rec.state is Breaker.OPEN
+            else 0.0,
             "consecutive_failures": rec.consecutive_failures,
             "failure_rate": round(failed / total, 3) if total else 0.0,
             "window_attempts": total,

@@ -320,12 +320,7 @@ class Ledger:
         Then the decision is the same as frame by frame, and the counters are
         updated as `feed` would.  The caller feeds what follows the run one by one.
         """
-        if (
-            self.state is not State.COMMITTED
-            or self.open_tools
-            or self._held
-            or self.hold.all
-        ):
+        if self.state is not State.COMMITTED or self.open_tools or self._held or self.hold.all:
             return start
         frames, end = self._classifier.plain_prefix(chunk, start)
         if not frames:

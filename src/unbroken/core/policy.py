@@ -562,6 +562,5 @@ class RetryState:
 
     def _other_free(self, now: float) -> bool:
         return any(
-            i != self.current and self._blocked(i, now) <= 0.0
-            for i in range(self.n_upstreams)
+            i != self.current and self._blocked(i, now) <= 0.0 for i in range(self.n_upstreams)
         )

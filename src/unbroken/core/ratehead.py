@@ -244,4 +244,3 @@ def parse_rate_headers(
     if requests is None and tokens is None and output is None and retry_after is None:
         return RateHeaders(problems=tuple(c.problems)) if c.problems else NO_HEADERS
     return RateHeaders(requests, tokens, output, retry_after, tuple(c.problems))
-

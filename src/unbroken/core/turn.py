@@ -350,9 +350,7 @@ class GiveUp:
     data: bytes = b""
 
 
-Action = (
-    Open | Wait | Stream | PassThrough | ReadErrorBody | FinalInStream | End | GiveUp
-)
+Action = Open | Wait | Stream | PassThrough | ReadErrorBody | FinalInStream | End | GiveUp
 TimerAction = SendHeaders | Keepalive | AbortUpstream
 
 
@@ -381,6 +379,7 @@ class TurnReport(TypingProtocol):
     def attempt_started(self, number: int, upstream: int, choice: str) -> None:
         """``choice``: how the upstream was chosen (first, sticky, rotated, breaker_skip,
         or parked when the turn waited in an upstream's line first)."""
+
     def attempt_ended(
         self, reason: str, phase: Phase | None, status: int | None, stats: AttemptStats | None
     ) -> None: ...
@@ -390,6 +389,7 @@ class TurnReport(TypingProtocol):
     def parked(self, why: str) -> None:
         """The turn waits in an upstream's line: for its ``pacer``, an open ``breaker``,
         a ``cooloff`` (Retry-After, quota) or a ``probe`` that is out."""
+
     def headers_sent(self) -> None: ...
 
 
@@ -623,9 +623,10 @@ class TurnMachine:
         """A final non-SSE answer after early headers: re-sent as the in-stream error,
         in the protocol's final terms, with the provider's request id when known."""
         self._expect(_Step.FINAL_BODY, "final_body")
-        return self._end(Outcome.PASSED_THROUGH_ERROR, End(
-            EndKind.ERROR, self.protocol.final_error_frame(status, body, request_id)
-        ))
+        return self._end(
+            Outcome.PASSED_THROUGH_ERROR,
+            End(EndKind.ERROR, self.protocol.final_error_frame(status, body, request_id)),
+        )
 
     # -- body ------------------------------------------------------------------------
     def feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]:
@@ -806,8 +807,8 @@ class TurnMachine:
             return self.transport_failed(now, _stall_failure())
         if ledger.protocol is BODY:
             ledger.ended()
-            outcome = self._ok_outcome() if (self.status or 0) < 400 else (
-                Outcome.PASSED_THROUGH_ERROR
+            outcome = (
+                self._ok_outcome() if (self.status or 0) < 400 else (Outcome.PASSED_THROUGH_ERROR)
             )
             return self._end(outcome, End(EndKind.CLEAN))
         if ledger.state is State.DONE:
@@ -845,7 +846,8 @@ class TurnMachine:
         if verdict is Verdict.REPLAY:
             if failure is None:
                 cls = (
-                    FailureClass.MALFORMED if ledger.fail_reason == "malformed frame"
+                    FailureClass.MALFORMED
+                    if ledger.fail_reason == "malformed frame"
                     else FailureClass.STREAM_ERROR
                 )
                 failure = Failure(cls, ledger.fail_reason)
@@ -951,9 +953,7 @@ class TurnMachine:
         self.outcome = outcome
         if outcome.is_ok or outcome is Outcome.PASSED_THROUGH_ERROR:
             ok = outcome.is_ok
-            self.report.attempt_ended(
-                "ok" if ok else outcome.value, None, self.status, self.stats
-            )
+            self.report.attempt_ended("ok" if ok else outcome.value, None, self.status, self.stats)
         self.report.state(TurnState.DONE)
         return action
 
@@ -1010,9 +1010,7 @@ class TurnMachine:
         """A bug in the relay ended the turn."""
         if self.outcome is None or self.step is not _Step.ENDED:
             self.outcome = Outcome.INTERNAL_ERROR
-            self.report.attempt_ended(
-                Outcome.INTERNAL_ERROR.value, None, self.status, self.stats
-            )
+            self.report.attempt_ended(Outcome.INTERNAL_ERROR.value, None, self.status, self.stats)
         self.step = _Step.ENDED
         self.retry.close()
         return self.outcome
@@ -1133,8 +1131,10 @@ class TurnMachine:
             if not self.headers_out:
                 ledger = self.ledger
                 early = self.t0 + (p.early_headers_s or t.early_headers_s)
-                if p.early_headers and now >= early and (
-                    ledger is None or ledger.state is State.PENDING
+                if (
+                    p.early_headers
+                    and now >= early
+                    and (ledger is None or ledger.state is State.PENDING)
                 ):
                     # Retries or held frames have lasted long: send SSE headers now so
                     # the client's header timer does not fire; keepalives follow.

@@ -134,7 +134,9 @@ def main_mock(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument(
-        "--port", type=port_number, default=DEFAULT_PORT,
+        "--port",
+        type=port_number,
+        default=DEFAULT_PORT,
         help=f"port (default {DEFAULT_PORT}; 0 = any)",
     )
     parser.add_argument(

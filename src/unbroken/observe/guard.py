@@ -54,6 +54,7 @@ class Guarded(Hooks):
             self._logged_at = now
             log.exception(
                 "observer %s failed in %s (%d errors so far); the relay goes on",
-                type(self.inner).__name__, hook, self.errors,
+                type(self.inner).__name__,
+                hook,
+                self.errors,
             )
-

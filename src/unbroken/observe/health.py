@@ -52,9 +52,7 @@ class Health(Hooks):
         self.upstreams: dict[tuple[str, str], UpstreamHealth] = {
             (route, up): UpstreamHealth(route, up) for route, ups in routes.items() for up in ups
         }
-        self._index = {
-            (route, up): i for route, ups in routes.items() for i, up in enumerate(ups)
-        }
+        self._index = {(route, up): i for route, ups in routes.items() for i, up in enumerate(ups)}
         self.cooloffs = cooloffs
         self.clock = clock
         self.wall = wall
@@ -96,23 +94,25 @@ class Health(Hooks):
             breaker = b.get("breaker", "closed")
             open_for = float(b.get("open_for_s", 0.0))
             cooloff = max(self.cooloff_s(h.route, h.upstream), float(b.get("cooloff_s", 0.0)))
-            out.append({
-                "route": h.route,
-                "upstream": h.upstream,
-                "up": h.up and breaker == "closed",
-                "ok": h.ok,
-                "failed": h.failed,
-                "consecutive_failures": h.consecutive_failures,
-                "cooloff_s": round(cooloff, 3),
-                "cooloff_reason": b.get("cooloff_reason", "retry_after" if cooloff else ""),
-                "breaker": breaker,
-                "open_until": round(wall + open_for, 3) if breaker == "open" else None,
-                "failure_rate": b.get("failure_rate", 0.0),
-                #: the retry pacer (`core.pacer`): tokens, turns in line, ramping
-                "pacer": b.get("pacer") or {},
-                #: the provider's rate limits per credential (`core.ratelimit`): budgets
-                #: learned, the AIMD window, turns waiting for the budget
-                "ratelimits": b.get("ratelimits") or [],
-                "recent_failures": [{"at": t, "reason": r} for t, r in h.recent],
-            })
+            out.append(
+                {
+                    "route": h.route,
+                    "upstream": h.upstream,
+                    "up": h.up and breaker == "closed",
+                    "ok": h.ok,
+                    "failed": h.failed,
+                    "consecutive_failures": h.consecutive_failures,
+                    "cooloff_s": round(cooloff, 3),
+                    "cooloff_reason": b.get("cooloff_reason", "retry_after" if cooloff else ""),
+                    "breaker": breaker,
+                    "open_until": round(wall + open_for, 3) if breaker == "open" else None,
+                    "failure_rate": b.get("failure_rate", 0.0),
+                    #: the retry pacer (`core.pacer`): tokens, turns in line, ramping
+                    "pacer": b.get("pacer") or {},
+                    #: the provider's rate limits per credential (`core.ratelimit`): budgets
+                    #: learned, the AIMD window, turns waiting for the budget
+                    "ratelimits": b.get("ratelimits") or [],
+                    "recent_failures": [{"at": t, "reason": r} for t, r in h.recent],
+                }
+            )
         return out

@@ -240,34 +240,53 @@ class LogHooks(Hooks):
             log.info(
                 "stream cut after its terminal frame route=%s upstream=%s reason=%s: "
                 "the turn was complete; the relay finished the protocol's ending",
-                turn.route, upstream, failure.label,
+                turn.route,
+                upstream,
+                failure.label,
             )
         elif wait_s is None and phase == "committed":
             log.warning(
                 "stream cut after output route=%s upstream=%s attempt=%d reason=%s: "
                 "not replayable, ended with a native error (a reset for some clients)",
-                turn.route, upstream, turn.attempts, failure.label,
+                turn.route,
+                upstream,
+                turn.attempts,
+                failure.label,
             )
         elif wait_s is None:
             log.warning(
                 "giving up route=%s upstream=%s attempt=%d reason=%s phase=%s",
-                turn.route, upstream, turn.attempts, failure.label, phase,
+                turn.route,
+                upstream,
+                turn.attempts,
+                failure.label,
+                phase,
             )
         elif self.verbose:
             log.warning(
                 "retry route=%s upstream=%s attempt=%d reason=%s phase=%s wait_ms=%d",
-                turn.route, upstream, turn.attempts, failure.label, phase, round(wait_s * 1000),
+                turn.route,
+                upstream,
+                turn.attempts,
+                failure.label,
+                phase,
+                round(wait_s * 1000),
             )
 
     def hold_overflow(self, turn: TurnInfo, held_bytes: int) -> None:
         log.warning(
             "hold limit reached route=%s turn=%d held_bytes=%d: released and committed",
-            turn.route, turn.id, held_bytes,
+            turn.route,
+            turn.id,
+            held_bytes,
         )
 
     def turn_ended(self, turn: TurnInfo) -> None:
         if turn.outcome not in (None, "ok"):
             log.info(
                 "turn route=%s turn=%d outcome=%s attempts=%d",
-                turn.route, turn.id, turn.outcome, turn.attempts,
+                turn.route,
+                turn.id,
+                turn.outcome,
+                turn.attempts,
             )

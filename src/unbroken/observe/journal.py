@@ -181,8 +181,14 @@ def _turn_end(turn: TurnInfo, wait_s: float) -> tuple[Any, ...]:
     if turn.first_byte_at is not None:
         first_byte_s = max(0.0, turn.first_byte_at - turn.started)
     return (
-        turn.ended if turn.ended is not None else time.time(), turn.outcome, turn.attempts,
-        turn.upstream or None, turn.last_failure, first_byte_s, wait_s, turn.queued_s,
+        turn.ended if turn.ended is not None else time.time(),
+        turn.outcome,
+        turn.attempts,
+        turn.upstream or None,
+        turn.last_failure,
+        first_byte_s,
+        wait_s,
+        turn.queued_s,
     )
 
 
@@ -316,8 +322,16 @@ class Journal(Hooks):
         self._put(
             (
                 "upstream",
-                (time.time(), self.run, route, upstream, kind, _cut(reason) or None,
-                 ttl_s if kind == "open" else None, int(remote)),
+                (
+                    time.time(),
+                    self.run,
+                    route,
+                    upstream,
+                    kind,
+                    _cut(reason) or None,
+                    ttl_s if kind == "open" else None,
+                    int(remote),
+                ),
             )
         )
 
@@ -433,9 +447,24 @@ class Journal(Hooks):
             if kind == "turn":
                 t: TurnInfo = item
                 turns[t.id] = [
-                    f"{run}:{t.id}", run, t.id, t.route, _cut(t.path.split("?")[0]),
-                    t.protocol, int(t.stream), _cut(t.session_id), t.client or None, t.started,
-                    None, None, 0, None, None, None, 0.0, 0.0,
+                    f"{run}:{t.id}",
+                    run,
+                    t.id,
+                    t.route,
+                    _cut(t.path.split("?")[0]),
+                    t.protocol,
+                    int(t.stream),
+                    _cut(t.session_id),
+                    t.client or None,
+                    t.started,
+                    None,
+                    None,
+                    0,
+                    None,
+                    None,
+                    None,
+                    0.0,
+                    0.0,
                 ]
             elif kind == "turn_end":
                 t, wait_s = item
@@ -447,12 +476,27 @@ class Journal(Hooks):
                     ends.append((*end, f"{run}:{t.id}"))
             elif kind == "attempt":
                 turn_id, a = item
-                attempts.append((
-                    f"{run}:{turn_id}", a.number, a.upstream, a.started, a.ended, a.status,
-                    a.reason or "unknown", a.phase or None, a.frames_received, a.bytes_received,
-                    a.frames_released, a.bytes_released, a.hold_seconds, a.input_tokens,
-                    a.output_tokens, a.est_output_tokens, a.choice or None,
-                ))
+                attempts.append(
+                    (
+                        f"{run}:{turn_id}",
+                        a.number,
+                        a.upstream,
+                        a.started,
+                        a.ended,
+                        a.status,
+                        a.reason or "unknown",
+                        a.phase or None,
+                        a.frames_received,
+                        a.bytes_received,
+                        a.frames_released,
+                        a.bytes_released,
+                        a.hold_seconds,
+                        a.input_tokens,
+                        a.output_tokens,
+                        a.est_output_tokens,
+                        a.choice or None,
+                    )
+                )
             elif kind == "wait":
                 wait_s, turn_id, number = item
                 waits.append((wait_s, f"{run}:{turn_id}", number))
@@ -504,5 +548,8 @@ class Journal(Hooks):
             self._warned_at = now
             log.warning(
                 "journal %s cannot be written (%s): %d rows dropped so far; "
-                "the relay keeps serving", self.path, why, self.dropped,
+                "the relay keeps serving",
+                self.path,
+                why,
+                self.dropped,
             )

@@ -177,7 +177,8 @@ def _fleet_metrics(fleet: dict[str, Any]) -> Iterator[Metric]:
     worker = fleet.get("worker")
     if worker is not None:
         info = GaugeMetricFamily(
-            "unbroken_worker", "The worker process that answered this scrape.",
+            "unbroken_worker",
+            "The worker process that answered this scrape.",
             labels=["worker", "pid"],
         )
         info.add_metric([str(worker.get("id")), str(worker.get("pid"))], 1.0)
@@ -270,6 +271,4 @@ class Metrics(Hooks):
         if turn.queued_s:
             self._child(self.queued, turn.route).observe(turn.queued_s)
         if turn.first_byte_at is not None:
-            self._child(self.ttfb, turn.route).observe(
-                max(0.0, turn.first_byte_at - turn.started)
-            )
+            self._child(self.ttfb, turn.route).observe(max(0.0, turn.first_byte_at - turn.started))

@@ -111,9 +111,7 @@ class TurnReporter:
         info.attempts, info.upstream, info.next_retry_at = number, name, None
         if self._queued_at is not None:
             self._end_queue()
-        self.current = AttemptInfo(
-            number=number, upstream=name, started=self.wall(), choice=choice
-        )
+        self.current = AttemptInfo(number=number, upstream=name, started=self.wall(), choice=choice)
         info.attempt_log.append(self.current)
         if not self._deferred:
             self.hooks.attempt_started(info, name)

@@ -129,8 +129,11 @@ def compute_stats(
             before[uid] = before.get(uid, 0) + 1
             wasted += est or 0
 
-    settled = [u for u in failed_turns if outcome_of.get(u) not in (None, "unfinished",
-                                                                    "aborted_by_client")]
+    settled = [
+        u
+        for u in failed_turns
+        if outcome_of.get(u) not in (None, "unfinished", "aborted_by_client")
+    ]
     recovered = sum(1 for u in settled if outcome_of[u] == "recovered")
 
     def ended(uids: dict[str, int]) -> dict[str, int]:
@@ -295,8 +298,11 @@ def compute_sessions(
 
 def format_sessions(rows: list[dict[str, Any]], *, since: str = "") -> str:
     head = f"Sessions (since {since})" if since else "Sessions"
-    lines = [head, f"  {'session':<38} {'client':<14} {'turns':>6} {'failed':>7} "
-             f"{'recovered':>10} {'errors':>7}"]
+    lines = [
+        head,
+        f"  {'session':<38} {'client':<14} {'turns':>6} {'failed':>7} "
+        f"{'recovered':>10} {'errors':>7}",
+    ]
     for r in rows:
         sid = r["session_id"] or "(none)"
         if len(sid) > 38:
@@ -362,9 +368,12 @@ def register(sub: Any) -> None:
     p = sub.add_parser("stats", help="what the journal says happened (outcomes, failures, waste)")
     p.add_argument("--since", default="24h", help="window: 30m, 24h, 7d, ... or all (default 24h)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--by", choices=["session"],
-                   help="group turns by client session (session-id, X-Claude-Code-Session-Id, "
-                   "x-session-id, prompt_cache_key) (default: no grouping)")
+    p.add_argument(
+        "--by",
+        choices=["session"],
+        help="group turns by client session (session-id, X-Claude-Code-Session-Id, "
+        "x-session-id, prompt_cache_key) (default: no grouping)",
+    )
     p.add_argument("--journal", help="journal file (default: [journal] path, or the XDG state dir)")
     p.add_argument("--config", help="TOML config file (default: $UNBROKEN_CONFIG)")
     p.set_defaults(func=_stats)

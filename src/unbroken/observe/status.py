@@ -153,7 +153,10 @@ def _size(n: int) -> str:
 
 
 STATE_STYLE = {
-    "waiting": "yellow", "parked": "magenta", "holding": "cyan", "streaming": "green",
+    "waiting": "yellow",
+    "parked": "magenta",
+    "holding": "cyan",
+    "streaming": "green",
     "done": "dim",
 }
 #: "Since start" lists this many failure reasons, then "and N more".
@@ -210,8 +213,9 @@ def fit_widths(cols: Sequence[_Col], rows: Sequence[Sequence[Any]], width: int) 
     spare = avail - sum(widths)
     wide = [i for i, c in enumerate(cols) if c.wide]
     for group, cap in ((narrow, NARROW_CAP), (wide, None), (narrow, None)):
-        target = {i: natural[i] if cap is None else min(natural[i], max(cap, floor[i]))
-                  for i in group}
+        target = {
+            i: natural[i] if cap is None else min(natural[i], max(cap, floor[i])) for i in group
+        }
         while spare > 0:
             short = [i for i in group if widths[i] < target[i]]
             if not short:
@@ -241,13 +245,24 @@ def _table(title: str, cols: Sequence[_Col], rows: Sequence[Sequence[Any]], widt
 
 
 INFLIGHT_COLS: Final = (
-    _Col("turn"), _Col("route"), _Col("state", floor=9), _Col("try", justify="right"),
-    _Col("upstream", wide=True), _Col("last failure", wide=True), _Col("retry"),
-    _Col("age", floor=6), _Col("held", floor=7),
+    _Col("turn"),
+    _Col("route"),
+    _Col("state", floor=9),
+    _Col("try", justify="right"),
+    _Col("upstream", wide=True),
+    _Col("last failure", wide=True),
+    _Col("retry"),
+    _Col("age", floor=6),
+    _Col("held", floor=7),
 )
 UPSTREAM_COLS: Final = (
-    _Col("route"), _Col("upstream", wide=True), _Col("up"), _Col("ok", justify="right"),
-    _Col("failed", justify="right"), _Col("recent failures", wide=True), _Col("cool-off"),
+    _Col("route"),
+    _Col("upstream", wide=True),
+    _Col("up"),
+    _Col("ok", justify="right"),
+    _Col("failed", justify="right"),
+    _Col("recent failures", wide=True),
+    _Col("cool-off"),
 )
 
 
@@ -309,18 +324,20 @@ class StatusView:
         for t in inflight:
             state = t.get("state", "")
             retry_in = t.get("next_retry_in_s")
-            rows.append([
-                str(t.get("id")),
-                t.get("route", ""),
-                Text(state, style=STATE_STYLE.get(state, "")),
-                str(t.get("attempts", 0)),
-                t.get("upstream", ""),
-                t.get("last_failure") or "-",
-                # a parked turn waits for its upstream's line: say for what
-                _dur(retry_in) if retry_in is not None else (t.get("parked_for") or "-"),
-                _dur(t.get("age_s")),
-                _size(int(t.get("held_bytes") or 0)) if t.get("held_bytes") else "-",
-            ])
+            rows.append(
+                [
+                    str(t.get("id")),
+                    t.get("route", ""),
+                    Text(state, style=STATE_STYLE.get(state, "")),
+                    str(t.get("attempts", 0)),
+                    t.get("upstream", ""),
+                    t.get("last_failure") or "-",
+                    # a parked turn waits for its upstream's line: say for what
+                    _dur(retry_in) if retry_in is not None else (t.get("parked_for") or "-"),
+                    _dur(t.get("age_s")),
+                    _size(int(t.get("held_bytes") or 0)) if t.get("held_bytes") else "-",
+                ]
+            )
         if not rows:
             rows.append(["-", "-", "idle", "", "", "", "", "", ""])
         turns = _table("In flight", INFLIGHT_COLS, rows, width)
@@ -330,8 +347,11 @@ class StatusView:
         now = float(data.get("now") or time.time())
         upstreams = data.get("upstreams", [])
         active = [
-            u for u in upstreams
-            if u.get("ok") or u.get("failed") or u.get("cooloff_s")
+            u
+            for u in upstreams
+            if u.get("ok")
+            or u.get("failed")
+            or u.get("cooloff_s")
             or u.get("breaker", "closed") != "closed"
         ]
         rows = []
@@ -340,15 +360,17 @@ class StatusView:
             recent_text = "\n".join(
                 f"{r['reason']} {_dur(now - r['at'])} ago" for r in reversed(recent)
             )
-            rows.append([
-                u.get("route", ""),
-                u.get("upstream", ""),
-                _up_text(u, now),
-                str(u.get("ok", 0)),
-                _failed_text(u),
-                recent_text or "-",
-                _dur(u["cooloff_s"]) if u.get("cooloff_s") else "-",
-            ])
+            rows.append(
+                [
+                    u.get("route", ""),
+                    u.get("upstream", ""),
+                    _up_text(u, now),
+                    str(u.get("ok", 0)),
+                    _failed_text(u),
+                    recent_text or "-",
+                    _dur(u["cooloff_s"]) if u.get("cooloff_s") else "-",
+                ]
+            )
         if not rows:
             rows.append(["-", "no traffic yet", "", "", "", "", ""])
         ups = _table("Upstreams", UPSTREAM_COLS, rows, width)
@@ -481,14 +503,20 @@ MIN_INTERVAL_S: Final = 0.2
 
 def _status(args: argparse.Namespace) -> int:
     if not args.interval >= MIN_INTERVAL_S:  # also refuses NaN
-        print(f"unbroken status: --interval must be at least {MIN_INTERVAL_S} s, "
-              f"got {args.interval:g}", file=sys.stderr)
+        print(
+            f"unbroken status: --interval must be at least {MIN_INTERVAL_S} s, "
+            f"got {args.interval:g}",
+            file=sys.stderr,
+        )
         return 2
     url = args.url.rstrip("/")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        print(f"unbroken status: --url must be an http(s) URL such as {DEFAULT_URL}, "
-              f"got {args.url!r}", file=sys.stderr)
+        print(
+            f"unbroken status: --url must be an http(s) URL such as {DEFAULT_URL}, "
+            f"got {args.url!r}",
+            file=sys.stderr,
+        )
         return 2
     try:
         if args.once or args.json:
@@ -511,7 +539,10 @@ def register(sub: Any) -> None:
         help=f"the relay's base URL (default: $UNBROKEN_URL, else {DEFAULT_URL})",
     )
     p.add_argument(
-        "--interval", type=float, default=1.0, metavar="SECONDS",
+        "--interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
         help=f"seconds between refreshes, at least {MIN_INTERVAL_S} (default: %(default)s)",
     )
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")

@@ -253,9 +253,5 @@ def set_path(text: str, path: Sequence[str], value: Any) -> str:
         if inner.strip():  # only comments inside: keep them, add after
             return text[: node.end - 1] + " " + member + " " + text[node.end - 1 :]
         indent = _line_indent(text, node.start)
-        return (
-            text[: node.start + 1]
-            + f"\n{indent}  {member}\n{indent}"
-            + text[node.end - 1 :]
-        )
+        return text[: node.start + 1] + f"\n{indent}  {member}\n{indent}" + text[node.end - 1 :]
     return text  # pragma: no cover - the loop always returns

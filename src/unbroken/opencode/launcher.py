@@ -70,17 +70,58 @@ UNPLACEABLE_NPM: Final[dict[str, str]] = {
 #: OpenCode subcommands (yargs); anything else in first position is the TUI's project.
 SUBCOMMANDS: Final = frozenset(
     {
-        "completion", "acp", "mcp", "attach", "run", "debug", "providers", "auth", "agent",
-        "upgrade", "uninstall", "serve", "web", "models", "stats", "export", "import",
-        "github", "pr", "session", "plugin", "plug", "db", "help",
+        "completion",
+        "acp",
+        "mcp",
+        "attach",
+        "run",
+        "debug",
+        "providers",
+        "auth",
+        "agent",
+        "upgrade",
+        "uninstall",
+        "serve",
+        "web",
+        "models",
+        "stats",
+        "export",
+        "import",
+        "github",
+        "pr",
+        "session",
+        "plugin",
+        "plug",
+        "db",
+        "help",
     }
 )
 #: OpenCode options that take a value (so the value is not taken for a subcommand).
 VALUE_OPTIONS: Final = frozenset(
     {
-        "--log-level", "--port", "--hostname", "--mdns-domain", "--cors", "-m", "--model",
-        "-s", "--session", "--prompt", "--agent", "--format", "--title", "--attach", "-p",
-        "--password", "-u", "--username", "--dir", "--variant", "--command", "-f", "--file",
+        "--log-level",
+        "--port",
+        "--hostname",
+        "--mdns-domain",
+        "--cors",
+        "-m",
+        "--model",
+        "-s",
+        "--session",
+        "--prompt",
+        "--agent",
+        "--format",
+        "--title",
+        "--attach",
+        "-p",
+        "--password",
+        "-u",
+        "--username",
+        "--dir",
+        "--variant",
+        "--command",
+        "-f",
+        "--file",
     }
 )
 
@@ -129,9 +170,7 @@ def _project_dirs(project: Path) -> list[Path]:
     return dirs
 
 
-def find_config_files(
-    project: Path | None, env: Mapping[str, str]
-) -> list[Path]:
+def find_config_files(project: Path | None, env: Mapping[str, str]) -> list[Path]:
     """Config files in OpenCode's merge order (later ones win), global first;
     ``project=None``: the global ones only."""
     files: list[Path] = []
@@ -378,9 +417,7 @@ def relay_config(base: Config, providers: Sequence[Provider]) -> tuple[Config, d
     return config, names
 
 
-def content_with_relay(
-    existing: str | None, base_urls: Mapping[str, str]
-) -> str:
+def content_with_relay(existing: str | None, base_urls: Mapping[str, str]) -> str:
     """``OPENCODE_CONFIG_CONTENT``: the user's own (if any) with each ``baseURL`` replaced."""
     data: dict[str, Any] = {}
     if existing:
@@ -461,9 +498,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def server_args(
-    argv: Sequence[str], parsed: OpenCodeArgs
-) -> tuple[list[str], str | None, str]:
+def server_args(argv: Sequence[str], parsed: OpenCodeArgs) -> tuple[list[str], str | None, str]:
     """OpenCode's argv with ``--port`` added when needed, the server URL auto-resume
     should watch (None: OpenCode exposes no server), and why."""
     args = list(argv)
@@ -623,8 +658,9 @@ class _Follower:
         ):
             await self.resumer.run()
         elif proc.returncode is None:
-            log.warning("opencode: auto-resume off: %s/global/health did not answer "
-                        "in 120 s", self.watch)
+            log.warning(
+                "opencode: auto-resume off: %s/global/health did not answer in 120 s", self.watch
+            )
 
     async def stop(self) -> None:
         self.resumer.stop()
@@ -634,13 +670,10 @@ class _Follower:
             self.task.cancel()
         result = await asyncio.gather(self.task, return_exceptions=True)
         if isinstance(result[0], Exception):
-            log.warning("opencode: auto-resume failed: %s: %s",
-                        type(result[0]).__name__, result[0])
+            log.warning("opencode: auto-resume failed: %s: %s", type(result[0]).__name__, result[0])
 
 
-def _follow(
-    watch: str, env: Mapping[str, str], proc: asyncio.subprocess.Process
-) -> _Follower:
+def _follow(watch: str, env: Mapping[str, str], proc: asyncio.subprocess.Process) -> _Follower:
     return _Follower(watch, env, proc)
 
 
@@ -693,18 +726,21 @@ def _run_cmd(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        print("usage: unbroken run [--print-env] -- "
-              "opencode|codex|claude|gemini|<command> [args...]", file=sys.stderr)
+        print(
+            "usage: unbroken run [--print-env] -- opencode|codex|claude|gemini|<command> [args...]",
+            file=sys.stderr,
+        )
         return 2
     if "opencode" not in Path(command[0]).name:
         # Codex, Claude Code, or any other command: unbroken.agents.
         from unbroken.agents.launcher import run_cmd
 
-        return run_cmd(command, config=args.config, log_path=args.log,
-                       print_only=args.print_env)
+        return run_cmd(command, config=args.config, log_path=args.log, print_only=args.print_env)
     if args.print_env:
-        print("# unbroken run -- opencode sets OPENCODE_CONFIG_CONTENT for one run; to wire "
-              "OpenCode to `unbroken serve` for good: unbroken opencode setup")
+        print(
+            "# unbroken run -- opencode sets OPENCODE_CONFIG_CONTENT for one run; to wire "
+            "OpenCode to `unbroken serve` for good: unbroken opencode setup"
+        )
         return 0
     from unbroken.opencode.resume import settings_from_env
 
@@ -848,15 +884,20 @@ class UndoResult:
     def lines(self) -> list[str]:
         """What to tell the user, one line per thing done."""
         if self.action == "restored":
-            return [f"restored {self.path} from {self.path.name}{BACKUP_SUFFIX}, the copy "
-                    "setup kept"]
+            return [
+                f"restored {self.path} from {self.path.name}{BACKUP_SUFFIX}, the copy setup kept"
+            ]
         if self.action == "removed":
             out = [f"removed {self.path}, which setup had created"]
-            out += [f"removed the directory {d}, which setup had created and which is empty "
-                    "again" for d in self.removed_dirs]
+            out += [
+                f"removed the directory {d}, which setup had created and which is empty again"
+                for d in self.removed_dirs
+            ]
             return out
-        return [f"{self.path}: nothing to undo (no {self.path.name}{BACKUP_SUFFIX} or "
-                f"{self.path.name}{CREATED_SUFFIX} next to it)"]
+        return [
+            f"{self.path}: nothing to undo (no {self.path.name}{BACKUP_SUFFIX} or "
+            f"{self.path.name}{CREATED_SUFFIX} next to it)"
+        ]
 
 
 def undo(scope: str, *, project: Path, env: Mapping[str, str]) -> UndoResult:
@@ -930,7 +971,11 @@ def _setup_cmd(args: argparse.Namespace) -> int:
     if not project.is_dir() or project.resolve() != Path.cwd().resolve():
         project = Path.cwd()
     result = setup(
-        scope, relay_url=relay_url, routes=config.routes, project=project, env=env,
+        scope,
+        relay_url=relay_url,
+        routes=config.routes,
+        project=project,
+        env=env,
         probe=_is_unbroken,
     )
     for pid, url in result.routed.items():
@@ -940,12 +985,16 @@ def _setup_cmd(args: argparse.Namespace) -> int:
     for p in result.missing:
         print(f"{p.id}: left alone ({p.problem})")
         if p.url is not None:
-            print(f"  to relay it, add to your unbroken config:\n"
-                  f"  [routes.{route_name(p.id, set())}]\n"
-                  f"  upstreams = [{{ url = \"{p.url}\" }}]")
+            print(
+                f"  to relay it, add to your unbroken config:\n"
+                f"  [routes.{route_name(p.id, set())}]\n"
+                f'  upstreams = [{{ url = "{p.url}" }}]'
+            )
     if result.changed:
-        print(f"patched {result.path} (backup kept; `unbroken opencode undo"
-              f"{' --project' if args.project else ''}` restores it)")
+        print(
+            f"patched {result.path} (backup kept; `unbroken opencode undo"
+            f"{' --project' if args.project else ''}` restores it)"
+        )
     else:
         print(f"{result.path}: nothing to change")
     live = _relay_routes(relay_url)
@@ -955,8 +1004,10 @@ def _setup_cmd(args: argparse.Namespace) -> int:
         needed = {u.removeprefix(relay_url + "/").split("/", 1)[0] for u in result.routed.values()}
         absent = sorted(needed - set(live))
         if absent:
-            print(f"warning: the running relay has no route {', '.join(absent)}; "
-                  "restart `unbroken serve` with the same config")
+            print(
+                f"warning: the running relay has no route {', '.join(absent)}; "
+                "restart `unbroken serve` with the same config"
+            )
     return 0
 
 
@@ -978,18 +1029,31 @@ def register(sub: Any) -> None:
         description="Launch an agent through a private relay: `unbroken run -- opencode|codex|"
         "claude|<command> [args...]`. No unbroken config needed.",
     )
-    p_run.add_argument("--config", metavar="FILE",
-                       help="unbroken TOML config for the retry settings (default: "
-                       "$UNBROKEN_CONFIG, else the built-in defaults)")
-    p_run.add_argument("--no-resume", action="store_true",
-                       help="do not re-send turns that die after output")
-    p_run.add_argument("--log", metavar="FILE",
-                       help="write the relay's log here (default: stderr; under the TUI, "
-                       "$XDG_STATE_HOME/unbroken/run.log)")
-    p_run.add_argument("--print-env", action="store_true",
-                       help="print the environment and arguments it would set, and exit")
-    p_run.add_argument("command", nargs=argparse.REMAINDER,
-                       help="-- opencode|codex|claude|gemini|<command> [args...]")
+    p_run.add_argument(
+        "--config",
+        metavar="FILE",
+        help="unbroken TOML config for the retry settings (default: "
+        "$UNBROKEN_CONFIG, else the built-in defaults)",
+    )
+    p_run.add_argument(
+        "--no-resume", action="store_true", help="do not re-send turns that die after output"
+    )
+    p_run.add_argument(
+        "--log",
+        metavar="FILE",
+        help="write the relay's log here (default: stderr; under the TUI, "
+        "$XDG_STATE_HOME/unbroken/run.log)",
+    )
+    p_run.add_argument(
+        "--print-env",
+        action="store_true",
+        help="print the environment and arguments it would set, and exit",
+    )
+    p_run.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="-- opencode|codex|claude|gemini|<command> [args...]",
+    )
     p_run.set_defaults(func=_run_cmd)
 
     p_oc = sub.add_parser(
@@ -1011,17 +1075,27 @@ def register(sub: Any) -> None:
     ):
         p = oc_sub.add_parser(name, help=helptext, description=helptext)
         scope = p.add_mutually_exclusive_group()
-        scope.add_argument("--global", dest="global_", action="store_true",
-                           help="the global config, $XDG_CONFIG_HOME/opencode (the default)")
-        scope.add_argument("--project", action="store_true",
-                           help="./opencode.json in the current directory")
+        scope.add_argument(
+            "--global",
+            dest="global_",
+            action="store_true",
+            help="the global config, $XDG_CONFIG_HOME/opencode (the default)",
+        )
+        scope.add_argument(
+            "--project", action="store_true", help="./opencode.json in the current directory"
+        )
         if name == "setup":
-            p.add_argument("--config", metavar="FILE",
-                           help="the unbroken config `unbroken serve` runs with (default: "
-                           "$UNBROKEN_CONFIG, else the built-in routes)")
-            p.add_argument("--relay", metavar="URL",
-                           help="the relay's URL (default: from the config, "
-                           "http://127.0.0.1:4780)")
+            p.add_argument(
+                "--config",
+                metavar="FILE",
+                help="the unbroken config `unbroken serve` runs with (default: "
+                "$UNBROKEN_CONFIG, else the built-in routes)",
+            )
+            p.add_argument(
+                "--relay",
+                metavar="URL",
+                help="the relay's URL (default: from the config, http://127.0.0.1:4780)",
+            )
             p.set_defaults(func=_setup_cmd)
         else:
             p.set_defaults(func=_undo_cmd)

@@ -274,9 +274,7 @@ def _summarise(events: Sequence[Mapping[str, Any]]) -> _Turn:
     return turn
 
 
-def decide(
-    events: Sequence[Mapping[str, Any]], settings: ResumeSettings | None = None
-) -> Decision:
+def decide(events: Sequence[Mapping[str, Any]], settings: ResumeSettings | None = None) -> Decision:
     """Should the session's last turn be resumed?  Call it when the session went idle.
 
     ``events`` are OpenCode ``/event`` payloads (``{"type", "properties"}``) of one
@@ -331,8 +329,7 @@ def _decide(turn: _Turn, last: Mapping[str, Any] | None) -> Decision:
         if produced:
             return Resume("the reply ended with finish 'unknown' after output")
         return Skip(
-            "zero-output 'unknown' finish: a deliberate abort, a denied permission or a "
-            "compaction"
+            "zero-output 'unknown' finish: a deliberate abort, a denied permission or a compaction"
         )
     if finish is None:
         if turn.retried:
@@ -404,8 +401,10 @@ def _describe(exc: BaseException | None) -> str:
     """Why the event stream could not be followed, in a few words (stable per cause)."""
     if isinstance(exc, aiohttp.ClientResponseError):
         if exc.status in (401, 403):
-            return (f"it answered {exc.status}: set OPENCODE_SERVER_PASSWORD (and "
-                    "OPENCODE_SERVER_USERNAME) to the server's")
+            return (
+                f"it answered {exc.status}: set OPENCODE_SERVER_PASSWORD (and "
+                "OPENCODE_SERVER_USERNAME) to the server's"
+            )
         return f"it answered {exc.status}"
     if isinstance(exc, aiohttp.ClientConnectorError):
         return f"cannot connect: {exc.os_error.strerror or type(exc.os_error).__name__}"
@@ -414,6 +413,8 @@ def _describe(exc: BaseException | None) -> str:
     if exc is None:
         return "the event stream ended"
     return type(exc).__name__
+
+
 #: After idle, wait this long for OpenCode's trailing message updates before deciding.
 SETTLE_S: Final = 0.25
 
@@ -502,12 +503,20 @@ class Resumer:
         why = _describe(exc)
         if self.connected.is_set():
             self.connected.clear()
-            log.info("resume: lost %s/event (%s); reconnecting every %g s",
-                        self.base_url, why, self.retry_s)
+            log.info(
+                "resume: lost %s/event (%s); reconnecting every %g s",
+                self.base_url,
+                why,
+                self.retry_s,
+            )
             self.problem = "lost"
         elif why != self.problem:
-            log.warning("resume: cannot reach OpenCode at %s/event (%s); trying again every "
-                        "%g s", self.base_url, why, self.retry_s)
+            log.warning(
+                "resume: cannot reach OpenCode at %s/event (%s); trying again every %g s",
+                self.base_url,
+                why,
+                self.retry_s,
+            )
             self.problem = why
 
     async def _follow(self, http: aiohttp.ClientSession) -> None:
@@ -516,9 +525,13 @@ class Resumer:
                 raise aiohttp.ClientResponseError(
                     r.request_info, r.history, status=r.status, message="GET /event"
                 )
-            log.info("resume: watching %s for turns that die after output (delay %d ms, "
-                     "max attempts %s)", self.base_url, self.settings.delay_ms,
-                     self.settings.max_attempts or "unlimited")
+            log.info(
+                "resume: watching %s for turns that die after output (delay %d ms, "
+                "max attempts %s)",
+                self.base_url,
+                self.settings.delay_ms,
+                self.settings.max_attempts or "unlimited",
+            )
             self.connected.set()
             self.problem = None
             data: list[str] = []
@@ -598,8 +611,10 @@ class Resumer:
     async def _after_idle(self, sid: str, state: _Session) -> None:
         await asyncio.sleep(SETTLE_S)
         decision = decide(state.events, self.settings)
-        if isinstance(decision, Resume) and self.settings.max_attempts and (
-            state.attempts >= self.settings.max_attempts
+        if (
+            isinstance(decision, Resume)
+            and self.settings.max_attempts
+            and (state.attempts >= self.settings.max_attempts)
         ):
             decision = Skip(
                 f"{state.attempts} resumes in a row reached UNBROKEN_RESUME_MAX_ATTEMPTS "
@@ -616,8 +631,9 @@ class Resumer:
         delay = self.settings.delay_ms / 1000
         attempt = state.attempts + 1
         state.decided = True
-        log.info("resume session=%s attempt=%d in=%.1fs reason=%r", sid, attempt, delay,
-                 decision.reason)
+        log.info(
+            "resume session=%s attempt=%d in=%.1fs reason=%r", sid, attempt, delay, decision.reason
+        )
         await asyncio.sleep(delay)
         http = self._http
         if http is None:
@@ -625,8 +641,11 @@ class Resumer:
         state.sending = True
         try:
             if await self._busy(http, sid):
-                log.info("no resume session=%s reason=%r", sid,
-                         "the session is busy again: the user moved on")
+                log.info(
+                    "no resume session=%s reason=%r",
+                    sid,
+                    "the session is busy again: the user moved on",
+                )
                 self.outcomes.append((sid, "busy"))
                 return
             body = await self._last_prompt(http, sid)
@@ -641,8 +660,12 @@ class Resumer:
                 if r.status >= 300:
                     state.own_prompt = False
                     text = _short(await r.text(), 200)
-                    log.warning("resume session=%s failed: POST prompt_async answered %d %s",
-                                sid, r.status, text)
+                    log.warning(
+                        "resume session=%s failed: POST prompt_async answered %d %s",
+                        sid,
+                        r.status,
+                        text,
+                    )
                     self.outcomes.append((sid, "failed"))
                     return
             self.resumes += 1
@@ -657,8 +680,9 @@ class Resumer:
             state.decided = False
 
     async def _busy(self, http: aiohttp.ClientSession, sid: str) -> bool:
-        async with http.get(f"{self.base_url}/session/status",
-                            timeout=aiohttp.ClientTimeout(total=10)) as r:
+        async with http.get(
+            f"{self.base_url}/session/status", timeout=aiohttp.ClientTimeout(total=10)
+        ) as r:
             if r.status != 200:
                 return False
             statuses = await r.json(content_type=None)
@@ -666,8 +690,9 @@ class Resumer:
         return isinstance(status, Mapping) and status.get("type") in ("busy", "retry")
 
     async def _last_prompt(self, http: aiohttp.ClientSession, sid: str) -> dict[str, Any] | None:
-        async with http.get(f"{self.base_url}/session/{sid}/message",
-                            timeout=aiohttp.ClientTimeout(total=30)) as r:
+        async with http.get(
+            f"{self.base_url}/session/{sid}/message", timeout=aiohttp.ClientTimeout(total=30)
+        ) as r:
             if r.status != 200:
                 return None
             messages = await r.json(content_type=None)
@@ -702,8 +727,9 @@ async def wait_healthy(
             if alive is not None and not alive():
                 return False
             try:
-                async with http.get(f"{base_url.rstrip('/')}/global/health",
-                                    timeout=aiohttp.ClientTimeout(total=2)) as r:
+                async with http.get(
+                    f"{base_url.rstrip('/')}/global/health", timeout=aiohttp.ClientTimeout(total=2)
+                ) as r:
                     if r.status == 200:
                         return True
             except (aiohttp.ClientError, OSError, TimeoutError):
@@ -777,15 +803,24 @@ def register(sub: Any) -> None:
         "UNBROKEN_RESUME_DELAY_MS and UNBROKEN_RESUME_MAX_ATTEMPTS (or OPENCODE_RESUME_*); "
         "a flag wins over its variable.",
     )
-    p.add_argument("--opencode", required=True, metavar="URL",
-                   help="the OpenCode server, e.g. http://127.0.0.1:4096 (required)")
-    p.add_argument("--provider",
-                   help=f"glob on the provider id (default: {defaults.provider})")
-    p.add_argument("--model",
-                   help=f"model id prefix (default: {defaults.model}, every model)")
-    p.add_argument("--delay-ms", type=int, metavar="MS",
-                   help=f"wait before re-sending, >= 0 (default: {defaults.delay_ms})")
-    p.add_argument("--max-attempts", type=int, metavar="N",
-                   help="resumes in a row per session, 0 = unlimited "
-                   f"(default: {defaults.max_attempts})")
+    p.add_argument(
+        "--opencode",
+        required=True,
+        metavar="URL",
+        help="the OpenCode server, e.g. http://127.0.0.1:4096 (required)",
+    )
+    p.add_argument("--provider", help=f"glob on the provider id (default: {defaults.provider})")
+    p.add_argument("--model", help=f"model id prefix (default: {defaults.model}, every model)")
+    p.add_argument(
+        "--delay-ms",
+        type=int,
+        metavar="MS",
+        help=f"wait before re-sending, >= 0 (default: {defaults.delay_ms})",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        metavar="N",
+        help=f"resumes in a row per session, 0 = unlimited (default: {defaults.max_attempts})",
+    )
     p.set_defaults(func=_resume_cmd)

@@ -228,15 +228,22 @@ class Access:
     ) -> Denied | None:
         """None if the request may proceed; ``open_path``: no token needed (/healthz)."""
         if not self.host_ok(headers.get("host")):
-            return Denied(421, "misdirected_request",
-                          "this relay does not answer for that Host (see [server] allowed_hosts)")
+            return Denied(
+                421,
+                "misdirected_request",
+                "this relay does not answer for that Host (see [server] allowed_hosts)",
+            )
         origin = headers.get("origin")
         if origin is not None and not self.origin_ok(origin):
-            return Denied(403, "origin_not_allowed",
-                          "requests from web pages are refused (see [server] allowed_origins)")
+            return Denied(
+                403,
+                "origin_not_allowed",
+                "requests from web pages are refused (see [server] allowed_origins)",
+            )
         if self._token_bytes is not None and not open_path:
             given = target.token if target.token is not None else headers.get(TOKEN_HEADER)
             if not self.token_ok(given):
-                return Denied(401, "unauthorized",
-                              "missing or wrong x-unbroken-token (or /t/<token>/ prefix)")
+                return Denied(
+                    401, "unauthorized", "missing or wrong x-unbroken-token (or /t/<token>/ prefix)"
+                )
         return None

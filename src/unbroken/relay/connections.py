@@ -250,7 +250,8 @@ class GuardedServer(web.Server):
                 log.warning(
                     "connection limit reached (%d open): new connections get 503 "
                     "([server] max_connections; %d refused so far)",
-                    len(self._connections), stats.refused_busy,
+                    len(self._connections),
+                    stats.refused_busy,
                 )
             return _Busy(self.loop)
         return GuardedHandler(self, loop=self.loop, **self._kwargs)
@@ -312,7 +313,8 @@ def install_accept_log_limiter(loop: asyncio.AbstractEventLoop) -> None:
                 log.error(
                     "accept() failed: out of system resources (%s); new connections wait. "
                     "%d such failure(s) since the last report; reported once a minute",
-                    reason, state["since"],
+                    reason,
+                    state["since"],
                 )
                 state["last"], state["since"] = now, 0
             return

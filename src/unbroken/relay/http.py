@@ -124,9 +124,7 @@ def sticky_key(headers: Any, body: dict[str, Any] | None = None) -> str | None:
     return _session_key(headers, body, _STICKY_HEADERS)
 
 
-def _session_key(
-    headers: Any, body: dict[str, Any] | None, names: tuple[str, ...]
-) -> str | None:
+def _session_key(headers: Any, body: dict[str, Any] | None, names: tuple[str, ...]) -> str | None:
     """The first of the ``names`` headers set, else the body's ``prompt_cache_key``."""
     for name in names:
         value = headers.get(name)
@@ -281,18 +279,24 @@ class Relay:
         self.transitions[k] = self.transitions.get(k, 0) + 1
         source = " (learned from another instance)" if change.remote else ""
         self.hooks.upstream_changed(
-            route, upstream, change.kind,
-            reason=change.reason, ttl_s=change.ttl_s, remote=change.remote,
+            route,
+            upstream,
+            change.kind,
+            reason=change.reason,
+            ttl_s=change.ttl_s,
+            remote=change.remote,
         )
         if change.kind == "open":
             log.warning(
                 "breaker open route=%s upstream=%s for_s=%g reason=%s%s",
-                route, upstream, round(change.ttl_s, 3), change.reason, source,
+                route,
+                upstream,
+                round(change.ttl_s, 3),
+                change.reason,
+                source,
             )
         else:
-            log.info(
-                "breaker %s route=%s upstream=%s%s", change.kind, route, upstream, source
-            )
+            log.info("breaker %s route=%s upstream=%s%s", change.kind, route, upstream, source)
 
     def health_view(self) -> list[dict[str, Any]]:
         """Each upstream's breaker, failure rate and cool-off, for /status and metrics."""
@@ -582,9 +586,7 @@ class HttpAttempt:
         if final:
             rid = resp.headers.get("request-id") or resp.headers.get("x-request-id")
             return machine.final_body(self.loop.time(), resp.status, data, rid)
-        self.sink.keep_answer(
-            resp.status, response_headers(resp.headers, keep_length=False), data
-        )
+        self.sink.keep_answer(resp.status, response_headers(resp.headers, keep_length=False), data)
         return machine.error_body(self.loop.time(), data)
 
     async def _read_bounded(self, resp: aiohttp.ClientResponse) -> bytes:
@@ -848,9 +850,7 @@ class _HttpTurn:
                 raise
             except ClientGone:
                 machine.client_gone()
-                log.info(
-                    "client went away route=%s turn=%d", self.route.name, self.report.info.id
-                )
+                log.info("client went away route=%s turn=%d", self.route.name, self.report.info.id)
                 return self.response or web.Response(status=499)
             except Exception:
                 machine.crashed()
@@ -891,7 +891,9 @@ class _HttpTurn:
         if up.api_key is not None:  # the route's key replaces the client's, ?key= too
             query, keyed = strip_key_param(query)
         headers = request_headers(
-            req.headers, up, anthropic=self.protocol.anthropic_errors,
+            req.headers,
+            up,
+            anthropic=self.protocol.anthropic_errors,
             gemini=keyed or self.protocol is GEMINI,
         )
         url = upstream_url(up, self.rest, query)
@@ -937,7 +939,9 @@ class _HttpTurn:
             headers["x-should-retry"] = "false"
             return web.Response(status=status, headers=headers, body=body)
         return web.Response(
-            status=502, body=action.data, content_type="application/json",
+            status=502,
+            body=action.data,
+            content_type="application/json",
             headers={"x-should-retry": "false"},
         )
 
@@ -1047,8 +1051,10 @@ class _HttpTurn:
 
 
 def _classify(exc: BaseException, *, header_phase: bool = False) -> Failure:
-    if header_phase and isinstance(exc, TimeoutError) and not isinstance(
-        exc, aiohttp.ServerTimeoutError
+    if (
+        header_phase
+        and isinstance(exc, TimeoutError)
+        and not isinstance(exc, aiohttp.ServerTimeoutError)
     ):
         return Failure(FailureClass.HEADER_TIMEOUT, "no response headers within the timeout")
     failure = classify_exception(exc)

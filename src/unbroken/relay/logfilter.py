@@ -27,8 +27,14 @@ AIOHTTP_LOGGERS: tuple[str, ...] = (
     "aiohttp.websocket",
 )
 #: Exceptions that mean "the client went away": an INFO line, not an ERROR.
-_GONE = ("ClientGone", "ConnectionResetError", "BrokenPipeError", "ConnectionAbortedError",
-         "ClientConnectionResetError", "CancelledError")
+_GONE = (
+    "ClientGone",
+    "ConnectionResetError",
+    "BrokenPipeError",
+    "ConnectionAbortedError",
+    "ClientConnectionResetError",
+    "CancelledError",
+)
 #: An argument kept as is: a peer address (IPv4/IPv6, optional port) or a number.
 _PEER = re.compile(r"\[?[0-9A-Fa-f:.]{2,45}\]?(?::\d{1,5})?")
 _BYTES_LITERAL = re.compile(r"""b(['"]).*?(?<!\\)\1""", re.S)

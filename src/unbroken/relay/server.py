@@ -66,7 +66,9 @@ GATE_KEY = web.AppKey("gate", _Gate)
 
 def _json(status: int, payload: object, headers: Mapping[str, str] | None = None) -> web.Response:
     return web.Response(
-        status=status, text=json.dumps(payload), content_type="application/json",
+        status=status,
+        text=json.dumps(payload),
+        content_type="application/json",
         headers=headers,
     )
 
@@ -185,13 +187,13 @@ async def _dispatch(request: web.Request) -> web.StreamResponse:
             return _denied(target)
         endpoint: Handler | None = None
         if not target.has_rest:
-            endpoint = _healthz if target.name == "healthz" else (
-                (gate.endpoints or {}).get(f"/{target.name}")
+            endpoint = (
+                _healthz
+                if target.name == "healthz"
+                else ((gate.endpoints or {}).get(f"/{target.name}"))
             )
         if gate.access is not None:
-            denied = gate.access.check(
-                target, request.headers, open_path=endpoint is _healthz
-            )
+            denied = gate.access.check(target, request.headers, open_path=endpoint is _healthz)
             if denied is not None:
                 return _denied(denied)
         origin = request.headers.get("origin")
@@ -216,8 +218,9 @@ async def _relay(
     rest = target.rest
     if is_websocket_request(request):
         if not rest.rstrip("/").endswith("responses"):
-            return _error(400, "websocket_unsupported",
-                          "WebSocket is relayed on <route>/v1/responses only")
+            return _error(
+                400, "websocket_unsupported", "WebSocket is relayed on <route>/v1/responses only"
+            )
         return await handle_websocket(relay, request, route, rest)
     config = relay.config
     try:
@@ -331,7 +334,10 @@ class RelayServer:
         if fd_limit is not None:
             log.warning(
                 "max_connections lowered from %d to %d: the open-file limit is %d "
-                "(raise it with ulimit -n)", config.max_connections, self.max_connections, fd_limit,
+                "(raise it with ulimit -n)",
+                config.max_connections,
+                self.max_connections,
+                fd_limit,
             )
         self.runner = GuardedRunner(
             self.app,
@@ -417,8 +423,12 @@ class RelayServer:
             views.insert(0, me)
             data["inflight"] = [t for v in views for t in v.get("inflight", [])]
             data["workers"] = [
-                {"id": v.get("worker"), "pid": v.get("pid"), "inflight": len(v.get("inflight", [])),
-                 "totals": v.get("totals", {})}
+                {
+                    "id": v.get("worker"),
+                    "pid": v.get("pid"),
+                    "inflight": len(v.get("inflight", [])),
+                    "totals": v.get("totals", {}),
+                }
                 for v in views
             ]
         return _json(200, data)
@@ -439,7 +449,10 @@ class RelayServer:
         await self.relay.store.start()
         await self.runner.setup()
         site = web.TCPSite(
-            self.runner, self.host, self.port, reuse_address=True,
+            self.runner,
+            self.host,
+            self.port,
+            reuse_address=True,
             reuse_port=True if self.worker is not None else None,
         )
         if self.worker is not None:

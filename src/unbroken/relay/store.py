@@ -123,8 +123,11 @@ class HealthStore:
             if msg.get("kind") in ("open", "close", "cooloff"):
                 self.board.apply(
                     Change(
-                        str(msg["k"]), str(msg["kind"]), float(msg.get("ttl", 0.0)),
-                        str(msg.get("r", "")), int(msg.get("n", 0)),
+                        str(msg["k"]),
+                        str(msg["kind"]),
+                        float(msg.get("ttl", 0.0)),
+                        str(msg.get("r", "")),
+                        int(msg.get("n", 0)),
                     ),
                     self.clock(),
                 )
@@ -198,9 +201,7 @@ class RedisStore(HealthStore):
         #: the providers' rate-limit budgets, one per key across the fleet (leases)
         self.rates: RateShare | None = None
         if board.rates.settings.enabled:
-            self.rates = RateShare(
-                board, self.redis, is_up=lambda: self.up, on_error=self._degrade
-            )
+            self.rates = RateShare(board, self.redis, is_up=lambda: self.up, on_error=self._degrade)
 
     def status(self) -> dict[str, Any]:
         host = self.url.split("@")[-1]  # never a password
@@ -389,7 +390,7 @@ class RedisStore(HealthStore):
             return False  # slow Redis: local state stands until the next read
         now = self.clock()
         for i, key in enumerate(keys):
-            _, _, waiters, b_ttl, b_val, c_ttl, c_val, counts = res[i * 8:(i + 1) * 8]
+            _, _, waiters, b_ttl, b_val, c_ttl, c_val, counts = res[i * 8 : (i + 1) * 8]
             self._share(key, waiters, wall_ms)
             if isinstance(b_ttl, int) and b_ttl > 0:
                 reopens = int(b_val or 0)
@@ -425,7 +426,9 @@ class RedisStore(HealthStore):
             self.rates.unshare_all()  # local pacing until Redis is back
         self._warner.warn(
             "health store degraded: redis unreachable (%s: %s); serving on local state, "
-            "reconnecting", type(exc).__name__, exc,
+            "reconnecting",
+            type(exc).__name__,
+            exc,
         )
 
 
@@ -484,9 +487,9 @@ class ChannelStore(HealthStore):
         sock = self.sock
         if sock is None:
             return
-        peers = [to] if to else [
-            str(p) for p in self.dir.glob("w*.sock") if p.name != self.path.name
-        ]
+        peers = (
+            [to] if to else [str(p) for p in self.dir.glob("w*.sock") if p.name != self.path.name]
+        )
         for peer in peers:
             try:
                 sock.sendto(data, peer)

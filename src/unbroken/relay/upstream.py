@@ -341,9 +341,7 @@ class UpstreamClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(
-                limit=0, ttl_dns_cache=30, enable_cleanup_closed=False
-            )
+            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=30, enable_cleanup_closed=False)
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,

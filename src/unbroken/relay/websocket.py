@@ -85,8 +85,14 @@ _WS_HOP = frozenset(
 #: etag, reasoning flag and model; request id and rate limits), copied to the client's
 #: handshake when the first upstream socket opens before the client is accepted.
 HANDSHAKE_HEADERS = frozenset(
-    {"x-codex-turn-state", "x-models-etag", "x-reasoning-included", "openai-model",
-     "x-request-id", "request-id"}
+    {
+        "x-codex-turn-state",
+        "x-models-etag",
+        "x-reasoning-included",
+        "openai-model",
+        "x-request-id",
+        "request-id",
+    }
 )
 HANDSHAKE_PREFIXES = ("x-ratelimit-", "x-codex-")
 #: how long the client's handshake may wait for the first upstream socket (Codex gives
@@ -100,7 +106,8 @@ def handshake_headers(ws: aiohttp.ClientWebSocketResponse[Any]) -> list[tuple[st
     if response is None:
         return []
     return [
-        (name, value) for name, value in response.headers.items()
+        (name, value)
+        for name, value in response.headers.items()
         if name.lower() in HANDSHAKE_HEADERS or name.lower().startswith(HANDSHAKE_PREFIXES)
     ]
 
@@ -305,9 +312,12 @@ class _Connection:
             self.first_refused = exc  # the first turn falls back to HTTP with it
             return
         except Exception as exc:
-            log.info("websocket route=%s: first upstream socket not open before the "
-                     "handshake (%s); accepting the client without its headers",
-                     self.route.name, type(exc).__name__)
+            log.info(
+                "websocket route=%s: first upstream socket not open before the "
+                "handshake (%s); accepting the client without its headers",
+                self.route.name,
+                type(exc).__name__,
+            )
             await self.drop_upstream()
             return
         for name, value in handshake_headers(ws):
@@ -566,8 +576,12 @@ class _WsTurn:
     def _start_fallback(self, reason: str) -> None:
         conn = self.conn
         conn.http_until = conn.loop.time() + conn.cfg.websocket_fallback_cooldown_s
-        log.info("websocket fallback route=%s: %s; HTTP for %gs", conn.route.name, reason,
-                 conn.cfg.websocket_fallback_cooldown_s)
+        log.info(
+            "websocket fallback route=%s: %s; HTTP for %gs",
+            conn.route.name,
+            reason,
+            conn.cfg.websocket_fallback_cooldown_s,
+        )
 
     def _on_timer(self, action: object) -> None:
         if type(action) is Keepalive:
@@ -615,9 +629,7 @@ class _WsTurn:
                 if msg.type is not WSMsgType.TEXT and msg.type is not WSMsgType.BINARY:
                     code = ws.close_code
                     label = f"websocket closed ({code})" if code else "websocket error"
-                    return machine.transport_failed(
-                        loop_time(), Failure(FailureClass.RESET, label)
-                    )
+                    return machine.transport_failed(loop_time(), Failure(FailureClass.RESET, label))
                 data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
                 if secrets and data.find(b'"error"') >= 0:  # (`core.sse.CR`: not `in`)
                     data = redact(data, secrets)  # an error that echoes the injected key

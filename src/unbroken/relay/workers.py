@@ -62,9 +62,7 @@ def _reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_workers(
-    config: Config, n: int, *, ready: Callable[[str], None] | None = None
-) -> int:
+def serve_workers(config: Config, n: int, *, ready: Callable[[str], None] | None = None) -> int:
     """Run ``n`` workers until SIGTERM/SIGINT; restart any that die.  Returns 0."""
     if not hasattr(socket, "SO_REUSEPORT"):  # pragma: no cover - not Linux/BSD
         raise OSError("--workers needs SO_REUSEPORT (Linux)")
@@ -85,7 +83,8 @@ def serve_workers(
 
     def start(i: int) -> None:
         p = ctx.Process(
-            target=_worker_main, args=(cfg, WorkerSpec(i, runtime), started, holder.fileno()),
+            target=_worker_main,
+            args=(cfg, WorkerSpec(i, runtime), started, holder.fileno()),
             name=f"unbroken-worker-{i}",
         )
         p.start()
@@ -97,9 +96,7 @@ def serve_workers(
             with contextlib.suppress(ProcessLookupError, TypeError):
                 os.kill(p.pid, signal.SIGTERM)
 
-    previous = {
-        sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
-    }
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for i in range(n):
             start(i)
@@ -137,7 +134,10 @@ def serve_workers(
                 pause = min(5.0, 0.05 * 2 ** (len(recent) - 1))
                 log.warning(
                     "worker %d (pid %d) exited with code %s: restarting in %.2fs",
-                    i, p.pid, p.exitcode, pause,
+                    i,
+                    p.pid,
+                    p.exitcode,
+                    pause,
                 )
                 time.sleep(pause)
                 start(i)
@@ -182,8 +182,7 @@ async def _worker_serve(config: Config, spec: WorkerSpec, ready: Callable[[], No
     ready()
     try:
         await stop.wait()
-        log.info("worker %d: shutting down, up to %gs for in-flight turns", spec.id,
-                 config.grace_s)
+        log.info("worker %d: shutting down, up to %gs for in-flight turns", spec.id, config.grace_s)
     finally:
         cleanup = asyncio.ensure_future(server.stop())
         forced = asyncio.ensure_future(force.wait())

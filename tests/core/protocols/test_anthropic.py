@@ -32,9 +32,16 @@ def ev(name: str, **fields: Any) -> Event:
 
 MESSAGE_START = ev(
     "message_start",
-    message={"id": "msg_01", "type": "message", "role": "assistant",
-             "model": "claude-sonnet-4-5", "content": [], "stop_reason": None,
-             "stop_sequence": None, "usage": {"input_tokens": 25, "output_tokens": 1}},
+    message={
+        "id": "msg_01",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-sonnet-4-5",
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 25, "output_tokens": 1},
+    },
 )
 PING = ev("ping")
 MESSAGE_STOP = ev("message_stop")
@@ -53,8 +60,11 @@ def block_stop(index: int) -> Event:
 
 
 def message_delta(stop_reason: str) -> Event:
-    return ev("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": None},
-              usage={"output_tokens": 15})
+    return ev(
+        "message_delta",
+        delta={"stop_reason": stop_reason, "stop_sequence": None},
+        usage={"output_tokens": 15},
+    )
 
 
 def assert_table(rows: list[tuple[Event, int, int]]) -> None:
@@ -104,15 +114,21 @@ def test_two_tool_use_blocks() -> None:
             (block_start(0, {"type": "text", "text": ""}), C, 0),
             (delta(0, {"type": "text_delta", "text": "Running two commands."}), OUT, 0),
             (block_stop(0), C, 0),
-            (block_start(1, {"type": "tool_use", "id": "toolu_01", "name": "bash",
-                             "input": {}}), TS, 1),
+            (
+                block_start(1, {"type": "tool_use", "id": "toolu_01", "name": "bash", "input": {}}),
+                TS,
+                1,
+            ),
             (delta(1, {"type": "input_json_delta", "partial_json": ""}), TD, 1),
             (delta(1, {"type": "input_json_delta", "partial_json": '{"command": "ls"'}), TD, 1),
             (PING, C, 1),
             (delta(1, {"type": "input_json_delta", "partial_json": "}"}), TD, 1),
             (block_stop(1), TE, 0),
-            (block_start(2, {"type": "tool_use", "id": "toolu_02", "name": "bash",
-                             "input": {}}), TS, 1),
+            (
+                block_start(2, {"type": "tool_use", "id": "toolu_02", "name": "bash", "input": {}}),
+                TS,
+                1,
+            ),
             (delta(2, {"type": "input_json_delta", "partial_json": '{"command": "pwd"}'}), TD, 1),
             (block_stop(2), TE, 0),
             (message_delta("tool_use"), C, 0),
@@ -125,16 +141,39 @@ def test_server_tool_use_and_result() -> None:
     assert_table(
         [
             (MESSAGE_START, C, 0),
-            (block_start(0, {"type": "server_tool_use", "id": "srvtoolu_01",
-                             "name": "web_search", "input": {}}), TS, 1),
+            (
+                block_start(
+                    0,
+                    {
+                        "type": "server_tool_use",
+                        "id": "srvtoolu_01",
+                        "name": "web_search",
+                        "input": {},
+                    },
+                ),
+                TS,
+                1,
+            ),
             (delta(0, {"type": "input_json_delta", "partial_json": '{"query": "x"}'}), TD, 1),
             (block_stop(0), TE, 0),
-            (block_start(1, {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_01",
-                             "content": []}), UNK, 0),
+            (
+                block_start(
+                    1,
+                    {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_01", "content": []},
+                ),
+                UNK,
+                0,
+            ),
             (block_stop(1), UNK, 0),
             (block_start(2, {"type": "text", "text": ""}), C, 0),
-            (delta(2, {"type": "citations_delta",
-                       "citation": {"type": "web_search_result_location"}}), OUT, 0),
+            (
+                delta(
+                    2,
+                    {"type": "citations_delta", "citation": {"type": "web_search_result_location"}},
+                ),
+                OUT,
+                0,
+            ),
         ]
     )
 
@@ -142,8 +181,20 @@ def test_server_tool_use_and_result() -> None:
 def test_mcp_tool_use_is_gated() -> None:
     assert_table(
         [
-            (block_start(0, {"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "x",
-                             "server_name": "s", "input": {}}), TS, 1),
+            (
+                block_start(
+                    0,
+                    {
+                        "type": "mcp_tool_use",
+                        "id": "mcptoolu_1",
+                        "name": "x",
+                        "server_name": "s",
+                        "input": {},
+                    },
+                ),
+                TS,
+                1,
+            ),
             (block_stop(0), TE, 0),
         ]
     )
@@ -187,7 +238,7 @@ def test_unknown_block_deltas_are_unknown() -> None:
     "raw",
     [
         b"event: content_block_start\ndata: {not json}\n\n",
-        b"event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\n\n",
+        b'event: content_block_start\ndata: {"type":"content_block_start","index":0,\n\n',
         b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"te\n\n',
         b"event: message_stop\ndata: \n\n",
     ],
@@ -223,8 +274,13 @@ def test_error_events(error_type: str, retryable: bool) -> None:
 
 
 def test_context_too_long_is_final() -> None:
-    e = ev("error", error={"type": "invalid_request_error",
-                           "message": "prompt is too long: 250000 tokens > 200000 maximum"})
+    e = ev(
+        "error",
+        error={
+            "type": "invalid_request_error",
+            "message": "prompt is too long: 250000 tokens > 200000 maximum",
+        },
+    )
     assert AnthropicClassifier().classify(e) == (ERR, 0)
 
 

@@ -38,8 +38,12 @@ def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extr
         "model": "gpt-4o-2024-08-06",
         "system_fingerprint": "fp_x",
         "choices": [
-            {"index": 0, "delta": delta if delta is not None else {}, "logprobs": None,
-             "finish_reason": finish}
+            {
+                "index": 0,
+                "delta": delta if delta is not None else {},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
         ],
         "usage": None,
         **extra,
@@ -49,8 +53,16 @@ def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extr
 
 def tool_start(index: int, call_id: str, name: str) -> Event:
     return chunk(
-        {"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                         "function": {"name": name, "arguments": ""}}]}
+        {
+            "tool_calls": [
+                {
+                    "index": index,
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                }
+            ]
+        }
     )
 
 
@@ -59,9 +71,14 @@ def tool_args(index: int, piece: str) -> Event:
 
 
 USAGE = data(
-    {"id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 1_700_000_000,
-     "model": "gpt-4o", "choices": [],
-     "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+    {
+        "id": "chatcmpl-abc",
+        "object": "chat.completion.chunk",
+        "created": 1_700_000_000,
+        "model": "gpt-4o",
+        "choices": [],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+    }
 )
 DONE = event(b"data: [DONE]\n\n")
 ROLE = chunk({"role": "assistant", "content": "", "refusal": None})
@@ -153,12 +170,22 @@ def test_parallel_tool_calls_interleaved() -> None:
 
 def test_several_tool_calls_in_one_chunk() -> None:
     both = chunk(
-        {"tool_calls": [
-            {"index": 0, "id": "call_a", "type": "function",
-             "function": {"name": "a", "arguments": "{}"}},
-            {"index": 1, "id": "call_b", "type": "function",
-             "function": {"name": "b", "arguments": ""}},
-        ]}
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "a", "arguments": "{}"},
+                },
+                {
+                    "index": 1,
+                    "id": "call_b",
+                    "type": "function",
+                    "function": {"name": "b", "arguments": ""},
+                },
+            ]
+        }
     )
     assert_table(
         [(both, TS, 2), (tool_args(1, "{}"), TD, 2), (chunk({}, "tool_calls"), TE | OK, 0)]
@@ -178,25 +205,55 @@ def test_text_then_tool_call() -> None:
 
 
 def test_tool_call_without_index_defaults_to_zero() -> None:
-    start = chunk({"tool_calls": [{"id": "call_1", "type": "function",
-                                   "function": {"name": "x", "arguments": ""}}]})
+    start = chunk(
+        {
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "x", "arguments": ""}}
+            ]
+        }
+    )
     delta = chunk({"tool_calls": [{"function": {"arguments": "{}"}}]})
     assert_table([(start, TS, 1), (delta, TD, 1), (chunk({}, "stop"), TE | OK, 0)])
 
 
 def test_finish_reason_length_closes_open_calls() -> None:
-    assert_table([(tool_start(0, "c", "x"), TS, 1), (tool_args(0, '{"a'), TD, 1),
-                  (chunk({}, "length"), TE | OK, 0)])
+    assert_table(
+        [
+            (tool_start(0, "c", "x"), TS, 1),
+            (tool_args(0, '{"a'), TD, 1),
+            (chunk({}, "length"), TE | OK, 0),
+        ]
+    )
 
 
 @pytest.mark.parametrize(
     ("payload", "kinds"),
     [
         # legacy function_call and audio deltas are not known: conservative UNKNOWN
-        ({"choices": [{"index": 0, "delta": {"function_call": {"name": "f", "arguments": ""}},
-                       "finish_reason": None}]}, UNK),
-        ({"choices": [{"index": 0, "delta": {"audio": {"id": "a", "data": "AAAA"}},
-                       "finish_reason": None}]}, UNK),
+        (
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"function_call": {"name": "f", "arguments": ""}},
+                        "finish_reason": None,
+                    }
+                ]
+            },
+            UNK,
+        ),
+        (
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"audio": {"id": "a", "data": "AAAA"}},
+                        "finish_reason": None,
+                    }
+                ]
+            },
+            UNK,
+        ),
         ({"choices": {"0": {}}}, UNK),  # choices not a list
         ({"choices": ["nope"]}, UNK),  # choice not an object
         ({"choices": [{"index": 0, "delta": "text"}]}, UNK),  # delta not an object
@@ -232,20 +289,42 @@ def test_malformed_keeps_open_tool_count() -> None:
 @pytest.mark.parametrize(
     ("error", "retryable"),
     [
-        ({"message": "The server had an error", "type": "server_error", "param": None,
-          "code": None}, True),
-        ({"message": "Rate limit reached", "type": "tokens", "param": None,
-          "code": "rate_limit_exceeded"}, True),
+        (
+            {
+                "message": "The server had an error",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            },
+            True,
+        ),
+        (
+            {
+                "message": "Rate limit reached",
+                "type": "tokens",
+                "param": None,
+                "code": "rate_limit_exceeded",
+            },
+            True,
+        ),
         ({"message": "Overloaded", "type": "overloaded_error"}, True),
         ({"message": "Provider returned error", "code": 502}, True),  # OpenRouter
         ({"message": "Too many requests", "code": 429}, True),
         ({"message": "unavailable", "code": "503"}, True),
         ({"message": "Service Unavailable", "status": "UNAVAILABLE"}, True),  # Gemini style
-        ({"message": "bad", "type": "invalid_request_error", "param": "messages",
-          "code": None}, False),
-        ({"message": "This model's maximum context length is 128000 tokens",
-          "type": "invalid_request_error", "param": "messages",
-          "code": "context_length_exceeded"}, False),
+        (
+            {"message": "bad", "type": "invalid_request_error", "param": "messages", "code": None},
+            False,
+        ),
+        (
+            {
+                "message": "This model's maximum context length is 128000 tokens",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "context_length_exceeded",
+            },
+            False,
+        ),
         ({"message": "nope", "code": 400}, False),
         ({"message": "auth", "type": "authentication_error", "code": "invalid_api_key"}, False),
         ("plain string error", False),
@@ -302,8 +381,9 @@ def test_protocol_error_frame_and_body() -> None:
     clf = CHAT.new_classifier()
     assert CHAT.error_frame("m", clf, None) == error_frame("m")
     body = json.loads(CHAT.error_body("all failed"))
-    assert body == {"error": {"message": "all failed", "type": "server_error",
-                              "code": "upstream_unavailable"}}
+    assert body == {
+        "error": {"message": "all failed", "type": "server_error", "code": "upstream_unavailable"}
+    }
     body = json.loads(CHAT.error_body("x", type_="rate_limited"))
     assert body["error"]["code"] == "rate_limited"
     assert CHAT.has_terminal and not GENERIC.has_terminal

@@ -44,24 +44,46 @@ class Stream:
 
 def response_obj(status: str = "in_progress", **extra: Any) -> dict[str, Any]:
     return {
-        "id": "resp_abc123", "object": "response", "created_at": 1_700_000_000,
-        "status": status, "error": None, "incomplete_details": None, "model": "gpt-5",
-        "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-        "usage": None, **extra,
+        "id": "resp_abc123",
+        "object": "response",
+        "created_at": 1_700_000_000,
+        "status": status,
+        "error": None,
+        "incomplete_details": None,
+        "model": "gpt-5",
+        "output": [],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "usage": None,
+        **extra,
     }
 
 
 def message_item(status: str = "in_progress", text: str | None = None) -> dict[str, Any]:
-    content = [] if text is None else [
-        {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
-    ]
-    return {"id": "msg_1", "type": "message", "status": status, "content": content,
-            "role": "assistant"}
+    content = (
+        []
+        if text is None
+        else [{"type": "output_text", "annotations": [], "logprobs": [], "text": text}]
+    )
+    return {
+        "id": "msg_1",
+        "type": "message",
+        "status": status,
+        "content": content,
+        "role": "assistant",
+    }
 
 
 def fc_item(n: int, status: str = "in_progress", args: str = "") -> dict[str, Any]:
-    return {"id": f"fc_{n}", "type": "function_call", "status": status, "arguments": args,
-            "call_id": f"call_{n}", "name": "shell"}
+    return {
+        "id": f"fc_{n}",
+        "type": "function_call",
+        "status": status,
+        "arguments": args,
+        "call_id": f"call_{n}",
+        "name": "shell",
+    }
 
 
 def classify_all(events: list[Event]) -> list[tuple[str, int]]:
@@ -80,20 +102,73 @@ def test_text_stream() -> None:
             (s.ev("response.created", response=response_obj()), C, 0),
             (s.ev("response.in_progress", response=response_obj()), C, 0),
             (s.ev("response.output_item.added", output_index=0, item=message_item()), C, 0),
-            (s.ev("response.content_part.added", item_id="msg_1", output_index=0,
-                  content_index=0, part={"type": "output_text", "annotations": [],
-                                         "text": ""}), C, 0),
-            (s.ev("response.output_text.delta", item_id="msg_1", output_index=0,
-                  content_index=0, delta="Hel", logprobs=[]), OUT, 0),
-            (s.ev("response.output_text.delta", item_id="msg_1", output_index=0,
-                  content_index=0, delta="lo", logprobs=[]), OUT, 0),
-            (s.ev("response.output_text.done", item_id="msg_1", output_index=0,
-                  content_index=0, text="Hello", logprobs=[]), OUT, 0),
-            (s.ev("response.content_part.done", item_id="msg_1", output_index=0,
-                  content_index=0, part={"type": "output_text", "annotations": [],
-                                         "text": "Hello"}), OUT, 0),
-            (s.ev("response.output_item.done", output_index=0,
-                  item=message_item("completed", "Hello")), OUT, 0),
+            (
+                s.ev(
+                    "response.content_part.added",
+                    item_id="msg_1",
+                    output_index=0,
+                    content_index=0,
+                    part={"type": "output_text", "annotations": [], "text": ""},
+                ),
+                C,
+                0,
+            ),
+            (
+                s.ev(
+                    "response.output_text.delta",
+                    item_id="msg_1",
+                    output_index=0,
+                    content_index=0,
+                    delta="Hel",
+                    logprobs=[],
+                ),
+                OUT,
+                0,
+            ),
+            (
+                s.ev(
+                    "response.output_text.delta",
+                    item_id="msg_1",
+                    output_index=0,
+                    content_index=0,
+                    delta="lo",
+                    logprobs=[],
+                ),
+                OUT,
+                0,
+            ),
+            (
+                s.ev(
+                    "response.output_text.done",
+                    item_id="msg_1",
+                    output_index=0,
+                    content_index=0,
+                    text="Hello",
+                    logprobs=[],
+                ),
+                OUT,
+                0,
+            ),
+            (
+                s.ev(
+                    "response.content_part.done",
+                    item_id="msg_1",
+                    output_index=0,
+                    content_index=0,
+                    part={"type": "output_text", "annotations": [], "text": "Hello"},
+                ),
+                OUT,
+                0,
+            ),
+            (
+                s.ev(
+                    "response.output_item.done",
+                    output_index=0,
+                    item=message_item("completed", "Hello"),
+                ),
+                OUT,
+                0,
+            ),
             (s.ev("response.completed", response=response_obj("completed")), OK, 0),
         ]
     )
@@ -105,16 +180,61 @@ def test_reasoning_summary_stream() -> None:
     rows = [
         (s.ev("response.created", response=response_obj()), C, 0),
         (s.ev("response.output_item.added", output_index=0, item=rs), C, 0),
-        (s.ev("response.reasoning_summary_part.added", item_id="rs_1", output_index=0,
-              summary_index=0, part={"type": "summary_text", "text": ""}), C, 0),
-        (s.ev("response.reasoning_summary_text.delta", item_id="rs_1", output_index=0,
-              summary_index=0, delta="**Plan**"), R, 0),
-        (s.ev("response.reasoning_summary_text.done", item_id="rs_1", output_index=0,
-              summary_index=0, text="**Plan**"), R, 0),
-        (s.ev("response.reasoning_summary_part.done", item_id="rs_1", output_index=0,
-              summary_index=0, part={"type": "summary_text", "text": "**Plan**"}), R, 0),
-        (s.ev("response.reasoning_text.delta", item_id="rs_1", output_index=0,
-              content_index=0, delta="raw"), R, 0),
+        (
+            s.ev(
+                "response.reasoning_summary_part.added",
+                item_id="rs_1",
+                output_index=0,
+                summary_index=0,
+                part={"type": "summary_text", "text": ""},
+            ),
+            C,
+            0,
+        ),
+        (
+            s.ev(
+                "response.reasoning_summary_text.delta",
+                item_id="rs_1",
+                output_index=0,
+                summary_index=0,
+                delta="**Plan**",
+            ),
+            R,
+            0,
+        ),
+        (
+            s.ev(
+                "response.reasoning_summary_text.done",
+                item_id="rs_1",
+                output_index=0,
+                summary_index=0,
+                text="**Plan**",
+            ),
+            R,
+            0,
+        ),
+        (
+            s.ev(
+                "response.reasoning_summary_part.done",
+                item_id="rs_1",
+                output_index=0,
+                summary_index=0,
+                part={"type": "summary_text", "text": "**Plan**"},
+            ),
+            R,
+            0,
+        ),
+        (
+            s.ev(
+                "response.reasoning_text.delta",
+                item_id="rs_1",
+                output_index=0,
+                content_index=0,
+                delta="raw",
+            ),
+            R,
+            0,
+        ),
     ]
     assert_table(rows)
 
@@ -122,13 +242,27 @@ def test_reasoning_summary_stream() -> None:
 @pytest.mark.parametrize(
     ("done_item", "kind"),
     [
-        ({"id": "rs_1", "type": "reasoning", "summary": [], "encrypted_content": "gAAAAB..."},
-         "CONTROL"),
-        ({"id": "rs_1", "type": "reasoning",
-          "summary": [{"type": "summary_text", "text": "**Plan** look at files"}]},
-         "REASONING"),
-        ({"id": "rs_1", "type": "reasoning", "summary": [],
-          "content": [{"type": "reasoning_text", "text": "raw thoughts"}]}, "REASONING"),
+        (
+            {"id": "rs_1", "type": "reasoning", "summary": [], "encrypted_content": "gAAAAB..."},
+            "CONTROL",
+        ),
+        (
+            {
+                "id": "rs_1",
+                "type": "reasoning",
+                "summary": [{"type": "summary_text", "text": "**Plan** look at files"}],
+            },
+            "REASONING",
+        ),
+        (
+            {
+                "id": "rs_1",
+                "type": "reasoning",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "raw thoughts"}],
+            },
+            "REASONING",
+        ),
     ],
     ids=["encrypted-only", "with-summary", "with-content"],
 )
@@ -137,8 +271,11 @@ def test_reasoning_item_done_is_not_output(done_item: dict[str, Any], kind: str)
     s = Stream()
     kinds = classify_all(
         [
-            s.ev("response.output_item.added", output_index=0,
-                 item={"id": "rs_1", "type": "reasoning", "summary": []}),
+            s.ev(
+                "response.output_item.added",
+                output_index=0,
+                item={"id": "rs_1", "type": "reasoning", "summary": []},
+            ),
             s.ev("response.output_item.done", output_index=0, item=done_item),
         ]
     )
@@ -153,21 +290,71 @@ def test_two_function_calls() -> None:
             (s.ev("response.created", response=response_obj()), C, 0),
             (s.ev("response.in_progress", response=response_obj()), C, 0),
             (s.ev("response.output_item.added", output_index=0, item=fc_item(1)), TS, 1),
-            (s.ev("response.function_call_arguments.delta", item_id="fc_1", output_index=0,
-                  delta='{"command"'), TD, 1),
-            (s.ev("response.function_call_arguments.delta", item_id="fc_1", output_index=0,
-                  delta=':"ls"}'), TD, 1),
-            (s.ev("response.function_call_arguments.done", item_id="fc_1", output_index=0,
-                  arguments=args1), TD, 1),
-            (s.ev("response.output_item.done", output_index=0,
-                  item=fc_item(1, "completed", args1)), TE, 0),
+            (
+                s.ev(
+                    "response.function_call_arguments.delta",
+                    item_id="fc_1",
+                    output_index=0,
+                    delta='{"command"',
+                ),
+                TD,
+                1,
+            ),
+            (
+                s.ev(
+                    "response.function_call_arguments.delta",
+                    item_id="fc_1",
+                    output_index=0,
+                    delta=':"ls"}',
+                ),
+                TD,
+                1,
+            ),
+            (
+                s.ev(
+                    "response.function_call_arguments.done",
+                    item_id="fc_1",
+                    output_index=0,
+                    arguments=args1,
+                ),
+                TD,
+                1,
+            ),
+            (
+                s.ev(
+                    "response.output_item.done", output_index=0, item=fc_item(1, "completed", args1)
+                ),
+                TE,
+                0,
+            ),
             (s.ev("response.output_item.added", output_index=1, item=fc_item(2)), TS, 1),
-            (s.ev("response.function_call_arguments.delta", item_id="fc_2", output_index=1,
-                  delta=args2), TD, 1),
-            (s.ev("response.function_call_arguments.done", item_id="fc_2", output_index=1,
-                  arguments=args2), TD, 1),
-            (s.ev("response.output_item.done", output_index=1,
-                  item=fc_item(2, "completed", args2)), TE, 0),
+            (
+                s.ev(
+                    "response.function_call_arguments.delta",
+                    item_id="fc_2",
+                    output_index=1,
+                    delta=args2,
+                ),
+                TD,
+                1,
+            ),
+            (
+                s.ev(
+                    "response.function_call_arguments.done",
+                    item_id="fc_2",
+                    output_index=1,
+                    arguments=args2,
+                ),
+                TD,
+                1,
+            ),
+            (
+                s.ev(
+                    "response.output_item.done", output_index=1, item=fc_item(2, "completed", args2)
+                ),
+                TE,
+                0,
+            ),
             (s.ev("response.completed", response=response_obj("completed")), OK, 0),
         ]
     )
@@ -178,13 +365,35 @@ def test_text_then_function_call() -> None:
     assert_table(
         [
             (s.ev("response.output_item.added", output_index=0, item=message_item()), C, 0),
-            (s.ev("response.output_text.delta", item_id="msg_1", output_index=0,
-                  content_index=0, delta="Let me look.", logprobs=[]), OUT, 0),
-            (s.ev("response.output_item.done", output_index=0,
-                  item=message_item("completed", "Let me look.")), OUT, 0),
+            (
+                s.ev(
+                    "response.output_text.delta",
+                    item_id="msg_1",
+                    output_index=0,
+                    content_index=0,
+                    delta="Let me look.",
+                    logprobs=[],
+                ),
+                OUT,
+                0,
+            ),
+            (
+                s.ev(
+                    "response.output_item.done",
+                    output_index=0,
+                    item=message_item("completed", "Let me look."),
+                ),
+                OUT,
+                0,
+            ),
             (s.ev("response.output_item.added", output_index=1, item=fc_item(1)), TS, 1),
-            (s.ev("response.output_item.done", output_index=1,
-                  item=fc_item(1, "completed", "{}")), TE, 0),
+            (
+                s.ev(
+                    "response.output_item.done", output_index=1, item=fc_item(1, "completed", "{}")
+                ),
+                TE,
+                0,
+            ),
         ]
     )
 
@@ -196,25 +405,58 @@ def test_every_client_tool_item_is_gated(itype: str) -> None:
     assert_table(
         [
             (s.ev("response.output_item.added", output_index=0, item=item), TS, 1),
-            (s.ev("response.output_item.done", output_index=0,
-                  item={**item, "status": "completed"}), TE, 0),
+            (
+                s.ev(
+                    "response.output_item.done",
+                    output_index=0,
+                    item={**item, "status": "completed"},
+                ),
+                TE,
+                0,
+            ),
         ]
     )
 
 
 def test_custom_tool_call_input() -> None:
     s = Stream()
-    item = {"id": "ctc_1", "type": "custom_tool_call", "call_id": "call_1", "name": "apply",
-            "input": ""}
+    item = {
+        "id": "ctc_1",
+        "type": "custom_tool_call",
+        "call_id": "call_1",
+        "name": "apply",
+        "input": "",
+    }
     assert_table(
         [
             (s.ev("response.output_item.added", output_index=0, item=item), TS, 1),
-            (s.ev("response.custom_tool_call_input.delta", item_id="ctc_1", output_index=0,
-                  delta="*** Begin"), TD, 1),
-            (s.ev("response.custom_tool_call_input.done", item_id="ctc_1", output_index=0,
-                  input="*** Begin"), TD, 1),
-            (s.ev("response.output_item.done", output_index=0,
-                  item={**item, "input": "*** Begin"}), TE, 0),
+            (
+                s.ev(
+                    "response.custom_tool_call_input.delta",
+                    item_id="ctc_1",
+                    output_index=0,
+                    delta="*** Begin",
+                ),
+                TD,
+                1,
+            ),
+            (
+                s.ev(
+                    "response.custom_tool_call_input.done",
+                    item_id="ctc_1",
+                    output_index=0,
+                    input="*** Begin",
+                ),
+                TD,
+                1,
+            ),
+            (
+                s.ev(
+                    "response.output_item.done", output_index=0, item={**item, "input": "*** Begin"}
+                ),
+                TE,
+                0,
+            ),
         ]
     )
 
@@ -240,9 +482,17 @@ def test_server_side_tool_items_commit() -> None:
         s.ev("response.web_search_call.searching", item_id="ws_1", output_index=0),
         s.ev("response.web_search_call.completed", item_id="ws_1", output_index=0),
         s.ev("response.output_item.done", output_index=0, item={**ws, "status": "completed"}),
-        s.ev("response.output_item.added", output_index=1,
-             item={"id": "ci_1", "type": "code_interpreter_call", "status": "in_progress",
-                   "code": "", "container_id": "c"}),
+        s.ev(
+            "response.output_item.added",
+            output_index=1,
+            item={
+                "id": "ci_1",
+                "type": "code_interpreter_call",
+                "status": "in_progress",
+                "code": "",
+                "container_id": "c",
+            },
+        ),
     ]
     clf = ResponsesClassifier()
     for e in events:
@@ -306,27 +556,43 @@ def test_nameless_events_classified_by_type() -> None:
     """WebSocket messages and nameless SSE events carry their type in the JSON."""
     s = Stream()
     created = s.ev("response.created", response=response_obj())
-    nameless = [Event(e.raw, None, e.data) for e in [
-        created,
-        s.ev("response.output_item.added", output_index=0, item=fc_item(1)),
-        s.ev("response.function_call_arguments.delta", item_id="fc_1", output_index=0,
-             delta="{}"),
-        s.ev("response.output_item.done", output_index=0, item=fc_item(1, "completed", "{}")),
-        s.ev("response.output_text.delta", item_id="m", output_index=1, content_index=0,
-             delta="x"),
-        s.ev("response.completed", response=response_obj("completed")),
-    ]]
+    nameless = [
+        Event(e.raw, None, e.data)
+        for e in [
+            created,
+            s.ev("response.output_item.added", output_index=0, item=fc_item(1)),
+            s.ev(
+                "response.function_call_arguments.delta", item_id="fc_1", output_index=0, delta="{}"
+            ),
+            s.ev("response.output_item.done", output_index=0, item=fc_item(1, "completed", "{}")),
+            s.ev(
+                "response.output_text.delta",
+                item_id="m",
+                output_index=1,
+                content_index=0,
+                delta="x",
+            ),
+            s.ev("response.completed", response=response_obj("completed")),
+        ]
+    ]
     assert classify_all(nameless) == [
-        ("CONTROL", 0), ("TOOL_START", 1), ("TOOL_DELTA", 1), ("TOOL_END", 0), ("OUTPUT", 0),
+        ("CONTROL", 0),
+        ("TOOL_START", 1),
+        ("TOOL_DELTA", 1),
+        ("TOOL_END", 0),
+        ("OUTPUT", 0),
         ("TERMINAL_OK", 0),
     ]
     # "type" not first, or nested first: falls back to a real parse
-    late_type = Event(b"", None, '{"sequence_number": 1, "type": "response.output_text.delta",'
-                                 ' "delta": "x"}')
+    late_type = Event(
+        b"", None, '{"sequence_number": 1, "type": "response.output_text.delta", "delta": "x"}'
+    )
     nested_first = Event(b"", None, '{"response": {"type": "x"}, "type": "response.completed"}')
     no_type = Event(b"", None, '{"sequence_number": 1}')
     assert classify_all([late_type, nested_first, no_type]) == [
-        ("OUTPUT", 0), ("TERMINAL_OK", 0), ("UNKNOWN", 0),
+        ("OUTPUT", 0),
+        ("TERMINAL_OK", 0),
+        ("UNKNOWN", 0),
     ]
 
 
@@ -352,8 +618,9 @@ def test_comment_keepalive_keeps_open_count() -> None:
 )
 def test_response_failed(code: str, retryable: bool) -> None:
     s = Stream()
-    e = s.ev("response.failed",
-             response=response_obj("failed", error={"code": code, "message": "m"}))
+    e = s.ev(
+        "response.failed", response=response_obj("failed", error={"code": code, "message": "m"})
+    )
     assert ResponsesClassifier().classify(e) == (ERR | RETRY if retryable else ERR, 0)
 
 
@@ -367,14 +634,34 @@ def test_response_failed(code: str, retryable: bool) -> None:
         ({"code": None, "message": "m", "param": None}, False),
         # nested shape seen from the live API
         ({"error": {"type": "server_error", "code": "server_error", "message": "m"}}, True),
-        ({"error": {"type": "invalid_request_error", "code": "context_length_exceeded",
-                    "message": "Your input exceeds the context window"}}, False),
+        (
+            {
+                "error": {
+                    "type": "invalid_request_error",
+                    "code": "context_length_exceeded",
+                    "message": "Your input exceeds the context window",
+                }
+            },
+            False,
+        ),
         # WebSocket shape with a status
         ({"status": 503, "error": {"type": "service_unavailable", "message": "m"}}, True),
-        ({"status": 400, "error": {"type": "invalid_request_error",
-                                    "code": "previous_response_not_found"}}, False),
-        ({"error": {"type": "invalid_request_error",
-                    "code": "websocket_connection_limit_reached"}}, True),
+        (
+            {
+                "status": 400,
+                "error": {"type": "invalid_request_error", "code": "previous_response_not_found"},
+            },
+            False,
+        ),
+        (
+            {
+                "error": {
+                    "type": "invalid_request_error",
+                    "code": "websocket_connection_limit_reached",
+                }
+            },
+            True,
+        ),
     ],
 )
 def test_error_event(payload: dict[str, Any], retryable: bool) -> None:
@@ -388,9 +675,10 @@ def test_error_event(payload: dict[str, Any], retryable: bool) -> None:
 
 def test_response_incomplete_is_a_final_error() -> None:
     s = Stream()
-    e = s.ev("response.incomplete",
-             response=response_obj("incomplete",
-                                   incomplete_details={"reason": "max_output_tokens"}))
+    e = s.ev(
+        "response.incomplete",
+        response=response_obj("incomplete", incomplete_details={"reason": "max_output_tokens"}),
+    )
     kinds, _ = ResponsesClassifier().classify(e)
     assert kinds == ERR  # final: not retryable, not a success
 

@@ -80,8 +80,10 @@ class Protocol:
             )
         if self is BODY:
             return b""  # a plain body has no error frame: the shell aborts the connection
-        return b"event: error\ndata: " + json.dumps({"error": {"message": message}}).encode() + (
-            b"\n\n"
+        return (
+            b"event: error\ndata: "
+            + json.dumps({"error": {"message": message}}).encode()
+            + (b"\n\n")
         )
 
     def final_error_frame(self, status: int, body: bytes, request_id: str | None = None) -> bytes:
@@ -104,10 +106,14 @@ class Protocol:
         message = message or f"upstream HTTP {status}"
         shown = f"{message} (request id {request_id})" if request_id else message
         if self.anthropic_errors:
-            payload: dict[str, Any] = dict(obj) if obj and obj.get("type") == "error" and e else {
-                "type": "error",
-                "error": {"type": etype, "message": message},
-            }
+            payload: dict[str, Any] = (
+                dict(obj)
+                if obj and obj.get("type") == "error" and e
+                else {
+                    "type": "error",
+                    "error": {"type": etype, "message": message},
+                }
+            )
             if request_id and "request_id" not in payload:
                 payload["request_id"] = request_id
             return b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
@@ -151,7 +157,6 @@ class Protocol:
             {"error": {"message": message, "type": "server_error", "code": type_}}
         ).encode()
 
-
     def retry_delay(self, body: bytes) -> float | None:
         """Seconds to wait that a retryable answer's body names (Gemini's
         ``RetryInfo.retryDelay``), or None; obeyed like ``Retry-After``."""
@@ -170,19 +175,27 @@ CHAT = Protocol("chat", True, chat.ChatClassifier, done_marker=b"data: [DONE]\n\
 #: The Responses API has no keepalive event of its own: an event type that Codex's and
 #: the openai SDK's parsers accept and ignore (checked with Codex 0.169.0 and openai 3.57).
 RESPONSES = Protocol(
-    "responses", True, responses.ResponsesClassifier,
+    "responses",
+    True,
+    responses.ResponsesClassifier,
     keepalive_event=b'event: keepalive\ndata: {"type":"keepalive"}\n\n',
 )
 #: Anthropic's own ``ping``, which its API sends between frames.
 ANTHROPIC = Protocol(
-    "anthropic", True, anthropic.AnthropicClassifier, anthropic_errors=True,
+    "anthropic",
+    True,
+    anthropic.AnthropicClassifier,
+    anthropic_errors=True,
     keepalive_event=b'event: ping\ndata: {"type": "ping"}\n\n',
 )
 #: The Gemini API (``:streamGenerateContent?alt=sse``): keepalives are blank lines for
 #: every client (see `gemini.KEEPALIVE`).
 GEMINI = Protocol(
-    "gemini", True, gemini.GeminiClassifier,
-    keepalive_event=gemini.KEEPALIVE, comment_keepalive=False,
+    "gemini",
+    True,
+    gemini.GeminiClassifier,
+    keepalive_event=gemini.KEEPALIVE,
+    comment_keepalive=False,
 )
 GENERIC = Protocol("generic", False, GenericClassifier)
 #: A non-SSE body (JSON answer, file): each chunk is one UNKNOWN frame, so the
@@ -201,9 +214,7 @@ _FINAL_TYPES = {
 }
 
 _USAGE_IN = re.compile(rb'"(?:prompt_tokens|input_tokens|promptTokenCount)"\s*:\s*(\d+)')
-_USAGE_OUT = re.compile(
-    rb'"(?:completion_tokens|output_tokens|candidatesTokenCount)"\s*:\s*(\d+)'
-)
+_USAGE_OUT = re.compile(rb'"(?:completion_tokens|output_tokens|candidatesTokenCount)"\s*:\s*(\d+)')
 
 
 def usage_from(frames: Iterable[bytes]) -> tuple[int | None, int | None]:

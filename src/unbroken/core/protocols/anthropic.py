@@ -81,8 +81,8 @@ class AnthropicClassifier:
                 return Kind.MALFORMED, self.open_tools
             cb = obj.get("content_block")
             btype = cb.get("type") if isinstance(cb, dict) else None
-            self.block = BLOCKS.get(btype, _UNKNOWN_BLOCK) if isinstance(btype, str) else (
-                _UNKNOWN_BLOCK
+            self.block = (
+                BLOCKS.get(btype, _UNKNOWN_BLOCK) if isinstance(btype, str) else (_UNKNOWN_BLOCK)
             )
             if self.block[0] == Kind.TOOL_START:
                 self.open_tools += 1

@@ -177,9 +177,7 @@ def _has_reasoning(item: dict[str, Any]) -> bool:
     """Whether a reasoning item carries summary or content text."""
     for key in ("summary", "content"):
         parts = item.get(key)
-        if isinstance(parts, list) and any(
-            isinstance(p, dict) and p.get("text") for p in parts
-        ):
+        if isinstance(parts, list) and any(isinstance(p, dict) and p.get("text") for p in parts):
             return True
     return False
 
