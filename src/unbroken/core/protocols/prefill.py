@@ -26,19 +26,31 @@ The continuation begins with some whitespace ``K`` (maybe none), then the rest:
   client already has at that position is dropped, and a continuation that adds
   whitespace (a paragraph break after a trimmed space) keeps it.
 
-With an *echo* (``echo``: the prefix sent), a continuation that begins with the
-whole prefix (a provider that repeats the prefix in its answer) has that prefix
-dropped first; one that does not is taken as it is.
+With an *echo* (``echo``: the prefix sent, for a provider whose answer starts with
+the prefix), the answer must begin with exactly that prefix, which is dropped
+first; an answer that does not raises `JoinError` (never a guess: the turn then
+ends with the native error).
 """
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["MAX_COMMITTED_BYTES", "Refusal", "TextJoin", "reconcile", "split_trailing_ws"]
+__all__ = [
+    "MAX_COMMITTED_BYTES",
+    "JoinError",
+    "Refusal",
+    "TextJoin",
+    "reconcile",
+    "split_trailing_ws",
+]
 
 #: Released bytes read back to build a continuation, at most (beyond: refused)
 MAX_COMMITTED_BYTES = 8 * 1024 * 1024
+
+
+class JoinError(ValueError):
+    """A continuation does not continue what the client has (the join is broken)."""
 
 
 class Refusal(enum.StrEnum):
@@ -97,9 +109,10 @@ class TextJoin:
         if echo:
             if len(buf) < len(echo) and echo.startswith(buf):
                 self._buf = buf
-                return ""  # could still be the echoed prefix
-            if buf.startswith(echo):
-                buf = buf[len(echo) :]
+                return ""  # the echoed prefix, so far
+            if not buf.startswith(echo):
+                raise JoinError("the answer does not begin with the prefix it must repeat")
+            buf = buf[len(echo) :]
             self._echo = ""
         rest = buf.lstrip()
         if not rest:
@@ -114,6 +127,7 @@ class TextJoin:
             return ""
         buf, self._buf = self._buf, ""
         self.done = True
-        self._echo = ""
+        if self._echo:
+            raise JoinError("the answer ended before it repeated the prefix")
         rest = buf.lstrip()
         return reconcile(self.shown, buf[: len(buf) - len(rest)]) + rest
