@@ -129,6 +129,8 @@ class Committed:
     usage: Mapping[str, Any] = field(default_factory=dict)
     #: the client saw ``message_start`` (a continuation's is then absorbed)
     started: bool = True
+    #: text delta frames the client has (about a token each: what a redo samples again)
+    deltas: int = 0
 
 
 def read_committed(released: bytes) -> Committed | Refusal:
@@ -147,6 +149,7 @@ def read_committed(released: bytes) -> Committed | Refusal:
     next_index = 0
     usage: Mapping[str, Any] = {}
     started = False
+    deltas = 0
     for event in events:
         name = event.name
         if event.data is None:
@@ -184,6 +187,7 @@ def read_committed(released: bytes) -> Committed | Refusal:
             if delta.get("type") != "text_delta" or not isinstance(text, str):
                 return Refusal.OTHER_CONTENT  # citations, or a delta the rule does not know
             parts.append(text)
+            deltas += 1
         elif name == "content_block_stop":
             if obj.get("index") != open_index:
                 return Refusal.MALFORMED
@@ -192,7 +196,7 @@ def read_committed(released: bytes) -> Committed | Refusal:
             return Refusal.STOP_RELEASED
         else:
             return Refusal.OTHER_CONTENT  # an error, or a frame the rule does not know
-    return Committed("".join(parts), open_index, next_index, usage, started)
+    return Committed("".join(parts), open_index, next_index, usage, started, deltas)
 
 
 @dataclass(frozen=True, slots=True)

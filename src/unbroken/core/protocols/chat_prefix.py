@@ -115,6 +115,8 @@ class Committed:
     #: the client's chunk ``id`` and ``created`` (kept on the continuation's chunks)
     id: str | None
     created: int | None
+    #: text chunks the client has (about a token each: what a redo samples again)
+    deltas: int = 0
 
 
 def read_committed(released: bytes) -> Committed | Refusal:
@@ -131,6 +133,7 @@ def read_committed(released: bytes) -> Committed | Refusal:
     parts: list[str] = []
     chunk_id: str | None = None
     created: int | None = None
+    deltas = 0
     for event in events:
         if event.data is None:
             continue
@@ -171,13 +174,14 @@ def read_committed(released: bytes) -> Committed | Refusal:
                     if not isinstance(value, str):
                         return Refusal.OTHER_CONTENT
                     parts.append(value)
+                    deltas += 1
                 elif key in ("tool_calls", "function_call"):
                     return Refusal.TOOL_CALL
                 elif key in _REASONING:
                     return Refusal.THINKING
                 else:
                     return Refusal.OTHER_CONTENT  # refusal, audio, a field we do not know
-    return Committed("".join(parts), chunk_id, created)
+    return Committed("".join(parts), chunk_id, created, deltas)
 
 
 @dataclass(frozen=True, slots=True)
