@@ -213,10 +213,10 @@ class Outcome(enum.StrEnum):
 
     OK = "ok"
     RECOVERED = "recovered"  # ok, after at least one failed attempt
-    RESUMED = "resumed"  # ok, finished in place after a cut (`core.continuation`)
     ENDED_WITH_ERROR = "ended_with_error"  # cut after output: the native error was sent
     PASSED_THROUGH_ERROR = "passed_through_error"  # the provider's final answer
     ABORTED_BY_CLIENT = "aborted_by_client"
+    RESUMED = "resumed"  # ok, finished in place after a cut (`core.continuation`)
     INTERNAL_ERROR = "internal_error"  # a bug in the relay
 
     @property
