@@ -1048,7 +1048,7 @@ class TurnMachine:
         report.attempt_ended(failure.label, phase, self.status, self.stats)
         report.continuation("spliced", strategy_splices(strategy), strategy.saved_frames)
         retry = self.retry
-        wait = retry.record_failure(failure, now)
+        wait = retry.resume_delay(failure)
         report.attempt_failed(failure, phase, wait)
         report.state(TurnState.WAITING)
         if wait > 0 and not _testing:

@@ -448,9 +448,12 @@ class _HealthHook(Hooks):
         self.relay = relay
         #: turn id -> the upstreams it failed on (the fleet counts one failure per turn)
         self._failed: dict[int, set[str]] = {}
+        #: turn id -> the upstreams it was cut on after commit (counted once a turn)
+        self._cut: dict[int, set[str]] = {}
 
     def turn_ended(self, turn: TurnInfo) -> None:
         self._failed.pop(turn.id, None)
+        self._cut.pop(turn.id, None)
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         relay = self.relay
@@ -462,7 +465,12 @@ class _HealthHook(Hooks):
         if answered:
             relay.board.success(key, relay.clock())
         elif attempt.phase == "committed" and (attempt.status or 0) < 400:
-            relay.board.failure(key, relay.clock(), reason)
+            # Once per turn: a turn continued in place after cuts (`core.continuation`)
+            # has several committed attempts; the breaker counts the turn's failure.
+            cut = self._cut.setdefault(turn.id, set())
+            if key not in cut:
+                cut.add(key)
+                relay.board.failure(key, relay.clock(), reason)
         if answered:
             relay.store.count(key, False)
         elif (attempt.status or 500) >= 500:
