@@ -200,3 +200,36 @@ async def _wait(cond: Any, cap: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
+
+
+async def _ws_turn(ws: aiohttp.ClientWebSocketResponse, create: dict[str, Any]) -> list[bytes]:
+    await ws.send_str(json.dumps(create))
+    out: list[bytes] = []
+    while True:
+        msg = await ws.receive(timeout=10)
+        assert msg.type is aiohttp.WSMsgType.TEXT, msg
+        out.append(msg.data.encode())
+        if json.loads(msg.data)["type"] in ("response.completed", "response.failed", "error"):
+            return out
+
+
+async def test_a_websocket_client_keeps_its_socket_and_the_turn_resumes_over_http(mock, relay):
+    """Background mode is not supported over WebSocket: with the setting on, the relay
+    serves a socket's turn over HTTP in background mode and resumes it over HTTP; the
+    client's socket sees one stream, then takes its next turn on the same socket."""
+    server, rec = relay
+    uncut = await _uncut(mock)
+    expected = [json.dumps(e, separators=(",", ":")) for e in _events(uncut)]
+    create = {"type": "response.create", "model": "m", "input": "hi", "store": False}
+    mock.script([{"text": TEXT, "fault": "reset", "after_frame": FIRST_DELTA + 2}])
+    url = server.url.replace("http://", "ws://") + f"/mock/{PATH}"
+    async with aiohttp.ClientSession() as s, s.ws_connect(url) as ws:
+        got = await _ws_turn(ws, create)
+        assert [json.loads(m) for m in got] == [json.loads(e) for e in expected]
+        again = await _ws_turn(ws, create)  # the same socket serves the next turn
+        assert json.loads(again[-1])["type"] == "response.completed"
+    posts = [r for r in mock.requests if r.method == "POST"]
+    assert posts[0].json()["background"] is True and posts[0].json()["store"] is True
+    assert [r.method for r in mock.requests][:2] == ["POST", "GET"]
+    turns = await rec.wait_turns(2)
+    assert turns[0].outcome == "resumed" and turns[0].splices == 1

@@ -612,7 +612,7 @@ class TurnMachine:
         else:
             timeout = self.profile.nonstream_wait(t.header_timeout_s, t.first_frame_timeout_s)
         strategy = self.continuation
-        if strategy is not None and self.stream:
+        if strategy is not None:  # (the transports give one to streamed turns only)
             patch = strategy.body_patch(idx)
             self._patched = bool(patch)
             return Open(idx, timeout, patch)

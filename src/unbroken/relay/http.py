@@ -18,7 +18,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -27,7 +27,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from unbroken.config import Config, Route
+from unbroken.config import Config, Route, Upstream
 from unbroken.core.background import BackgroundResume, background_patch_applies
 from unbroken.core.continuation import AfterCommit, Cancel, ContinuationMemory, Resume, Strategy
 from unbroken.core.health import Change, HealthBoard, upstream_key
@@ -287,21 +287,43 @@ class Relay:
             return None
         if not background_patch_applies(parsed):
             return None
+        return self.background_resume(route, rest)
+
+    def background_resume(self, route: Route, rest: str) -> BackgroundResume:
+        """The Responses background-mode strategy of one turn on ``route``."""
         keys = self._keys.get(route.name) or _route_keys(route)
         return BackgroundResume(
-            path=rest, keys=keys, memory=self.continuations, max_splices=stream.max_splices
+            path=rest,
+            keys=keys,
+            memory=self.continuations,
+            max_splices=self.config.stream.max_splices,
         )
 
-    def send_cancels(self, route: Route, request: web.Request, cancels: Sequence[Cancel]) -> None:
-        """Send each cancel (best effort, in the background: nobody waits for it)."""
+    def send_cancels(
+        self,
+        route: Route,
+        request: web.Request,
+        cancels: Sequence[Cancel],
+        headers_for: Callable[[Upstream], CIMultiDict[str]] | None = None,
+    ) -> None:
+        """Send each cancel (best effort, in the background: nobody waits for it).
+        ``headers_for``: the upstream request headers (else the HTTP request's)."""
         for cancel in cancels:
-            task = asyncio.ensure_future(self._cancel(route, request, cancel))
+            task = asyncio.ensure_future(self._cancel(route, request, cancel, headers_for))
             self.side_tasks.add(task)
             task.add_done_callback(self.side_tasks.discard)
 
-    async def _cancel(self, route: Route, request: web.Request, cancel: Cancel) -> None:
+    async def _cancel(
+        self,
+        route: Route,
+        request: web.Request,
+        cancel: Cancel,
+        headers_for: Callable[[Upstream], CIMultiDict[str]] | None,
+    ) -> None:
         up = route.upstreams[cancel.upstream]
         headers, query = continuation_headers(request, up, ("content-type", "content-encoding"))
+        if headers_for is not None:
+            headers = headers_for(up)
         url = upstream_url(up, cancel.path, query)
         status: int | str
         try:
