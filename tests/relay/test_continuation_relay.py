@@ -80,6 +80,15 @@ async def test_cut_after_output_is_resumed_exactly(mock, relay):
     turn = (await rec.wait_turns(1))[0]
     assert turn.outcome == "resumed"
     assert turn.splices == 1 and turn.saved_tokens >= 2
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{server.url}/metrics") as r:
+            metrics = await r.text()
+        async with http.get(f"{server.url}/status") as r:
+            status = await r.json()
+    assert 'unbroken_continuations_total{protocol="responses",result="spliced"} 1.0' in metrics
+    assert 'unbroken_turns_total{outcome="resumed",route="mock"} 1.0' in metrics
+    assert status["totals"]["continuations"] == {"spliced": 1}
+    assert status["totals"]["outcomes"]["resumed"] == 1
 
 
 async def test_many_cuts_in_one_turn(mock, relay):
