@@ -21,8 +21,9 @@ PATH = "v1/responses"
 BODY: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "store": False}
 TEXT = "The quick brown fox jumps over the lazy dog, twice over."
 STREAM = {"first_frame_timeout_s": 2, "idle_timeout_s": 2, "keepalive_s": 30}
-#: frames before the first text delta: created, in_progress, item added, part added
-FIRST_DELTA = 5
+#: frames before the first text delta (background mode): created, queued, in_progress,
+#: item added, part added
+FIRST_DELTA = 6
 
 
 @pytest.fixture
