@@ -7,6 +7,7 @@ the native error, and the request was never made a background one).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
@@ -243,3 +244,41 @@ async def test_a_websocket_client_keeps_its_socket_and_the_turn_resumes_over_htt
     assert [r.method for r in mock.requests][:2] == ["POST", "GET"]
     turns = await rec.wait_turns(2)
     assert turns[0].outcome == "resumed" and turns[0].splices == 1
+
+
+async def test_a_route_override_keeps_the_default_on_that_route(mock):
+    """``[routes.NAME] after_commit = "error"`` under a global "continue": that route's
+    turns go as the client sent them and end as before; the same bytes as a relay with
+    no setting at all."""
+    body = json.dumps(BODY).encode()
+    action = {"text": TEXT, "fault": "reset", "after_frame": FIRST_DELTA}
+
+    async def cut_turn(cfg: Any) -> bytes:
+        server, rec = await start_relay(cfg)
+        try:
+            mock.reset()
+            mock.script([action])
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    f"{server.url}/mock/{PATH}",
+                    data=body,
+                    headers={"content-type": "application/json"},
+                ) as r,
+            ):
+                got = await r.read()
+            assert [q.body for q in mock.requests] == [body]
+            await rec.wait_turns(1)
+            return got
+        finally:
+            await server.stop()
+
+    plain = await cut_turn(make_config([{"url": mock.url}], stream=STREAM))
+    cfg = make_config(
+        [{"url": mock.url}], stream={**STREAM, "after_commit": "continue"}, route="other"
+    )
+    routes = dict(cfg.routes)
+    routes["mock"] = dataclasses.replace(routes["other"], name="mock", after_commit="error")
+    overridden = await cut_turn(dataclasses.replace(cfg, routes=routes))
+    assert b"event: error" in plain
+    assert overridden == plain
