@@ -604,6 +604,7 @@ class TurnMachine:
         self.step = _Step.CONNECTING
         self.attempt_ledger = None
         self._splice = None
+        self._queued = False  # a new response: the last one's queue is behind
         t = self.timers
         # A non-streamed answer arrives only once generated: allow it as long as the
         # client waits for it (when known), else the first-frame time.
