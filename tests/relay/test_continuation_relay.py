@@ -7,6 +7,7 @@ the native error, and the request was never made a background one).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
@@ -21,8 +22,9 @@ PATH = "v1/responses"
 BODY: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "store": False}
 TEXT = "The quick brown fox jumps over the lazy dog, twice over."
 STREAM = {"first_frame_timeout_s": 2, "idle_timeout_s": 2, "keepalive_s": 30}
-#: frames before the first text delta: created, in_progress, item added, part added
-FIRST_DELTA = 5
+#: frames before the first text delta (background mode): created, queued, in_progress,
+#: item added, part added
+FIRST_DELTA = 6
 
 
 @pytest.fixture
@@ -80,6 +82,15 @@ async def test_cut_after_output_is_resumed_exactly(mock, relay):
     turn = (await rec.wait_turns(1))[0]
     assert turn.outcome == "resumed"
     assert turn.splices == 1 and turn.saved_tokens >= 2
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{server.url}/metrics") as r:
+            metrics = await r.text()
+        async with http.get(f"{server.url}/status") as r:
+            status = await r.json()
+    assert 'unbroken_continuations_total{protocol="responses",result="spliced"} 1.0' in metrics
+    assert 'unbroken_turns_total{outcome="resumed",route="mock"} 1.0' in metrics
+    assert status["totals"]["continuations"] == {"spliced": 1}
+    assert status["totals"]["outcomes"]["resumed"] == 1
 
 
 async def test_many_cuts_in_one_turn(mock, relay):
@@ -200,3 +211,74 @@ async def _wait(cond: Any, cap: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
+
+
+async def _ws_turn(ws: aiohttp.ClientWebSocketResponse, create: dict[str, Any]) -> list[bytes]:
+    await ws.send_str(json.dumps(create))
+    out: list[bytes] = []
+    while True:
+        msg = await ws.receive(timeout=10)
+        assert msg.type is aiohttp.WSMsgType.TEXT, msg
+        out.append(msg.data.encode())
+        if json.loads(msg.data)["type"] in ("response.completed", "response.failed", "error"):
+            return out
+
+
+async def test_a_websocket_client_keeps_its_socket_and_the_turn_resumes_over_http(mock, relay):
+    """Background mode is not supported over WebSocket: with the setting on, the relay
+    serves a socket's turn over HTTP in background mode and resumes it over HTTP; the
+    client's socket sees one stream, then takes its next turn on the same socket."""
+    server, rec = relay
+    uncut = await _uncut(mock)
+    expected = [json.dumps(e, separators=(",", ":")) for e in _events(uncut)]
+    create = {"type": "response.create", "model": "m", "input": "hi", "store": False}
+    mock.script([{"text": TEXT, "fault": "reset", "after_frame": FIRST_DELTA + 2}])
+    url = server.url.replace("http://", "ws://") + f"/mock/{PATH}"
+    async with aiohttp.ClientSession() as s, s.ws_connect(url) as ws:
+        got = await _ws_turn(ws, create)
+        assert [json.loads(m) for m in got] == [json.loads(e) for e in expected]
+        again = await _ws_turn(ws, create)  # the same socket serves the next turn
+        assert json.loads(again[-1])["type"] == "response.completed"
+    posts = [r for r in mock.requests if r.method == "POST"]
+    assert posts[0].json()["background"] is True and posts[0].json()["store"] is True
+    assert [r.method for r in mock.requests][:2] == ["POST", "GET"]
+    turns = await rec.wait_turns(2)
+    assert turns[0].outcome == "resumed" and turns[0].splices == 1
+
+
+async def test_a_route_override_keeps_the_default_on_that_route(mock):
+    """``[routes.NAME] after_commit = "error"`` under a global "continue": that route's
+    turns go as the client sent them and end as before; the same bytes as a relay with
+    no setting at all."""
+    body = json.dumps(BODY).encode()
+    action = {"text": TEXT, "fault": "reset", "after_frame": FIRST_DELTA}
+
+    async def cut_turn(cfg: Any) -> bytes:
+        server, rec = await start_relay(cfg)
+        try:
+            mock.reset()
+            mock.script([action])
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    f"{server.url}/mock/{PATH}",
+                    data=body,
+                    headers={"content-type": "application/json"},
+                ) as r,
+            ):
+                got = await r.read()
+            assert [q.body for q in mock.requests] == [body]
+            await rec.wait_turns(1)
+            return got
+        finally:
+            await server.stop()
+
+    plain = await cut_turn(make_config([{"url": mock.url}], stream=STREAM))
+    cfg = make_config(
+        [{"url": mock.url}], stream={**STREAM, "after_commit": "continue"}, route="other"
+    )
+    routes = dict(cfg.routes)
+    routes["mock"] = dataclasses.replace(routes["other"], name="mock", after_commit="error")
+    overridden = await cut_turn(dataclasses.replace(cfg, routes=routes))
+    assert b"event: error" in plain
+    assert overridden == plain

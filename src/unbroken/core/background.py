@@ -54,20 +54,18 @@ def refuses_background(status: int, body: bytes) -> bool:
     return any(w in low for w in _REFUSAL_WORDS)
 
 
+def _payload(raw: bytes) -> dict[str, Any] | None:
+    """The JSON object of one SSE frame (its ``data:`` lines) or WebSocket message."""
+    text = raw.decode("utf-8", "replace")
+    if text.lstrip().startswith("{"):
+        return loads_object(text.strip())  # a WebSocket message
+    lines = [ln[5:].lstrip() for ln in text.splitlines() if ln.startswith("data:")]
+    return loads_object("\n".join(lines).strip()) if lines else None
+
+
 def _seq_of(raw: bytes) -> int | None:
     """The top-level ``sequence_number`` of one SSE frame (or WebSocket message)."""
-    start = raw.find(b"{")
-    if start < 0:
-        return None
-    text = raw[start:].decode("utf-8", "replace")
-    if raw.startswith(b"event:") or b"\ndata:" in raw or raw.startswith(b"data:"):
-        # SSE: the data lines' payload (one line in practice)
-        lines = [ln[5:].lstrip() for ln in text.split("\n") if ln.startswith("data:")]
-        text = "\n".join(lines) if lines else text
-        if not lines:
-            data_at = raw.find(b"data:")
-            text = raw[data_at + 5 :].decode("utf-8", "replace") if data_at >= 0 else text
-    obj = loads_object(text.strip())
+    obj = _payload(raw)
     seq = obj.get("sequence_number") if obj is not None else None
     return seq if type(seq) is int else None
 
@@ -262,11 +260,7 @@ def _item_of(obj: dict[str, Any]) -> str | None:
 def _last_item(ledger: Ledger) -> str | None:
     """The output item the last frames fed to the ledger name (the one open at a cut)."""
     for raw in reversed(ledger.stats.recent):
-        start = raw.find(b"{")
-        if start < 0:
-            continue
-        at = raw.find(b"data:")
-        obj = loads_object(raw[at + 5 :].decode("utf-8", "replace").strip() if at >= 0 else "")
+        obj = _payload(raw)
         if obj is not None:
             item = _item_of(obj)
             if item is not None:

@@ -411,6 +411,16 @@ class RetryState:
         self._rate_retry = self._pace_done = False
         return idx
 
+    def resume_delay(self, failure: Failure) -> float:
+        """The wait before a continuation of a cut response (`next_resume`): the retry
+        delay, or the upstream's Retry-After.  The upstream's health learns of the cut
+        from the attempt's end, as for any cut after commit (not twice)."""
+        self.retries += 1
+        ra = failure.retry_after_s if self.policy.honor_retry_after else None
+        if ra is not None:
+            return self.policy.clamp_retry_after(ra)
+        return self.policy.base_delay(self.retries, self.rng)
+
     def _ticket(self, board: HealthBoard) -> int:
         if not self.ticket:
             self.ticket = board.new_ticket()

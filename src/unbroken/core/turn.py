@@ -18,7 +18,8 @@ module decides everything else, the way h11's ``_state.py`` does for HTTP:
 Events in (method calls, each given ``now``, a monotonic time in seconds)::
 
     start()                      the turn begins
-    next_attempt()               a `Wait` is over
+    next_attempt()               a `Wait` is over (opens the next attempt, or the
+                                 continuation a cut asked for)
     open_failed(failure)         connecting or waiting for headers failed
     answered(status, sse, ...)   the upstream's status line and headers arrived
     error_body(body)             a retryable answer's (bounded) body was read
@@ -39,7 +40,10 @@ Events in (method calls, each given ``now``, a monotonic time in seconds)::
 
 Actions out (frozen values; the transport carries each one out)::
 
-    Open(upstream, timeout_s)    open an attempt on upstream i
+    Open(upstream, timeout_s,    open an attempt on upstream i (``body_patch``: top-level
+      body_patch)                JSON keys to set, only with ``after_commit = "continue"``)
+    Resume(upstream, method,     open a continuation of the cut attempt (`core.continuation`)
+      path, query, body, ...)
     Wait(seconds, key, ticket)   wait, then call ``next_attempt()``; the wait ends early
                                  when the upstream's pacer lets the turn go
     Stream / PassThrough /       read the answer's body this way
@@ -59,7 +63,8 @@ Phases of a failed attempt (`Phase`)::
     headers    no headers in time, a retryable status, or a 1xx
     pending    the body failed while nothing had been released (replayed)
     stall      the body went silent while nothing had been released (replayed)
-    committed  the body failed after output reached the client (never replayed)
+    committed  the body failed after output reached the client (never replayed;
+               continued in place when a strategy can, see below)
     tail       the body failed after the turn's terminal frame (the turn is complete;
                the machine finishes the protocol's ending itself, e.g. ``[DONE]``)
 
@@ -80,6 +85,17 @@ Deadlines (`deadline()` says when `tick()` is next due):
   from where it stood when the write completes (`wrote` moves the last byte's time
   forward by the blocked time).
 
+Continuation after commit (``[stream] after_commit = "continue"``, `core.continuation`):
+where a cut would end the turn (a reset, a stall, a body ended without its terminal;
+never a provider's error event or a malformed frame), the machine asks the turn's
+`Strategy`.  A `Resume` is paced like any retry (`RetryState.next_resume`: the same
+upstream, its pacer's go) and its frames pass the strategy's splicer (the join
+check) before the same ledger (`Ledger.resume_attempt`: classifier and held frames
+kept), so the client sees one stream.  A `Refusal` (typed), or a join that breaks,
+ends the turn exactly as without a strategy (before commit: a replay).  At most
+``max_splices`` continuations a turn; a continuation with no progress within
+``queued_s`` is given up.  Responses nobody will read are named in ``cancels``.
+
 Legality: as h11 does, the machine refuses an event its step does not accept.  That
 is a transport bug (a chunk of a dead attempt read after its `Wait`, a feed after
 `End`): the event raises `TurnError` and the machine goes to ERROR, where every event
@@ -92,8 +108,9 @@ The steps, and the events each one accepts::
 
     step          entered by                     legal events
     NEW           the machine's creation         start
-    IDLE          start, a Wait                  next_attempt
+    IDLE          start, a Wait, a cut continued next_attempt
     CONNECTING    Open                           open_failed, answered, transport_failed
+    RESUMING      Resume                         open_failed, answered, transport_failed
     STREAM        Stream                         feed_chunk, feed_verbatim, feed_frame,
                                                  body_ended, transport_failed
     PASS_THROUGH  PassThrough                    feed_body, body_ended, transport_failed
@@ -214,10 +231,10 @@ class Outcome(enum.StrEnum):
 
     OK = "ok"
     RECOVERED = "recovered"  # ok, after at least one failed attempt
-    RESUMED = "resumed"  # ok, finished in place after a cut (`core.continuation`)
     ENDED_WITH_ERROR = "ended_with_error"  # cut after output: the native error was sent
     PASSED_THROUGH_ERROR = "passed_through_error"  # the provider's final answer
     ABORTED_BY_CLIENT = "aborted_by_client"
+    RESUMED = "resumed"  # ok, finished in place after a cut (`core.continuation`)
     INTERNAL_ERROR = "internal_error"  # a bug in the relay
 
     @property
@@ -588,6 +605,7 @@ class TurnMachine:
         self.step = _Step.CONNECTING
         self.attempt_ledger = None
         self._splice = None
+        self._queued = False  # a new response: the last one's queue is behind
         t = self.timers
         # A non-streamed answer arrives only once generated: allow it as long as the
         # client waits for it (when known), else the first-frame time.
@@ -596,7 +614,7 @@ class TurnMachine:
         else:
             timeout = self.profile.nonstream_wait(t.header_timeout_s, t.first_frame_timeout_s)
         strategy = self.continuation
-        if strategy is not None and self.stream:
+        if strategy is not None:  # (the transports give one to streamed turns only)
             patch = strategy.body_patch(idx)
             self._patched = bool(patch)
             return Open(idx, timeout, patch)
@@ -1048,19 +1066,19 @@ class TurnMachine:
             ledger.state is not State.PENDING and ledger.state is not State.COMMITTED
         ):
             return None
-        if failure.cls is FailureClass.MALFORMED:
-            self._refused(Refusal.NOT_A_CUT)
-            return None
+        committed = ledger.state is State.COMMITTED
         if self._queued:
-            self._refused(Refusal.QUEUED)
+            self._refused(Refusal.QUEUED)  # given up (and cancelled); PENDING: replayed
+            return None
+        if failure.cls is FailureClass.MALFORMED:
+            if committed:
+                self._refused(Refusal.NOT_A_CUT)
             return None
         plan = strategy.plan(self.retry.current, ledger, self.timers.header_timeout_s)
         if not isinstance(plan, Resume):
-            if ledger.state is State.PENDING and plan is Refusal.NO_HANDLE:
-                return None  # a cut before the response had an id: a replay, as always
-            self._refused(plan)
+            if committed:  # (PENDING: nothing was released, a replay as always)
+                self._refused(plan)
             return None
-        committed = ledger.state is State.COMMITTED
         phase = Phase.COMMITTED if committed else self._replay_phase(failure)
         self.failure = failure
         self.stalled = False
@@ -1071,7 +1089,7 @@ class TurnMachine:
         report.attempt_ended(failure.label, phase, self.status, self.stats)
         report.continuation("spliced", strategy_splices(strategy), strategy.saved_frames)
         retry = self.retry
-        wait = retry.record_failure(failure, now)
+        wait = retry.resume_delay(failure)
         report.attempt_failed(failure, phase, wait)
         report.state(TurnState.WAITING)
         if wait > 0 and not _testing:

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -27,7 +27,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from unbroken.config import Config, Route
+from unbroken.config import Config, Route, Upstream
 from unbroken.core.background import BackgroundResume, background_patch_applies
 from unbroken.core.continuation import AfterCommit, Cancel, ContinuationMemory, Resume, Strategy
 from unbroken.core.health import Change, HealthBoard, upstream_key
@@ -311,21 +311,43 @@ class Relay:
             return None
         if not background_patch_applies(parsed):
             return None
+        return self.background_resume(route, rest)
+
+    def background_resume(self, route: Route, rest: str) -> BackgroundResume:
+        """The Responses background-mode strategy of one turn on ``route``."""
         keys = self._keys.get(route.name) or _route_keys(route)
         return BackgroundResume(
-            path=rest, keys=keys, memory=self.continuations, max_splices=stream.max_splices
+            path=rest,
+            keys=keys,
+            memory=self.continuations,
+            max_splices=self.config.stream.max_splices,
         )
 
-    def send_cancels(self, route: Route, request: web.Request, cancels: Sequence[Cancel]) -> None:
-        """Send each cancel (best effort, in the background: nobody waits for it)."""
+    def send_cancels(
+        self,
+        route: Route,
+        request: web.Request,
+        cancels: Sequence[Cancel],
+        headers_for: Callable[[Upstream], CIMultiDict[str]] | None = None,
+    ) -> None:
+        """Send each cancel (best effort, in the background: nobody waits for it).
+        ``headers_for``: the upstream request headers (else the HTTP request's)."""
         for cancel in cancels:
-            task = asyncio.ensure_future(self._cancel(route, request, cancel))
+            task = asyncio.ensure_future(self._cancel(route, request, cancel, headers_for))
             self.side_tasks.add(task)
             task.add_done_callback(self.side_tasks.discard)
 
-    async def _cancel(self, route: Route, request: web.Request, cancel: Cancel) -> None:
+    async def _cancel(
+        self,
+        route: Route,
+        request: web.Request,
+        cancel: Cancel,
+        headers_for: Callable[[Upstream], CIMultiDict[str]] | None,
+    ) -> None:
         up = route.upstreams[cancel.upstream]
         headers, query = continuation_headers(request, up, ("content-type", "content-encoding"))
+        if headers_for is not None:
+            headers = headers_for(up)
         url = upstream_url(up, cancel.path, query)
         status: int | str
         try:
@@ -472,9 +494,12 @@ class _HealthHook(Hooks):
         self.relay = relay
         #: turn id -> the upstreams it failed on (the fleet counts one failure per turn)
         self._failed: dict[int, set[str]] = {}
+        #: turn id -> the upstreams it was cut on after commit (counted once a turn)
+        self._cut: dict[int, set[str]] = {}
 
     def turn_ended(self, turn: TurnInfo) -> None:
         self._failed.pop(turn.id, None)
+        self._cut.pop(turn.id, None)
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         relay = self.relay
@@ -486,7 +511,12 @@ class _HealthHook(Hooks):
         if answered:
             relay.board.success(key, relay.clock())
         elif attempt.phase == "committed" and (attempt.status or 0) < 400:
-            relay.board.failure(key, relay.clock(), reason)
+            # Once per turn: a turn continued in place after cuts (`core.continuation`)
+            # has several committed attempts; the breaker counts the turn's failure.
+            cut = self._cut.setdefault(turn.id, set())
+            if key not in cut:
+                cut.add(key)
+                relay.board.failure(key, relay.clock(), reason)
         if answered:
             relay.store.count(key, False)
         elif (attempt.status or 500) >= 500:
