@@ -365,3 +365,25 @@ async def test_a_cut_in_a_held_tool_call_after_text_is_continued_from_the_text(m
     assert mock.requests[1].json()["messages"][-1] == {"role": "assistant", "content": TEXT}
     turn = (await rec.wait_turns(1))[0]
     assert turn.outcome == "resumed"
+
+
+async def test_chat_a_cut_in_a_held_tool_call_after_text_is_continued_from_the_text(mock):
+    server, _ = await _relay(mock, chat_prefix="prefix")
+    try:
+        shape = {"reply": "text_tool", "text": TEXT, "deltas": 6, "tool_name": "bash"}
+        frames = frames_for("chat", shape, CHAT_BODY)
+        first_call = next(i for i, f in enumerate(frames) if b'"tool_calls"' in f)
+        mock.script([{**shape, "fault": "reset", "after_frame": first_call + 2}, shape])
+        got = await _post(f"{server.url}/mock/{CHAT}", CHAT_BODY)
+        text, calls, args = "", [], ""
+        for _, obj in _frames(got):
+            for choice in obj.get("choices") or []:
+                text += choice["delta"].get("content") or ""
+                for call in choice["delta"].get("tool_calls") or []:
+                    if call.get("id"):
+                        calls.append(call["id"])
+                    args += call["function"].get("arguments") or ""
+        assert text == TEXT
+        assert len(calls) == 1 and json.loads(args) == {"command": "echo hello"}
+    finally:
+        await server.stop()
