@@ -679,6 +679,11 @@ class TurnMachine:
                 ledger.stats = self.stats or AttemptStats()
             else:
                 ledger.start_attempt(self.stats)
+            strategy = self.continuation
+            # (HTTP only: a socket's frames are fed one by one, with no such check)
+            ledger.errors_cut = (
+                strategy is not None and strategy.continues_errors and not self.socket
+            )
             self.attempt_ledger = ledger
             self._splitter = SSESplitter(self.timers.max_event_bytes)
             self._reading(now, _Step.STREAM)
@@ -847,10 +852,23 @@ class TurnMachine:
             self._released()
             if self.continuation is not None:
                 self._record_events(out)
+        if ledger.verdict is Verdict.CUT:  # after the frames before it were recorded
+            out.extend(self._cut_by_error(now, ledger))
         verdict = ledger.verdict
         if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
             self._decide(now)
         return out
+
+    def _cut_by_error(self, now: float, ledger: Ledger) -> Sequence[Event]:
+        """A provider's retryable error event after commit, with a strategy that may
+        continue it (`Strategy.continues_errors`): a cut like a reset.  Continued, the
+        attempt is over (`attempt_over`); else the native error, as always."""
+        ledger.verdict = Verdict.CONTINUE  # the cut, decided here
+        action = self._continue(now, Failure(FailureClass.STREAM_ERROR, "in-stream error"))
+        if action is not None:
+            self._over = action
+            return NOTHING
+        return ledger.error_failed()
 
     def _record(self, data: bytes) -> None:
         """What was released, for a strategy that reads it back (a prefill
