@@ -87,11 +87,15 @@ Deadlines (`deadline()` says when `tick()` is next due):
 
 Continuation after commit (``[stream] after_commit = "continue"``, `core.continuation`):
 where a cut would end the turn (a reset, a stall, a body ended without its terminal;
-never a provider's error event or a malformed frame), the machine asks the turn's
+never a malformed frame, and a provider's retryable error event only for a strategy
+that ``continues_errors``: the ledger's ``Verdict.CUT``), the machine asks the turn's
 `Strategy`.  A `Resume` is paced like any retry (`RetryState.next_resume`: the same
 upstream, its pacer's go) and its frames pass the strategy's splicer (the join
-check) before the same ledger (`Ledger.resume_attempt`: classifier and held frames
-kept), so the client sees one stream.  A `Refusal` (typed), or a join that breaks,
+check; it may absorb a frame or make several of one) before the same ledger
+(`Ledger.resume_attempt`: classifier and held frames kept; a strategy that restarts
+from what the client has, a prefill, has the ledger `rewind` to the released frames
+instead), so the client sees one stream.  A strategy that ``wants_released`` is
+told every byte released (`Strategy.released`).  A `Refusal` (typed), or a join that breaks,
 ends the turn exactly as without a strategy (before commit: a replay).  At most
 ``max_splices`` continuations a turn; a continuation with no progress within
 ``queued_s`` is given up.  Responses nobody will read are named in ``cancels``.
