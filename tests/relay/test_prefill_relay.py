@@ -421,3 +421,24 @@ async def test_an_overloaded_error_event_refused_ends_as_before(mock):
     assert got[0] == got[1]
     _ends_with_native_error(got[0])
     assert len(mock.requests) == 2  # one each: no continuation request
+
+
+async def test_a_continuation_carries_the_routes_key_as_its_attempts_do(mock):
+    """A route with its own key for an Anthropic upstream: the continuation request
+    sends it in ``x-api-key``, as the turn's first attempt did (never a bearer token)."""
+    cfg = make_config(
+        [{"url": mock.url, "api_key_env": "PREFILL_KEY"}],
+        stream={**STREAM, "after_commit": "continue"},
+        env={"PREFILL_KEY": "sk-ant-route"},
+    )
+    server, _ = await start_relay(cfg)
+    try:
+        shape = {"text": TEXT, "deltas": 12}
+        mock.script([{**shape, "fault": "reset", "after_deltas": 3}, shape])
+        got = await _post(f"{server.url}/mock/{MESSAGES}", BODY)
+        assert _anthropic_text(got) == TEXT
+        first, cont = mock.requests
+        assert first.headers["x-api-key"] == cont.headers["x-api-key"] == "sk-ant-route"
+        assert "authorization" not in cont.headers
+    finally:
+        await server.stop()
