@@ -9,6 +9,7 @@ before (the cut ended the turn with the native error); the refusals end as today
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -442,3 +443,30 @@ async def test_a_continuation_carries_the_routes_key_as_its_attempts_do(mock):
         assert "authorization" not in cont.headers
     finally:
         await server.stop()
+
+
+async def test_a_gzip_request_is_continued_with_a_plain_json_body(mock, relay):
+    """Claude Code may send its body gzip-compressed: the first request goes upstream as
+    the client sent it; the continuation is built from the decoded request and sent as
+    plain JSON, without the Content-Encoding."""
+    server, rec = relay
+    shape = {"text": TEXT, "deltas": 12}
+    mock.script([{**shape, "fault": "reset", "after_deltas": 3}, shape])
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"{server.url}/mock/{MESSAGES}",
+            data=gzip.compress(json.dumps(BODY).encode()),
+            headers=headers,
+        ) as r,
+    ):
+        assert r.status == 200
+        got = await r.read()
+    assert _anthropic_text(got) == TEXT
+    first, cont = mock.requests
+    assert first.headers.get("content-encoding") == "gzip"
+    assert "content-encoding" not in cont.headers
+    assert cont.json()["messages"][-1]["role"] == "assistant"
+    turn = (await rec.wait_turns(1))[0]
+    assert turn.outcome == "resumed"
