@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-if TYPE_CHECKING:
-    from unbroken.mock.wire import Reply, _Item
+from unbroken.mock.wire.frames import _VAL, GEMINI, _Item, _Run
+from unbroken.mock.wire.reply import Reply
 
 __all__ = [
     "GEMINI",
@@ -34,8 +34,6 @@ __all__ = [
     "status_error_body",
     "to_crlf",
 ]
-
-GEMINI: Final = "gemini"
 
 #: ``.../v1beta/models/<model>:<method>`` (any prefix, like the other protocols' paths)
 _PATH = re.compile(r".*/v1(?:beta|alpha)?/models/([^/:]+):(streamGenerateContent|generateContent)")
@@ -114,8 +112,6 @@ def _call_part(name: str, arguments: str) -> dict[str, Any]:
 
 def items(r: Reply) -> list[_Item]:
     """The streamed reply's events (``(None, payload)``; text pieces as one run)."""
-    from unbroken.mock.wire import _VAL, _Run
-
     if r.calls:
         out: list[_Item] = [
             (None, _response(r, [_call_part(c.name, c.arguments)], final=False)) for c in r.calls
