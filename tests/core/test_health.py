@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from unbroken.core.health import Breaker, Change, HealthBoard, HealthSettings
+from unbroken.core.health import AttemptAccounting, Breaker, Change, HealthBoard, HealthSettings
 from unbroken.core.policy import (
     Failure,
     FailureClass,
@@ -326,3 +326,44 @@ def test_a_closed_breaker_is_not_reopened_by_the_outages_own_failures() -> None:
     assert b.state(K, 3.0) is Breaker.CLOSED, seen[-1]
     b.fleet_window(K, ok=2, failed=40, now=40.0)  # a new outage, a window later: it counts
     assert b.state(K, 40.0) is Breaker.OPEN
+
+
+# -- AttemptAccounting: what each attempt's end counts --------------------------------------
+def test_accounting_counts_an_answer_as_a_success_for_board_and_fleet() -> None:
+    b, _ = board()
+    acc = AttemptAccounting(b)
+    b.failure("k", 0.0, "reset")
+    assert b.get("k").consecutive_failures == 1
+    assert acc.attempt_ended(1.0, 7, "k", reason="ok", phase="", status=200) is False
+    assert b.get("k").consecutive_failures == 0
+    assert (
+        acc.attempt_ended(1.0, 7, "k", reason="passed_through_error", phase="", status=400) is False
+    )
+    assert acc.attempt_ended(1.0, 7, "k", reason="aborted_by_client", phase="", status=None) is None
+
+
+def test_accounting_counts_a_cut_after_commit_once_a_turn() -> None:
+    b, _ = board()
+    acc = AttemptAccounting(b)
+    cut = {"reason": "connection_reset", "phase": "committed", "status": 200}
+    # the fleet hears nothing of a cut (a 200 answered); the breaker hears it once
+    assert acc.attempt_ended(1.0, 1, "k", **cut) is None  # type: ignore[arg-type]
+    assert acc.attempt_ended(2.0, 1, "k", **cut) is None  # type: ignore[arg-type]
+    assert b.get("k").consecutive_failures == 1
+    acc.attempt_ended(3.0, 2, "k", **cut)  # type: ignore[arg-type]
+    assert b.get("k").consecutive_failures == 2  # another turn
+    acc.turn_ended(1)
+    acc.attempt_ended(4.0, 1, "k", **cut)  # type: ignore[arg-type]
+    assert b.get("k").consecutive_failures == 3  # turn 1's record was forgotten
+
+
+def test_accounting_tells_the_fleet_one_failure_per_turn_and_upstream() -> None:
+    b, _ = board()
+    acc = AttemptAccounting(b)
+    assert acc.attempt_ended(1.0, 1, "k", reason="503", phase="headers", status=503) is True
+    assert acc.attempt_ended(2.0, 1, "k", reason="503", phase="headers", status=503) is None
+    assert acc.attempt_ended(2.0, 1, "j", reason="reset", phase="connect", status=None) is True
+    assert acc.attempt_ended(2.0, 2, "k", reason="503", phase="headers", status=503) is True
+    # a 4xx that is not passed through counts nowhere; the breaker is the machine's
+    assert acc.attempt_ended(3.0, 3, "k", reason="429", phase="headers", status=429) is None
+    assert b.get("k").consecutive_failures == 0  # failures before commit: the machine's

@@ -54,6 +54,7 @@ from unbroken.core.pacer import Pacer, PaceSettings
 from unbroken.core.ratelimit import RateBoard, RateSettings
 
 __all__ = [
+    "AttemptAccounting",
     "Breaker",
     "Change",
     "HealthBoard",
@@ -509,3 +510,52 @@ class HealthBoard:
             #: the providers' rate limits learned per credential (`core.ratelimit`)
             "ratelimits": self.rates.view(key, now),
         }
+
+
+class AttemptAccounting:
+    """Each attempt's end, counted on the health board and for the fleet's counters.
+
+    The machine records failures before commit (they decide the next wait) and
+    answers as they arrive (they release the pacer's line); this counts the rest:
+    each attempt's end (the failure window), failures after commit (once a turn per
+    upstream: a turn continued in place after cuts has several committed attempts),
+    and what the fleet's windowed counters hear (one failure per turn per upstream,
+    like the local breaker).  The transport's observer calls it with the attempt's
+    record and ``now``, and sends the fleet count it returns to the shared store.
+    """
+
+    __slots__ = ("_cut", "_failed", "board")
+
+    def __init__(self, board: HealthBoard) -> None:
+        self.board = board
+        #: turn id -> the upstreams it failed on (the fleet counts one failure per turn)
+        self._failed: dict[int, set[str]] = {}
+        #: turn id -> the upstreams it was cut on after commit (counted once a turn)
+        self._cut: dict[int, set[str]] = {}
+
+    def turn_ended(self, turn: int) -> None:
+        self._failed.pop(turn, None)
+        self._cut.pop(turn, None)
+
+    def attempt_ended(
+        self, now: float, turn: int, key: str, *, reason: str, phase: str, status: int | None
+    ) -> bool | None:
+        """Count the end of turn ``turn``'s attempt on upstream ``key``.  Returns what
+        the fleet's counters hear: True a failure, False a success, None nothing."""
+        if reason == "aborted_by_client":
+            return None
+        answered = reason in ("ok", "passed_through_error")
+        if answered:
+            self.board.success(key, now)
+            return False
+        if phase == "committed" and (status or 0) < 400:
+            cut = self._cut.setdefault(turn, set())
+            if key not in cut:
+                cut.add(key)
+                self.board.failure(key, now, reason)
+        if (status or 500) >= 500:
+            seen = self._failed.setdefault(turn, set())
+            if key not in seen:
+                seen.add(key)
+                return True
+        return None

@@ -457,6 +457,12 @@ class RetryState:
         board.rates.changed(key)
         return Park(now + self.park_check_s, "ratelimit", key)
 
+    def current_key(self) -> str | None:
+        """The health key of the upstream the current attempt went to (None: none yet)."""
+        if self.keys and self.current >= 0:
+            return self.keys[self.current]
+        return None
+
     @property
     def admitted(self) -> bool:
         """An attempt of this turn holds a limiter's admission."""

@@ -1409,6 +1409,18 @@ class TurnMachine:
     def ended(self) -> bool:
         return self.step is _Step.ENDED
 
+    def held_bytes(self) -> int:
+        """Bytes the current attempt's ledger holds back from the client (for /status)."""
+        ledger = self.attempt_ledger
+        return ledger.held_bytes if ledger is not None else 0
+
+    @property
+    def answer_complete(self) -> bool:
+        """The current attempt's answer reached its terminal frame.  A socket has no
+        end of body: its transport then calls `body_ended` itself."""
+        ledger = self.attempt_ledger
+        return ledger is not None and ledger.state is State.DONE
+
     # -- the clock ----------------------------------------------------------------------
     def headers_sent(self, now: float) -> None:
         """The transport sent the response headers (early, or with the first bytes)."""

@@ -44,7 +44,7 @@ from unbroken.mock.wire.gemini import parse_path as parse_gemini_path
 from unbroken.mock.wire.gemini import request_view as gemini_request_view
 from unbroken.mock.wire.render import cut_after, halves, protocol_name_for_path, render
 from unbroken.mock.wire.reply import Reply, canonical_json
-from unbroken.mock.wire.websocket import (
+from unbroken.mock.wire.ws_replies import (
     connection_limit_body,
     previous_not_found_body,
 )

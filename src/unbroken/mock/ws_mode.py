@@ -36,7 +36,7 @@ from unbroken.mock.wire.errors import status_error_body
 from unbroken.mock.wire.frames import RESPONSES
 from unbroken.mock.wire.render import cut_after
 from unbroken.mock.wire.reply import Reply, canonical_json
-from unbroken.mock.wire.websocket import (
+from unbroken.mock.wire.ws_replies import (
     WS_GARBAGE,
     ws_connection_limit,
     ws_error,

@@ -29,8 +29,15 @@ from yarl import URL
 
 from unbroken.config import Config, Route, Upstream
 from unbroken.core.background import BackgroundResume, background_patch_applies
-from unbroken.core.continuation import AfterCommit, Cancel, ContinuationMemory, Resume, Strategy
-from unbroken.core.health import Change, HealthBoard, upstream_key
+from unbroken.core.continuation import (
+    DEFAULT_QUEUED_S,
+    AfterCommit,
+    Cancel,
+    ContinuationMemory,
+    Resume,
+    Strategy,
+)
+from unbroken.core.health import AttemptAccounting, Change, HealthBoard, upstream_key
 from unbroken.core.ledger import Hold
 from unbroken.core.policy import (
     Failure,
@@ -483,48 +490,29 @@ def _route_keys(route: Route) -> tuple[str, ...]:
 
 
 class _HealthHook(Hooks):
-    """Feeds attempt outcomes the machine does not record itself to the health board.
-
-    The machine records failures before commit (they decide the next wait) and
-    answers as they arrive (they release the pacer's line); this counts each
-    attempt's end (the failure window), failures after commit, and the fleet's
-    counters.
-    """
+    """Hands each attempt's end to the health accounting (`core.health.AttemptAccounting`)
+    and sends the fleet count it decides to the shared store."""
 
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
-        #: turn id -> the upstreams it failed on (the fleet counts one failure per turn)
-        self._failed: dict[int, set[str]] = {}
-        #: turn id -> the upstreams it was cut on after commit (counted once a turn)
-        self._cut: dict[int, set[str]] = {}
+        self.accounting = AttemptAccounting(relay.board)
 
     def turn_ended(self, turn: TurnInfo) -> None:
-        self._failed.pop(turn.id, None)
-        self._cut.pop(turn.id, None)
+        self.accounting.turn_ended(turn.id)
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         relay = self.relay
-        reason = attempt.reason
-        if reason == "aborted_by_client":
-            return
         key = upstream_key(turn.route, attempt.upstream)
-        answered = reason in ("ok", "passed_through_error")
-        if answered:
-            relay.board.success(key, relay.clock())
-        elif attempt.phase == "committed" and (attempt.status or 0) < 400:
-            # Once per turn: a turn continued in place after cuts (`core.continuation`)
-            # has several committed attempts; the breaker counts the turn's failure.
-            cut = self._cut.setdefault(turn.id, set())
-            if key not in cut:
-                cut.add(key)
-                relay.board.failure(key, relay.clock(), reason)
-        if answered:
-            relay.store.count(key, False)
-        elif (attempt.status or 500) >= 500:
-            seen = self._failed.setdefault(turn.id, set())
-            if key not in seen:  # like the local breaker: one failure per turn
-                seen.add(key)
-                relay.store.count(key, True)
+        failed = self.accounting.attempt_ended(
+            relay.clock(),
+            turn.id,
+            key,
+            reason=attempt.reason,
+            phase=attempt.phase,
+            status=attempt.status,
+        )
+        if failed is not None:
+            relay.store.count(key, failed)
 
 
 class Watchdog:
@@ -603,11 +591,12 @@ class Sink(TypingProtocol):
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         """A retryable answer, kept in case it is the last one (passed through then)."""
 
-    def release(self, events: Sequence[Event]) -> Awaitable[None]:
-        """SSE frames the machine released (an ``async def`` will do)."""
+    def release(self, events: Sequence[Event], now: float) -> Awaitable[None]:
+        """SSE frames the machine released, fed at ``now`` (an ``async def`` will do)."""
 
-    def release_body(self, data: bytes) -> Awaitable[None]:
-        """Plain body bytes the machine released, or SSE bytes (`verbatim` sinks)."""
+    def release_body(self, data: bytes, now: float) -> Awaitable[None]:
+        """Plain body bytes the machine released at ``now``, or SSE bytes (`verbatim`
+        sinks)."""
 
 
 class HttpAttempt:
@@ -618,12 +607,14 @@ class HttpAttempt:
     """
 
     __slots__ = (
+        "aborted",
         "client",
         "loop",
         "machine",
         "rate_max_wait_s",
         "reading",
         "relay",
+        "retry",
         "secrets",
         "sink",
         "watchdog",
@@ -632,6 +623,7 @@ class HttpAttempt:
     def __init__(
         self,
         machine: TurnMachine,
+        retry: RetryState,
         watchdog: Watchdog,
         client: UpstreamClient,
         sink: Sink,
@@ -639,20 +631,26 @@ class HttpAttempt:
         relay: Relay | None = None,
     ) -> None:
         self.machine, self.watchdog, self.client, self.sink = machine, watchdog, client, sink
+        #: the turn's retry state (the machine's): which upstream and limiter admission
+        self.retry = retry
         self.loop = watchdog.loop
         self.reading: aiohttp.ClientResponse | None = None
+        #: the machine had the answer being read aborted (a stall)
+        self.aborted = False
         #: the keys and token the relay knows: an error answer that echoes one is redacted
         self.secrets = secrets
         self.relay = relay
         self.rate_max_wait_s = relay.config.ratelimit.max_wait_s if relay is not None else 60.0
 
     def on_rate_problems(self, problems: Sequence[str]) -> None:
-        retry = self.machine.retry
-        if self.relay is not None and retry.keys and retry.current >= 0:
-            self.relay.limits.problems(retry.keys[retry.current], problems)
+        key = self.retry.current_key()
+        if self.relay is not None and key is not None:
+            self.relay.limits.problems(key, problems)
 
     def abort(self) -> None:
+        """The machine's `AbortUpstream`: cut the answer being read."""
         if self.reading is not None:
+            self.aborted = True
             abort_response(self.reading)
 
     def close(self) -> None:
@@ -671,6 +669,7 @@ class HttpAttempt:
         except Exception as exc:
             return machine.open_failed(self.loop.time(), _classify(exc, header_phase=True))
         self.reading = resp
+        self.aborted = False
         try:
             status = resp.status
             retry_after = (
@@ -678,7 +677,7 @@ class HttpAttempt:
             )
             sse = resp.headers.get("content-type", "").startswith("text/event-stream")
             rate = None
-            if machine.retry.admitted:  # the provider's rate-limit headers, checked
+            if self.retry.admitted:  # the provider's rate-limit headers, checked
                 rate = parse_rate_headers(
                     resp.headers, now_wall=time.time(), max_wait_s=self.rate_max_wait_s
                 )
@@ -716,14 +715,13 @@ class HttpAttempt:
     async def _read_bounded(self, resp: aiohttp.ClientResponse) -> bytes:
         chunks: list[bytes] = []
         size = 0
-        machine = self.machine
         # (The stall clock of an answer's body is the first-frame one: the whole
         # body within first_frame_timeout_s of the answer.)
         async for chunk in resp.content.iter_any():
             if size < MAX_ERROR_BODY:
                 chunks.append(chunk)
             size += len(chunk)
-        if machine.stalled:
+        if self.aborted:  # cut by the machine's stall deadline, not ended by the upstream
             raise TimeoutError("stalled")
         data = b"".join(chunks)[:MAX_ERROR_BODY]
         return redact(data, self.secrets) if self.secrets else data
@@ -744,12 +742,12 @@ class HttpAttempt:
                 if verbatim:
                     data = feed_verbatim(now, chunk)
                     if data is None:  # released whole: plain output, the attempt goes on
-                        await write(chunk)
+                        await write(chunk, now)
                         continue
-                    pending = write(data) if data else None
+                    pending = write(data, now) if data else None
                 else:
                     out = feed(now, chunk)
-                    pending = release(out) if out else None
+                    pending = release(out, now) if out else None
                 if rearm_on_first_frame and machine.first_frame:
                     rearm_on_first_frame = False
                     self.watchdog.arm()  # the stall deadline moved to idle_timeout_s
@@ -779,16 +777,18 @@ class HttpAttempt:
                     chunk = redactor.feed(chunk)
                     if not chunk:
                         continue
-                out = machine.feed_body(loop_time(), chunk)
+                now = loop_time()
+                out = machine.feed_body(now, chunk)
                 if out:
-                    await self.sink.release_body(out)
+                    await self.sink.release_body(out, now)
                 over = machine.attempt_over
                 if over is not None:
                     return over
             if redactor is not None:
                 tail = redactor.flush()
-                if tail and machine.feed_body(loop_time(), tail):
-                    await self.sink.release_body(tail)
+                now = loop_time()
+                if tail and machine.feed_body(now, tail):
+                    await self.sink.release_body(tail, now)
         except ClientGone:
             raise
         except Exception as exc:
@@ -824,10 +824,10 @@ class _Gone:
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         pass
 
-    async def release(self, events: Sequence[Event]) -> None:
+    async def release(self, events: Sequence[Event], now: float) -> None:
         pass
 
-    async def release_body(self, data: bytes) -> None:
+    async def release_body(self, data: bytes, now: float) -> None:
         pass
 
 
@@ -903,29 +903,31 @@ class _HttpTurn:
         )
         self.report = TurnReporter(info, relay.hooks, names, relay.inflight)
         self.loop = asyncio.get_running_loop()
+        retry = relay.retry_state(
+            route,
+            sticky_key(request.headers, parsed),
+            creds=relay.limits.creds_for(route, request.headers, raw_query(request)),
+            body_bytes=len(body),
+            max_output=max_output_of(parsed),
+        )
         self.machine = TurnMachine(
             protocol=self.protocol,
             hold=relay.hold,
             timers=self.cfg.stream,
-            retry=relay.retry_state(
-                route,
-                sticky_key(request.headers, parsed),
-                creds=relay.limits.creds_for(route, request.headers, raw_query(request)),
-                body_bytes=len(body),
-                max_output=max_output_of(parsed),
-            ),
+            retry=retry,
             stream=stream,
             now=self.loop.time(),
             report=self.report,
             clock=self.loop.time,
             profile=self.profile,
+            continuation=(
+                relay.continuation_for(route, self.protocol, rest, parsed, request.headers)
+                if stream
+                else None
+            ),
+            queued_s=self.cfg.stream.resume_queued_s if stream else DEFAULT_QUEUED_S,
         )
-        info.held = self._held
-        if stream:
-            self.machine.continuation = relay.continuation_for(
-                route, self.protocol, rest, parsed, request.headers
-            )
-            self.machine.queued_s = self.cfg.stream.resume_queued_s
+        info.held = self.machine.held_bytes
         self.response: web.StreamResponse | None = None  # the client response, once prepared
         self._prepare_lock = asyncio.Lock()
         #: the client response the attempt that answered would send, built ahead
@@ -937,16 +939,12 @@ class _HttpTurn:
             self.loop, self.machine, self._on_timer, relay.min_interval(self.machine)
         )
         self.upstream = HttpAttempt(
-            self.machine, self.watchdog, relay.client, self, relay.secrets, relay
+            self.machine, retry, self.watchdog, relay.client, self, relay.secrets, relay
         )
 
     def _sent(self) -> None:
         self.report.flush()
         self.watchdog.arm()
-
-    def _held(self) -> int:
-        ledger = self.machine.attempt_ledger
-        return ledger.held_bytes if ledger is not None else 0
 
     # -- the loop ------------------------------------------------------------------
     async def run(self) -> web.StreamResponse:
@@ -1064,17 +1062,16 @@ class _HttpTurn:
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         self.last_answer = (status, headers, body)
 
-    def release(self, events: Sequence[Event]) -> Awaitable[None]:
+    def release(self, events: Sequence[Event], now: float) -> Awaitable[None]:
         # The write's own coroutine, awaited by the caller: no frame of its own per chunk.
-        # It follows the read that fed the machine at once: that read's time is when the
-        # write starts (no second clock read per chunk).
-        t0 = self.machine.last_rx
+        # It follows the read that fed the machine at once: that read's time (``now``)
+        # is when the write starts (no second clock read per chunk).
         if len(events) == 1:
-            return self._write(events[0].raw, t0)
-        return self._write(b"".join([e.raw for e in events]), t0)
+            return self._write(events[0].raw, now)
+        return self._write(b"".join([e.raw for e in events]), now)
 
-    def release_body(self, data: bytes) -> Awaitable[None]:
-        return self._write(data, self.machine.last_rx)
+    def release_body(self, data: bytes, now: float) -> Awaitable[None]:
+        return self._write(data, now)
 
     async def _end(self, action: End) -> web.StreamResponse:
         if action.kind is EndKind.ABORT:

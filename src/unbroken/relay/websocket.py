@@ -16,9 +16,13 @@ A crash inside a turn is logged with its traceback; the client socket is closed
 with 1011 and the turn is journaled as ``internal_error``.
 
 Socket-local state: with ``store: false``, ``previous_response_id`` points at state
-held only by the upstream socket that produced it.  `History` records, per client
-connection, the input and output items of every completed turn, so a turn replayed
-on a new socket (or over HTTP) is sent self-contained.
+held only by the upstream socket that produced it.  `core.ws_session.History`
+records, per client connection, the input and output items of every completed turn,
+so a turn replayed on a new socket (or over HTTP) is sent self-contained.
+
+Every decision here is the core's: the turn's (`core.turn`), and the session's
+(`core.ws_session`: the HTTP fallback, the response history, which events are late,
+the handshake timeout).  This module carries them out.
 
 WebSocket to HTTP fallback: an upstream that refuses the upgrade, or answers
 ``websocket_connection_limit_reached``, is served over ``POST /v1/responses`` with
@@ -34,7 +38,6 @@ import json
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -42,12 +45,10 @@ from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 
 from unbroken.config import Route, Upstream
-from unbroken.core.continuation import AfterCommit, Resume
-from unbroken.core.ledger import State
+from unbroken.core.continuation import DEFAULT_QUEUED_S, AfterCommit, Resume
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.protocols import RESPONSES
 from unbroken.core.protocols.base import loads_object
-from unbroken.core.protocols.responses import error_code_of, lifecycle_of
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn import (
     Action,
@@ -62,13 +63,14 @@ from unbroken.core.turn import (
     TurnMachine,
     Wait,
 )
+from unbroken.core.ws_session import Fallback, SessionResponses, handshake_failure
 from unbroken.observe.hooks import TurnInfo
 from unbroken.observe.report import TurnReporter
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.http import HttpAttempt, Relay, Watchdog, session_id_of, sticky_key
 from unbroken.relay.upstream import raw_query, redact, request_headers, upstream_url
 
-__all__ = ["History", "handle_websocket", "is_websocket_request"]
+__all__ = ["as_messages", "handle_websocket", "is_websocket_request"]
 
 log = logging.getLogger("unbroken")
 
@@ -113,82 +115,8 @@ def handshake_headers(ws: aiohttp.ClientWebSocketResponse[Any]) -> list[tuple[st
     ]
 
 
-#: the upstream's error code that means "serve this over HTTP for a while"
-WS_LIMIT_CODE = "websocket_connection_limit_reached"
-
-
 def is_websocket_request(request: web.Request) -> bool:
     return request.headers.get("upgrade", "").lower() == "websocket"
-
-
-def _as_items(value: Any) -> list[Any]:
-    """Normalise a Responses ``input`` to a list of items."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if isinstance(value, list):
-        return list(value)
-    return [value]
-
-
-@dataclass
-class History:
-    """Per client connection: what each completed response's state consists of.
-
-    ``turns[rid]`` keeps the link to the previous response and this turn's own
-    input and output items, so the full item list behind a response is the
-    chain walked back to its start.  ``where[rid]`` says which upstream socket
-    holds that response's state (``None``: none, e.g. an HTTP fallback turn).
-    At most ``limit`` responses are kept (oldest dropped first).
-    """
-
-    limit: int = 512
-    turns: dict[str, tuple[str | None, list[Any], list[Any]]] = field(default_factory=dict)
-    where: dict[str, int | None] = field(default_factory=dict)
-
-    def record(self, create: dict[str, Any], response: dict[str, Any], socket: int | None) -> None:
-        rid = response.get("id")
-        if not isinstance(rid, str):
-            return
-        prev = create.get("previous_response_id")
-        output = response.get("output")
-        self.turns[rid] = (
-            prev if isinstance(prev, str) else None,
-            _as_items(create.get("input")),
-            list(output) if isinstance(output, list) else [],
-        )
-        self.where[rid] = socket
-        while len(self.turns) > self.limit:
-            oldest = next(iter(self.turns))
-            del self.turns[oldest], self.where[oldest]
-
-    def items(self, rid: str) -> list[Any] | None:
-        """Every item of the conversation up to and including response ``rid``."""
-        chain: list[tuple[list[Any], list[Any]]] = []
-        cur: str | None = rid
-        while cur is not None:
-            entry = self.turns.get(cur)
-            if entry is None:
-                return None  # the chain starts somewhere we never saw
-            prev, inputs, outputs = entry
-            chain.append((inputs, outputs))
-            cur = prev
-        return [item for inputs, outputs in reversed(chain) for item in (*inputs, *outputs)]
-
-    def request_for(self, create: dict[str, Any], socket: int | None) -> dict[str, Any]:
-        """The request to send on ``socket``: as it is, or rebuilt self-contained."""
-        prev = create.get("previous_response_id")
-        if not isinstance(prev, str) or prev not in self.turns:
-            return create
-        if socket is not None and self.where.get(prev) == socket:
-            return create  # that socket still holds the state
-        items = self.items(prev)
-        if items is None:
-            return create
-        rebuilt = {k: v for k, v in create.items() if k != "previous_response_id"}
-        rebuilt["input"] = [*items, *_as_items(create.get("input"))]
-        return rebuilt
 
 
 class _Refused(Exception):
@@ -210,7 +138,7 @@ def abort_websocket(ws: aiohttp.ClientWebSocketResponse[Any]) -> None:
         transport.abort()
 
 
-def ws_messages(events: Sequence[Event], *, sse: bool) -> list[bytes]:
+def as_messages(events: Sequence[Event], *, sse: bool) -> list[bytes]:
     """What the machine released, as WebSocket text messages (boundaries kept)."""
     if sse:
         return [e.data.encode() for e in events if e.data is not None]
@@ -252,11 +180,10 @@ class _Connection:
         #: (the socket opened before the first turn is not a choice: sticky order is)
         self.turn_upstream = -1
         self.socket_gen = 0  # increments with every new upstream socket
-        self.http_until = 0.0  # monotonic time until which turns go over HTTP
-        self.history = History()
-        #: ids of responses that ended on this connection (their late events are not
-        #: the current turn's)
-        self.finished: deque[str] = deque(maxlen=64)
+        #: when turns go over HTTP instead (`core.ws_session.Fallback`)
+        self.fallback = Fallback(self.cfg.websocket_fallback_cooldown_s)
+        #: the responses this connection finished, and their history
+        self.responses = SessionResponses()
         self.loop = asyncio.get_running_loop()
         self.pending: deque[tuple[dict[str, Any], str]] = deque()
         self._wake = asyncio.Event()
@@ -304,7 +231,7 @@ class _Connection:
         handshake headers that matter (`HANDSHAKE_HEADERS`).  If the upstream cannot be
         reached in `FIRST_SOCKET_WAIT_S`, the client is accepted without them and the
         first turn connects as usual; a refused upgrade starts the HTTP fallback."""
-        if not self.route.upstreams or self.loop.time() < self.http_until:
+        if not self.route.upstreams or self.fallback.active(self.loop.time()):
             return
         try:
             async with asyncio.timeout(FIRST_SOCKET_WAIT_S):
@@ -473,6 +400,11 @@ class _WsTurn:
             creds=relay.limits.creds_for(conn.route, conn.request.headers),
         )
         now = conn.loop.time()
+        stream = conn.cfg.stream
+        # Background mode is not supported over WebSocket: with a continuation the turn
+        # goes over HTTP (`_over_http`), resumed over HTTP after a cut, while the client
+        # keeps its socket.
+        resumes = stream.after_commit_for(conn.route) == AfterCommit.CONTINUE
         self.machine = TurnMachine(
             protocol=RESPONSES,
             hold=relay.hold,
@@ -484,32 +416,22 @@ class _WsTurn:
             clock=conn.loop.time,
             profile=profile,
             socket=True,  # keepalives, for a profile that wants them, are messages
+            continuation=relay.background_resume(conn.route, conn.rest) if resumes else None,
+            queued_s=stream.resume_queued_s if resumes else DEFAULT_QUEUED_S,
         )
         # Whatever happens now reaches the client in-stream, as on an HTTP stream
         # whose headers went out.
         self.machine.headers_sent(now)
-        stream = conn.cfg.stream
-        if stream.after_commit_for(conn.route) == AfterCommit.CONTINUE:
-            # Background mode is not supported over WebSocket: with a continuation
-            # the turn goes over HTTP (`_over_http`), resumed over HTTP after a cut,
-            # while the client keeps its socket.
-            self.machine.continuation = relay.background_resume(conn.route, conn.rest)
-            self.machine.queued_s = stream.resume_queued_s
-        info.held = self._held
+        info.held = self.machine.held_bytes
         self.watchdog = Watchdog(
             conn.loop, self.machine, self._on_timer, relay.min_interval(self.machine)
         )
         self.http = HttpAttempt(
-            self.machine, self.watchdog, relay.client, self, relay.secrets, relay
+            self.machine, retry, self.watchdog, relay.client, self, relay.secrets, relay
         )
-        self.socket: int | None = None  # the upstream socket of this attempt (None: HTTP)
+        #: this turn's response: which upstream events are its own, its history entry
+        self.responses = conn.responses.turn(create)
         self.reading_ws: aiohttp.ClientWebSocketResponse[Any] | None = None
-        self.response_id: str | None = None
-        self.completed = False
-
-    def _held(self) -> int:
-        ledger = self.machine.attempt_ledger
-        return ledger.held_bytes if ledger is not None else 0
 
     async def run(self) -> bool:
         """Serve the turn.  False when it crashed (the client socket is then closed)."""
@@ -533,8 +455,7 @@ class _WsTurn:
                 self._send_cancels()
             self.watchdog.close()
             self.http.close()
-            if self.response_id is not None:
-                self.conn.finished.append(self.response_id)
+            self.responses.ended()
             self.report.close(machine.outcome or Outcome.ABORTED_BY_CLIENT)
         return True
 
@@ -567,9 +488,7 @@ class _WsTurn:
         conn = self.conn
         conn.turn_upstream = action.upstream
         up = conn.route.upstreams[action.upstream]
-        self.socket = None
-        if action.body_patch or conn.loop.time() < conn.http_until:
-            # (a resumable turn goes over HTTP: no background mode over WebSocket)
+        if conn.fallback.over_http(conn.loop.time(), bool(action.body_patch)):
             return await self._over_http(action, up)
         ws = conn.upstream
         if ws is None or ws.closed or conn.upstream_idx != action.upstream:
@@ -583,14 +502,17 @@ class _WsTurn:
                 failure = classify_exception(exc)
                 if failure is None:
                     raise
-                if isinstance(exc, TimeoutError):
-                    failure = Failure(FailureClass.HEADER_TIMEOUT, "no handshake in time")
+                failure = handshake_failure(failure, timed_out=isinstance(exc, TimeoutError))
                 return self.machine.open_failed(conn.loop.time(), failure)
         return await self._over_websocket(ws)
 
     def _start_fallback(self, reason: str) -> None:
         conn = self.conn
-        conn.http_until = conn.loop.time() + conn.cfg.websocket_fallback_cooldown_s
+        conn.fallback.start(conn.loop.time())
+        self._log_fallback(reason)
+
+    def _log_fallback(self, reason: str) -> None:
+        conn = self.conn
         log.info(
             "websocket fallback route=%s: %s; HTTP for %gs",
             conn.route.name,
@@ -603,7 +525,7 @@ class _WsTurn:
             # A profile whose idle timer counts messages, not pings (Codex): the
             # keepalive event's data as a message, which its parser ignores.
             with contextlib.suppress(ConnectionError):
-                self.conn.send(ws_messages(SSESplitter().feed(action.data), sse=True))
+                self.conn.send(as_messages(SSESplitter().feed(action.data), sse=True))
             return
         # A WebSocket turn has no early headers (the socket is open); the other timed
         # action is a stall: abort the upstream at once.
@@ -615,13 +537,7 @@ class _WsTurn:
     # -- over a WebSocket ---------------------------------------------------------------
     async def _over_websocket(self, ws: aiohttp.ClientWebSocketResponse[Any]) -> Action:
         conn, machine = self.conn, self.machine
-        if self.response_id is not None:
-            # A replay: the failed attempt's response is over; late events of it are
-            # not this attempt's, and the new attempt names its own response.
-            conn.finished.append(self.response_id)
-            self.response_id = None
-        self.socket = conn.socket_gen
-        request = conn.history.request_for(self.create, self.socket)
+        request = self.responses.over_socket(conn.socket_gen)
         try:
             if request is self.create:
                 await ws.send_str(self.text)
@@ -649,7 +565,11 @@ class _WsTurn:
                 if secrets and data.find(b'"error"') >= 0:  # (`core.sse.CR`: not `in`)
                     data = redact(data, secrets)  # an error that echoes the injected key
                 text = data.decode("utf-8", "replace")
-                if self._not_ours(text, data):
+                if self.responses.is_other(text, data):
+                    # Another response's event (a late reply to a cancel, say): the
+                    # client's, not this turn's.
+                    with contextlib.suppress(ConnectionError):
+                        conn.send([data])
                     continue
                 released = machine.feed_frame(loop_time(), Event(data, None, text))
                 if rearm:
@@ -658,41 +578,15 @@ class _WsTurn:
                 over = machine.attempt_over
                 self._send(released, over, sse=False)
                 if over is not None:
-                    if type(over) is not End and error_code_of(text) == WS_LIMIT_CODE:
-                        self._start_fallback("websocket connection limit reached")
+                    if conn.fallback.after_attempt(loop_time(), text, turn_ended=type(over) is End):
+                        self._log_fallback("websocket connection limit reached")
                     return over
                 if released:
                     await conn.drain(machine)
-                ledger = machine.attempt_ledger
-                if ledger is not None and ledger.state is State.DONE:
+                if machine.answer_complete:
                     return machine.body_ended(loop_time())  # the terminal frame ends the turn
         finally:
             self.reading_ws = None
-
-    def _not_ours(self, text: str, data: bytes) -> bool:
-        """A lifecycle event of another response (a late reply to a cancel, say).
-
-        The turn's own response is the one its first ``response.created`` names (ids
-        may repeat across turns: some upstreams reuse them).  Before that, a lifecycle
-        event naming a response that already ended on this connection is a late one.
-        """
-        if data.find(b'"response"') < 0:
-            return False
-        found = lifecycle_of(text)
-        if found is None:
-            return False
-        etype, rid = found
-        if self.response_id is None:
-            if etype == "response.created" or rid not in self.conn.finished:
-                self.response_id = rid
-                return False
-        elif rid == self.response_id:
-            return False
-        # Another response's event (a late reply to a cancel, say): the client's, not
-        # this turn's.
-        with contextlib.suppress(ConnectionError):
-            self.conn.send([data])
-        return True
 
     def _send(self, released: Sequence[Event], over: Action | None, *, sse: bool) -> None:
         """Send what the machine released to the client, as messages."""
@@ -702,32 +596,19 @@ class _WsTurn:
             # an in-stream error after output: the released frame is our native error
             self.conn.send(ws_error_messages(b"".join([e.raw for e in released])))
             return
-        self.conn.send(ws_messages(released, sse=sse))
-        if not self.completed:
-            self._remember(released, sse=sse)
-
-    def _remember(self, released: Sequence[Event], *, sse: bool) -> None:
-        """Learn this turn's response id; record the conversation once it completed."""
-        for event in released:
-            text = event.data if sse else event.raw.decode("utf-8", "replace")
-            if not text or '"response"' not in text:
-                continue
-            obj = loads_object(text)
-            response = obj.get("response") if obj is not None else None
-            if not isinstance(response, dict):
-                continue
-            rid = response.get("id")
-            if isinstance(rid, str) and self.response_id is None:
-                self.response_id = rid
-            if obj is not None and obj.get("type") == "response.completed":
-                self.completed = True
-                self.conn.history.record(self.create, response, self.socket)
+        self.conn.send(as_messages(released, sse=sse))
+        if self.responses.completed:
+            return
+        if sse:
+            self.responses.released([e.data for e in released if e.data is not None])
+        else:
+            self.responses.released([e.raw.decode("utf-8", "replace") for e in released])
 
     # -- over HTTP (the fallback) ---------------------------------------------------------
     async def _over_http(self, action: Open, up: Upstream) -> Action:
         """Serve this turn over ``POST /v1/responses`` SSE, with the HTTP transport's code."""
         conn = self.conn
-        request = conn.history.request_for(self.create, None)
+        request = self.responses.over_http()
         body = {k: v for k, v in request.items() if k != "type"}
         body["stream"] = True
         body.update(action.body_patch)  # background mode (`core.continuation`)
@@ -769,9 +650,9 @@ class _WsTurn:
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         """A retryable answer is never passed through to a WebSocket client."""
 
-    async def release(self, events: Sequence[Event]) -> None:
+    async def release(self, events: Sequence[Event], now: float) -> None:
         self._send(events, self.machine.attempt_over, sse=True)
         await self.conn.drain(self.machine)
 
-    async def release_body(self, data: bytes) -> None:  # pragma: no cover - never plain
+    async def release_body(self, data: bytes, now: float) -> None:  # pragma: no cover
         raise TurnError("a WebSocket turn never passes a plain body through")

@@ -11,7 +11,7 @@ replies are cached by request digest.
 The modules: `frames` (protocol names, SSE encoding, delta runs), `reply` (the
 reply model), `chat`, `responses`, `anthropic`, `gemini` (each protocol's
 frames and bodies), `errors` (each protocol's errors), `render` (a reply in its
-protocol, cached; which protocol a path speaks), `websocket` (Responses
+protocol, cached; which protocol a path speaks), `ws_replies` (Responses
 WebSocket mode).  This package re-exports the API the tests and tools use.
 
 Ids and timestamps are derived only from the protocol, the reply-shape keys of
@@ -45,7 +45,7 @@ from unbroken.mock.wire.render import (
     responses_events,
 )
 from unbroken.mock.wire.reply import Reply, canonical_json, make_reply, split_exact
-from unbroken.mock.wire.websocket import (
+from unbroken.mock.wire.ws_replies import (
     WS_GARBAGE,
     ws_error,
     ws_messages,
