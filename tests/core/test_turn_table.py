@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from turnfix import Report, Timers
-from unbroken.core import turn as turn_mod
+from unbroken.core import turn_fields as turn_mod
 from unbroken.core import turn_table
 from unbroken.core.ledger import Hold
 from unbroken.core.policy import RetryPolicy, RetryState

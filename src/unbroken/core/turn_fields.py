@@ -18,8 +18,18 @@ from unbroken.core.profiles import Profile
 from unbroken.core.protocols import Protocol
 from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
-from unbroken.core.turn_table import Step, TurnEvent, Watch
-from unbroken.core.turn_types import Action, End, Fed, Outcome, Phase, Timers, TurnReport
+from unbroken.core.turn_table import ALLOWED, ENTERS, LEGAL, Step, TurnEvent, Watch
+from unbroken.core.turn_types import (
+    Action,
+    End,
+    Fed,
+    GiveUp,
+    Outcome,
+    Phase,
+    Timers,
+    TurnError,
+    TurnReport,
+)
 
 __all__ = ["TurnFields", "is_testing", "set_testing"]
 
@@ -134,9 +144,38 @@ class TurnFields:
         """The attempt was aborted for a stall (its read failure is the stall)."""
         return self.watch is not Watch.WATCHING
 
+    # -- the table, run (`turn_table`) ---------------------------------------------------
+    def _accept(self, event: TurnEvent) -> Step:
+        """The table's legality check: the step ``event`` arrives in, if legal there."""
+        step = self.step
+        if step not in LEGAL[event]:
+            self._illegal(event.value)
+        return step
+
+    def _moved(self, before: Step, event: TurnEvent, action: Action) -> Action:
+        """The table's transition: the step ``action`` enters (`ENTERS`).  An action
+        the table does not list for (``before``, ``event``) is a bug in the machine:
+        refused, like an illegal event."""
+        kind = type(action)
+        if kind not in ALLOWED[before, event]:
+            self.step = Step.ERROR
+            raise TurnError(
+                f"{event.value}() in step {before.value} gave {kind.__name__}: not in the table"
+            )
+        self.step = ENTERS[kind]
+        return action
+
+    def _illegal(self, event: str) -> NoReturn:
+        """Refuse an event the current step does not accept: a transport bug.  The
+        machine goes to ERROR, where every event but the end from outside raises."""
+        step = self.step
+        self.step = Step.ERROR
+        if step is Step.ERROR:
+            raise TurnError(f"{event}() after an illegal event")
+        raise TurnError(f"{event}() is illegal in step {step.value}")
+
     if TYPE_CHECKING:  # one part's calls on another (defined in `turn.TurnMachine`)
 
-        def _illegal(self, event: str) -> NoReturn: ...
         def _fed(self, released: R, event: TurnEvent) -> Fed[R]: ...
         def _feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]: ...
         def _feed_events(self, now: float, events: list[Event]) -> Sequence[Event]: ...
@@ -149,6 +188,9 @@ class TurnFields:
         def _reading(self, now: float, step: Step) -> None: ...
         def _end(self, outcome: Outcome, action: End) -> End: ...
         def _released(self) -> None: ...
+        def _abandon(self) -> None: ...
+        def _give_up(self) -> GiveUp: ...
+        def _ok_outcome(self) -> Outcome: ...
         def _record(self, data: bytes) -> None: ...
         @property
         def ended(self) -> bool: ...
