@@ -139,13 +139,15 @@ of that attempt is illegal.  A transport dispatches over actions with ``match`` 
 
 Where the parts live (one class, `TurnMachine`, its fields in `turn_fields`)::
 
-    turn            this header; attempts, answers, feeds, verdicts, the end from outside
+    turn            this header; the events: attempts, answers, feeds, body ends, failures
+    turn_endings    verdicts (replay, end, the kept answer), retry or give up, the end
+                    from outside (the client gone, a crash)
     turn_types      the actions, `Fed`, `Outcome`, `Phase`, the `TurnReport` protocol
     turn_table      the steps (`Step`), the events (`TurnEvent`), the table the code runs
     turn_fast_path  `feed_verbatim`: runs of plain frames after commit, in one piece
     turn_continue   the continuation hooks (`core.continuation`): plan, answer, join
     turn_clock      `deadline`, `tick`, the write notifications, the stall timers
-    turn_fields     the fields every part shares; `set_testing`
+    turn_fields     the fields every part shares, the table's checks; `set_testing`
 
 The four invariants (checked by a property test over random event sequences, illegal
 events among them): nothing is released after a replay decision; a truncated turn
