@@ -53,6 +53,8 @@ START_AFTER_S: dict[str, float] = {
     "reset_before_output": 14.0,
     "tool_reset": 20.0,
     "drop_after_output": 30.0,
+    "after_commit_openai": 50.0,
+    "after_commit_anthropic": 58.0,
 }
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oc_after_commit import AfterCommitRun, after_commit_session
 from oc_harness import (
     Background,
     Finished,
@@ -311,6 +312,18 @@ def _indent_json(data: Any) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
+async def after_commit_openai() -> AfterCommitRun:
+    """Issue 23: OpenCode's built-in ``openai`` provider (Responses), 20 cuts after output,
+    with ``[stream] after_commit = "continue"``."""
+    return await after_commit_session("openai", tag="after-commit-openai", box_for=_box)
+
+
+async def after_commit_anthropic() -> AfterCommitRun:
+    """Issue 23: OpenCode's built-in ``anthropic`` provider (Messages, text, no thinking),
+    20 cuts after output, with ``[stream] after_commit = "continue"``."""
+    return await after_commit_session("anthropic", tag="after-commit-anthropic", box_for=_box)
+
+
 SCENARIOS: dict[str, Callable[[], Awaitable[Any]]] = {
     "seed": seed,
     "storm": storm,
@@ -318,4 +331,6 @@ SCENARIOS: dict[str, Callable[[], Awaitable[Any]]] = {
     "tool_reset": tool_reset,
     "drop_after_output": drop_after_output,
     "setup_undo": setup_undo,
+    "after_commit_openai": after_commit_openai,
+    "after_commit_anthropic": after_commit_anthropic,
 }

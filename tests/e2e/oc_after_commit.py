@@ -1,0 +1,196 @@
+"""Issue 23's OpenCode acceptance: 20 cuts after output, finished in place by the relay.
+
+OpenCode runs as a server (``unbroken run --config FILE -- opencode serve``), so
+unbroken's auto-resumer watches it too, with one of its built-in providers pointed at
+the mock the way a user points it at a proxy: ``openai`` (Responses, which OpenCode
+sends with ``store: false``) or ``anthropic`` (Messages, no thinking).  The user's
+unbroken config sets ``[stream] after_commit = "continue"``.  The mock cuts the stream
+20 times, each time after the client has seen output.  The facts gathered here are
+what OpenCode saw (its events, its session's text, the failures it logged), what
+reached the provider (OpenCode's own requests and the relay's continuations), and
+what unbroken's journal recorded.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oc_harness import (
+    BUILTIN_MODELS,
+    Background,
+    OpenCodeClient,
+    Sandbox,
+    TimedMock,
+    builtin_provider,
+    free_port,
+    is_continuation,
+    step_requests,
+    unbroken_run,
+)
+
+#: Cuts after output in one turn (the issue's acceptance figure).
+CUTS = 20
+#: The reply: long enough that every one of the 21 pieces carries new text.
+WORDS = [f"w{i:02d}" for i in range(1, 65)]
+LONG_TEXT = "Resumed " + " ".join(WORDS) + " done."
+DELTAS = 64
+#: The user's unbroken config for ``unbroken run --config FILE -- opencode``.
+CONTINUE_TOML = '[stream]\nafter_commit = "continue"\n'
+
+
+def reply() -> dict[str, Any]:
+    return {"text": LONG_TEXT, "deltas": DELTAS}
+
+
+def cut_script(provider: str, cuts: int = CUTS, later: int = 3) -> list[dict[str, Any]]:
+    """``cuts`` resets, each after output: the first after two text deltas of the
+    original stream, then one in each continuation after its first frames, then a clean
+    finish.  The frames before the first delta: Responses ``response.created``,
+    ``in_progress``, ``output_item.added``, ``content_part.added``; Messages
+    ``message_start``, ``content_block_start``, ``ping``."""
+    first = 6 if provider == "openai" else 5
+    return [
+        {**reply(), "fault": "reset", "after_frame": first},
+        *({**reply(), "fault": "reset", "after_frame": later} for _ in range(cuts - 1)),
+        reply(),
+    ]
+
+
+@dataclass
+class AfterCommitRun:
+    provider: str
+    outcome: str  # completed | dead | timeout
+    text: str  # the assistant text in OpenCode's session
+    steps: int  # model requests OpenCode itself sent
+    continuations: int  # requests the relay made to finish the turn in place
+    retries: list[dict[str, Any]]  # OpenCode's session.status retry events
+    errors: list[dict[str, Any]]  # session.error events
+    stream_errors: int  # failures OpenCode logged ('message="stream error"')
+    resumes: int  # unbroken auto-resumes ('resumed session=' in the log)
+    journal: list[dict[str, Any]]  # unbroken's journal: the turns
+    elapsed: float
+    log: str = ""
+    requests: list[str] = field(default_factory=list)  # method, path, query per request
+
+
+def journal_path(box: Sandbox) -> Path:
+    """Where ``unbroken run`` keeps its journal by default (``$XDG_STATE_HOME/unbroken``)."""
+    return box.dirs["state"] / "unbroken" / "journal.sqlite3"
+
+
+def _journal(box: Sandbox) -> list[dict[str, Any]]:
+    path = journal_path(box)
+    if not path.exists():
+        return []
+    with sqlite3.connect(path) as conn:
+        conn.row_factory = sqlite3.Row
+        turns = [dict(r) for r in conn.execute("SELECT * FROM turns ORDER BY started")]
+        for t in turns:
+            t["attempt_rows"] = [
+                dict(a)
+                for a in conn.execute(
+                    "SELECT * FROM attempts WHERE turn_uid = ? ORDER BY number", (t["uid"],)
+                )
+            ]
+    return turns
+
+
+def _text(messages: list[dict[str, Any]]) -> str:
+    """The text of the session's assistant messages, in order."""
+    out = []
+    for m in messages:
+        if m.get("info", {}).get("role") != "assistant":
+            continue
+        out.extend(p.get("text", "") for p in m.get("parts", []) if p.get("type") == "text")
+    return "".join(out)
+
+
+async def after_commit_session(
+    provider: str,
+    *,
+    tag: str,
+    box_for: Any,
+    config: str | None = CONTINUE_TOML,
+    limit_s: float = 120.0,
+    script: list[dict[str, Any]] | None = None,
+) -> AfterCommitRun:
+    """One prompt through ``unbroken run --config FILE -- opencode serve`` while the mock
+    cuts the stream ``CUTS`` times after output (``config=None``: no unbroken config,
+    today's default)."""
+    box: Sandbox = box_for(tag)
+    model = BUILTIN_MODELS[provider]
+    options: tuple[str, ...] = ()
+    if config is not None:
+        toml = box.root / "unbroken.toml"
+        toml.write_text(config)
+        options = ("--config", str(toml))
+    async with TimedMock() as mock:
+        mock.script(cut_script(provider) if script is None else script)
+        mock.set_default(reply())
+        box.write_global_config(builtin_provider(provider, mock.url + "/v1"))
+        port = free_port()
+        argv = unbroken_run(
+            "serve",
+            "--print-logs",
+            "--log-level",
+            "WARN",
+            "--port",
+            str(port),
+            options=options,
+        )
+        start = time.monotonic()
+        text = ""
+        async with Background(argv, box) as bg:
+            client = OpenCodeClient(f"http://127.0.0.1:{port}")
+            try:
+                assert bg.proc is not None
+                proc = bg.proc
+                await client.wait_healthy(alive=lambda: proc.returncode is None)
+                await client.subscribe()
+                sid = await client.create_session()
+                await client.prompt_async(sid, "say hi", model=model)
+
+                def ended() -> str | None:
+                    for e in client.events.of("message.updated", sid):
+                        info = e["properties"]["info"]
+                        if info.get("role") == "assistant" and info.get("finish") == "stop":
+                            return "completed"
+                    if client.events.of("session.error", sid) and client.events.of(
+                        "session.idle", sid
+                    ):
+                        return "dead"
+                    return None
+
+                try:
+                    outcome = await client.events.wait_for(ended, limit_s)
+                except TimeoutError:
+                    outcome = "timeout"
+                text = _text(await client.messages(sid))
+                retries = [
+                    e
+                    for e in client.events.of("session.status", sid)
+                    if (e["properties"].get("status") or {}).get("type") == "retry"
+                ]
+                errors = client.events.of("session.error", sid)
+            finally:
+                await client.close()
+        log = bg.output()
+    return AfterCommitRun(
+        provider=provider,
+        outcome=outcome,
+        text=text,
+        steps=len(step_requests(mock)),
+        continuations=sum(1 for r in mock.requests if is_continuation(r)),
+        retries=retries,
+        errors=errors,
+        stream_errors=log.count('message="stream error"'),
+        resumes=log.count("resumed session="),
+        journal=_journal(box),
+        elapsed=time.monotonic() - start,
+        log=log,
+        requests=[f"{r.method} {r.path} {dict(r.query)}" for r in mock.requests],
+    )

@@ -1,0 +1,93 @@
+"""Issue 23's acceptance for OpenCode: 20 cuts after output, and the turn still finishes.
+
+The real OpenCode CLI runs as a server under ``unbroken run --config FILE -- opencode
+serve`` (so unbroken's auto-resumer watches it), with a built-in provider pointed at
+the mock and ``[stream] after_commit = "continue"`` in the user's unbroken config.
+The mock cuts the stream 20 times, each after output reached OpenCode.  Required:
+the session ends with the exact text, OpenCode never sees an error (no retry status,
+no ``session.error``, no "stream error" in its log), OpenCode sends the step once
+(the mock's request log and unbroken's journal agree), nothing is auto-resumed, and
+the journal records the 20 continuations.
+
+Without the setting (today's default) the same stream makes OpenCode see an error
+at every cut and redo the step: 6 requests per retry cycle, and the auto-resumer
+re-prompting between cycles (see test_opencode_e2e.py's seed test).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from oc_after_commit import CUTS, LONG_TEXT, AfterCommitRun
+
+pytestmark = [pytest.mark.e2e, pytest.mark.cli("opencode"), pytest.mark.timeout(420)]
+
+
+def report(capsys: pytest.CaptureFixture[str], text: str) -> None:
+    with capsys.disabled():
+        print(f"\n    e2e: {text}", flush=True)
+
+
+def _facts(run: AfterCommitRun) -> str:
+    turns = [{k: v for k, v in t.items() if k != "attempt_rows"} for t in run.journal]
+    return (
+        f"outcome {run.outcome}, {run.steps} OpenCode requests, {run.continuations} "
+        f"continuations, {len(run.retries)} OpenCode retries, errors {run.errors}, "
+        f"{run.stream_errors} stream errors, {run.resumes} auto-resumes\n"
+        f"text: {run.text!r}\nrequests: {run.requests}\njournal: {turns}\n"
+        f"log: {run.log[-4000:]}"
+    )
+
+
+def continuations_recorded(turn: dict[str, Any]) -> int | None:
+    """The continuations unbroken's journal records for one turn (None: not recorded)."""
+    value = turn.get("splices")
+    return None if value is None else int(value)
+
+
+def _check(run: AfterCommitRun) -> None:
+    assert run.outcome == "completed", _facts(run)
+    assert run.text == LONG_TEXT, _facts(run)  # exact: nothing doubled, nothing lost
+    # OpenCode never saw a failure.
+    assert run.errors == [], _facts(run)
+    assert run.retries == [], _facts(run)
+    assert run.stream_errors == 0, _facts(run)
+    assert run.resumes == 0, _facts(run)  # the auto-resumer had nothing to do
+    # OpenCode asked once; the relay finished the turn with 20 continuations.
+    assert run.steps == 1, _facts(run)
+    assert run.continuations == CUTS, _facts(run)
+    assert len(run.journal) == 1, _facts(run)  # one client request reached the relay
+    (turn,) = run.journal
+    assert turn["session_id"], _facts(run)
+    assert continuations_recorded(turn) == CUTS, _facts(run)
+
+
+def _say(run: AfterCommitRun, capsys: pytest.CaptureFixture[str], what: str) -> None:
+    spliced = continuations_recorded(run.journal[0]) if len(run.journal) == 1 else None
+    report(
+        capsys,
+        f"{CUTS} cuts after output, {what}, after_commit = continue: session {run.outcome} "
+        f"in {run.elapsed:.1f} s; {run.steps} OpenCode request(s), {run.continuations} "
+        f"continuations upstream, {len(run.retries)} OpenCode retries, {run.stream_errors} "
+        f"errors seen by OpenCode, {run.resumes} auto-resumes; journal: {len(run.journal)} "
+        f"turn(s), {spliced} continuations recorded",
+    )
+
+
+@pytest.mark.scenario("after_commit_openai")
+def test_opencode_responses_twenty_cuts_after_output_finish_without_a_retry(
+    scenarios: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run: AfterCommitRun = scenarios.result("after_commit_openai", timeout=360)
+    _say(run, capsys, "OpenCode's openai provider (Responses)")
+    _check(run)
+
+
+@pytest.mark.scenario("after_commit_anthropic")
+def test_opencode_anthropic_twenty_cuts_after_text_finish_without_a_retry(
+    scenarios: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run: AfterCommitRun = scenarios.result("after_commit_anthropic", timeout=360)
+    _say(run, capsys, "OpenCode's anthropic provider (Messages, text)")
+    _check(run)
