@@ -149,7 +149,13 @@ async def after_commit_session(
             try:
                 assert bg.proc is not None
                 proc = bg.proc
-                await client.wait_healthy(alive=lambda: proc.returncode is None)
+                try:
+                    await client.wait_healthy(alive=lambda: proc.returncode is None)
+                except AssertionError:
+                    raise AssertionError(
+                        f"`unbroken run -- opencode serve` exited {proc.returncode} before "
+                        f"OpenCode's server came up:\n{bg.output()[-3000:]}"
+                    ) from None
                 await client.subscribe()
                 sid = await client.create_session()
                 await client.prompt_async(sid, "say hi", model=model)
