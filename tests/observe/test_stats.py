@@ -152,6 +152,7 @@ def test_stats_over_the_last_24h(journal):
         "ended_with_error": 2,
         "passed_through_error": 2,
         "aborted_by_client": 1,
+        "resumed": 0,
         "unfinished": 1,
     }
     # turns that hit a failure and were not aborted: t3 t4 t5 t8 t11; recovered: t3 t4

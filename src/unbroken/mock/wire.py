@@ -484,7 +484,7 @@ def _response_object(
         "object": "response",
         "created_at": CREATED,
         "status": status,
-        "background": False,
+        "background": req.get("background") is True,
         "completed_at": CREATED + 1 if status == "completed" else None,
         "error": error,
         "incomplete_details": None,
