@@ -129,6 +129,8 @@ class BackgroundResume:
     """`Strategy` of OpenAI Responses over HTTP: background mode, resumed by cursor."""
 
     name = MECHANISM
+    #: the resume needs no read-back of what was released
+    wants_released = False
 
     __slots__ = (
         "_cancelled",
@@ -166,6 +168,9 @@ class BackgroundResume:
         self._saved = 0
         self._counted: object = None  # the attempt whose output frames are counted saved
         self._splicer: SequenceSplicer | None = None
+
+    def released(self, data: bytes) -> None:
+        """Not asked for (``wants_released`` is False)."""
 
     # -- fresh attempts --------------------------------------------------------------
     def body_patch(self, upstream: int) -> tuple[tuple[str, object], ...]:

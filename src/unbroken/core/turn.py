@@ -164,6 +164,7 @@ from unbroken.core.policy import (
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
 from unbroken.core.profiles import CommitEnd, KeepaliveForm, Profile
 from unbroken.core.protocols import BODY, Protocol, usage_from
+from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
 from unbroken.core.ratehead import RateHeaders
 from unbroken.core.sse import CR, Event, EventTooLarge, SSESplitter
 
@@ -503,7 +504,7 @@ class TurnMachine:
         #: requests that free what nobody will read (the transport sends them)
         self.cancels: list[Cancel] = []
         #: why the last cut was not continued (None: it was, or none was asked)
-        self.refusal: Refusal | None = None
+        self.refusal: Refusal | PrefillRefusal | None = None
         #: the client's profile (`core.profiles`): early headers, keepalive form and
         #: interval, the non-streamed wait
         self.profile = profile or DEFAULT_PROFILE
@@ -782,8 +783,12 @@ class TurnMachine:
         size = len(chunk)
         pos = ledger.release_run(chunk) if splitter.idle else 0
         if pos == size:
+            if self.continuation is not None:
+                self._record(chunk)
             return None  # the whole chunk: plain output after commit
         out: list[bytes] = [chunk[:pos]] if pos else []
+        if pos and self.continuation is not None:
+            self._record(chunk[:pos])
         peeled = 0
         while True:
             if peeled < PEEL_FRAMES and (ledger.state is State.PENDING or not splitter.idle):
@@ -802,6 +807,8 @@ class TurnMachine:
                 end = ledger.release_run(chunk, pos)
                 if end > pos:
                     out.append(chunk[pos:end])
+                    if self.continuation is not None:
+                        self._record(chunk[pos:end])
                     pos = end
                     if pos == size:
                         break
@@ -837,10 +844,19 @@ class TurnMachine:
             self.report.hold_overflow(ledger.max_hold_bytes)
         if out:
             self._released()
+            if self.continuation is not None:
+                self._record(_joined(out))
         verdict = ledger.verdict
         if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
             self._decide(now)
         return out
+
+    def _record(self, data: bytes) -> None:
+        """What was released, for a strategy that reads it back (a prefill
+        continuation: `Strategy.wants_released`).  Only with a strategy."""
+        strategy = self.continuation
+        if strategy is not None and strategy.wants_released:
+            strategy.released(data)
 
     def _feed_spliced(self, now: float, events: list[Event]) -> Sequence[Event]:
         """A continuation's frames: each through its join check, then the ledger."""
@@ -854,8 +870,12 @@ class TurnMachine:
             except JoinBroken as exc:
                 broken = str(exc)
                 break
-            if out is not None:
+            if out is None:
+                continue
+            if isinstance(out, Event):
                 joined.append(out)
+            else:
+                joined.extend(out)  # a splicer may absorb one frame and add another
         splice_off, self._splice = self._splice, None  # _feed_events: the plain path
         try:
             released = self._feed_events(now, joined) if joined else NOTHING
@@ -882,6 +902,8 @@ class TurnMachine:
                 return NOTHING
             if spliced is None:
                 return NOTHING
+            if not isinstance(spliced, Event):
+                return self._feed_frames(now, spliced)
             event = spliced
         ledger = self.attempt_ledger
         assert ledger is not None
@@ -891,10 +913,28 @@ class TurnMachine:
             self.report.hold_overflow(ledger.max_hold_bytes)
         if released:
             self._released()
+            if self.continuation is not None:
+                self._record(_joined(released))
         verdict = ledger.verdict
         if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
             self._decide(now)
         return released
+
+    def _feed_frames(self, now: float, events: Sequence[Event]) -> Sequence[Event]:
+        """`feed_frame` for the frames a splicer made of one message, in order."""
+        ledger = self.attempt_ledger
+        assert ledger is not None
+        out: list[Event] = []
+        for event in events:
+            out.extend(ledger.feed(event))
+            if ledger.verdict is Verdict.REPLAY or ledger.verdict is Verdict.FAIL:
+                break
+        if out:
+            self._released()
+            self._record(_joined(out))
+        if ledger.verdict is Verdict.REPLAY or ledger.verdict is Verdict.FAIL:
+            self._decide(now)
+        return out
 
     def feed_body(self, now: float, chunk: bytes) -> bytes:
         """Plain body bytes: each chunk is released at once (the first byte commits)."""
@@ -1056,7 +1096,7 @@ class TurnMachine:
             return Wait(wait, keys[retry.current] if keys else None)
         return self.next_attempt(now)
 
-    def _refused(self, refusal: Refusal) -> None:
+    def _refused(self, refusal: Refusal | PrefillRefusal) -> None:
         """The cut is not continued: the turn goes on as without a strategy."""
         self.refusal = refusal
         strategy = self.continuation
@@ -1091,6 +1131,9 @@ class TurnMachine:
         )
         if status < 200 or is_retryable_status(status):
             return self._continuation_failed(now, failure)
+        # A final answer to the continuation (a model that refuses prefill answers 400):
+        # the strategy may remember it for the upstream; the turn ends as without it.
+        strategy.refused(self.retry.current, status, b"")
         return self._join_broken(now, f"the continuation was answered HTTP {status}")
 
     def _continuation_failed(self, now: float, failure: Failure) -> Action:

@@ -82,6 +82,7 @@ ACTION_KEYS: Final = frozenset(
         "body",
         "fault",
         "after_frame",
+        "after_deltas",
         "seconds",
         "error",
         "error_style",
@@ -124,6 +125,9 @@ class Action:
     body: str | None = None
     fault: str | None = None
     after_frame: int = 0
+    #: cut after this many delta frames of the reply's first run (text deltas, or a
+    #: tool call's argument fragments), whatever comes before them; None: after_frame
+    after_deltas: int | None = None
     seconds: float = DEFAULT_STALL_SECONDS
     error: str = "server_error"
     error_style: str = "failed"
@@ -274,6 +278,13 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
                 f"{', '.join(sorted(FRAME_FAULTS))}"
             )
         kw["after_frame"] = _int(get("after_frame"), _where(where, "after_frame"), lo=0)
+    if "after_deltas" in data:
+        if fault not in FRAME_FAULTS or "after_frame" in data:
+            raise ActionError(
+                f"{_where(where, 'after_deltas')}: only valid with fault "
+                f"{', '.join(sorted(FRAME_FAULTS))}, and not with after_frame"
+            )
+        kw["after_deltas"] = _int(get("after_deltas"), _where(where, "after_deltas"), lo=0)
     if "seconds" in data:
         if fault != "stall" and get("resume") != "queued":
             raise ActionError(

@@ -288,7 +288,9 @@ class Reply:
     def pieces(self) -> tuple[str, ...]:
         if self.action.reply != "text":
             return ()
-        return tuple(split_exact(self.action.text, self.action.deltas))
+        pieces = tuple(split_exact(self.action.text, self.action.deltas))
+        prefix = prefill_of(self.protocol, self.request)
+        return pieces if prefix is None else continue_pieces(pieces, prefix)
 
     @cached_property
     def text(self) -> str:
@@ -350,6 +352,73 @@ class Reply:
     @cached_property
     def response_id(self) -> str:
         return "resp_" + self.ident("resp", 48)
+
+
+# ---------------------------------------------------------------------------
+# Prefill continuation: a request that ends with an assistant prefix continues the
+# scripted text from that prefix (Anthropic: an assistant message last; Chat: an
+# assistant message last with ``prefix: true`` or ``partial: true``).
+
+
+def prefill_of(protocol: str, request: Mapping[str, Any]) -> str | None:
+    """The assistant prefix a request ends with, or None."""
+    if protocol not in (ANTHROPIC, CHAT):
+        return None
+    messages = request.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return None
+    if protocol == CHAT and last.get("prefix") is not True and last.get("partial") is not True:
+        return None
+    content = last.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [b.get("text") for b in content if isinstance(b, dict)]
+        if texts and all(isinstance(t, str) for t in texts):
+            return "".join(t for t in texts if isinstance(t, str))
+    return None
+
+
+def continue_pieces(pieces: tuple[str, ...], prefix: str) -> tuple[str, ...]:
+    """The pieces of the scripted text after ``prefix``, cut where the full reply's
+    pieces are cut (the first one partly); the whole text when it does not start with
+    ``prefix`` (a model that continues something else)."""
+    if not "".join(pieces).startswith(prefix):
+        return pieces
+    out: list[str] = []
+    skip = len(prefix)
+    for piece in pieces:
+        if skip >= len(piece):
+            skip -= len(piece)
+            continue
+        out.append(piece[skip:])
+        skip = 0
+    return tuple(out)
+
+
+def delta_offset(reply: Reply) -> int:
+    """Frames before the first delta of the reply's first run (text deltas, or a tool
+    call's argument fragments): ``after_deltas`` counts from there."""
+    count = 0
+    for item in _ITEMS[reply.protocol](reply):
+        if isinstance(item, _Run):
+            if item.values:
+                return count
+            continue
+        count += 1
+    return count
+
+
+def cut_after(reply: Reply, action: Action, total: int) -> int:
+    """The frames a faulted reply sends before its fault (``after_frame``, or
+    ``after_deltas`` counted from the first delta), at most ``total``."""
+    if action.after_deltas is not None:
+        offset = delta_offset(reply) if reply.stream else 0
+        return min(offset + action.after_deltas, total)
+    return min(action.after_frame, total)
 
 
 def make_reply(
