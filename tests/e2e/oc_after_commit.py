@@ -13,7 +13,12 @@ what unbroken's journal recorded.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import re
 import sqlite3
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +33,12 @@ from oc_harness import (
     builtin_provider,
     free_port,
     is_continuation,
+    run_to_end,
     step_requests,
     unbroken_run,
 )
+
+from unbroken.opencode.resume import SETTLE_S
 
 #: Cuts after output in one turn (the issue's acceptance figure).
 CUTS = 20
@@ -46,18 +54,21 @@ def reply() -> dict[str, Any]:
     return {"text": LONG_TEXT, "deltas": DELTAS}
 
 
-def cut_script(provider: str, cuts: int = CUTS, later: int = 3) -> list[dict[str, Any]]:
-    """``cuts`` resets, each after output: the first after two text deltas of the
-    original stream, then one in each continuation after its first frames, then a clean
-    finish.  The frames before the first delta: Responses ``response.created``,
-    ``in_progress``, ``output_item.added``, ``content_part.added``; Messages
-    ``message_start``, ``content_block_start``, ``ping``."""
-    first = 6 if provider == "openai" else 5
-    return [
-        {**reply(), "fault": "reset", "after_frame": first},
-        *({**reply(), "fault": "reset", "after_frame": later} for _ in range(cuts - 1)),
-        reply(),
-    ]
+def cut_script(provider: str, cuts: int = CUTS) -> list[dict[str, Any]]:
+    """``cuts`` resets, each after output reached the client, then a clean finish.
+
+    The first request (OpenCode's) is cut after two text deltas.  Each continuation
+    takes the next action from the mock's queue (docs/mock.md): a Responses resume
+    (``GET ...?starting_after=N``, whose frames start with the next delta) is cut after
+    two of its frames; an Anthropic prefill continuation (the scripted text goes on
+    after the prefix) after two of its deltas.
+    """
+    first = {**reply(), "fault": "reset", "after_deltas": 2}
+    if provider == "openai":
+        later = {"fault": "reset", "after_frame": 2}
+    else:
+        later = {**reply(), "fault": "reset", "after_deltas": 2}
+    return [first, *(dict(later) for _ in range(cuts - 1)), reply()]
 
 
 @dataclass
@@ -70,9 +81,13 @@ class AfterCommitRun:
     retries: list[dict[str, Any]]  # OpenCode's session.status retry events
     errors: list[dict[str, Any]]  # session.error events
     stream_errors: int  # failures OpenCode logged ('message="stream error"')
-    resumes: int  # unbroken auto-resumes ('resumed session=' in the log)
+    resumes: int  # unbroken's auto-resume decisions ('resume session=' in the log)
     journal: list[dict[str, Any]]  # unbroken's journal: the turns
-    elapsed: float
+    stats: dict[str, Any]  # `unbroken stats --json` on that journal
+    sent: list[dict[str, Any]]  # the bodies of the POSTs that reached the provider
+    cancels: int  # background responses the relay cancelled
+    resume_cursors: list[int]  # ``starting_after`` of each Responses resume, in order
+    elapsed: float  # from the prompt to the end of the turn
     log: str = ""
     requests: list[str] = field(default_factory=list)  # method, path, query per request
 
@@ -97,6 +112,19 @@ def _journal(box: Sandbox) -> list[dict[str, Any]]:
                 )
             ]
     return turns
+
+
+async def _stats(box: Sandbox) -> dict[str, Any]:
+    """``unbroken stats --json`` on the run's journal, as the user would ask for it."""
+    path = journal_path(box)
+    if not path.exists():
+        return {}
+    argv = [sys.executable, "-m", "unbroken", "stats", "--json", "--since", "all"]
+    done = await run_to_end([*argv, "--journal", str(path)], box, limit_s=60)
+    if done.code != 0:
+        return {"exit": done.code, "stderr": done.stderr[-2000:]}
+    data: dict[str, Any] = json.loads(done.stdout)
+    return data
 
 
 def _text(messages: list[dict[str, Any]]) -> str:
@@ -142,7 +170,6 @@ async def after_commit_session(
             str(port),
             options=options,
         )
-        start = time.monotonic()
         text = ""
         async with Background(argv, box) as bg:
             client = OpenCodeClient(f"http://127.0.0.1:{port}")
@@ -158,6 +185,7 @@ async def after_commit_session(
                     ) from None
                 await client.subscribe()
                 sid = await client.create_session()
+                prompted = time.monotonic()
                 await client.prompt_async(sid, "say hi", model=model)
 
                 def ended() -> str | None:
@@ -175,6 +203,15 @@ async def after_commit_session(
                     outcome = await client.events.wait_for(ended, limit_s)
                 except TimeoutError:
                     outcome = "timeout"
+                elapsed = time.monotonic() - prompted
+                if outcome == "completed":
+                    # The auto-resumer decides when the session goes idle (after
+                    # SETTLE_S) and logs a resume at once: watch for one a while.
+                    with contextlib.suppress(TimeoutError):
+                        await client.events.wait_for(
+                            lambda: client.events.of("session.idle", sid), 30
+                        )
+                    await asyncio.sleep(SETTLE_S + 2.0)
                 text = _text(await client.messages(sid))
                 retries = [
                     e
@@ -194,9 +231,15 @@ async def after_commit_session(
         retries=retries,
         errors=errors,
         stream_errors=log.count('message="stream error"'),
-        resumes=log.count("resumed session="),
+        resumes=len(re.findall(r"\bresume session=", log)),
         journal=_journal(box),
-        elapsed=time.monotonic() - start,
+        stats=await _stats(box),
+        sent=[r.json() for r in mock.requests if r.method == "POST" and r.body],
+        cancels=len(mock.background.cancels),
+        resume_cursors=[
+            int(r.query.get("starting_after", "-1")) for r in mock.requests if r.method == "GET"
+        ],
+        elapsed=elapsed,
         log=log,
         requests=[f"{r.method} {r.path} {dict(r.query)}" for r in mock.requests],
     )

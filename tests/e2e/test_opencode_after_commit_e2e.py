@@ -16,6 +16,7 @@ re-prompting between cycles (see test_opencode_e2e.py's seed test).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -40,12 +41,6 @@ def _facts(run: AfterCommitRun) -> str:
     )
 
 
-def continuations_recorded(turn: dict[str, Any]) -> int | None:
-    """The continuations unbroken's journal records for one turn (None: not recorded)."""
-    value = turn.get("splices")
-    return None if value is None else int(value)
-
-
 def _check(run: AfterCommitRun) -> None:
     assert run.outcome == "completed", _facts(run)
     assert run.text == LONG_TEXT, _facts(run)  # exact: nothing doubled, nothing lost
@@ -54,17 +49,21 @@ def _check(run: AfterCommitRun) -> None:
     assert run.retries == [], _facts(run)
     assert run.stream_errors == 0, _facts(run)
     assert run.resumes == 0, _facts(run)  # the auto-resumer had nothing to do
-    # OpenCode asked once; the relay finished the turn with 20 continuations.
+    # OpenCode asked once (the provider saw one request from it, and so did the relay);
+    # the relay finished the turn with 20 continuations.
     assert run.steps == 1, _facts(run)
     assert run.continuations == CUTS, _facts(run)
-    assert len(run.journal) == 1, _facts(run)  # one client request reached the relay
+    assert len(run.journal) == 1, _facts(run)
     (turn,) = run.journal
-    assert turn["session_id"], _facts(run)
-    assert continuations_recorded(turn) == CUTS, _facts(run)
+    assert turn["session_id"] and turn["client"] == "opencode", _facts(run)
+    assert (turn["outcome"], turn["splices"]) == ("resumed", CUTS), _facts(run)
+    assert turn["attempts"] == CUTS + 1, _facts(run)
+    continued = run.stats.get("continued") or {}
+    assert (continued.get("turns"), continued.get("splices")) == (1, CUTS), run.stats
 
 
 def _say(run: AfterCommitRun, capsys: pytest.CaptureFixture[str], what: str) -> None:
-    spliced = continuations_recorded(run.journal[0]) if len(run.journal) == 1 else None
+    spliced = run.journal[0].get("splices") if len(run.journal) == 1 else None
     report(
         capsys,
         f"{CUTS} cuts after output, {what}, after_commit = continue: session {run.outcome} "
@@ -82,6 +81,14 @@ def test_opencode_responses_twenty_cuts_after_output_finish_without_a_retry(
     run: AfterCommitRun = scenarios.result("after_commit_openai", timeout=360)
     _say(run, capsys, "OpenCode's openai provider (Responses)")
     _check(run)
+    # The exact resume: OpenCode's request (store: false) went up as a background one,
+    # each continuation is a resume after the last event the relay had, and nothing was
+    # left running at the provider.
+    assert len(run.sent) == 1, _facts(run)
+    assert run.sent[0].get("background") is True and run.sent[0].get("store") is True
+    cursors = run.resume_cursors
+    assert len(cursors) == CUTS and cursors == sorted(set(cursors)), run.requests
+    assert run.cancels == 0, _facts(run)
 
 
 @pytest.mark.scenario("after_commit_anthropic")
@@ -91,3 +98,19 @@ def test_opencode_anthropic_twenty_cuts_after_text_finish_without_a_retry(
     run: AfterCommitRun = scenarios.result("after_commit_anthropic", timeout=360)
     _say(run, capsys, "OpenCode's anthropic provider (Messages, text)")
     _check(run)
+    # Each continuation is OpenCode's request plus the assistant's committed text (a
+    # prefill that grows and never ends in whitespace).
+    original = run.sent[0]["messages"]
+    prefills = []
+    for body in run.sent[1:]:
+        assert body["messages"][:-1] == original, "a continuation changed OpenCode's messages"
+        last = body["messages"][-1]
+        assert last["role"] == "assistant"
+        content = last["content"]
+        prefill = (
+            content if isinstance(content, str) else "".join(b.get("text", "") for b in content)
+        )
+        assert prefill == prefill.rstrip() and LONG_TEXT.startswith(prefill), prefill
+        prefills.append(prefill)
+    assert len(prefills) == CUTS
+    assert all(len(a) < len(b) for a, b in itertools.pairwise(prefills)), prefills
