@@ -46,8 +46,14 @@ CUTS = 20
 WORDS = [f"w{i:02d}" for i in range(1, 65)]
 LONG_TEXT = "Resumed " + " ".join(WORDS) + " done."
 DELTAS = 64
-#: The user's unbroken config for ``unbroken run --config FILE -- opencode``.
+#: The user's unbroken config for ``unbroken run --config FILE -- opencode``: the
+#: setting for every route, ...
 CONTINUE_TOML = '[stream]\nafter_commit = "continue"\n'
+#: ... or for the provider's route only (``run`` points it at OpenCode's base URL and
+#: keeps its settings).
+ROUTE_TOML = (
+    '[routes.anthropic]\nupstreams = ["https://api.anthropic.com/v1"]\nafter_commit = "continue"\n'
+)
 
 
 def reply() -> dict[str, Any]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oc_after_commit import AfterCommitRun, after_commit_session
+from oc_after_commit import ROUTE_TOML, AfterCommitRun, after_commit_session
 from oc_harness import (
     Background,
     Finished,
@@ -320,8 +320,10 @@ async def after_commit_openai() -> AfterCommitRun:
 
 async def after_commit_anthropic() -> AfterCommitRun:
     """Issue 23: OpenCode's built-in ``anthropic`` provider (Messages, text, no thinking),
-    20 cuts after output, with ``[stream] after_commit = "continue"``."""
-    return await after_commit_session("anthropic", tag="after-commit-anthropic", box_for=_box)
+    20 cuts after output, with ``[routes.anthropic] after_commit = "continue"``."""
+    return await after_commit_session(
+        "anthropic", tag="after-commit-anthropic", box_for=_box, config=ROUTE_TOML
+    )
 
 
 SCENARIOS: dict[str, Callable[[], Awaitable[Any]]] = {

@@ -2,7 +2,8 @@
 
 The real OpenCode CLI runs as a server under ``unbroken run --config FILE -- opencode
 serve`` (so unbroken's auto-resumer watches it), with a built-in provider pointed at
-the mock and ``[stream] after_commit = "continue"`` in the user's unbroken config.
+the mock and, in the user's unbroken config, ``[stream] after_commit = "continue"``
+(openai) or ``[routes.anthropic] after_commit = "continue"`` (the per-route override).
 The mock cuts the stream 20 times, each after output reached OpenCode.  Required:
 the session ends with the exact text, OpenCode never sees an error (no retry status,
 no ``session.error``, no "stream error" in its log), OpenCode sends the step once
@@ -96,7 +97,7 @@ def test_opencode_anthropic_twenty_cuts_after_text_finish_without_a_retry(
     scenarios: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run: AfterCommitRun = scenarios.result("after_commit_anthropic", timeout=360)
-    _say(run, capsys, "OpenCode's anthropic provider (Messages, text)")
+    _say(run, capsys, "OpenCode's anthropic provider (Messages, text), per route")
     _check(run)
     # Each continuation is OpenCode's request plus the assistant's committed text (a
     # prefill that grows and never ends in whitespace).
