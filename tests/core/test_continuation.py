@@ -325,3 +325,31 @@ def test_the_splicer_passes_comments_and_errors():
     assert s.splice(err) is err
     with pytest.raises(JoinBroken):
         s.splice(Event(b"x", "response.output_text.delta", json.dumps({"type": "t"})))
+
+
+def test_after_a_queued_continuation_is_given_up_the_replay_may_resume_again():
+    """Before commit, a continuation stuck in queued is cancelled and the turn replayed;
+    the replay's own cut is continued again (the queued state was the old response's)."""
+    frames = responses_stream([("text", 3)])
+    m, _, _ = make()
+    m.start(0.0)
+    m.answered(0.0, 200, sse=True)
+    m.feed_verbatim(0.1, frames[0])  # response.created: held, nothing released
+    action = m.transport_failed(0.2, RESET)
+    if isinstance(action, Wait):
+        action = m.next_attempt(0.3)
+    assert isinstance(action, Resume)
+    m.answered(1.0, 200, sse=True)
+    tick = m.tick(7.0)
+    assert isinstance(tick, AbortUpstream)
+    action = m.transport_failed(7.1, tick.failure)
+    if isinstance(action, Wait):
+        action = m.next_attempt(7.2)
+    assert isinstance(action, Open)  # the replay
+    assert [c.path for c in m.take_cancels()] == [f"v1/responses/{RID}/cancel"]
+    m.answered(7.3, 200, sse=True)
+    m.feed_verbatim(7.4, frames[0])
+    action = m.transport_failed(7.5, RESET)
+    if isinstance(action, Wait):
+        action = m.next_attempt(7.6)
+    assert isinstance(action, Resume)

@@ -7,6 +7,7 @@ the native error, and the request was never made a background one).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
@@ -21,8 +22,9 @@ PATH = "v1/responses"
 BODY: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "store": False}
 TEXT = "The quick brown fox jumps over the lazy dog, twice over."
 STREAM = {"first_frame_timeout_s": 2, "idle_timeout_s": 2, "keepalive_s": 30}
-#: frames before the first text delta: created, in_progress, item added, part added
-FIRST_DELTA = 5
+#: frames before the first text delta (background mode): created, queued, in_progress,
+#: item added, part added
+FIRST_DELTA = 6
 
 
 @pytest.fixture
@@ -80,6 +82,15 @@ async def test_cut_after_output_is_resumed_exactly(mock, relay):
     turn = (await rec.wait_turns(1))[0]
     assert turn.outcome == "resumed"
     assert turn.splices == 1 and turn.saved_tokens >= 2
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{server.url}/metrics") as r:
+            metrics = await r.text()
+        async with http.get(f"{server.url}/status") as r:
+            status = await r.json()
+    assert 'unbroken_continuations_total{protocol="responses",result="spliced"} 1.0' in metrics
+    assert 'unbroken_turns_total{outcome="resumed",route="mock"} 1.0' in metrics
+    assert status["totals"]["continuations"] == {"spliced": 1}
+    assert status["totals"]["outcomes"]["resumed"] == 1
 
 
 async def test_many_cuts_in_one_turn(mock, relay):
@@ -233,3 +244,41 @@ async def test_a_websocket_client_keeps_its_socket_and_the_turn_resumes_over_htt
     assert [r.method for r in mock.requests][:2] == ["POST", "GET"]
     turns = await rec.wait_turns(2)
     assert turns[0].outcome == "resumed" and turns[0].splices == 1
+
+
+async def test_a_route_override_keeps_the_default_on_that_route(mock):
+    """``[routes.NAME] after_commit = "error"`` under a global "continue": that route's
+    turns go as the client sent them and end as before; the same bytes as a relay with
+    no setting at all."""
+    body = json.dumps(BODY).encode()
+    action = {"text": TEXT, "fault": "reset", "after_frame": FIRST_DELTA}
+
+    async def cut_turn(cfg: Any) -> bytes:
+        server, rec = await start_relay(cfg)
+        try:
+            mock.reset()
+            mock.script([action])
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    f"{server.url}/mock/{PATH}",
+                    data=body,
+                    headers={"content-type": "application/json"},
+                ) as r,
+            ):
+                got = await r.read()
+            assert [q.body for q in mock.requests] == [body]
+            await rec.wait_turns(1)
+            return got
+        finally:
+            await server.stop()
+
+    plain = await cut_turn(make_config([{"url": mock.url}], stream=STREAM))
+    cfg = make_config(
+        [{"url": mock.url}], stream={**STREAM, "after_commit": "continue"}, route="other"
+    )
+    routes = dict(cfg.routes)
+    routes["mock"] = dataclasses.replace(routes["other"], name="mock", after_commit="error")
+    overridden = await cut_turn(dataclasses.replace(cfg, routes=routes))
+    assert b"event: error" in plain
+    assert overridden == plain

@@ -605,6 +605,7 @@ class TurnMachine:
         self.step = _Step.CONNECTING
         self.attempt_ledger = None
         self._splice = None
+        self._queued = False  # a new response: the last one's queue is behind
         t = self.timers
         # A non-streamed answer arrives only once generated: allow it as long as the
         # client waits for it (when known), else the first-frame time.
@@ -1065,19 +1066,19 @@ class TurnMachine:
             ledger.state is not State.PENDING and ledger.state is not State.COMMITTED
         ):
             return None
-        if failure.cls is FailureClass.MALFORMED:
-            self._refused(Refusal.NOT_A_CUT)
-            return None
+        committed = ledger.state is State.COMMITTED
         if self._queued:
-            self._refused(Refusal.QUEUED)
+            self._refused(Refusal.QUEUED)  # given up (and cancelled); PENDING: replayed
+            return None
+        if failure.cls is FailureClass.MALFORMED:
+            if committed:
+                self._refused(Refusal.NOT_A_CUT)
             return None
         plan = strategy.plan(self.retry.current, ledger, self.timers.header_timeout_s)
         if not isinstance(plan, Resume):
-            if ledger.state is State.PENDING and plan is Refusal.NO_HANDLE:
-                return None  # a cut before the response had an id: a replay, as always
-            self._refused(plan)
+            if committed:  # (PENDING: nothing was released, a replay as always)
+                self._refused(plan)
             return None
-        committed = ledger.state is State.COMMITTED
         phase = Phase.COMMITTED if committed else self._replay_phase(failure)
         self.failure = failure
         self.stalled = False

@@ -593,7 +593,13 @@ def _responses_items(r: Reply) -> list[_Item]:
         seq += len(values)
 
     started = _response_object(r, "in_progress", [], None)
-    ev("response.created", response=started)
+    if r.request.get("background") is True:
+        # Background mode (`mock.background`): created and announced queued first.
+        queued = _response_object(r, "queued", [], None)
+        ev("response.created", response=queued)
+        ev("response.queued", response=queued)
+    else:
+        ev("response.created", response=started)
     ev("response.in_progress", response=started)
     output: list[dict[str, Any]] = []
     if r.calls:

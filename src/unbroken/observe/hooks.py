@@ -272,6 +272,17 @@ class LogHooks(Hooks):
                 failure.label,
                 phase,
             )
+        elif phase == "committed":  # continued in place (after_commit = "continue")
+            log.warning(
+                "stream cut after output route=%s upstream=%s attempt=%d reason=%s: "
+                "continuing in place (continuation %d) wait_ms=%d",
+                turn.route,
+                upstream,
+                turn.attempts,
+                failure.label,
+                turn.splices,
+                round(wait_s * 1000),
+            )
         elif self.verbose:
             log.warning(
                 "retry route=%s upstream=%s attempt=%d reason=%s phase=%s wait_ms=%d",
