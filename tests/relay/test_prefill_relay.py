@@ -308,8 +308,9 @@ async def test_a_model_that_refuses_prefill_ends_with_the_native_error_and_is_re
     assert turns[1].continuation == "refused_not_resumable"
 
 
-async def test_chat_prefix_route_continues_a_chat_turn(mock):
-    server, rec = await _relay(mock, chat_prefix="prefix")
+@pytest.mark.parametrize("mode", ["prefix", "partial"])
+async def test_chat_prefix_route_continues_a_chat_turn(mock, mode):
+    server, rec = await _relay(mock, chat_prefix=mode)
     try:
         shape = {"text": TEXT, "deltas": 10}
         mock.script([{**shape, "fault": "reset", "after_deltas": 4}, shape])
@@ -323,7 +324,7 @@ async def test_chat_prefix_route_continues_a_chat_turn(mock):
         assert got.endswith(b"data: [DONE]\n\n") and got.count(b"[DONE]") == 1
         assert len({o["id"] for _, o in chunks}) == 1  # the client's chunk id throughout
         cont = mock.requests[1].json()["messages"][-1]
-        assert cont["prefix"] is True and TEXT.startswith(cont["content"])
+        assert cont[mode] is True and TEXT.startswith(cont["content"])
         turn = (await rec.wait_turns(1))[0]
         assert turn.outcome == "resumed"
     finally:

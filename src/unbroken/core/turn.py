@@ -846,7 +846,7 @@ class TurnMachine:
         if out:
             self._released()
             if self.continuation is not None:
-                self._record(_joined(out))
+                self._record_events(out)
         verdict = ledger.verdict
         if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
             self._decide(now)
@@ -858,6 +858,11 @@ class TurnMachine:
         strategy = self.continuation
         if strategy is not None and strategy.wants_released:
             strategy.released(data)
+
+    def _record_events(self, events: Sequence[Event]) -> None:
+        strategy = self.continuation
+        if strategy is not None and strategy.wants_released:
+            strategy.released(_joined(events))
 
     def _feed_spliced(self, now: float, events: list[Event]) -> Sequence[Event]:
         """A continuation's frames: each through its join check, then the ledger."""
@@ -915,7 +920,7 @@ class TurnMachine:
         if released:
             self._released()
             if self.continuation is not None:
-                self._record(_joined(released))
+                self._record_events(released)
         verdict = ledger.verdict
         if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
             self._decide(now)
@@ -932,7 +937,7 @@ class TurnMachine:
                 break
         if out:
             self._released()
-            self._record(_joined(out))
+            self._record_events(out)
         if ledger.verdict is Verdict.REPLAY or ledger.verdict is Verdict.FAIL:
             self._decide(now)
         return out
