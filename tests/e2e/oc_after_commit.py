@@ -4,7 +4,8 @@ OpenCode runs as a server (``unbroken run --config FILE -- opencode serve``), so
 unbroken's auto-resumer watches it too, with one of its built-in providers pointed at
 the mock the way a user points it at a proxy: ``openai`` (Responses, which OpenCode
 sends with ``store: false``) or ``anthropic`` (Messages, no thinking).  The user's
-unbroken config sets ``[stream] after_commit = "continue"``.  The mock cuts the stream
+unbroken config sets ``after_commit = "continue"`` (in ``[stream]``, or in the
+provider's ``[routes.NAME]``).  The mock cuts the stream
 20 times, each time after the client has seen output.  The facts gathered here are
 what OpenCode saw (its events, its session's text, the failures it logged), what
 reached the provider (OpenCode's own requests and the relay's continuations), and
@@ -104,20 +105,13 @@ def journal_path(box: Sandbox) -> Path:
 
 
 def _journal(box: Sandbox) -> list[dict[str, Any]]:
+    """The turns unbroken's journal recorded."""
     path = journal_path(box)
     if not path.exists():
         return []
-    with sqlite3.connect(path) as conn:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
         conn.row_factory = sqlite3.Row
-        turns = [dict(r) for r in conn.execute("SELECT * FROM turns ORDER BY started")]
-        for t in turns:
-            t["attempt_rows"] = [
-                dict(a)
-                for a in conn.execute(
-                    "SELECT * FROM attempts WHERE turn_uid = ? ORDER BY number", (t["uid"],)
-                )
-            ]
-    return turns
+        return [dict(r) for r in conn.execute("SELECT * FROM turns ORDER BY started")]
 
 
 async def _stats(box: Sandbox) -> dict[str, Any]:

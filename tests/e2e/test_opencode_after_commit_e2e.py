@@ -32,7 +32,7 @@ def report(capsys: pytest.CaptureFixture[str], text: str) -> None:
 
 
 def _facts(run: AfterCommitRun) -> str:
-    turns = [{k: v for k, v in t.items() if k != "attempt_rows"} for t in run.journal]
+    turns = run.journal
     return (
         f"outcome {run.outcome}, {run.steps} OpenCode requests, {run.continuations} "
         f"continuations, {len(run.retries)} OpenCode retries, errors {run.errors}, "
