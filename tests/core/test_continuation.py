@@ -353,3 +353,22 @@ def test_after_a_queued_continuation_is_given_up_the_replay_may_resume_again():
     if isinstance(action, Wait):
         action = m.next_attempt(7.6)
     assert isinstance(action, Resume)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "refused"),
+    [
+        (400, b'{"error": {"message": "x", "param": "background"}}', True),
+        (400, b'{"error": {"message": "store must be true", "param": "store"}}', True),
+        (422, b'{"error": {"message": "Background mode is not supported"}}', True),
+        (400, b"background is not supported", True),
+        (400, b'{"error": {"message": "vector store vs_1 not found", "param": "tools"}}', False),
+        (404, b'{"error": {"message": "model not found"}}', False),
+        (429, b'{"error": {"message": "background", "param": "background"}}', False),
+        (500, b'{"error": {"message": "background", "param": "background"}}', False),
+    ],
+)
+def test_what_counts_as_a_refusal_of_background_mode(status, body, refused):
+    from unbroken.core.background import refuses_background
+
+    assert refuses_background(status, body) is refused

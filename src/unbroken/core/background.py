@@ -42,16 +42,24 @@ MECHANISM = "responses_background"
 
 #: lifecycle events that say the response waits or runs, and nothing more
 _WAITING = frozenset({"response.queued", "response.in_progress"})
-#: a 4xx whose body names one of these refuses background mode
-_REFUSAL_WORDS = (b"background", b"store")
+#: a 4xx whose error names one of these as its ``param`` refuses background mode
+_REFUSAL_PARAMS = frozenset({"background", "store"})
 
 
 def refuses_background(status: int, body: bytes) -> bool:
-    """Whether a final answer to a background request refuses background mode."""
+    """Whether a final answer to a background request refuses background mode: a 4xx
+    whose error names ``background`` or ``store`` as its ``param``, or whose message
+    speaks of background mode (a bare "store" in a message is too common a word)."""
     if not 400 <= status < 500 or status in (408, 429):
         return False
-    low = body[:65536].lower()
-    return any(w in low for w in _REFUSAL_WORDS)
+    obj = loads_object(body[:65536].decode("utf-8", "replace"))
+    err: Any = obj.get("error") if obj is not None else None
+    if isinstance(err, dict):
+        if err.get("param") in _REFUSAL_PARAMS:
+            return True
+        message = err.get("message")
+        return isinstance(message, str) and "background" in message.lower()
+    return b"background" in body[:65536].lower()
 
 
 def _payload(raw: bytes) -> dict[str, Any] | None:
