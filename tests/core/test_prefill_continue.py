@@ -39,7 +39,7 @@ def frame(name: str, payload: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode()
 
 
-def stream(pieces: list[str], input_tokens: int) -> list[bytes]:
+def stream(pieces: list[str], input_tokens: int, tool: bool = False) -> list[bytes]:
     usage = {"input_tokens": input_tokens, "output_tokens": 1}
     out = [frame("message_start", {"type": "message_start", "message": {"usage": usage}})]
     block = {"type": "text", "text": ""}
@@ -58,6 +58,19 @@ def stream(pieces: list[str], input_tokens: int) -> list[bytes]:
             )
         )
     out.append(frame("content_block_stop", {"type": "content_block_stop", "index": 0}))
+    if tool:
+        call = {"type": "tool_use", "id": "t1", "name": "bash", "input": {}}
+        start = {"type": "content_block_start", "index": 1, "content_block": call}
+        out.append(frame("content_block_start", start))
+        for part in ('{"comm', 'and": "ls', '"}'):
+            delta = {"type": "input_json_delta", "partial_json": part}
+            out.append(
+                frame(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": 1, "delta": delta},
+                )
+            )
+        out.append(frame("content_block_stop", {"type": "content_block_stop", "index": 1}))
     end = {
         "type": "message_delta",
         "delta": {"stop_reason": "end_turn"},
@@ -82,18 +95,37 @@ def chunks_of(data: bytes, rng: random.Random) -> list[bytes]:
     return out
 
 
-def client_text(raw: bytes) -> str:
-    names, text = [], []
+def client_text(raw: bytes, tool: bool = False) -> str:
+    """The client's text; its framing checked: one start, delta and stop, blocks in
+    order, every delta in its open block, the tool call (if any) once and whole."""
+    names, text, args, starts = [], [], [], []
+    open_block: tuple[int, str] | None = None
     for e in SSESplitter().feed(raw):
         if e.data is None:
             continue
         names.append(e.name)
         obj = json.loads(e.data)
-        if e.name == "content_block_delta":
-            assert obj["index"] == 0
-            text.append(obj["delta"]["text"])
+        if e.name == "content_block_start":
+            assert open_block is None and obj["index"] == len(starts)
+            open_block = (obj["index"], obj["content_block"]["type"])
+            starts.append(open_block[1])
+        elif e.name == "content_block_delta":
+            assert open_block is not None and obj["index"] == open_block[0]
+            if obj["delta"]["type"] == "text_delta":
+                assert open_block[1] == "text"
+                text.append(obj["delta"]["text"])
+            else:
+                assert open_block[1] == "tool_use"
+                args.append(obj["delta"]["partial_json"])
+        elif e.name == "content_block_stop":
+            assert open_block is not None and obj["index"] == open_block[0]
+            open_block = None
     assert names.count("message_start") == 1 and names.count("message_delta") == 1
     assert names[-1] == "message_stop" and names.count("message_stop") == 1
+    assert starts[0] == "text" and starts.count("tool_use") == (1 if tool else 0)
+    if tool:  # the call once, whole, last: never a partial one held at a cut
+        assert starts[-1] == "tool_use"
+        assert json.loads("".join(args)) == {"command": "ls"}
     return "".join(text)
 
 
@@ -103,9 +135,10 @@ def client_text(raw: bytes) -> str:
     split=st.lists(st.integers(0, 80), max_size=12),
     cuts=st.lists(st.integers(4, 60), min_size=1, max_size=4),
     seed=st.integers(0, 1000),
+    tool=st.booleans(),
 )
 def test_cuts_through_the_machine_give_the_uncut_text(
-    text: str, split: list[int], cuts: list[int], seed: int
+    text: str, split: list[int], cuts: list[int], seed: int, tool: bool
 ) -> None:
     set_testing(True)
     try:
@@ -130,13 +163,13 @@ def test_cuts_through_the_machine_give_the_uncut_text(
         )
         m.continuation = strategy
         client: list[bytes] = []
-        frames = stream(pieces_of(text, split), 100)
+        frames = stream(pieces_of(text, split), 100, tool)
         action = m.start(0.0)
         assert isinstance(action, Open)
         plan_for: list[int | None] = [*cuts, None]
         for n, cut in enumerate(plan_for):
             assert m.answered(0.0, 200, sse=True) == Stream()
-            take = frames if cut is None else frames[: min(cut, len(frames) - 2)]
+            take = frames if cut is None else frames[: min(cut, len(frames) - 3)]
             for chunk in chunks_of(b"".join(take), rng):
                 out = m.feed_verbatim(0.0, chunk)
                 client.append(chunk if out is None else out)
@@ -157,7 +190,8 @@ def test_cuts_through_the_machine_give_the_uncut_text(
             prefill = json.loads(action.body)["messages"][-1]
             start = prefill["content"] if prefill["role"] == "assistant" else ""
             assert text.startswith(start)
-            frames = stream(pieces_of(text[len(start) :], split[n:] or [3]), 100 + len(start))
-        assert client_text(b"".join(client)) == text
+            rest = text[len(start) :]
+            frames = stream(pieces_of(rest, split[n:] or [3]), 100 + len(start), tool)
+        assert client_text(b"".join(client), tool) == text
     finally:
         set_testing(False)

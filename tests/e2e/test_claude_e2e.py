@@ -404,3 +404,33 @@ async def test_five_cuts_after_text_are_continued_and_the_tool_runs_once(tmp_pat
         f"\nclaude, five cuts after text, continued: exit 0, {continued_s:.1f} s, 7 requests; "
         f"with thinking on, a cut is refused and ends with the reset ({r.seconds:.1f} s)"
     )
+
+
+async def test_cuts_in_the_text_before_a_tool_call_run_the_tool_once(tmp_path, mock):
+    """The answer is text, then a ``Bash`` call (as Claude Code's model often answers);
+    the text is cut three times: each continuation brings the rest of the text and then
+    the call, which reaches Claude Code as block 1, whole.  It runs once; no error."""
+    env, cfg = _setup(
+        tmp_path, mock, {"after_commit": "continue"}, CLAUDE_CODE_DISABLE_THINKING="1"
+    )
+    lead = {**_bash("echo ran >> marker.txt"), "reply": "text_tool", "deltas": 12}
+    lead["text"] = "Let me run the command that writes the marker file, then check it."
+    cut = {**lead, "fault": "reset", "after_deltas": 2}
+    mock.script([*[cut] * 3, lead, {"text": TEXT}])
+    r = await run(through_unbroken(cfg, claude_argv("run the tool")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
+    result = claude_result(r)
+    assert result.get("result") == TEXT and not result.get("is_error"), r.stdout[-3000:]
+    assert lead["text"] in _texts(r)
+    assert not [e for e in r.events() if e.get("subtype") == "api_retry"]
+    assert len(mock.requests) == 5  # the answer, three continuations, after the tool
+    tool_results = [
+        b
+        for req in mock.requests
+        for m in req.json()["messages"]
+        if isinstance(m.get("content"), list)
+        for b in m["content"]
+        if b.get("type") == "tool_result"
+    ]
+    assert len(tool_results) == 1

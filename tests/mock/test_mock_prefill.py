@@ -32,7 +32,8 @@ def texts(protocol: str, data: bytes) -> list[str]:
         if not isinstance(obj, dict):
             continue
         if protocol == "anthropic" and obj.get("type") == "content_block_delta":
-            out.append(obj["delta"]["text"])
+            if obj["delta"]["type"] == "text_delta":
+                out.append(obj["delta"]["text"])
         if protocol == "chat":
             for choice in obj.get("choices") or []:
                 if choice["delta"].get("content"):
@@ -105,3 +106,22 @@ def test_after_deltas_needs_a_frame_fault_and_not_after_frame() -> None:
         parse_action({"after_deltas": 3})
     with pytest.raises(ActionError, match="after_deltas"):
         parse_action({"fault": "reset", "after_frame": 1, "after_deltas": 3})
+
+
+@pytest.mark.parametrize("protocol", ["anthropic", "chat"])
+async def test_text_tool_is_the_text_then_one_call_and_a_prefix_continues_it(
+    mock: MockProvider, session: aiohttp.ClientSession, protocol: str
+) -> None:
+    shape = {"reply": "text_tool", "text": TEXT, "deltas": 6, "tool_name": "Bash"}
+    mock.set_default(shape)
+    user = {"role": "user", "content": "q"}
+    full, _ = await ask(session, mock, protocol, [user])
+    assert "".join(texts(protocol, full)) == TEXT
+    assert b'"Bash"' in full and full.find(b"Kenobi") < full.find(b'"Bash"')
+    assert (b'"stop_reason":"tool_use"' if protocol == "anthropic" else b'"tool_calls"') in full
+    prefix: dict[str, Any] = {"role": "assistant", "content": "Hello there,"}
+    if protocol == "chat":
+        prefix["prefix"] = True
+    cont, _ = await ask(session, mock, protocol, [user, prefix])
+    assert texts(protocol, cont) == [" g", "ener", "al Ke", "nobi."]
+    assert b'"Bash"' in cont

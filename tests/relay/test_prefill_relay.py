@@ -338,3 +338,52 @@ async def test_chat_without_a_prefix_mode_ends_as_today(mock, relay):
     assert b'"server_error"' in got and b"[DONE]" not in got
     assert len(mock.requests) == 1
     await asyncio.wait_for(rec.wait_turns(1), 10)
+
+
+async def test_a_cut_in_a_held_tool_call_after_text_is_continued_from_the_text(mock, relay):
+    """Text, then a tool call whose arguments are cut midway: the call was held (never
+    released), so the client has the text only.  The continuation starts from that text;
+    the partial call the ledger held is dropped, never released beside the new one."""
+    server, rec = relay
+    shape = {"reply": "text_tool", "text": TEXT, "deltas": 6, "tool_name": "bash"}
+    frames = frames_for("anthropic", shape, BODY)
+    tool_start = next(i for i, f in enumerate(frames) if b'"tool_use"' in f)
+    mock.script([{**shape, "fault": "reset", "after_frame": tool_start + 3}, shape])
+    got = await _post(f"{server.url}/mock/{MESSAGES}", BODY)
+    assert _anthropic_text(got) == TEXT
+    starts = [o for n, o in _frames(got) if n == "content_block_start"]
+    assert [(s["index"], s["content_block"]["type"]) for s in starts] == [
+        (0, "text"),
+        (1, "tool_use"),
+    ]
+    args = "".join(
+        o["delta"]["partial_json"]
+        for n, o in _frames(got)
+        if n == "content_block_delta" and o["delta"]["type"] == "input_json_delta"
+    )
+    assert json.loads(args) == {"command": "echo hello"}
+    assert mock.requests[1].json()["messages"][-1] == {"role": "assistant", "content": TEXT}
+    turn = (await rec.wait_turns(1))[0]
+    assert turn.outcome == "resumed"
+
+
+async def test_chat_a_cut_in_a_held_tool_call_after_text_is_continued_from_the_text(mock):
+    server, _ = await _relay(mock, chat_prefix="prefix")
+    try:
+        shape = {"reply": "text_tool", "text": TEXT, "deltas": 6, "tool_name": "bash"}
+        frames = frames_for("chat", shape, CHAT_BODY)
+        first_call = next(i for i, f in enumerate(frames) if b'"tool_calls"' in f)
+        mock.script([{**shape, "fault": "reset", "after_frame": first_call + 2}, shape])
+        got = await _post(f"{server.url}/mock/{CHAT}", CHAT_BODY)
+        text, calls, args = "", [], ""
+        for _, obj in _frames(got):
+            for choice in obj.get("choices") or []:
+                text += choice["delta"].get("content") or ""
+                for call in choice["delta"].get("tool_calls") or []:
+                    if call.get("id"):
+                        calls.append(call["id"])
+                    args += call["function"].get("arguments") or ""
+        assert text == TEXT
+        assert len(calls) == 1 and json.loads(args) == {"command": "echo hello"}
+    finally:
+        await server.stop()

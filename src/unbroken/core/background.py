@@ -180,6 +180,10 @@ class BackgroundResume:
     def released(self, data: bytes) -> None:
         """Not asked for (``wants_released`` is False)."""
 
+    def rewind(self) -> None:
+        """The resume goes on exactly where the stream was cut: nothing to rewind."""
+        return None
+
     # -- fresh attempts --------------------------------------------------------------
     def body_patch(self, upstream: int) -> tuple[tuple[str, object], ...]:
         self.last_seq = None

@@ -147,6 +147,11 @@ class Strategy(TypingProtocol):
     def released(self, data: bytes) -> None:
         """Bytes the turn released to the client, in order (only if ``wants_released``)."""
 
+    def rewind(self) -> Sequence[Event] | None:
+        """The continuation `plan` just returned restarts from what the client has (a
+        prefill): the frames released so far, which the ledger reads back (dropping
+        what it held); None: the stream goes on exactly where it was cut."""
+
     def refused(self, upstream: int, status: int, body: bytes) -> bool:
         """A final 4xx answer to a rewritten request: whether it refuses the mechanism
         (then remembered; the turn retries with the client's request)."""

@@ -235,6 +235,21 @@ class Ledger:
             raise LedgerError(f"cannot resume an attempt after a {self.verdict.value} verdict")
         self.stats = stats if stats is not None else AttemptStats()
 
+    def rewind(self, released: Sequence[Event]) -> None:
+        """A continuation restarts from what the client has (a prefill), not from
+        what was received: what is held (a tool call cut mid-arguments) is dropped,
+        never to be released, and a fresh classifier reads the ``released`` frames
+        back, so it knows the stream as the client does.  Only while COMMITTED."""
+        if self.state is not State.COMMITTED or self.verdict is not Verdict.CONTINUE:
+            raise LedgerError(f"cannot rewind an attempt in state {self.state.value}")
+        self._drop_held()
+        classifier = self.protocol.new_classifier()
+        open_tools = 0
+        for event in released:
+            _, open_tools = classifier.classify(event)
+        self._classifier = classifier
+        self.open_tools = open_tools
+
     @property
     def classifier(self) -> Classifier:
         """The protocol classifier of the current stream (read only: what it learned)."""

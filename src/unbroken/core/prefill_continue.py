@@ -32,7 +32,7 @@ from unbroken.core.protocols import chat_prefix as chat
 from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.protocols.prefill import MAX_COMMITTED_BYTES, JoinError
 from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
-from unbroken.core.sse import Event
+from unbroken.core.sse import Event, SSESplitter
 
 __all__ = ["ANTHROPIC_PREFILL", "PrefillContinue", "PrefillSplicer", "prefill_applies"]
 
@@ -187,6 +187,11 @@ class PrefillContinue:
             drop_headers=("content-encoding", "content-length"),
             timeout_s=timeout_s,
         )
+
+    def rewind(self) -> list[Event]:
+        """The client's frames so far: the continuation restarts from them (a tool call
+        the ledger held when the cut came is dropped; the client never had it)."""
+        return SSESplitter(MAX_COMMITTED_BYTES + 1).feed(b"".join(self._released))
 
     def splicer(self) -> PrefillSplicer:
         plan = self._plan

@@ -1123,6 +1123,9 @@ class TurnMachine:
         if 200 <= status < 300 and sse:
             self.retry.record_answer(now)
             ledger.resume_attempt(self.stats)
+            released = strategy.rewind()
+            if released is not None:
+                ledger.rewind(released)
             self.attempt_ledger = ledger
             self._splice = strategy.splicer()
             self._splitter = SSESplitter(self.timers.max_event_bytes)

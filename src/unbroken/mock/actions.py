@@ -35,7 +35,9 @@ DEFAULT_DELTAS: Final = 8
 DEFAULT_STALL_SECONDS: Final = 3600.0
 MAX_DELTAS: Final = 1_000_000
 
-REPLIES: Final = ("text", "tool", "tools")
+#: ``text_tool``: the text, then one tool call (Anthropic Messages and Chat Completions;
+#: the other protocols send the call alone)
+REPLIES: Final = ("text", "tool", "tools", "text_tool")
 FAULTS: Final = (
     "close_before_headers",
     "reset_after_headers",

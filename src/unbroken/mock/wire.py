@@ -286,7 +286,7 @@ class Reply:
 
     @cached_property
     def pieces(self) -> tuple[str, ...]:
-        if self.action.reply != "text":
+        if self.action.reply not in ("text", "text_tool"):
             return ()
         pieces = tuple(split_exact(self.action.text, self.action.deltas))
         prefix = prefill_of(self.protocol, self.request)
@@ -299,7 +299,7 @@ class Reply:
     @cached_property
     def calls(self) -> tuple[ToolCall, ...]:
         action = self.action
-        n = {"tool": 1, "tools": 2}.get(action.reply, 0)
+        n = {"tool": 1, "tools": 2, "text_tool": 1}.get(action.reply, 0)
         default_name = _first_tool_name(self.request) or DEFAULT_TOOL
         calls: list[ToolCall] = []
         for i in range(n):
@@ -466,6 +466,8 @@ def _chat_items(r: Reply) -> list[_Item]:
         return payload
 
     items: list[_Item] = [(None, chunk({"role": "assistant", "content": ""}))]
+    if r.pieces and r.calls:  # text_tool: the text, then the call
+        items.append(_Run(None, chunk({"content": _VAL}), r.pieces))
     if r.calls:
         for call in r.calls:
             first = {
@@ -494,7 +496,7 @@ def _chat_items(r: Reply) -> list[_Item]:
 def _chat_body(r: Reply) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
-        "content": None if r.calls else r.text,
+        "content": None if r.calls and not r.pieces else r.text,
         "refusal": None,
         "annotations": [],
     }
@@ -717,16 +719,14 @@ def _anthropic_items(r: Reply) -> list[_Item]:
     }
     items: list[_Item] = [("message_start", {"type": "message_start", "message": message})]
     blocks: list[tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]] = []
-    if r.calls:
-        for call in r.calls:
-            block = {"type": "tool_use", "id": call.call_id, "name": call.name, "input": {}}
-            blocks.append((block, {"type": "input_json_delta", "partial_json": _VAL}, call.pieces))
-        stop_reason = "tool_use"
-    else:
+    if r.pieces or not r.calls:  # text (text_tool: the text, then the call)
         blocks.append(
             ({"type": "text", "text": ""}, {"type": "text_delta", "text": _VAL}, r.pieces)
         )
-        stop_reason = "end_turn"
+    for call in r.calls:
+        block = {"type": "tool_use", "id": call.call_id, "name": call.name, "input": {}}
+        blocks.append((block, {"type": "input_json_delta", "partial_json": _VAL}, call.pieces))
+    stop_reason = "tool_use" if r.calls else "end_turn"
     for index, (block, delta, values) in enumerate(blocks):
         items.append(
             (
@@ -759,14 +759,13 @@ def _anthropic_items(r: Reply) -> list[_Item]:
 
 
 def _anthropic_body(r: Reply) -> dict[str, Any]:
-    content: list[dict[str, Any]]
-    if r.calls:
-        content = [
-            {"type": "tool_use", "id": c.call_id, "name": c.name, "input": json.loads(c.arguments)}
-            for c in r.calls
-        ]
-    else:
-        content = [{"type": "text", "text": r.text}]
+    content: list[dict[str, Any]] = []
+    if r.pieces or not r.calls:
+        content.append({"type": "text", "text": r.text})
+    content += [
+        {"type": "tool_use", "id": c.call_id, "name": c.name, "input": json.loads(c.arguments)}
+        for c in r.calls
+    ]
     return {
         "id": r.message_id,
         "type": "message",
