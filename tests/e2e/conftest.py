@@ -56,6 +56,7 @@ START_AFTER_S: dict[str, float] = {
     # after drop_after_output's measuring window (its hot-loop rate needs the CPU)
     "after_commit_openai": 75.0,
     "after_commit_anthropic": 85.0,
+    "after_commit_tool": 95.0,
 }
 
 

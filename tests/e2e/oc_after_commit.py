@@ -57,6 +57,12 @@ ROUTE_TOML = (
 )
 
 
+#: The text-then-tool case (Anthropic): the text before the call, and the last answer.
+LEAD_TEXT = "Let me run the command that writes the marker file, then check it."
+TOOL_DONE = "The marker file has its line."
+TOOL_CUTS = 5
+
+
 def reply() -> dict[str, Any]:
     return {"text": LONG_TEXT, "deltas": DELTAS}
 
@@ -95,6 +101,7 @@ class AfterCommitRun:
     cancels: int  # background responses the relay cancelled
     resume_cursors: list[int]  # ``starting_after`` of each Responses resume, in order
     elapsed: float  # from the prompt to the end of the turn
+    marker_lines: list[str] = field(default_factory=list)  # the project's marker.txt
     log: str = ""
     requests: list[str] = field(default_factory=list)  # method, path, query per request
 
@@ -127,6 +134,32 @@ async def _stats(box: Sandbox) -> dict[str, Any]:
     return data
 
 
+def marker_path(box: Sandbox) -> Path:
+    """The file the scripted ``bash`` call appends to."""
+    return box.project / "marker.txt"
+
+
+def marker_lines(box: Sandbox) -> list[str]:
+    path = marker_path(box)
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def text_then_bash(cuts: int = TOOL_CUTS) -> list[dict[str, Any]]:
+    """OpenCode's first step answers with text, then a ``bash`` call that appends a line
+    to the project's marker.txt; the text is cut ``cuts`` times (each continuation
+    brings the rest of the text, then the call).  The step after the tool result
+    answers ``TOOL_DONE``."""
+    lead = {
+        "reply": "text_tool",
+        "text": LEAD_TEXT,
+        "deltas": 12,
+        "tool_name": "bash",
+        "tool_args": {"command": "echo ran >> marker.txt", "description": "Append a line"},
+    }
+    cut = {**lead, "fault": "reset", "after_deltas": 2}
+    return [*(dict(cut) for _ in range(cuts)), lead, {"text": TOOL_DONE}]
+
+
 def _text(messages: list[dict[str, Any]]) -> str:
     """The text of the session's assistant messages, in order."""
     out = []
@@ -145,6 +178,7 @@ async def after_commit_session(
     config: str | None = CONTINUE_TOML,
     limit_s: float = 120.0,
     script: list[dict[str, Any]] | None = None,
+    prompt: str = "say hi",
 ) -> AfterCommitRun:
     """One prompt through ``unbroken run --config FILE -- opencode serve`` while the mock
     cuts the stream ``CUTS`` times after output (``config=None``: no unbroken config,
@@ -186,7 +220,7 @@ async def after_commit_session(
                 await client.subscribe()
                 sid = await client.create_session()
                 prompted = time.monotonic()
-                await client.prompt_async(sid, "say hi", model=model)
+                await client.prompt_async(sid, prompt, model=model)
 
                 def ended() -> str | None:
                     for e in client.events.of("message.updated", sid):
@@ -240,6 +274,7 @@ async def after_commit_session(
             int(r.query.get("starting_after", "-1")) for r in mock.requests if r.method == "GET"
         ],
         elapsed=elapsed,
+        marker_lines=marker_lines(box),
         log=log,
         requests=[f"{r.method} {r.path} {dict(r.query)}" for r in mock.requests],
     )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oc_after_commit import ROUTE_TOML, AfterCommitRun, after_commit_session
+from oc_after_commit import ROUTE_TOML, AfterCommitRun, after_commit_session, text_then_bash
 from oc_harness import (
     Background,
     Finished,
@@ -326,6 +326,18 @@ async def after_commit_anthropic() -> AfterCommitRun:
     )
 
 
+async def after_commit_tool() -> AfterCommitRun:
+    """Issue 23: OpenCode's ``anthropic`` provider answers text then a ``bash`` call; the
+    text is cut 5 times and continued by prefill; the call arrives whole, once."""
+    return await after_commit_session(
+        "anthropic",
+        tag="after-commit-tool",
+        box_for=_box,
+        script=text_then_bash(),
+        prompt="append a line to marker.txt",
+    )
+
+
 SCENARIOS: dict[str, Callable[[], Awaitable[Any]]] = {
     "seed": seed,
     "storm": storm,
@@ -335,4 +347,5 @@ SCENARIOS: dict[str, Callable[[], Awaitable[Any]]] = {
     "setup_undo": setup_undo,
     "after_commit_openai": after_commit_openai,
     "after_commit_anthropic": after_commit_anthropic,
+    "after_commit_tool": after_commit_tool,
 }

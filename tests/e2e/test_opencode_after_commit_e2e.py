@@ -21,7 +21,7 @@ import itertools
 from typing import Any
 
 import pytest
-from oc_after_commit import CUTS, LONG_TEXT, AfterCommitRun
+from oc_after_commit import CUTS, LEAD_TEXT, LONG_TEXT, TOOL_CUTS, TOOL_DONE, AfterCommitRun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cli("opencode"), pytest.mark.timeout(420)]
 
@@ -115,3 +115,40 @@ def test_opencode_anthropic_twenty_cuts_after_text_finish_without_a_retry(
         prefills.append(prefill)
     assert len(prefills) == CUTS
     assert all(len(a) < len(b) for a, b in itertools.pairwise(prefills)), prefills
+
+
+@pytest.mark.scenario("after_commit_tool")
+def test_opencode_anthropic_text_cut_before_a_bash_call_runs_it_once(
+    scenarios: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The step answers text, then a ``bash`` call; the text is cut 5 times.  Each
+    continuation brings the rest of the text, then the call, whole: OpenCode runs it
+    once, sees no error, and its next step (with the tool's result) finishes the turn."""
+    run: AfterCommitRun = scenarios.result("after_commit_tool", timeout=360)
+    report(
+        capsys,
+        f"{TOOL_CUTS} cuts in the text before a bash call (anthropic, continue): session "
+        f"{run.outcome} in {run.elapsed:.1f} s; bash ran {len(run.marker_lines)} time(s); "
+        f"{run.steps} OpenCode requests, {run.continuations} continuations, "
+        f"{run.stream_errors} errors seen by OpenCode",
+    )
+    assert run.outcome == "completed", _facts(run)
+    assert run.marker_lines == ["ran"], _facts(run)
+    assert run.text == LEAD_TEXT + TOOL_DONE, _facts(run)
+    assert (run.errors, run.retries, run.stream_errors, run.resumes) == ([], [], 0, 0), _facts(run)
+    # Two steps (the answer with the call, then the one after the tool's result), each
+    # sent once by OpenCode; the first finished by 5 continuations.
+    assert run.steps == 2 and run.continuations == TOOL_CUTS, _facts(run)
+    assert [(t["outcome"], t["splices"]) for t in run.journal] == [
+        ("resumed", TOOL_CUTS),
+        ("ok", 0),
+    ], _facts(run)
+    results = [
+        b
+        for body in run.sent
+        for m in body["messages"]
+        if isinstance(m.get("content"), list)
+        for b in m["content"]
+        if b.get("type") == "tool_result"
+    ]
+    assert len(results) == 1, _facts(run)  # one tool result, in the last request
