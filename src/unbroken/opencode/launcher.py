@@ -417,10 +417,9 @@ def relay_config(base: Config, providers: Sequence[Provider]) -> tuple[Config, d
         existing = routes.get(name)
         if existing is not None and not existing.builtin:
             log.info(
-                "opencode: provider %s goes to %s through your route %r for this run "
-                "(its upstreams replaced, its settings kept)",
+                "opencode: provider %s goes through your route %r for this run "
+                "(its upstreams replaced by the provider's URL, its settings kept)",
                 p.id,
-                p.url,
                 name,
             )
         routes[name] = with_upstream(existing, name, p.url)
