@@ -61,6 +61,7 @@ def _check(run: AfterCommitRun) -> None:
     assert turn["attempts"] == CUTS + 1, _facts(run)
     continued = run.stats.get("continued") or {}
     assert (continued.get("turns"), continued.get("splices")) == (1, CUTS), run.stats
+    assert run.stats.get("recovery_rate") == 1.0, run.stats  # the cut turn was recovered
 
 
 def _say(run: AfterCommitRun, capsys: pytest.CaptureFixture[str], what: str) -> None:
