@@ -22,6 +22,10 @@ from unbroken.core.sse import SSESplitter
 from unbroken.core.turn import End, EndKind, Open, Stream, TurnMachine, set_testing
 
 RESET = Failure(FailureClass.RESET, "reset")
+OVERLOADED = (
+    b'event: error\ndata: {"type": "error", "error": {"type": "overloaded_error", '
+    b'"message": "Overloaded"}}\n\n'
+)
 REQUEST: dict[str, Any] = {
     "model": "m",
     "stream": True,
@@ -136,10 +140,13 @@ def client_text(raw: bytes, tool: bool = False) -> str:
     cuts=st.lists(st.integers(4, 60), min_size=1, max_size=4),
     seed=st.integers(0, 1000),
     tool=st.booleans(),
+    by_error=st.lists(st.booleans(), min_size=4, max_size=4),
 )
 def test_cuts_through_the_machine_give_the_uncut_text(
-    text: str, split: list[int], cuts: list[int], seed: int, tool: bool
+    text: str, split: list[int], cuts: list[int], seed: int, tool: bool, by_error: list[bool]
 ) -> None:
+    """A cut is a reset, or Anthropic's own ``overloaded_error`` event (a cut too, for a
+    prefill continuation)."""
     set_testing(True)
     try:
         rng = random.Random(seed)
@@ -170,16 +177,23 @@ def test_cuts_through_the_machine_give_the_uncut_text(
         for n, cut in enumerate(plan_for):
             assert m.answered(0.0, 200, sse=True) == Stream()
             take = frames if cut is None else frames[: min(cut, len(frames) - 3)]
+            error = cut is not None and by_error[n]
+            if error:
+                take = [*take, OVERLOADED]
+            over = None
             for chunk in chunks_of(b"".join(take), rng):
                 out = m.feed_verbatim(0.0, chunk)
                 client.append(chunk if out is None else out)
-                assert m.attempt_over is None
+                over = m.attempt_over
+                if over is not None:
+                    break
+            assert (over is not None) == error
             if cut is None:
                 end = m.body_ended(0.0)
                 assert isinstance(end, End) and end.kind is EndKind.CLEAN
                 client.append(end.data)
                 break
-            action = m.transport_failed(0.0, RESET)
+            action = over if over is not None else m.transport_failed(0.0, RESET)
             if not isinstance(action, Resume):
                 # Nothing was released yet (a cut before the first delta): a replay.
                 assert b"".join(client) == b""

@@ -387,3 +387,37 @@ async def test_chat_a_cut_in_a_held_tool_call_after_text_is_continued_from_the_t
         assert len(calls) == 1 and json.loads(args) == {"command": "echo hello"}
     finally:
         await server.stop()
+
+
+async def test_an_overloaded_error_event_after_text_is_continued(mock, relay):
+    """Anthropic's own ``overloaded_error`` event mid-stream, after text: a cut like a
+    reset for the prefill continuation (the next request is a new message): the client
+    sees no error and the exact text."""
+    server, rec = relay
+    shape = {"text": TEXT, "deltas": 12}
+    overloaded = {"fault": "error_event", "error": "overloaded", "after_deltas": 4}
+    mock.script([{**shape, **overloaded}, {**shape, **overloaded, "after_deltas": 2}, shape])
+    got = await _post(f"{server.url}/mock/{MESSAGES}", BODY)
+    assert _anthropic_text(got) == TEXT
+    assert len(mock.requests) == 3
+    turn = (await rec.wait_turns(1))[0]
+    assert turn.outcome == "resumed" and turn.splices == 2
+
+
+async def test_an_overloaded_error_event_refused_ends_as_before(mock):
+    """The same error event with the default setting, and with the setting on a turn a
+    refusal applies to (thinking on): the client gets the same bytes."""
+    shape = {"text": TEXT, "deltas": 12}
+    overloaded = {**shape, "fault": "error_event", "error": "overloaded", "after_deltas": 4}
+    body = {**BODY, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    got = []
+    for stream in (STREAM, {**STREAM, "after_commit": "continue"}):
+        server, _ = await start_relay(make_config([{"url": mock.url}], stream=stream))
+        try:
+            mock.script([overloaded])
+            got.append(await _post(f"{server.url}/mock/{MESSAGES}", body))
+        finally:
+            await server.stop()
+    assert got[0] == got[1]
+    _ends_with_native_error(got[0])
+    assert len(mock.requests) == 2  # one each: no continuation request

@@ -139,6 +139,8 @@ class BackgroundResume:
     name = MECHANISM
     #: the resume needs no read-back of what was released
     wants_released = False
+    #: a provider's error event failed the response: nothing to resume
+    continues_errors = False
 
     __slots__ = (
         "_cancelled",

@@ -143,6 +143,10 @@ class Strategy(TypingProtocol):
     #: the strategy reads back what the turn released (`released`): a prefill
     #: continuation builds its request from what the client has
     wants_released: bool
+    #: a provider's retryable error event after commit (``overloaded_error``) is a cut
+    #: it may continue: a prefill continuation is a new request for the rest; a resume
+    #: of the same response (background mode) would only replay the failure
+    continues_errors: bool
 
     def released(self, data: bytes) -> None:
         """Bytes the turn released to the client, in order (only if ``wants_released``)."""

@@ -92,6 +92,9 @@ class PrefillContinue:
 
     #: the continuation is built from what the client has
     wants_released = True
+    #: a provider's retryable error event after output (``overloaded_error``) is a cut
+    #: like a reset: the continuation is a new request for the rest
+    continues_errors = True
 
     def __init__(
         self,

@@ -87,11 +87,15 @@ Deadlines (`deadline()` says when `tick()` is next due):
 
 Continuation after commit (``[stream] after_commit = "continue"``, `core.continuation`):
 where a cut would end the turn (a reset, a stall, a body ended without its terminal;
-never a provider's error event or a malformed frame), the machine asks the turn's
+never a malformed frame, and a provider's retryable error event only for a strategy
+that ``continues_errors``: the ledger's ``Verdict.CUT``), the machine asks the turn's
 `Strategy`.  A `Resume` is paced like any retry (`RetryState.next_resume`: the same
 upstream, its pacer's go) and its frames pass the strategy's splicer (the join
-check) before the same ledger (`Ledger.resume_attempt`: classifier and held frames
-kept), so the client sees one stream.  A `Refusal` (typed), or a join that breaks,
+check; it may absorb a frame or make several of one) before the same ledger
+(`Ledger.resume_attempt`: classifier and held frames kept; a strategy that restarts
+from what the client has, a prefill, has the ledger `rewind` to the released frames
+instead), so the client sees one stream.  A strategy that ``wants_released`` is
+told every byte released (`Strategy.released`).  A `Refusal` (typed), or a join that breaks,
 ends the turn exactly as without a strategy (before commit: a replay).  At most
 ``max_splices`` continuations a turn; a continuation with no progress within
 ``queued_s`` is given up.  Responses nobody will read are named in ``cancels``.
@@ -679,6 +683,11 @@ class TurnMachine:
                 ledger.stats = self.stats or AttemptStats()
             else:
                 ledger.start_attempt(self.stats)
+            strategy = self.continuation
+            # (HTTP only: a socket's frames are fed one by one, with no such check)
+            ledger.errors_cut = (
+                strategy is not None and strategy.continues_errors and not self.socket
+            )
             self.attempt_ledger = ledger
             self._splitter = SSESplitter(self.timers.max_event_bytes)
             self._reading(now, _Step.STREAM)
@@ -847,10 +856,23 @@ class TurnMachine:
             self._released()
             if self.continuation is not None:
                 self._record_events(out)
+        if ledger.verdict is Verdict.CUT:  # after the frames before it were recorded
+            out.extend(self._cut_by_error(now, ledger))
         verdict = ledger.verdict
         if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
             self._decide(now)
         return out
+
+    def _cut_by_error(self, now: float, ledger: Ledger) -> Sequence[Event]:
+        """A provider's retryable error event after commit, with a strategy that may
+        continue it (`Strategy.continues_errors`): a cut like a reset.  Continued, the
+        attempt is over (`attempt_over`); else the native error, as always."""
+        ledger.verdict = Verdict.CONTINUE  # the cut, decided here
+        action = self._continue(now, Failure(FailureClass.STREAM_ERROR, "in-stream error"))
+        if action is not None:
+            self._over = action
+            return NOTHING
+        return ledger.error_failed()
 
     def _record(self, data: bytes) -> None:
         """What was released, for a strategy that reads it back (a prefill
