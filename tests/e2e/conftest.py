@@ -57,6 +57,7 @@ START_AFTER_S: dict[str, float] = {
     "after_commit_openai": 75.0,
     "after_commit_anthropic": 85.0,
     "after_commit_tool": 95.0,
+    "after_commit_default": 105.0,
 }
 
 

@@ -84,6 +84,12 @@ def cut_script(provider: str, cuts: int = CUTS) -> list[dict[str, Any]]:
     return [first, *(dict(later) for _ in range(cuts - 1)), reply()]
 
 
+def every_request_cut(cuts: int = CUTS) -> list[dict[str, Any]]:
+    """The same cuts for the default setting, where each cut reaches OpenCode and it
+    sends the step again: each of its requests is cut after two text deltas."""
+    return [{**reply(), "fault": "reset", "after_deltas": 2, "count": cuts}, reply()]
+
+
 @dataclass
 class AfterCommitRun:
     provider: str

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oc_after_commit import ROUTE_TOML, AfterCommitRun, after_commit_session, text_then_bash
+from oc_after_commit import (
+    ROUTE_TOML,
+    AfterCommitRun,
+    after_commit_session,
+    every_request_cut,
+    text_then_bash,
+)
 from oc_harness import (
     Background,
     Finished,
@@ -318,6 +324,19 @@ async def after_commit_openai() -> AfterCommitRun:
     return await after_commit_session("openai", tag="after-commit-openai", box_for=_box)
 
 
+async def after_commit_default() -> AfterCommitRun:
+    """The contrast: the same 20 cuts with no unbroken config (``after_commit`` is
+    ``"error"``): OpenCode sees every cut and retries until its retries are spent."""
+    return await after_commit_session(
+        "openai",
+        tag="after-commit-default",
+        box_for=_box,
+        config=None,
+        script=every_request_cut(),
+        limit_s=240,
+    )
+
+
 async def after_commit_anthropic() -> AfterCommitRun:
     """Issue 23: OpenCode's built-in ``anthropic`` provider (Messages, text, no thinking),
     20 cuts after output, with ``[routes.anthropic] after_commit = "continue"``."""
@@ -348,4 +367,5 @@ SCENARIOS: dict[str, Callable[[], Awaitable[Any]]] = {
     "after_commit_openai": after_commit_openai,
     "after_commit_anthropic": after_commit_anthropic,
     "after_commit_tool": after_commit_tool,
+    "after_commit_default": after_commit_default,
 }

@@ -93,6 +93,28 @@ def test_opencode_responses_twenty_cuts_after_output_finish_without_a_retry(
     assert run.cancels == 0, _facts(run)
 
 
+@pytest.mark.scenario("after_commit_default")
+def test_without_the_setting_opencode_sees_every_cut_and_the_session_dies(
+    scenarios: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The contrast (no unbroken config): each cut after output ends with the native
+    retryable error, OpenCode retries the step 5 times, every try is cut, and the
+    session dies with the error (the auto-resumer then re-sends it)."""
+    run: AfterCommitRun = scenarios.result("after_commit_default", timeout=400)
+    report(
+        capsys,
+        f"{CUTS} cuts after output, OpenCode's openai provider, default after_commit = "
+        f"error: session {run.outcome} after {run.elapsed:.0f} s; {run.steps} OpenCode "
+        f"requests, {len(run.retries)} OpenCode retries, {run.stream_errors} errors seen by "
+        "OpenCode",
+    )
+    assert run.outcome == "dead", _facts(run)
+    assert (run.steps, run.continuations) == (6, 0), _facts(run)  # 1 try + 5 retries
+    assert run.stream_errors == 6 and len(run.retries) == 5, _facts(run)
+    assert [t["outcome"] for t in run.journal] == ["ended_with_error"] * 6, _facts(run)
+    assert run.sent[0].get("store") is False and "background" not in run.sent[0]
+
+
 @pytest.mark.scenario("after_commit_anthropic")
 def test_opencode_anthropic_twenty_cuts_after_text_finish_without_a_retry(
     scenarios: Any, capsys: pytest.CaptureFixture[str]
