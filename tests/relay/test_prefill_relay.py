@@ -9,6 +9,7 @@ before (the cut ended the turn with the native error); the refusals end as today
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -421,3 +422,51 @@ async def test_an_overloaded_error_event_refused_ends_as_before(mock):
     assert got[0] == got[1]
     _ends_with_native_error(got[0])
     assert len(mock.requests) == 2  # one each: no continuation request
+
+
+async def test_a_continuation_carries_the_routes_key_as_its_attempts_do(mock):
+    """A route with its own key for an Anthropic upstream: the continuation request
+    sends it in ``x-api-key``, as the turn's first attempt did (never a bearer token)."""
+    cfg = make_config(
+        [{"url": mock.url, "api_key_env": "PREFILL_KEY"}],
+        stream={**STREAM, "after_commit": "continue"},
+        env={"PREFILL_KEY": "sk-ant-route"},
+    )
+    server, _ = await start_relay(cfg)
+    try:
+        shape = {"text": TEXT, "deltas": 12}
+        mock.script([{**shape, "fault": "reset", "after_deltas": 3}, shape])
+        got = await _post(f"{server.url}/mock/{MESSAGES}", BODY)
+        assert _anthropic_text(got) == TEXT
+        first, cont = mock.requests
+        assert first.headers["x-api-key"] == cont.headers["x-api-key"] == "sk-ant-route"
+        assert "authorization" not in cont.headers
+    finally:
+        await server.stop()
+
+
+async def test_a_gzip_request_is_continued_with_a_plain_json_body(mock, relay):
+    """Claude Code may send its body gzip-compressed: the first request goes upstream as
+    the client sent it; the continuation is built from the decoded request and sent as
+    plain JSON, without the Content-Encoding."""
+    server, rec = relay
+    shape = {"text": TEXT, "deltas": 12}
+    mock.script([{**shape, "fault": "reset", "after_deltas": 3}, shape])
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"{server.url}/mock/{MESSAGES}",
+            data=gzip.compress(json.dumps(BODY).encode()),
+            headers=headers,
+        ) as r,
+    ):
+        assert r.status == 200
+        got = await r.read()
+    assert _anthropic_text(got) == TEXT
+    first, cont = mock.requests
+    assert first.headers.get("content-encoding") == "gzip"
+    assert "content-encoding" not in cont.headers
+    assert cont.json()["messages"][-1]["role"] == "assistant"
+    turn = (await rec.wait_turns(1))[0]
+    assert turn.outcome == "resumed"

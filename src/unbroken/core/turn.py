@@ -95,9 +95,9 @@ check; it may absorb a frame or make several of one) before the same ledger
 (`Ledger.resume_attempt`: classifier and held frames kept; a strategy that restarts
 from what the client has, a prefill, has the ledger `rewind` to the released frames
 instead), so the client sees one stream.  A strategy that ``wants_released`` is
-told every byte released (`Strategy.released`).  A `Refusal` (typed), or a join that breaks,
-ends the turn exactly as without a strategy (before commit: a replay).  At most
-``max_splices`` continuations a turn; a continuation with no progress within
+told every byte released (`Strategy.released`).  A `Refusal` (typed), or a join
+that breaks, ends the turn exactly as without a strategy (before commit: a replay).
+At most ``max_splices`` continuations a turn; a continuation with no progress within
 ``queued_s`` is given up.  Responses nobody will read are named in ``cancels``.
 
 Legality: as h11 does, the machine refuses an event its step does not accept.  That

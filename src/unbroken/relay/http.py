@@ -455,15 +455,16 @@ class _Running:
 
 
 def continuation_headers(
-    request: web.Request, up: Any, drop: Sequence[str]
+    request: web.Request, up: Any, drop: Sequence[str], *, anthropic: bool = False
 ) -> tuple[CIMultiDict[str], str]:
     """The headers (credentials as for the turn's attempts, ``drop`` removed) and the
     client's query (``api-version`` on Azure, a Gemini key stripped) for a
-    continuation's or a cancel's request."""
+    continuation's or a cancel's request (``anthropic``: a Messages turn, whose
+    injected key goes in ``x-api-key``, as for its attempts)."""
     query = raw_query(request)
     if up.api_key is not None:
         query, _ = strip_key_param(query)
-    headers = request_headers(request.headers, up, anthropic=False)
+    headers = request_headers(request.headers, up, anthropic=anthropic)
     for name in drop:
         headers.popall(name, None)
     return headers, query
@@ -1039,7 +1040,9 @@ class _HttpTurn:
         """A continuation's request: the machine's method, path and body, with the
         turn's headers (credentials as for any attempt) changed as it says."""
         up = self.route.upstreams[action.upstream]
-        headers, query = continuation_headers(self.request, up, action.drop_headers)
+        headers, query = continuation_headers(
+            self.request, up, action.drop_headers, anthropic=self.protocol.anthropic_errors
+        )
         for name, value in action.set_headers:
             headers[name] = value
         query = "&".join(q for q in (action.query, query) if q)

@@ -361,6 +361,14 @@ def test_refusals_read_from_what_was_released() -> None:
         ),
         ({"stream": True, "thinking": {"type": "disabled"}, "messages": [{"role": "user"}]}, None),
         (
+            {"stream": True, "tool_choice": {"type": "any"}, "messages": [{"role": "user"}]},
+            Refusal.FORCED_TOOL,
+        ),
+        (
+            {"stream": True, "tool_choice": {"type": "auto"}, "messages": [{"role": "user"}]},
+            None,
+        ),
+        (
             {
                 "stream": True,
                 "messages": [

@@ -150,6 +150,10 @@ def test_refusals_of_the_stream_and_the_request() -> None:
     assert request_refusal(ok, ChatPrefix.PREFIX) is None
     assert request_refusal({**ok, "stream": False}, ChatPrefix.PREFIX) is Refusal.NOT_STREAMED
     assert request_refusal({**ok, "n": 2}, ChatPrefix.PREFIX) is Refusal.CHOICES
+    assert request_refusal({**ok, "tool_choice": "required"}, ChatPrefix.PREFIX) is (
+        Refusal.FORCED_TOOL
+    )
+    assert request_refusal({**ok, "tool_choice": "auto"}, ChatPrefix.PREFIX) is None
     assert (
         request_refusal({**ok, "reasoning_effort": "high"}, ChatPrefix.PREFIX)
         is Refusal.THINKING_ENABLED

@@ -92,6 +92,10 @@ def request_refusal(request: Mapping[str, Any]) -> Refusal | None:
         # Prefill is refused with extended thinking (and anything we cannot read is
         # taken as thinking: the provider would refuse the continuation anyway).
         return Refusal.THINKING_ENABLED
+    choice = request.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+        # A forced tool call is the provider's own prefill: a text prefill cannot join it.
+        return Refusal.FORCED_TOOL
     last = messages[-1]
     if last.get("role") == "assistant" and _client_prefill(last.get("content")) is None:
         return Refusal.CLIENT_PREFILL

@@ -94,6 +94,9 @@ def request_refusal(request: Mapping[str, Any], mode: ChatPrefix) -> Refusal | N
         )
     ):
         return Refusal.THINKING_ENABLED
+    choice = request.get("tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        return Refusal.FORCED_TOOL  # a forced call: the answer is no text to continue
     last = messages[-1]
     if last.get("role") == "assistant":
         # Only the client's own prefix message of the same mode, with plain text, is

@@ -60,6 +60,7 @@ class Refusal(enum.StrEnum):
     BAD_REQUEST = "bad_request"  # the request is not a JSON object with a list of messages
     THINKING_ENABLED = "thinking_enabled"  # the request enables thinking: no prefill with it
     CLIENT_PREFILL = "client_prefill"  # the client's own last assistant message is not plain text
+    FORCED_TOOL = "forced_tool"  # the request forces a tool call (the provider prefills it)
     TOOL_CALL = "tool_call"  # a tool call was started: its arguments cannot be continued
     THINKING = "thinking"  # thinking or reasoning was released: it cannot be prefilled
     SERVER_TOOL = "server_tool"  # a server-side tool block was released
