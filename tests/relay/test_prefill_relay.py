@@ -309,11 +309,15 @@ async def test_a_model_that_refuses_prefill_ends_with_the_native_error_and_is_re
     assert turns[1].continuation == "refused_not_resumable"
 
 
-@pytest.mark.parametrize("mode", ["prefix", "partial"])
+@pytest.mark.parametrize("mode", ["prefix", "partial", "prefix_echo"])
 async def test_chat_prefix_route_continues_a_chat_turn(mock, mode):
+    """``prefix_echo``: the mock answers with the prefix first (as Mistral's does); the
+    splicer checks it and drops it."""
     server, rec = await _relay(mock, chat_prefix=mode)
     try:
-        shape = {"text": TEXT, "deltas": 10}
+        shape: dict[str, Any] = {"text": TEXT, "deltas": 10}
+        if mode == "prefix_echo":
+            shape["prefix_echo"] = True
         mock.script([{**shape, "fault": "reset", "after_deltas": 4}, shape])
         body = {**CHAT_BODY, "stream_options": {"include_usage": True}}
         got = await _post(f"{server.url}/mock/{CHAT}", body)
@@ -325,7 +329,8 @@ async def test_chat_prefix_route_continues_a_chat_turn(mock, mode):
         assert got.endswith(b"data: [DONE]\n\n") and got.count(b"[DONE]") == 1
         assert len({o["id"] for _, o in chunks}) == 1  # the client's chunk id throughout
         cont = mock.requests[1].json()["messages"][-1]
-        assert cont[mode] is True and TEXT.startswith(cont["content"])
+        flag = "prefix" if mode == "prefix_echo" else mode
+        assert cont[flag] is True and TEXT.startswith(cont["content"])
         turn = (await rec.wait_turns(1))[0]
         assert turn.outcome == "resumed"
     finally:
@@ -470,3 +475,20 @@ async def test_a_gzip_request_is_continued_with_a_plain_json_body(mock, relay):
     assert cont.json()["messages"][-1]["role"] == "assistant"
     turn = (await rec.wait_turns(1))[0]
     assert turn.outcome == "resumed"
+
+
+async def test_chat_prefix_echo_that_does_not_repeat_the_prefix_ends_with_the_native_error(
+    mock,
+):
+    """An upstream named ``prefix_echo`` whose answer does not start with the prefix: the
+    join is broken, never spliced: the turn ends with the native error."""
+    server, rec = await _relay(mock, chat_prefix="prefix_echo")
+    try:
+        shape = {"text": TEXT, "deltas": 10}
+        mock.script([{**shape, "fault": "reset", "after_deltas": 4}, shape])
+        got = await _post(f"{server.url}/mock/{CHAT}", CHAT_BODY)
+        assert b'"server_error"' in got and b"[DONE]" not in got
+        turn = (await rec.wait_turns(1))[0]
+        assert turn.outcome == "ended_with_error" and turn.continuation == "refused_join"
+    finally:
+        await server.stop()

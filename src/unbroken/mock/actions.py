@@ -94,6 +94,8 @@ ACTION_KEYS: Final = frozenset(
         # Responses background mode (`mock.background`)
         "refuse_background",
         "resume",
+        # Chat prefix continuation: the answer starts with the prefix (Mistral's)
+        "prefix_echo",
     }
 )
 #: ``resume``: how a background resume (``GET .../responses/{id}?stream=true``) is answered
@@ -136,6 +138,8 @@ class Action:
     rst: bool = False
     count: int = 1
     code: int | None = None
+    #: a Chat prefix continuation answers with the prefix first, as Mistral's does
+    prefix_echo: bool = False
     shape_key: str = ""
     #: Responses background mode: a ``background: true`` request gets a 400 naming it
     refuse_background: bool = False
@@ -310,6 +314,10 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
         kw["rst"] = get("rst")
     if "count" in data:
         kw["count"] = _int(get("count"), _where(where, "count"), lo=1, hi=1_000_000)
+    if "prefix_echo" in data:
+        if not isinstance(get("prefix_echo"), bool):
+            raise ActionError(f"{_where(where, 'prefix_echo')}: expected true or false")
+        kw["prefix_echo"] = get("prefix_echo")
     if "code" in data:
         if fault not in CODE_FAULTS:
             raise ActionError(
@@ -341,6 +349,8 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
         list(kw.get("tool_args", ())),
         kw.get("seed"),
     ]
+    if kw.get("prefix_echo"):  # it shapes the reply too (only when set: ids stay as they were)
+        shape.append("prefix_echo")
     kw["shape_key"] = json.dumps(shape, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return Action(raw=dict(data), **kw)
 

@@ -290,7 +290,12 @@ class Reply:
             return ()
         pieces = tuple(split_exact(self.action.text, self.action.deltas))
         prefix = prefill_of(self.protocol, self.request)
-        return pieces if prefix is None else continue_pieces(pieces, prefix)
+        if prefix is None:
+            return pieces
+        rest = continue_pieces(pieces, prefix)
+        if self.action.prefix_echo and self.protocol == CHAT and rest is not pieces:
+            return (prefix, *rest)  # Mistral's answer starts with the prefix
+        return rest
 
     @cached_property
     def text(self) -> str:
