@@ -83,7 +83,9 @@ Deadlines (`deadline()` says when `tick()` is next due):
   they would hide the very stall they wait through).  While the transport is
   blocked writing to a slow client the stall clock stands still, and it goes on
   from where it stood when the write completes (`wrote` moves the last byte's time
-  forward by the blocked time).
+  forward by the blocked time).  The attempt's stall watch is a sub-state,
+  `turn_table.Watch`: WATCHING, then STALLED (aborted for silence) or QUEUED (a
+  continuation with no progress); the abort's read failure is named by it.
 
 Continuation after commit (``[stream] after_commit = "continue"``, `core.continuation`):
 where a cut would end the turn (a reset, a stall, a body ended without its terminal;
