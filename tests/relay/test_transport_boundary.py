@@ -95,7 +95,7 @@ def test_the_walk_sees_each_kind_of_reach() -> None:
     sample = "\n".join(
         [
             "self.machine.last_rx = now",  # a write
-            "if machine.stalled: pass",  # a field read
+            "t = machine.last_rx",  # a field read
             "retry.current = 2",  # a write on the retry state
             "key = self.retry.keys[0]",  # a retry field read
             "done = self.machine.attempt_ledger.state",  # a ledger reached
@@ -110,7 +110,7 @@ def test_the_walk_sees_each_kind_of_reach() -> None:
     got = violations(sample)
     assert [g.split(": ", 1)[1] for g in got] == [
         "self.machine.last_rx (written)",
-        "machine.stalled (a field, read)",
+        "machine.last_rx (a field, read)",
         "retry.current (written)",
         "self.retry.keys (a field, read)",
         "self.machine.attempt_ledger (a field, read)",

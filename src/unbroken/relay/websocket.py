@@ -38,7 +38,7 @@ import json
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, assert_never
 
 import aiohttp
 from aiohttp import WSMsgType, web
@@ -51,14 +51,20 @@ from unbroken.core.protocols import RESPONSES
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn import (
+    AbortUpstream,
     Action,
     End,
     EndKind,
+    FinalInStream,
     GiveUp,
     Keepalive,
     Open,
     Outcome,
+    PassThrough,
+    ReadErrorBody,
+    SendHeaders,
     Stream,
+    TimerAction,
     TurnError,
     TurnMachine,
     Wait,
@@ -465,24 +471,24 @@ class _WsTurn:
         while True:
             if machine.cancels:
                 self._send_cancels()
-            if type(action) is Open:
-                action = await self._attempt(action)
-            elif type(action) is Resume:
-                action = await self._resume(action)
-            elif type(action) is Wait:
-                await conn.drop_upstream()
-                await self.relay.waker.wait(action)
-                action = machine.next_attempt(conn.loop.time())
-            elif type(action) is End:
-                if action.data:
-                    conn.send(ws_error_messages(action.data))
-                return
-            elif type(action) is GiveUp:
-                if action.data:
-                    conn.send(ws_error_messages(action.data))
-                return
-            else:
-                raise TurnError(f"unexpected action {action!r}")
+            match action:
+                case Open():
+                    action = await self._attempt(action)
+                case Resume():
+                    action = await self._resume(action)
+                case Wait():
+                    await conn.drop_upstream()
+                    await self.relay.waker.wait(action)
+                    action = machine.next_attempt(conn.loop.time())
+                case End() | GiveUp():
+                    if action.data:
+                        conn.send(ws_error_messages(action.data))
+                    return
+                case Stream() | PassThrough() | ReadErrorBody() | FinalInStream():
+                    # (answers to `answered`, carried out by the attempt)
+                    raise TurnError(f"unexpected action {action!r}")
+                case _:
+                    assert_never(action)
 
     async def _attempt(self, action: Open) -> Action:
         conn = self.conn
@@ -520,19 +526,23 @@ class _WsTurn:
             conn.cfg.websocket_fallback_cooldown_s,
         )
 
-    def _on_timer(self, action: object) -> None:
-        if type(action) is Keepalive:
-            # A profile whose idle timer counts messages, not pings (Codex): the
-            # keepalive event's data as a message, which its parser ignores.
-            with contextlib.suppress(ConnectionError):
-                self.conn.send(as_messages(SSESplitter().feed(action.data), sse=True))
-            return
-        # A WebSocket turn has no early headers (the socket is open); the other timed
-        # action is a stall: abort the upstream at once.
-        ws = self.reading_ws
-        if ws is not None:
-            abort_websocket(ws)
-        self.http.abort()
+    def _on_timer(self, action: TimerAction) -> None:
+        match action:
+            case Keepalive():
+                # A profile whose idle timer counts messages, not pings (Codex): the
+                # keepalive event's data as a message, which its parser ignores.
+                with contextlib.suppress(ConnectionError):
+                    self.conn.send(as_messages(SSESplitter().feed(action.data), sse=True))
+            case AbortUpstream():
+                # A stall: abort the upstream at once.
+                ws = self.reading_ws
+                if ws is not None:
+                    abort_websocket(ws)
+                self.http.abort()
+            case SendHeaders():
+                pass  # (never: a WebSocket turn's headers are out from its start)
+            case _:
+                assert_never(action)
 
     # -- over a WebSocket ---------------------------------------------------------------
     async def _over_websocket(self, ws: aiohttp.ClientWebSocketResponse[Any]) -> Action:
@@ -571,11 +581,10 @@ class _WsTurn:
                     with contextlib.suppress(ConnectionError):
                         conn.send([data])
                     continue
-                released = machine.feed_frame(loop_time(), Event(data, None, text))
+                released, over = machine.feed_frame(loop_time(), Event(data, None, text))
                 if rearm:
                     rearm = False
                     self.watchdog.arm()  # the stall deadline moved to idle_timeout_s
-                over = machine.attempt_over
                 self._send(released, over, sse=False)
                 if over is not None:
                     if conn.fallback.after_attempt(loop_time(), text, turn_ended=type(over) is End):
@@ -650,8 +659,8 @@ class _WsTurn:
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         """A retryable answer is never passed through to a WebSocket client."""
 
-    async def release(self, events: Sequence[Event], now: float) -> None:
-        self._send(events, self.machine.attempt_over, sse=True)
+    async def release(self, events: Sequence[Event], over: Action | None, now: float) -> None:
+        self._send(events, over, sse=True)
         await self.conn.drain(self.machine)
 
     async def release_body(self, data: bytes, now: float) -> None:  # pragma: no cover
