@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["FILES", "RELAY", "Launch", "route_name", "split_version"]
+from unbroken.config import Route
+
+__all__ = ["FILES", "RELAY", "Launch", "private_token", "relay_base", "route_name", "split_version"]
 
 #: stands for the relay's base URL (``http://127.0.0.1:PORT``) in `Launch` values
 RELAY = "{relay}"
@@ -64,3 +67,18 @@ def split_version(url: str) -> tuple[str, str]:
     if m is None or "/" not in url[: m.start()].split("://", 1)[-1] + "/":
         return url, ""
     return url[: m.start()], m.group(0)
+
+
+def private_token(routes: Mapping[str, Route]) -> str | None:
+    """The token of `unbroken run`'s private relay: random, when a route injects a key
+    of the relay's (no local stranger may spend it), else None (the agent's own keys
+    pass through; the relay serves nothing a stranger could not do without it)."""
+    if any(r.injects_key for r in routes.values()):
+        return secrets.token_urlsafe(32)
+    return None
+
+
+def relay_base(url: str, token: str | None) -> str:
+    """The base URL the launched agent gets: the relay's, with the ``/t/<token>``
+    prefix when it has a token (only the agent learns it; never logged)."""
+    return f"{url}/t/{token}" if token else url

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
+from unbroken.agents.plan import private_token, relay_base
 from unbroken.config import Config, ConfigError, Route, Upstream, load_config, validate_url
 from unbroken.opencode import jsonc
 from unbroken.opencode.providers import OPENCODE_PROVIDERS, UNPLACEABLE
@@ -412,8 +413,17 @@ def relay_config(base: Config, providers: Sequence[Provider]) -> tuple[Config, d
             log.info("opencode: provider %s replaces your route %r for this run", p.id, name)
         routes[name] = Route(name, (Upstream(url=p.url),))
         names[p.id] = name
-    # A private loopback relay for this one agent: no token (OpenCode could not send it).
-    config = dataclasses.replace(base, routes=routes, host="127.0.0.1", port=0, token=None)
+    # A private loopback relay for this one agent: a token of its own (in OpenCode's base
+    # URLs) when a route injects a key, else none.
+    config = dataclasses.replace(
+        base,
+        routes=routes,
+        host="127.0.0.1",
+        port=0,
+        token=private_token(routes),
+        token_env=None,
+        key_token=None,
+    )
     return config, names
 
 
@@ -580,14 +590,15 @@ async def run_opencode(
     server = RelayServer(config)
     await server.start()
     try:
-        base_urls = {pid: f"{server.url}/{name}" for pid, name in names.items()}
+        relay = relay_base(server.url, server.config.token)
+        base_urls = {pid: f"{relay}/{name}" for pid, name in names.items()}
         argv = list(command)
         watch: str | None = None
         why = "disabled (--no-resume)"
         if resume:
             rest, watch, why = server_args(argv[1:], parsed)
             argv = [argv[0], *rest]
-        relayed = ", ".join(f"{pid} -> {url}" for pid, url in base_urls.items()) or "none"
+        relayed = ", ".join(f"{pid} -> {server.url}/{n}" for pid, n in names.items()) or "none"
         log.info("opencode: relay on %s; providers: %s", server.url, relayed)
         if watch is None:
             log.info("opencode: auto-resume off: %s", why)

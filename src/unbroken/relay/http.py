@@ -18,7 +18,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -163,6 +163,8 @@ class Relay:
         self.config = config
         #: the keys and the token: redacted from any error answer that echoes them
         self.secrets = config.secrets()
+        #: the relay's token: cut out of every header forwarded upstream
+        self.token = config.token or config.key_token
         #: the health of every upstream (breakers, cool-offs), consulted by every turn
         self.board = HealthBoard(
             config.health, pace=config.retry.pace_settings(), rate=config.ratelimit
@@ -536,10 +538,19 @@ class HttpAttempt:
         self.sink = _GONE
 
     async def run(
-        self, action: Open, method: str, url: URL, headers: CIMultiDict[str], body: bytes
+        self,
+        action: Open,
+        method: str,
+        url: URL,
+        headers: CIMultiDict[str],
+        body: bytes,
+        *,
+        keyed: bool = False,
     ) -> Action:
         """The attempt, up to the machine's next action.  The caller has armed the
-        watchdog for whatever is timed while it connects (early headers, keepalives)."""
+        watchdog for whatever is timed while it connects (early headers, keepalives).
+        ``keyed``: the request carries a key of the relay's: any body the upstream
+        answers is redacted on its way through (an error's always is)."""
         machine = self.machine
         try:
             async with asyncio.timeout(action.timeout_s):
@@ -565,9 +576,9 @@ class HttpAttempt:
             )
             self.watchdog.arm()
             if type(answer) is Stream:
-                return await self._stream(resp)
+                return await self._stream(resp, keyed)
             if type(answer) is PassThrough:
-                return await self._pass_through(resp)
+                return await self._pass_through(resp, keyed)
             if type(answer) is ReadErrorBody or type(answer) is FinalInStream:
                 return await self._error_body(resp, final=type(answer) is FinalInStream)
             return answer  # a 1xx: the machine already decided what follows
@@ -604,8 +615,10 @@ class HttpAttempt:
         data = b"".join(chunks)[:MAX_ERROR_BODY]
         return redact(data, self.secrets) if self.secrets else data
 
-    async def _stream(self, resp: aiohttp.ClientResponse) -> Action:
-        """Read an SSE body through the machine; release what it releases."""
+    async def _stream(self, resp: aiohttp.ClientResponse, keyed: bool) -> Action:
+        """Read an SSE body through the machine; release what it releases.  ``keyed``:
+        the relay's key went with the request: a secret echoed anywhere in the stream
+        is redacted before the machine sees it (across chunk boundaries)."""
         machine = self.machine
         sink = self.sink
         sink.answer(resp.status, response_headers(resp.headers, keep_length=False))
@@ -614,8 +627,11 @@ class HttpAttempt:
         loop_time = self.loop.time
         release, write = sink.release, sink.release_body
         rearm_on_first_frame = True
+        chunks = resp.content.iter_any()
+        if keyed and self.secrets:
+            chunks = _redacted(chunks, Redactor(self.secrets))
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in chunks:
                 now = loop_time()
                 if verbatim:
                     data = feed_verbatim(now, chunk)
@@ -640,12 +656,14 @@ class HttpAttempt:
             return machine.transport_failed(loop_time(), _classify(exc))
         return machine.body_ended(loop_time())
 
-    async def _pass_through(self, resp: aiohttp.ClientResponse) -> Action:
+    async def _pass_through(self, resp: aiohttp.ClientResponse, keyed: bool) -> Action:
         """Forward a non-SSE body as it arrives; the first byte out commits."""
         machine = self.machine
-        # An error answer may echo the injected key: it is redacted on its way through
-        # (the length may change, so it goes out chunked).  Success bodies pass as they are.
-        redactor = Redactor(self.secrets) if self.secrets and resp.status >= 400 else None
+        # An error answer may echo a secret, and any answer to a request that carried the
+        # relay's key may echo that key: it is redacted on its way through (the length
+        # may change, so it goes out chunked).  Other bodies pass as they are.
+        redact_it = self.secrets and (keyed or resp.status >= 400)
+        redactor = Redactor(self.secrets) if redact_it else None
         keep_length = "content-length" in resp.headers and redactor is None
         self.sink.answer(resp.status, response_headers(resp.headers, keep_length=keep_length))
         loop_time = self.loop.time
@@ -670,6 +688,18 @@ class HttpAttempt:
         except Exception as exc:
             return machine.transport_failed(loop_time(), _classify(exc))
         return machine.body_ended(loop_time())
+
+
+async def _redacted(chunks: AsyncIterator[bytes], redactor: Redactor) -> AsyncIterator[bytes]:
+    """``chunks`` with every known secret redacted (`Redactor`: what might begin one
+    waits for the next chunk)."""
+    async for chunk in chunks:
+        out = redactor.feed(chunk)
+        if out:
+            yield out
+    tail = redactor.flush()
+    if tail:
+        yield tail
 
 
 class CleanStream(web.StreamResponse):
@@ -895,9 +925,12 @@ class _HttpTurn:
             up,
             anthropic=self.protocol.anthropic_errors,
             gemini=keyed or self.protocol is GEMINI,
+            token=self.relay.token,
         )
         url = upstream_url(up, self.rest, query)
-        return self.upstream.run(action, req.method, url, headers, body)
+        return self.upstream.run(
+            action, req.method, url, headers, body, keyed=up.api_key is not None
+        )
 
     # -- Sink: where the attempt's output goes ---------------------------------------------
     def answer(self, status: int, headers: CIMultiDict[str]) -> None:

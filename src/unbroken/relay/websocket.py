@@ -360,7 +360,7 @@ class _Connection:
             abort_websocket(ws)
 
     def headers_for(self, up: Upstream) -> CIMultiDict[str]:
-        headers = request_headers(self.request.headers, up, anthropic=False)
+        headers = request_headers(self.request.headers, up, anthropic=False, token=self.relay.token)
         for k in list(headers):
             if k.lower() in _WS_HOP:
                 del headers[k]
@@ -571,7 +571,7 @@ class _WsTurn:
                 if isinstance(exc, TimeoutError):
                     failure = Failure(FailureClass.HEADER_TIMEOUT, "no handshake in time")
                 return self.machine.open_failed(conn.loop.time(), failure)
-        return await self._over_websocket(ws)
+        return await self._over_websocket(ws, keyed=up.api_key is not None)
 
     def _start_fallback(self, reason: str) -> None:
         conn = self.conn
@@ -598,7 +598,9 @@ class _WsTurn:
         self.http.abort()
 
     # -- over a WebSocket ---------------------------------------------------------------
-    async def _over_websocket(self, ws: aiohttp.ClientWebSocketResponse[Any]) -> Action:
+    async def _over_websocket(
+        self, ws: aiohttp.ClientWebSocketResponse[Any], *, keyed: bool = False
+    ) -> Action:
         conn, machine = self.conn, self.machine
         if self.response_id is not None:
             # A replay: the failed attempt's response is over; late events of it are
@@ -631,8 +633,10 @@ class _WsTurn:
                     label = f"websocket closed ({code})" if code else "websocket error"
                     return machine.transport_failed(loop_time(), Failure(FailureClass.RESET, label))
                 data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
-                if secrets and data.find(b'"error"') >= 0:  # (`core.sse.CR`: not `in`)
-                    data = redact(data, secrets)  # an error that echoes the injected key
+                # An error may echo a secret; any message on a socket the relay's key
+                # opened may echo that key (a message is whole: no straddling).
+                if secrets and (keyed or data.find(b'"error"') >= 0):  # (not `in`: `core.sse.CR`)
+                    data = redact(data, secrets)
                 text = data.decode("utf-8", "replace")
                 if self._not_ours(text, data):
                     continue
@@ -720,7 +724,9 @@ class _WsTurn:
         headers["Accept"] = "text/event-stream"
         url = upstream_url(up, conn.rest, raw_query(conn.request))
         self.watchdog.arm()
-        return await self.http.run(action, "POST", url, headers, json.dumps(body).encode())
+        return await self.http.run(
+            action, "POST", url, headers, json.dumps(body).encode(), keyed=up.api_key is not None
+        )
 
     # -- Sink, for the HTTP fallback -------------------------------------------------------
     verbatim = False  # every SSE frame becomes a WebSocket message of its own
