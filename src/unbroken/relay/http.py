@@ -627,7 +627,7 @@ class HttpAttempt:
         loop_time = self.loop.time
         release, write = sink.release, sink.release_body
         rearm_on_first_frame = True
-        chunks = resp.content.iter_any()
+        chunks: AsyncIterator[bytes] = resp.content.iter_any()
         if keyed and self.secrets:
             chunks = _redacted(chunks, Redactor(self.secrets))
         try:
