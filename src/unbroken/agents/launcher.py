@@ -30,7 +30,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from unbroken.agents import claude, codex, gemini
-from unbroken.agents.plan import FILES, RELAY, Launch, private_token, relay_base, split_version
+from unbroken.agents.plan import (
+    FILES,
+    RELAY,
+    TOKEN_NOTE,
+    Launch,
+    private_token,
+    relay_base,
+    split_version,
+)
 from unbroken.config import TOKEN_ENV, Config, ConfigError, Route, Upstream, validate_url
 
 __all__ = ["agent_of", "generic_plan", "plan_for", "print_env", "relay_config", "run_agent"]
@@ -208,6 +216,8 @@ async def run_agent(
         for note in launch.notes:
             log.info("%s", note)
         log.info("run: relay on %s", server.url)  # never the token
+        if server.config.token is not None:
+            log.info("run: %s", TOKEN_NOTE)
         if files is not None:
             for name, text in launch.files.items():
                 (Path(files.name) / name).write_text(text, encoding="utf-8")

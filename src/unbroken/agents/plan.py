@@ -9,7 +9,16 @@ from dataclasses import dataclass, field
 
 from unbroken.config import Route
 
-__all__ = ["FILES", "RELAY", "Launch", "private_token", "relay_base", "route_name", "split_version"]
+__all__ = [
+    "FILES",
+    "RELAY",
+    "TOKEN_NOTE",
+    "Launch",
+    "private_token",
+    "relay_base",
+    "route_name",
+    "split_version",
+]
 
 #: stands for the relay's base URL (``http://127.0.0.1:PORT``) in `Launch` values
 RELAY = "{relay}"
@@ -67,6 +76,13 @@ def split_version(url: str) -> tuple[str, str]:
     if m is None or "/" not in url[: m.start()].split("://", 1)[-1] + "/":
         return url, ""
     return url[: m.start()], m.group(0)
+
+
+#: logged when `unbroken run`'s private relay has a token (a route injects a key)
+TOKEN_NOTE = (
+    "a route injects a key: the agent's base URL carries a token of this run's own; "
+    "other processes get 401 there"
+)
 
 
 def private_token(routes: Mapping[str, Route]) -> str | None:

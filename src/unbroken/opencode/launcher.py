@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from unbroken.agents.plan import private_token, relay_base
+from unbroken.agents.plan import TOKEN_NOTE, private_token, relay_base
 from unbroken.config import Config, ConfigError, Route, Upstream, load_config, validate_url
 from unbroken.opencode import jsonc
 from unbroken.opencode.providers import OPENCODE_PROVIDERS, UNPLACEABLE
@@ -600,6 +600,8 @@ async def run_opencode(
             argv = [argv[0], *rest]
         relayed = ", ".join(f"{pid} -> {server.url}/{n}" for pid, n in names.items()) or "none"
         log.info("opencode: relay on %s; providers: %s", server.url, relayed)
+        if server.config.token is not None:
+            log.info("opencode: %s", TOKEN_NOTE)
         if watch is None:
             log.info("opencode: auto-resume off: %s", why)
         if ready is not None:
