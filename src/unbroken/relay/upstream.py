@@ -301,10 +301,13 @@ class Redactor:
     blank line is sent whole.  With no secret it returns every chunk unchanged.
     """
 
-    __slots__ = ("_needles", "_tail")
+    __slots__ = ("_bytes", "_needles", "_tail")
 
     def __init__(self, secrets: Iterable[str]) -> None:
         self._needles = _needles(secrets)
+        #: every byte value of every secret: data that ends in another byte (an SSE
+        #: chunk ends in a newline) cannot end with the start of one
+        self._bytes = frozenset(b for n in self._needles for b in n)
         self._tail = b""
 
     @property
@@ -316,7 +319,7 @@ class Redactor:
         if not self._needles:
             return chunk
         data = self._tail + chunk if self._tail else chunk
-        cut = self._cut(data)
+        cut = self._cut(data) if data and data[-1] in self._bytes else len(data)
         if cut < len(data):
             self._tail = data[cut:]
             data = data[:cut]
@@ -333,13 +336,19 @@ class Redactor:
         n = len(data)
         cut = n
         for needle in self._needles:  # the longest end that is the start of a secret
-            first = needle[:1]
-            i = data.find(first, max(0, n - len(needle) + 1))
+            # A candidate of 3 bytes or more starts with the secret's first 3 (rare in
+            # text: one search); one of 1 or 2 bytes is the very end of the data.
+            head = needle[:3]
+            i = data.find(head, max(0, n - len(needle) + 1))
             while 0 <= i < cut:
                 if needle.startswith(data[i:]):
                     cut = i
                     break
-                i = data.find(first, i + 1)
+                i = data.find(head, i + 1)
+            if cut > n - 2 and data.endswith(needle[:2]):
+                cut = n - 2
+            elif cut > n - 1 and data.endswith(needle[:1]):
+                cut = n - 1
         moved = cut < n
         while moved:  # a whole secret across the cut: hold it back whole
             moved = False
