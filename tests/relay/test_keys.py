@@ -366,6 +366,27 @@ async def test_without_an_injected_key_the_body_passes_untouched(echo: _Echo) ->
     assert KEY.encode() in got
 
 
+async def test_a_key_echoed_over_a_websocket_is_redacted(mock: MockProvider) -> None:
+    """A Responses WebSocket on a keyed route: a message that echoes the key (not an
+    error) reaches the client redacted."""
+    cfg = make_config([{"url": mock.url, "api_key_env": "K"}], env={"K": KEY})
+    server, _ = await start_relay(cfg)
+    url = server.url.replace("http://", "ws://") + "/mock/v1/responses"
+    mock.script([{"text": f"the key is {KEY} indeed", "deltas": 1}])
+    got: list[str] = []
+    try:
+        async with aiohttp.ClientSession() as s, s.ws_connect(url, headers=KEY_AUTH) as ws:
+            create = {"type": "response.create", "model": "m", "input": "hi", "store": False}
+            await ws.send_str(json.dumps(create))
+            while not got or json.loads(got[-1])["type"] != "response.completed":
+                got.append((await ws.receive(timeout=10)).data)
+    finally:
+        await server.stop()
+    assert mock.upgrades[0].headers["Authorization"] == f"Bearer {KEY}"
+    assert not [m for m in got if KEY in m]
+    assert [m for m in got if REDACTED in m]
+
+
 def test_the_redactor_finds_a_secret_across_any_cut() -> None:
     """Random bodies of secrets, their prefixes and plain bytes, cut anywhere: the
     output is `redact` of the whole body, and a chunk that cannot begin a secret goes
@@ -389,3 +410,15 @@ def test_the_redactor_finds_a_secret_across_any_cut() -> None:
     assert r.feed(b"data: {}\n\n") == b"data: {}\n\n"
     assert r.feed(b"data: sk-inj") == b"data: "
     assert r.feed(KEY[6:].encode() + b"\n\n") == REDACTED.encode() + b"\n\n"
+
+
+def test_the_redaction_benchmark_runs() -> None:
+    """``bench/redact_cost.py`` (the figure docs/security.md gives) keeps working."""
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "redact_cost.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"\+-?\d+ ns per chunk when a key is injected", done.stdout), done.stdout

@@ -545,12 +545,12 @@ class HttpAttempt:
         headers: CIMultiDict[str],
         body: bytes,
         *,
-        keyed: bool = False,
+        key: str | None = None,
     ) -> Action:
         """The attempt, up to the machine's next action.  The caller has armed the
         watchdog for whatever is timed while it connects (early headers, keepalives).
-        ``keyed``: the request carries a key of the relay's: any body the upstream
-        answers is redacted on its way through (an error's always is)."""
+        ``key``: the relay's key the request carries, if any: any body the upstream
+        answers is redacted of it on its way through (an error's, of every secret)."""
         machine = self.machine
         try:
             async with asyncio.timeout(action.timeout_s):
@@ -576,9 +576,9 @@ class HttpAttempt:
             )
             self.watchdog.arm()
             if type(answer) is Stream:
-                return await self._stream(resp, keyed)
+                return await self._stream(resp, key)
             if type(answer) is PassThrough:
-                return await self._pass_through(resp, keyed)
+                return await self._pass_through(resp, key)
             if type(answer) is ReadErrorBody or type(answer) is FinalInStream:
                 return await self._error_body(resp, final=type(answer) is FinalInStream)
             return answer  # a 1xx: the machine already decided what follows
@@ -615,10 +615,10 @@ class HttpAttempt:
         data = b"".join(chunks)[:MAX_ERROR_BODY]
         return redact(data, self.secrets) if self.secrets else data
 
-    async def _stream(self, resp: aiohttp.ClientResponse, keyed: bool) -> Action:
-        """Read an SSE body through the machine; release what it releases.  ``keyed``:
-        the relay's key went with the request: a secret echoed anywhere in the stream
-        is redacted before the machine sees it (across chunk boundaries)."""
+    async def _stream(self, resp: aiohttp.ClientResponse, key: str | None) -> Action:
+        """Read an SSE body through the machine; release what it releases.  ``key``: the
+        relay's key went with the request: echoed anywhere in the stream, it is
+        redacted before the machine sees it (across chunk boundaries)."""
         machine = self.machine
         sink = self.sink
         sink.answer(resp.status, response_headers(resp.headers, keep_length=False))
@@ -628,8 +628,8 @@ class HttpAttempt:
         release, write = sink.release, sink.release_body
         rearm_on_first_frame = True
         chunks: AsyncIterator[bytes] = resp.content.iter_any()
-        if keyed and self.secrets:
-            chunks = _redacted(chunks, Redactor(self.secrets))
+        if key is not None:
+            chunks = _redacted(chunks, Redactor((key,)))
         try:
             async for chunk in chunks:
                 now = loop_time()
@@ -656,14 +656,18 @@ class HttpAttempt:
             return machine.transport_failed(loop_time(), _classify(exc))
         return machine.body_ended(loop_time())
 
-    async def _pass_through(self, resp: aiohttp.ClientResponse, keyed: bool) -> Action:
+    async def _pass_through(self, resp: aiohttp.ClientResponse, key: str | None) -> Action:
         """Forward a non-SSE body as it arrives; the first byte out commits."""
         machine = self.machine
         # An error answer may echo a secret, and any answer to a request that carried the
         # relay's key may echo that key: it is redacted on its way through (the length
         # may change, so it goes out chunked).  Other bodies pass as they are.
-        redact_it = self.secrets and (keyed or resp.status >= 400)
-        redactor = Redactor(self.secrets) if redact_it else None
+        # (The upstream knows only the key it was sent: a success is searched for that
+        # one, an error for every secret, as before.)
+        if self.secrets and resp.status >= 400:
+            redactor: Redactor | None = Redactor(self.secrets)
+        else:
+            redactor = Redactor((key,)) if key is not None else None
         keep_length = "content-length" in resp.headers and redactor is None
         self.sink.answer(resp.status, response_headers(resp.headers, keep_length=keep_length))
         loop_time = self.loop.time
@@ -928,9 +932,7 @@ class _HttpTurn:
             token=self.relay.token,
         )
         url = upstream_url(up, self.rest, query)
-        return self.upstream.run(
-            action, req.method, url, headers, body, keyed=up.api_key is not None
-        )
+        return self.upstream.run(action, req.method, url, headers, body, key=up.api_key)
 
     # -- Sink: where the attempt's output goes ---------------------------------------------
     def answer(self, status: int, headers: CIMultiDict[str]) -> None:

@@ -571,7 +571,7 @@ class _WsTurn:
                 if isinstance(exc, TimeoutError):
                     failure = Failure(FailureClass.HEADER_TIMEOUT, "no handshake in time")
                 return self.machine.open_failed(conn.loop.time(), failure)
-        return await self._over_websocket(ws, keyed=up.api_key is not None)
+        return await self._over_websocket(ws, key=up.api_key)
 
     def _start_fallback(self, reason: str) -> None:
         conn = self.conn
@@ -599,7 +599,7 @@ class _WsTurn:
 
     # -- over a WebSocket ---------------------------------------------------------------
     async def _over_websocket(
-        self, ws: aiohttp.ClientWebSocketResponse[Any], *, keyed: bool = False
+        self, ws: aiohttp.ClientWebSocketResponse[Any], *, key: str | None = None
     ) -> Action:
         conn, machine = self.conn, self.machine
         if self.response_id is not None:
@@ -623,6 +623,7 @@ class _WsTurn:
         self.reading_ws = ws
         self.watchdog.arm()
         secrets = self.relay.secrets
+        needle = key.encode() if key is not None else None
         loop_time = conn.loop.time
         rearm = True
         try:
@@ -635,8 +636,10 @@ class _WsTurn:
                 data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
                 # An error may echo a secret; any message on a socket the relay's key
                 # opened may echo that key (a message is whole: no straddling).
-                if secrets and (keyed or data.find(b'"error"') >= 0):  # (not `in`: `core.sse.CR`)
+                if secrets and data.find(b'"error"') >= 0:  # (not `in`: `core.sse.CR`)
                     data = redact(data, secrets)
+                elif needle is not None and needle in data:
+                    data = redact(data, (key or "",))
                 text = data.decode("utf-8", "replace")
                 if self._not_ours(text, data):
                     continue
@@ -725,7 +728,7 @@ class _WsTurn:
         url = upstream_url(up, conn.rest, raw_query(conn.request))
         self.watchdog.arm()
         return await self.http.run(
-            action, "POST", url, headers, json.dumps(body).encode(), keyed=up.api_key is not None
+            action, "POST", url, headers, json.dumps(body).encode(), key=up.api_key
         )
 
     # -- Sink, for the HTTP fallback -------------------------------------------------------
