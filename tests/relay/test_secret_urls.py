@@ -249,3 +249,29 @@ async def test_print_env_honours_the_token(mock: MockProvider, tmp_path: Path) -
     finally:
         await server.stop()
     assert mock.requests[-1].path == "/v1/messages"
+
+
+def test_print_env_reads_serves_token_file_for_a_keyed_route(tmp_path: Path) -> None:
+    """No token set, but the agent's route injects a key: `serve` will want its file
+    token, so the printed URL reads it from the file (never printing it)."""
+    import io
+
+    from unbroken.agents.launcher import print_env
+
+    base = parse_config(
+        {
+            "routes": {
+                "anthropic": {
+                    "upstreams": [{"url": "https://api.anthropic.com", "api_key_env": "K"}]
+                }
+            }
+        },
+        env={"K": "sk-ant-0123456789abcdef"},
+    )
+    out = io.StringIO()
+    print_env(["claude"], base, {"XDG_STATE_HOME": str(tmp_path)}, out=out)
+    path = tmp_path / "unbroken" / "token"
+    assert f'/t/"$(cat {path})"/anthropic' in out.getvalue()
+    out = io.StringIO()
+    print_env(["claude"], parse_config({}, env={}), {"XDG_STATE_HOME": str(tmp_path)}, out=out)
+    assert "/t/" not in out.getvalue()  # nothing keyed, no token: the plain URL
