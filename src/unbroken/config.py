@@ -26,7 +26,7 @@ from unbroken.core.ledger import HOLD_CHOICES
 from unbroken.core.policy import RetryPolicy
 from unbroken.core.profiles import check_overrides
 from unbroken.core.ratelimit import RateSettings
-from unbroken.redact import redact_url
+from unbroken.core.redact import redact_url
 
 __all__ = [
     "BUILTIN_ROUTES",

@@ -25,8 +25,8 @@ from aiohttp import web
 from redisfix import RedisServer, free_port
 from relayfix import make_config, start_relay
 from unbroken.config import JournalSettings, parse_config
+from unbroken.core.redact import redact_url
 from unbroken.mock import MockProvider
-from unbroken.redact import redact_url
 
 PEER_TOKEN = "peer-token-0123456789abcdef"
 TOKEN = "own-token-0123456789abcdef"

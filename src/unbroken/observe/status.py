@@ -21,11 +21,11 @@ from urllib.parse import urlsplit
 
 from unbroken import __version__
 from unbroken.core.policy import Failure
+from unbroken.core.redact import REDACTED_PART, redact_url
 from unbroken.core.turn import NOT_FAILURES
 from unbroken.core.turn import OUTCOMES as _OUTCOMES
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
 from unbroken.observe.metrics import held_bytes
-from unbroken.redact import REDACTED_PART, redact_url
 
 __all__ = ["StatusTracker", "fetch_status", "register", "render", "watch"]
 

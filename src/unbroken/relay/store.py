@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.health import Breaker, Change, HealthBoard
-from unbroken.redact import redact_url
+from unbroken.core.redact import redact_url
 from unbroken.relay.ratestore import RateShare
 
 __all__ = ["ChannelStore", "HealthStore", "RedisStore", "make_store"]

@@ -22,7 +22,7 @@ from yarl import URL
 
 from unbroken.config import CREDENTIAL_HEADERS, Upstream
 from unbroken.core.protocols.base import loads_object
-from unbroken.redact import REDACTED_PART
+from unbroken.core.redact import REDACTED_PART
 from unbroken.relay.access import CACHED_TARGET
 
 __all__ = [
