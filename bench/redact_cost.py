@@ -3,7 +3,7 @@
 A benchmark, not a test.  A route that injects a key has every body it forwards
 scanned for that key (the only secret its upstream was sent): each upstream chunk of
 a streamed answer goes through `Redactor.feed` inside an async generator
-(``relay.http._redacted``) before the turn machine sees it.  A route where the
+(``relay.upstream.redacted_chunks``) before the turn machine sees it.  A route where the
 client brings its own key pays nothing: the relay reads the upstream's chunks as
 before.
 
@@ -36,8 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from unbroken.relay.http import _redacted
-from unbroken.relay.upstream import Redactor
+from unbroken.relay.upstream import Redactor, redacted_chunks
 
 KEY = "sk-proj-" + "x" * 156  # an OpenAI project key is ~164 characters
 
@@ -57,7 +56,7 @@ async def _drain(it: AsyncIterator[bytes]) -> int:
 async def _time(chunks: list[bytes], redact: bool) -> float:
     it = _source(chunks)
     if redact:
-        it = _redacted(it, Redactor([KEY]))
+        it = redacted_chunks(it, Redactor([KEY]))
     t0 = time.perf_counter()
     await _drain(it)
     return time.perf_counter() - t0

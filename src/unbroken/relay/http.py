@@ -73,6 +73,7 @@ from unbroken.relay.upstream import (
     parse_body,
     raw_query,
     redact,
+    redacted_chunks,
     request_headers,
     response_headers,
     strip_key_param,
@@ -629,7 +630,7 @@ class HttpAttempt:
         rearm_on_first_frame = True
         chunks: AsyncIterator[bytes] = resp.content.iter_any()
         if key is not None:
-            chunks = _redacted(chunks, Redactor((key,)))
+            chunks = redacted_chunks(chunks, Redactor((key,)))
         try:
             async for chunk in chunks:
                 now = loop_time()
@@ -692,18 +693,6 @@ class HttpAttempt:
         except Exception as exc:
             return machine.transport_failed(loop_time(), _classify(exc))
         return machine.body_ended(loop_time())
-
-
-async def _redacted(chunks: AsyncIterator[bytes], redactor: Redactor) -> AsyncIterator[bytes]:
-    """``chunks`` with every known secret redacted (`Redactor`: what might begin one
-    waits for the next chunk)."""
-    async for chunk in chunks:
-        out = redactor.feed(chunk)
-        if out:
-            yield out
-    tail = redactor.flush()
-    if tail:
-        yield tail
 
 
 class CleanStream(web.StreamResponse):

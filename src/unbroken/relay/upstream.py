@@ -12,7 +12,7 @@ import functools
 import gzip
 import json
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import aiohttp
@@ -36,6 +36,7 @@ __all__ = [
     "parse_body",
     "raw_query",
     "redact",
+    "redacted_chunks",
     "request_headers",
     "response_headers",
     "strip_key_param",
@@ -364,6 +365,18 @@ class Redactor:
             if needle in tail:
                 tail = tail.replace(needle, _REDACTED)
         return tail
+
+
+async def redacted_chunks(chunks: AsyncIterator[bytes], redactor: Redactor) -> AsyncIterator[bytes]:
+    """``chunks`` with every secret of ``redactor`` redacted (what might begin one waits
+    for the next chunk)."""
+    async for chunk in chunks:
+        out = redactor.feed(chunk)
+        if out:
+            yield out
+    tail = redactor.flush()
+    if tail:
+        yield tail
 
 
 class UpstreamClient:
