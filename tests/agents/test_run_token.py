@@ -109,6 +109,7 @@ async def test_the_private_relay_of_a_keyed_config_has_a_token_only_the_agent_kn
     assert len(keyed) == 1 and len(mock.requests) == 2
     assert mock.requests[0].headers["Authorization"] == "Bearer sk-own"
     assert token not in relay_log and "run: relay on http://127.0.0.1:" in relay_log
+    assert "this run's own token (in the agent's base URLs)" in relay_log
     assert not [r for r in mock.requests if token in json.dumps(dict(r.headers)) + r.path]
 
 
@@ -121,5 +122,7 @@ def test_no_token_when_no_route_injects_a_key() -> None:
         env={"K": KEY},
     )
     one, two = relay_config(keyed, launch), relay_config(keyed, launch)
-    assert one.token is not None and two.token is not None and one.token != two.token
-    assert len(one.token) >= 32
+    # the keyed route's token (the agent's own routes need none): new for every run
+    assert one.key_token is not None and two.key_token is not None
+    assert one.key_token != two.key_token and len(one.key_token) >= 32
+    assert one.token is None

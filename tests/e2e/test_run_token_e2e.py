@@ -1,9 +1,10 @@
 """Issue 25 with each agent's real binary: `unbroken run` with a config whose route
-injects a key gives its private relay a random token, in the base URL only the
-launched agent gets (``/t/<token>/``).  Every request of the agent's then carries it
-(the relay answers 401 to any that does not), and it reaches neither the provider
-nor the log.  ``tests/agents/test_run_token.py`` checks that a process without the
-token, another Unix user's included, gets 401.
+injects a key gives its private relay a random token, which that route needs, in the
+base URLs only the launched agent gets (``/t/<token>/``): the agent works through
+them, and the token reaches neither the provider nor the log.  Codex is the
+exception: its base URLs are on its command line, which other users can read, so it
+gets none (it does not use the keyed route).  ``tests/agents/test_run_token.py``
+checks that a process without the token, another Unix user's included, gets 401.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def _keyed_config(tmp_path: Path, mock: MockProvider) -> Path:
     return cfg
 
 
-def _check(mock: MockProvider, log: str) -> None:
-    """The relay had a token (a key is injected); the turn went through it, so the agent
-    sent it; neither the provider nor the log saw it, nor the key."""
+def _check(mock: MockProvider, log: str, *, in_url: bool = True) -> None:
+    """The relay had a token (a key is injected), in the agent's base URLs or not;
+    neither the provider nor the log saw it, nor the key."""
     assert TOKEN_NOTE in log, log[-3000:]
+    assert ("in the agent's base URLs" in log) is in_url, log[-3000:]
     assert re.search(r"relay on http://127\.0\.0\.1:\d+(\s|;|$)", log), log[-3000:]
     assert "/t/" not in log and SPARE_KEY not in log
     assert mock.requests
@@ -79,7 +81,7 @@ async def test_codex_through_a_private_relay_with_a_token(tmp_path, mock):
     assert r.code == 0, r.stderr[-3000:]
     assert agent_text(r).startswith(TEXT)
     assert [q.path for q in mock.requests] == ["/v1/responses"]
-    _check(mock, r.stderr)
+    _check(mock, r.stderr, in_url=False)  # Codex's URLs are in its argv: no token there
 
 
 @pytest.mark.cli("gemini")

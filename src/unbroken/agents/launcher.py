@@ -33,11 +33,11 @@ from unbroken.agents import claude, codex, gemini
 from unbroken.agents.plan import (
     FILES,
     RELAY,
-    TOKEN_NOTE,
     Launch,
     private_token,
     relay_base,
     split_version,
+    token_note,
 )
 from unbroken.config import TOKEN_ENV, Config, ConfigError, Route, Upstream, validate_url
 
@@ -111,17 +111,17 @@ def relay_config(base: Config, launch: Launch) -> Config:
     clients: dict[str, Mapping[str, Any]] = {k: dict(v) for k, v in launch.clients.items()}
     for name, table in base.clients.items():
         clients[name] = {**clients.get(name, {}), **table}
-    # A private loopback relay for this one agent: a token of its own (in the agent's
-    # base URL) when a route injects a key, else none.
+    # A private loopback relay for this one agent: when a route injects a key, a token
+    # of its own that route needs (given to the agent in its base URLs), else none.
     return dataclasses.replace(
         base,
         routes=routes,
         clients=clients,
         host="127.0.0.1",
         port=0,
-        token=private_token(routes),
+        token=None,
         token_env=None,
-        key_token=None,
+        key_token=private_token(routes),
     )
 
 
@@ -212,12 +212,16 @@ async def run_agent(
     await server.start()
     files = tempfile.TemporaryDirectory(prefix="unbroken-run-") if launch.files else None
     try:
-        relay = relay_base(server.url, server.config.token)
+        token = server.config.key_token
+        # A base URL passed in the agent's arguments (Codex's -c) is on its command line,
+        # which other users can read (/proc/<pid>/cmdline): no token there.
+        in_url = token is not None and not any(RELAY in a for a in launch.args)
+        relay = relay_base(server.url, token if in_url else None)
         for note in launch.notes:
             log.info("%s", note)
         log.info("run: relay on %s", server.url)  # never the token
-        if server.config.token is not None:
-            log.info("run: %s", TOKEN_NOTE)
+        if token is not None:
+            log.info("run: %s", token_note(in_url))
         if files is not None:
             for name, text in launch.files.items():
                 (Path(files.name) / name).write_text(text, encoding="utf-8")

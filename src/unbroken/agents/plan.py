@@ -18,6 +18,7 @@ __all__ = [
     "relay_base",
     "route_name",
     "split_version",
+    "token_note",
 ]
 
 #: stands for the relay's base URL (``http://127.0.0.1:PORT``) in `Launch` values
@@ -79,16 +80,23 @@ def split_version(url: str) -> tuple[str, str]:
 
 
 #: logged when `unbroken run`'s private relay has a token (a route injects a key)
-TOKEN_NOTE = (
-    "a route injects a key: the agent's base URL carries a token of this run's own; "
-    "other processes get 401 there"
-)
+TOKEN_NOTE = "a route injects a key: it answers only requests with this run's own token"
+
+
+def token_note(in_url: bool) -> str:
+    """`TOKEN_NOTE`, and who has the token (never the token itself)."""
+    if in_url:
+        return f"{TOKEN_NOTE} (in the agent's base URLs); other processes get 401 there"
+    return (
+        f"{TOKEN_NOTE}, which no one is given: the agent's base URLs are on its command "
+        "line, which other users can read, and it does not use that route"
+    )
 
 
 def private_token(routes: Mapping[str, Route]) -> str | None:
-    """The token of `unbroken run`'s private relay: random, when a route injects a key
-    of the relay's (no local stranger may spend it), else None (the agent's own keys
-    pass through; the relay serves nothing a stranger could not do without it)."""
+    """The token of `unbroken run`'s private relay (its ``key_token``: the routes that
+    inject a key need it, the agent's own routes do not): random, when a route injects
+    a key of the relay's (no local stranger may spend it), else None."""
     if any(r.injects_key for r in routes.values()):
         return secrets.token_urlsafe(32)
     return None

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from unbroken.agents.plan import TOKEN_NOTE, private_token, relay_base
+from unbroken.agents.plan import private_token, relay_base, token_note
 from unbroken.config import Config, ConfigError, Route, Upstream, load_config, validate_url
 from unbroken.opencode import jsonc
 from unbroken.opencode.providers import OPENCODE_PROVIDERS, UNPLACEABLE
@@ -413,16 +413,16 @@ def relay_config(base: Config, providers: Sequence[Provider]) -> tuple[Config, d
             log.info("opencode: provider %s replaces your route %r for this run", p.id, name)
         routes[name] = Route(name, (Upstream(url=p.url),))
         names[p.id] = name
-    # A private loopback relay for this one agent: a token of its own (in OpenCode's base
-    # URLs) when a route injects a key, else none.
+    # A private loopback relay for this one agent: when a route injects a key, a token
+    # of its own that route needs (given to OpenCode in its base URLs), else none.
     config = dataclasses.replace(
         base,
         routes=routes,
         host="127.0.0.1",
         port=0,
-        token=private_token(routes),
+        token=None,
         token_env=None,
-        key_token=None,
+        key_token=private_token(routes),
     )
     return config, names
 
@@ -590,7 +590,7 @@ async def run_opencode(
     server = RelayServer(config)
     await server.start()
     try:
-        relay = relay_base(server.url, server.config.token)
+        relay = relay_base(server.url, server.config.key_token)  # in OpenCode's environment
         base_urls = {pid: f"{relay}/{name}" for pid, name in names.items()}
         argv = list(command)
         watch: str | None = None
@@ -600,8 +600,8 @@ async def run_opencode(
             argv = [argv[0], *rest]
         relayed = ", ".join(f"{pid} -> {server.url}/{n}" for pid, n in names.items()) or "none"
         log.info("opencode: relay on %s; providers: %s", server.url, relayed)
-        if server.config.token is not None:
-            log.info("opencode: %s", TOKEN_NOTE)
+        if server.config.key_token is not None:
+            log.info("opencode: %s", token_note(True))
         if watch is None:
             log.info("opencode: auto-resume off: %s", why)
         if ready is not None:
