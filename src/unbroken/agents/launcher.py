@@ -39,7 +39,7 @@ from unbroken.agents.plan import (
     split_version,
     token_note,
 )
-from unbroken.config import TOKEN_ENV, Config, ConfigError, Route, Upstream, validate_url
+from unbroken.config import TOKEN_ENV, Config, ConfigError, Route, validate_url, with_upstream
 
 __all__ = ["agent_of", "generic_plan", "plan_for", "print_env", "relay_config", "run_agent"]
 
@@ -107,7 +107,7 @@ def relay_config(base: Config, launch: Launch) -> Config:
     free loopback port, with the agent's client tuning under the user's own."""
     routes: dict[str, Route] = dict(base.routes)
     for name, url in launch.routes.items():
-        routes[name] = Route(name, (Upstream(url=url),))
+        routes[name] = with_upstream(routes.get(name), name, url)
     clients: dict[str, Mapping[str, Any]] = {k: dict(v) for k, v in launch.clients.items()}
     for name, table in base.clients.items():
         clients[name] = {**clients.get(name, {}), **table}
