@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.health import Breaker, Change, HealthBoard
+from unbroken.core.redact import redact_url
 from unbroken.relay.ratestore import RateShare
 
 __all__ = ["ChannelStore", "HealthStore", "RedisStore", "make_store"]
@@ -204,11 +205,10 @@ class RedisStore(HealthStore):
             self.rates = RateShare(board, self.redis, is_up=lambda: self.up, on_error=self._degrade)
 
     def status(self) -> dict[str, Any]:
-        host = self.url.split("@")[-1]  # never a password
         return {
             "kind": self.kind,
             "state": "ok" if self.up else "degraded",
-            "url": host if "://" in host else f"redis://{host}",
+            "url": redact_url(self.url),  # never a password (userinfo or ?password=)
             #: the fleet's attempts over the window, per upstream: [ok, failed]
             "fleet_window": {k: list(v) for k, v in sorted(self.fleet.items()) if any(v)},
             #: rate-limit budgets shared through Redis, and the leases taken
