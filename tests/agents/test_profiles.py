@@ -46,7 +46,7 @@ from unbroken.core.turn import (
     TurnMachine,
     Wait,
 )
-from unbroken.relay.http import session_id_of
+from unbroken.relay.relay_state import session_id_of
 
 
 def machine(

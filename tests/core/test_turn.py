@@ -307,7 +307,7 @@ def test_early_headers_are_due_at_early_headers_s_while_retrying() -> None:
 
 
 def test_min_interval_bounds_every_deadline_an_event_sets() -> None:
-    # The watchdog's rule (relay.http.Watchdog): armed no later than min_interval from
+    # The watchdog's rule (relay.watchdog.Watchdog): armed no later than min_interval from
     # now, it is never late for a deadline a later event sets, because each deadline
     # counts from the event that sets it.
     m, _ = make(

@@ -82,7 +82,7 @@ class TurnClock(TurnFields):
         """The shortest interval from an event to the deadline it sets (early headers
         from the start, a stall from the answer or the last frame, a keepalive from
         the last write).  A timer armed no later than this from now is never late for
-        a deadline that a later event sets (see `relay.http.Watchdog`)."""
+        a deadline that a later event sets (see `relay.watchdog.Watchdog`)."""
         t, p = self.timers, self.profile
         intervals = (
             p.early_headers_s or t.early_headers_s,

@@ -39,8 +39,9 @@ from unbroken.relay.connections import (
     effective_max_connections,
     install_accept_log_limiter,
 )
-from unbroken.relay.http import CleanStream, Relay
+from unbroken.relay.http import CleanStream, handle_http
 from unbroken.relay.logfilter import install_log_filter
+from unbroken.relay.relay_state import Relay
 from unbroken.relay.upstream import redact
 from unbroken.relay.websocket import handle_websocket, is_websocket_request
 from unbroken.relay.workers import WorkerSpec, read_worker_status, write_worker_status
@@ -229,7 +230,7 @@ async def _relay(
         return _error(408, "request_timeout", "the request body stopped arriving")
     if body is None:
         return _too_large(relay)
-    response = await relay.handle(request, route, rest, body)
+    response = await handle_http(relay, request, route, rest, body)
     if isinstance(response, web.Response) and not response.prepared and response.status >= 400:
         _redact_response(response, config.secrets())
     return response

@@ -73,8 +73,10 @@ from unbroken.core.ws_session import Fallback, SessionResponses, handshake_failu
 from unbroken.observe.hooks import TurnInfo
 from unbroken.observe.report import TurnReporter
 from unbroken.relay.errors import classify_exception
-from unbroken.relay.http import HttpAttempt, Relay, Watchdog, session_id_of, sticky_key
+from unbroken.relay.http_attempt import HttpAttempt
+from unbroken.relay.relay_state import Relay, session_id_of, sticky_key
 from unbroken.relay.upstream import raw_query, redact, request_headers, upstream_url
+from unbroken.relay.watchdog import Watchdog
 
 __all__ = ["as_messages", "handle_websocket", "is_websocket_request"]
 

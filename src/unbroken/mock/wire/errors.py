@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-from unbroken.mock.wire import gemini as _gemini
+import unbroken.mock.wire.gemini as _gemini
 from unbroken.mock.wire.frames import (
     ANTHROPIC,
     CHAT,

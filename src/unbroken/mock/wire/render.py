@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+import unbroken.mock.wire.gemini as _gemini
 from unbroken.mock.actions import Action
-from unbroken.mock.wire import gemini as _gemini
 from unbroken.mock.wire.anthropic import _anthropic_body, _anthropic_items
 from unbroken.mock.wire.chat import _chat_body, _chat_items
 from unbroken.mock.wire.frames import (
