@@ -38,7 +38,12 @@ from unbroken.mock.state import (
     _previous_id,
     _remember,
 )
-from unbroken.mock.wire.errors import error_body, error_frame, garbage_frame, status_error_body
+from unbroken.mock.wire.error_replies import (
+    error_body,
+    error_frame,
+    garbage_frame,
+    status_error_body,
+)
 from unbroken.mock.wire.frames import ANTHROPIC, GEMINI, RESPONSES
 from unbroken.mock.wire.gemini import parse_path as parse_gemini_path
 from unbroken.mock.wire.gemini import request_view as gemini_request_view

@@ -32,7 +32,7 @@ from unbroken.mock.state import (
     _previous_id,
     _remember,
 )
-from unbroken.mock.wire.errors import status_error_body
+from unbroken.mock.wire.error_replies import status_error_body
 from unbroken.mock.wire.frames import RESPONSES
 from unbroken.mock.wire.render import cut_after
 from unbroken.mock.wire.reply import Reply, canonical_json

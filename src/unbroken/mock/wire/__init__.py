@@ -10,7 +10,7 @@ replies are cached by request digest.
 
 The modules: `frames` (protocol names, SSE encoding, delta runs), `reply` (the
 reply model), `chat`, `responses`, `anthropic`, `gemini` (each protocol's
-frames and bodies), `errors` (each protocol's errors), `render` (a reply in its
+frames and bodies), `error_replies` (each protocol's errors), `render` (a reply in its
 protocol, cached; which protocol a path speaks), `ws_replies` (Responses
 WebSocket mode).  This package re-exports the API the tests and tools use.
 
@@ -19,7 +19,7 @@ the action and the request JSON, so identical requests give byte-identical
 replies, and a faulted reply is a byte-exact prefix of the clean one.
 """
 
-from unbroken.mock.wire.errors import (
+from unbroken.mock.wire.error_replies import (
     BODY_GARBAGE,
     error_body,
     error_frame,

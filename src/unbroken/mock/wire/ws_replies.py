@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from unbroken.mock.actions import Action
-from unbroken.mock.wire.errors import _ERRORS, error_frame, status_error_body
+from unbroken.mock.wire.error_replies import _ERRORS, error_frame, status_error_body
 from unbroken.mock.wire.frames import (
     ANTHROPIC,
     RESPONSES,
