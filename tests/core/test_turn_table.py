@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from turnfix import Report, Timers
+from unbroken.core import turn as machine_mod
 from unbroken.core import turn_fields as turn_mod
 from unbroken.core import turn_table
 from unbroken.core.ledger import Hold
@@ -127,9 +128,10 @@ def test_an_action_the_table_does_not_list_is_refused(monkeypatch: pytest.Monkey
 
 
 def test_an_event_the_table_does_not_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    legal = dict(turn_table.LEGAL)
-    legal[TurnEvent.START] = frozenset()
-    monkeypatch.setattr(turn_mod, "LEGAL", legal)
+    # each event's check is the table's LEGAL entry for it
+    assert machine_mod._START_IN is LEGAL[TurnEvent.START]
+    assert machine_mod._ANSWERED_IN is LEGAL[TurnEvent.ANSWERED]
+    monkeypatch.setattr(machine_mod, "_START_IN", frozenset())
     m = _machine()
     with pytest.raises(TurnError, match="illegal in step new"):
         m.start(0.0)

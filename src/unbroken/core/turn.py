@@ -164,7 +164,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 from unbroken.core.attempt import AttemptStats
 from unbroken.core.continuation import (
@@ -188,7 +187,7 @@ from unbroken.core.turn_clock import TurnClock, queued_failure, stall_failure, s
 from unbroken.core.turn_continue import ContinuationHooks, strategy_splices
 from unbroken.core.turn_endings import TurnEndings
 from unbroken.core.turn_fast_path import PEEL_FRAMES, FastPath
-from unbroken.core.turn_fields import is_testing, set_testing
+from unbroken.core.turn_fields import TESTING, set_testing
 from unbroken.core.turn_table import (
     LEGAL,
     Step,
@@ -224,6 +223,7 @@ from unbroken.core.turn_types import (
     TurnReport,
     TurnState,
     Wait,
+    new_fed,
 )
 
 __all__ = [
@@ -263,14 +263,21 @@ __all__ = [
     "strategy_splices",
 ]
 
-R = TypeVar("R")
-
 _NO_HOLD = Hold(())
 #: the hot path's legality checks: identities (the table says where each is legal)
 _STREAM = only_step(TurnEvent.FEED_CHUNK)
 _PASS_THROUGH = only_step(TurnEvent.FEED_BODY)
 #: where an attempt (or a continuation) waits for its answer
 _OPENING = LEGAL[TurnEvent.ANSWERED]
+#: where each event is legal (the table's `LEGAL`, one name each for the checks)
+_START_IN = LEGAL[TurnEvent.START]
+_NEXT_ATTEMPT_IN = LEGAL[TurnEvent.NEXT_ATTEMPT]
+_OPEN_FAILED_IN = LEGAL[TurnEvent.OPEN_FAILED]
+_ANSWERED_IN = LEGAL[TurnEvent.ANSWERED]
+_ERROR_BODY_IN = LEGAL[TurnEvent.ERROR_BODY]
+_FINAL_BODY_IN = LEGAL[TurnEvent.FINAL_BODY]
+_BODY_ENDED_IN = LEGAL[TurnEvent.BODY_ENDED]
+_TRANSPORT_FAILED_IN = LEGAL[TurnEvent.TRANSPORT_FAILED]
 #: the step each feed is legal in
 _FEEDS_IN = {
     e: only_step(e)
@@ -361,13 +368,17 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
 
     # -- attempts ----------------------------------------------------------------------
     def start(self, now: float) -> Action:
-        before = self._accept(TurnEvent.START)
+        before = self.step
+        if before not in _START_IN:  # the table's legality (inline: no call)
+            self._illegal("start")
         self.step = Step.IDLE  # (where the next attempt is chosen)
         return self._moved(before, TurnEvent.START, self._next_attempt(now))
 
     def next_attempt(self, now: float) -> Action:
         """After `start` or a `Wait`: open the next attempt, or give up."""
-        before = self._accept(TurnEvent.NEXT_ATTEMPT)
+        before = self.step
+        if before not in _NEXT_ATTEMPT_IN:  # the table's legality (inline: no call)
+            self._illegal("next_attempt")
         return self._moved(before, TurnEvent.NEXT_ATTEMPT, self._next_attempt(now))
 
     def _next_attempt(self, now: float) -> Action:
@@ -376,10 +387,10 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
             return self._give_up()
         resume = self._resume
         if resume is not None:
-            idx = retry.next_resume(now, pace=not is_testing())
+            idx = retry.next_resume(now, pace=not TESTING[0])
         else:
-            idx = retry.next_upstream(now, pace=not is_testing())
-        if type(idx) is Park and is_testing():
+            idx = retry.next_upstream(now, pace=not TESTING[0])
+        if type(idx) is Park and TESTING[0]:
             # testing mode: no real waits, parks neither
             if resume is not None:
                 idx = retry.next_resume(idx.until, pace=False)
@@ -430,7 +441,9 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
 
     def open_failed(self, now: float, failure: Failure) -> Action:
         """Connecting, sending, or waiting for the headers failed."""
-        before = self._accept(TurnEvent.OPEN_FAILED)
+        before = self.step
+        if before not in _OPEN_FAILED_IN:  # the table's legality (inline: no call)
+            self._illegal("open_failed")
         return self._moved(before, TurnEvent.OPEN_FAILED, self._open_failed(now, failure))
 
     def _open_failed(self, now: float, failure: Failure) -> Action:
@@ -450,7 +463,9 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
     ) -> Action:
         """The upstream's status line and headers arrived (``rate``: what they say of
         the key's rate limits, `core.ratehead`)."""
-        before = self._accept(TurnEvent.ANSWERED)
+        before = self.step
+        if before not in _ANSWERED_IN:  # the table's legality (inline: no call)
+            self._illegal("answered")
         action = self._answered(now, status, sse=sse, retry_after_s=retry_after_s, rate=rate)
         return self._moved(before, TurnEvent.ANSWERED, action)
 
@@ -523,7 +538,9 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
 
     def error_body(self, now: float, body: bytes = b"") -> Action:
         """A retryable answer's body was read and kept by the transport."""
-        before = self._accept(TurnEvent.ERROR_BODY)
+        before = self.step
+        if before not in _ERROR_BODY_IN:  # the table's legality (inline: no call)
+            self._illegal("error_body")
         return self._moved(before, TurnEvent.ERROR_BODY, self._error_body(now, body))
 
     def _error_body(self, now: float, body: bytes) -> Action:
@@ -549,7 +566,9 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
     ) -> Action:
         """A final non-SSE answer after early headers: re-sent as the in-stream error,
         in the protocol's final terms, with the provider's request id when known."""
-        before = self._accept(TurnEvent.FINAL_BODY)
+        before = self.step
+        if before not in _FINAL_BODY_IN:  # the table's legality (inline: no call)
+            self._illegal("final_body")
         return self._moved(
             before,
             TurnEvent.FINAL_BODY,
@@ -565,7 +584,11 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         ``released`` the frames to write now (boundaries kept), then ``over``."""
         if self.step is not _STREAM:
             self._illegal("feed_chunk")
-        return self._fed(self._feed_chunk(now, chunk), TurnEvent.FEED_CHUNK)
+        released = self._feed_chunk(now, chunk)
+        over = self._over
+        if over is None:
+            return new_fed(Fed, (released, None))
+        return Fed(released, self._moved(_STREAM, TurnEvent.FEED_CHUNK, over))
 
     def _feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]:
         self.last_rx = now
@@ -631,7 +654,11 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         """One frame (a WebSocket message): ``released`` the frames to send, then ``over``."""
         if self.step is not _STREAM:
             self._illegal("feed_frame")
-        return self._fed(self._feed_frame(now, event), TurnEvent.FEED_FRAME)
+        released = self._feed_frame(now, event)
+        over = self._over
+        if over is None:
+            return new_fed(Fed, (released, None))
+        return Fed(released, self._moved(_STREAM, TurnEvent.FEED_FRAME, over))
 
     def _feed_frame(self, now: float, event: Event) -> Sequence[Event]:
         self.last_rx = now
@@ -692,7 +719,11 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         released = ledger.feed(Event(chunk, None, ""))
         if released:
             self._released()
-        return self._fed(chunk if released else b"", TurnEvent.FEED_BODY)
+        out = chunk if released else b""
+        over = self._over
+        if over is None:
+            return new_fed(Fed, (out, None))
+        return Fed(out, self._moved(_PASS_THROUGH, TurnEvent.FEED_BODY, over))
 
     def _released(self) -> None:
         if not self.headers_out:
@@ -705,17 +736,11 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         now, by the feed that brought it, so no later event of this attempt is legal."""
         self._over = self._verdict_action(now, None)
 
-    def _fed(self, released: R, event: TurnEvent) -> Fed[R]:
-        """A feed's answer: what it released, and the action that ends the attempt
-        when a frame decided one (the step it enters is the table's)."""
-        over = self._over
-        if over is None:
-            return Fed(released, None)
-        return Fed(released, self._moved(_FEEDS_IN[event], event, over))
-
     def body_ended(self, now: float) -> Action:
         """The upstream body ended cleanly (EOF)."""
-        before = self._accept(TurnEvent.BODY_ENDED)
+        before = self.step
+        if before not in _BODY_ENDED_IN:  # the table's legality (inline: no call)
+            self._illegal("body_ended")
         return self._moved(before, TurnEvent.BODY_ENDED, self._body_ended(now))
 
     def _body_ended(self, now: float) -> Action:
@@ -745,7 +770,9 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
 
     def transport_failed(self, now: float, failure: Failure) -> Action:
         """Reading the upstream failed (or the connection was aborted for a stall)."""
-        before = self._accept(TurnEvent.TRANSPORT_FAILED)
+        before = self.step
+        if before not in _TRANSPORT_FAILED_IN:  # the table's legality (inline: no call)
+            self._illegal("transport_failed")
         action = self._transport_failed(now, failure)
         return self._moved(before, TurnEvent.TRANSPORT_FAILED, action)
 

@@ -14,7 +14,7 @@ from unbroken.core.ledger import State
 from unbroken.core.sse import CR, Event
 from unbroken.core.turn_fields import TurnFields
 from unbroken.core.turn_table import TurnEvent, only_step
-from unbroken.core.turn_types import Fed
+from unbroken.core.turn_types import Fed, new_fed
 
 __all__ = ["PEEL_FRAMES", "FastPath", "joined"]
 
@@ -25,6 +25,7 @@ PEEL_FRAMES = 8
 
 #: `feed_verbatim`'s answer for a chunk released whole, as it is (no allocation)
 WHOLE: Fed[bytes | None] = Fed(None, None)
+_NOTHING: Fed[bytes | None] = Fed(b"", None)
 _STREAM = only_step(TurnEvent.FEED_VERBATIM)
 _EVENT = TurnEvent.FEED_VERBATIM
 
@@ -69,7 +70,7 @@ class FastPath(TurnFields):
         assert splitter is not None and ledger is not None
         if CR in chunk or not chunk or self._splice is not None:
             # (a continuation's frames each pass its join check: no runs)
-            return self._fed(joined(self._feed_chunk(now, chunk)), _EVENT)
+            return self._fed(joined(self._feed_chunk(now, chunk)))
         self.last_rx = now
         size = len(chunk)
         pos = ledger.release_run(chunk) if splitter.idle else 0
@@ -103,4 +104,12 @@ class FastPath(TurnFields):
                     pos = end
                     if pos == size:
                         break
-        return self._fed(out[0] if len(out) == 1 else b"".join(out), _EVENT)
+        return self._fed(out[0] if len(out) == 1 else b"".join(out))
+
+    def _fed(self, released: bytes) -> Fed[bytes | None]:
+        over = self._over
+        if not released and over is None:
+            return _NOTHING  # (held: no allocation)
+        if over is None:
+            return new_fed(Fed, (released, None))
+        return Fed(released, self._moved(_STREAM, _EVENT, over))

@@ -8,7 +8,7 @@ one part calls on another are declared here for the type checker.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn
 
 from unbroken.core.attempt import AttemptStats
 from unbroken.core.continuation import Cancel, Refusal, Resume, Splicer, Strategy
@@ -18,11 +18,10 @@ from unbroken.core.profiles import Profile
 from unbroken.core.protocols import Protocol
 from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
-from unbroken.core.turn_table import ALLOWED, ENTERS, LEGAL, Step, TurnEvent, Watch
+from unbroken.core.turn_table import ALLOWED, ENTERS, Step, TurnEvent, Watch
 from unbroken.core.turn_types import (
     Action,
     End,
-    Fed,
     GiveUp,
     Outcome,
     Phase,
@@ -31,11 +30,10 @@ from unbroken.core.turn_types import (
     TurnReport,
 )
 
-__all__ = ["TurnFields", "is_testing", "set_testing"]
+__all__ = ["TESTING", "TurnFields", "is_testing", "set_testing"]
 
-R = TypeVar("R")
-
-_testing = [False]  # (a list: set in place, read by every part)
+#: testing mode (`set_testing`), as a one-item list: set in place, read by every part
+TESTING = [False]
 
 
 def set_testing(enabled: bool = True) -> None:
@@ -45,11 +43,11 @@ def set_testing(enabled: bool = True) -> None:
     what would have happened); only the `Wait` it returns is zero, so tests of
     retry storms and Retry-After run without real waits.
     """
-    _testing[0] = enabled
+    TESTING[0] = enabled
 
 
 def is_testing() -> bool:
-    return _testing[0]
+    return TESTING[0]
 
 
 class TurnFields:
@@ -145,13 +143,6 @@ class TurnFields:
         return self.watch is not Watch.WATCHING
 
     # -- the table, run (`turn_table`) ---------------------------------------------------
-    def _accept(self, event: TurnEvent) -> Step:
-        """The table's legality check: the step ``event`` arrives in, if legal there."""
-        step = self.step
-        if step not in LEGAL[event]:
-            self._illegal(event.value)
-        return step
-
     def _moved(self, before: Step, event: TurnEvent, action: Action) -> Action:
         """The table's transition: the step ``action`` enters (`ENTERS`).  An action
         the table does not list for (``before``, ``event``) is a bug in the machine:
@@ -176,7 +167,6 @@ class TurnFields:
 
     if TYPE_CHECKING:  # one part's calls on another (defined in `turn.TurnMachine`)
 
-        def _fed(self, released: R, event: TurnEvent) -> Fed[R]: ...
         def _feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]: ...
         def _feed_events(self, now: float, events: list[Event]) -> Sequence[Event]: ...
         def _next_attempt(self, now: float) -> Action: ...

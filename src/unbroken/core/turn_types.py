@@ -213,3 +213,8 @@ class Fed(NamedTuple, Generic[R]):
 
     released: R
     over: Action | None
+
+
+#: ``new_fed(Fed, (released, over))``: a `Fed` without the NamedTuple's ``__new__``, a
+#: Python call (the feeds' hot path; the same value)
+new_fed = tuple.__new__
