@@ -17,22 +17,18 @@ import pytest
 
 from unbroken.config import parse_config
 from unbroken.opencode import jsonc
-from unbroken.opencode.launcher import (
-    UndoResult,
+from unbroken.opencode.discovery import (
     content_with_relay,
     discover,
     find_config_files,
     load_merged,
     merge,
-    parse_opencode_args,
     relay_config,
     route_name,
-    run_opencode,
-    server_args,
-    setup,
-    undo,
 )
 from unbroken.opencode.providers import OPENCODE_PROVIDERS
+from unbroken.opencode.run import parse_opencode_args, run_opencode, server_args
+from unbroken.opencode.setup import UndoResult, setup, undo
 
 
 @pytest.fixture

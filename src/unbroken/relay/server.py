@@ -41,9 +41,9 @@ from unbroken.relay.connections import (
 )
 from unbroken.relay.http import CleanStream, Relay
 from unbroken.relay.logfilter import install_log_filter
+from unbroken.relay.siblings import WorkerSpec, read_worker_status, write_worker_status
 from unbroken.relay.upstream import redact
 from unbroken.relay.websocket import handle_websocket, is_websocket_request
-from unbroken.relay.workers import WorkerSpec, read_worker_status, write_worker_status
 
 __all__ = ["RelayServer", "build_app", "serve", "tune_gc"]
 
