@@ -29,7 +29,7 @@ from unbroken.opencode.discovery import content_with_relay, discover, load_merge
 
 __all__ = ["OpenCodeArgs", "parse_opencode_args", "register", "run_opencode", "server_args"]
 
-log = logging.getLogger("unbroken.opencode.launcher")
+log = logging.getLogger("unbroken.opencode.run")
 
 #: OpenCode subcommands (yargs); anything else in first position is the TUI's project.
 SUBCOMMANDS: Final = frozenset(
