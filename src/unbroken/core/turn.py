@@ -428,6 +428,7 @@ class TurnMachine:
         "stream",
         "t0",
         "timers",
+        "wall_clock",
         "writing",
     )
 
@@ -442,6 +443,7 @@ class TurnMachine:
         now: float,
         report: TurnReport,
         clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], float] | None = None,
         profile: Profile | None = None,
         socket: bool = False,
     ) -> None:
@@ -464,6 +466,7 @@ class TurnMachine:
         self.stream = stream
         self.report = report
         self.clock = clock  # for the ledger's hold time only
+        self.wall_clock = wall_clock  # Unix time, for the ledger's dated error events
         self.t0 = now
         self.step = _Step.NEW
         self.outcome: Outcome | None = None
@@ -578,6 +581,7 @@ class TurnMachine:
                     hold=self.hold,
                     max_hold_bytes=self.timers.max_hold_bytes,
                     clock=self.clock,
+                    wall_clock=self.wall_clock,
                     error_after_commit=not self.abort_after_commit,
                 )
                 ledger.stats = self.stats or AttemptStats()

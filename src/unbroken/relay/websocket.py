@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -481,6 +482,7 @@ class _WsTurn:
             now=now,
             report=self.report,
             clock=conn.loop.time,
+            wall_clock=time.time,
             profile=profile,
             socket=True,  # keepalives, for a profile that wants them, are messages
         )
