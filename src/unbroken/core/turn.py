@@ -119,6 +119,7 @@ told through the `TurnReport` protocol, which the I/O layer implements.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from collections.abc import Callable, Sequence
@@ -176,15 +177,27 @@ KEEPALIVE = b": keepalive\n\n"
 _testing = False
 
 
-def set_testing(enabled: bool = True) -> None:
+def set_testing(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Testing mode: retry waits are switched off (as stamina's ``set_testing`` does).
 
     The machine still computes and reports every wait (logs, journal, /status say
     what would have happened); only the `Wait` it returns is zero, so tests of
-    retry storms and Retry-After run without real waits.
+    retry storms and Retry-After run without real waits.  It takes effect at once;
+    used as a context manager (``with set_testing():``), the previous mode is back
+    on exit, as in stamina.
     """
     global _testing
-    _testing = enabled
+    previous, _testing = _testing, enabled
+    return _Restore(previous)
+
+
+class _Restore(contextlib.AbstractContextManager[None]):
+    def __init__(self, previous: bool) -> None:
+        self.previous = previous
+
+    def __exit__(self, *exc: object) -> None:
+        global _testing
+        _testing = self.previous
 
 
 class Phase(enum.StrEnum):
