@@ -177,7 +177,7 @@ async def test_slow_disk_does_not_block_turns(mock, tmp_path):
     )
     rec = Recorder()
     server = RelayServer(cfg, hooks=journal)
-    server.hooks.hooks.append(rec)
+    server.hooks.add(rec)
     journal.start()
     await server.start()
     try:

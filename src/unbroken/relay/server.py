@@ -306,7 +306,7 @@ class RelayServer:
             self.relay.cooloffs,
             breakers=self.relay.health_view,
         )
-        self.hooks.hooks.append(self.health)
+        self.hooks.add(self.health)
         self.journal: Journal | None = None
         if config.journal.enabled:
             self.journal = Journal(
@@ -317,9 +317,9 @@ class RelayServer:
         self.status = StatusTracker(inflight, self.health.snapshot, extra=self._status_extra)
         for observer in (self.status, self.metrics, self.journal):
             if observer is not None:
-                self.hooks.hooks.append(Guarded(observer))
+                self.hooks.add(Guarded(observer))
         if hooks is not None:
-            self.hooks.hooks.append(hooks)
+            self.hooks.add(hooks)
         self.app = build_app(
             self.relay, {"/status": self._get_status, "/metrics": self._get_metrics}
         )
