@@ -1,8 +1,9 @@
 """The aiohttp internals the relay relies on are still there, and still do what it needs.
 
 `relay/connections.py` extends aiohttp's low-level server (the header deadline, the
-connection cap) and `relay/http.py` sends a stream's headers with its first bytes;
-both reach past aiohttp's public API.  An aiohttp release that renames or changes
+connection cap), `relay/http.py` sends a stream's headers with its first bytes, and
+`relay/websocket.py` and `relay/server.py` read a few attributes aiohttp keeps to
+itself: all reach past aiohttp's public API.  An aiohttp release that renames or changes
 one of these fails here by name, not as a mysterious relay bug.  A new private
 name in relay/ fails `test_every_private_name_of_aiohttp_the_relay_uses_is_checked`
 until it is checked here too.
@@ -25,6 +26,7 @@ from aiohttp.web_protocol import RequestHandler
 import unbroken.relay
 from unbroken.relay.connections import GuardedHandler, GuardedRunner, GuardedServer
 from unbroken.relay.http import _WithFirstWrite
+from unbroken.relay.websocket import abort_websocket, handshake_headers
 
 RELAY = Path(unbroken.relay.__file__).resolve().parent
 
@@ -36,6 +38,10 @@ CHECKED = {
     "_make_server": "connections.py: web.AppRunner builds its server (GuardedRunner's hook)",
     "_task_handler": "connections.py: a RequestHandler's task (the connection is done with it)",
     "_send_headers_immediately": "http.py: a StreamResponse sends its headers at prepare()",
+    "_server": "server.py: a TCPSite's asyncio server (the port it bound)",
+    "_response": "websocket.py: a client WebSocket's handshake response (its headers)",
+    "_conn": "websocket.py: a client WebSocket's connection (its transport, to abort)",
+    "_drain_helper": "websocket.py: a RequestHandler waits for a slow client's buffer",
 }
 
 
@@ -158,6 +164,43 @@ def _self_stores(node: ast.AST) -> set[str]:
     }
 
 
+async def test_a_site_s_server_a_socket_s_handshake_and_connection_and_the_drain() -> None:
+    drains: list[bool] = []
+
+    async def socket(request: web.Request) -> web.WebSocketResponse:
+        drains.append(inspect.iscoroutinefunction(request.protocol._drain_helper))
+        ws = web.WebSocketResponse()
+        ws.headers["x-codex-turn"] = "7"
+        await ws.prepare(request)
+        async for _ in ws:
+            pass
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/ws", socket)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        sockets = site._server.sockets  # type: ignore[union-attr]
+        port = sockets[0].getsockname()[1]
+        assert port == runner.addresses[0][1]
+        async with (
+            aiohttp.ClientSession() as session,
+            session.ws_connect(f"http://127.0.0.1:{port}/ws") as ws,
+        ):
+            assert isinstance(ws._response, aiohttp.ClientResponse)
+            assert ("x-codex-turn", "7") in [(k.lower(), v) for k, v in handshake_headers(ws)]
+            transport = ws._conn.transport  # type: ignore[union-attr]
+            assert isinstance(transport, asyncio.Transport) and not transport.is_closing()
+            abort_websocket(ws)
+            assert transport.is_closing()
+    finally:
+        await runner.cleanup()
+    assert drains == [True]
+
+
 def _private_names_used(path: Path) -> set[str]:
     """Private attributes used in ``path`` that its own code does not define: through
     ``super()``, on ``self`` in a class that does not set them and when no class of the
@@ -197,6 +240,17 @@ def _private_names_used(path: Path) -> set[str]:
             continue
         elif n.attr not in anywhere:
             used.add(n.attr)
+    for n in ast.walk(tree):  # getattr(obj, "_name", default)
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id == "getattr"
+            and len(n.args) >= 2
+            and isinstance(n.args[1], ast.Constant)
+            and isinstance(n.args[1].value, str)
+            and _private(n.args[1].value)
+        ):
+            used.add(n.args[1].value)
     return used
 
 
@@ -213,5 +267,6 @@ def test_the_scan_sees_a_private_name(tmp_path: Path) -> None:
         "class S(Base):\n    _flag = False\n\n    def _hook(self, other):\n"
         "        self._mine = 1\n        super()._hook(other)\n"
         "        return other._theirs, self._inherited, self._mine, self._hook\n"
+        "\ndef g(x):\n    return getattr(x, '_hidden', None)\n"
     )
-    assert _private_names_used(sample) == {"_flag", "_theirs", "_inherited", "_hook"}
+    assert _private_names_used(sample) == {"_flag", "_theirs", "_inherited", "_hook", "_hidden"}
