@@ -208,6 +208,9 @@ def test_relay_config_has_one_route_per_placed_provider() -> None:
     assert config.routes["fake"].upstreams[0].url == "http://127.0.0.1:9/v1"
     assert config.routes["openai"].upstreams[0].url == "https://api.openai.com/v1"
     assert route_name("a", {"a"}) == "a-2"
+    # one route_name for every launcher: a provider named like a relay endpoint
+    # gets a route of its own, never the endpoint
+    assert route_name("status", set()) == "status-provider"
 
 
 def test_config_content_merges_with_the_users_own() -> None:

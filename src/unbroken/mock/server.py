@@ -42,7 +42,7 @@ from unbroken.mock.wire import (
     garbage_frame,
     halves,
     previous_not_found_body,
-    protocol_for_path,
+    protocol_name_for_path,
     render,
     status_error_body,
     ws_connection_limit,
@@ -506,7 +506,7 @@ class MockProvider:
 
     async def _h_provider(self, request: web.Request) -> web.StreamResponse:
         path = request.path
-        protocol = protocol_for_path(path)
+        protocol = protocol_name_for_path(path)
         if protocol is None or path.startswith("/_mock/"):
             return web.json_response(
                 {"error": {"message": f"mock: no route for {path}", "type": "not_found"}},

@@ -44,7 +44,7 @@ __all__ = [
     "frames_for",
     "garbage_frame",
     "make_reply",
-    "protocol_for_path",
+    "protocol_name_for_path",
     "render",
     "responses_events",
     "status_error_body",
@@ -83,7 +83,7 @@ _PATH_SUFFIXES: Final = (
 )
 
 
-def protocol_for_path(path: str) -> str | None:
+def protocol_name_for_path(path: str) -> str | None:
     """Map a request path to a protocol by suffix (``/x/v1/messages`` -> anthropic;
     ``/v1beta/models/<model>:streamGenerateContent`` -> gemini)."""
     path = path.rstrip("/")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
+from unbroken.agents.plan import route_name
 from unbroken.config import Config, ConfigError, Route, Upstream, validate_url
 from unbroken.opencode import jsonc
 from unbroken.opencode.providers import OPENCODE_PROVIDERS, UNPLACEABLE
@@ -306,16 +307,6 @@ def _place(
     if _is_loopback(url) and probe(url):
         return Provider(pid, None, why, f"it already goes through unbroken at {url}")
     return Provider(pid, url, why)
-
-
-def route_name(pid: str, taken: set[str]) -> str:
-    """A route name for a provider id: one path segment, not starting with ``_``."""
-    name = re.sub(r"[^A-Za-z0-9._~-]", "-", pid).lstrip("_") or "provider"
-    candidate, n = name, 2
-    while candidate in taken:
-        candidate, n = f"{name}-{n}", n + 1
-    taken.add(candidate)
-    return candidate
 
 
 def relay_config(base: Config, providers: Sequence[Provider]) -> tuple[Config, dict[str, str]]:

@@ -26,10 +26,10 @@ from aiohttp import web
 from unbroken import __version__
 from unbroken.config import Config, Route, bind_problem
 from unbroken.observe.guard import Guarded
-from unbroken.observe.health import Health
 from unbroken.observe.hooks import Hooks, LogHooks, MultiHooks
 from unbroken.observe.journal import Journal, journal_path
 from unbroken.observe.metrics import CONTENT_TYPE_LATEST, Metrics
+from unbroken.observe.outcomes import Health
 from unbroken.observe.status import StatusTracker
 from unbroken.relay.access import Access, Denied, Target, parse_target
 from unbroken.relay.connections import (
