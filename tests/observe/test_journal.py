@@ -320,6 +320,7 @@ async def test_a_turn_ended_in_a_later_batch_gets_the_same_row(tmp_path):
             journal.attempt_ended(turn, second)
             turn.outcome, turn.attempts, turn.upstream = "recovered", 2, "u"
             turn.last_failure, turn.ended = "503", turn.started + 1.5
+            turn.waited_s = 0.5  # what the reporter measured (observe/report.py)
             turn.first_byte_at = turn.started + 1.25
             journal.turn_ended(turn)
             await journal.flush()

@@ -264,3 +264,48 @@ def test_parse_since_and_percentile():
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 50) == 50 and percentile(values, 99) == 99
     assert percentile(values, 100) == 100
+
+
+async def test_time_waiting_is_the_time_really_waited_never_more_than_the_turn_s_age(
+    tmp_path: Path,
+) -> None:
+    """A client that goes away 2 s into a 30 s retry wait: the turn waited 2 s, and
+    the journal, `unbroken stats` and /status say 2 s (they said 30 s: the wait as
+    scheduled, longer than the turn itself)."""
+    from unbroken.core.policy import Failure, FailureClass
+    from unbroken.core.turn import Outcome, Phase
+    from unbroken.observe.hooks import MultiHooks, TurnInfo
+    from unbroken.observe.journal import Journal
+    from unbroken.observe.report import TurnReporter
+    from unbroken.observe.status import StatusTracker
+
+    clock = [time.time()]  # (the journal prunes what is older than its retention)
+    journal = Journal(tmp_path / "j.sqlite3")
+    status = StatusTracker()
+    journal.start()
+    try:
+        info = TurnInfo(route="r", path="v1/chat/completions", protocol="chat", stream=True)
+        info.started = clock[0]
+        report = TurnReporter(
+            info, MultiHooks(journal, status), ["u"], set(), wall=lambda: clock[0]
+        )
+        report.open()
+        report.attempt_started(1, 0)
+        clock[0] += 0.5
+        report.attempt_ended("503", Phase.HEADERS, 503, None)
+        report.attempt_failed(Failure(FailureClass.STATUS, "503", 503), Phase.HEADERS, 30.0)
+        clock[0] += 2.0  # the client goes away during the wait
+        report.close(Outcome.ABORTED_BY_CLIENT)
+        await journal.flush()
+    finally:
+        await journal.aclose()
+    assert status.retry_wait_s == 2.0
+    conn = sqlite3.connect(tmp_path / "j.sqlite3")
+    try:
+        (wait_s, age) = conn.execute("SELECT wait_s, ended - started FROM turns").fetchone()
+        report_ = compute_stats(conn, since_s=None)
+    finally:
+        conn.close()
+    assert wait_s == 2.0 and wait_s <= age
+    assert report_["waiting_s"]["total"] == 2.0
+    assert info.waited_s == 2.0

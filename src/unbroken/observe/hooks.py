@@ -79,6 +79,9 @@ class TurnInfo:
     parked_for: str | None = None
     #: seconds the turn waited at the relay for the provider's rate limit
     queued_s: float = 0.0
+    #: seconds the turn really waited between attempts: a wait cut short (the client
+    #: went away, the relay stopped) counts what elapsed, never the wait that was planned
+    waited_s: float = 0.0
     # ok | recovered | ended_with_error | passed_through_error | aborted_by_client
     outcome: str | None = None
     ended: float | None = None

@@ -62,7 +62,6 @@ class StatusTracker(Hooks):
     ) -> None:
         if wait_s is not None:
             self.retries += 1
-            self.retry_wait_s += wait_s
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         self.attempts += 1
@@ -77,6 +76,7 @@ class StatusTracker(Hooks):
     def turn_ended(self, turn: TurnInfo) -> None:
         self.turns += 1
         self.outcomes[turn.outcome or "unknown"] += 1
+        self.retry_wait_s += turn.waited_s  # really waited: a cut-short wait as it went
 
     # -- snapshot ------------------------------------------------------------------------
     @staticmethod
