@@ -246,10 +246,45 @@ def test_stats_finds_the_journal_through_the_config(journal, tmp_path, capsys, m
     conf.write_text(f"[journal]\npath = {json.dumps(str(path))}\n")
     assert main(["stats", "--config", str(conf), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["turns"] == 10
-    monkeypatch.setenv("XDG_STATE_HOME", str(path.parent.parent))  # no journal there
-    assert main(["stats", "--json"]) == 1
-    assert "no journal at" in capsys.readouterr().err
+    assert main(["stats", "--journal", str(tmp_path / "none.sqlite3")]) == 1
+    assert "no journal at" in capsys.readouterr().err  # a journal named, and not there
+
+
+def test_stats_before_the_first_turn_says_there_are_none_yet_and_where_they_go(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`unbroken serve` writes its journal from its first turn: before that, stats said
+    "no journal" (exit 1) as if the relay were not running or not journaling."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.delenv("UNBROKEN_CONFIG", raising=False)
+    assert main(["stats"]) == 0
+    out = capsys.readouterr().out
+    assert "no turns yet" in out and str(tmp_path / "unbroken" / "journal.sqlite3") in out
+    assert main(["stats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["turns"] == 0
+    assert main(["stats", "--json", "--by", "session"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"sessions": []}
+    conf = tmp_path / "off.toml"
+    conf.write_text("[journal]\nenabled = false\n")
+    assert main(["stats", "--config", str(conf)]) == 1
+    assert "the journal is off" in capsys.readouterr().err
+
+
+def test_since_takes_a_minus_sign_and_its_error_says_what_it_takes(
+    journal: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = journal
+    assert main(["stats", "--journal", str(path), "--since", "5h", "--json"]) == 0
+    five = json.loads(capsys.readouterr().out)
+    assert main(["stats", "--journal", str(path), "--since", "-5h", "--json"]) == 0
+    minus = json.loads(capsys.readouterr().out)  # argparse took -5h for an option
+    assert minus["turns"] == five["turns"] > 0
+    assert main(["stats", "--journal", str(path), "--since=-5h", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["turns"] == five["turns"]
     assert main(["stats", "--since", "yesterday"]) == 2
+    err = capsys.readouterr().err
+    assert "'yesterday'" in err and "s, m, h, d or w" in err and "or all" in err
+    assert err.count("\n") == 1  # one line
 
 
 def test_parse_since_and_percentile():
@@ -257,8 +292,10 @@ def test_parse_since_and_percentile():
     assert parse_since("24h") == 86400 and parse_since("7d") == 7 * 86400
     assert parse_since("2w") == 14 * 86400 and parse_since("15") == 15
     assert parse_since("all") is None
-    with pytest.raises(ValueError):
-        parse_since("-1h")
+    assert parse_since("-1h") == 3600 and parse_since("- 2d") == 2 * 86400
+    for bad in ("h", "1x", "--1h", "1h2m", ""):
+        with pytest.raises(ValueError):
+            parse_since(bad)
     assert percentile([], 50) is None
     assert percentile([3.0], 99) == 3.0
     values = [float(v) for v in range(1, 101)]
