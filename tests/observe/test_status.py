@@ -8,6 +8,7 @@ import json
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -143,6 +144,38 @@ async def test_live_view_redraws_in_place(mock, waiting_relay):
     out = buf.getvalue()
     assert "waiting" in out and "429" in out
     assert "\x1b[" in out  # cursor movement: the second frame overwrote the first
+
+
+async def test_status_into_a_file_prints_one_snapshot_and_exits(mock, tmp_path: Path) -> None:
+    """``unbroken status > file``: the live view needs a terminal; it drew nothing
+    into a file and never exited (without --once)."""
+    server = RelayServer(make_config([{"url": mock.url}]))
+    await server.start()
+    out_file = tmp_path / "status.txt"
+    try:
+        with out_file.open("wb") as out:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "unbroken",
+                "status",
+                "--url",
+                server.url,
+                stdout=out,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            try:
+                _, err = await asyncio.wait_for(proc.communicate(), 60)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+    finally:
+        await server.stop()
+    assert proc.returncode == 0, err.decode()
+    text = out_file.read_text()
+    assert "nothing in flight" in text and "Upstreams" in text
+    assert "\x1b[" not in text  # no cursor movement: a snapshot, not a redraw
 
 
 async def test_status_command_unreachable(capsys, unused_tcp_port):
