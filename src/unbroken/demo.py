@@ -704,8 +704,9 @@ def render_run(run: DemoRun, width: int | None = None) -> Any:
         title=f"{run.name}  {time.monotonic() - run.started:5.1f} s",
         title_justify="left",
         expand=False,
-        **({"box": box.SIMPLE_HEAD, "pad_edge": False, "padding": (0, 0)} if compact else {}),
     )
+    if compact:  # no rules between columns, one space between them
+        table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0)
 
     def column(name: str, justify: Any = "left") -> None:
         if not compact:
