@@ -36,6 +36,7 @@ __all__ = [
     "load_merged",
     "merge",
     "relay_config",
+    "route_for",
     "route_name",
 ]
 
@@ -341,3 +342,16 @@ def content_with_relay(existing: str | None, base_urls: Mapping[str, str]) -> st
             pass
     patch = {"provider": {pid: {"options": {"baseURL": url}} for pid, url in base_urls.items()}}
     return json.dumps(merge(data, patch), separators=(",", ":"))
+
+
+def route_for(url: str, routes: Mapping[str, Route]) -> tuple[str, str] | None:
+    """(route, path suffix) of a relay route whose upstream is a prefix of ``url``."""
+    best: tuple[int, str, str] | None = None
+    for name, route in routes.items():
+        for up in route.upstreams:
+            base = up.url.rstrip("/")
+            if url == base or url.startswith(base + "/"):
+                score = len(base) * 2 + (0 if route.builtin else 1)
+                if best is None or score > best[0]:
+                    best = (score, name, url[len(base) :])
+    return None if best is None else (best[1], best[2])

@@ -16,16 +16,24 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shlex
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TextIO
 
 from unbroken.agents.child import log_to, run_child, setup_run_logging
 from unbroken.config import Config, ConfigError, load_config
-from unbroken.opencode.discovery import content_with_relay, discover, load_merged, relay_config
+from unbroken.opencode.discovery import (
+    content_with_relay,
+    discover,
+    load_merged,
+    relay_config,
+    route_for,
+    route_name,
+)
 
 __all__ = ["OpenCodeArgs", "parse_opencode_args", "register", "run_opencode", "server_args"]
 
@@ -229,6 +237,52 @@ async def run_opencode(
         await server.stop()
 
 
+def print_env(
+    command: Sequence[str],
+    base: Config,
+    env: Mapping[str, str],
+    cwd: Path,
+    out: TextIO | None = None,
+) -> None:
+    """What OpenCode needs to go through ``unbroken serve`` (the config's host and port):
+    ``OPENCODE_CONFIG_CONTENT`` with each provider it uses pointed at the relay's route
+    to that provider's real URL, and the routes to add for those the relay lacks."""
+    out = out or sys.stdout
+    host = base.host or "127.0.0.1"
+    relay = f"http://{f'[{host}]' if ':' in host else host}:{base.port}"
+    parsed = parse_opencode_args(command[1:])
+    project = cwd / parsed.project if parsed.project else cwd
+    user_config, _ = load_merged(project if project.is_dir() else cwd, env)
+    providers = discover(user_config, env, model_arg=parsed.model)
+    out.write(f"# unbroken run -- {command[0]}: point it at unbroken serve ({relay})\n")
+    base_urls: dict[str, str] = {}
+    missing: list[tuple[str, str]] = []
+    for p in providers:
+        if p.url is None:
+            out.write(f"# not relayed: {p.id} ({p.problem})\n")
+            continue
+        match = route_for(p.url, base.routes)
+        if match is None:
+            missing.append((p.id, p.url))
+            continue
+        name, suffix = match
+        base_urls[p.id] = f"{relay}/{name}{suffix}"
+    if missing:
+        out.write("# routes to add to your unbroken config (--config / $UNBROKEN_CONFIG):\n")
+        taken = set(base.routes)
+        for pid, url in missing:
+            name = route_name(pid, taken)
+            out.write(f'#   [routes.{name}]\n#   upstreams = [{{ url = "{url}" }}]\n')
+            base_urls[pid] = f"{relay}/{name}"
+    if not providers:
+        out.write("# OpenCode's config names no provider in use: nothing to point\n")
+        return
+    content = content_with_relay(env.get("OPENCODE_CONFIG_CONTENT"), base_urls)
+    out.write(f"export OPENCODE_CONFIG_CONTENT={shlex.quote(content)}\n")
+    out.write(shlex.join(list(command)) + "\n")
+    out.write("# or for good, in opencode.json (with a backup): unbroken opencode setup\n")
+
+
 def _relay_for(
     parsed: OpenCodeArgs, *, base: Config, env: Mapping[str, str], cwd: Path
 ) -> tuple[Config, dict[str, str]]:
@@ -318,15 +372,17 @@ def _run_cmd(args: argparse.Namespace) -> int:
         from unbroken.agents.launcher import run_cmd
 
         return run_cmd(command, config=args.config, log_path=args.log, print_only=args.print_env)
-    if args.print_env:
-        print(
-            "# unbroken run -- opencode sets OPENCODE_CONFIG_CONTENT for one run; to wire "
-            "OpenCode to `unbroken serve` for good: unbroken opencode setup"
-        )
-        return 0
     from unbroken.opencode.resume import settings_from_env
 
     env = dict(os.environ)
+    if args.print_env:
+        try:
+            base = load_config(args.config)
+        except (ConfigError, ValueError) as exc:
+            print(f"unbroken: invalid config: {exc}", file=sys.stderr)
+            return 2
+        print_env(command, base, env, Path.cwd())
+        return 0
     try:
         base = load_config(args.config)
         settings_from_env(env)

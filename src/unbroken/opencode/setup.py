@@ -28,6 +28,7 @@ from unbroken.opencode.discovery import (
     discover,
     is_unbroken,
     load_merged,
+    route_for,
     route_name,
 )
 
@@ -53,19 +54,6 @@ def target_file(scope: str, project: Path, env: Mapping[str, str]) -> Path:
         if (d / name).is_file():
             return d / name
     return d / "opencode.json"
-
-
-def _route_for(url: str, routes: Mapping[str, Route]) -> tuple[str, str] | None:
-    """(route, path suffix) of a relay route whose upstream is a prefix of ``url``."""
-    best: tuple[int, str, str] | None = None
-    for name, route in routes.items():
-        for up in route.upstreams:
-            base = up.url.rstrip("/")
-            if url == base or url.startswith(base + "/"):
-                score = len(base) * 2 + (0 if route.builtin else 1)
-                if best is None or score > best[0]:
-                    best = (score, name, url[len(base) :])
-    return None if best is None else (best[1], best[2])
 
 
 @dataclass
@@ -105,7 +93,7 @@ def setup(
         if p.url is None:
             missing.append(p)
             continue
-        match = _route_for(p.url, routes)
+        match = route_for(p.url, routes)
         if match is None:
             missing.append(dataclasses.replace(p, problem="no route on the relay reaches it"))
             continue
