@@ -212,6 +212,7 @@ def test_relay_config_has_one_route_per_placed_provider() -> None:
     # one route_name for every launcher: a provider named like a relay endpoint
     # gets a route of its own, never the endpoint
     assert route_name("status", set()) == "status-provider"
+    assert route_name("_x~y", set()) == "x-y"  # a valid [routes.<name>]: no _ first, no ~
 
 
 def test_config_content_merges_with_the_users_own() -> None:
