@@ -13,15 +13,15 @@ TESTS = Path(__file__).resolve().parent
 SAMPLE = """
 import pytest
 
-def test_runs():
+def test_runs() -> None:
     pass
 
 @pytest.mark.slow
-def test_skips():
+def test_skips() -> None:
     pytest.skip("the frobnicator is not installed")
 
 @pytest.mark.xfail(reason="known")
-def test_xfails():
+def test_xfails() -> None:
     assert False
 """
 

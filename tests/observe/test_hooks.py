@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -159,7 +160,7 @@ def _run(defer: bool, flush_after: int) -> list[str]:
     calls = Calls()
     info = TurnInfo(route="r", path="v1/chat/completions", protocol="chat", stream=True)
     report = TurnReporter(info, calls, ("a", "b"), set())
-    steps = [
+    steps: list[Callable[[], None]] = [
         lambda: report.attempt_started(1, 0),
         lambda: report.attempt_failed(Failure(FailureClass.STATUS, "503"), Phase.HEADERS, 0.1),
         lambda: report.attempt_ended("503", Phase.HEADERS, 503, None),

@@ -142,7 +142,7 @@ def journal(tmp_path: Path) -> tuple[Path, float]:
     return path, now
 
 
-def test_stats_over_the_last_24h(journal):
+def test_stats_over_the_last_24h(journal: tuple[Path, float]) -> None:
     path, now = journal
     s = compute_stats(sqlite3.connect(path), since_s=86400, now=now)
     assert s["turns"] == 10
@@ -193,7 +193,7 @@ def test_stats_over_the_last_24h(journal):
     }
 
 
-def test_stats_window(journal):
+def test_stats_window(journal: tuple[Path, float]) -> None:
     path, now = journal
     conn = sqlite3.connect(path)
     everything = compute_stats(conn, since_s=None, now=now)
@@ -205,7 +205,7 @@ def test_stats_window(journal):
     assert recent["failures_by_phase"] == {}
 
 
-def test_empty_journal(tmp_path):
+def test_empty_journal(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / "j.sqlite3")
     conn.executescript(SCHEMA)
     s = compute_stats(conn)
@@ -214,7 +214,9 @@ def test_empty_journal(tmp_path):
     assert "no turn hit a failure" in format_stats(s)
 
 
-def test_stats_json_command(journal, capsys):
+def test_stats_json_command(
+    journal: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+) -> None:
     path, _ = journal
     assert main(["stats", "--journal", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -225,7 +227,9 @@ def test_stats_json_command(journal, capsys):
     assert json.loads(capsys.readouterr().out)["turns"] == 11
 
 
-def test_stats_text_command(journal, capsys):
+def test_stats_text_command(
+    journal: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+) -> None:
     path, _ = journal
     assert main(["stats", "--journal", str(path), "--since", "24h"]) == 0
     out = capsys.readouterr().out
@@ -240,7 +244,12 @@ def test_stats_text_command(journal, capsys):
     )
 
 
-def test_stats_finds_the_journal_through_the_config(journal, tmp_path, capsys, monkeypatch):
+def test_stats_finds_the_journal_through_the_config(
+    journal: tuple[Path, float],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     path, _ = journal
     conf = tmp_path / "u.toml"
     conf.write_text(f"[journal]\npath = {json.dumps(str(path))}\n")
@@ -271,7 +280,7 @@ def test_stats_before_the_first_turn_says_there_are_none_yet_and_where_they_go(
 
 
 def test_since_takes_a_minus_sign_and_its_error_says_what_it_takes(
-    journal: Any, capsys: pytest.CaptureFixture[str]
+    journal: tuple[Path, float], capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, _ = journal
     assert main(["stats", "--journal", str(path), "--since", "5h", "--json"]) == 0
@@ -287,7 +296,7 @@ def test_since_takes_a_minus_sign_and_its_error_says_what_it_takes(
     assert err.count("\n") == 1  # one line
 
 
-def test_parse_since_and_percentile():
+def test_parse_since_and_percentile() -> None:
     assert parse_since("90s") == 90 and parse_since("30m") == 1800
     assert parse_since("24h") == 86400 and parse_since("7d") == 7 * 86400
     assert parse_since("2w") == 14 * 86400 and parse_since("15") == 15
