@@ -151,3 +151,15 @@ def test_every_module_of_the_package_is_in_a_layer() -> None:
     tops = {p.stem for p in src.glob("*.py") if p.stem != "__init__"}
     tops |= {p.parent.name for p in src.glob("*/__init__.py")}
     assert tops == set(_contract_table())
+
+
+def test_the_commands_cli_imports_by_name_sit_below_it() -> None:
+    """`cli` imports each command's module by its name (importlib), which no import
+    graph sees: they must sit in layers below `cli`, as an import statement would."""
+    from unbroken.cli import COMMAND_MODULES, COMMAND_OF
+
+    table = _contract_table()
+    cli_layer, below = table["cli"]
+    for name in {*COMMAND_MODULES, *COMMAND_OF.values()}:
+        top = name.split(".")[1]
+        assert top in below and table[top][0] > cli_layer, name
