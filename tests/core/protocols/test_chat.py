@@ -92,7 +92,10 @@ def run(events: list[Event]) -> list[tuple[int, int]]:
 def assert_table(rows: list[tuple[Event, int, int]]) -> None:
     got = run([r[0] for r in rows])
     want = [(r[1], r[2]) for r in rows]
-    pretty = lambda xs: [(kind_names(k), n) for k, n in xs]  # noqa: E731
+
+    def pretty(xs: list[tuple[int, int]]) -> list[tuple[str, int]]:
+        return [(kind_names(k), n) for k, n in xs]
+
     assert pretty(got) == pretty(want)
 
 
