@@ -117,11 +117,16 @@ async def test_a_stream_s_headers_leave_with_its_first_bytes() -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
         transport: Any = request.transport
         real_write, real_writelines = transport.write, transport.writelines
-        transport.write = lambda data: (writes.append(bytes(data)), real_write(data))[1]
-        transport.writelines = lambda parts: (
-            writes.append(b"".join(parts)),
-            real_writelines(parts),
-        )[1]
+
+        def write(data: bytes) -> None:
+            writes.append(bytes(data))
+            real_write(data)
+
+        def writelines(parts: list[bytes]) -> None:
+            writes.append(b"".join(parts))
+            real_writelines(parts)
+
+        transport.write, transport.writelines = write, writelines
         resp = _WithFirstWrite(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         after_prepare.append(len(writes))
