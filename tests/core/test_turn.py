@@ -199,6 +199,30 @@ def test_give_up_after_early_headers_is_the_native_error_in_the_stream() -> None
     assert m.outcome is Outcome.ENDED_WITH_ERROR
 
 
+def test_a_responses_give_up_after_early_headers_is_dated_by_the_wall_clock_passed_in() -> None:
+    """No response.created came: the failed response's id and created_at are made up
+    from the Unix time the transport passes in (the core reads no clock)."""
+    from unbroken.core.protocols import RESPONSES
+
+    m = TurnMachine(
+        protocol=RESPONSES,
+        hold=Hold(),
+        timers=Timers(early_headers_s=1.0),
+        retry=RetryState(RetryPolicy(max_attempts=1), 1, rng=random.Random(0)),
+        stream=True,
+        now=0.0,
+        report=Report(),
+        wall_clock=lambda: 1_800_000_000.5,
+    )
+    m.start(0.0)
+    assert m.tick(1.0) == SendHeaders(200)
+    action = m.open_failed(1.2, REFUSED)
+    assert isinstance(action, GiveUp) and action.kind is GiveUpKind.IN_STREAM
+    failed = json.loads(action.data.split(b"event: response.failed\ndata: ")[1])
+    assert failed["response"]["created_at"] == 1_800_000_000
+    assert failed["response"]["id"] == "resp_unbroken_1800000000500"
+
+
 # -- streams -------------------------------------------------------------------------------
 def test_control_frames_are_held_then_released_with_the_first_output() -> None:
     m, _ = make()
