@@ -689,7 +689,7 @@ def test_created_snapshot_is_remembered() -> None:
     clf = ResponsesClassifier()
     clf.classify(s.ev("response.created", response=response_obj()))
     clf.classify(s.ev("response.in_progress", response=response_obj(id="resp_other")))
-    raw = RESPONSES.error_frame("cut", clf, b'data: {"sequence_number": 41}\n\n')
+    raw = RESPONSES.error_frame("cut", clf, b'data: {"sequence_number": 41}\n\n', 1.0)
     events = parse(raw)
     assert [e.name for e in events] == ["error", "response.failed"]
     error, failed = (json.loads(e.data or "") for e in events)

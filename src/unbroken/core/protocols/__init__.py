@@ -62,7 +62,7 @@ class Protocol:
     comment_keepalive: bool = True
 
     def error_frame(
-        self, message: str, classifier: Classifier, last_raw: bytes | None, now: float = 0.0
+        self, message: str, classifier: Classifier, last_raw: bytes | None, now: float
     ) -> bytes:
         """The protocol-native, retryable error event that ends a truncated turn (``now``:
         Unix time, for a Responses turn cut before its ``response.created``)."""
