@@ -13,15 +13,15 @@ TESTS = Path(__file__).resolve().parent
 SAMPLE = """
 import pytest
 
-def test_runs() -> None:
+def test_runs():
     pass
 
 @pytest.mark.slow
-def test_skips() -> None:
+def test_skips():
     pytest.skip("the frobnicator is not installed")
 
 @pytest.mark.xfail(reason="known")
-def test_xfails() -> None:
+def test_xfails():
     assert False
 """
 
