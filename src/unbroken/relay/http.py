@@ -948,6 +948,7 @@ class _HttpTurn:
             now=self.loop.time(),
             report=self.report,
             clock=self.loop.time,
+            wall_clock=time.time,
             profile=self.profile,
         )
         info.held = self._held

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -210,7 +211,7 @@ def abort_websocket(ws: aiohttp.ClientWebSocketResponse[Any]) -> None:
         transport.abort()
 
 
-def ws_messages(events: Sequence[Event], *, sse: bool) -> list[bytes]:
+def as_messages(events: Sequence[Event], *, sse: bool) -> list[bytes]:
     """What the machine released, as WebSocket text messages (boundaries kept)."""
     if sse:
         return [e.data.encode() for e in events if e.data is not None]
@@ -482,6 +483,7 @@ class _WsTurn:
             now=now,
             report=self.report,
             clock=conn.loop.time,
+            wall_clock=time.time,
             profile=profile,
             socket=True,  # keepalives, for a profile that wants them, are messages
         )
@@ -603,7 +605,7 @@ class _WsTurn:
             # A profile whose idle timer counts messages, not pings (Codex): the
             # keepalive event's data as a message, which its parser ignores.
             with contextlib.suppress(ConnectionError):
-                self.conn.send(ws_messages(SSESplitter().feed(action.data), sse=True))
+                self.conn.send(as_messages(SSESplitter().feed(action.data), sse=True))
             return
         # A WebSocket turn has no early headers (the socket is open); the other timed
         # action is a stall: abort the upstream at once.
@@ -709,7 +711,7 @@ class _WsTurn:
             # an in-stream error after output: the released frame is our native error
             self.conn.send(ws_error_messages(b"".join([e.raw for e in released])))
             return
-        self.conn.send(ws_messages(released, sse=sse))
+        self.conn.send(as_messages(released, sse=sse))
         if not self.completed:
             self._remember(released, sse=sse)
 

@@ -1,0 +1,54 @@
+"""What a relay worker knows of its siblings (``serve --workers N``).
+
+Its identity (`WorkerSpec`) and the ``/status`` summaries the workers leave for
+one another in the supervisor's runtime directory.  The relay server reads and
+writes them; the supervisor (`unbroken.relay.workers`) runs the servers, so this
+sits below both and neither imports the other back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["STATUS_FRESH_S", "WorkerSpec", "read_worker_status", "write_worker_status"]
+
+#: a sibling's summary older than this is not shown (its worker is gone or stuck)
+STATUS_FRESH_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """Who a worker is: its number, and the supervisor's runtime directory."""
+
+    id: int
+    runtime_dir: str
+
+
+def write_worker_status(spec: WorkerSpec, data: dict[str, Any]) -> None:
+    """Write this worker's ``/status`` summary where its siblings read it (atomically)."""
+    path = Path(spec.runtime_dir) / f"status-{spec.id}.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def read_worker_status(spec: WorkerSpec) -> list[dict[str, Any]]:
+    """Every worker's latest summary (fresh ones only), this one's included."""
+    out = []
+    now = time.time()
+    for path in sorted(Path(spec.runtime_dir).glob("status-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and now - float(data.get("now", 0)) <= STATUS_FRESH_S:
+            out.append(data)
+    return out
