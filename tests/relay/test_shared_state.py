@@ -146,3 +146,48 @@ async def test_garbage_in_redis_is_ignored_and_never_turns_sharing_off(
 
 def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records]
+
+
+async def test_garbage_in_a_shared_rate_limit_budget_is_replaced_not_fatal(
+    redis_server, mock, caplog
+):
+    from relay.test_ratelimit_redis import fleet_config as rate_config
+    from relay.test_ratelimit_redis import post as rate_post
+    from relay.test_ratelimit_redis import shared
+    from unbroken.mock.limits import MockLimits
+
+    caplog.set_level(logging.INFO, logger="unbroken")
+    mock.limits = MockLimits(rpm=600, start=0.0)  # ten a second
+    cfg = rate_config(mock.url, redis_server.url)
+    async with RelayServer(cfg) as a, RelayServer(cfg) as b:
+        async with aiohttp.ClientSession() as http:
+            await until(lambda: up(a))
+            await until(lambda: up(b))
+            assert await rate_post(http, a.url, "A") == 200
+            assert await rate_post(http, b.url, "B") == 200
+            await until(lambda: shared(a) and shared(b))
+            redis = a.relay.store.redis  # type: ignore[attr-defined]
+            names = sorted(n.decode() for n in await redis.keys("unbroken:rl:*"))
+            assert names
+            for i, name in enumerate(names):
+                if i % 2:
+                    await redis.delete(name)
+                    await redis.set(name, "not a hash")
+                else:
+                    await redis.hset(name, mapping={"level": "abc", "t": "inf", "limit": "-1"})
+
+            async def shared_again() -> bool:
+                assert await rate_post(http, a.url, "A") == 200
+                assert await rate_post(http, b.url, "B") == 200
+                for n in names:
+                    if await redis.type(n) != b"hash" or await redis.hget(n, "level") == b"abc":
+                        return False
+                return shared(a) and shared(b)
+
+            await until(shared_again, cap=10)
+            assert await up(a) and await up(b)
+    assert degraded_lines(caplog) == []
+    assert any(
+        "ignored malformed value from redis (a rate-limit key" in m for m in _messages(caplog)
+    )
+    assert not any("Traceback" in m for m in _messages(caplog))

@@ -73,7 +73,8 @@ end
 """
 
 #: KEYS: the buckets; ARGV: most requests wanted, each bucket's cost per request, ttl ms.
-#: Returns {granted requests, seconds until one more is there} ({-1, 0}: unknown bucket).
+#: Returns {granted requests, seconds until one more is there} ({-1, 0}: unknown bucket;
+#: {-2, 0}: a key there that is not a valid bucket, taught again like an unknown one).
 TAKE = (
     _NOW
     + """
@@ -83,7 +84,7 @@ local state = {}
 local wait = 0
 for i, k in ipairs(KEYS) do
   local limit, rate, old, at = bucket(k)
-  if not limit then return {-1, '0'} end
+  if not limit then return {redis.call('EXISTS', k) == 1 and -2 or -1, '0'} end
   local level = math.min(limit, old + (now - at) * rate)
   local cost = math.min(tonumber(ARGV[i + 1]), limit)
   state[i] = {level, cost}
@@ -103,6 +104,7 @@ return {n, tostring(wait)}
 )
 
 #: KEYS: one bucket; ARGV: limit, rate, the level the provider's report implies, ttl ms.
+#: Returns 1 when it replaced a key that was not a valid bucket, else 0.
 LEARN = (
     _NOW
     + """
@@ -110,15 +112,17 @@ local k = KEYS[1]
 local limit, rate, value = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local olimit, orate, olevel, at = bucket(k)
 local level = value
+local replaced = 0
 if olimit then
   level = math.min(math.min(olimit, olevel + (now - at) * orate), value)
 elseif redis.call('EXISTS', k) == 1 then
   redis.call('DEL', k)  -- garbage (or another type): this report replaces it
+  replaced = 1
 end
 redis.call('HSET', k, 'limit', tostring(limit), 'rate', tostring(rate),
   'level', tostring(level), 't', tostring(now))
 redis.call('PEXPIRE', k, tonumber(ARGV[4]))
-return tostring(level)
+return replaced
 """
 )
 
@@ -255,7 +259,11 @@ class RateShare:
             else:  # sharing it (again): what this relay reckons is left now
                 b.refill(asyncio.get_running_loop().time())
                 value = b.level
-            await self._learn(keys=[self._name(lim, n)], args=[b.limit, b.rate, value, TTL_MS])
+            replaced = await self._learn(
+                keys=[self._name(lim, n)], args=[b.limit, b.rate, value, TTL_MS]
+            )
+            if replaced == 1 and self.on_garbage is not None:
+                self.on_garbage(Garbage.VALUE)
             self._pushed[(id(lim), n)] = b.version
             if not b.shared:
                 b.shared = True
@@ -273,6 +281,8 @@ class RateShare:
         got, wait = await self._take(
             keys=[self._name(lim, n) for n in names], args=[want, *costs, TTL_MS]
         )
+        if got == -2 and self.on_garbage is not None:
+            self.on_garbage(Garbage.VALUE)
         got, wait = lease_grant(got, wait, want, MAX_RETRY_S)
         if got < 0:  # the fleet forgot the bucket (expired, Redis restarted): teach it
             for n in names:
