@@ -153,3 +153,32 @@ async def test_a_worker_clamps_and_ignores_what_its_channel_brings(
     assert "forged line" in err and "\\n2026-01-01" in err  # logged, escaped
     ignored = [e for e in fleet.err if "ignored malformed message" in e]
     assert 2 <= len(ignored) <= 2, ignored  # once a minute per worker, for all of them
+
+
+async def test_a_siblings_status_summary_that_is_garbage_is_skipped(tmp_path, mock: MockProvider):
+    """/status merges the workers' summaries from the runtime directory: a file there
+    that is not shaped like one (or too deep to parse) is skipped, never a 500."""
+    fleet = await start(tmp_path, [mock.url])
+    try:
+
+        async def both_up() -> bool:
+            return len((await fleet.status()).get("workers", [])) == 2
+
+        await until(both_up, cap=20)
+        for i, junk in enumerate(
+            ({"now": [1]}, {"now": 1e300, "worker": 7, "pid": 7, "inflight": 5}, [1], "x")
+        ):
+            (fleet.runtime / f"status-{7 + i}.json").write_text(json.dumps(junk))
+        (fleet.runtime / "status-20.json").write_text("{" * 100_000)
+        answered: set[int] = set()
+
+        async def both_answer() -> bool:
+            data = await fleet.status()  # a 500 has no JSON: this would raise
+            assert sorted(w["id"] for w in data["workers"]) == [0, 1]
+            answered.add(data["worker"]["id"])
+            return answered == {0, 1}
+
+        await until(both_answer, cap=20)
+    finally:
+        assert await fleet.stop() == 0
+    assert "Traceback" not in "".join(fleet.err)
