@@ -142,6 +142,8 @@ async def test_garbage_in_redis_is_ignored_and_never_turns_sharing_off(
         assert await up(a) and await up(b)
         assert degraded_lines(caplog) == []
         assert not any("Traceback" in m or "\n" in m for m in _messages(caplog))
+        store = (await (await http.get(a.url + "/status")).json())["store"]
+        assert store["state"] == "ok" and store["ignored"]["malformed value"] >= 1
 
 
 def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -86,7 +86,7 @@ class Garbage(enum.StrEnum):
     MESSAGE = "malformed message"
     OVERSIZE = "oversized message"
     UNKNOWN_KEY = "message for an unknown upstream"
-    TTL = "ttl beyond this relay's bounds"
+    TTL = "ttl beyond this relay's bounds (clamped)"
     VALUE = "malformed value"
     WRONG_TYPE = "key of the wrong type"
 
