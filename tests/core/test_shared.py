@@ -154,6 +154,8 @@ def test_a_cooloff_key_is_bounded_by_its_reason() -> None:
     [
         (None, (0, False)),
         (b"7", (7, False)),
+        (7, (7, False)),
+        (True, (0, True)),
         (b"abc", (0, True)),
         (b"-5", (0, True)),
         (b"99999999999999999999", (MAX_COUNT, True)),

@@ -84,6 +84,10 @@ async def _pttl_at_most(redis, name: str, ms: int) -> bool:  # type: ignore[no-u
     return await _pttl(redis, name) <= ms
 
 
+async def _written(redis, name: str) -> bool:  # type: ignore[no-untyped-def]
+    return await _pttl(redis, name) > 0
+
+
 async def _gone(redis, name: str) -> bool:  # type: ignore[no-untyped-def]
     return await _pttl(redis, name) == -2
 
@@ -193,3 +197,36 @@ async def test_garbage_in_a_shared_rate_limit_budget_is_replaced_not_fatal(
         "ignored malformed value from redis (a rate-limit key" in m for m in _messages(caplog)
     )
     assert not any("Traceback" in m for m in _messages(caplog))
+
+
+async def test_a_probe_key_that_never_expires_holds_the_probe_no_longer_than_probe_timeout_s(
+    redis_server, mock, caplog
+):
+    from relay.test_health_relay import DeadPort
+    from relay.test_redis_store import post as fleet_post
+
+    async with DeadPort() as dead:
+        cfg = fleet_config(
+            [dead.url, mock.url],
+            redis_server.url,
+            failures_to_open=2,
+            probe_timeout_s=1.0,
+            open_s=1.0,
+            max_open_s=1.0,
+        )
+        key = f"mock|{dead.url}"
+        async with RelayServer(cfg) as a, aiohttp.ClientSession() as http:
+            await until(lambda: up(a))
+            redis = a.relay.store.redis  # type: ignore[attr-defined]
+            for _ in range(2):
+                assert await fleet_post(http, a.url, "A") == 200
+            assert dead.accepted == 2  # the breaker is open (its write clears the probe)
+            await until(lambda: _written(redis, f"unbroken:{key}:breaker"), cap=2)
+            await redis.set(f"unbroken:{key}:probe", "nobody")  # no expiry: garbage
+
+            async def probed() -> bool:
+                assert await fleet_post(http, a.url, "A") == 200
+                return dead.accepted > 2
+
+            await until(probed, cap=6)  # the lease is ours within probe_timeout_s
+            assert await _pttl(redis, f"unbroken:{key}:probe") <= 1000  # or gone: reopened

@@ -20,7 +20,8 @@ relay believes of it.  The rules:
   log line) and cut to ``MAX_TEXT`` characters.
 * **Garbage is ignored, never fatal.**  A value that fails a rule is dropped (or
   the key counts as nobody's, or as no count), classified by `Garbage`, and the
-  store logs it at most once a minute per kind (`Throttle`).  It never raises, and
+  store logs it at most once a minute per kind (`Throttle`; a message about an
+  upstream this relay does not have is normal in a mixed fleet: counted only).  It never raises, and
   never marks the store degraded: only an unreachable Redis does that.
 * **The store's link** (`Link`): up or degraded, and each transition is reported
   once (the store logs it once), whatever number of errors or answers follow.
@@ -85,7 +86,8 @@ class Garbage(enum.StrEnum):
 
     MESSAGE = "malformed message"
     OVERSIZE = "oversized message"
-    UNKNOWN_KEY = "message for an unknown upstream"
+    #: normal in a fleet whose relays have different routes: counted, never logged
+    UNKNOWN_KEY = "message for an upstream not configured here"
     TTL = "ttl beyond this relay's bounds (clamped)"
     VALUE = "malformed value"
     WRONG_TYPE = "key of the wrong type"
@@ -280,11 +282,13 @@ def read_count(value: object) -> tuple[int, bool]:
     """A window bucket's count: ``(count, garbage)``; no key counts 0."""
     if value is None:
         return 0, False
-    text = _text(value)
-    try:
-        n = int(text) if text is not None else -1
-    except ValueError:
-        n = -1
+    n = _int(value)
+    if n is None:
+        text = _text(value)
+        try:
+            n = int(text) if text is not None else -1
+        except ValueError:
+            n = -1
     if n < 0:
         return 0, True
     return min(n, MAX_COUNT), n > MAX_COUNT

@@ -12,7 +12,8 @@ applies theirs to the local board:
 
       unbroken:K:breaker          an open breaker; PX = the time it stays open
       unbroken:K:cooloff          a Retry-After or quota cool-off; PX = its length
-      unbroken:K:probe            the half-open probe's owner (SET NX PX)
+      unbroken:K:probe            the half-open probe's owner (SET NX PX; a script
+                                  shortens another's lease that is longer than ours)
       unbroken:K:n:<bucket>:ok    attempts per window bucket (INCR + EXPIRE)
       unbroken:K:n:<bucket>:fail
       unbroken:K:waiters          relays with turns in K's line: origin -> until (ms)
@@ -100,6 +101,17 @@ local t = redis.call('PTTL', KEYS[1])
 if t == -1 or t > tonumber(ARGV[1]) then return redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return 0
 """
+#: the half-open probe: SET NX PX; another's lease that outlives ours (or has no
+#: expiry: garbage) is shortened to ours.  Returns {1 mine | 0 not, its PTTL}.
+PROBE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {1, tonumber(ARGV[2])} end
+local t = redis.call('PTTL', KEYS[1])
+if t == -1 or t > tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  t = tonumber(ARGV[2])
+end
+return {0, math.max(t, 0)}
+"""
 
 
 class HealthStore:
@@ -161,7 +173,7 @@ class HealthStore:
     def _ignored(self, why: Garbage, where: str) -> None:
         """Garbage from shared state: counted, logged at most once a minute per kind."""
         self.garbage[why.value] = self.garbage.get(why.value, 0) + 1
-        if self._throttle.allow(why.value, self.clock()):
+        if why is not Garbage.UNKNOWN_KEY and self._throttle.allow(why.value, self.clock()):
             log.warning(
                 "health store: ignored %s from %s (%s; logged once a minute)",
                 why.value,
@@ -241,6 +253,7 @@ class RedisStore(HealthStore):
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self._shorten = self.redis.register_script(SHORTEN)
+        self._probe = self.redis.register_script(PROBE)
         self.link = Link(SILENT_S)
         self.up = False
         self._subscribed = False
@@ -370,10 +383,12 @@ class RedisStore(HealthStore):
     async def _ask_probe(self, key: str, ttl_s: float) -> None:
         try:
             async with asyncio.timeout(READ_BUDGET_S * 4):
-                got = await self.redis.set(
-                    f"{PREFIX}{key}:probe", self.origin, nx=True, px=int(ttl_s * 1000)
+                got = await self._probe(
+                    keys=[f"{PREFIX}{key}:probe"], args=[self.origin, max(1, int(ttl_s * 1000))]
                 )
-            self._probes[key] = (bool(got), self.clock() + 5.0)
+            # another's lease (never longer than ours: PROBE shortens it) ends at its PTTL
+            mine, left_ms = read_count(got[0])[0] == 1, read_count(got[1])[0]
+            self._probes[key] = (mine, self.clock() + (5.0 if mine else min(5.0, left_ms / 1000)))
         except TimeoutError:  # slow, not gone: this relay probes (the reads tell the rest)
             self._probes[key] = (True, self.clock() + 5.0)
         except Exception as exc:
