@@ -47,28 +47,53 @@ async def test_a_breaker_key_with_a_31_year_ttl_opens_for_max_open_s_at_most(
     async with RelayServer(cfg) as a, RelayServer(cfg) as b:
         await until(lambda: up(a))
         await until(lambda: up(b))
+        opens: list[float] = []  # every open either relay takes from the key
+        for s in (a, b):
+            s.relay.board.listeners.append(
+                lambda c: opens.append(c.ttl_s) if c.kind == "open" and c.key == key else None
+            )
         redis = a.relay.store.redis  # type: ignore[attr-defined]
         await redis.set(name, "1", px=HUGE_MS)
-        await until(lambda: open_for(a, key) > 0 and open_for(b, key) > 0, cap=5)
+        await until(lambda: bool(opens), cap=5)
         assert open_for(a, key) <= 0.5 and open_for(b, key) <= 0.5
         # the key itself is shortened to the relays' bound: it dies with the breaker
         await until(lambda: _pttl_at_most(redis, name, 500), cap=5)
         await until(lambda: _gone(redis, name), cap=5)
         # a 31-year key that is deleted leaves nothing behind
+        opened = len(opens)
         await redis.set(name, "1", px=HUGE_MS)
-        await until(lambda: open_for(a, key) > 0, cap=5)
+        await until(lambda: len(opens) > opened, cap=5)
         await redis.delete(name)
         await until(lambda: open_for(a, key) == 0 and open_for(b, key) == 0, cap=3)
         # ... nor does a Redis restart: what the relays write back is bounded
+        opened = len(opens)
         await redis.set(name, "1", px=HUGE_MS)
-        await until(lambda: open_for(a, key) > 0, cap=5)
+        await until(lambda: len(opens) > opened, cap=5)
         redis_server.stop()
+        await until(lambda: _degraded(a) and _degraded(b), cap=6)
         redis_server.start()
         await until(lambda: up(a), cap=10)
         await until(lambda: up(b), cap=10)
+        # a cool-off each relay learns now is written after what it wrote back
+        k2 = f"mock|{mock2.url}"
+        for s, secs, reason in ((a, 5.0, "retry_after"), (b, 6.0, "quota")):
+            s.relay.board.cooloff(k2, time.monotonic(), secs, reason)
+            await until(lambda r=reason: _value_is(redis, f"unbroken:{k2}:cooloff", r), cap=5)
         ttl = await _pttl(redis, name)
         assert ttl <= 500, ttl
+        assert all(t <= 0.5 for t in opens), opens
     assert not any("Traceback" in r.getMessage() for r in caplog.records)
+
+
+async def _value_is(redis, name: str, value: str) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        return bool(await redis.get(name) == value.encode())
+    except Exception:  # a stale connection after the restart: ask again
+        return False
+
+
+def _degraded(server: RelayServer) -> bool:
+    return bool(server.relay.store.status()["state"] == "degraded")
 
 
 async def _pttl(redis, name: str) -> int:  # type: ignore[no-untyped-def]

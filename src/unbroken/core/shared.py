@@ -104,7 +104,7 @@ class SharedBounds:
     @classmethod
     def of(cls, health: HealthSettings, max_retry_after_ms: int) -> SharedBounds:
         return cls(
-            max_open_s=max(health.max_open_s, health.open_s),
+            max_open_s=health.max_open_s,
             max_retry_after_s=max_retry_after_ms / 1000.0,
             quota_cooloff_s=health.quota_cooloff_s,
         )
