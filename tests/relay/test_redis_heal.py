@@ -36,9 +36,15 @@ async def degraded(server: RelayServer) -> bool:
 
 
 async def shares(http: aiohttp.ClientSession, a: RelayServer, b: RelayServer, mock) -> None:  # type: ignore[no-untyped-def]
-    """A's 429 Retry-After keeps B off that upstream (proof that they share again);
-    returns once the cool-off is over for both."""
+    """A's 429 Retry-After keeps B off that upstream (proof that they share again).
+    Waits first for the last proof's cool-off to be over for both."""
     key = f"mock|{mock.url}"
+
+    def free() -> bool:
+        now = time.monotonic()
+        return a.relay.board.blocked_until(key, now) == b.relay.board.blocked_until(key, now) == 0
+
+    await until(free, cap=5)
     mock.script([{"status": 429, "headers": {"Retry-After": "3"}}])
     assert await post(http, a.url, "A") == 200
     await until(lambda: b.relay.board.blocked_until(key, time.monotonic()) > 0, cap=2.5)
@@ -46,12 +52,6 @@ async def shares(http: aiohttp.ClientSession, a: RelayServer, b: RelayServer, mo
     for _ in range(3):
         assert await post(http, b.url, "B") == 200
     assert from_instance(mock, "B") == before
-
-    def free() -> bool:
-        now = time.monotonic()
-        return a.relay.board.blocked_until(key, now) == b.relay.board.blocked_until(key, now) == 0
-
-    await until(free, cap=5)
 
 
 def redis_command(port: int, *args: str) -> bytes:
