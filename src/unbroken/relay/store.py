@@ -643,7 +643,10 @@ class ChannelStore(HealthStore):
 
     def _readable(self) -> None:
         sock = self.sock
-        while sock is not None:
+        if sock is None:
+            return
+        # at most 256 datagrams per wake-up: a flood cannot hold the event loop
+        for _ in range(256):
             try:
                 data = sock.recv(MAX_DATAGRAM + 1)  # longer: cut, and rejected as oversized
             except (BlockingIOError, InterruptedError):
