@@ -10,6 +10,7 @@ poll a condition with a deadline.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -255,3 +256,36 @@ async def test_a_probe_key_that_never_expires_holds_the_probe_no_longer_than_pro
 
             await until(probed, cap=6)  # the lease is ours within probe_timeout_s
             assert await _pttl(redis, f"unbroken:{key}:probe") <= 1000  # or gone: reopened
+
+
+async def test_messages_on_the_redis_channel_are_checked_like_datagrams(
+    redis_server, mock, mock2, caplog
+):
+    caplog.set_level(logging.INFO, logger="unbroken")
+    cfg = fleet_config([mock.url, mock2.url], redis_server.url)
+    k1, k2 = f"mock|{mock.url}", f"mock|{mock2.url}"
+    async with RelayServer(cfg) as a:
+        await until(lambda: up(a))
+        redis = a.relay.store.redis  # type: ignore[attr-defined]
+        opens: list[float] = []
+        a.relay.board.listeners.append(
+            lambda c: opens.append(c.ttl_s) if c.kind == "open" and c.key == k1 else None
+        )
+        channel = "unbroken:health"
+        for raw in (
+            b'{"o": "x", "kind": "open", "k": "%s", "ttl": NaN}' % k2.encode(),
+            b'{"o": "x", "kind": "cooloff", "k": "%s", "ttl": Infinity}' % k2.encode(),
+            b'{"o": "x", "kind": "open", "k": "%s", "ttl": 1, "r": 5}' % k2.encode(),
+            b"\xff" * 10,
+        ):
+            await redis.publish(channel, raw)
+        await redis.publish(channel, json.dumps({"o": "x", "kind": "open", "k": k1, "ttl": 1e9}))
+        await until(lambda: bool(opens), cap=5)  # in order: the garbage was read before
+        assert opens == [0.5]
+        now = time.monotonic()
+        assert a.relay.board.state(k2, now) == "closed"
+        assert a.relay.board.blocked_until(k2, now) == 0.0
+        assert await up(a)
+    messages = _messages(caplog)
+    assert any("ignored malformed message from redis (the channel;" in m for m in messages)
+    assert not any("Traceback" in m for m in messages)
