@@ -10,6 +10,11 @@ from unbroken.config import parse_config
 from unbroken.observe.hooks import Hooks, TurnInfo
 from unbroken.relay.server import RelayServer
 
+#: the token `make_config` gives a relay whose route injects a key (`Config.key_token`)
+KEY_TOKEN = "keytok-0123456789abcdef"
+#: the header a request on such a route must carry
+KEY_AUTH = {"x-unbroken-token": KEY_TOKEN}
+
 
 class Recorder(Hooks):
     """Collects hook calls; lets tests wait for a turn to end without sleeping."""
@@ -49,7 +54,9 @@ def make_config(
     if stream:
         data["stream"] = stream
     cfg = parse_config(data, env=env or {})
-    return dataclasses.replace(cfg, port=0, grace_s=5.0)
+    # like `unbroken serve`: a route that injects a key needs a token (`relay.tokenfile`)
+    key_token = KEY_TOKEN if cfg.injects_keys and cfg.token is None else None
+    return dataclasses.replace(cfg, port=0, grace_s=5.0, key_token=key_token)
 
 
 async def start_relay(config: Any) -> tuple[RelayServer, Recorder]:

@@ -115,8 +115,11 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, t
         OPENCODE_RETRY_DELAY_MS="7",
         OPENCODE_RETRY_VERBOSE="false",
         UNBROKEN_RETRY_VERBOSE="true",
+        XDG_STATE_HOME=str(tmp_path / "state"),
     )
     served = await Served.start(cfg, env)
+    # the route injects a key: it needs the token serve keeps for its owner
+    token = (tmp_path / "state" / "unbroken" / "token").read_text().strip()
     try:
         mock.script([{"status": 503}, {"fault": "close_before_headers"}, {"status": 429}])
         async with (
@@ -124,7 +127,7 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, t
             s.post(
                 f"{served.url}/mock/v1/chat/completions",
                 json=CHAT,
-                headers={"Authorization": f"Bearer {canary}"},
+                headers={"Authorization": f"Bearer {canary}", "x-unbroken-token": token},
             ) as r,
         ):
             assert r.status == 200
@@ -142,7 +145,7 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, t
         n = int(ln.split("attempt=")[1].split()[0])
         assert 0 <= int(ln.split("wait_ms=")[1].split()[0]) <= 7 * 2 ** (n - 1), ln
     assert "reason=503" in err and "reason=429" in err
-    assert canary not in err
+    assert canary not in err and token not in err
 
 
 async def test_sigterm_lets_inflight_stream_finish(mock, tmp_path):

@@ -86,7 +86,28 @@ def _serve(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"unbroken: {problem}", file=sys.stderr)
         return 2
+    token_note = None
+    if config.token is None and config.injects_keys:
+        # No key without a right to it: the routes that inject a key need a token.
+        from unbroken.relay.tokenfile import TokenFileError, default_token_path, load_or_create
+
+        path = default_token_path()
+        try:
+            key_token, created = load_or_create(path)
+        except (TokenFileError, OSError) as exc:
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            print(f"unbroken: {_one_line(detail)} (or set UNBROKEN_TOKEN)", file=sys.stderr)
+            return 2
+        config = dataclasses.replace(config, key_token=key_token)
+        keyed = ", ".join(sorted(n for n, r in config.routes.items() if r.injects_key))
+        token_note = (
+            f"routes that inject a key ({keyed}) need the token in {path} "
+            f"({'created' if created else 'kept'}, mode 0600): send it as x-unbroken-token "
+            "or in a /t/<token>/ prefix; other routes need none on loopback"
+        )
     setup_logging()
+    if token_note is not None:
+        logging.getLogger("unbroken").info("%s", token_note)
 
     def ready(url: str) -> None:
         routes = ", ".join(sorted(config.routes))

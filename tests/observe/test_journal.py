@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from relayfix import Recorder, make_config, start_relay
+from relayfix import KEY_AUTH, Recorder, make_config, start_relay
 from unbroken.config import ConfigError, JournalSettings, parse_config
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.observe.hooks import AttemptInfo, TurnInfo
@@ -452,6 +452,7 @@ async def test_no_canary_in_journal_status_or_metrics(mock, tmp_path):
             "Authorization": f"Bearer {canary}",
             "x-api-key": canary,
             "x-session-id": "session-1",
+            **KEY_AUTH,
         }
         mock.script([{"status": 503}, {"fault": "reset", "after_frame": 1}])
         await _post(url, _body(text=f"my key is {canary}"), headers)

@@ -30,8 +30,16 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from unbroken.agents import claude, codex, gemini
-from unbroken.agents.plan import FILES, RELAY, Launch, split_version
-from unbroken.config import Config, ConfigError, Route, validate_url, with_upstream
+from unbroken.agents.plan import (
+    FILES,
+    RELAY,
+    Launch,
+    private_token,
+    relay_base,
+    split_version,
+    token_note,
+)
+from unbroken.config import TOKEN_ENV, Config, ConfigError, Route, validate_url, with_upstream
 
 __all__ = ["agent_of", "generic_plan", "plan_for", "print_env", "relay_config", "run_agent"]
 
@@ -103,9 +111,17 @@ def relay_config(base: Config, launch: Launch) -> Config:
     clients: dict[str, Mapping[str, Any]] = {k: dict(v) for k, v in launch.clients.items()}
     for name, table in base.clients.items():
         clients[name] = {**clients.get(name, {}), **table}
-    # A private loopback relay for this one agent: no token (the agent could not send it).
+    # A private loopback relay for this one agent: when a route injects a key, a token
+    # of its own that route needs (given to the agent in its base URLs), else none.
     return dataclasses.replace(
-        base, routes=routes, clients=clients, host="127.0.0.1", port=0, token=None
+        base,
+        routes=routes,
+        clients=clients,
+        host="127.0.0.1",
+        port=0,
+        token=None,
+        token_env=None,
+        key_token=private_token(routes),
     )
 
 
@@ -117,8 +133,19 @@ def print_env(
     launch = plan_for(command, env)
     host = base.host or "127.0.0.1"
     shown = f"[{host}]" if ":" in host else host
-    relay = f"http://{shown}:{base.port}"
-    out.write(f"# unbroken run -- {command[0]}: point it at unbroken serve ({relay})\n")
+    plain = f"http://{shown}:{base.port}"
+    out.write(f"# unbroken run -- {command[0]}: point it at unbroken serve ({plain})\n")
+    # The relay's token, when it needs one, as a shell expansion (never its value):
+    # the variable it is read from, or the file `unbroken serve` keeps it in.
+    ref = _token_ref(base, launch, env)
+    relay = f"{plain}/t/{_TOKEN_MARK}" if ref else plain
+
+    def quote(value: str) -> str:
+        quoted = shlex.quote(value)
+        if ref is None or _TOKEN_MARK not in quoted:
+            return quoted
+        return quoted.replace(_TOKEN_MARK, f"'\"{ref}\"'" if quoted[0] == "'" else f'"{ref}"')
+
     missing = [
         n
         for n, u in launch.routes.items()
@@ -131,10 +158,10 @@ def print_env(
             out.write(f'#   [routes.{name}]\n#   upstreams = [{{ url = "{url}" }}]\n')
     for key, value in launch.resolved_env(relay).items():
         if FILES not in launch.env[key]:  # a file `run` writes: shown below instead
-            out.write(f"export {key}={shlex.quote(value)}\n")
+            out.write(f"export {key}={quote(value)}\n")
     args = launch.resolved_args(relay)
     if args:
-        out.write(shlex.join([command[0], *args, *command[1:]]) + "\n")
+        out.write(" ".join(quote(a) for a in [command[0], *args, *command[1:]]) + "\n")
     for table, values in launch.clients.items():
         out.write(
             f"# optional, for this agent's timers: [clients.{table}] "
@@ -148,6 +175,24 @@ def print_env(
             "this; Gemini CLI: or put it in ~/.gemini/settings.json):\n"
         )
         out.writelines(f"#   {line}\n" for line in text.splitlines())
+
+
+#: stands for the token in `print_env`'s URLs until they are quoted for the shell
+_TOKEN_MARK = "UNBROKEN-TOKEN-MARK"
+
+
+def _token_ref(base: Config, launch: Launch, env: Mapping[str, str]) -> str | None:
+    """How the printed commands get ``unbroken serve``'s token: ``${UNBROKEN_TOKEN}`` (or
+    the ``[server] token_env`` variable), ``$(cat <token file>)`` when a route the agent
+    uses injects a key and no token is set (`relay.tokenfile`), else None."""
+    if base.token is not None:
+        return "${" + (base.token_env or TOKEN_ENV) + "}"
+    keyed = [n for n in launch.routes if n in base.routes and base.routes[n].injects_key]
+    if keyed:
+        from unbroken.relay.tokenfile import default_token_path
+
+        return f"$(cat {shlex.quote(str(default_token_path(env)))})"
+    return None
 
 
 async def run_agent(
@@ -167,10 +212,16 @@ async def run_agent(
     await server.start()
     files = tempfile.TemporaryDirectory(prefix="unbroken-run-") if launch.files else None
     try:
-        relay = server.url
+        token = server.config.key_token
+        # A base URL passed in the agent's arguments (Codex's -c) is on its command line,
+        # which other users can read (/proc/<pid>/cmdline): no token there.
+        in_url = token is not None and not any(RELAY in a for a in launch.args)
+        relay = relay_base(server.url, token if in_url else None)
         for note in launch.notes:
             log.info("%s", note)
-        log.info("run: relay on %s", relay)
+        log.info("run: relay on %s", server.url)  # never the token
+        if token is not None:
+            log.info("run: %s", token_note(in_url))
         if files is not None:
             for name, text in launch.files.items():
                 (Path(files.name) / name).write_text(text, encoding="utf-8")

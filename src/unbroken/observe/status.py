@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from unbroken import __version__
 from unbroken.core.policy import Failure
+from unbroken.core.redact import REDACTED_PART, redact_url
 from unbroken.core.turn import NOT_FAILURES
 from unbroken.core.turn import OUTCOMES as _OUTCOMES
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
@@ -476,13 +477,14 @@ async def watch(
 
     console = console or Console()
     updates = 0
-    with Live(_render_error(url, "connecting"), console=console, auto_refresh=False) as live:
+    shown = redact_url(url)  # a /t/<token>/ in --url is never printed
+    with Live(_render_error(shown, "connecting"), console=console, auto_refresh=False) as live:
         while max_updates is None or updates < max_updates:
             try:
                 data = await fetch_status(url)
-                live.update(render(data, url), refresh=True)
+                live.update(render(data, shown), refresh=True)
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                live.update(_render_error(url, type(exc).__name__), refresh=True)
+                live.update(_render_error(shown, type(exc).__name__), refresh=True)
             updates += 1
             if max_updates is None or updates < max_updates:
                 await asyncio.sleep(interval)
@@ -495,16 +497,31 @@ async def _once(url: str, as_json: bool) -> int:
     import aiohttp
     from rich.console import Console
 
+    shown = redact_url(url)  # a /t/<token>/ in --url is never printed
     try:
         data = await fetch_status(url)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        print(f"unbroken status: cannot reach {url}/status: {type(exc).__name__} {exc}")
+        detail = _hide(f"{type(exc).__name__} {exc}", url)
+        print(f"unbroken status: cannot reach {shown}/status: {detail}")
         return 1
     if as_json:
         print(json.dumps(data, indent=2))
     else:
-        Console().print(render(data, url))
+        Console().print(render(data, shown))
     return 0
+
+
+def _hide(text: str, url: str) -> str:
+    """``text`` without the secret parts of ``url`` (an error message may quote it)."""
+    shown = redact_url(url)
+    if shown == url:
+        return text
+    text = text.replace(url, shown)
+    path = urlsplit(url).path
+    if "/t/" not in path:
+        return text
+    secret = path.split("/t/", 1)[1].split("/", 1)[0]
+    return text.replace(secret, REDACTED_PART) if len(secret) >= 8 else text
 
 
 #: The shortest refresh interval ``unbroken status`` accepts (seconds).
@@ -524,7 +541,7 @@ def _status(args: argparse.Namespace) -> int:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         print(
             f"unbroken status: --url must be an http(s) URL such as {DEFAULT_URL}, "
-            f"got {args.url!r}",
+            f"got {redact_url(args.url)!r}",
             file=sys.stderr,
         )
         return 2

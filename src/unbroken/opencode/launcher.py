@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
+from unbroken.agents.plan import private_token, relay_base, token_note
 from unbroken.config import (
     Config,
     ConfigError,
@@ -424,8 +425,17 @@ def relay_config(base: Config, providers: Sequence[Provider]) -> tuple[Config, d
             )
         routes[name] = with_upstream(existing, name, p.url)
         names[p.id] = name
-    # A private loopback relay for this one agent: no token (OpenCode could not send it).
-    config = dataclasses.replace(base, routes=routes, host="127.0.0.1", port=0, token=None)
+    # A private loopback relay for this one agent: when a route injects a key, a token
+    # of its own that route needs (given to OpenCode in its base URLs), else none.
+    config = dataclasses.replace(
+        base,
+        routes=routes,
+        host="127.0.0.1",
+        port=0,
+        token=None,
+        token_env=None,
+        key_token=private_token(routes),
+    )
     return config, names
 
 
@@ -592,15 +602,18 @@ async def run_opencode(
     server = RelayServer(config)
     await server.start()
     try:
-        base_urls = {pid: f"{server.url}/{name}" for pid, name in names.items()}
+        relay = relay_base(server.url, server.config.key_token)  # in OpenCode's environment
+        base_urls = {pid: f"{relay}/{name}" for pid, name in names.items()}
         argv = list(command)
         watch: str | None = None
         why = "disabled (--no-resume)"
         if resume:
             rest, watch, why = server_args(argv[1:], parsed)
             argv = [argv[0], *rest]
-        relayed = ", ".join(f"{pid} -> {url}" for pid, url in base_urls.items()) or "none"
+        relayed = ", ".join(f"{pid} -> {server.url}/{n}" for pid, n in names.items()) or "none"
         log.info("opencode: relay on %s; providers: %s", server.url, relayed)
+        if server.config.key_token is not None:
+            log.info("opencode: %s", token_note(True))
         if watch is None:
             log.info("opencode: auto-resume off: %s", why)
         if ready is not None:

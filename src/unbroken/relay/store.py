@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.health import Breaker, Change, HealthBoard
+from unbroken.core.redact import redact_url
 from unbroken.core.shared import (
     MAX_DATAGRAM,
     Garbage,
@@ -282,11 +283,10 @@ class RedisStore(HealthStore):
         return self.link.degraded_since
 
     def status(self) -> dict[str, Any]:
-        host = self.url.split("@")[-1]  # never a password
         return {
             "kind": self.kind,
             "state": "ok" if self.up else "degraded",
-            "url": host if "://" in host else f"redis://{host}",
+            "url": redact_url(self.url),  # never a password (userinfo or ?password=)
             #: values from Redis ignored or clamped, per kind (`core.shared.Garbage`)
             "ignored": dict(sorted(self.garbage.items())),
             #: the fleet's attempts over the window, per upstream: [ok, failed]

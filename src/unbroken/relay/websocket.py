@@ -361,7 +361,7 @@ class _Connection:
             abort_websocket(ws)
 
     def headers_for(self, up: Upstream) -> CIMultiDict[str]:
-        headers = request_headers(self.request.headers, up, anthropic=False)
+        headers = request_headers(self.request.headers, up, anthropic=False, token=self.relay.token)
         for k in list(headers):
             if k.lower() in _WS_HOP:
                 del headers[k]
@@ -586,7 +586,7 @@ class _WsTurn:
                 if isinstance(exc, TimeoutError):
                     failure = Failure(FailureClass.HEADER_TIMEOUT, "no handshake in time")
                 return self.machine.open_failed(conn.loop.time(), failure)
-        return await self._over_websocket(ws)
+        return await self._over_websocket(ws, key=up.api_key)
 
     def _start_fallback(self, reason: str) -> None:
         conn = self.conn
@@ -613,7 +613,9 @@ class _WsTurn:
         self.http.abort()
 
     # -- over a WebSocket ---------------------------------------------------------------
-    async def _over_websocket(self, ws: aiohttp.ClientWebSocketResponse[Any]) -> Action:
+    async def _over_websocket(
+        self, ws: aiohttp.ClientWebSocketResponse[Any], *, key: str | None = None
+    ) -> Action:
         conn, machine = self.conn, self.machine
         if self.response_id is not None:
             # A replay: the failed attempt's response is over; late events of it are
@@ -636,6 +638,7 @@ class _WsTurn:
         self.reading_ws = ws
         self.watchdog.arm()
         secrets = self.relay.secrets
+        needle = key.encode() if key is not None else None
         loop_time = conn.loop.time
         rearm = True
         try:
@@ -646,8 +649,12 @@ class _WsTurn:
                     label = f"websocket closed ({code})" if code else "websocket error"
                     return machine.transport_failed(loop_time(), Failure(FailureClass.RESET, label))
                 data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
-                if secrets and data.find(b'"error"') >= 0:  # (`core.sse.CR`: not `in`)
-                    data = redact(data, secrets)  # an error that echoes the injected key
+                # An error may echo a secret; any message on a socket the relay's key
+                # opened may echo that key (a message is whole: no straddling).
+                if secrets and data.find(b'"error"') >= 0:  # (not `in`: `core.sse.CR`)
+                    data = redact(data, secrets)
+                elif needle is not None and needle in data:
+                    data = redact(data, (key or "",))
                 text = data.decode("utf-8", "replace")
                 if self._not_ours(text, data):
                     continue
@@ -736,7 +743,9 @@ class _WsTurn:
         headers["Accept"] = "text/event-stream"
         url = upstream_url(up, conn.rest, raw_query(conn.request))
         self.watchdog.arm()
-        return await self.http.run(action, "POST", url, headers, json.dumps(body).encode())
+        return await self.http.run(
+            action, "POST", url, headers, json.dumps(body).encode(), key=up.api_key
+        )
 
     async def _resume(self, action: Resume) -> Action:
         """A continuation of the cut HTTP attempt, over HTTP: its frames go to the client
@@ -752,7 +761,7 @@ class _WsTurn:
         query = f"{action.query}&{query}" if query else action.query
         url = upstream_url(up, action.path, query)
         self.watchdog.arm()
-        return await self.http.run(action, action.method, url, headers, action.body)
+        return await self.http.run(action, action.method, url, headers, action.body, key=up.api_key)
 
     def _send_cancels(self) -> None:
         conn = self.conn
