@@ -53,6 +53,7 @@ from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.protocols.gemini import is_stream_path
 from unbroken.core.ratehead import parse_rate_headers
 from unbroken.core.ratelimit import max_output_of
+from unbroken.core.shared import SharedBounds
 from unbroken.core.sse import Event
 from unbroken.core.turn import (
     AbortUpstream,
@@ -188,7 +189,11 @@ class Relay:
         self.clock = clock
         #: shares the board with other processes: in-process, a workers' channel, or Redis
         self.store: HealthStore = make_store(
-            self.board, config.health.store, channel_dir=channel_dir, worker=worker
+            self.board,
+            config.health.store,
+            channel_dir=channel_dir,
+            worker=worker,
+            bounds=SharedBounds.of(config.health, config.retry.max_retry_after_ms),
         )
         #: breaker transitions: (route, upstream, kind) -> count
         self.transitions: dict[tuple[str, str, str], int] = {}

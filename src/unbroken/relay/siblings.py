@@ -19,6 +19,8 @@ __all__ = ["STATUS_FRESH_S", "WorkerSpec", "read_worker_status", "write_worker_s
 
 #: a sibling's summary older than this is not shown (its worker is gone or stuck)
 STATUS_FRESH_S = 5.0
+#: a sibling's summary larger than this is not read (it lists its turns in flight)
+STATUS_MAX_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +43,36 @@ def write_worker_status(spec: WorkerSpec, data: dict[str, Any]) -> None:
 
 
 def read_worker_status(spec: WorkerSpec) -> list[dict[str, Any]]:
-    """Every worker's latest summary (fresh ones only), this one's included."""
+    """Every worker's latest summary (fresh, well-formed ones only), this one's included.
+
+    A file in the runtime directory is a sibling's word, not trusted: one that is too
+    large, not JSON, or not shaped like `write_worker_status`'s is skipped."""
     out = []
     now = time.time()
     for path in sorted(Path(spec.runtime_dir).glob("status-*.json")):
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
+            with path.open("rb") as f:
+                raw = f.read(STATUS_MAX_BYTES + 1)
+            if len(raw) > STATUS_MAX_BYTES:
+                continue
+            data = json.loads(raw)
+        except (OSError, ValueError, RecursionError):
             continue
-        if isinstance(data, dict) and now - float(data.get("now", 0)) <= STATUS_FRESH_S:
+        if _summary_ok(data) and 0 <= now - data["now"] <= STATUS_FRESH_S:
             out.append(data)
     return out
+
+
+def _summary_ok(data: Any) -> bool:
+    if not isinstance(data, dict):
+        return False
+    at, worker, pid = data.get("now"), data.get("worker"), data.get("pid")
+    return (
+        isinstance(at, int | float)
+        and not isinstance(at, bool)
+        and isinstance(worker, int)
+        and isinstance(pid, int)
+        and isinstance(data.get("inflight", []), list)
+        and all(isinstance(t, dict) for t in data.get("inflight", []))
+        and isinstance(data.get("totals", {}), dict)
+    )
