@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from unbroken.config import parse_config
+from unbroken.core.policy import Failure
 from unbroken.observe.hooks import Hooks, TurnInfo
 from unbroken.relay.server import RelayServer
 
@@ -24,7 +25,9 @@ class Recorder(Hooks):
         self.failures: list[tuple[str, str, float | None]] = []
         self._ended = asyncio.Event()
 
-    def attempt_failed(self, turn, upstream, failure, *, phase, wait_s):  # type: ignore[no-untyped-def]
+    def attempt_failed(
+        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+    ) -> None:
         self.failures.append((failure.label, phase, wait_s))
 
     def turn_ended(self, turn: TurnInfo) -> None:

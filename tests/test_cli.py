@@ -14,6 +14,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from unbroken.mock import MockProvider
+
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
 
@@ -81,7 +83,7 @@ class Served:
         ("[bogus]\n", "bogus"),
     ],
 )
-async def test_invalid_config_exits_2_naming_the_key(tmp_path, toml, key):
+async def test_invalid_config_exits_2_naming_the_key(tmp_path: Path, toml: str, key: str) -> None:
     cfg = tmp_path / "unbroken.toml"
     cfg.write_text(toml)
     code, out, err = await _run(["serve", "--config", str(cfg), "--port", "0"], _env())
@@ -90,19 +92,21 @@ async def test_invalid_config_exits_2_naming_the_key(tmp_path, toml, key):
     assert "relaying on" not in out  # nothing started
 
 
-async def test_config_from_env_var_and_port_flag(tmp_path):
+async def test_config_from_env_var_and_port_flag(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text("[retry]\nmax_attempts = 'x'\n")
     code, _, err = await _run(["serve", "--port", "0"], _env(UNBROKEN_CONFIG=str(cfg)))
     assert code == 2 and "retry.max_attempts" in err
 
 
-async def test_env_alias_invalid_value_is_named():
+async def test_env_alias_invalid_value_is_named() -> None:
     code, _, err = await _run(["serve", "--port", "0"], _env(OPENCODE_RETRY_DELAY_MS="soon"))
     assert code == 2 and "OPENCODE_RETRY_DELAY_MS" in err
 
 
-async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, tmp_path):
+async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(
+    mock: MockProvider, tmp_path: Path
+) -> None:
     canary = "sk-canary-55aa11"
     cfg = tmp_path / "c.toml"
     cfg.write_text(
@@ -148,7 +152,7 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, t
     assert canary not in err and token not in err
 
 
-async def test_sigterm_lets_inflight_stream_finish(mock, tmp_path):
+async def test_sigterm_lets_inflight_stream_finish(mock: MockProvider, tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n')
     served = await Served.start(cfg, _env())
@@ -173,7 +177,9 @@ async def test_sigterm_lets_inflight_stream_finish(mock, tmp_path):
     assert code == 0
 
 
-async def test_second_signal_cuts_the_grace_period_short(mock, tmp_path):
+async def test_second_signal_cuts_the_grace_period_short(
+    mock: MockProvider, tmp_path: Path
+) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n')
     served = await Served.start(cfg, _env())
@@ -205,7 +211,7 @@ async def test_second_signal_cuts_the_grace_period_short(mock, tmp_path):
     assert "second signal" in err
 
 
-async def test_grace_period_cuts_a_stalled_stream(mock, tmp_path):
+async def test_grace_period_cuts_a_stalled_stream(mock: MockProvider, tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(
         f'[server]\ngrace_s = 0.5\n[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n'
@@ -234,6 +240,6 @@ async def test_grace_period_cuts_a_stalled_stream(mock, tmp_path):
     assert b'"type":"server_error"' in body and b"[DONE]" not in body
 
 
-async def test_python_m_help():
+async def test_python_m_help() -> None:
     code, out, _ = await _run(["--help"], _env())
     assert code == 0 and "serve" in out

@@ -18,23 +18,14 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from unbroken import __version__
+from unbroken.cmdline import OneLineParser, setup_logging
+from unbroken.cmdline import one_line as _one_line
 from unbroken.config import ConfigError, bind_problem, check_host, load_config, port_number
 
 __all__ = ["OneLineParser", "main", "port_number", "setup_logging"]
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line (and exit code 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
-
-
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
 
 
 #: Feature modules whose ``register(subparsers)`` adds commands.
@@ -42,7 +33,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "unbroken.observe.stats",
     "unbroken.observe.status",
     "unbroken.demo",
-    "unbroken.opencode.launcher",
+    "unbroken.opencode.run",
+    "unbroken.opencode.setup",
     "unbroken.opencode.resume",
 )
 #: the module of each command, so that running one imports only its own (the demo
@@ -52,19 +44,10 @@ COMMAND_OF: dict[str, str] = {
     "stats": "unbroken.observe.stats",
     "status": "unbroken.observe.status",
     "demo": "unbroken.demo",
-    "run": "unbroken.opencode.launcher",
-    "opencode": "unbroken.opencode.launcher",
+    "run": "unbroken.opencode.run",
+    "opencode": "unbroken.opencode.setup",
     "resume": "unbroken.opencode.resume",
 }
-
-
-def setup_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
 def _serve(args: argparse.Namespace) -> int:

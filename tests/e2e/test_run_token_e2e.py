@@ -62,7 +62,9 @@ def _check(mock: MockProvider, log: str, *, in_url: bool = True) -> None:
 
 
 @pytest.mark.cli("claude")
-async def test_claude_code_through_a_private_relay_with_a_token(tmp_path, mock):
+async def test_claude_code_through_a_private_relay_with_a_token(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     env = claude_env(tmp_path, mock.url, SPARE_KEY=SPARE_KEY)
     cfg = _keyed_config(tmp_path, mock)
     r = await run(through_unbroken(cfg, claude_argv("say hi")), env, tmp_path / "project")
@@ -74,7 +76,9 @@ async def test_claude_code_through_a_private_relay_with_a_token(tmp_path, mock):
 
 
 @pytest.mark.cli("codex")
-async def test_codex_through_a_private_relay_with_a_token(tmp_path, mock):
+async def test_codex_through_a_private_relay_with_a_token(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     env = {**codex_home(tmp_path, mock.url), "SPARE_KEY": SPARE_KEY}
     cfg = _keyed_config(tmp_path, mock)
     r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
@@ -85,7 +89,9 @@ async def test_codex_through_a_private_relay_with_a_token(tmp_path, mock):
 
 
 @pytest.mark.cli("gemini")
-async def test_gemini_cli_through_a_private_relay_with_a_token(tmp_path, mock):
+async def test_gemini_cli_through_a_private_relay_with_a_token(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     env = gemini_env(tmp_path, mock.url, SPARE_KEY=SPARE_KEY)
     cfg = _keyed_config(tmp_path, mock)
     r = await run(through_unbroken(cfg, gemini_argv("say hi")), env, tmp_path / "project")
@@ -96,7 +102,9 @@ async def test_gemini_cli_through_a_private_relay_with_a_token(tmp_path, mock):
 
 
 @pytest.mark.cli("opencode")
-async def test_opencode_through_a_private_relay_with_a_token(tmp_path, mock):
+async def test_opencode_through_a_private_relay_with_a_token(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     box = Sandbox(tmp_path / "box")
     box.write_global_config(fake_provider(mock.url + "/v1"))
     cfg = _keyed_config(tmp_path, mock)

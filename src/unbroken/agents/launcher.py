@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import shlex
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from unbroken.agents import claude, codex, gemini
+from unbroken.agents.child import log_to, run_child, setup_run_logging
 from unbroken.agents.plan import (
     FILES,
     RELAY,
@@ -39,7 +41,15 @@ from unbroken.agents.plan import (
     split_version,
     token_note,
 )
-from unbroken.config import TOKEN_ENV, Config, ConfigError, Route, validate_url, with_upstream
+from unbroken.config import (
+    TOKEN_ENV,
+    Config,
+    ConfigError,
+    Route,
+    load_config,
+    validate_url,
+    with_upstream,
+)
 
 __all__ = ["agent_of", "generic_plan", "plan_for", "print_env", "relay_config", "run_agent"]
 
@@ -204,7 +214,6 @@ async def run_agent(
     ready: Callable[[str], None] | None = None,
 ) -> int:
     """Relay the agent's providers, launch ``command``, return its exit code."""
-    from unbroken.opencode.launcher import run_child
     from unbroken.relay.server import RelayServer
 
     launch = plan_for(command, env)
@@ -257,11 +266,6 @@ def run_cmd(
     command: Sequence[str], *, config: str | None, log_path: str | None, print_only: bool
 ) -> int:
     """`unbroken run -- <non-OpenCode command>` (called by the run subcommand)."""
-    import os
-
-    from unbroken.config import load_config
-    from unbroken.opencode.launcher import _log_to, _setup_run_logging
-
     env = dict(os.environ)
     try:
         base = load_config(config)
@@ -273,8 +277,8 @@ def run_cmd(
         return 0
     base = dataclasses.replace(base, grace_s=min(base.grace_s, 2.0))
     agent = agent_of(command)
-    log_file = _log_to(log_path, _interactive(command, agent), env)
-    _setup_run_logging(log_file)
+    log_file = log_to(log_path, _interactive(command, agent), env)
+    setup_run_logging(log_file)
     if log_file is not None:
         print(f"unbroken: relaying {command[0]}; log: {log_file}", file=sys.stderr)
     return asyncio.run(run_agent(command, base=base, env=env, cwd=Path.cwd()))

@@ -57,8 +57,9 @@ class Launch:
 
 
 def route_name(wanted: str, taken: set[str]) -> str:
-    """A route name for a provider id: ``[A-Za-z0-9._-]+``, not reserved, not taken."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", wanted).strip(".") or "provider"
+    """A route name for a provider id: ``[A-Za-z0-9._-]+`` not starting with ``_`` (a
+    valid ``[routes.<name>]``), not reserved, not taken."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", wanted).lstrip("._").rstrip(".") or "provider"
     if name in _RESERVED:
         name = f"{name}-provider"
     candidate, n = name, 2

@@ -306,6 +306,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         now: float,
         report: TurnReport,
         clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], float] | None = None,
         profile: Profile | None = None,
         socket: bool = False,
         continuation: Strategy | None = None,
@@ -339,6 +340,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         self.stream = stream
         self.report = report
         self.clock = clock  # for the ledger's hold time only
+        self.wall_clock = wall_clock  # Unix time, for the ledger's dated error events
         self.t0 = now
         self.step = Step.NEW
         self.outcome: Outcome | None = None
@@ -510,6 +512,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
                     hold=self.hold,
                     max_hold_bytes=self.timers.max_hold_bytes,
                     clock=self.clock,
+                    wall_clock=self.wall_clock,
                     error_after_commit=not self.abort_after_commit,
                 )
                 ledger.stats = self.stats or AttemptStats()

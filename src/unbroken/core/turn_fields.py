@@ -7,6 +7,7 @@ one part calls on another are declared here for the type checker.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
@@ -36,14 +37,25 @@ __all__ = ["TESTING", "TurnFields", "is_testing", "set_testing"]
 TESTING = [False]
 
 
-def set_testing(enabled: bool = True) -> None:
+def set_testing(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Testing mode: retry waits are switched off (as stamina's ``set_testing`` does).
 
     The machine still computes and reports every wait (logs, journal, /status say
     what would have happened); only the `Wait` it returns is zero, so tests of
-    retry storms and Retry-After run without real waits.
+    retry storms and Retry-After run without real waits.  It takes effect at once;
+    used as a context manager (``with set_testing():``), the previous mode is back
+    on exit, as in stamina.
     """
-    TESTING[0] = enabled
+    previous, TESTING[0] = TESTING[0], enabled
+    return _Restore(previous)
+
+
+class _Restore(contextlib.AbstractContextManager[None]):
+    def __init__(self, previous: bool) -> None:
+        self.previous = previous
+
+    def __exit__(self, *exc: object) -> None:
+        TESTING[0] = self.previous
 
 
 def is_testing() -> bool:
@@ -92,6 +104,7 @@ class TurnFields:
         "stream",
         "t0",
         "timers",
+        "wall_clock",
         "watch",
         "writing",
     )
@@ -111,6 +124,7 @@ class TurnFields:
     attempt_ledger: Ledger | None
     cancels: list[Cancel]
     clock: Callable[[], float] | None
+    wall_clock: Callable[[], float] | None
     continuation: Strategy | None
     failure: Failure | None
     first_frame: bool

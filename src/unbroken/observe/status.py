@@ -65,7 +65,6 @@ class StatusTracker(Hooks):
     ) -> None:
         if wait_s is not None:
             self.retries += 1
-            self.retry_wait_s += wait_s
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         self.attempts += 1
@@ -83,6 +82,7 @@ class StatusTracker(Hooks):
     def turn_ended(self, turn: TurnInfo) -> None:
         self.turns += 1
         self.outcomes[turn.outcome or "unknown"] += 1
+        self.retry_wait_s += turn.waited_s  # really waited: a cut-short wait as it went
         self.saved_tokens_est += turn.saved_tokens
 
     # -- snapshot ------------------------------------------------------------------------
@@ -546,7 +546,8 @@ def _status(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        if args.once or args.json:
+        # Redrawing in place needs a terminal: into a file or a pipe, one snapshot.
+        if args.once or args.json or not sys.stdout.isatty():
             return asyncio.run(_once(url, args.json))
         return asyncio.run(watch(url, args.interval))
     except KeyboardInterrupt:
@@ -558,7 +559,8 @@ def register(sub: Any) -> None:
         "status",
         help="live view of a running relay (in-flight turns, upstreams)",
         description="A live terminal view of a relay's GET /status: the turns in flight, "
-        "each upstream's recent failures, totals since start. Redraws until Ctrl-C.",
+        "each upstream's recent failures, totals since start. Redraws until Ctrl-C; when "
+        "stdout is not a terminal (a file, a pipe), prints one snapshot and exits.",
     )
     p.add_argument(
         "--url",
@@ -572,6 +574,10 @@ def register(sub: Any) -> None:
         metavar="SECONDS",
         help=f"seconds between refreshes, at least {MIN_INTERVAL_S} (default: %(default)s)",
     )
-    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="print one snapshot and exit (the default when stdout is not a terminal)",
+    )
     p.add_argument("--json", action="store_true", help="print the raw /status JSON once")
     p.set_defaults(func=_status)

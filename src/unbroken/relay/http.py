@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, assert_never
 
@@ -178,6 +179,7 @@ class _HttpTurn:
             now=self.loop.time(),
             report=self.report,
             clock=self.loop.time,
+            wall_clock=time.time,
             profile=self.profile,
             continuation=(
                 relay.continuation_for(route, self.protocol, rest, parsed, request.headers)

@@ -30,6 +30,7 @@ from unbroken.core.prefill_continue import PrefillContinue, prefill_applies
 from unbroken.core.profiles import Profile, identify, profile_named
 from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
 from unbroken.core.protocols.chat_prefix import ChatPrefix
+from unbroken.core.shared import SharedBounds
 from unbroken.core.turn import TurnMachine
 from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnInfo
 from unbroken.relay.pacing import RateLimitIO, Waker
@@ -108,7 +109,11 @@ class Relay:
         self.clock = clock
         #: shares the board with other processes: in-process, a workers' channel, or Redis
         self.store: HealthStore = make_store(
-            self.board, config.health.store, channel_dir=channel_dir, worker=worker
+            self.board,
+            config.health.store,
+            channel_dir=channel_dir,
+            worker=worker,
+            bounds=SharedBounds.of(config.health, config.retry.max_retry_after_ms),
         )
         #: breaker transitions: (route, upstream, kind) -> count
         self.transitions: dict[tuple[str, str, str], int] = {}

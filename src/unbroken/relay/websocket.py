@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, assert_never
@@ -422,6 +423,7 @@ class _WsTurn:
             now=now,
             report=self.report,
             clock=conn.loop.time,
+            wall_clock=time.time,
             profile=profile,
             socket=True,  # keepalives, for a profile that wants them, are messages
             continuation=relay.background_resume(conn.route, conn.rest) if resumes else None,
