@@ -40,7 +40,7 @@ from unbroken.relay.connections import (
 )
 from unbroken.relay.http import CleanStream, Relay
 from unbroken.relay.logfilter import install_log_filter
-from unbroken.relay.upstream import redact
+from unbroken.relay.upstream import looped, redact
 from unbroken.relay.websocket import handle_websocket, is_websocket_request
 from unbroken.relay.workers import (
     WorkerSpec,
@@ -220,6 +220,13 @@ async def _relay(
     request: web.Request, relay: Relay, route: Route, target: Target
 ) -> web.StreamResponse:
     rest = target.rest
+    if looped(request.headers):  # it came back through us: answer before holding anything
+        return _error(
+            508,
+            "loop_detected",
+            f"the request came back to this relay (route {route.name!r} leads to itself)",
+            "server_error",
+        )
     if is_websocket_request(request):
         if not rest.rstrip("/").endswith("responses"):
             return _error(
