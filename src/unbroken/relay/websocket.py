@@ -66,6 +66,7 @@ from unbroken.observe.report import TurnReporter
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.http import HttpAttempt, Relay, Watchdog, session_id_of, sticky_key
 from unbroken.relay.upstream import raw_query, redact, request_headers, upstream_url
+from unbroken.relay.wslinger import ClientSocket
 
 __all__ = ["History", "handle_websocket", "is_websocket_request"]
 
@@ -239,7 +240,7 @@ class _Connection:
         self.route = route
         self.rest = rest
         s = self.cfg.stream
-        self.client = web.WebSocketResponse(
+        self.client = ClientSocket(
             autoping=True,
             heartbeat=s.keepalive_s,
             max_msg_size=max(int(self.cfg.max_body_bytes), 1),
@@ -296,6 +297,7 @@ class _Connection:
             with contextlib.suppress(asyncio.CancelledError):
                 await worker
             await self.drop_upstream()
+        await self.client.linger()  # after a 1009: until the client has read it
         return self.client
 
     async def _open_first(self) -> None:
