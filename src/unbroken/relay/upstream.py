@@ -371,7 +371,9 @@ class UpstreamClient:
                     sock_connect=self.connect_timeout_s,
                     sock_read=None,
                 ),
-                skip_auto_headers=("User-Agent", "Content-Type"),
+                # nothing the client did not send: no default User-Agent, Content-Type,
+                # Accept (*/*) or Accept-Encoding (a WebSocket handshake's included)
+                skip_auto_headers=("User-Agent", "Content-Type", "Accept", "Accept-Encoding"),
                 trust_env=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
             )
