@@ -195,3 +195,87 @@ async def test_workers_of_a_killed_supervisor_drain_and_exit(tmp_path, mock):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         await relay.proc.wait()
+
+
+@pytest.mark.timeout(90)
+async def test_what_a_worker_crash_costs(tmp_path, mock):
+    """As README says: the crashed worker's streams are cut (the client sees the body end
+    early, no terminal frame), the other worker's finish whole, and it is restarted."""
+    relay = await start_relay(tmp_path, mock.url, workers=2)
+    mock.script([STREAM])
+    conn = aiohttp.TCPConnector(force_close=True, limit=0)
+    try:
+        async with aiohttp.ClientSession(connector=conn) as http:
+            by_worker: dict[int, int] = {}
+
+            async def stream() -> bytes | BaseException:
+                try:
+                    async with http.post(relay.url + PATH, json=CHAT) as r:
+                        assert r.status == 200
+                        return await r.read()
+                except aiohttp.ClientError as exc:  # the body ended early
+                    return exc
+
+            futures = [asyncio.ensure_future(stream()) for _ in range(12)]
+
+            async def on_both() -> bool:
+                data = await relay.status()
+                for w in data.get("workers", []):
+                    by_worker[w["id"]] = w["pid"]
+                ids = [t["worker"] for t in data["inflight"]]
+                return set(ids) == {0, 1} and len(by_worker) == 2
+
+            await until(on_both, cap=15)
+            data = await relay.status()
+            on_victim = sum(1 for t in data["inflight"] if t["worker"] == 0)
+            os.kill(by_worker[0], signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*futures), 30)
+            cut = [b for b in results if isinstance(b, BaseException)]
+            whole = [b for b in results if isinstance(b, bytes) and b"[DONE]" in b]
+            assert len(cut) >= on_victim > 0, results
+            assert len(cut) + len(whole) == len(futures)
+
+            async def restarted() -> bool:
+                data = await relay.status()
+                return any(w["id"] == 0 and w["pid"] != by_worker[0] for w in data["workers"])
+
+            await until(restarted, cap=20)
+    finally:
+        relay.proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(relay.proc.communicate(), 30)
+    assert relay.proc.returncode == 0
+    assert re.search(rb"worker 0 \(pid \d+\) exited with code -9: restarting", err), err
+
+
+@pytest.mark.timeout(90)
+async def test_sigterm_while_a_crashed_worker_waits_to_restart(tmp_path, mock):
+    """A signal during the restart pause: the worker is not started again behind the
+    supervisor's back (it was, and the supervisor waited for it forever)."""
+    relay = await start_relay(tmp_path, mock.url, workers=2)
+    assert relay.proc.stderr is not None
+    pids: set[int] = set()
+    data: dict[str, Any] = {}
+
+    async def has_worker_0() -> bool:
+        data.update(await relay.status())
+        return any(w["id"] == 0 and w["pid"] not in pids for w in data["workers"])
+
+    try:
+        for _ in range(3):  # the pause grows: 0.05 s, 0.1 s, 0.2 s
+            await until(has_worker_0, cap=20)
+            [victim] = [w["pid"] for w in data["workers"] if w["id"] == 0]
+            pids.add(victim)
+            os.kill(victim, signal.SIGKILL)
+            while True:  # the supervisor says it will restart it, then pauses
+                line = await asyncio.wait_for(relay.proc.stderr.readline(), 20)
+                assert line, "the supervisor's stderr ended"
+                if b"restarting in" in line:
+                    break
+        relay.proc.send_signal(signal.SIGTERM)  # during the 0.2 s pause
+        code = await asyncio.wait_for(relay.proc.wait(), 30)
+        assert code == 0
+        assert not list(relay.tmpdir.glob("unbroken-workers-*"))
+    finally:
+        if relay.proc.returncode is None:
+            relay.proc.kill()
+            await relay.proc.wait()

@@ -110,6 +110,9 @@ def serve_workers(config: Config, n: int, *, ready: Callable[[str], None] | None
         )
         p.start()
         procs[i] = p
+        if state["signals"] and p.pid is not None:  # a signal came during the fork: it drains too
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(p.pid, signal.SIGTERM)
 
     def on_signal(signum: int, frame: object) -> None:
         state["signals"] += 1
@@ -162,7 +165,8 @@ def serve_workers(config: Config, n: int, *, ready: Callable[[str], None] | None
                     pause,
                 )
                 time.sleep(pause)
-                start(i)
+                if not state["signals"]:  # a signal during the pause: no restart
+                    start(i)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
