@@ -725,7 +725,8 @@ def render_workers(r: SoakReport) -> list[str]:
             f"least-squares slope {slope_per_hour(pts):+.1f} MiB/h"
         )
     stores = sorted({str(s.get("store")) for s in after})
-    lines += ["", "; ".join(growth) + f". Health store state seen: {', '.join(stores)}."]
+    text = "; ".join(growth) + f". Health store state seen: {', '.join(stores)}."
+    lines += ["", *textwrap.wrap(text, 92, break_on_hyphens=False)]
     return lines
 
 
@@ -781,6 +782,12 @@ def render(r: SoakReport) -> str:
     )
     lines += ["", *textwrap.wrap(outro, 92, break_on_hyphens=False), ""]
     if r.workers > 1:
+        note = (
+            "With workers, the table's RSS is the larger worker's, open fds are summed over "
+            "the workers (from /proc), and tasks and client connections are those of the "
+            "worker that answered `/status` (not judged). Each worker's RSS:"
+        )
+        lines += [*textwrap.wrap(note, 92, break_on_hyphens=False), ""]
         lines += [*render_workers(r), ""]
     return "\n".join(lines)
 
