@@ -120,6 +120,50 @@ def test_the_gemini_demo_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Client: a Gemini API client" in out
 
 
+@pytest.mark.parametrize("protocol", ["anthropic", "chat"])
+async def test_with_after_commit_continue_a_drop_after_output_completes_without_error(
+    tmp_path: Path, protocol: str
+) -> None:
+    """``--after-commit continue`` (issue 23): the drop after output is continued in place
+    (Messages by prefill, Chat by the mock's prefix mode): no error reaches the agent,
+    the text is exact, and the journal says ``resumed``.  With the default it is the
+    native error, as before."""
+    path = tmp_path / "continue.sqlite3"
+    summary = await run_demo(
+        turns=6,
+        direct=False,
+        retry_after_s=0.2,
+        stall_s=10,
+        journal=str(path),
+        protocol=protocol,
+        after_commit="continue",
+    )
+    assert summary["completed"] == 6 and summary["lost"] == 0
+    assert summary["duplicates"] == 0 and summary["corrupted"] == 0
+    assert summary["client_errors"] == 0
+    assert summary["continued"] == summary["failures_after_commit"] == 1
+    outcomes = Counter(o for (o,) in sqlite3.connect(path).execute("SELECT outcome FROM turns"))
+    assert outcomes["resumed"] == 1 and outcomes["ended_with_error"] == 0
+    assert sum(outcomes.values()) == 12  # no step was retried by the agent
+    if protocol == "anthropic":
+        default = await run_demo(
+            turns=6, direct=False, retry_after_s=0.2, stall_s=10, protocol=protocol
+        )
+        assert default["completed"] == 6 and default["corrupted"] == 0
+        assert default["client_errors"] == default["failures_after_commit"] == 1
+        assert default["continued"] == 0
+
+
+def test_the_continue_demo_command(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--protocol", "anthropic", "--after-commit", "continue", "--turns", "6"]
+    assert main([*args, "--no-direct"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "6 concurrent agent turns over Anthropic Messages" in out
+    assert "continued in place 1 drop(s) after output" in out
+    assert "what the client saw clean streams, nothing else" in out
+    assert "Client: a Messages client" in out
+
+
 def test_demo_text_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--turns", "6", "--no-direct"]) == 0
     out = capsys.readouterr().out
@@ -198,3 +242,43 @@ def test_the_stats_samples_are_what_stats_prints_for_a_demo_journal(
             assert counted_names(mine) == counted_names(theirs), (mine, theirs)
             continue
         assert numbers_out(mine) == numbers_out(theirs), (mine, theirs)
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+@pytest.mark.parametrize("protocol", ["chat", "gemini"])
+def test_the_live_table_keeps_each_turn_on_one_line_at_80_columns(
+    width: int, protocol: str
+) -> None:
+    """The live view draws the table for the terminal's width: at 80 columns every
+    turn was two or three lines, its states cut to ``retr…`` and ``wait…``."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from unbroken.demo import _Absorbed
+    from unbroken.observe.hooks import TurnInfo
+
+    kinds = storms(protocol=protocol)
+    turns = _turns(len(kinds), kinds, "x")
+    inflight = []
+    for t in turns:
+        t.state = "requesting"
+        info = TurnInfo(route="r", path="p", protocol="chat", stream=True)
+        info.session_id, info.state, info.attempts = f"demo-session-{t.number}", "waiting", 12
+        info.last_failure, info.next_retry_at = "server_disconnected", time.time() + 12.3
+        inflight.append(info)
+    absorbed = _Absorbed()
+    for t in turns:
+        absorbed.by_session[f"demo-session-{t.number}"] = 12
+    server = SimpleNamespace(relay=SimpleNamespace(inflight=inflight))
+    run = DemoRun("Through unbroken", turns, server, absorbed)  # type: ignore[arg-type]
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=True, color_system=None)
+    console.print(render_run(run, console.width))
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= width
+    for t in turns:
+        (row,) = [line for line in lines if line.strip(" │").startswith(f"{t.number} ")]
+        assert t.storm in row and "requesting" in row and "waiting" in row  # whole
+        assert "12" in row.split(t.storm, 1)[1]

@@ -16,7 +16,7 @@ import re
 import tomllib
 import unicodedata
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,7 +26,9 @@ from unbroken.core.health import HealthSettings
 from unbroken.core.ledger import HOLD_CHOICES
 from unbroken.core.policy import RetryPolicy
 from unbroken.core.profiles import check_overrides
+from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.ratelimit import RateSettings
+from unbroken.core.redact import redact_url
 
 __all__ = [
     "BUILTIN_ROUTES",
@@ -105,8 +107,9 @@ class Upstream:
 
     @property
     def name(self) -> str:
-        """A log-safe label: scheme://host[:port][/path] (URLs never carry credentials)."""
-        return self.url
+        """A log-safe label: scheme://host[:port][/path], a ``/t/<token>`` segment of the
+        path redacted (a chain to another unbroken); URLs never carry credentials."""
+        return redact_url(self.url)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,25 @@ class Route:
     builtin: bool = False
     #: ``[routes.NAME] after_commit``: overrides ``[stream] after_commit`` (None: it)
     after_commit: str | None = None
+    #: ``[routes.NAME] chat_prefix``: the upstream's documented Chat Completions prefix
+    #: mode (``prefix``, ``prefix_echo``, ``partial``; `core.protocols.chat_prefix`),
+    #: which a Chat turn cut after commit is continued with; None: it ends as today
+    chat_prefix: str | None = None
+
+    @property
+    def injects_key(self) -> bool:
+        """Whether a request on this route may go upstream with a key of the relay's
+        (``api_key_env``): then it needs the relay's token (`relay.access`)."""
+        return any(u.api_key is not None for u in self.upstreams)
+
+
+def with_upstream(existing: Route | None, name: str, url: str) -> Route:
+    """The route ``name`` going to ``url`` alone (``unbroken run`` points a route at the
+    agent's own base URL): a user's own route of that name keeps its settings
+    (``after_commit``, ``chat_prefix``); only its upstreams are replaced."""
+    if existing is None or existing.builtin:
+        return Route(name, (Upstream(url=url),))
+    return replace(existing, upstreams=(Upstream(url=url),))
 
 
 @dataclass(frozen=True)
@@ -176,6 +198,9 @@ class Config:
     token: str | None = field(default=None, repr=False, compare=False)
     #: where the token came from (an environment variable name), for messages
     token_env: str | None = None
+    #: with no ``token``: the secret a route that injects a key needs (`unbroken serve`
+    #: keeps it in a 0600 file, `relay.tokenfile`); other routes stay open on loopback
+    key_token: str | None = field(default=None, repr=False, compare=False)
     #: extra ``Host`` values accepted (``name`` matches any port, ``name:port`` only
     #: that port, ``*`` any host); the bound address, localhost and 127.0.0.1 always are
     allowed_hosts: tuple[str, ...] = ()
@@ -195,9 +220,13 @@ class Config:
     def secrets(self) -> tuple[str, ...]:
         """Every secret the relay knows (injected keys, the token): never echoed or logged."""
         found = {u.api_key for r in self.routes.values() for u in r.upstreams if u.api_key}
-        if self.token:
-            found.add(self.token)
+        found.update(t for t in (self.token, self.key_token) if t)
         return tuple(sorted(found, key=len, reverse=True))
+
+    @property
+    def injects_keys(self) -> bool:
+        """Whether any route injects a key of the relay's (`Route.injects_key`)."""
+        return any(r.injects_key for r in self.routes.values())
 
 
 # -- schema ----------------------------------------------------------------------
@@ -568,11 +597,16 @@ def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
             )
         table = _table(key, raw)
         for k in table:
-            if k not in ("upstreams", "after_commit"):
-                raise ConfigError(f"{key}.{k}", "unknown key (known: after_commit, upstreams)")
+            if k not in ("upstreams", "after_commit", "chat_prefix"):
+                raise ConfigError(
+                    f"{key}.{k}", "unknown key (known: after_commit, chat_prefix, upstreams)"
+                )
         after_commit = None
         if "after_commit" in table:
             after_commit = _after_commit(f"{key}.after_commit", table["after_commit"])
+        chat_prefix = None
+        if "chat_prefix" in table:
+            chat_prefix = _chat_prefix(f"{key}.chat_prefix", table["chat_prefix"])
         ups = table.get("upstreams")
         if not isinstance(ups, list) or not ups:
             raise ConfigError(f"{key}.upstreams", "expected a non-empty list of upstreams")
@@ -580,8 +614,16 @@ def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
             name,
             tuple(_upstream(f"{key}.upstreams[{i}]", u, env) for i, u in enumerate(ups)),
             after_commit=after_commit,
+            chat_prefix=chat_prefix,
         )
     return routes
+
+
+def _chat_prefix(key: str, value: Any) -> str:
+    choices = tuple(m.value for m in ChatPrefix)
+    if value not in choices:
+        raise ConfigError(key, f"expected {' or '.join(repr(c) for c in choices)}, got {value!r}")
+    return str(value)
 
 
 def _after_commit(key: str, value: Any) -> str:

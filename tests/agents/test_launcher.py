@@ -24,6 +24,7 @@ from unbroken.core.policy import RetryPolicy, RetryState
 from unbroken.core.profiles import Profile, profile_named
 from unbroken.core.protocols import RESPONSES
 from unbroken.core.turn import Open, TurnMachine
+from unbroken.mock import MockProvider
 
 
 @pytest.mark.parametrize(
@@ -184,6 +185,19 @@ def test_relay_config_user_clients_win(tmp_path: Path) -> None:
     assert cfg.routes["openai"].upstreams[0].url == "https://api.openai.com"
 
 
+def test_relay_config_keeps_the_users_route_settings(tmp_path: Path) -> None:
+    """``unbroken run -- codex`` points the route at Codex's own base URL, but the user's
+    ``[routes.openai] after_commit`` still applies (it was dropped)."""
+    base = parse_config(
+        {"routes": {"openai": {"upstreams": ["https://gw/v1"], "after_commit": "continue"}}},
+        env={},
+    )
+    cfg = relay_config(base, plan_for(["codex"], {"CODEX_HOME": str(tmp_path)}))
+    route = cfg.routes["openai"]
+    assert route.upstreams[0].url == "https://api.openai.com"
+    assert cfg.stream.after_commit_for(route) == "continue"
+
+
 def test_print_env_for_claude_and_generic(capsys: pytest.CaptureFixture[str]) -> None:
     base = parse_config({"server": {"port": 4999}}, env={})
     print_env(["claude", "-p", "hi"], base, {})
@@ -211,7 +225,9 @@ sys.exit(3)
 """
 
 
-async def test_unbroken_run_a_python_script_with_the_openai_sdk(tmp_path, mock):
+async def test_unbroken_run_a_python_script_with_the_openai_sdk(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """`unbroken run -- python script.py`: the openai SDK finds its base URL; a 503 storm
     is absorbed; the script's exit code comes back."""
     (tmp_path / "script.py").write_text(SCRIPT)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
+from unbroken.mock import MockProvider
 from unbroken.relay.logfilter import SafeLogFilter
 
 CANARY = "sk-canary-9c1f2e7d5b3a"
@@ -77,7 +78,7 @@ async def _send_raw(port: int, data: bytes) -> None:
         writer.close()
 
 
-async def test_canary_key_appears_nowhere(mock, tmp_path: Path):
+async def test_canary_key_appears_nowhere(mock: MockProvider, tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(
         "[server]\nheader_read_timeout_s = 2\n"
@@ -275,7 +276,7 @@ def test_malformed_requests_are_one_line_a_minute_and_real_errors_stay() -> None
     assert f.filter(later) and "500 more since the last report" in later.getMessage()
 
 
-async def test_a_flood_of_malformed_requests_is_not_a_flood_of_log_lines(tmp_path: Path):
+async def test_a_flood_of_malformed_requests_is_not_a_flood_of_log_lines(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text('[routes.mock]\nupstreams = [{ url = "http://127.0.0.1:9" }]\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
