@@ -165,6 +165,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from unbroken.core import turn_fields
 from unbroken.core.attempt import AttemptStats
 from unbroken.core.continuation import (
     DEFAULT_QUEUED_S,
@@ -187,7 +188,7 @@ from unbroken.core.turn_clock import TurnClock, queued_failure, stall_failure, s
 from unbroken.core.turn_continue import ContinuationHooks, strategy_splices
 from unbroken.core.turn_endings import TurnEndings
 from unbroken.core.turn_fast_path import PEEL_FRAMES, FastPath
-from unbroken.core.turn_fields import TESTING, set_testing
+from unbroken.core.turn_fields import set_testing
 from unbroken.core.turn_table import (
     ALLOWED,
     ENTERS,
@@ -308,6 +309,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         now: float,
         report: TurnReport,
         clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], float] | None = None,
         profile: Profile | None = None,
         socket: bool = False,
         continuation: Strategy | None = None,
@@ -341,6 +343,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         self.stream = stream
         self.report = report
         self.clock = clock  # for the ledger's hold time only
+        self.wall_clock = wall_clock  # Unix time, for the ledger's dated error events
         self.t0 = now
         self.step = Step.NEW
         self.outcome: Outcome | None = None
@@ -394,10 +397,10 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
             return self._give_up()
         resume = self._resume
         if resume is not None:
-            idx = retry.next_resume(now, pace=not TESTING[0])
+            idx = retry.next_resume(now, pace=not turn_fields.testing)
         else:
-            idx = retry.next_upstream(now, pace=not TESTING[0])
-        if type(idx) is Park and TESTING[0]:
+            idx = retry.next_upstream(now, pace=not turn_fields.testing)
+        if type(idx) is Park and turn_fields.testing:
             # testing mode: no real waits, parks neither
             if resume is not None:
                 idx = retry.next_resume(idx.until, pace=False)
@@ -521,6 +524,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
                     hold=self.hold,
                     max_hold_bytes=self.timers.max_hold_bytes,
                     clock=self.clock,
+                    wall_clock=self.wall_clock,
                     error_after_commit=not self.abort_after_commit,
                 )
                 ledger.stats = self.stats or AttemptStats()

@@ -129,7 +129,9 @@ class TurnEndings(TurnFields):
         self.step = Step.ENDED
         self.retry.close()
         if self.headers_out:
-            ledger = self.ledger or Ledger(self.protocol, hold=self.hold)
+            ledger = self.ledger or Ledger(
+                self.protocol, hold=self.hold, wall_clock=self.wall_clock
+            )
             data = ledger.give_up(f"retries exhausted ({reason})")
             self.outcome = Outcome.ENDED_WITH_ERROR
             return GiveUp(GiveUpKind.IN_STREAM, data)

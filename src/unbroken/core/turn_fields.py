@@ -7,6 +7,7 @@ one part calls on another are declared here for the type checker.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
@@ -30,24 +31,37 @@ from unbroken.core.turn_types import (
     TurnReport,
 )
 
-__all__ = ["TESTING", "TurnFields", "is_testing", "set_testing"]
+__all__ = ["TurnFields", "is_testing", "set_testing", "testing"]
 
-#: testing mode (`set_testing`), as a one-item list: set in place, read by every part
-TESTING = [False]
+#: testing mode (`set_testing`); the parts read it as ``turn_fields.testing``
+testing = False
 
 
-def set_testing(enabled: bool = True) -> None:
+def set_testing(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Testing mode: retry waits are switched off (as stamina's ``set_testing`` does).
 
     The machine still computes and reports every wait (logs, journal, /status say
     what would have happened); only the `Wait` it returns is zero, so tests of
-    retry storms and Retry-After run without real waits.
+    retry storms and Retry-After run without real waits.  It takes effect at once;
+    used as a context manager (``with set_testing():``), the previous mode is back
+    on exit, as in stamina.
     """
-    TESTING[0] = enabled
+    global testing
+    previous, testing = testing, enabled
+    return _Restore(previous)
+
+
+class _Restore(contextlib.AbstractContextManager[None]):
+    def __init__(self, previous: bool) -> None:
+        self.previous = previous
+
+    def __exit__(self, *exc: object) -> None:
+        global testing
+        testing = self.previous
 
 
 def is_testing() -> bool:
-    return TESTING[0]
+    return testing
 
 
 class TurnFields:
@@ -92,6 +106,7 @@ class TurnFields:
         "stream",
         "t0",
         "timers",
+        "wall_clock",
         "watch",
         "writing",
     )
@@ -111,6 +126,7 @@ class TurnFields:
     attempt_ledger: Ledger | None
     cancels: list[Cancel]
     clock: Callable[[], float] | None
+    wall_clock: Callable[[], float] | None
     continuation: Strategy | None
     failure: Failure | None
     first_frame: bool

@@ -4,7 +4,8 @@ Every request passes, in this order:
 
 1. the request-target: origin-form only (``/path[?query]``), printable ASCII,
    well-formed ``%HH`` escapes, no control character (raw or escaped), no ``#``,
-   no ``.``/``..`` segment (raw or escaped): else **400**;
+   no ``.``/``..`` segment (raw or escaped, or before a ``;`` path parameter:
+   ``/..;/`` is ``/../`` to Tomcat and its kin): else **400**;
 2. the ``Host`` header: the bound address, ``localhost``, ``127.0.0.1`` or
    ``[::1]``, with the bound port, or a name in ``[server] allowed_hosts``: else
    **421** (this is what defeats DNS rebinding);
@@ -13,7 +14,9 @@ Every request passes, in this order:
    included: browsers apply no CORS to WebSockets;
 4. the token, when one is configured: ``x-unbroken-token: <token>`` or the path
    prefix ``/t/<token>/``, compared in constant time: else **401**.  ``/healthz``
-   needs none.
+   needs none.  A route that injects a key of the relay's (``api_key_env``) needs a
+   token even when none is configured: the ``key_token`` (`relay.tokenfile`); with
+   neither, it answers **401** to everyone.  No key without a right to it.
 
 The target is split into the route name and the rest, still percent-encoded,
 which the relay forwards byte for byte.
@@ -42,6 +45,9 @@ _ESCAPED_CTL = re.compile(r"%(?:[01][0-9A-Fa-f]|7[Ff])")
 _DOT = re.compile(r"(?:\.|%2[Ee]){1,2}")
 #: What an upstream may take for a path separator once it decodes: %2F, %5C.
 _ENCODED_SEP = re.compile(r"%2[Ff]|%5[Cc]")
+#: The start of a path parameter (``;x``, raw or escaped), which some back ends strip
+#: before they resolve dot segments.
+_PARAM = re.compile(r";|%3[Bb]")
 _WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
 
 
@@ -97,7 +103,11 @@ def _parse_target(raw: str) -> Target | Denied:
     if _ESCAPED_CTL.search(raw):
         return Denied(400, "invalid_request_target", "control character in the request-target")
     segments = path[1:].split("/")
-    if any(_DOT.fullmatch(part) for seg in segments for part in _ENCODED_SEP.split(seg)):
+    if any(
+        _DOT.fullmatch(_PARAM.split(part, 1)[0])
+        for seg in segments
+        for part in _ENCODED_SEP.split(seg)
+    ):
         # The upstream would resolve it and leave its base path, key attached.
         return Denied(400, "invalid_request_target", "'.' or '..' segment in the path")
     token: str | None = None
@@ -150,6 +160,10 @@ class Access:
         self.port = port
         self.token = config.token
         self._token_bytes = config.token.encode() if config.token else None
+        #: the routes that inject a key: they need a token even with none configured
+        self.keyed = frozenset(name for name, r in config.routes.items() if r.injects_key)
+        key_token = config.token or config.key_token
+        self._key_token_bytes = key_token.encode() if key_token else None
         bound = config.host.strip().strip("[]").lower()
         self.wildcard = bound in _WILDCARD_BINDS
         self.local_names = {"localhost", "127.0.0.1", "::1"}
@@ -215,13 +229,7 @@ class Access:
     def token_ok(self, given: str | None) -> bool:
         if self._token_bytes is None:
             return True
-        if given is None:
-            return False
-        try:
-            candidate = given.encode("utf-8", "surrogateescape")
-        except UnicodeError:
-            return False
-        return hmac.compare_digest(candidate, self._token_bytes)
+        return _same(given, self._token_bytes)
 
     def check(
         self, target: Target, headers: Mapping[str, str], *, open_path: bool
@@ -240,10 +248,36 @@ class Access:
                 "origin_not_allowed",
                 "requests from web pages are refused (see [server] allowed_origins)",
             )
-        if self._token_bytes is not None and not open_path:
+        if open_path:
+            return None
+        if self._token_bytes is not None:
             given = target.token if target.token is not None else headers.get(TOKEN_HEADER)
-            if not self.token_ok(given):
-                return Denied(
-                    401, "unauthorized", "missing or wrong x-unbroken-token (or /t/<token>/ prefix)"
-                )
+            if not _same(given, self._token_bytes):
+                return _UNAUTHORIZED
+        elif target.name in self.keyed:
+            given = target.token if target.token is not None else headers.get(TOKEN_HEADER)
+            if self._key_token_bytes is None or not _same(given, self._key_token_bytes):
+                return _KEY_UNAUTHORIZED
         return None
+
+
+_UNAUTHORIZED = Denied(
+    401, "unauthorized", "missing or wrong x-unbroken-token (or /t/<token>/ prefix)"
+)
+_KEY_UNAUTHORIZED = Denied(
+    401,
+    "unauthorized",
+    "this route injects the relay's API key: send the relay's token as x-unbroken-token "
+    "(or a /t/<token>/ prefix); `unbroken serve` logs the file that holds it",
+)
+
+
+def _same(given: str | None, expected: bytes) -> bool:
+    """``given`` is the token, compared in constant time."""
+    if given is None:
+        return False
+    try:
+        candidate = given.encode("utf-8", "surrogateescape")
+    except UnicodeError:
+        return False
+    return hmac.compare_digest(candidate, expected)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import secrets
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -22,19 +23,23 @@ from yarl import URL
 
 from unbroken.config import CREDENTIAL_HEADERS, Upstream
 from unbroken.core.protocols.base import loads_object
+from unbroken.core.redact import REDACTED_PART
 from unbroken.relay.access import CACHED_TARGET
 
 __all__ = [
     "HOP_BY_HOP",
     "REDACTED",
     "TOKEN_HEADER",
+    "VIA",
     "Redactor",
     "UpstreamClient",
     "body_for",
     "decoded_body",
+    "looped",
     "parse_body",
     "raw_query",
     "redact",
+    "redacted_chunks",
     "request_headers",
     "response_headers",
     "strip_key_param",
@@ -48,6 +53,20 @@ REDACTED = "sk-…REDACTED"
 _REDACTED = REDACTED.encode()
 #: Secrets shorter than this are not searched for (they would match ordinary text).
 MIN_SECRET = 8
+#: This relay's entry in the ``Via`` header of what it forwards (RFC 9110 7.6.3): a
+#: random pseudonym per relay process (``--workers`` siblings fork after it is drawn,
+#: so one relay is one id).  A request that arrives carrying it has come back: a loop.
+VIA = f"1.1 unbroken-{secrets.token_hex(8)}"
+_VIA_ID = VIA.split(" ", 1)[1]
+
+
+def looped(incoming: Mapping[str, str] | CIMultiDictProxy[str]) -> bool:
+    """True if a request already passed through this relay (its ``Via`` names us)."""
+    if isinstance(incoming, CIMultiDictProxy):
+        return any(_VIA_ID in v for v in incoming.getall("via", ()))
+    via = incoming.get("via")
+    return via is not None and _VIA_ID in via
+
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus the ones the relay sets itself.
 HOP_BY_HOP = frozenset(
@@ -74,6 +93,7 @@ def request_headers(
     *,
     anthropic: bool,
     gemini: bool = False,
+    token: str | None = None,
 ) -> CIMultiDict[str]:
     """Headers for the upstream request: hop-by-hop dropped, identity encoding, key injected.
 
@@ -86,7 +106,10 @@ def request_headers(
     Gemini API (``gemini``: a Gemini path, or a client that sent its key as
     ``?key=``, which `strip_key_param` removes) it is always ``x-goog-api-key``: the
     API takes a key there, and a bearer token only for OAuth.
-    The relay's ``x-unbroken-token`` is never forwarded.
+    The relay's ``x-unbroken-token`` is never forwarded, and its ``token`` is cut out of
+    any other header that carries it (a ``Referer`` of a ``/t/<token>/`` URL, say).
+    ``Via`` gets this relay's entry appended (`VIA`), the one header added: it is how
+    a loop is seen.
     """
     out: CIMultiDict[str] = CIMultiDict()
     connection_tokens = {
@@ -96,8 +119,12 @@ def request_headers(
         low = k.lower()
         if low in _DROP_REQUEST or low in connection_tokens:
             continue
+        if token is not None and token in v:
+            v = v.replace(token, REDACTED_PART)
         out.add(k, v)
     out["Accept-Encoding"] = "identity"
+    via = out.getall("via", None)
+    out["Via"] = f"{', '.join(via)}, {VIA}" if via else VIA
     key = upstream.api_key
     if key is not None:
         names = [*CREDENTIAL_HEADERS, *(h for h in upstream.key_headers if h not in _CRED)]
@@ -301,16 +328,19 @@ def redact(body: bytes, secrets: Iterable[str]) -> bytes:
 class Redactor:
     """`redact` for a body that arrives in chunks (a secret may straddle two).
 
-    ``feed`` returns what can be sent now; it holds back the last
-    ``len(longest secret) - 1`` bytes until the next chunk or ``flush``.  With no
-    secret it returns every chunk unchanged and holds nothing.
+    ``feed`` returns what can be sent now; it holds back only the end of the data
+    that could be the start of a secret (the longest suffix that is a prefix of
+    one), until the next chunk or ``flush``: an SSE chunk that ends its event with a
+    blank line is sent whole.  With no secret it returns every chunk unchanged.
     """
 
-    __slots__ = ("_keep", "_needles", "_tail")
+    __slots__ = ("_bytes", "_needles", "_tail")
 
     def __init__(self, secrets: Iterable[str]) -> None:
         self._needles = _needles(secrets)
-        self._keep = max((len(n) for n in self._needles), default=1) - 1
+        #: every byte value of every secret: data that ends in another byte (an SSE
+        #: chunk ends in a newline) cannot end with the start of one
+        self._bytes = frozenset(b for n in self._needles for b in n)
         self._tail = b""
 
     @property
@@ -322,19 +352,63 @@ class Redactor:
         if not self._needles:
             return chunk
         data = self._tail + chunk if self._tail else chunk
+        cut = self._cut(data) if data and data[-1] in self._bytes else len(data)
+        if cut < len(data):
+            self._tail = data[cut:]
+            data = data[:cut]
+        else:
+            self._tail = b""
         for needle in self._needles:
             if needle in data:
                 data = data.replace(needle, _REDACTED)
-        if len(data) <= self._keep:
-            self._tail = data
-            return b""
-        cut = len(data) - self._keep
-        self._tail = data[cut:]
-        return data[:cut]
+        return data
+
+    def _cut(self, data: bytes) -> int:
+        """Where what may be sent now ends: before the longest end of ``data`` that could
+        begin a secret, and before any secret that would straddle that point."""
+        n = len(data)
+        cut = n
+        for needle in self._needles:  # the longest end that is the start of a secret
+            # A candidate of 3 bytes or more starts with the secret's first 3 (rare in
+            # text: one search); one of 1 or 2 bytes is the very end of the data.
+            head = needle[:3]
+            i = data.find(head, max(0, n - len(needle) + 1))
+            while 0 <= i < cut:
+                if needle.startswith(data[i:]):
+                    cut = i
+                    break
+                i = data.find(head, i + 1)
+            if cut > n - 2 and data.endswith(needle[:2]):
+                cut = n - 2
+            elif cut > n - 1 and data.endswith(needle[:1]):
+                cut = n - 1
+        moved = cut < n
+        while moved:  # a whole secret across the cut: hold it back whole
+            moved = False
+            for needle in self._needles:
+                i = data.find(needle, max(0, cut - len(needle) + 1))
+                if 0 <= i < cut:
+                    cut, moved = i, True
+        return cut
 
     def flush(self) -> bytes:
         tail, self._tail = self._tail, b""
+        for needle in self._needles:
+            if needle in tail:
+                tail = tail.replace(needle, _REDACTED)
         return tail
+
+
+async def redacted_chunks(chunks: AsyncIterator[bytes], redactor: Redactor) -> AsyncIterator[bytes]:
+    """``chunks`` with every secret of ``redactor`` redacted (what might begin one waits
+    for the next chunk)."""
+    async for chunk in chunks:
+        out = redactor.feed(chunk)
+        if out:
+            yield out
+    tail = redactor.flush()
+    if tail:
+        yield tail
 
 
 class UpstreamClient:
@@ -362,7 +436,9 @@ class UpstreamClient:
                     sock_connect=self.connect_timeout_s,
                     sock_read=None,
                 ),
-                skip_auto_headers=("User-Agent", "Content-Type"),
+                # nothing the client did not send: no default User-Agent, Content-Type,
+                # Accept (*/*) or Accept-Encoding (a WebSocket handshake's included)
+                skip_auto_headers=("User-Agent", "Content-Type", "Accept", "Accept-Encoding"),
                 trust_env=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
             )

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ from unbroken.observe.report import TurnReporter
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.http import HttpAttempt, Relay, Watchdog, session_id_of, sticky_key
 from unbroken.relay.upstream import raw_query, redact, request_headers, upstream_url
+from unbroken.relay.wslinger import ClientSocket
 
 __all__ = ["History", "handle_websocket", "is_websocket_request"]
 
@@ -216,7 +218,7 @@ def abort_websocket(ws: aiohttp.ClientWebSocketResponse[Any]) -> None:
         transport.abort()
 
 
-def ws_messages(events: Sequence[Event], *, sse: bool) -> list[bytes]:
+def as_messages(events: Sequence[Event], *, sse: bool) -> list[bytes]:
     """What the machine released, as WebSocket text messages (boundaries kept)."""
     if sse:
         return [e.data.encode() for e in events if e.data is not None]
@@ -246,7 +248,7 @@ class _Connection:
         self.route = route
         self.rest = rest
         s = self.cfg.stream
-        self.client = web.WebSocketResponse(
+        self.client = ClientSocket(
             autoping=True,
             heartbeat=s.keepalive_s,
             max_msg_size=max(int(self.cfg.max_body_bytes), 1),
@@ -273,6 +275,11 @@ class _Connection:
         #: the refusal of the socket `_open_first` tried: `connect` answers it once
         self.first_refused: _Refused | None = None
         self._flush_scheduled = False
+        #: permessage-deflate on the upstream hop when the client offered it (each hop
+        #: negotiates its own; the client's, on loopback, stays uncompressed: the relay
+        #: writes its frames itself)
+        offer = request.headers.get("sec-websocket-extensions", "")
+        self.deflate = 15 if "permessage-deflate" in offer.lower() else 0
 
     async def run(self) -> web.StreamResponse:
         await self._open_first()
@@ -303,6 +310,7 @@ class _Connection:
             with contextlib.suppress(asyncio.CancelledError):
                 await worker
             await self.drop_upstream()
+        await self.client.linger()  # after a 1009: until the client has read it
         return self.client
 
     async def _open_first(self) -> None:
@@ -367,10 +375,12 @@ class _Connection:
             abort_websocket(ws)
 
     def headers_for(self, up: Upstream) -> CIMultiDict[str]:
-        headers = request_headers(self.request.headers, up, anthropic=False)
+        headers = request_headers(self.request.headers, up, anthropic=False, token=self.relay.token)
         for k in list(headers):
             if k.lower() in _WS_HOP:
                 del headers[k]
+        if "accept-encoding" not in self.request.headers:  # set for HTTP; not the client's
+            headers.popall("Accept-Encoding", None)
         if self.turn_state is not None:
             headers["x-codex-turn-state"] = self.turn_state
         return headers
@@ -392,7 +402,7 @@ class _Connection:
                     autoping=True,
                     heartbeat=s.keepalive_s,
                     max_msg_size=s.max_event_bytes,  # an oversized message fails the attempt
-                    compress=0,
+                    compress=self.deflate,  # the client offered it: so does its relay
                     decode_text=False,
                 )
         except aiohttp.WSServerHandshakeError as exc:
@@ -488,6 +498,7 @@ class _WsTurn:
             now=now,
             report=self.report,
             clock=conn.loop.time,
+            wall_clock=time.time,
             profile=profile,
             socket=True,  # keepalives, for a profile that wants them, are messages
         )
@@ -592,7 +603,7 @@ class _WsTurn:
                 if isinstance(exc, TimeoutError):
                     failure = Failure(FailureClass.HEADER_TIMEOUT, "no handshake in time")
                 return self.machine.open_failed(conn.loop.time(), failure)
-        return await self._over_websocket(ws)
+        return await self._over_websocket(ws, key=up.api_key)
 
     def _start_fallback(self, reason: str) -> None:
         conn = self.conn
@@ -610,7 +621,7 @@ class _WsTurn:
                 # A profile whose idle timer counts messages, not pings (Codex): the
                 # keepalive event's data as a message, which its parser ignores.
                 with contextlib.suppress(ConnectionError):
-                    self.conn.send(ws_messages(SSESplitter().feed(action.data), sse=True))
+                    self.conn.send(as_messages(SSESplitter().feed(action.data), sse=True))
             case AbortUpstream():
                 # A stall: abort the upstream at once.
                 ws = self.reading_ws
@@ -623,7 +634,9 @@ class _WsTurn:
                 assert_never(action)
 
     # -- over a WebSocket ---------------------------------------------------------------
-    async def _over_websocket(self, ws: aiohttp.ClientWebSocketResponse[Any]) -> Action:
+    async def _over_websocket(
+        self, ws: aiohttp.ClientWebSocketResponse[Any], *, key: str | None = None
+    ) -> Action:
         conn, machine = self.conn, self.machine
         if self.response_id is not None:
             # A replay: the failed attempt's response is over; late events of it are
@@ -646,6 +659,7 @@ class _WsTurn:
         self.reading_ws = ws
         self.watchdog.arm()
         secrets = self.relay.secrets
+        needle = key.encode() if key is not None else None
         loop_time = conn.loop.time
         rearm = True
         try:
@@ -656,8 +670,12 @@ class _WsTurn:
                     label = f"websocket closed ({code})" if code else "websocket error"
                     return machine.transport_failed(loop_time(), Failure(FailureClass.RESET, label))
                 data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
-                if secrets and data.find(b'"error"') >= 0:  # (`core.sse.CR`: not `in`)
-                    data = redact(data, secrets)  # an error that echoes the injected key
+                # An error may echo a secret; any message on a socket the relay's key
+                # opened may echo that key (a message is whole: no straddling).
+                if secrets and data.find(b'"error"') >= 0:  # (not `in`: `core.sse.CR`)
+                    data = redact(data, secrets)
+                elif needle is not None and needle in data:
+                    data = redact(data, (key or "",))
                 text = data.decode("utf-8", "replace")
                 if self._not_ours(text, data):
                     continue
@@ -711,7 +729,7 @@ class _WsTurn:
             # an in-stream error after output: the released frame is our native error
             self.conn.send(ws_error_messages(b"".join([e.raw for e in released])))
             return
-        self.conn.send(ws_messages(released, sse=sse))
+        self.conn.send(as_messages(released, sse=sse))
         if not self.completed:
             self._remember(released, sse=sse)
 
@@ -743,9 +761,12 @@ class _WsTurn:
         headers = conn.headers_for(up)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "text/event-stream"
+        headers["Accept-Encoding"] = "identity"
         url = upstream_url(up, conn.rest, raw_query(conn.request))
         self.watchdog.arm()
-        return await self.http.run(action, "POST", url, headers, json.dumps(body).encode())
+        return await self.http.run(
+            action, "POST", url, headers, json.dumps(body).encode(), key=up.api_key
+        )
 
     async def _resume(self, action: Resume) -> Action:
         """A continuation of the cut HTTP attempt, over HTTP: its frames go to the client
@@ -761,7 +782,7 @@ class _WsTurn:
         query = f"{action.query}&{query}" if query else action.query
         url = upstream_url(up, action.path, query)
         self.watchdog.arm()
-        return await self.http.run(action, action.method, url, headers, action.body)
+        return await self.http.run(action, action.method, url, headers, action.body, key=up.api_key)
 
     def _send_cancels(self) -> None:
         conn = self.conn
