@@ -27,7 +27,7 @@ _MUTATORS = {
 #: the turn machine's testing switch (process-wide, changed only through the restoring
 #: `set_testing`), and the mock's bounded render memos (pure functions of a digest)
 ALLOWED = {
-    "core/turn_fields.py: TESTING",
+    "core/turn_fields.py: global testing",
     "mock/wire/render.py: _cache",
     "mock/wire/ws_replies.py: _ws_cache",
 }

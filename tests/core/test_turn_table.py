@@ -119,6 +119,7 @@ def test_an_action_the_table_does_not_list_is_refused(monkeypatch: pytest.Monkey
     rows = dict(turn_table.ALLOWED)
     rows[Step.NEW, TurnEvent.START] = frozenset({Wait})
     monkeypatch.setattr(turn_mod, "ALLOWED", rows)
+    monkeypatch.setattr(machine_mod, "ALLOWED", rows)  # (start checks it inline)
     m = _machine()
     with pytest.raises(TurnError, match="not in the table"):
         m.start(0.0)

@@ -165,6 +165,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from unbroken.core import turn_fields
 from unbroken.core.attempt import AttemptStats
 from unbroken.core.continuation import (
     DEFAULT_QUEUED_S,
@@ -187,8 +188,10 @@ from unbroken.core.turn_clock import TurnClock, queued_failure, stall_failure, s
 from unbroken.core.turn_continue import ContinuationHooks, strategy_splices
 from unbroken.core.turn_endings import TurnEndings
 from unbroken.core.turn_fast_path import PEEL_FRAMES, FastPath
-from unbroken.core.turn_fields import TESTING, set_testing
+from unbroken.core.turn_fields import set_testing
 from unbroken.core.turn_table import (
+    ALLOWED,
+    ENTERS,
     LEGAL,
     Step,
     TurnEvent,
@@ -374,7 +377,12 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         if before not in _START_IN:  # the table's legality (inline: no call)
             self._illegal("start")
         self.step = Step.IDLE  # (where the next attempt is chosen)
-        return self._moved(before, TurnEvent.START, self._next_attempt(now))
+        action = self._next_attempt(now)
+        kind = type(action)
+        if kind not in ALLOWED[before, TurnEvent.START]:  # (`_moved`, inline: every turn)
+            self._moved(before, TurnEvent.START, action)  # raises
+        self.step = ENTERS[kind]
+        return action
 
     def next_attempt(self, now: float) -> Action:
         """After `start` or a `Wait`: open the next attempt, or give up."""
@@ -389,10 +397,10 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
             return self._give_up()
         resume = self._resume
         if resume is not None:
-            idx = retry.next_resume(now, pace=not TESTING[0])
+            idx = retry.next_resume(now, pace=not turn_fields.testing)
         else:
-            idx = retry.next_upstream(now, pace=not TESTING[0])
-        if type(idx) is Park and TESTING[0]:
+            idx = retry.next_upstream(now, pace=not turn_fields.testing)
+        if type(idx) is Park and turn_fields.testing:
             # testing mode: no real waits, parks neither
             if resume is not None:
                 idx = retry.next_resume(idx.until, pace=False)
@@ -469,7 +477,11 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         if before not in _ANSWERED_IN:  # the table's legality (inline: no call)
             self._illegal("answered")
         action = self._answered(now, status, sse=sse, retry_after_s=retry_after_s, rate=rate)
-        return self._moved(before, TurnEvent.ANSWERED, action)
+        kind = type(action)
+        if kind not in ALLOWED[before, TurnEvent.ANSWERED]:  # (`_moved`, inline: every turn)
+            self._moved(before, TurnEvent.ANSWERED, action)  # raises
+        self.step = ENTERS[kind]
+        return action
 
     def _answered(
         self,
@@ -744,7 +756,12 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         before = self.step
         if before not in _BODY_ENDED_IN:  # the table's legality (inline: no call)
             self._illegal("body_ended")
-        return self._moved(before, TurnEvent.BODY_ENDED, self._body_ended(now))
+        action = self._body_ended(now)
+        kind = type(action)
+        if kind not in ALLOWED[before, TurnEvent.BODY_ENDED]:  # (`_moved`, inline: every turn)
+            self._moved(before, TurnEvent.BODY_ENDED, action)  # raises
+        self.step = ENTERS[kind]
+        return action
 
     def _body_ended(self, now: float) -> Action:
         ledger = self.attempt_ledger

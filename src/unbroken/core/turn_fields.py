@@ -31,10 +31,10 @@ from unbroken.core.turn_types import (
     TurnReport,
 )
 
-__all__ = ["TESTING", "TurnFields", "is_testing", "set_testing"]
+__all__ = ["TurnFields", "is_testing", "set_testing", "testing"]
 
-#: testing mode (`set_testing`), as a one-item list: set in place, read by every part
-TESTING = [False]
+#: testing mode (`set_testing`); the parts read it as ``turn_fields.testing``
+testing = False
 
 
 def set_testing(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
@@ -46,7 +46,8 @@ def set_testing(enabled: bool = True) -> contextlib.AbstractContextManager[None]
     used as a context manager (``with set_testing():``), the previous mode is back
     on exit, as in stamina.
     """
-    previous, TESTING[0] = TESTING[0], enabled
+    global testing
+    previous, testing = testing, enabled
     return _Restore(previous)
 
 
@@ -55,11 +56,12 @@ class _Restore(contextlib.AbstractContextManager[None]):
         self.previous = previous
 
     def __exit__(self, *exc: object) -> None:
-        TESTING[0] = self.previous
+        global testing
+        testing = self.previous
 
 
 def is_testing() -> bool:
-    return TESTING[0]
+    return testing
 
 
 class TurnFields:
