@@ -94,7 +94,8 @@ def downloaded(home: Path, sizes: dict[str, int], seen: set[str]) -> int:
         # platform packages name their tarball <base>-<version>[-<platform>].tgz
         for key, size in sizes.items():
             pkg, _, tarball = key.rpartition("/")
-            if pkg == name and tarball.startswith(f"{base}-{version}") and key not in seen:
+            ours = tarball == f"{base}-{version}.tgz" or tarball.startswith(f"{base}-{version}-")
+            if pkg == name and ours and key not in seen:
                 seen.add(key)
                 total += size
     return total
@@ -155,11 +156,14 @@ def mb(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--pip", action="store_true", help="also measure the PyPI wheels")
+    parser.add_argument(
+        "--npm-cache", type=Path, help="npm's cache directory (default: `npm config get cache`)"
+    )
     args = parser.parse_args(argv)
     root = cache_root() / "npm"
-    sizes = tarball_sizes(npm_cache_dir())
+    sizes = tarball_sizes(args.npm_cache or npm_cache_dir())
     total_down = total_disk = 0
     seen: set[str] = set()
     missing = []
