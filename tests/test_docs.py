@@ -419,3 +419,9 @@ def test_every_link_between_the_pages_resolves(doc: str, target: str) -> None:
     if anchor:
         assert page.suffix == ".md", f"{doc} links to an anchor in {path}"
         assert anchor in _slugs(page), f"{doc} links to {target}: no such heading"
+
+
+def test_where_to_read_more_lists_every_docs_page() -> None:
+    text = section(README, "Where to read more")
+    for page in sorted(DOCS.glob("*.md")):
+        assert f"](docs/{page.name})" in text, f"README does not point to docs/{page.name}"
