@@ -37,6 +37,11 @@ def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "dots.toml").write_text('[routes.".."]\nupstreams = ["http://a"]\n')
     (tmp_path / "name.toml").write_text('[routes."a b?#"]\nupstreams = ["http://a"]\n')
     (tmp_path / "badport.toml").write_text("[server]\nport = 65536\n")
+    (tmp_path / "commit.toml").write_text('[stream]\nafter_commit = "resume"\n')
+    (tmp_path / "rcommit.toml").write_text(
+        '[routes.x]\nafter_commit = true\nupstreams = ["http://a"]\n'
+    )
+    (tmp_path / "splices.toml").write_text("[stream]\nmax_splices = 0\n")
     return tmp_path
 
 
@@ -60,6 +65,9 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--config", "dots.toml"], "routes.."),
     (["serve", "--config", "name.toml"], "routes.a b?#"),
     (["serve", "--config", "badport.toml"], "server.port"),
+    (["serve", "--config", "commit.toml"], "stream.after_commit"),
+    (["serve", "--config", "rcommit.toml"], "routes.x.after_commit"),
+    (["serve", "--config", "splices.toml"], "stream.max_splices"),
     (["serve", "--bogus"], "--bogus"),
     (["mock", "--port", "65536"], "--port"),
     (["mock", "--port", "-1"], "--port"),

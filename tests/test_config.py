@@ -671,3 +671,21 @@ def test_secrets_lists_keys_and_token_longest_first() -> None:
     }
     config = parse(data, K1="sk-short-000000", K2="sk-longer-key-0000000", UNBROKEN_TOKEN=TOKEN)
     assert config.secrets() == (TOKEN, "sk-longer-key-0000000", "sk-short-000000")
+
+
+def test_after_commit_defaults_to_error_and_routes_override_it() -> None:
+    cfg = parse_config(
+        {
+            "stream": {"after_commit": "continue"},
+            "routes": {
+                "a": {"upstreams": ["http://a"]},
+                "b": {"after_commit": "error", "upstreams": ["http://b"]},
+            },
+        },
+        env={},
+    )
+    assert cfg.stream.after_commit_for(cfg.routes["a"]) == "continue"
+    assert cfg.stream.after_commit_for(cfg.routes["b"]) == "error"
+    default = parse_config({"routes": {"a": {"upstreams": ["http://a"]}}}, env={})
+    assert default.stream.after_commit_for(default.routes["a"]) == "error"
+    assert default.stream.after_commit_for(default.routes["openai"]) == "error"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from unbroken.core.continuation import AFTER_COMMIT_CHOICES, DEFAULT_MAX_SPLICES, DEFAULT_QUEUED_S
 from unbroken.core.health import HealthSettings
 from unbroken.core.ledger import HOLD_CHOICES
 from unbroken.core.policy import RetryPolicy
@@ -113,6 +114,8 @@ class Route:
     name: str
     upstreams: tuple[Upstream, ...]
     builtin: bool = False
+    #: ``[routes.NAME] after_commit``: overrides ``[stream] after_commit`` (None: it)
+    after_commit: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,17 @@ class StreamSettings:
     early_headers_s: float = 20.0
     #: an upstream SSE event larger than this fails the attempt (`EventTooLarge`)
     max_event_bytes: int = 16 * 1024 * 1024
+    #: a cut after commit: ``error`` (the native retryable error) or ``continue``
+    #: (finish the turn in place where a mechanism allows, `core.continuation`)
+    after_commit: str = "error"
+    #: the continuations one turn may make (``after_commit = "continue"``)
+    max_splices: int = DEFAULT_MAX_SPLICES
+    #: a continuation with no progress this long (stuck in ``queued``) is given up
+    resume_queued_s: float = DEFAULT_QUEUED_S
+
+    def after_commit_for(self, route: Route) -> str:
+        """The route's ``after_commit`` (its own, else this section's)."""
+        return route.after_commit or self.after_commit
 
 
 @dataclass(frozen=True)
@@ -228,6 +242,9 @@ STREAM_KEYS: dict[str, str] = {
     "keepalive_s": _FLOAT,
     "early_headers_s": _FLOAT,
     "max_event_bytes": _INT,
+    "after_commit": _STR,
+    "max_splices": _INT,
+    "resume_queued_s": _FLOAT,
 }
 WEBSOCKET_KEYS: dict[str, str] = {"fallback_cooldown_s": _FLOAT, "max_queued_messages": _INT}
 JOURNAL_KEYS: dict[str, str] = {"enabled": _BOOL, "path": _STR, "retention_days": _FLOAT}
@@ -551,15 +568,27 @@ def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
             )
         table = _table(key, raw)
         for k in table:
-            if k != "upstreams":
-                raise ConfigError(f"{key}.{k}", "unknown key (known: upstreams)")
+            if k not in ("upstreams", "after_commit"):
+                raise ConfigError(f"{key}.{k}", "unknown key (known: after_commit, upstreams)")
+        after_commit = None
+        if "after_commit" in table:
+            after_commit = _after_commit(f"{key}.after_commit", table["after_commit"])
         ups = table.get("upstreams")
         if not isinstance(ups, list) or not ups:
             raise ConfigError(f"{key}.upstreams", "expected a non-empty list of upstreams")
         routes[name] = Route(
-            name, tuple(_upstream(f"{key}.upstreams[{i}]", u, env) for i, u in enumerate(ups))
+            name,
+            tuple(_upstream(f"{key}.upstreams[{i}]", u, env) for i, u in enumerate(ups)),
+            after_commit=after_commit,
         )
     return routes
+
+
+def _after_commit(key: str, value: Any) -> str:
+    if value not in AFTER_COMMIT_CHOICES:
+        known = " or ".join(repr(c) for c in AFTER_COMMIT_CHOICES)
+        raise ConfigError(key, f"expected {known}, got {value!r}")
+    return str(value)
 
 
 def _clients(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -608,6 +637,12 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
     ):
         if k in stream and stream[k] <= 0:
             raise ConfigError(f"stream.{k}", "must be greater than 0")
+    if "after_commit" in stream:
+        _after_commit("stream.after_commit", stream["after_commit"])
+    if stream.get("max_splices", 1) < 1:
+        raise ConfigError("stream.max_splices", "must be at least 1")
+    if stream.get("resume_queued_s", 1.0) <= 0:
+        raise ConfigError("stream.resume_queued_s", "must be greater than 0")
     if stream.get("max_event_bytes", 1024) < 1024:
         raise ConfigError("stream.max_event_bytes", "must be at least 1024")
     for k in ("header_read_timeout_s", "keepalive_timeout_s"):

@@ -128,7 +128,7 @@ async def test_an_old_journal_gains_the_new_columns_and_tables(tmp_path):
     assert "choice" in [r["name"] for r in _rows(path, "PRAGMA table_info(attempts)")]
     assert _rows(path, "SELECT count(*) AS n FROM upstream_events") == [{"n": 0}]
     assert "queued_s" in cols  # version 4: the time queued for rate limits
-    assert _rows(path, "PRAGMA user_version")[0]["user_version"] == 4
+    assert _rows(path, "PRAGMA user_version")[0]["user_version"] == 5
     assert _rows(path, "SELECT session_id, client FROM turns ORDER BY started") == [
         {"session_id": "new", "client": "codex"},
         {"session_id": "old", "client": None},

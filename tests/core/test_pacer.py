@@ -175,3 +175,29 @@ def test_a_retry_that_finds_the_probe_taken_elsewhere_and_goes_on_leaves_no_plac
     state.current = 1  # a retry: the rotation starts at a
     assert state.next_upstream(1.5) == 1  # a's probe is not ours: b takes the retry
     assert not b.pacer(keys[0]).queue and not b.pacer(keys[0]).granted
+
+
+def test_continuations_of_cut_responses_take_their_pacers_go_on_their_own_upstream() -> None:
+    """`RetryState.next_resume` (issue 23): a continuation goes to the upstream that runs
+    the response, never another, and spends that upstream's pacer token like a retry:
+    200 turns cut at once on a dead upstream resume at the floor, not all at once."""
+    b = HealthBoard(HealthSettings(breakers=False), pace=PaceSettings(floor_per_s=4.0))
+    keys = [K, "r|http://b"]
+    states = [RetryState(RetryPolicy(), 2, board=b, keys=keys) for _ in range(200)]
+    for s in states:
+        assert s.next_upstream(0.0) == 0
+        s.record_failure(E503, 0.0)  # the upstream fails: its pacer falls to the floor
+    sent = 0
+    t = 0.25
+    while t <= 10.0:
+        b.pump(K, t)
+        for s in states:
+            got = s.next_resume(t)
+            if isinstance(got, int):
+                assert got == 0  # the response lives there: never rerouted
+                sent += 1
+                b.pace_failure(K, t)
+            else:
+                assert isinstance(got, Park) and got.why == "pacer"
+        t = round(t + 0.05, 2)
+    assert 10 + 4 * 9 <= sent <= 10 + 4 * 10 + 1, sent

@@ -337,3 +337,59 @@ async def test_keepalive_messages_hold_codex_idle_timer_over_websocket(tmp_path,
     assert r.code == 0, r.stderr[-3000:]
     assert agent_text(r) == "slow answer" and not reconnects(r)
     assert [q.method for q in mock.requests] == ["WS", "WS"]
+
+
+async def test_twenty_cuts_after_output_are_resumed_with_no_error(tmp_path, mock):
+    """Issue 23: with ``[stream] after_commit = "continue"`` the relay makes Codex's
+    request a background one (``store: true`` over Codex's ``store: false``) and, each
+    time the stream is cut after output, resumes it from the last sequence number fed
+    (``GET /v1/responses/{id}?stream=true&starting_after=N``).  Twenty cuts in one turn:
+    Codex exits 0 with the exact text, never reconnects, and nothing is sampled twice
+    (one POST).  Before issue 23 the first cut ended the stream with the native error
+    and Codex reconnected."""
+    env, cfg = _setup(tmp_path, mock, {"after_commit": "continue"}, stream_max_retries=1)
+    text = " ".join(f"word{i}" for i in range(80))
+    script: list[dict[str, Any]] = [
+        {"text": text, "deltas": 80, "fault": "reset", "after_frame": 7}
+    ]
+    script += [{"fault": "reset", "after_frame": 3} for _ in range(19)]
+    mock.script(script)
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert agent_text(r) == text
+    assert not reconnects(r)
+    posts = [q for q in mock.requests if q.method == "POST"]
+    gets = [q for q in mock.requests if q.method == "GET"]
+    assert len(posts) == 1 and len(gets) == 20
+    sent = posts[0].json()
+    assert sent["background"] is True and sent["store"] is True
+    conn = sqlite3.connect(tmp_path / "journal.sqlite3")
+    try:
+        rows = conn.execute("SELECT outcome, splices FROM turns").fetchall()
+    finally:
+        conn.close()
+    assert rows == [("resumed", 20)]
+    print(f"\ncodex, 20 cuts after output, after_commit = continue: exit 0 in {r.seconds:.1f} s")
+
+
+async def test_websocket_codex_keeps_its_socket_through_cuts_resumed_over_http(tmp_path, mock):
+    """Issue 23 over WebSocket: background mode is not supported on a socket, so with
+    ``after_commit = "continue"`` unbroken serves Codex's socket turns over HTTP in
+    background mode underneath and resumes them there.  Five cuts after output: Codex
+    keeps its socket, exits 0 with the exact text and never reconnects."""
+    env, cfg = _setup(tmp_path, mock, {"after_commit": "continue"}, supports_websockets=True)
+    text = " ".join(f"word{i}" for i in range(40))
+    cut = {"text": text, "deltas": 40, "fault": "reset", "after_frame": 7}
+    mock.set_default({"text": text, "deltas": 40})
+    mock.script([{}, cut] + [{"fault": "reset", "after_frame": 3}] * 4)
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert agent_text(r) == text
+    assert not reconnects(r)
+    assert sum(1 for q in mock.requests if q.method == "GET") == 4 + 1
+    conn = sqlite3.connect(tmp_path / "journal.sqlite3")
+    try:
+        rows = conn.execute("SELECT protocol, outcome, splices FROM turns").fetchall()
+    finally:
+        conn.close()
+    assert ("responses-ws", "resumed", 5) in rows

@@ -40,6 +40,7 @@ def test_every_hook_method_is_an_event() -> None:
         "hold_overflow",
         "turn_ended",
         "upstream_changed",
+        "continuation",
     }
     for name in HOOK_NAMES:
         assert getattr(MultiHooks, name) is not getattr(Hooks, name)

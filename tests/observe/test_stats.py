@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from unbroken.cli import main
-from unbroken.observe.journal import SCHEMA
+from unbroken.observe.journal import SCHEMA, Journal
 from unbroken.observe.stats import compute_stats, format_stats, parse_since, percentile
 
 A, B = "http://a.test", "http://b.test"
@@ -152,6 +152,7 @@ def test_stats_over_the_last_24h(journal):
         "ended_with_error": 2,
         "passed_through_error": 2,
         "aborted_by_client": 1,
+        "resumed": 0,
         "unfinished": 1,
     }
     # turns that hit a failure and were not aborted: t3 t4 t5 t8 t11; recovered: t3 t4
@@ -264,3 +265,36 @@ def test_parse_since_and_percentile():
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 50) == 50 and percentile(values, 99) == 99
     assert percentile(values, 100) == 100
+
+
+def test_a_version_4_journal_gains_the_continuation_columns_and_stats_show_them(tmp_path):
+    """Journal schema 5 (issue 23): turns.splices and turns.saved_tokens.  A journal
+    written before them is migrated when opened; stats count turns finished in place."""
+    path = tmp_path / "old.sqlite3"
+    conn = sqlite3.connect(path)
+    lines = SCHEMA.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("queued_s"))
+    lines[at] = "    queued_s REAL NOT NULL DEFAULT 0"
+    old = "\n".join(ln for ln in lines if not ln.lstrip().startswith(("splices", "saved_tokens")))
+    assert "splices" not in old
+    conn.executescript(old)
+    conn.execute("PRAGMA user_version=4")
+    conn.commit()
+    conn.close()
+    Journal(path)._open().close()  # opening migrates (the writer thread opens it)
+    conn = sqlite3.connect(path)
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
+    assert {"splices", "saved_tokens"} <= columns
+    now = time.time()
+    conn.execute(
+        "INSERT INTO turns (uid, run, turn_id, route, path, protocol, stream, started, ended,"
+        " outcome, attempts, splices, saved_tokens)"
+        " VALUES ('r:1', 'r', 1, 'r', 'v1/responses', 'responses', 1, ?, ?, 'resumed', 3, 2, 40)",
+        (now - 10, now - 5),
+    )
+    conn.commit()
+    s = compute_stats(conn, since_s=3600, now=now)
+    assert s["outcomes"]["resumed"] == 1
+    assert s["continued"] == {"turns": 1, "splices": 2, "saved_tokens_est": 40}
+    assert "Finished in place" in format_stats(s)
+    conn.close()

@@ -97,6 +97,7 @@ async def test_status_reflects_an_inflight_retry(mock, waiting_relay):
         "parked_for",
         "age_s",
         "held_bytes",
+        "splices",
     }
     [up] = [u for u in data["upstreams"] if u["route"] == "mock"]
     assert up["upstream"] == mock.url and up["up"] is True

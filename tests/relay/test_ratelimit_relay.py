@@ -182,7 +182,7 @@ async def test_the_journal_records_time_queued_and_stats_report_it(mock, http, t
     conn = sqlite3.connect(path)
     try:
         queued = [q for (q,) in conn.execute("SELECT queued_s FROM turns ORDER BY started")]
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
         stats = compute_stats(conn, since_s=None)
     finally:
         conn.close()
@@ -196,11 +196,11 @@ async def test_the_journal_records_time_queued_and_stats_report_it(mock, http, t
 
 def test_an_older_journal_gains_the_queued_column_and_stats_read_one_without_it(tmp_path):
     path = tmp_path / "old.sqlite3"
-    old_schema = SCHEMA.replace(
-        "wait_s       REAL NOT NULL DEFAULT 0, -- total time waited between attempts\n"
-        "    queued_s     REAL NOT NULL DEFAULT 0  -- time waited at the relay for the rate limit",
-        "wait_s       REAL NOT NULL DEFAULT 0",
-    )
+    lines = SCHEMA.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("wait_s"))
+    lines[at] = "    wait_s       REAL NOT NULL DEFAULT 0"
+    drop = ("queued_s", "splices", "saved_tokens")  # versions 4 and 5
+    old_schema = "\n".join(ln for ln in lines if not ln.lstrip().startswith(drop))
     assert "queued_s" not in old_schema.split("CREATE TABLE IF NOT EXISTS attempts")[0]
     conn = sqlite3.connect(path)
     conn.executescript(old_schema)
@@ -221,7 +221,7 @@ def test_an_older_journal_gains_the_queued_column_and_stats_read_one_without_it(
         columns = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
         assert "queued_s" in columns
         assert conn.execute("SELECT queued_s FROM turns").fetchall() == [(0.0,)]
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
     finally:
         conn.close()
 

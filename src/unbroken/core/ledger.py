@@ -224,6 +224,22 @@ class Ledger:
             self.stats = AttemptStats()
         self.verdict = Verdict.CONTINUE
 
+    def resume_attempt(self, stats: AttemptStats | None = None) -> None:
+        """A continuation of the cut attempt begins (`core.continuation`): the same
+        stream goes on, so the classifier, the held frames and the open tool calls
+        stay as they were; only the attempt's counters start afresh.  Legal while
+        PENDING or COMMITTED, before the cut was turned into a verdict."""
+        if self.state is not State.PENDING and self.state is not State.COMMITTED:
+            raise LedgerError(f"cannot resume an attempt in state {self.state.value}")
+        if self.verdict is not Verdict.CONTINUE:
+            raise LedgerError(f"cannot resume an attempt after a {self.verdict.value} verdict")
+        self.stats = stats if stats is not None else AttemptStats()
+
+    @property
+    def classifier(self) -> Classifier:
+        """The protocol classifier of the current stream (read only: what it learned)."""
+        return self._classifier
+
     @property
     def replayable(self) -> bool:
         return self.state is State.PENDING

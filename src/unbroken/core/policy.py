@@ -385,6 +385,42 @@ class RetryState:
         self._rate_retry = self._pace_done = False
         return choice
 
+    def next_resume(self, now: float, *, pace: bool = True) -> int | Park:
+        """The next attempt continues a cut response (`core.continuation`): it goes to
+        the current upstream (where the response lives) and nowhere else, after its
+        pacer's go like any retry (else a `Park` in its line).  Cool-offs and breakers
+        do not hold it back: it resumes what that upstream already runs."""
+        idx = self.current
+        board = self.board
+        if pace and board is not None and self.keys and idx >= 0:
+            key = self.keys[idx]
+            ticket = self._ticket(board)
+            if not self._pace_done and not board.peek(key, ticket, now):
+                if self.line is not None and self.line != key:
+                    board.withdraw(self.line, ticket)
+                self.line = key
+                board.admit(key, ticket, now)  # no: it keeps (or takes) its place
+                return Park(now + self.park_check_s, "pacer", key)
+            if not self._pace_done:
+                board.admit(key, ticket, now)  # peek said yes: spends the token
+            if self.line is not None:
+                board.withdraw(self.line, ticket)
+                self.line = None
+        self.why = "resume"
+        self.attempts += 1
+        self._rate_retry = self._pace_done = False
+        return idx
+
+    def resume_delay(self, failure: Failure) -> float:
+        """The wait before a continuation of a cut response (`next_resume`): the retry
+        delay, or the upstream's Retry-After.  The upstream's health learns of the cut
+        from the attempt's end, as for any cut after commit (not twice)."""
+        self.retries += 1
+        ra = failure.retry_after_s if self.policy.honor_retry_after else None
+        if ra is not None:
+            return self.policy.clamp_retry_after(ra)
+        return self.policy.base_delay(self.retries, self.rng)
+
     def _ticket(self, board: HealthBoard) -> int:
         if not self.ticket:
             self.ticket = board.new_ticket()

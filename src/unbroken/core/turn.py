@@ -18,7 +18,8 @@ module decides everything else, the way h11's ``_state.py`` does for HTTP:
 Events in (method calls, each given ``now``, a monotonic time in seconds)::
 
     start()                      the turn begins
-    next_attempt()               a `Wait` is over
+    next_attempt()               a `Wait` is over (opens the next attempt, or the
+                                 continuation a cut asked for)
     open_failed(failure)         connecting or waiting for headers failed
     answered(status, sse, ...)   the upstream's status line and headers arrived
     error_body(body)             a retryable answer's (bounded) body was read
@@ -39,7 +40,10 @@ Events in (method calls, each given ``now``, a monotonic time in seconds)::
 
 Actions out (frozen values; the transport carries each one out)::
 
-    Open(upstream, timeout_s)    open an attempt on upstream i
+    Open(upstream, timeout_s,    open an attempt on upstream i (``body_patch``: top-level
+      body_patch)                JSON keys to set, only with ``after_commit = "continue"``)
+    Resume(upstream, method,     open a continuation of the cut attempt (`core.continuation`)
+      path, query, body, ...)
     Wait(seconds, key, ticket)   wait, then call ``next_attempt()``; the wait ends early
                                  when the upstream's pacer lets the turn go
     Stream / PassThrough /       read the answer's body this way
@@ -59,7 +63,8 @@ Phases of a failed attempt (`Phase`)::
     headers    no headers in time, a retryable status, or a 1xx
     pending    the body failed while nothing had been released (replayed)
     stall      the body went silent while nothing had been released (replayed)
-    committed  the body failed after output reached the client (never replayed)
+    committed  the body failed after output reached the client (never replayed;
+               continued in place when a strategy can, see below)
     tail       the body failed after the turn's terminal frame (the turn is complete;
                the machine finishes the protocol's ending itself, e.g. ``[DONE]``)
 
@@ -80,6 +85,17 @@ Deadlines (`deadline()` says when `tick()` is next due):
   from where it stood when the write completes (`wrote` moves the last byte's time
   forward by the blocked time).
 
+Continuation after commit (``[stream] after_commit = "continue"``, `core.continuation`):
+where a cut would end the turn (a reset, a stall, a body ended without its terminal;
+never a provider's error event or a malformed frame), the machine asks the turn's
+`Strategy`.  A `Resume` is paced like any retry (`RetryState.next_resume`: the same
+upstream, its pacer's go) and its frames pass the strategy's splicer (the join
+check) before the same ledger (`Ledger.resume_attempt`: classifier and held frames
+kept), so the client sees one stream.  A `Refusal` (typed), or a join that breaks,
+ends the turn exactly as without a strategy (before commit: a replay).  At most
+``max_splices`` continuations a turn; a continuation with no progress within
+``queued_s`` is given up.  Responses nobody will read are named in ``cancels``.
+
 Legality: as h11 does, the machine refuses an event its step does not accept.  That
 is a transport bug (a chunk of a dead attempt read after its `Wait`, a feed after
 `End`): the event raises `TurnError` and the machine goes to ERROR, where every event
@@ -92,8 +108,9 @@ The steps, and the events each one accepts::
 
     step          entered by                     legal events
     NEW           the machine's creation         start
-    IDLE          start, a Wait                  next_attempt
+    IDLE          start, a Wait, a cut continued next_attempt
     CONNECTING    Open                           open_failed, answered, transport_failed
+    RESUMING      Resume                         open_failed, answered, transport_failed
     STREAM        Stream                         feed_chunk, feed_verbatim, feed_frame,
                                                  body_ended, transport_failed
     PASS_THROUGH  PassThrough                    feed_body, body_ended, transport_failed
@@ -127,6 +144,15 @@ from typing import NoReturn
 from typing import Protocol as TypingProtocol
 
 from unbroken.core.attempt import AttemptStats
+from unbroken.core.continuation import (
+    DEFAULT_QUEUED_S,
+    Cancel,
+    JoinBroken,
+    Refusal,
+    Resume,
+    Splicer,
+    Strategy,
+)
 from unbroken.core.ledger import NOTHING, Hold, Ledger, State, Verdict
 from unbroken.core.policy import (
     Failure,
@@ -160,6 +186,7 @@ __all__ = [
     "PassThrough",
     "Phase",
     "ReadErrorBody",
+    "Resume",
     "SendHeaders",
     "Stream",
     "Timers",
@@ -206,11 +233,12 @@ class Outcome(enum.StrEnum):
     ENDED_WITH_ERROR = "ended_with_error"  # cut after output: the native error was sent
     PASSED_THROUGH_ERROR = "passed_through_error"  # the provider's final answer
     ABORTED_BY_CLIENT = "aborted_by_client"
+    RESUMED = "resumed"  # ok, finished in place after a cut (`core.continuation`)
     INTERNAL_ERROR = "internal_error"  # a bug in the relay
 
     @property
     def is_ok(self) -> bool:
-        return self is Outcome.OK or self is Outcome.RECOVERED
+        return self is Outcome.OK or self is Outcome.RECOVERED or self is Outcome.RESUMED
 
 
 #: the outcomes reports list even at zero, in order (``internal_error``, a relay bug,
@@ -240,6 +268,7 @@ class _Step(enum.Enum):
     NEW = "new"  # before start
     IDLE = "idle"  # between attempts (waiting)
     CONNECTING = "connecting"
+    RESUMING = "resuming"  # a continuation is opening (`Resume`)
     STREAM = "stream"  # reading an SSE body, or WebSocket frames (`Stream`)
     PASS_THROUGH = "pass_through"  # reading a plain body (`PassThrough`)
     ERROR_BODY = "error_body"  # reading a retryable answer's body (`ReadErrorBody`)
@@ -254,6 +283,8 @@ _READING = frozenset({_Step.STREAM, _Step.PASS_THROUGH, _Step.ERROR_BODY, _Step.
 _BODY_ENDS = frozenset({_Step.STREAM, _Step.PASS_THROUGH})
 #: where the clock has nothing to say
 _OVER = frozenset({_Step.ENDED, _Step.ERROR})
+#: where an attempt (or a continuation) waits for its answer
+_OPENING = frozenset({_Step.CONNECTING, _Step.RESUMING})
 
 
 class TurnError(RuntimeError):
@@ -290,6 +321,9 @@ def _joined(events: Sequence[Event]) -> bytes:
 class Open:
     upstream: int
     timeout_s: float  # for connecting and the response headers
+    #: top-level JSON keys to set in the request body (``after_commit = "continue"``
+    #: only, `core.continuation`); empty: the client's bytes go as they are
+    body_patch: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,7 +384,7 @@ class GiveUp:
     data: bytes = b""
 
 
-Action = Open | Wait | Stream | PassThrough | ReadErrorBody | FinalInStream | End | GiveUp
+Action = Open | Resume | Wait | Stream | PassThrough | ReadErrorBody | FinalInStream | End | GiveUp
 TimerAction = SendHeaders | Keepalive | AbortUpstream
 
 
@@ -391,6 +425,10 @@ class TurnReport(TypingProtocol):
         a ``cooloff`` (Retry-After, quota) or a ``probe`` that is out."""
 
     def headers_sent(self) -> None: ...
+    def continuation(self, result: str, splices: int, saved_frames: int) -> None:
+        """A cut turn was continued in place (``result`` ``spliced``), or could not be
+        (``refused_<reason>``, `Refusal`); ``saved_frames``: output frames a redo would
+        have sampled again so far."""
 
 
 class TurnMachine:
@@ -403,10 +441,17 @@ class TurnMachine:
         "_over",
         "_overflow_reported",
         "_parked",
+        "_patched",
+        "_queued",
+        "_resume",
+        "_resume_t0",
+        "_splice",
         "_splitter",
         "_write_t0",
         "attempt_ledger",
+        "cancels",
         "clock",
+        "continuation",
         "failure",
         "first_frame",
         "headers_out",
@@ -418,6 +463,8 @@ class TurnMachine:
         "outcome",
         "profile",
         "protocol",
+        "queued_s",
+        "refusal",
         "report",
         "retry",
         "socket",
@@ -444,8 +491,19 @@ class TurnMachine:
         clock: Callable[[], float] | None = None,
         profile: Profile | None = None,
         socket: bool = False,
+        continuation: Strategy | None = None,
+        queued_s: float = DEFAULT_QUEUED_S,
     ) -> None:
         self.protocol = protocol
+        #: ``after_commit = "continue"``: the protocol's way to finish a cut turn in
+        #: place (`core.continuation`); None: a cut after commit ends as always
+        self.continuation = continuation
+        #: a continuation with no progress this long is given up (stuck in ``queued``)
+        self.queued_s = queued_s
+        #: requests that free what nobody will read (the transport sends them)
+        self.cancels: list[Cancel] = []
+        #: why the last cut was not continued (None: it was, or none was asked)
+        self.refusal: Refusal | None = None
         #: the client's profile (`core.profiles`): early headers, keepalive form and
         #: interval, the non-streamed wait
         self.profile = profile or DEFAULT_PROFILE
@@ -486,6 +544,11 @@ class TurnMachine:
         self._over: Action | None = None
         self._parked = False  # the next attempt follows a park
         self._splitter: SSESplitter | None = None
+        self._patched = False  # the current attempt's request body was patched
+        self._resume: Resume | None = None  # the continuation the next attempt opens
+        self._splice: Splicer | None = None  # the current continuation's join check
+        self._resume_t0 = now
+        self._queued = False  # the continuation made no progress within queued_s
 
     # -- attempts ----------------------------------------------------------------------
     def start(self, now: float) -> Action:
@@ -501,10 +564,17 @@ class TurnMachine:
         retry = self.retry
         if retry.exhausted():
             return self._give_up()
-        idx = retry.next_upstream(now, pace=not _testing)
+        resume = self._resume
+        if resume is not None:
+            idx = retry.next_resume(now, pace=not _testing)
+        else:
+            idx = retry.next_upstream(now, pace=not _testing)
         if type(idx) is Park and _testing:
             # testing mode: no real waits, parks neither
-            idx = retry.next_upstream(idx.until, pace=False)
+            if resume is not None:
+                idx = retry.next_resume(idx.until, pace=False)
+            else:
+                idx = retry.next_upstream(idx.until, pace=False)
         if type(idx) is Park:
             # Parked in an upstream's line: the transport wakes the turn when the pacer
             # grants it a go (or at ``until``); its timer keeps the client alive
@@ -515,17 +585,26 @@ class TurnMachine:
             wait = min(max(idx.until - now, 0.001), retry.park_check_s)
             return Wait(wait, idx.key, retry.ticket)
         assert isinstance(idx, int)
-        self.step = _Step.CONNECTING
         self.status = None
         self.failure = None
         self._answer_kept = False
-        self.attempt_ledger = None
         self._over = None
         self.stats = AttemptStats()
         choice = "parked" if self._parked else (retry.why or "first")
         self._parked = False
         self.report.attempt_started(retry.attempts, idx, choice)
         self.report.state(TurnState.WAITING)
+        if resume is not None:
+            # The continuation of the cut attempt: the turn's ledger goes on with it.
+            self._resume = None
+            self.step = _Step.RESUMING
+            self.attempt_ledger = self.ledger
+            self._resume_t0 = now
+            return resume
+        self.step = _Step.CONNECTING
+        self.attempt_ledger = None
+        self._splice = None
+        self._queued = False  # a new response: the last one's queue is behind
         t = self.timers
         # A non-streamed answer arrives only once generated: allow it as long as the
         # client waits for it (when known), else the first-frame time.
@@ -533,11 +612,19 @@ class TurnMachine:
             timeout = t.header_timeout_s
         else:
             timeout = self.profile.nonstream_wait(t.header_timeout_s, t.first_frame_timeout_s)
+        strategy = self.continuation
+        if strategy is not None:  # (the transports give one to streamed turns only)
+            patch = strategy.body_patch(idx)
+            self._patched = bool(patch)
+            return Open(idx, timeout, patch)
         return Open(idx, timeout)
 
     def open_failed(self, now: float, failure: Failure) -> Action:
         """Connecting, sending, or waiting for the headers failed."""
-        self._expect(_Step.CONNECTING, "open_failed")
+        if self.step not in _OPENING:
+            self._illegal("open_failed")
+        if self.step is _Step.RESUMING:
+            return self._continuation_failed(now, failure)
         phase = Phase.HEADERS if failure.cls is FailureClass.HEADER_TIMEOUT else Phase.CONNECT
         return self._attempt_failed(now, failure, phase)
 
@@ -552,10 +639,13 @@ class TurnMachine:
     ) -> Action:
         """The upstream's status line and headers arrived (``rate``: what they say of
         the key's rate limits, `core.ratehead`)."""
-        self._expect(_Step.CONNECTING, "answered")
+        if self.step not in _OPENING:
+            self._illegal("answered")
         self.status = status
         if rate is not None:
             self.retry.record_rate(rate, now)
+        if self.step is _Step.RESUMING:
+            return self._resume_answered(now, status, sse=sse, retry_after_s=retry_after_s)
         if status < 200:
             # 1xx (a 101 to a plain request, say) is no answer for the client.
             return self._attempt_failed(
@@ -570,6 +660,11 @@ class TurnMachine:
             self._reading(now, _Step.ERROR_BODY)
             return ReadErrorBody()
         self.retry.record_answer(now)  # known good: its pacer's line may move
+        if self._patched and 400 <= status < 500:
+            # Maybe a refusal of the patched request (`Strategy.refused`): read it.
+            self.failure = Failure(FailureClass.STATUS, f"HTTP {status}", status=status)
+            self._reading(now, _Step.ERROR_BODY)
+            return ReadErrorBody()
         if status < 300 and sse:
             ledger = self.ledger
             if ledger is None:
@@ -606,6 +701,8 @@ class TurnMachine:
         failure = self.failure
         if failure is None:  # pragma: no cover - set by answered()
             raise TurnError("error_body() without a retryable answer")
+        if self._patched and failure.status is not None and not is_retryable_status(failure.status):
+            return self._patched_refused(now, failure.status, body)
         if body and failure.retry_after_s is None:
             # A wait the body names (Gemini's RetryInfo), obeyed like Retry-After.
             hint = self.protocol.retry_delay(body)
@@ -679,7 +776,8 @@ class TurnMachine:
         splitter = self._splitter
         ledger = self.attempt_ledger
         assert splitter is not None and ledger is not None
-        if CR in chunk or not chunk:
+        if CR in chunk or not chunk or self._splice is not None:
+            # (a continuation's frames each pass its join check: no runs)
             return _joined(self.feed_chunk(now, chunk))
         self.last_rx = now
         size = len(chunk)
@@ -713,6 +811,8 @@ class TurnMachine:
     def _feed_events(self, now: float, events: list[Event]) -> Sequence[Event]:
         if not events:
             return NOTHING
+        if self._splice is not None:
+            return self._feed_spliced(now, events)
         ledger = self.attempt_ledger
         assert ledger is not None
         if not self.first_frame:
@@ -743,6 +843,30 @@ class TurnMachine:
             self._decide(now)
         return out
 
+    def _feed_spliced(self, now: float, events: list[Event]) -> Sequence[Event]:
+        """A continuation's frames: each through its join check, then the ledger."""
+        splice = self._splice
+        assert splice is not None
+        joined: list[Event] = []
+        broken: str | None = None
+        for event in events:
+            try:
+                out = splice.splice(event)
+            except JoinBroken as exc:
+                broken = str(exc)
+                break
+            if out is not None:
+                joined.append(out)
+        splice_off, self._splice = self._splice, None  # _feed_events: the plain path
+        try:
+            released = self._feed_events(now, joined) if joined else NOTHING
+        finally:
+            if self._over is None and not self.ended:
+                self._splice = splice_off
+        if broken is not None and self._over is None and not self.ended:
+            self._over = self._join_broken(now, broken)
+        return released
+
     def feed_frame(self, now: float, event: Event) -> Sequence[Event]:
         """One frame (a WebSocket message).  Returns the frames to send; then `attempt_over`."""
         if self.step is not _Step.STREAM:
@@ -750,6 +874,16 @@ class TurnMachine:
         self.last_rx = now
         if not self.first_frame:
             self.first_frame = True
+        splice = self._splice
+        if splice is not None:
+            try:
+                spliced = splice.splice(event)
+            except JoinBroken as exc:
+                self._over = self._join_broken(now, str(exc))
+                return NOTHING
+            if spliced is None:
+                return NOTHING
+            event = spliced
         ledger = self.attempt_ledger
         assert ledger is not None
         released = ledger.feed(event)
@@ -813,6 +947,11 @@ class TurnMachine:
             return self._end(outcome, End(EndKind.CLEAN))
         if ledger.state is State.DONE:
             return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        if self.continuation is not None and ledger.protocol.has_terminal:
+            cut = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
+            action = self._continue(now, cut)
+            if action is not None:
+                return action
         pending = self._splitter.pending if self._splitter is not None else b""
         out = ledger.ended(pending)
         if ledger.verdict is Verdict.DONE:  # generic SSE: a clean end is its success
@@ -822,12 +961,12 @@ class TurnMachine:
 
     def transport_failed(self, now: float, failure: Failure) -> Action:
         """Reading the upstream failed (or the connection was aborted for a stall)."""
-        if self.step is _Step.CONNECTING:
+        if self.step in _OPENING:
             return self.open_failed(now, failure)
         if self.step not in _READING:
             self._illegal("transport_failed")
         if self.stalled:
-            failure = _stall_failure()
+            failure = _queued_failure() if self._queued else _stall_failure()
         ledger = self.attempt_ledger
         if ledger is None:
             return self._attempt_failed(now, failure, self._replay_phase(failure))
@@ -835,6 +974,10 @@ class TurnMachine:
             # The turn is complete: finish the protocol's ending, record the cut.
             self._record_tail_cut(failure)
             return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        if self.continuation is not None and self.step is _Step.STREAM:
+            action = self._continue(now, failure)
+            if action is not None:
+                return action
         out = ledger.failed(failure.reason)
         return self._verdict_action(now, failure, out)
 
@@ -851,6 +994,8 @@ class TurnMachine:
                     else FailureClass.STREAM_ERROR
                 )
                 failure = Failure(cls, ledger.fail_reason)
+            if self.continuation is not None:
+                self._abandon()  # the replay starts a new response: nobody reads this one
             return self._attempt_failed(now, failure, self._replay_phase(failure))
         if verdict is Verdict.DONE:
             return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
@@ -867,6 +1012,158 @@ class TurnMachine:
         # ``out`` is the native error when it came from failed()/ended(); an in-stream
         # error frame's native error was already released by feed().
         return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ERROR, out))
+
+    # -- continuation (`core.continuation`) ----------------------------------------------
+    def _continue(self, now: float, failure: Failure) -> Action | None:
+        """A cut where the turn would end (or replay): continue it in place if the
+        strategy can (the next attempt is its `Resume`, paced like any retry), else
+        None: the caller ends the turn exactly as without a strategy."""
+        strategy = self.continuation
+        ledger = self.ledger
+        if strategy is None or ledger is None or self.attempt_ledger is not ledger:
+            return None
+        if ledger.verdict is not Verdict.CONTINUE or (
+            ledger.state is not State.PENDING and ledger.state is not State.COMMITTED
+        ):
+            return None
+        committed = ledger.state is State.COMMITTED
+        if self._queued:
+            self._refused(Refusal.QUEUED)  # given up (and cancelled); PENDING: replayed
+            return None
+        if failure.cls is FailureClass.MALFORMED:
+            if committed:
+                self._refused(Refusal.NOT_A_CUT)
+            return None
+        plan = strategy.plan(self.retry.current, ledger, self.timers.header_timeout_s)
+        if not isinstance(plan, Resume):
+            if committed:  # (PENDING: nothing was released, a replay as always)
+                self._refused(plan)
+            return None
+        phase = Phase.COMMITTED if committed else self._replay_phase(failure)
+        self.failure = failure
+        self.stalled = False
+        self._splice = None
+        self.step = _Step.IDLE
+        self._resume = plan
+        report = self.report
+        report.attempt_ended(failure.label, phase, self.status, self.stats)
+        report.continuation("spliced", strategy_splices(strategy), strategy.saved_frames)
+        retry = self.retry
+        wait = retry.resume_delay(failure)
+        report.attempt_failed(failure, phase, wait)
+        report.state(TurnState.WAITING)
+        if wait > 0 and not _testing:
+            keys = retry.keys
+            return Wait(wait, keys[retry.current] if keys else None)
+        return self.next_attempt(now)
+
+    def _refused(self, refusal: Refusal) -> None:
+        """The cut is not continued: the turn goes on as without a strategy."""
+        self.refusal = refusal
+        strategy = self.continuation
+        if strategy is not None:
+            self.report.continuation(
+                f"refused_{refusal.value}", strategy_splices(strategy), strategy.saved_frames
+            )
+
+    def _resume_answered(
+        self, now: float, status: int, *, sse: bool, retry_after_s: float | None
+    ) -> Action:
+        """The continuation's answer: its stream goes on through the join check into
+        the turn's ledger; a retryable status is another cut; any other answer (404,
+        400, a JSON body) does not continue the turn."""
+        ledger = self.ledger
+        strategy = self.continuation
+        assert ledger is not None and strategy is not None
+        if 200 <= status < 300 and sse:
+            self.retry.record_answer(now)
+            ledger.resume_attempt(self.stats)
+            self.attempt_ledger = ledger
+            self._splice = strategy.splicer()
+            self._splitter = SSESplitter(self.timers.max_event_bytes)
+            self._reading(now, _Step.STREAM)
+            self._resume_t0 = now
+            self.report.state(
+                TurnState.HOLDING if ledger.state is State.PENDING else TurnState.STREAMING
+            )
+            return Stream()
+        failure = Failure(
+            FailureClass.STATUS, f"HTTP {status}", status=status, retry_after_s=retry_after_s
+        )
+        if status < 200 or is_retryable_status(status):
+            return self._continuation_failed(now, failure)
+        return self._join_broken(now, f"the continuation was answered HTTP {status}")
+
+    def _continuation_failed(self, now: float, failure: Failure) -> Action:
+        """Opening a continuation failed (connect, headers, a retryable status): the
+        response still runs, so another continuation may follow (bounded)."""
+        self.step = _Step.STREAM  # the cut attempt's ledger decides, as for any cut
+        action = self._continue(now, failure)
+        if action is not None:
+            return action
+        ledger = self.ledger
+        assert ledger is not None
+        self.attempt_ledger = ledger
+        return self._verdict_action(now, failure, ledger.failed(failure.reason))
+
+    def _join_broken(self, now: float, reason: str) -> Action:
+        """The continuation does not continue what the client saw: never splice it.
+        Committed, the turn ends with the native error; else it is replayed."""
+        self._splice = None
+        self._refused(Refusal.JOIN)
+        failure = Failure(FailureClass.STREAM_ERROR, f"continuation refused: {reason}")
+        ledger = self.ledger
+        assert ledger is not None
+        self.attempt_ledger = ledger
+        if self.step is _Step.RESUMING:
+            self.step = _Step.STREAM
+        return self._verdict_action(now, failure, ledger.failed(failure.reason))
+
+    def _patched_refused(self, now: float, status: int, body: bytes) -> Action:
+        """A final 4xx to a patched request: a refusal of the mechanism is remembered
+        and the attempt made again with the client's request (nothing was released);
+        any other is the provider's final answer, as always."""
+        strategy = self.continuation
+        assert strategy is not None
+        failure = self.failure
+        if strategy.refused(self.retry.current, status, body):
+            self._patched = False
+            self.report.attempt_ended("continuation_refused", Phase.HEADERS, status, self.stats)
+            self._refused(Refusal.NOT_RESUMABLE)
+            self.step = _Step.IDLE
+            return self.next_attempt(now)
+        if self.headers_out:
+            return self._end(
+                Outcome.PASSED_THROUGH_ERROR,
+                End(EndKind.ERROR, self.protocol.final_error_frame(status, body, None)),
+            )
+        self.failure = failure
+        self.step = _Step.ENDED
+        self.retry.close()
+        self.outcome = Outcome.PASSED_THROUGH_ERROR
+        self.report.attempt_ended(Outcome.PASSED_THROUGH_ERROR.value, None, status, self.stats)
+        self.report.state(TurnState.DONE)
+        return GiveUp(GiveUpKind.PASS_THROUGH)
+
+    def _abandon(self) -> None:
+        """The current response will not be read on: name what frees it."""
+        strategy = self.continuation
+        ledger = self.ledger
+        if strategy is not None and ledger is not None and self.retry.current >= 0:
+            self.cancels.extend(strategy.abandon(self.retry.current, ledger))
+
+    def take_cancels(self) -> list[Cancel]:
+        """The cancel requests named since the last call (the transport sends them)."""
+        out = self.cancels
+        if out:
+            self.cancels = []
+        return out
+
+    @property
+    def splices(self) -> int:
+        """Continuations this turn made."""
+        strategy = self.continuation
+        return strategy_splices(strategy) if strategy is not None else 0
 
     @property
     def abort_after_commit(self) -> bool:
@@ -928,6 +1225,8 @@ class TurnMachine:
     def _give_up(self) -> GiveUp:
         failure = self.failure
         reason = failure.reason if failure else "retries exhausted"
+        if self.continuation is not None:
+            self._abandon()
         self.step = _Step.ENDED
         self.retry.close()
         if self.headers_out:
@@ -944,6 +1243,8 @@ class TurnMachine:
         )
 
     def _end(self, outcome: Outcome, action: End) -> End:
+        if self.continuation is not None and not outcome.is_ok:
+            self._abandon()
         self.step = _Step.ENDED
         retry = self.retry
         if retry.admitted:  # the rate limiter learns what the request cost
@@ -958,6 +1259,8 @@ class TurnMachine:
         return action
 
     def _ok_outcome(self) -> Outcome:
+        if self.continuation is not None and strategy_splices(self.continuation):
+            return Outcome.RESUMED
         return Outcome.RECOVERED if self.retry.retries else Outcome.OK
 
     def _reading(self, now: float, step: _Step) -> None:
@@ -995,6 +1298,8 @@ class TurnMachine:
                 self.report.attempt_ended("ok", None, self.status, self.stats)
             else:
                 self.outcome = Outcome.ABORTED_BY_CLIENT
+                if self.continuation is not None:
+                    self._abandon()  # nobody reads the response any more
                 committed = ledger is not None and ledger.state is not State.PENDING
                 self.report.attempt_ended(
                     Outcome.ABORTED_BY_CLIENT.value,
@@ -1108,6 +1413,11 @@ class TurnMachine:
                 if self.first_frame
                 else self._attempt_t0 + t.first_frame_timeout_s
             )
+            splice = self._splice
+            if splice is not None and not splice.progressed:
+                queued = self._resume_t0 + self.queued_s
+                if queued < stall:
+                    stall = queued
             if due is None or stall < due:
                 due = stall
         return due
@@ -1126,6 +1436,17 @@ class TurnMachine:
             if now >= due:
                 self.stalled = True
                 return AbortUpstream(_stall_failure())
+            splice = self._splice
+            if (
+                splice is not None
+                and not splice.progressed
+                and now >= self._resume_t0 + self.queued_s
+            ):
+                # The continuation shows no progress (a response stuck in ``queued``):
+                # give it up (it is cancelled); replayed if nothing was released.
+                self.stalled = True
+                self._queued = True
+                return AbortUpstream(_queued_failure())
         p = self.profile
         if self.stream or self.socket:
             if not self.headers_out:
@@ -1188,3 +1509,12 @@ def _stall_timers(timers: Timers, profile: Profile) -> Timers:
 
 def _stall_failure() -> Failure:
     return Failure(FailureClass.STALL, "stall: the upstream went silent past its timeout")
+
+
+def _queued_failure() -> Failure:
+    return Failure(FailureClass.STALL, "stall: the continuation made no progress (queued)")
+
+
+def strategy_splices(strategy: Strategy) -> int:
+    """The continuations a strategy made."""
+    return strategy.splices

@@ -88,8 +88,13 @@ ACTION_KEYS: Final = frozenset(
         "rst",
         "count",
         "code",
+        # Responses background mode (`mock.background`)
+        "refuse_background",
+        "resume",
     }
 )
+#: ``resume``: how a background resume (``GET .../responses/{id}?stream=true``) is answered
+RESUME_FAULTS: Final = ("not_found", "bad_request", "other_id", "backwards", "queued")
 
 #: Keys allowed in a WebSocket upgrade action (``script_upgrades``).
 UPGRADE_KEYS: Final = frozenset({"status", "headers", "body", "fault", "delay_ms", "rst", "count"})
@@ -126,6 +131,10 @@ class Action:
     count: int = 1
     code: int | None = None
     shape_key: str = ""
+    #: Responses background mode: a ``background: true`` request gets a 400 naming it
+    refuse_background: bool = False
+    #: the answer to a background resume (`RESUME_FAULTS`); None: the events after N
+    resume: str | None = None
 
     @property
     def is_error_status(self) -> bool:
@@ -266,8 +275,10 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
             )
         kw["after_frame"] = _int(get("after_frame"), _where(where, "after_frame"), lo=0)
     if "seconds" in data:
-        if fault != "stall":
-            raise ActionError(f"{_where(where, 'seconds')}: only valid with fault 'stall'")
+        if fault != "stall" and get("resume") != "queued":
+            raise ActionError(
+                f"{_where(where, 'seconds')}: only valid with fault 'stall' or resume 'queued'"
+            )
         seconds = _number(get("seconds"), _where(where, "seconds"))
         kw["seconds"] = seconds
     if "error" in data:
@@ -292,6 +303,13 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
                 f"{_where(where, 'code')}: only valid with fault {', '.join(sorted(CODE_FAULTS))}"
             )
         kw["code"] = _int(get("code"), _where(where, "code"), lo=1000, hi=4999)
+
+    if "refuse_background" in data:
+        if not isinstance(get("refuse_background"), bool):
+            raise ActionError(f"{_where(where, 'refuse_background')}: expected true or false")
+        kw["refuse_background"] = get("refuse_background")
+    if "resume" in data and get("resume") is not None:
+        kw["resume"] = _choice(get("resume"), _where(where, "resume"), RESUME_FAULTS)
 
     status = kw.get("status")
     if fault == "error_event" and status is not None and not 200 <= status < 300:

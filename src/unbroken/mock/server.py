@@ -26,6 +26,15 @@ from unbroken.mock.actions import (
     expand_upgrade_actions,
     parse_action,
 )
+from unbroken.mock.background import (
+    BackgroundStore,
+    background_refused_body,
+    cancelled_body,
+    not_found_body,
+    resume_frames,
+    resume_target,
+    store_required_body,
+)
 from unbroken.mock.gemini import parse_path as parse_gemini_path
 from unbroken.mock.gemini import request_view as gemini_request_view
 from unbroken.mock.limits import MockLimits
@@ -244,6 +253,8 @@ class MockProvider:
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._header_actions: dict[str, Action] = {}
         self._active: set[asyncio.Transport] = set()
+        #: Responses background mode: the stored streams (`mock.background`)
+        self.background = BackgroundStore()
         self._runner: web.AppRunner | None = None
         self._stopping: asyncio.Event | None = None
 
@@ -361,6 +372,7 @@ class MockProvider:
         self.requests.clear()
         self.upgrades.clear()
         self._stored.clear()
+        self.background.clear()
         self._default = self._initial_default
 
     async def wait_for_requests(
@@ -506,6 +518,10 @@ class MockProvider:
 
     async def _h_provider(self, request: web.Request) -> web.StreamResponse:
         path = request.path
+        if "/v1/responses/" in path and not path.startswith("/_mock/"):
+            target = resume_target(path)
+            if target is not None and (request.method == "GET") != target[1]:
+                return await self._h_background(request, *target)
         protocol = protocol_for_path(path)
         if protocol is None or path.startswith("/_mock/"):
             return web.json_response(
@@ -674,7 +690,20 @@ class MockProvider:
                 status=400, body=previous_not_found_body(unknown_previous), headers=headers
             )
 
+        background = protocol == RESPONSES and req_json.get("background") is True
+        if background and (action.refuse_background or req_json.get("store") is False):
+            headers["Content-Type"] = JSON_CONTENT_TYPE
+            headers[request_id_header] = reply.request_id
+            refused = action.refuse_background
+            return web.Response(
+                status=400,
+                body=background_refused_body() if refused else store_required_body(),
+                headers=headers,
+            )
         rendered = render(reply)
+        if background and rendered.stream:
+            # It runs on whatever happens to this connection: stored whole first.
+            self.background.put(reply.response_id, reply, rendered.frames)
         status = action.status or 200
         if (
             protocol == RESPONSES
@@ -761,6 +790,90 @@ class MockProvider:
             return resp
         await resp.write_eof()
         return resp
+
+    # -- Responses background mode (`mock.background`) ----------------------------
+
+    async def _h_background(
+        self, request: web.Request, response_id: str, cancel: bool
+    ) -> web.StreamResponse:
+        """A background response's resume (``GET``) or cancel (``POST .../cancel``)."""
+        key = request.headers.get(KEY_HEADER)
+        body = await request.read()
+        try:
+            raw_action = request.headers.get(ACTION_HEADER)
+            if raw_action is not None:
+                action = self._header_action(raw_action)
+            elif cancel:
+                action = parse_action(None)  # a cancel takes no action from the queues
+            else:
+                action = self._next_action(key)
+        except ActionError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
+        if self.record:
+            self._record(
+                RecordedRequest(
+                    method=request.method,
+                    path=request.path,
+                    query=MultiDict(request.query),
+                    headers=CIMultiDict(request.headers),
+                    body=body,
+                    key=key,
+                    protocol=RESPONSES,
+                    action=action.raw,
+                    at=asyncio.get_running_loop().time(),
+                )
+            )
+        stored = self.background.get(response_id)
+        json_headers = {"Content-Type": JSON_CONTENT_TYPE}
+        if cancel:
+            self.background.cancels.append(response_id)
+            if stored is None:
+                return web.Response(
+                    status=404, body=not_found_body(response_id), headers=json_headers
+                )
+            stored.cancelled = True
+            return web.Response(status=200, body=cancelled_body(response_id), headers=json_headers)
+        if stored is None or action.resume == "not_found":
+            return web.Response(status=404, body=not_found_body(response_id), headers=json_headers)
+        if action.resume == "bad_request" or request.query.get("stream") != "true":
+            return web.Response(
+                status=400,
+                body=_mock_error_body(RESPONSES, "mock: resume with stream=true only"),
+                headers=json_headers,
+            )
+        try:
+            after = int(request.query.get("starting_after", "-1"))
+        except ValueError:
+            after = -1
+        stored.resumes.append(after)
+        headers: CIMultiDict[str] = CIMultiDict(
+            {"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
+        )
+        if action.resume == "queued":
+            resp = web.StreamResponse(status=200, headers=headers)
+            await resp.prepare(request)
+            stopping = self._stopping
+            if stopping is not None and not stopping.is_set():
+                try:
+                    async with asyncio.timeout(action.seconds):
+                        await stopping.wait()
+                except TimeoutError:
+                    pass
+            _abort(request, action.rst)
+            return resp
+        frames = resume_frames(stored, after, action)
+        transport = request.transport
+        if transport is None:
+            return web.Response()
+        self._active.add(transport)
+        try:
+            return await self._send_frames(
+                request, action, 200, headers, frames, stream=True, reply=stored.reply
+            )
+        except ConnectionError:
+            return web.Response()
+        finally:
+            self._active.discard(transport)
 
     # -- Responses WebSocket mode ----------------------------------------------
 

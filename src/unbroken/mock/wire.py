@@ -484,7 +484,7 @@ def _response_object(
         "object": "response",
         "created_at": CREATED,
         "status": status,
-        "background": False,
+        "background": req.get("background") is True,
         "completed_at": CREATED + 1 if status == "completed" else None,
         "error": error,
         "incomplete_details": None,
@@ -524,7 +524,13 @@ def _responses_items(r: Reply) -> list[_Item]:
         seq += len(values)
 
     started = _response_object(r, "in_progress", [], None)
-    ev("response.created", response=started)
+    if r.request.get("background") is True:
+        # Background mode (`mock.background`): created and announced queued first.
+        queued = _response_object(r, "queued", [], None)
+        ev("response.created", response=queued)
+        ev("response.queued", response=queued)
+    else:
+        ev("response.created", response=started)
     ev("response.in_progress", response=started)
     output: list[dict[str, Any]] = []
     if r.calls:

@@ -85,6 +85,13 @@ class TurnInfo:
     attempt_log: list[AttemptInfo] = field(default_factory=list)
     #: bytes held back right now (live, for status and metrics): a reader, never the ledger
     held: Callable[[], int] | None = field(default=None, repr=False)
+    #: continuations made after cuts (``after_commit = "continue"``, `core.continuation`)
+    splices: int = 0
+    #: output frames (about a token each) a redo would have sampled again
+    saved_tokens: int = 0
+    #: the continuation mechanism used or refused, and the last result (``spliced``,
+    #: ``refused_<reason>``); None: no cut asked for one
+    continuation: str | None = None
 
 
 class Hooks:
@@ -109,6 +116,9 @@ class Hooks:
 
     def turn_ended(self, turn: TurnInfo) -> None:
         """``turn.outcome`` and ``turn.attempt_log`` are final."""
+
+    def continuation(self, turn: TurnInfo, result: str) -> None:
+        """A cut turn was continued in place (``spliced``) or not (``refused_<reason>``)."""
 
     def upstream_changed(
         self, route: str, upstream: str, kind: str, *, reason: str, ttl_s: float, remote: bool
@@ -261,6 +271,17 @@ class LogHooks(Hooks):
                 turn.attempts,
                 failure.label,
                 phase,
+            )
+        elif phase == "committed":  # continued in place (after_commit = "continue")
+            log.warning(
+                "stream cut after output route=%s upstream=%s attempt=%d reason=%s: "
+                "continuing in place (continuation %d) wait_ms=%d",
+                turn.route,
+                upstream,
+                turn.attempts,
+                failure.label,
+                turn.splices,
+                round(wait_s * 1000),
             )
         elif self.verbose:
             log.warning(

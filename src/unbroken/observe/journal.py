@@ -37,7 +37,9 @@ __all__ = ["SCHEMA", "Journal", "default_journal_path", "journal_path"]
 
 log = logging.getLogger("unbroken")
 
-SCHEMA_VERSION = 4  # 2: turns.client; 3: attempts.choice, upstream_events; 4: turns.queued_s
+#: 2: turns.client; 3: attempts.choice, upstream_events; 4: turns.queued_s;
+#: 5: turns.splices, turns.saved_tokens (continuations, issue 23)
+SCHEMA_VERSION = 5
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
     uid          TEXT PRIMARY KEY,   -- '<run>:<turn id>'
@@ -53,14 +55,17 @@ CREATE TABLE IF NOT EXISTS turns (
     started      REAL NOT NULL,      -- unix time
     ended        REAL,
     outcome      TEXT,               -- ok | recovered | ended_with_error |
-                                     -- passed_through_error | aborted_by_client;
+                                     -- passed_through_error | aborted_by_client |
+                                     -- resumed (finished in place after a cut);
                                      -- NULL: in flight, or the relay stopped hard
     attempts     INTEGER NOT NULL DEFAULT 0,
     upstream     TEXT,               -- of the last attempt
     last_failure TEXT,               -- label of the last failed attempt
     first_byte_s REAL,               -- start to the first byte sent to the client
     wait_s       REAL NOT NULL DEFAULT 0, -- total time waited between attempts
-    queued_s     REAL NOT NULL DEFAULT 0  -- time waited at the relay for the rate limit
+    queued_s     REAL NOT NULL DEFAULT 0, -- time waited at the relay for the rate limit
+    splices      INTEGER NOT NULL DEFAULT 0, -- continuations after cuts (outcome resumed)
+    saved_tokens INTEGER NOT NULL DEFAULT 0  -- output frames (~ tokens) a redo would resample
 );
 CREATE INDEX IF NOT EXISTS turns_started ON turns (started);
 CREATE TABLE IF NOT EXISTS attempts (
@@ -107,8 +112,8 @@ _INSERT: dict[str, tuple[str, str]] = {
     "turn": (
         "INSERT OR REPLACE INTO turns (uid, run, turn_id, route, path, protocol, stream,"
         " session_id, client, started, ended, outcome, attempts, upstream, last_failure,"
-        " first_byte_s, wait_s, queued_s) VALUES ",
-        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " first_byte_s, wait_s, queued_s, splices, saved_tokens) VALUES ",
+        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     ),
     "attempt": (
         "INSERT OR REPLACE INTO attempts (turn_uid, number, upstream, started, ended, status,"
@@ -125,7 +130,8 @@ _INSERT: dict[str, tuple[str, str]] = {
 _UPDATE: dict[str, str] = {
     "turn_end": (
         "UPDATE turns SET ended = ?, outcome = ?, attempts = ?, upstream = ?, last_failure = ?,"
-        " first_byte_s = ?, wait_s = ?, queued_s = ? WHERE uid = ?"
+        " first_byte_s = ?, wait_s = ?, queued_s = ?, splices = ?, saved_tokens = ?"
+        " WHERE uid = ?"
     ),
     "wait": "UPDATE attempts SET wait_s = ? WHERE turn_uid = ? AND number = ?",
 }
@@ -189,6 +195,8 @@ def _turn_end(turn: TurnInfo, wait_s: float) -> tuple[Any, ...]:
         first_byte_s,
         wait_s,
         turn.queued_s,
+        turn.splices,
+        turn.saved_tokens,
     )
 
 
@@ -199,6 +207,9 @@ def _migrate(conn: sqlite3.Connection) -> None:
         conn.execute("ALTER TABLE turns ADD COLUMN client TEXT")
     if "queued_s" not in columns:  # versions 1 to 3
         conn.execute("ALTER TABLE turns ADD COLUMN queued_s REAL NOT NULL DEFAULT 0")
+    if "splices" not in columns:  # versions 1 to 4
+        conn.execute("ALTER TABLE turns ADD COLUMN splices INTEGER NOT NULL DEFAULT 0")
+        conn.execute("ALTER TABLE turns ADD COLUMN saved_tokens INTEGER NOT NULL DEFAULT 0")
     columns = {row[1] for row in conn.execute("PRAGMA table_info(attempts)")}
     if "choice" not in columns:  # version 2 (upstream_events comes with SCHEMA)
         conn.execute("ALTER TABLE attempts ADD COLUMN choice TEXT")
@@ -465,6 +476,8 @@ class Journal(Hooks):
                     None,
                     0.0,
                     0.0,
+                    0,
+                    0,
                 ]
             elif kind == "turn_end":
                 t, wait_s = item

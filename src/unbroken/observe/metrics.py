@@ -216,6 +216,19 @@ class Metrics(Hooks):
             ["route"],
             registry=r,
         )
+        self.continuations = Counter(
+            "unbroken_continuations",
+            "Cuts after commit finished in place (result spliced) or not (refused_<reason>),"
+            " with after_commit = continue.",
+            ["protocol", "result"],
+            registry=r,
+        )
+        self.saved = Counter(
+            "unbroken_saved_output_tokens",
+            "Estimated output tokens a redo would have sampled again, saved by continuations.",
+            ["route"],
+            registry=r,
+        )
         self.retry_wait = Histogram(
             "unbroken_retry_wait_seconds",
             "Wait before each retry.",
@@ -256,7 +269,8 @@ class Metrics(Hooks):
     ) -> None:
         if wait_s is None:
             return
-        self._child(self.replays, phase or "unknown").inc()
+        if phase != "committed":  # a committed attempt is continued, never replayed
+            self._child(self.replays, phase or "unknown").inc()
         self._child(self.retry_wait, turn.route).observe(wait_s)
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
@@ -266,8 +280,13 @@ class Metrics(Hooks):
             if attempt.est_output_tokens:
                 self._child(self.wasted, turn.route).inc(attempt.est_output_tokens)
 
+    def continuation(self, turn: TurnInfo, result: str) -> None:
+        self._child(self.continuations, turn.protocol, result).inc()
+
     def turn_ended(self, turn: TurnInfo) -> None:
         self._child(self.turns, turn.route, turn.outcome or "unknown").inc()
+        if turn.saved_tokens:
+            self._child(self.saved, turn.route).inc(turn.saved_tokens)
         if turn.queued_s:
             self._child(self.queued, turn.route).observe(turn.queued_s)
         if turn.first_byte_at is not None:

@@ -167,6 +167,12 @@ class TurnReporter:
         self.flush()
         self.hooks.hold_overflow(self.info, held_bytes)
 
+    def continuation(self, result: str, splices: int, saved_frames: int) -> None:
+        self.flush()
+        info = self.info
+        info.splices, info.saved_tokens, info.continuation = splices, saved_frames, result
+        self.hooks.continuation(info, result)
+
     def headers_sent(self) -> None:
         if self.info.first_byte_at is None:
             self.info.first_byte_at = self.wall()

@@ -55,6 +55,8 @@ class StatusTracker(Hooks):
         self.retries = 0
         self.retry_wait_s = 0.0
         self.wasted_tokens_est = 0
+        self.continuations: Counter[str] = Counter()
+        self.saved_tokens_est = 0
 
     # -- hooks ---------------------------------------------------------------------------
     def attempt_failed(
@@ -74,9 +76,13 @@ class StatusTracker(Hooks):
         if attempt.phase != "committed":
             self.wasted_tokens_est += attempt.est_output_tokens
 
+    def continuation(self, turn: TurnInfo, result: str) -> None:
+        self.continuations[result] += 1
+
     def turn_ended(self, turn: TurnInfo) -> None:
         self.turns += 1
         self.outcomes[turn.outcome or "unknown"] += 1
+        self.saved_tokens_est += turn.saved_tokens
 
     # -- snapshot ------------------------------------------------------------------------
     @staticmethod
@@ -99,6 +105,7 @@ class StatusTracker(Hooks):
             "parked_for": turn.parked_for if turn.state == "parked" else None,
             "age_s": round(max(0.0, now - turn.started), 3),
             "held_bytes": held_bytes(turn),
+            "splices": turn.splices,  # continuations after cuts (after_commit = continue)
         }
 
     def totals(self) -> dict[str, Any]:
@@ -112,6 +119,9 @@ class StatusTracker(Hooks):
             "retries": self.retries,
             "retry_wait_s": round(self.retry_wait_s, 3),
             "wasted_tokens_est": self.wasted_tokens_est,
+            #: cuts after commit finished in place (spliced) or not (refused_<reason>)
+            "continuations": dict(self.continuations),
+            "saved_tokens_est": self.saved_tokens_est,
         }
 
     def snapshot(self) -> dict[str, Any]:

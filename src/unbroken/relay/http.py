@@ -18,7 +18,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -27,7 +27,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from unbroken.config import Config, Route
+from unbroken.config import Config, Route, Upstream
+from unbroken.core.background import BackgroundResume, background_patch_applies
+from unbroken.core.continuation import AfterCommit, Cancel, ContinuationMemory, Resume, Strategy
 from unbroken.core.health import Change, HealthBoard, upstream_key
 from unbroken.core.ledger import Hold
 from unbroken.core.policy import (
@@ -37,7 +39,7 @@ from unbroken.core.policy import (
     parse_retry_after,
 )
 from unbroken.core.profiles import Profile, identify, profile_named
-from unbroken.core.protocols import GEMINI, Protocol, protocol_for_path
+from unbroken.core.protocols import GEMINI, RESPONSES, Protocol, protocol_for_path
 from unbroken.core.protocols.gemini import is_stream_path
 from unbroken.core.ratehead import parse_rate_headers
 from unbroken.core.ratelimit import max_output_of
@@ -71,6 +73,7 @@ from unbroken.relay.upstream import (
     UpstreamClient,
     body_for,
     parse_body,
+    patched_body,
     raw_query,
     redact,
     request_headers,
@@ -200,6 +203,10 @@ class Relay:
         self._intervals: dict[str, float] = {}
         #: each upstream's credential hash, and bad rate-limit headers logged once
         self.limits = RateLimitIO()
+        #: upstreams that refused a continuation mechanism (background mode)
+        self.continuations = ContinuationMemory()
+        #: cancel requests on their way (kept referenced until they finish)
+        self.side_tasks: set[asyncio.Task[None]] = set()
 
     def profile_for(self, headers: Any) -> Profile:
         """The client profile of a request, with the config's overrides (cached per client)."""
@@ -261,6 +268,73 @@ class Relay:
             creds=creds,
             body_bytes=body_bytes,
             max_output=max_output,
+        )
+
+    def continuation_for(
+        self,
+        route: Route,
+        protocol: Protocol,
+        rest: str,
+        parsed: dict[str, Any] | None,
+        headers: Any,
+    ) -> Strategy | None:
+        """The turn's continuation strategy (``after_commit = "continue"``), or None:
+        OpenAI Responses over HTTP, a streamed plain-JSON request (`core.background`)."""
+        stream = self.config.stream
+        if stream.after_commit_for(route) != AfterCommit.CONTINUE:
+            return None
+        if protocol is not RESPONSES or headers.get("content-encoding"):
+            return None
+        if not background_patch_applies(parsed):
+            return None
+        return self.background_resume(route, rest)
+
+    def background_resume(self, route: Route, rest: str) -> BackgroundResume:
+        """The Responses background-mode strategy of one turn on ``route``."""
+        keys = self._keys.get(route.name) or _route_keys(route)
+        return BackgroundResume(
+            path=rest,
+            keys=keys,
+            memory=self.continuations,
+            max_splices=self.config.stream.max_splices,
+        )
+
+    def send_cancels(
+        self,
+        route: Route,
+        request: web.Request,
+        cancels: Sequence[Cancel],
+        headers_for: Callable[[Upstream], CIMultiDict[str]] | None = None,
+    ) -> None:
+        """Send each cancel (best effort, in the background: nobody waits for it).
+        ``headers_for``: the upstream request headers (else the HTTP request's)."""
+        for cancel in cancels:
+            task = asyncio.ensure_future(self._cancel(route, request, cancel, headers_for))
+            self.side_tasks.add(task)
+            task.add_done_callback(self.side_tasks.discard)
+
+    async def _cancel(
+        self,
+        route: Route,
+        request: web.Request,
+        cancel: Cancel,
+        headers_for: Callable[[Upstream], CIMultiDict[str]] | None,
+    ) -> None:
+        up = route.upstreams[cancel.upstream]
+        headers, query = continuation_headers(request, up, ("content-type", "content-encoding"))
+        if headers_for is not None:
+            headers = headers_for(up)
+        url = upstream_url(up, cancel.path, query)
+        status: int | str
+        try:
+            async with asyncio.timeout(10):
+                resp = await self.client.request(cancel.method, url, headers, b"")
+                status = resp.status
+                resp.close()
+        except Exception as exc:  # best effort: logged, never raised
+            status = type(exc).__name__
+        log.info(
+            "continuation cancelled route=%s upstream=%s status=%s", route.name, up.name, status
         )
 
     def handle(
@@ -327,6 +401,8 @@ class Relay:
         return len(left)
 
     async def close(self) -> None:
+        if self.side_tasks:
+            await asyncio.gather(*list(self.side_tasks), return_exceptions=True)
         self.waker.close()
         await self.client.close()
         await self.store.close()
@@ -354,6 +430,21 @@ class _Running:
                 self.relay.idle.set()
 
 
+def continuation_headers(
+    request: web.Request, up: Any, drop: Sequence[str]
+) -> tuple[CIMultiDict[str], str]:
+    """The headers (credentials as for the turn's attempts, ``drop`` removed) and the
+    client's query (``api-version`` on Azure, a Gemini key stripped) for a
+    continuation's or a cancel's request."""
+    query = raw_query(request)
+    if up.api_key is not None:
+        query, _ = strip_key_param(query)
+    headers = request_headers(request.headers, up, anthropic=False)
+    for name in drop:
+        headers.popall(name, None)
+    return headers, query
+
+
 def _route_keys(route: Route) -> tuple[str, ...]:
     """The health key of each upstream (a URL listed twice, with two keys, is two upstreams)."""
     keys: list[str] = []
@@ -379,9 +470,12 @@ class _HealthHook(Hooks):
         self.relay = relay
         #: turn id -> the upstreams it failed on (the fleet counts one failure per turn)
         self._failed: dict[int, set[str]] = {}
+        #: turn id -> the upstreams it was cut on after commit (counted once a turn)
+        self._cut: dict[int, set[str]] = {}
 
     def turn_ended(self, turn: TurnInfo) -> None:
         self._failed.pop(turn.id, None)
+        self._cut.pop(turn.id, None)
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         relay = self.relay
@@ -393,7 +487,12 @@ class _HealthHook(Hooks):
         if answered:
             relay.board.success(key, relay.clock())
         elif attempt.phase == "committed" and (attempt.status or 0) < 400:
-            relay.board.failure(key, relay.clock(), reason)
+            # Once per turn: a turn continued in place after cuts (`core.continuation`)
+            # has several committed attempts; the breaker counts the turn's failure.
+            cut = self._cut.setdefault(turn.id, set())
+            if key not in cut:
+                cut.add(key)
+                relay.board.failure(key, relay.clock(), reason)
         if answered:
             relay.store.count(key, False)
         elif (attempt.status or 500) >= 500:
@@ -536,7 +635,7 @@ class HttpAttempt:
         self.sink = _GONE
 
     async def run(
-        self, action: Open, method: str, url: URL, headers: CIMultiDict[str], body: bytes
+        self, action: Open | Resume, method: str, url: URL, headers: CIMultiDict[str], body: bytes
     ) -> Action:
         """The attempt, up to the machine's next action.  The caller has armed the
         watchdog for whatever is timed while it connects (early headers, keepalives)."""
@@ -797,6 +896,11 @@ class _HttpTurn:
             profile=self.profile,
         )
         info.held = self._held
+        if stream:
+            self.machine.continuation = relay.continuation_for(
+                route, self.protocol, rest, parsed, request.headers
+            )
+            self.machine.queued_s = self.cfg.stream.resume_queued_s
         self.response: web.StreamResponse | None = None  # the client response, once prepared
         self._prepare_lock = asyncio.Lock()
         #: the client response the attempt that answered would send, built ahead
@@ -832,8 +936,12 @@ class _HttpTurn:
             try:
                 action: Action = machine.start(self.loop.time())
                 while True:
+                    if machine.cancels:
+                        self._send_cancels()
                     if type(action) is Open:
                         action = await self._attempt(action)
+                    elif type(action) is Resume:
+                        action = await self._resume(action)
                     elif type(action) is Wait:
                         self.watchdog.arm()  # keepalives and early headers go on meanwhile
                         await self.relay.waker.wait(action)
@@ -868,6 +976,8 @@ class _HttpTurn:
                     content_type="application/json",
                 )
             finally:
+                if machine.cancels:
+                    self._send_cancels()
                 self.watchdog.close()
                 self.upstream.close()
                 if self._side_task is not None:
@@ -897,7 +1007,23 @@ class _HttpTurn:
             gemini=keyed or self.protocol is GEMINI,
         )
         url = upstream_url(up, self.rest, query)
+        if action.body_patch:
+            body = patched_body(body, action.body_patch)
         return self.upstream.run(action, req.method, url, headers, body)
+
+    def _resume(self, action: Resume) -> Awaitable[Action]:
+        """A continuation's request: the machine's method, path and body, with the
+        turn's headers (credentials as for any attempt) changed as it says."""
+        up = self.route.upstreams[action.upstream]
+        headers, query = continuation_headers(self.request, up, action.drop_headers)
+        for name, value in action.set_headers:
+            headers[name] = value
+        query = f"{action.query}&{query}" if query else action.query
+        url = upstream_url(up, action.path, query)
+        return self.upstream.run(action, action.method, url, headers, action.body)
+
+    def _send_cancels(self) -> None:
+        self.relay.send_cancels(self.route, self.request, self.machine.take_cancels())
 
     # -- Sink: where the attempt's output goes ---------------------------------------------
     def answer(self, status: int, headers: CIMultiDict[str]) -> None:

@@ -12,7 +12,7 @@ import functools
 import gzip
 import json
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -186,6 +186,17 @@ def parse_body(
         return loads_object(body)
     decoded = decoded_body(body, encoding, limit)
     return None if decoded is None else loads_object(decoded)
+
+
+def patched_body(body: bytes, patch: Sequence[tuple[str, object]]) -> bytes:
+    """``body`` (a plain JSON object) with the top-level keys of ``patch`` set: the
+    one rewrite of a request, asked by the turn machine (``after_commit = "continue"``).
+    A body that is not a JSON object goes as it is."""
+    obj = loads_object(body)
+    if obj is None:
+        return body
+    obj.update(patch)
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def body_for(

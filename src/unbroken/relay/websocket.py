@@ -42,6 +42,7 @@ from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 
 from unbroken.config import Route, Upstream
+from unbroken.core.continuation import AfterCommit, Resume
 from unbroken.core.ledger import State
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.protocols import RESPONSES
@@ -487,6 +488,13 @@ class _WsTurn:
         # Whatever happens now reaches the client in-stream, as on an HTTP stream
         # whose headers went out.
         self.machine.headers_sent(now)
+        stream = conn.cfg.stream
+        if stream.after_commit_for(conn.route) == AfterCommit.CONTINUE:
+            # Background mode is not supported over WebSocket: with a continuation
+            # the turn goes over HTTP (`_over_http`), resumed over HTTP after a cut,
+            # while the client keeps its socket.
+            self.machine.continuation = relay.background_resume(conn.route, conn.rest)
+            self.machine.queued_s = stream.resume_queued_s
         info.held = self._held
         self.watchdog = Watchdog(
             conn.loop, self.machine, self._on_timer, relay.min_interval(self.machine)
@@ -521,6 +529,8 @@ class _WsTurn:
                 await self.conn.client.close(code=1011, message=b"internal error")
             return False
         finally:
+            if machine.cancels:
+                self._send_cancels()
             self.watchdog.close()
             self.http.close()
             if self.response_id is not None:
@@ -532,8 +542,12 @@ class _WsTurn:
         machine, conn = self.machine, self.conn
         action: Action = machine.start(conn.loop.time())
         while True:
+            if machine.cancels:
+                self._send_cancels()
             if type(action) is Open:
                 action = await self._attempt(action)
+            elif type(action) is Resume:
+                action = await self._resume(action)
             elif type(action) is Wait:
                 await conn.drop_upstream()
                 await self.relay.waker.wait(action)
@@ -554,7 +568,8 @@ class _WsTurn:
         conn.turn_upstream = action.upstream
         up = conn.route.upstreams[action.upstream]
         self.socket = None
-        if conn.loop.time() < conn.http_until:
+        if action.body_patch or conn.loop.time() < conn.http_until:
+            # (a resumable turn goes over HTTP: no background mode over WebSocket)
             return await self._over_http(action, up)
         ws = conn.upstream
         if ws is None or ws.closed or conn.upstream_idx != action.upstream:
@@ -715,12 +730,35 @@ class _WsTurn:
         request = conn.history.request_for(self.create, None)
         body = {k: v for k, v in request.items() if k != "type"}
         body["stream"] = True
+        body.update(action.body_patch)  # background mode (`core.continuation`)
         headers = conn.headers_for(up)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "text/event-stream"
         url = upstream_url(up, conn.rest, raw_query(conn.request))
         self.watchdog.arm()
         return await self.http.run(action, "POST", url, headers, json.dumps(body).encode())
+
+    async def _resume(self, action: Resume) -> Action:
+        """A continuation of the cut HTTP attempt, over HTTP: its frames go to the client
+        as messages on the socket it keeps."""
+        conn = self.conn
+        up = conn.route.upstreams[action.upstream]
+        headers = conn.headers_for(up)
+        for name in action.drop_headers:
+            headers.popall(name, None)
+        for name, value in action.set_headers:
+            headers[name] = value
+        query = raw_query(conn.request)
+        query = f"{action.query}&{query}" if query else action.query
+        url = upstream_url(up, action.path, query)
+        self.watchdog.arm()
+        return await self.http.run(action, action.method, url, headers, action.body)
+
+    def _send_cancels(self) -> None:
+        conn = self.conn
+        self.relay.send_cancels(
+            conn.route, conn.request, self.machine.take_cancels(), headers_for=conn.headers_for
+        )
 
     # -- Sink, for the HTTP fallback -------------------------------------------------------
     verbatim = False  # every SSE frame becomes a WebSocket message of its own

@@ -1,0 +1,296 @@
+"""OpenAI Responses background mode: the exact resume of a cut stream (sans-IO).
+
+A response created with ``background: true`` (which needs ``store: true``) and
+``stream: true`` keeps running at the provider when the connection drops;
+``GET {base}/responses/{id}?stream=true&starting_after=N`` streams its events
+after sequence number N.  Nothing is sampled twice, nothing is paid twice.
+
+`BackgroundResume` is the `core.continuation.Strategy` for it:
+
+* a fresh attempt sets ``background`` and ``store`` in the request (the only
+  rewrite of a request, and only with ``after_commit = "continue"``), unless the
+  upstream refused background mode before (`ContinuationMemory`); a final 4xx
+  that names ``background`` or ``store`` is such a refusal;
+* after a cut it continues from the response id the ledger's classifier saw in
+  ``response.created`` and the last sequence number *fed to the ledger* (held
+  frames included: they stay held, so nothing is skipped and nothing repeats);
+* `SequenceSplicer` checks the join: the first event is number N+1, numbers
+  strictly increase, and every lifecycle event names the same response;
+* a response given up (a replay, a refusal, a broken join, the client gone) is
+  cancelled (``POST {base}/responses/{id}/cancel``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from unbroken.core.continuation import Cancel, JoinBroken, Refusal, Resume
+from unbroken.core.ledger import Ledger
+from unbroken.core.protocols.base import loads_object
+from unbroken.core.sse import Event
+
+__all__ = [
+    "MECHANISM",
+    "BackgroundResume",
+    "SequenceSplicer",
+    "background_patch_applies",
+    "refuses_background",
+]
+
+MECHANISM = "responses_background"
+
+#: lifecycle events that say the response waits or runs, and nothing more
+_WAITING = frozenset({"response.queued", "response.in_progress"})
+#: a 4xx whose error names one of these as its ``param`` refuses background mode
+_REFUSAL_PARAMS = frozenset({"background", "store"})
+
+
+def refuses_background(status: int, body: bytes) -> bool:
+    """Whether a final answer to a background request refuses background mode: a 4xx
+    whose error names ``background`` or ``store`` as its ``param``, or whose message
+    speaks of background mode (a bare "store" in a message is too common a word)."""
+    if not 400 <= status < 500 or status in (408, 429):
+        return False
+    obj = loads_object(body[:65536].decode("utf-8", "replace"))
+    err: Any = obj.get("error") if obj is not None else None
+    if isinstance(err, dict):
+        if err.get("param") in _REFUSAL_PARAMS:
+            return True
+        message = err.get("message")
+        return isinstance(message, str) and "background" in message.lower()
+    return b"background" in body[:65536].lower()
+
+
+def _payload(raw: bytes) -> dict[str, Any] | None:
+    """The JSON object of one SSE frame (its ``data:`` lines) or WebSocket message."""
+    text = raw.decode("utf-8", "replace")
+    if text.lstrip().startswith("{"):
+        return loads_object(text.strip())  # a WebSocket message
+    lines = [ln[5:].lstrip() for ln in text.splitlines() if ln.startswith("data:")]
+    return loads_object("\n".join(lines).strip()) if lines else None
+
+
+def _seq_of(raw: bytes) -> int | None:
+    """The top-level ``sequence_number`` of one SSE frame (or WebSocket message)."""
+    obj = _payload(raw)
+    seq = obj.get("sequence_number") if obj is not None else None
+    return seq if type(seq) is int else None
+
+
+class SequenceSplicer:
+    """The join check of a background resume: the response id, the open output
+    item's id, and sequence numbers that go on from N+1 and strictly increase.
+
+    Output items follow each other in a response: a frame that names an item
+    (``item_id``, or the item of ``output_item.done``) names the one open at the
+    cut until ``output_item.added`` opens the next, so the deltas of another
+    response are refused at once, not at its ``response.completed``."""
+
+    __slots__ = ("_first", "item", "last", "progressed", "response_id")
+
+    def __init__(self, response_id: str, after: int, item: str | None = None) -> None:
+        self.response_id = response_id
+        self.last = after
+        self.item = item
+        self._first = True
+        self.progressed = False
+
+    def splice(self, event: Event) -> Event | None:
+        data = event.data
+        if data is None:
+            return event  # a comment: the ledger ignores it
+        obj = loads_object(data)
+        if obj is None:
+            raise JoinBroken("a continuation frame is not a JSON object")
+        etype = obj.get("type")
+        if not isinstance(etype, str) and event.name is not None:
+            etype = event.name
+        if etype == "error":
+            return event  # the provider's own error: the ledger ends the turn with it
+        seq = obj.get("sequence_number")
+        if type(seq) is not int:
+            raise JoinBroken(f"a continuation frame ({etype}) has no sequence number")
+        if self._first and seq != self.last + 1:
+            raise JoinBroken(f"the continuation starts at {seq}, not {self.last + 1}")
+        if seq <= self.last:
+            raise JoinBroken(f"sequence numbers went back ({self.last} then {seq})")
+        resp = obj.get("response")
+        if isinstance(resp, dict):
+            rid = resp.get("id")
+            if rid != self.response_id:
+                raise JoinBroken("the continuation is another response")
+        item = _item_of(obj)
+        if item is not None:
+            if etype == "response.output_item.added" or self.item is None:
+                self.item = item
+            elif item != self.item:
+                raise JoinBroken("the continuation names another output item")
+        self._first = False
+        self.last = seq
+        if etype not in _WAITING:
+            self.progressed = True
+        return event
+
+
+class BackgroundResume:
+    """`Strategy` of OpenAI Responses over HTTP: background mode, resumed by cursor."""
+
+    name = MECHANISM
+
+    __slots__ = (
+        "_cancelled",
+        "_counted",
+        "_keys",
+        "_memory",
+        "_resumable",
+        "_saved",
+        "_splicer",
+        "last_seq",
+        "max_splices",
+        "path",
+        "splices",
+    )
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        keys: Sequence[str],
+        memory: Any,
+        max_splices: int,
+    ) -> None:
+        """``path``: the client's request path relative to the upstream base
+        (``v1/responses``); ``keys``: each upstream's health key; ``memory``: the
+        relay's `ContinuationMemory`."""
+        self.path = path.rstrip("/")
+        self._keys = keys
+        self._memory = memory
+        self.max_splices = max_splices
+        self.splices = 0
+        self.last_seq: int | None = None
+        self._resumable: set[int] = set()  # upstreams whose current attempt is background
+        self._cancelled: set[str] = set()
+        self._saved = 0
+        self._counted: object = None  # the attempt whose output frames are counted saved
+        self._splicer: SequenceSplicer | None = None
+
+    # -- fresh attempts --------------------------------------------------------------
+    def body_patch(self, upstream: int) -> tuple[tuple[str, object], ...]:
+        self.last_seq = None
+        if self._memory.refused(MECHANISM, self._key(upstream)):
+            self._resumable.discard(upstream)
+            return ()
+        self._resumable.add(upstream)
+        return (("background", True), ("store", True))
+
+    def refused(self, upstream: int, status: int, body: bytes) -> bool:
+        if upstream not in self._resumable or not refuses_background(status, body):
+            return False
+        self._memory.remember(MECHANISM, self._key(upstream))
+        self._resumable.discard(upstream)
+        return True
+
+    # -- cuts ------------------------------------------------------------------------
+    def plan(self, upstream: int, ledger: Ledger, timeout_s: float) -> Resume | Refusal:
+        if upstream not in self._resumable:
+            return Refusal.NOT_RESUMABLE
+        rid = _response_id(ledger)
+        if rid is None:
+            return Refusal.NO_HANDLE
+        if self.splices >= self.max_splices:
+            return Refusal.LIMIT
+        seq = _last_seq(ledger)
+        if seq is None:
+            seq = self.last_seq if ledger.stats.received_frames == 0 else None
+        if seq is None:
+            return Refusal.NO_CURSOR
+        item = _last_item(ledger)
+        previous = self._splicer
+        if item is None and previous is not None and previous.response_id == rid:
+            item = previous.item
+        self.splices += 1
+        if ledger.stats is not self._counted:  # once per cut attempt
+            self._counted = ledger.stats
+            self._saved += ledger.stats.output_frames
+        self.last_seq = seq
+        self._splicer = SequenceSplicer(rid, seq, item)
+        return Resume(
+            upstream,
+            "GET",
+            f"{self.path}/{rid}",
+            f"stream=true&starting_after={seq}",
+            b"",
+            (("Accept", "text/event-stream"),),
+            ("content-type", "content-encoding"),
+            timeout_s,
+        )
+
+    def splicer(self) -> SequenceSplicer:
+        assert self._splicer is not None
+        return self._splicer
+
+    def abandon(self, upstream: int, ledger: Ledger) -> Sequence[Cancel]:
+        if upstream not in self._resumable:
+            return ()
+        rid = _response_id(ledger)
+        if rid is None or rid in self._cancelled:
+            return ()
+        self._cancelled.add(rid)
+        return (Cancel(upstream, "POST", f"{self.path}/{rid}/cancel"),)
+
+    @property
+    def saved_frames(self) -> int:
+        return self._saved
+
+    def _key(self, upstream: int) -> str:
+        keys = self._keys
+        return keys[upstream] if 0 <= upstream < len(keys) else str(upstream)
+
+
+def _item_of(obj: dict[str, Any]) -> str | None:
+    """The output item a Responses event names, if any."""
+    item_id = obj.get("item_id")
+    if isinstance(item_id, str):
+        return item_id
+    item = obj.get("item")
+    if isinstance(item, dict):
+        found = item.get("id")
+        return found if isinstance(found, str) else None
+    return None
+
+
+def _last_item(ledger: Ledger) -> str | None:
+    """The output item the last frames fed to the ledger name (the one open at a cut)."""
+    for raw in reversed(ledger.stats.recent):
+        obj = _payload(raw)
+        if obj is not None:
+            item = _item_of(obj)
+            if item is not None:
+                return item
+    return None
+
+
+def _response_id(ledger: Ledger) -> str | None:
+    snapshot = getattr(ledger.classifier, "snapshot", None)
+    rid = snapshot.get("id") if isinstance(snapshot, dict) else None
+    return rid if isinstance(rid, str) and rid and "/" not in rid and "?" not in rid else None
+
+
+def _last_seq(ledger: Ledger) -> int | None:
+    """The sequence number of the last frame this attempt fed to the ledger."""
+    for raw in reversed(ledger.stats.recent):
+        seq = _seq_of(raw)
+        if seq is not None:
+            return seq
+        if raw.strip() and not raw.lstrip().startswith(b":"):
+            return None  # a frame without a number: the cursor is unknown
+    return None
+
+
+def background_patch_applies(parsed: dict[str, Any] | None) -> bool:
+    """Whether a Responses request can be made a background one: a streamed JSON
+    request that did not ask for background mode itself."""
+    return (
+        parsed is not None and parsed.get("stream") is True and parsed.get("background") is not True
+    )
