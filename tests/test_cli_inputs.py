@@ -42,6 +42,9 @@ def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         '[routes.x]\nafter_commit = true\nupstreams = ["http://a"]\n'
     )
     (tmp_path / "splices.toml").write_text("[stream]\nmax_splices = 0\n")
+    (tmp_path / "prefix.toml").write_text(
+        '[routes.x]\nchat_prefix = "yes"\nupstreams = ["http://a"]\n'
+    )
     return tmp_path
 
 
@@ -68,6 +71,7 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--config", "commit.toml"], "stream.after_commit"),
     (["serve", "--config", "rcommit.toml"], "routes.x.after_commit"),
     (["serve", "--config", "splices.toml"], "stream.max_splices"),
+    (["serve", "--config", "prefix.toml"], "routes.x.chat_prefix"),
     (["serve", "--bogus"], "--bogus"),
     (["mock", "--port", "65536"], "--port"),
     (["mock", "--port", "-1"], "--port"),

@@ -689,3 +689,17 @@ def test_after_commit_defaults_to_error_and_routes_override_it() -> None:
     default = parse_config({"routes": {"a": {"upstreams": ["http://a"]}}}, env={})
     assert default.stream.after_commit_for(default.routes["a"]) == "error"
     assert default.stream.after_commit_for(default.routes["openai"]) == "error"
+
+
+@pytest.mark.parametrize("mode", ["prefix", "prefix_echo", "partial"])
+def test_a_route_names_its_chat_prefix_mode(mode: str) -> None:
+    cfg = parse_config({"routes": {"ds": {"chat_prefix": mode, "upstreams": ["http://a"]}}}, env={})
+    assert cfg.routes["ds"].chat_prefix == mode
+    default = parse_config({"routes": {"a": {"upstreams": ["http://a"]}}}, env={})
+    assert default.routes["a"].chat_prefix is None
+
+
+@pytest.mark.parametrize("bad", ["yes", True, 1, ""])
+def test_a_bad_chat_prefix_names_the_key(bad: object) -> None:
+    with pytest.raises(ConfigError, match=r"routes\.ds\.chat_prefix"):
+        parse_config({"routes": {"ds": {"chat_prefix": bad, "upstreams": ["http://a"]}}}, env={})

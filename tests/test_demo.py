@@ -120,6 +120,50 @@ def test_the_gemini_demo_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Client: a Gemini API client" in out
 
 
+@pytest.mark.parametrize("protocol", ["anthropic", "chat"])
+async def test_with_after_commit_continue_a_drop_after_output_completes_without_error(
+    tmp_path: Path, protocol: str
+) -> None:
+    """``--after-commit continue`` (issue 23): the drop after output is continued in place
+    (Messages by prefill, Chat by the mock's prefix mode): no error reaches the agent,
+    the text is exact, and the journal says ``resumed``.  With the default it is the
+    native error, as before."""
+    path = tmp_path / "continue.sqlite3"
+    summary = await run_demo(
+        turns=6,
+        direct=False,
+        retry_after_s=0.2,
+        stall_s=10,
+        journal=str(path),
+        protocol=protocol,
+        after_commit="continue",
+    )
+    assert summary["completed"] == 6 and summary["lost"] == 0
+    assert summary["duplicates"] == 0 and summary["corrupted"] == 0
+    assert summary["client_errors"] == 0
+    assert summary["continued"] == summary["failures_after_commit"] == 1
+    outcomes = Counter(o for (o,) in sqlite3.connect(path).execute("SELECT outcome FROM turns"))
+    assert outcomes["resumed"] == 1 and outcomes["ended_with_error"] == 0
+    assert sum(outcomes.values()) == 12  # no step was retried by the agent
+    if protocol == "anthropic":
+        default = await run_demo(
+            turns=6, direct=False, retry_after_s=0.2, stall_s=10, protocol=protocol
+        )
+        assert default["completed"] == 6 and default["corrupted"] == 0
+        assert default["client_errors"] == default["failures_after_commit"] == 1
+        assert default["continued"] == 0
+
+
+def test_the_continue_demo_command(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--protocol", "anthropic", "--after-commit", "continue", "--turns", "6"]
+    assert main([*args, "--no-direct"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "6 concurrent agent turns over Anthropic Messages" in out
+    assert "continued in place 1 drop(s) after output" in out
+    assert "what the client saw clean streams, nothing else" in out
+    assert "Client: a Messages client" in out
+
+
 def test_demo_text_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--turns", "6", "--no-direct"]) == 0
     out = capsys.readouterr().out

@@ -26,6 +26,7 @@ from unbroken.core.health import HealthSettings
 from unbroken.core.ledger import HOLD_CHOICES
 from unbroken.core.policy import RetryPolicy
 from unbroken.core.profiles import check_overrides
+from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.ratelimit import RateSettings
 
 __all__ = [
@@ -116,6 +117,10 @@ class Route:
     builtin: bool = False
     #: ``[routes.NAME] after_commit``: overrides ``[stream] after_commit`` (None: it)
     after_commit: str | None = None
+    #: ``[routes.NAME] chat_prefix``: the upstream's documented Chat Completions prefix
+    #: mode (``prefix``, ``prefix_echo``, ``partial``; `core.protocols.chat_prefix`),
+    #: which a Chat turn cut after commit is continued with; None: it ends as today
+    chat_prefix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -568,11 +573,16 @@ def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
             )
         table = _table(key, raw)
         for k in table:
-            if k not in ("upstreams", "after_commit"):
-                raise ConfigError(f"{key}.{k}", "unknown key (known: after_commit, upstreams)")
+            if k not in ("upstreams", "after_commit", "chat_prefix"):
+                raise ConfigError(
+                    f"{key}.{k}", "unknown key (known: after_commit, chat_prefix, upstreams)"
+                )
         after_commit = None
         if "after_commit" in table:
             after_commit = _after_commit(f"{key}.after_commit", table["after_commit"])
+        chat_prefix = None
+        if "chat_prefix" in table:
+            chat_prefix = _chat_prefix(f"{key}.chat_prefix", table["chat_prefix"])
         ups = table.get("upstreams")
         if not isinstance(ups, list) or not ups:
             raise ConfigError(f"{key}.upstreams", "expected a non-empty list of upstreams")
@@ -580,8 +590,16 @@ def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
             name,
             tuple(_upstream(f"{key}.upstreams[{i}]", u, env) for i, u in enumerate(ups)),
             after_commit=after_commit,
+            chat_prefix=chat_prefix,
         )
     return routes
+
+
+def _chat_prefix(key: str, value: Any) -> str:
+    choices = tuple(m.value for m in ChatPrefix)
+    if value not in choices:
+        raise ConfigError(key, f"expected {' or '.join(repr(c) for c in choices)}, got {value!r}")
+    return str(value)
 
 
 def _after_commit(key: str, value: Any) -> str:

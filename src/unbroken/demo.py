@@ -44,6 +44,8 @@ import aiohttp
 
 from unbroken.config import JournalSettings, parse_config
 from unbroken.core.turn import NOT_FAILURES
+from unbroken.demo_messages import messages_agent_turn
+from unbroken.demo_messages import storms as messages_storms
 from unbroken.mock import MockProvider, frames_for
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
 from unbroken.relay.server import RelayServer
@@ -53,7 +55,9 @@ __all__ = ["PROTOCOLS", "STORMS", "DemoTurn", "register", "run_demo"]
 MODEL = "mock-coder-1"
 ROUTE = "demo"
 #: the wire protocols the demo's agent can speak (`run_demo`'s ``protocol``)
-PROTOCOLS = ("chat", "gemini")
+PROTOCOLS = ("chat", "gemini", "anthropic")
+#: ``--after-commit``: the relay's ``[stream] after_commit`` for the run
+AFTER_COMMIT = ("error", "continue")
 AGENT_RETRIES = 1  # the agent loop retries a failed step once
 TOOLS = [
     {
@@ -107,6 +111,8 @@ def storms(
     Gemini frames: 1 the whole ``functionCall``, 2 the finish; text: 8 pieces)."""
     if protocol == "gemini":
         return _gemini_storms(retry_after_s, stall_s)
+    if protocol == "anthropic":
+        return [Storm(name, script) for name, script in messages_storms(retry_after_s, stall_s)]
     return [
         Storm("503 burst", ({"status": 503, "count": 6}, TOOL_REPLY, TEXT_REPLY)),
         Storm(
@@ -237,6 +243,11 @@ class _Absorbed(Hooks):
         self.before: Counter[str] = Counter()
         self.after: Counter[str] = Counter()
         self.by_session: Counter[str] = Counter()  # absorbed, per agent session
+        self.continued = 0  # cuts after output finished in place (after_commit = continue)
+
+    def continuation(self, turn: TurnInfo, result: str) -> None:
+        if result == "spliced":
+            self.continued += 1
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         if attempt.reason in NOT_FAILURES:
@@ -485,6 +496,22 @@ async def _drive(
     on_tick: Callable[[DemoRun], None] | None,
     protocol: str = "chat",
 ) -> None:
+    if protocol == "anthropic":
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=client_timeout_s, sock_read=client_timeout_s
+            ),
+            headers={"User-Agent": "unbroken-demo"},
+        ) as messages_session:
+            await _tick_while(
+                run,
+                on_tick,
+                [
+                    messages_agent_turn(messages_session, base_url, t, MODEL, AGENT_RETRIES)
+                    for t in run.turns
+                ],
+            )
+        return
     if protocol == "gemini":
         session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(
@@ -562,13 +589,23 @@ async def run_demo(
     journal: str | None = None,
     on_tick: Callable[[DemoRun], None] | None = None,
     protocol: str = "chat",
+    after_commit: str = "error",
 ) -> dict[str, Any]:
     """Run the storm through the relay (and straight at the mock); return the summary.
 
-    ``protocol``: ``chat`` (the openai SDK, Chat Completions) or ``gemini`` (the
-    Gemini API's ``streamGenerateContent``)."""
+    ``protocol``: ``chat`` (the openai SDK, Chat Completions), ``gemini`` (the Gemini
+    API's ``streamGenerateContent``) or ``anthropic`` (Messages).  ``after_commit``:
+    the relay's ``[stream] after_commit``; ``continue`` finishes a drop after output in
+    place (Messages by prefill; Chat by the mock's documented ``prefix`` mode)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol: expected one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if after_commit not in AFTER_COMMIT:
+        raise ValueError(f"after_commit: expected one of {', '.join(AFTER_COMMIT)}")
+    route: dict[str, Any] = {}  # the demo route's keys beside its upstream
+    if after_commit == "continue":
+        route["after_commit"] = "continue"
+        if protocol == "chat":
+            route["chat_prefix"] = "prefix"  # the mock continues a prefix: true message
     kinds = storms(retry_after_s=retry_after_s, stall_s=stall_s, protocol=protocol)
     async with MockProvider(host="127.0.0.1", port=0, record=False) as mock:
         config = parse_config(
@@ -585,7 +622,7 @@ async def run_demo(
                     "idle_timeout_s": 1.0,
                     "keepalive_s": 2.0,
                 },
-                "routes": {ROUTE: {"upstreams": [{"url": mock.url}]}},
+                "routes": {ROUTE: {**route, "upstreams": [{"url": mock.url}]}},
             },
             env={},
         )
@@ -617,6 +654,8 @@ async def run_demo(
 
     summary: dict[str, Any] = {
         "protocol": protocol,
+        "after_commit": after_commit,
+        "continued": absorbed.continued,
         "turns": turns,
         "completed": sum(t.completed for t in relay_turns),
         "lost": sum(t.lost for t in relay_turns),
@@ -738,6 +777,11 @@ def format_summary(s: dict[str, Any]) -> str:
         if s["absorbed_by_reason"]
         else f"  failures absorbed     {s['failures_absorbed']}",
     ]
+    if s.get("continued"):
+        lines.append(
+            f"  continued in place    {s['continued']} drop(s) after output: the turn finished "
+            "with no error (after_commit = continue)"
+        )
     if s["client_errors"]:
         after = s["failures_after_commit"]
         lines += [
@@ -757,7 +801,14 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  turns completed       {s['direct_completed']} of {n}  ({s['direct_lost']} lost)",
             f"  what the client saw   {s['direct_client_errors']} errors",
         ]
-    if s.get("protocol") == "gemini":
+    if s.get("protocol") == "anthropic":
+        lines += [
+            "",
+            "Client: a Messages client (POST /v1/messages, streamed) with no retries of its",
+            "own and a short read timeout, in an agent loop that retries a failed step once;",
+            "a turn is lost when a step fails twice.",
+        ]
+    elif s.get("protocol") == "gemini":
         lines += [
             "",
             "Client: a Gemini API client (streamGenerateContent?alt=sse) with no retries of",
@@ -794,7 +845,9 @@ def _run_demo_command(args: argparse.Namespace) -> int:
     live_view = console.is_terminal and not args.json
     kinds = storms(protocol=args.protocol)
     if not args.json:
-        over = " over the Gemini API" if args.protocol == "gemini" else ""
+        over = {"gemini": " over the Gemini API", "anthropic": " over Anthropic Messages"}.get(
+            args.protocol, ""
+        )
         console.print(
             f"[bold]unbroken demo[/bold]: {args.turns} concurrent agent turns{over} (a streamed "
             "tool call, then the answer), each under its own storm: "
@@ -822,6 +875,7 @@ def _run_demo_command(args: argparse.Namespace) -> int:
                 journal=args.journal,
                 on_tick=on_tick if live_view else None,
                 protocol=args.protocol,
+                after_commit=args.after_commit,
             )
         )
     finally:
@@ -848,8 +902,17 @@ def register(sub: Any) -> None:
         "--protocol",
         choices=PROTOCOLS,
         default="chat",
-        help="the agent's wire protocol: chat (the openai SDK, Chat Completions) or "
-        "gemini (the Gemini API's streamGenerateContent) (default: %(default)s)",
+        help="the agent's wire protocol: chat (the openai SDK, Chat Completions), "
+        "gemini (the Gemini API's streamGenerateContent) or anthropic (Messages) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--after-commit",
+        choices=AFTER_COMMIT,
+        default="error",
+        help="the relay's [stream] after_commit: continue finishes a drop after output in "
+        "place, with no error (Messages by prefill, Chat by a prefix mode) "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--no-direct", action="store_true", help="skip the run straight against the mock"

@@ -353,3 +353,84 @@ async def test_after_a_cut_a_long_answer_arrives_only_streamed(tmp_path, mock):
         f"completes streamed in {reset_s:.1f} s; error event -> {len(streamed) - 1} "
         f"non-streamed re-sends time out, exit {r.code} after {r.seconds:.1f} s"
     )
+
+
+#: a longer answer: twelve text deltas, so five cuts after two deltas each still leave text
+LONG = "Done: the command ran and printed its marker.  Everything is in place now."
+
+
+async def test_five_cuts_after_text_are_continued_and_the_tool_runs_once(tmp_path, mock):
+    """``after_commit = "continue"`` (issue 23): the answer after the tool's result is
+    cut five times after two text deltas each; every cut is continued by prefill (the
+    committed text as an assistant message), so Claude Code sees one clean streamed
+    answer: no error, no ``api_retry``, the text once, and the tool ran once."""
+    # Claude Code asks for adaptive thinking by default: no prefill with thinking.
+    env, cfg = _setup(
+        tmp_path, mock, {"after_commit": "continue"}, CLAUDE_CODE_DISABLE_THINKING="1"
+    )
+    answer = {"text": LONG, "deltas": 12}
+    cut = {**answer, "fault": "reset", "after_deltas": 2}
+    mock.script([_bash("echo ran >> marker.txt"), *[cut] * 5, answer])
+    r = await run(through_unbroken(cfg, claude_argv("run the tool")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
+    result = claude_result(r)
+    assert result.get("result") == LONG and not result.get("is_error"), r.stdout[-3000:]
+    assert _texts(r) == [LONG]
+    assert not [e for e in r.events() if e.get("subtype") == "api_retry"]
+    assert len(mock.requests) == 7  # the call, the answer, five continuations
+    prefills = [req.json()["messages"][-1] for req in mock.requests[2:]]
+    assert all(p["role"] == "assistant" for p in prefills)
+    conn = sqlite3.connect(tmp_path / "journal.sqlite3")
+    try:
+        outcomes = [o for (o,) in conn.execute("SELECT outcome FROM turns ORDER BY turn_id")]
+    finally:
+        conn.close()
+    assert outcomes == ["ok", "resumed"]
+    continued_s = r.seconds
+
+    # With thinking (Claude Code's default: adaptive) a prefill is refused: the cut ends
+    # as today, with the reset, and Claude Code streams the request again.
+    mock.reset()
+    env, cfg = _setup(tmp_path, mock, {"after_commit": "continue"})
+    mock.script([cut, answer])
+    r = await run(through_unbroken(cfg, claude_argv("say hi")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert mock.requests[0].json()["thinking"]["type"] == "adaptive"
+    assert claude_result(r).get("result") == LONG
+    assert len([e for e in r.events() if e.get("subtype") == "api_retry"]) == 1
+    assert "assistant" not in [m["role"] for m in mock.requests[1].json()["messages"][-1:]]
+    print(
+        f"\nclaude, five cuts after text, continued: exit 0, {continued_s:.1f} s, 7 requests; "
+        f"with thinking on, a cut is refused and ends with the reset ({r.seconds:.1f} s)"
+    )
+
+
+async def test_cuts_in_the_text_before_a_tool_call_run_the_tool_once(tmp_path, mock):
+    """The answer is text, then a ``Bash`` call (as Claude Code's model often answers);
+    the text is cut three times: each continuation brings the rest of the text and then
+    the call, which reaches Claude Code as block 1, whole.  It runs once; no error."""
+    env, cfg = _setup(
+        tmp_path, mock, {"after_commit": "continue"}, CLAUDE_CODE_DISABLE_THINKING="1"
+    )
+    lead = {**_bash("echo ran >> marker.txt"), "reply": "text_tool", "deltas": 12}
+    lead["text"] = "Let me run the command that writes the marker file, then check it."
+    cut = {**lead, "fault": "reset", "after_deltas": 2}
+    mock.script([*[cut] * 3, lead, {"text": TEXT}])
+    r = await run(through_unbroken(cfg, claude_argv("run the tool")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
+    result = claude_result(r)
+    assert result.get("result") == TEXT and not result.get("is_error"), r.stdout[-3000:]
+    assert lead["text"] in _texts(r)
+    assert not [e for e in r.events() if e.get("subtype") == "api_retry"]
+    assert len(mock.requests) == 5  # the answer, three continuations, after the tool
+    tool_results = [
+        b
+        for req in mock.requests
+        for m in req.json()["messages"]
+        if isinstance(m.get("content"), list)
+        for b in m["content"]
+        if b.get("type") == "tool_result"
+    ]
+    assert len(tool_results) == 1

@@ -137,6 +137,10 @@ class BackgroundResume:
     """`Strategy` of OpenAI Responses over HTTP: background mode, resumed by cursor."""
 
     name = MECHANISM
+    #: the resume needs no read-back of what was released
+    wants_released = False
+    #: a provider's error event failed the response: nothing to resume
+    continues_errors = False
 
     __slots__ = (
         "_cancelled",
@@ -174,6 +178,13 @@ class BackgroundResume:
         self._saved = 0
         self._counted: object = None  # the attempt whose output frames are counted saved
         self._splicer: SequenceSplicer | None = None
+
+    def released(self, data: bytes) -> None:
+        """Not asked for (``wants_released`` is False)."""
+
+    def rewind(self) -> None:
+        """The resume goes on exactly where the stream was cut: nothing to rewind."""
+        return None
 
     # -- fresh attempts --------------------------------------------------------------
     def body_patch(self, upstream: int) -> tuple[tuple[str, object], ...]:

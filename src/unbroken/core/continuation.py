@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
 
 from unbroken.core.ledger import Ledger
+from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
 from unbroken.core.sse import Event
 
 __all__ = [
@@ -125,9 +126,11 @@ class Splicer(TypingProtocol):
     def progressed(self) -> bool:
         """A frame that moves the response on arrived (not only ``queued``/keepalives)."""
 
-    def splice(self, event: Event) -> Event | None:
-        """The frame to feed the ledger (``event`` or a rewrite), None to absorb it;
-        raises `JoinBroken` when the continuation does not join."""
+    def splice(self, event: Event) -> Event | Sequence[Event] | None:
+        """The frame to feed the ledger (``event`` or a rewrite), None to absorb it, or
+        the frames to feed in its place, in order (a prefill splice closes a block and
+        opens the next, or sends held whitespace before a stop); raises `JoinBroken`
+        when the continuation does not join."""
 
 
 class Strategy(TypingProtocol):
@@ -137,13 +140,31 @@ class Strategy(TypingProtocol):
     name: str
     #: the continuations made so far (`plan` counts them; at most ``max_splices``)
     splices: int
+    #: the strategy reads back what the turn released (`released`): a prefill
+    #: continuation builds its request from what the client has
+    wants_released: bool
+    #: a provider's retryable error event after commit (``overloaded_error``) is a cut
+    #: it may continue: a prefill continuation is a new request for the rest; a resume
+    #: of the same response (background mode) would only replay the failure
+    continues_errors: bool
+
+    def released(self, data: bytes) -> None:
+        """Bytes the turn released to the client, in order (only if ``wants_released``)."""
+
+    def rewind(self) -> Sequence[Event] | None:
+        """The continuation `plan` just returned restarts from what the client has (a
+        prefill): the frames released so far, which the ledger reads back (dropping
+        what it held); None: the stream goes on exactly where it was cut."""
 
     def refused(self, upstream: int, status: int, body: bytes) -> bool:
         """A final 4xx answer to a rewritten request: whether it refuses the mechanism
         (then remembered; the turn retries with the client's request)."""
 
-    def plan(self, upstream: int, ledger: Ledger, timeout_s: float) -> Resume | Refusal:
-        """The attempt on ``upstream`` was cut: how to continue it, or why not."""
+    def plan(
+        self, upstream: int, ledger: Ledger, timeout_s: float
+    ) -> Resume | Refusal | PrefillRefusal:
+        """The attempt on ``upstream`` was cut: how to continue it, or why not (a prefill
+        continuation's refusals are `protocols.prefill.Refusal`)."""
 
     def body_patch(self, upstream: int) -> tuple[tuple[str, object], ...]:
         """Top-level JSON keys a fresh attempt on ``upstream`` sets in the request body

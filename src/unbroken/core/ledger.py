@@ -113,6 +113,9 @@ class Verdict(enum.Enum):
     DONE = "done"  # terminal ok released; forward what follows, then end cleanly
     REPLAY = "replay"  # drop this attempt, nothing was released: retry the request
     FAIL = "fail"  # send error_bytes (if any) and end the stream; no replay
+    #: a provider's retryable error event after commit, nothing released for it: the
+    #: turn machine continues the turn, or calls `Ledger.error_failed` (``errors_cut``)
+    CUT = "cut"
 
 
 HOLD_CHOICES = frozenset({"control", "tool_calls", "tool_tail", "reasoning", "all"})
@@ -164,6 +167,7 @@ class Ledger:
         "_tail",
         "_tool_mark",
         "error_bytes",
+        "errors_cut",
         "fail_reason",
         "held_bytes",
         "hold",
@@ -199,6 +203,9 @@ class Ledger:
         self.fail_reason = ""
         self.hold_overflowed = False
         self.released_frames = 0  # over the whole turn: what the client has seen
+        #: a provider's retryable error event after commit is a cut the turn machine
+        #: decides (a prefill continuation, `core.continuation`): ``Verdict.CUT``
+        self.errors_cut = False
         self.stats = AttemptStats()
         self.start_attempt()
 
@@ -234,6 +241,21 @@ class Ledger:
         if self.verdict is not Verdict.CONTINUE:
             raise LedgerError(f"cannot resume an attempt after a {self.verdict.value} verdict")
         self.stats = stats if stats is not None else AttemptStats()
+
+    def rewind(self, released: Sequence[Event]) -> None:
+        """A continuation restarts from what the client has (a prefill), not from
+        what was received: what is held (a tool call cut mid-arguments) is dropped,
+        never to be released, and a fresh classifier reads the ``released`` frames
+        back, so it knows the stream as the client does.  Only while COMMITTED."""
+        if self.state is not State.COMMITTED or self.verdict is not Verdict.CONTINUE:
+            raise LedgerError(f"cannot rewind an attempt in state {self.state.value}")
+        self._drop_held()
+        classifier = self.protocol.new_classifier()
+        open_tools = 0
+        for event in released:
+            _, open_tools = classifier.classify(event)
+        self._classifier = classifier
+        self.open_tools = open_tools
 
     @property
     def classifier(self) -> Classifier:
@@ -286,8 +308,10 @@ class Ledger:
             return self._fail("malformed frame from upstream")
         if kinds & Kind.TERMINAL_ERROR:
             if kinds & Kind.RETRYABLE:
-                self.fail_reason = "in-stream error"
-                return self._fail("upstream sent an error in the stream")
+                if self.errors_cut and state is State.COMMITTED:
+                    self.verdict = Verdict.CUT
+                    return NOTHING
+                return self.error_failed()
             # The provider's final answer: pass it through with what was held,
             # except a partial tool call, which no client may see.
             if self.open_tools:
@@ -427,6 +451,14 @@ class Ledger:
         )
         self.stats.released_bytes += len(self.error_bytes)
         return self.error_bytes
+
+    def error_failed(self) -> Sequence[Event]:
+        """A provider's retryable error event ends the attempt: a replay while PENDING,
+        else the native error (the frames to release)."""
+        if self.verdict is Verdict.CUT:
+            self.verdict = Verdict.CONTINUE
+        self.fail_reason = "in-stream error"
+        return self._fail("upstream sent an error in the stream")
 
     def failed(self, reason: str) -> bytes:
         """The upstream attempt broke (reset, stall, payload error, truncation).

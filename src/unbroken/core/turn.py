@@ -87,13 +87,17 @@ Deadlines (`deadline()` says when `tick()` is next due):
 
 Continuation after commit (``[stream] after_commit = "continue"``, `core.continuation`):
 where a cut would end the turn (a reset, a stall, a body ended without its terminal;
-never a provider's error event or a malformed frame), the machine asks the turn's
+never a malformed frame, and a provider's retryable error event only for a strategy
+that ``continues_errors``: the ledger's ``Verdict.CUT``), the machine asks the turn's
 `Strategy`.  A `Resume` is paced like any retry (`RetryState.next_resume`: the same
 upstream, its pacer's go) and its frames pass the strategy's splicer (the join
-check) before the same ledger (`Ledger.resume_attempt`: classifier and held frames
-kept), so the client sees one stream.  A `Refusal` (typed), or a join that breaks,
-ends the turn exactly as without a strategy (before commit: a replay).  At most
-``max_splices`` continuations a turn; a continuation with no progress within
+check; it may absorb a frame or make several of one) before the same ledger
+(`Ledger.resume_attempt`: classifier and held frames kept; a strategy that restarts
+from what the client has, a prefill, has the ledger `rewind` to the released frames
+instead), so the client sees one stream.  A strategy that ``wants_released`` is
+told every byte released (`Strategy.released`).  A `Refusal` (typed), or a join
+that breaks, ends the turn exactly as without a strategy (before commit: a replay).
+At most ``max_splices`` continuations a turn; a continuation with no progress within
 ``queued_s`` is given up.  Responses nobody will read are named in ``cancels``.
 
 Legality: as h11 does, the machine refuses an event its step does not accept.  That
@@ -164,6 +168,7 @@ from unbroken.core.policy import (
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
 from unbroken.core.profiles import CommitEnd, KeepaliveForm, Profile
 from unbroken.core.protocols import BODY, Protocol, usage_from
+from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
 from unbroken.core.ratehead import RateHeaders
 from unbroken.core.sse import CR, Event, EventTooLarge, SSESplitter
 
@@ -503,7 +508,7 @@ class TurnMachine:
         #: requests that free what nobody will read (the transport sends them)
         self.cancels: list[Cancel] = []
         #: why the last cut was not continued (None: it was, or none was asked)
-        self.refusal: Refusal | None = None
+        self.refusal: Refusal | PrefillRefusal | None = None
         #: the client's profile (`core.profiles`): early headers, keepalive form and
         #: interval, the non-streamed wait
         self.profile = profile or DEFAULT_PROFILE
@@ -678,6 +683,11 @@ class TurnMachine:
                 ledger.stats = self.stats or AttemptStats()
             else:
                 ledger.start_attempt(self.stats)
+            strategy = self.continuation
+            # (HTTP only: a socket's frames are fed one by one, with no such check)
+            ledger.errors_cut = (
+                strategy is not None and strategy.continues_errors and not self.socket
+            )
             self.attempt_ledger = ledger
             self._splitter = SSESplitter(self.timers.max_event_bytes)
             self._reading(now, _Step.STREAM)
@@ -783,8 +793,12 @@ class TurnMachine:
         size = len(chunk)
         pos = ledger.release_run(chunk) if splitter.idle else 0
         if pos == size:
+            if self.continuation is not None:
+                self._record(chunk)
             return None  # the whole chunk: plain output after commit
         out: list[bytes] = [chunk[:pos]] if pos else []
+        if pos and self.continuation is not None:
+            self._record(chunk[:pos])
         peeled = 0
         while True:
             if peeled < PEEL_FRAMES and (ledger.state is State.PENDING or not splitter.idle):
@@ -803,6 +817,8 @@ class TurnMachine:
                 end = ledger.release_run(chunk, pos)
                 if end > pos:
                     out.append(chunk[pos:end])
+                    if self.continuation is not None:
+                        self._record(chunk[pos:end])
                     pos = end
                     if pos == size:
                         break
@@ -838,10 +854,37 @@ class TurnMachine:
             self.report.hold_overflow(ledger.max_hold_bytes)
         if out:
             self._released()
+            if self.continuation is not None:
+                self._record_events(out)
+        if ledger.verdict is Verdict.CUT:  # after the frames before it were recorded
+            out.extend(self._cut_by_error(now, ledger))
         verdict = ledger.verdict
         if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
             self._decide(now)
         return out
+
+    def _cut_by_error(self, now: float, ledger: Ledger) -> Sequence[Event]:
+        """A provider's retryable error event after commit, with a strategy that may
+        continue it (`Strategy.continues_errors`): a cut like a reset.  Continued, the
+        attempt is over (`attempt_over`); else the native error, as always."""
+        ledger.verdict = Verdict.CONTINUE  # the cut, decided here
+        action = self._continue(now, Failure(FailureClass.STREAM_ERROR, "in-stream error"))
+        if action is not None:
+            self._over = action
+            return NOTHING
+        return ledger.error_failed()
+
+    def _record(self, data: bytes) -> None:
+        """What was released, for a strategy that reads it back (a prefill
+        continuation: `Strategy.wants_released`).  Only with a strategy."""
+        strategy = self.continuation
+        if strategy is not None and strategy.wants_released:
+            strategy.released(data)
+
+    def _record_events(self, events: Sequence[Event]) -> None:
+        strategy = self.continuation
+        if strategy is not None and strategy.wants_released:
+            strategy.released(_joined(events))
 
     def _feed_spliced(self, now: float, events: list[Event]) -> Sequence[Event]:
         """A continuation's frames: each through its join check, then the ledger."""
@@ -855,8 +898,12 @@ class TurnMachine:
             except JoinBroken as exc:
                 broken = str(exc)
                 break
-            if out is not None:
+            if out is None:
+                continue
+            if isinstance(out, Event):
                 joined.append(out)
+            else:
+                joined.extend(out)  # a splicer may absorb one frame and add another
         splice_off, self._splice = self._splice, None  # _feed_events: the plain path
         try:
             released = self._feed_events(now, joined) if joined else NOTHING
@@ -883,6 +930,8 @@ class TurnMachine:
                 return NOTHING
             if spliced is None:
                 return NOTHING
+            if not isinstance(spliced, Event):
+                return self._feed_frames(now, spliced)
             event = spliced
         ledger = self.attempt_ledger
         assert ledger is not None
@@ -892,10 +941,28 @@ class TurnMachine:
             self.report.hold_overflow(ledger.max_hold_bytes)
         if released:
             self._released()
+            if self.continuation is not None:
+                self._record_events(released)
         verdict = ledger.verdict
         if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
             self._decide(now)
         return released
+
+    def _feed_frames(self, now: float, events: Sequence[Event]) -> Sequence[Event]:
+        """`feed_frame` for the frames a splicer made of one message, in order."""
+        ledger = self.attempt_ledger
+        assert ledger is not None
+        out: list[Event] = []
+        for event in events:
+            out.extend(ledger.feed(event))
+            if ledger.verdict is Verdict.REPLAY or ledger.verdict is Verdict.FAIL:
+                break
+        if out:
+            self._released()
+            self._record_events(out)
+        if ledger.verdict is Verdict.REPLAY or ledger.verdict is Verdict.FAIL:
+            self._decide(now)
+        return out
 
     def feed_body(self, now: float, chunk: bytes) -> bytes:
         """Plain body bytes: each chunk is released at once (the first byte commits)."""
@@ -1057,7 +1124,7 @@ class TurnMachine:
             return Wait(wait, keys[retry.current] if keys else None)
         return self.next_attempt(now)
 
-    def _refused(self, refusal: Refusal) -> None:
+    def _refused(self, refusal: Refusal | PrefillRefusal) -> None:
         """The cut is not continued: the turn goes on as without a strategy."""
         self.refusal = refusal
         strategy = self.continuation
@@ -1078,6 +1145,9 @@ class TurnMachine:
         if 200 <= status < 300 and sse:
             self.retry.record_answer(now)
             ledger.resume_attempt(self.stats)
+            released = strategy.rewind()
+            if released is not None:
+                ledger.rewind(released)
             self.attempt_ledger = ledger
             self._splice = strategy.splicer()
             self._splitter = SSESplitter(self.timers.max_event_bytes)
@@ -1092,6 +1162,9 @@ class TurnMachine:
         )
         if status < 200 or is_retryable_status(status):
             return self._continuation_failed(now, failure)
+        # A final answer to the continuation (a model that refuses prefill answers 400):
+        # the strategy may remember it for the upstream; the turn ends as without it.
+        strategy.refused(self.retry.current, status, b"")
         return self._join_broken(now, f"the continuation was answered HTTP {status}")
 
     def _continuation_failed(self, now: float, failure: Failure) -> Action:

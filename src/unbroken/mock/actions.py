@@ -35,7 +35,9 @@ DEFAULT_DELTAS: Final = 8
 DEFAULT_STALL_SECONDS: Final = 3600.0
 MAX_DELTAS: Final = 1_000_000
 
-REPLIES: Final = ("text", "tool", "tools")
+#: ``text_tool``: the text, then one tool call (Anthropic Messages and Chat Completions;
+#: the other protocols send the call alone)
+REPLIES: Final = ("text", "tool", "tools", "text_tool")
 FAULTS: Final = (
     "close_before_headers",
     "reset_after_headers",
@@ -82,6 +84,7 @@ ACTION_KEYS: Final = frozenset(
         "body",
         "fault",
         "after_frame",
+        "after_deltas",
         "seconds",
         "error",
         "error_style",
@@ -91,6 +94,8 @@ ACTION_KEYS: Final = frozenset(
         # Responses background mode (`mock.background`)
         "refuse_background",
         "resume",
+        # Chat prefix continuation: the answer starts with the prefix (Mistral's)
+        "prefix_echo",
     }
 )
 #: ``resume``: how a background resume (``GET .../responses/{id}?stream=true``) is answered
@@ -124,12 +129,17 @@ class Action:
     body: str | None = None
     fault: str | None = None
     after_frame: int = 0
+    #: cut after this many delta frames of the reply's first run (text deltas, or a
+    #: tool call's argument fragments), whatever comes before them; None: after_frame
+    after_deltas: int | None = None
     seconds: float = DEFAULT_STALL_SECONDS
     error: str = "server_error"
     error_style: str = "failed"
     rst: bool = False
     count: int = 1
     code: int | None = None
+    #: a Chat prefix continuation answers with the prefix first, as Mistral's does
+    prefix_echo: bool = False
     shape_key: str = ""
     #: Responses background mode: a ``background: true`` request gets a 400 naming it
     refuse_background: bool = False
@@ -274,6 +284,13 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
                 f"{', '.join(sorted(FRAME_FAULTS))}"
             )
         kw["after_frame"] = _int(get("after_frame"), _where(where, "after_frame"), lo=0)
+    if "after_deltas" in data:
+        if fault not in FRAME_FAULTS or "after_frame" in data:
+            raise ActionError(
+                f"{_where(where, 'after_deltas')}: only valid with fault "
+                f"{', '.join(sorted(FRAME_FAULTS))}, and not with after_frame"
+            )
+        kw["after_deltas"] = _int(get("after_deltas"), _where(where, "after_deltas"), lo=0)
     if "seconds" in data:
         if fault != "stall" and get("resume") != "queued":
             raise ActionError(
@@ -297,6 +314,10 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
         kw["rst"] = get("rst")
     if "count" in data:
         kw["count"] = _int(get("count"), _where(where, "count"), lo=1, hi=1_000_000)
+    if "prefix_echo" in data:
+        if not isinstance(get("prefix_echo"), bool):
+            raise ActionError(f"{_where(where, 'prefix_echo')}: expected true or false")
+        kw["prefix_echo"] = get("prefix_echo")
     if "code" in data:
         if fault not in CODE_FAULTS:
             raise ActionError(
@@ -328,6 +349,8 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
         list(kw.get("tool_args", ())),
         kw.get("seed"),
     ]
+    if kw.get("prefix_echo"):  # it shapes the reply too (only when set: ids stay as they were)
+        shape.append("prefix_echo")
     kw["shape_key"] = json.dumps(shape, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return Action(raw=dict(data), **kw)
 

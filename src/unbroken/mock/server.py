@@ -46,6 +46,7 @@ from unbroken.mock.wire import (
     Reply,
     canonical_json,
     connection_limit_body,
+    cut_after,
     error_body,
     error_frame,
     garbage_frame,
@@ -710,7 +711,10 @@ class MockProvider:
             and req_json.get("store") is not False
             and (
                 fault in (None, "malformed")
-                or (fault in _FRAME_FAULTS and action.after_frame >= len(rendered.frames))
+                or (
+                    fault in _FRAME_FAULTS
+                    and cut_after(reply, action, len(rendered.frames)) >= len(rendered.frames)
+                )
             )
         ):
             # The whole reply goes out: remember its id before the client can see it.
@@ -763,7 +767,7 @@ class MockProvider:
             _abort(request, action.rst)
             return resp
 
-        k = len(frames) if fault is None else min(action.after_frame, len(frames))
+        k = len(frames) if fault is None else cut_after(reply, action, len(frames))
         if fault is None and chunked and chunked_frames is not None:
             wire = chunked_frames
         else:
@@ -1074,7 +1078,7 @@ class MockProvider:
         reply = Reply(RESPONSES, action, request_json, canonical_json(request_json))
         events = ws_messages(reply)
         total = len(events)
-        k = total if fault is None else min(action.after_frame, total)
+        k = total if fault is None else cut_after(reply, action, total)
         seq = list(events[:k])
         if fault == "error_event":
             if action.raw.get("error_style") == "failed":

@@ -286,9 +286,16 @@ class Reply:
 
     @cached_property
     def pieces(self) -> tuple[str, ...]:
-        if self.action.reply != "text":
+        if self.action.reply not in ("text", "text_tool"):
             return ()
-        return tuple(split_exact(self.action.text, self.action.deltas))
+        pieces = tuple(split_exact(self.action.text, self.action.deltas))
+        prefix = prefill_of(self.protocol, self.request)
+        if prefix is None:
+            return pieces
+        rest = continue_pieces(pieces, prefix)
+        if self.action.prefix_echo and self.protocol == CHAT and rest is not pieces:
+            return (prefix, *rest)  # Mistral's answer starts with the prefix
+        return rest
 
     @cached_property
     def text(self) -> str:
@@ -297,7 +304,7 @@ class Reply:
     @cached_property
     def calls(self) -> tuple[ToolCall, ...]:
         action = self.action
-        n = {"tool": 1, "tools": 2}.get(action.reply, 0)
+        n = {"tool": 1, "tools": 2, "text_tool": 1}.get(action.reply, 0)
         default_name = _first_tool_name(self.request) or DEFAULT_TOOL
         calls: list[ToolCall] = []
         for i in range(n):
@@ -352,6 +359,73 @@ class Reply:
         return "resp_" + self.ident("resp", 48)
 
 
+# ---------------------------------------------------------------------------
+# Prefill continuation: a request that ends with an assistant prefix continues the
+# scripted text from that prefix (Anthropic: an assistant message last; Chat: an
+# assistant message last with ``prefix: true`` or ``partial: true``).
+
+
+def prefill_of(protocol: str, request: Mapping[str, Any]) -> str | None:
+    """The assistant prefix a request ends with, or None."""
+    if protocol not in (ANTHROPIC, CHAT):
+        return None
+    messages = request.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return None
+    if protocol == CHAT and last.get("prefix") is not True and last.get("partial") is not True:
+        return None
+    content = last.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [b.get("text") for b in content if isinstance(b, dict)]
+        if texts and all(isinstance(t, str) for t in texts):
+            return "".join(t for t in texts if isinstance(t, str))
+    return None
+
+
+def continue_pieces(pieces: tuple[str, ...], prefix: str) -> tuple[str, ...]:
+    """The pieces of the scripted text after ``prefix``, cut where the full reply's
+    pieces are cut (the first one partly); the whole text when it does not start with
+    ``prefix`` (a model that continues something else)."""
+    if not "".join(pieces).startswith(prefix):
+        return pieces
+    out: list[str] = []
+    skip = len(prefix)
+    for piece in pieces:
+        if skip >= len(piece):
+            skip -= len(piece)
+            continue
+        out.append(piece[skip:])
+        skip = 0
+    return tuple(out)
+
+
+def delta_offset(reply: Reply) -> int:
+    """Frames before the first delta of the reply's first run (text deltas, or a tool
+    call's argument fragments): ``after_deltas`` counts from there."""
+    count = 0
+    for item in _ITEMS[reply.protocol](reply):
+        if isinstance(item, _Run):
+            if item.values:
+                return count
+            continue
+        count += 1
+    return count
+
+
+def cut_after(reply: Reply, action: Action, total: int) -> int:
+    """The frames a faulted reply sends before its fault (``after_frame``, or
+    ``after_deltas`` counted from the first delta), at most ``total``."""
+    if action.after_deltas is not None:
+        offset = delta_offset(reply) if reply.stream else 0
+        return min(offset + action.after_deltas, total)
+    return min(action.after_frame, total)
+
+
 def make_reply(
     protocol: str, action: Mapping[str, Any] | Action | None, request: Mapping[str, Any]
 ) -> Reply:
@@ -397,6 +471,8 @@ def _chat_items(r: Reply) -> list[_Item]:
         return payload
 
     items: list[_Item] = [(None, chunk({"role": "assistant", "content": ""}))]
+    if r.pieces and r.calls:  # text_tool: the text, then the call
+        items.append(_Run(None, chunk({"content": _VAL}), r.pieces))
     if r.calls:
         for call in r.calls:
             first = {
@@ -425,7 +501,7 @@ def _chat_items(r: Reply) -> list[_Item]:
 def _chat_body(r: Reply) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
-        "content": None if r.calls else r.text,
+        "content": None if r.calls and not r.pieces else r.text,
         "refusal": None,
         "annotations": [],
     }
@@ -648,16 +724,14 @@ def _anthropic_items(r: Reply) -> list[_Item]:
     }
     items: list[_Item] = [("message_start", {"type": "message_start", "message": message})]
     blocks: list[tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]] = []
-    if r.calls:
-        for call in r.calls:
-            block = {"type": "tool_use", "id": call.call_id, "name": call.name, "input": {}}
-            blocks.append((block, {"type": "input_json_delta", "partial_json": _VAL}, call.pieces))
-        stop_reason = "tool_use"
-    else:
+    if r.pieces or not r.calls:  # text (text_tool: the text, then the call)
         blocks.append(
             ({"type": "text", "text": ""}, {"type": "text_delta", "text": _VAL}, r.pieces)
         )
-        stop_reason = "end_turn"
+    for call in r.calls:
+        block = {"type": "tool_use", "id": call.call_id, "name": call.name, "input": {}}
+        blocks.append((block, {"type": "input_json_delta", "partial_json": _VAL}, call.pieces))
+    stop_reason = "tool_use" if r.calls else "end_turn"
     for index, (block, delta, values) in enumerate(blocks):
         items.append(
             (
@@ -690,14 +764,13 @@ def _anthropic_items(r: Reply) -> list[_Item]:
 
 
 def _anthropic_body(r: Reply) -> dict[str, Any]:
-    content: list[dict[str, Any]]
-    if r.calls:
-        content = [
-            {"type": "tool_use", "id": c.call_id, "name": c.name, "input": json.loads(c.arguments)}
-            for c in r.calls
-        ]
-    else:
-        content = [{"type": "text", "text": r.text}]
+    content: list[dict[str, Any]] = []
+    if r.pieces or not r.calls:
+        content.append({"type": "text", "text": r.text})
+    content += [
+        {"type": "tool_use", "id": c.call_id, "name": c.name, "input": json.loads(c.arguments)}
+        for c in r.calls
+    ]
     return {
         "id": r.message_id,
         "type": "message",

@@ -38,8 +38,18 @@ from unbroken.core.policy import (
     RetryState,
     parse_retry_after,
 )
+from unbroken.core.prefill_continue import PrefillContinue, prefill_applies
 from unbroken.core.profiles import Profile, identify, profile_named
-from unbroken.core.protocols import GEMINI, RESPONSES, Protocol, protocol_for_path
+from unbroken.core.protocols import (
+    ANTHROPIC,
+    CHAT,
+    GEMINI,
+    RESPONSES,
+    Protocol,
+    protocol_for_path,
+)
+from unbroken.core.protocols.base import loads_object
+from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.protocols.gemini import is_stream_path
 from unbroken.core.ratehead import parse_rate_headers
 from unbroken.core.ratelimit import max_output_of
@@ -283,6 +293,20 @@ class Relay:
         stream = self.config.stream
         if stream.after_commit_for(route) != AfterCommit.CONTINUE:
             return None
+        if protocol is ANTHROPIC or (protocol is CHAT and route.chat_prefix is not None):
+            # A continuation by prefill: built from the parsed request (a gzip body is
+            # sent decoded), so the parsed body is kept for the turn.
+            mode = ChatPrefix(route.chat_prefix) if route.chat_prefix and protocol is CHAT else None
+            if parsed is None or not prefill_applies(parsed, mode):
+                return None
+            return PrefillContinue(
+                path=rest,
+                request=parsed,
+                keys=self._keys.get(route.name) or _route_keys(route),
+                memory=self.continuations,
+                max_splices=stream.max_splices,
+                mode=mode,
+            )
         if protocol is not RESPONSES or headers.get("content-encoding"):
             return None
         if not background_patch_applies(parsed):
@@ -431,15 +455,16 @@ class _Running:
 
 
 def continuation_headers(
-    request: web.Request, up: Any, drop: Sequence[str]
+    request: web.Request, up: Any, drop: Sequence[str], *, anthropic: bool = False
 ) -> tuple[CIMultiDict[str], str]:
     """The headers (credentials as for the turn's attempts, ``drop`` removed) and the
     client's query (``api-version`` on Azure, a Gemini key stripped) for a
-    continuation's or a cancel's request."""
+    continuation's or a cancel's request (``anthropic``: a Messages turn, whose
+    injected key goes in ``x-api-key``, as for its attempts)."""
     query = raw_query(request)
     if up.api_key is not None:
         query, _ = strip_key_param(query)
-    headers = request_headers(request.headers, up, anthropic=False)
+    headers = request_headers(request.headers, up, anthropic=anthropic)
     for name in drop:
         headers.popall(name, None)
     return headers, query
@@ -1015,12 +1040,17 @@ class _HttpTurn:
         """A continuation's request: the machine's method, path and body, with the
         turn's headers (credentials as for any attempt) changed as it says."""
         up = self.route.upstreams[action.upstream]
-        headers, query = continuation_headers(self.request, up, action.drop_headers)
+        headers, query = continuation_headers(
+            self.request, up, action.drop_headers, anthropic=self.protocol.anthropic_errors
+        )
         for name, value in action.set_headers:
             headers[name] = value
-        query = f"{action.query}&{query}" if query else action.query
+        query = "&".join(q for q in (action.query, query) if q)
         url = upstream_url(up, action.path, query)
-        return self.upstream.run(action, action.method, url, headers, action.body)
+        body = action.body
+        if up.models and body:  # a prefill continuation's body names the client's model
+            body = body_for(body, loads_object(body), up)
+        return self.upstream.run(action, action.method, url, headers, body)
 
     def _send_cancels(self) -> None:
         self.relay.send_cancels(self.route, self.request, self.machine.take_cancels())

@@ -1,0 +1,134 @@
+"""Continuation by prefill: what both prefill strategies share (sans-IO).
+
+A stream cut after commit can be finished in place when the provider continues a
+text from an assistant prefix (Anthropic Messages: an assistant message last;
+Chat Completions: an assistant message with ``prefix: true`` or ``partial: true``,
+where a provider documents it).  Each protocol's module (`anthropic_prefill`,
+`chat_prefix`) reads what the client has from the bytes unbroken *released* (never
+from what it received), refuses with a typed `Refusal` when the join cannot be
+proved, builds the continuation request, and splices the continuation's frames
+into the client's stream.  This module holds what they share: the refusals, the
+bound on what is read back, and the text join (`TextJoin`).
+
+The join rule
+=============
+The prefill is the committed text with its trailing whitespace ``W`` trimmed (the
+Messages API refuses a final assistant message that ends in whitespace, and a
+model continues a word better without it).  The client has already seen ``W``.
+The continuation begins with some whitespace ``K`` (maybe none), then the rest:
+
+* leading whitespace-only deltas are held until the first non-whitespace
+  character (or the end of the join: a non-text frame, the stream's stop);
+* the longest common prefix of ``W`` and ``K`` is dropped (the model wrote again
+  the whitespace that was trimmed: the client already has it), the rest of ``K``
+  is sent, then the text;
+* so ``W`` is never sent twice, nothing of the continuation but whitespace the
+  client already has at that position is dropped, and a continuation that adds
+  whitespace (a paragraph break after a trimmed space) keeps it.
+
+With an *echo* (``echo``: the prefix sent, for a provider whose answer starts with
+the prefix), the answer must begin with exactly that prefix, which is dropped
+first; an answer that does not raises `JoinError` (never a guess: the turn then
+ends with the native error).
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "MAX_COMMITTED_BYTES",
+    "JoinError",
+    "Refusal",
+    "TextJoin",
+    "reconcile",
+    "split_trailing_ws",
+]
+
+#: Released bytes read back to build a continuation, at most (beyond: refused)
+MAX_COMMITTED_BYTES = 8 * 1024 * 1024
+
+
+class JoinError(ValueError):
+    """A continuation does not continue what the client has (the join is broken)."""
+
+
+class Refusal(enum.StrEnum):
+    """Why a turn cut after commit is not continued by prefill (it ends as today)."""
+
+    NOT_STREAMED = "not_streamed"  # a non-streamed request: its body has no frames to splice
+    BAD_REQUEST = "bad_request"  # the request is not a JSON object with a list of messages
+    THINKING_ENABLED = "thinking_enabled"  # the request enables thinking: no prefill with it
+    CLIENT_PREFILL = "client_prefill"  # the client's own last assistant message is not plain text
+    FORCED_TOOL = "forced_tool"  # the request forces a tool call (the provider prefills it)
+    TOOL_CALL = "tool_call"  # a tool call was started: its arguments cannot be continued
+    THINKING = "thinking"  # thinking or reasoning was released: it cannot be prefilled
+    SERVER_TOOL = "server_tool"  # a server-side tool block was released
+    OTHER_CONTENT = "other_content"  # a block, delta or field the rule does not know
+    STOP_RELEASED = "stop_released"  # the stop reason already reached the client
+    CHOICES = "choices"  # Chat: more than one choice
+    MALFORMED = "malformed"  # the released bytes do not read back as the protocol's frames
+    TOO_LARGE = "too_large"  # more than MAX_COMMITTED_BYTES were released
+    NO_OPTION = "no_option"  # Chat: the route names no documented prefix mechanism
+
+
+def split_trailing_ws(text: str) -> tuple[str, str]:
+    """``(text without its trailing whitespace, that whitespace)``."""
+    stripped = text.rstrip()
+    return stripped, text[len(stripped) :]
+
+
+def reconcile(shown: str, leading: str) -> str:
+    """The part of a continuation's leading whitespace ``leading`` to send after the
+    client has seen ``shown`` (the trimmed whitespace): without their common prefix."""
+    n = 0
+    limit = min(len(shown), len(leading))
+    while n < limit and shown[n] == leading[n]:
+        n += 1
+    return leading[n:]
+
+
+class TextJoin:
+    """The text at the join, piece by piece: `text` returns what to send now (maybe
+    ""); `flush` decides with what is held when no more text comes at the join."""
+
+    __slots__ = ("_buf", "_echo", "done", "shown")
+
+    def __init__(self, shown: str, echo: str = "") -> None:
+        #: the trailing whitespace the client has already seen
+        self.shown = shown
+        self._echo = echo
+        self._buf = ""
+        #: the join is decided: text passes as it is
+        self.done = False
+
+    def text(self, piece: str) -> str:
+        if self.done:
+            return piece
+        buf = self._buf + piece
+        echo = self._echo
+        if echo:
+            if len(buf) < len(echo) and echo.startswith(buf):
+                self._buf = buf
+                return ""  # the echoed prefix, so far
+            if not buf.startswith(echo):
+                raise JoinError("the answer does not begin with the prefix it must repeat")
+            buf = buf[len(echo) :]
+            self._echo = ""
+        rest = buf.lstrip()
+        if not rest:
+            self._buf = buf
+            return ""  # whitespace only so far: held until decided
+        self.done = True
+        self._buf = ""
+        return reconcile(self.shown, buf[: len(buf) - len(rest)]) + rest
+
+    def flush(self) -> str:
+        if self.done:
+            return ""
+        buf, self._buf = self._buf, ""
+        self.done = True
+        if self._echo:
+            raise JoinError("the answer ended before it repeated the prefix")
+        rest = buf.lstrip()
+        return reconcile(self.shown, buf[: len(buf) - len(rest)]) + rest
