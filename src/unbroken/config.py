@@ -16,7 +16,7 @@ import re
 import tomllib
 import unicodedata
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -121,6 +121,15 @@ class Route:
     #: mode (``prefix``, ``prefix_echo``, ``partial``; `core.protocols.chat_prefix`),
     #: which a Chat turn cut after commit is continued with; None: it ends as today
     chat_prefix: str | None = None
+
+
+def with_upstream(existing: Route | None, name: str, url: str) -> Route:
+    """The route ``name`` going to ``url`` alone (``unbroken run`` points a route at the
+    agent's own base URL): a user's own route of that name keeps its settings
+    (``after_commit``, ``chat_prefix``); only its upstreams are replaced."""
+    if existing is None or existing.builtin:
+        return Route(name, (Upstream(url=url),))
+    return replace(existing, upstreams=(Upstream(url=url),))
 
 
 @dataclass(frozen=True)

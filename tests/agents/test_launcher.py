@@ -184,6 +184,19 @@ def test_relay_config_user_clients_win(tmp_path: Path) -> None:
     assert cfg.routes["openai"].upstreams[0].url == "https://api.openai.com"
 
 
+def test_relay_config_keeps_the_users_route_settings(tmp_path: Path) -> None:
+    """``unbroken run -- codex`` points the route at Codex's own base URL, but the user's
+    ``[routes.openai] after_commit`` still applies (it was dropped)."""
+    base = parse_config(
+        {"routes": {"openai": {"upstreams": ["https://gw/v1"], "after_commit": "continue"}}},
+        env={},
+    )
+    cfg = relay_config(base, plan_for(["codex"], {"CODEX_HOME": str(tmp_path)}))
+    route = cfg.routes["openai"]
+    assert route.upstreams[0].url == "https://api.openai.com"
+    assert cfg.stream.after_commit_for(route) == "continue"
+
+
 def test_print_env_for_claude_and_generic(capsys: pytest.CaptureFixture[str]) -> None:
     base = parse_config({"server": {"port": 4999}}, env={})
     print_env(["claude", "-p", "hi"], base, {})

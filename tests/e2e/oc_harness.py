@@ -30,6 +30,10 @@ from unbroken.mock import MockProvider, RecordedRequest
 
 OPENCODE_VERSION = PINNED["opencode"].version
 MODEL = "fake/fake-model"
+#: OpenCode's built-in providers pointed at the mock, each with a model from its bundled
+#: catalogue: ``openai`` speaks Responses (``/v1/responses``, ``store: false``) and
+#: ``anthropic`` Messages (``/v1/messages``, no thinking for this model).
+BUILTIN_MODELS = {"openai": "openai/gpt-4o-mini", "anthropic": "anthropic/claude-sonnet-4-5"}
 
 
 def opencode_bin() -> Path:
@@ -64,6 +68,18 @@ def fake_provider(base_url: str) -> dict[str, Any]:
                 },
             }
         },
+    }
+
+
+def builtin_provider(provider: str, base_url: str) -> dict[str, Any]:
+    """A user's OpenCode config that points a built-in provider (``openai``,
+    ``anthropic``) at ``base_url``, the way a user points it at a proxy: the bundled SDK
+    and model catalogue stay OpenCode's own."""
+    return {
+        "$schema": "https://opencode.ai/config.json",
+        "autoupdate": False,
+        "share": "disabled",
+        "provider": {provider: {"options": {"baseURL": base_url, "apiKey": "sk-dummy"}}},
     }
 
 
@@ -126,17 +142,26 @@ class Finished:
         return self.stderr.count('message="stream error"')
 
 
-def unbroken_run(*opencode_args: str) -> list[str]:
-    """``unbroken run -- opencode ...`` as an argv."""
-    return [sys.executable, "-m", "unbroken", "run", "--", str(opencode_bin()), *opencode_args]
+def unbroken_run(*opencode_args: str, options: Sequence[str] = ()) -> list[str]:
+    """``unbroken run [options] -- opencode ...`` as an argv."""
+    return [
+        sys.executable,
+        "-m",
+        "unbroken",
+        "run",
+        *options,
+        "--",
+        str(opencode_bin()),
+        *opencode_args,
+    ]
 
 
 def opencode(*args: str) -> list[str]:
     return [str(opencode_bin()), *args]
 
 
-def run_args(*prompt: str) -> list[str]:
-    """``opencode run`` arguments for one headless turn with the fake model."""
+def run_args(*prompt: str, model: str = MODEL) -> list[str]:
+    """``opencode run`` arguments for one headless turn (the fake model by default)."""
     return [
         "run",
         "--print-logs",
@@ -145,7 +170,7 @@ def run_args(*prompt: str) -> list[str]:
         "--title",
         "e2e",
         "--model",
-        MODEL,
+        model,
         *(prompt or ("say", "hi")),
     ]
 
@@ -329,9 +354,10 @@ class OpenCodeClient:
             sid: str = (await r.json())["id"]
             return sid
 
-    async def prompt_async(self, sid: str, text: str) -> None:
+    async def prompt_async(self, sid: str, text: str, model: str = MODEL) -> None:
+        provider, _, model_id = model.partition("/")
         body = {
-            "model": {"providerID": "fake", "modelID": "fake-model"},
+            "model": {"providerID": provider, "modelID": model_id},
             "parts": [{"type": "text", "text": text}],
         }
         async with self.http.post(f"{self.base_url}/session/{sid}/prompt_async", json=body) as r:
@@ -374,6 +400,38 @@ def turn_requests(mock: MockProvider) -> list[RecordedRequest]:
             continue
         out.append(r)
     return out
+
+
+def is_title_request(rec: RecordedRequest) -> bool:
+    """OpenCode's separate title-generation call (any protocol)."""
+    return b"You are a title generator" in rec.body
+
+
+def is_continuation(rec: RecordedRequest) -> bool:
+    """A request the relay made to finish a turn in place, not one OpenCode sent: a
+    Responses resume (``GET /responses/{id}?stream=true&starting_after=N``), or a
+    Messages request whose last message is the assistant's committed text (prefill)."""
+    if rec.method != "POST":
+        return True
+    if rec.path.endswith("/messages"):
+        try:
+            messages = rec.json().get("messages") or []
+        except (ValueError, AttributeError):
+            return False
+        return bool(messages) and messages[-1].get("role") == "assistant"
+    return False
+
+
+def step_requests(mock: MockProvider) -> list[RecordedRequest]:
+    """The model requests OpenCode itself sent (through the relay, one each): no title
+    generation and no continuation the relay made."""
+    return [
+        r
+        for r in mock.requests
+        if r.path.endswith(("/responses", "/messages", "/chat/completions"))
+        and not is_title_request(r)
+        and not is_continuation(r)
+    ]
 
 
 def max_per_second(times: Sequence[float]) -> int:

@@ -20,6 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oc_after_commit import (
+    ROUTE_TOML,
+    AfterCommitRun,
+    after_commit_session,
+    every_request_cut,
+    text_then_bash,
+)
 from oc_harness import (
     Background,
     Finished,
@@ -311,6 +318,45 @@ def _indent_json(data: Any) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
+async def after_commit_openai() -> AfterCommitRun:
+    """Issue 23: OpenCode's built-in ``openai`` provider (Responses), 20 cuts after output,
+    with ``[stream] after_commit = "continue"``."""
+    return await after_commit_session("openai", tag="after-commit-openai", box_for=_box)
+
+
+async def after_commit_default() -> AfterCommitRun:
+    """The contrast: the same 20 cuts with no unbroken config (``after_commit`` is
+    ``"error"``): OpenCode sees every cut and retries until its retries are spent."""
+    return await after_commit_session(
+        "openai",
+        tag="after-commit-default",
+        box_for=_box,
+        config=None,
+        script=every_request_cut(),
+        limit_s=240,
+    )
+
+
+async def after_commit_anthropic() -> AfterCommitRun:
+    """Issue 23: OpenCode's built-in ``anthropic`` provider (Messages, text, no thinking),
+    20 cuts after output, with ``[routes.anthropic] after_commit = "continue"``."""
+    return await after_commit_session(
+        "anthropic", tag="after-commit-anthropic", box_for=_box, config=ROUTE_TOML
+    )
+
+
+async def after_commit_tool() -> AfterCommitRun:
+    """Issue 23: OpenCode's ``anthropic`` provider answers text then a ``bash`` call; the
+    text is cut 5 times and continued by prefill; the call arrives whole, once."""
+    return await after_commit_session(
+        "anthropic",
+        tag="after-commit-tool",
+        box_for=_box,
+        script=text_then_bash(),
+        prompt="append a line to marker.txt",
+    )
+
+
 SCENARIOS: dict[str, Callable[[], Awaitable[Any]]] = {
     "seed": seed,
     "storm": storm,
@@ -318,4 +364,8 @@ SCENARIOS: dict[str, Callable[[], Awaitable[Any]]] = {
     "tool_reset": tool_reset,
     "drop_after_output": drop_after_output,
     "setup_undo": setup_undo,
+    "after_commit_openai": after_commit_openai,
+    "after_commit_anthropic": after_commit_anthropic,
+    "after_commit_tool": after_commit_tool,
+    "after_commit_default": after_commit_default,
 }

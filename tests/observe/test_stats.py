@@ -101,10 +101,10 @@ SEED: list[tuple[str, str | None, float, float | None, list[tuple[Any, ...]]]] =
 ]
 
 
-def seed(path: Path, now: float) -> None:
+def seed(path: Path, now: float, rows: list[tuple[Any, ...]] = SEED) -> None:
     conn = sqlite3.connect(path)
     conn.executescript(SCHEMA)
-    for n, (uid, outcome, hours, ttfb, attempts) in enumerate(SEED, 1):
+    for n, (uid, outcome, hours, ttfb, attempts) in enumerate(rows, 1):
         started = now - hours * 3600
         wait = sum(a[5] or 0 for a in attempts)
         conn.execute(
@@ -298,3 +298,25 @@ def test_a_version_4_journal_gains_the_continuation_columns_and_stats_show_them(
     assert s["continued"] == {"turns": 1, "splices": 2, "saved_tokens_est": 40}
     assert "Finished in place" in format_stats(s)
     conn.close()
+
+
+def test_a_turn_finished_in_place_counts_as_recovered(tmp_path):
+    """A turn cut after commit and finished in place (outcome ``resumed``) hit failures
+    and the client got the whole answer: the recovery rate counts it.  (It counted only
+    ``recovered``: a run whose every cut turn was resumed showed 0.0 %.)"""
+    cut = (A, "server_disconnected", "committed", 200, 2, 0.25, None, None)
+    rows = [
+        ("r1", "resumed", 1, 0.2, [cut, cut, (A, "ok", None, 200, 6, None, 10, 6)]),
+        ("r2", "ended_with_error", 2, 0.3, [cut]),
+        ("r3", "recovered", 3, 0.3, [(A, "503", "headers", 503, 0, 0.25, None, None)]),
+    ]
+    path = tmp_path / "j.sqlite3"
+    now = time.time()
+    seed(path, now, rows)
+    conn = sqlite3.connect(path)
+    s = compute_stats(conn, since_s=None, now=now)
+    conn.close()
+    assert (s["turns_with_failures"], s["turns_recovered"]) == (3, 2)
+    assert s["recovery_rate"] == 0.6667
+    out = format_stats(s)
+    assert "66.7%  (2 of 3 turns that hit a failure ended recovered or resumed)" in out

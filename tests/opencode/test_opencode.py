@@ -214,6 +214,34 @@ def test_relay_config_has_one_route_per_placed_provider() -> None:
     assert route_name("a", {"a"}) == "a-2"
 
 
+def test_relay_config_keeps_the_users_route_settings() -> None:
+    """``unbroken run -- opencode`` points the route at OpenCode's own base URL, but a
+    user's ``[routes.NAME] after_commit`` / ``chat_prefix`` for that provider still apply
+    (they were dropped: the per-route override of issue 23 did nothing under ``run``)."""
+    base = parse_config(
+        {
+            "stream": {"after_commit": "error"},
+            "routes": {
+                "openai": {"upstreams": ["https://my-gateway/v1"], "after_commit": "continue"},
+                "deepseek": {"upstreams": ["https://api.deepseek.com"], "chat_prefix": "prefix"},
+            },
+        },
+        env={},
+    )
+    providers = discover(
+        {"provider": {"fake": {"options": {"baseURL": "http://127.0.0.1:9/v1"}}}},
+        {"OPENAI_API_KEY": "k", "DEEPSEEK_API_KEY": "k"},
+        probe=no_probe,
+    )
+    config, names = relay_config(base, providers)
+    openai, deepseek = config.routes[names["openai"]], config.routes[names["deepseek"]]
+    assert openai.upstreams[0].url == "https://api.openai.com/v1"  # OpenCode's URL wins
+    assert config.stream.after_commit_for(openai) == "continue"
+    assert deepseek.chat_prefix == "prefix"
+    assert config.stream.after_commit_for(config.routes[names["fake"]]) == "error"
+    assert not openai.builtin
+
+
 def test_config_content_merges_with_the_users_own() -> None:
     existing = '{"provider": {"fake": {"options": {"apiKey": "k"}}}, "model": "fake/m"}'
     content = json.loads(content_with_relay(existing, {"fake": "http://127.0.0.1:5/fake"}))

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from unbroken.agents import claude, codex, gemini
 from unbroken.agents.plan import FILES, RELAY, Launch, split_version
-from unbroken.config import Config, ConfigError, Route, Upstream, validate_url
+from unbroken.config import Config, ConfigError, Route, validate_url, with_upstream
 
 __all__ = ["agent_of", "generic_plan", "plan_for", "print_env", "relay_config", "run_agent"]
 
@@ -99,7 +99,7 @@ def relay_config(base: Config, launch: Launch) -> Config:
     free loopback port, with the agent's client tuning under the user's own."""
     routes: dict[str, Route] = dict(base.routes)
     for name, url in launch.routes.items():
-        routes[name] = Route(name, (Upstream(url=url),))
+        routes[name] = with_upstream(routes.get(name), name, url)
     clients: dict[str, Mapping[str, Any]] = {k: dict(v) for k, v in launch.clients.items()}
     for name, table in base.clients.items():
         clients[name] = {**clients.get(name, {}), **table}

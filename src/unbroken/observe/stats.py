@@ -148,7 +148,9 @@ def compute_stats(
         for u in failed_turns
         if outcome_of.get(u) not in (None, "unfinished", "aborted_by_client")
     ]
-    recovered = sum(1 for u in settled if outcome_of[u] == "recovered")
+    # A turn finished in place after a cut (``resumed``) is recovered as well: the
+    # client got the whole answer.
+    recovered = sum(1 for u in settled if outcome_of[u] in ("recovered", "resumed"))
 
     def ended(uids: dict[str, int]) -> dict[str, int]:
         return dict(Counter(outcome_of.get(u, "unfinished") for u in uids))
@@ -161,6 +163,7 @@ def compute_stats(
         "outcomes": dict(outcomes),
         "recovery_rate": round(recovered / len(settled), 4) if settled else None,
         "turns_with_failures": len(settled),
+        "turns_recovered": recovered,
         "attempts": n_attempts_total,
         "failures": sum(by_phase.values()),
         "failures_by_phase": dict(by_phase.most_common()),
@@ -224,10 +227,9 @@ def format_stats(s: dict[str, Any], *, since: str = "", journal: str = "") -> st
     if rate is None:
         lines.append(f"{'Recovery rate':<26}{'-':>8}  (no turn hit a failure)")
     else:
-        rec = s["replay_safety"]["before_commit"]["recovered"]
         lines.append(
-            f"{'Recovery rate':<26}{rate * 100:>7.1f}%  "
-            f"({rec} of {s['turns_with_failures']} turns that hit a failure ended recovered)"
+            f"{'Recovery rate':<26}{rate * 100:>7.1f}%  ({s['turns_recovered']} of "
+            f"{s['turns_with_failures']} turns that hit a failure ended recovered or resumed)"
         )
     lines.append("")
     lines.append(f"{'Failures':<26}{s['failures']:>8}  (in {s['attempts']} attempts)")

@@ -34,7 +34,14 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from unbroken.config import Config, ConfigError, Route, Upstream, load_config, validate_url
+from unbroken.config import (
+    Config,
+    ConfigError,
+    Route,
+    load_config,
+    validate_url,
+    with_upstream,
+)
 from unbroken.opencode import jsonc
 from unbroken.opencode.providers import OPENCODE_PROVIDERS, UNPLACEABLE
 
@@ -409,8 +416,13 @@ def relay_config(base: Config, providers: Sequence[Provider]) -> tuple[Config, d
         name = route_name(p.id, taken)
         existing = routes.get(name)
         if existing is not None and not existing.builtin:
-            log.info("opencode: provider %s replaces your route %r for this run", p.id, name)
-        routes[name] = Route(name, (Upstream(url=p.url),))
+            log.info(
+                "opencode: provider %s goes through your route %r for this run "
+                "(its upstreams replaced by the provider's URL, its settings kept)",
+                p.id,
+                name,
+            )
+        routes[name] = with_upstream(existing, name, p.url)
         names[p.id] = name
     # A private loopback relay for this one agent: no token (OpenCode could not send it).
     config = dataclasses.replace(base, routes=routes, host="127.0.0.1", port=0, token=None)
