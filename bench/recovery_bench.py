@@ -159,7 +159,7 @@ def relay_main(path: str) -> int:
     overrides), on a free port; served by the same ``serve`` as ``unbroken serve``."""
     import resource
 
-    from unbroken.cli import setup_logging
+    from unbroken.cmdline import setup_logging
     from unbroken.config import parse_config
     from unbroken.relay.server import serve
 

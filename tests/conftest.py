@@ -32,11 +32,8 @@ def no_waits() -> Iterator[None]:
     """Retry waits switched off for this test (the turn machine's testing mode)."""
     from unbroken.core.turn import set_testing
 
-    set_testing(True)
-    try:
+    with set_testing(True):
         yield
-    finally:
-        set_testing(False)
 
 
 @pytest.fixture

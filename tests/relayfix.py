@@ -7,8 +7,14 @@ import dataclasses
 from typing import Any
 
 from unbroken.config import parse_config
+from unbroken.core.policy import Failure
 from unbroken.observe.hooks import Hooks, TurnInfo
 from unbroken.relay.server import RelayServer
+
+#: the token `make_config` gives a relay whose route injects a key (`Config.key_token`)
+KEY_TOKEN = "keytok-0123456789abcdef"
+#: the header a request on such a route must carry
+KEY_AUTH = {"x-unbroken-token": KEY_TOKEN}
 
 
 class Recorder(Hooks):
@@ -19,7 +25,9 @@ class Recorder(Hooks):
         self.failures: list[tuple[str, str, float | None]] = []
         self._ended = asyncio.Event()
 
-    def attempt_failed(self, turn, upstream, failure, *, phase, wait_s):  # type: ignore[no-untyped-def]
+    def attempt_failed(
+        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+    ) -> None:
         self.failures.append((failure.label, phase, wait_s))
 
     def turn_ended(self, turn: TurnInfo) -> None:
@@ -49,7 +57,9 @@ def make_config(
     if stream:
         data["stream"] = stream
     cfg = parse_config(data, env=env or {})
-    return dataclasses.replace(cfg, port=0, grace_s=5.0)
+    # like `unbroken serve`: a route that injects a key needs a token (`relay.tokenfile`)
+    key_token = KEY_TOKEN if cfg.injects_keys and cfg.token is None else None
+    return dataclasses.replace(cfg, port=0, grace_s=5.0, key_token=key_token)
 
 
 async def start_relay(config: Any) -> tuple[RelayServer, Recorder]:

@@ -14,6 +14,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from unbroken.mock import MockProvider
+
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
 
@@ -81,7 +83,7 @@ class Served:
         ("[bogus]\n", "bogus"),
     ],
 )
-async def test_invalid_config_exits_2_naming_the_key(tmp_path, toml, key):
+async def test_invalid_config_exits_2_naming_the_key(tmp_path: Path, toml: str, key: str) -> None:
     cfg = tmp_path / "unbroken.toml"
     cfg.write_text(toml)
     code, out, err = await _run(["serve", "--config", str(cfg), "--port", "0"], _env())
@@ -90,19 +92,21 @@ async def test_invalid_config_exits_2_naming_the_key(tmp_path, toml, key):
     assert "relaying on" not in out  # nothing started
 
 
-async def test_config_from_env_var_and_port_flag(tmp_path):
+async def test_config_from_env_var_and_port_flag(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text("[retry]\nmax_attempts = 'x'\n")
     code, _, err = await _run(["serve", "--port", "0"], _env(UNBROKEN_CONFIG=str(cfg)))
     assert code == 2 and "retry.max_attempts" in err
 
 
-async def test_env_alias_invalid_value_is_named():
+async def test_env_alias_invalid_value_is_named() -> None:
     code, _, err = await _run(["serve", "--port", "0"], _env(OPENCODE_RETRY_DELAY_MS="soon"))
     assert code == 2 and "OPENCODE_RETRY_DELAY_MS" in err
 
 
-async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, tmp_path):
+async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(
+    mock: MockProvider, tmp_path: Path
+) -> None:
     canary = "sk-canary-55aa11"
     cfg = tmp_path / "c.toml"
     cfg.write_text(
@@ -115,8 +119,11 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, t
         OPENCODE_RETRY_DELAY_MS="7",
         OPENCODE_RETRY_VERBOSE="false",
         UNBROKEN_RETRY_VERBOSE="true",
+        XDG_STATE_HOME=str(tmp_path / "state"),
     )
     served = await Served.start(cfg, env)
+    # the route injects a key: it needs the token serve keeps for its owner
+    token = (tmp_path / "state" / "unbroken" / "token").read_text().strip()
     try:
         mock.script([{"status": 503}, {"fault": "close_before_headers"}, {"status": 429}])
         async with (
@@ -124,7 +131,7 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, t
             s.post(
                 f"{served.url}/mock/v1/chat/completions",
                 json=CHAT,
-                headers={"Authorization": f"Bearer {canary}"},
+                headers={"Authorization": f"Bearer {canary}", "x-unbroken-token": token},
             ) as r,
         ):
             assert r.status == 200
@@ -142,10 +149,10 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(mock, t
         n = int(ln.split("attempt=")[1].split()[0])
         assert 0 <= int(ln.split("wait_ms=")[1].split()[0]) <= 7 * 2 ** (n - 1), ln
     assert "reason=503" in err and "reason=429" in err
-    assert canary not in err
+    assert canary not in err and token not in err
 
 
-async def test_sigterm_lets_inflight_stream_finish(mock, tmp_path):
+async def test_sigterm_lets_inflight_stream_finish(mock: MockProvider, tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n')
     served = await Served.start(cfg, _env())
@@ -170,7 +177,9 @@ async def test_sigterm_lets_inflight_stream_finish(mock, tmp_path):
     assert code == 0
 
 
-async def test_second_signal_cuts_the_grace_period_short(mock, tmp_path):
+async def test_second_signal_cuts_the_grace_period_short(
+    mock: MockProvider, tmp_path: Path
+) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n')
     served = await Served.start(cfg, _env())
@@ -202,7 +211,7 @@ async def test_second_signal_cuts_the_grace_period_short(mock, tmp_path):
     assert "second signal" in err
 
 
-async def test_grace_period_cuts_a_stalled_stream(mock, tmp_path):
+async def test_grace_period_cuts_a_stalled_stream(mock: MockProvider, tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(
         f'[server]\ngrace_s = 0.5\n[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n'
@@ -231,6 +240,6 @@ async def test_grace_period_cuts_a_stalled_stream(mock, tmp_path):
     assert b'"type":"server_error"' in body and b"[DONE]" not in body
 
 
-async def test_python_m_help():
+async def test_python_m_help() -> None:
     code, out, _ = await _run(["--help"], _env())
     assert code == 0 and "serve" in out

@@ -70,9 +70,9 @@ def test_a_command_imports_only_its_own_module() -> None:
     code = (
         "import sys; from unbroken.cli import _parser; _parser('run'); "
         "print(sorted(m for m in ('unbroken.demo', 'openai', 'unbroken.observe.status', "
-        "'unbroken.opencode.launcher') if m in sys.modules))"
+        "'unbroken.opencode.run', 'unbroken.opencode.setup') if m in sys.modules))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
-    assert out.strip() == "['unbroken.opencode.launcher']"
+    assert out.strip() == "['unbroken.opencode.run']"

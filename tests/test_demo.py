@@ -242,3 +242,43 @@ def test_the_stats_samples_are_what_stats_prints_for_a_demo_journal(
             assert counted_names(mine) == counted_names(theirs), (mine, theirs)
             continue
         assert numbers_out(mine) == numbers_out(theirs), (mine, theirs)
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+@pytest.mark.parametrize("protocol", ["chat", "gemini"])
+def test_the_live_table_keeps_each_turn_on_one_line_at_80_columns(
+    width: int, protocol: str
+) -> None:
+    """The live view draws the table for the terminal's width: at 80 columns every
+    turn was two or three lines, its states cut to ``retr…`` and ``wait…``."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from unbroken.demo import _Absorbed
+    from unbroken.observe.hooks import TurnInfo
+
+    kinds = storms(protocol=protocol)
+    turns = _turns(len(kinds), kinds, "x")
+    inflight = []
+    for t in turns:
+        t.state = "requesting"
+        info = TurnInfo(route="r", path="p", protocol="chat", stream=True)
+        info.session_id, info.state, info.attempts = f"demo-session-{t.number}", "waiting", 12
+        info.last_failure, info.next_retry_at = "server_disconnected", time.time() + 12.3
+        inflight.append(info)
+    absorbed = _Absorbed()
+    for t in turns:
+        absorbed.by_session[f"demo-session-{t.number}"] = 12
+    server = SimpleNamespace(relay=SimpleNamespace(inflight=inflight))
+    run = DemoRun("Through unbroken", turns, server, absorbed)  # type: ignore[arg-type]
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=True, color_system=None)
+    console.print(render_run(run, console.width))
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= width
+    for t in turns:
+        (row,) = [line for line in lines if line.strip(" │").startswith(f"{t.number} ")]
+        assert t.storm in row and "requesting" in row and "waiting" in row  # whole
+        assert "12" in row.split(t.storm, 1)[1]

@@ -1,4 +1,4 @@
-"""The code base stays ruff-clean and the sans-IO core passes mypy --strict."""
+"""The code base stays ruff-clean, and src and the typed tests pass mypy --strict."""
 
 from __future__ import annotations
 
@@ -27,6 +27,6 @@ def test_ruff_format_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_mypy_strict_on_the_sans_io_core() -> None:
-    result = _run("mypy")  # files and strictness come from pyproject.toml
+def test_mypy_strict_on_src_and_the_typed_tests() -> None:
+    result = _run("mypy")  # files (src, typed test directories), strictness: pyproject.toml
     assert result.returncode == 0, result.stdout + result.stderr

@@ -42,5 +42,8 @@ class Report:
     def headers_sent(self) -> None:
         self.calls.append(("headers",))
 
+    def continuation(self, result: str, splices: int, saved_frames: int) -> None:
+        self.calls.append(("continuation", result, splices, saved_frames))
+
     def of(self, kind: str) -> list[tuple[Any, ...]]:
         return [c for c in self.calls if c[0] == kind]

@@ -18,23 +18,14 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from unbroken import __version__
+from unbroken.cmdline import OneLineParser, setup_logging
+from unbroken.cmdline import one_line as _one_line
 from unbroken.config import ConfigError, bind_problem, check_host, load_config, port_number
 
 __all__ = ["OneLineParser", "main", "port_number", "setup_logging"]
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line (and exit code 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
-
-
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
 
 
 #: Feature modules whose ``register(subparsers)`` adds commands.
@@ -42,7 +33,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "unbroken.observe.stats",
     "unbroken.observe.status",
     "unbroken.demo",
-    "unbroken.opencode.launcher",
+    "unbroken.opencode.run",
+    "unbroken.opencode.setup",
     "unbroken.opencode.resume",
 )
 #: the module of each command, so that running one imports only its own (the demo
@@ -52,19 +44,10 @@ COMMAND_OF: dict[str, str] = {
     "stats": "unbroken.observe.stats",
     "status": "unbroken.observe.status",
     "demo": "unbroken.demo",
-    "run": "unbroken.opencode.launcher",
-    "opencode": "unbroken.opencode.launcher",
+    "run": "unbroken.opencode.run",
+    "opencode": "unbroken.opencode.setup",
     "resume": "unbroken.opencode.resume",
 }
-
-
-def setup_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -86,7 +69,28 @@ def _serve(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"unbroken: {problem}", file=sys.stderr)
         return 2
+    token_note = None
+    if config.token is None and config.injects_keys:
+        # No key without a right to it: the routes that inject a key need a token.
+        from unbroken.relay.tokenfile import TokenFileError, default_token_path, load_or_create
+
+        path = default_token_path()
+        try:
+            key_token, created = load_or_create(path)
+        except (TokenFileError, OSError) as exc:
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            print(f"unbroken: {_one_line(detail)} (or set UNBROKEN_TOKEN)", file=sys.stderr)
+            return 2
+        config = dataclasses.replace(config, key_token=key_token)
+        keyed = ", ".join(sorted(n for n, r in config.routes.items() if r.injects_key))
+        token_note = (
+            f"routes that inject a key ({keyed}) need the token in {path} "
+            f"({'created' if created else 'kept'}, mode 0600): send it as x-unbroken-token "
+            "or in a /t/<token>/ prefix; other routes need none on loopback"
+        )
     setup_logging()
+    if token_note is not None:
+        logging.getLogger("unbroken").info("%s", token_note)
 
     def ready(url: str) -> None:
         routes = ", ".join(sorted(config.routes))

@@ -28,6 +28,7 @@ from unbroken.core.policy import RetryPolicy
 from unbroken.core.profiles import check_overrides
 from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.ratelimit import RateSettings
+from unbroken.core.redact import redact_url
 
 __all__ = [
     "BUILTIN_ROUTES",
@@ -106,8 +107,9 @@ class Upstream:
 
     @property
     def name(self) -> str:
-        """A log-safe label: scheme://host[:port][/path] (URLs never carry credentials)."""
-        return self.url
+        """A log-safe label: scheme://host[:port][/path], a ``/t/<token>`` segment of the
+        path redacted (a chain to another unbroken); URLs never carry credentials."""
+        return redact_url(self.url)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,12 @@ class Route:
     #: mode (``prefix``, ``prefix_echo``, ``partial``; `core.protocols.chat_prefix`),
     #: which a Chat turn cut after commit is continued with; None: it ends as today
     chat_prefix: str | None = None
+
+    @property
+    def injects_key(self) -> bool:
+        """Whether a request on this route may go upstream with a key of the relay's
+        (``api_key_env``): then it needs the relay's token (`relay.access`)."""
+        return any(u.api_key is not None for u in self.upstreams)
 
 
 def with_upstream(existing: Route | None, name: str, url: str) -> Route:
@@ -190,6 +198,9 @@ class Config:
     token: str | None = field(default=None, repr=False, compare=False)
     #: where the token came from (an environment variable name), for messages
     token_env: str | None = None
+    #: with no ``token``: the secret a route that injects a key needs (`unbroken serve`
+    #: keeps it in a 0600 file, `relay.tokenfile`); other routes stay open on loopback
+    key_token: str | None = field(default=None, repr=False, compare=False)
     #: extra ``Host`` values accepted (``name`` matches any port, ``name:port`` only
     #: that port, ``*`` any host); the bound address, localhost and 127.0.0.1 always are
     allowed_hosts: tuple[str, ...] = ()
@@ -209,9 +220,13 @@ class Config:
     def secrets(self) -> tuple[str, ...]:
         """Every secret the relay knows (injected keys, the token): never echoed or logged."""
         found = {u.api_key for r in self.routes.values() for u in r.upstreams if u.api_key}
-        if self.token:
-            found.add(self.token)
+        found.update(t for t in (self.token, self.key_token) if t)
         return tuple(sorted(found, key=len, reverse=True))
+
+    @property
+    def injects_keys(self) -> bool:
+        """Whether any route injects a key of the relay's (`Route.injects_key`)."""
+        return any(r.injects_key for r in self.routes.values())
 
 
 # -- schema ----------------------------------------------------------------------

@@ -701,8 +701,27 @@ STATE_STYLE = {
 }
 
 
-def render_run(run: DemoRun) -> Any:
-    """The live table of one run."""
+#: below this many columns, the live table is drawn compact, to fit 80: no rules, short
+#: headers, each turn on one line (a long storm or failure name ends in an ellipsis)
+COMPACT_BELOW = 120
+#: each column's compact header and width
+_COMPACT: dict[str, tuple[str, int]] = {
+    "turn": ("#", 2),
+    "storm": ("storm", 20),
+    "step": ("step", 6),
+    "client": ("client", 10),
+    "relay": ("relay", 9),
+    "attempt": ("try", 3),
+    "last failure": ("failure", 12),
+    "next try": ("next", 6),
+    "absorbed": ("abs", 3),
+    "errors seen": ("err", 3),
+}
+
+
+def render_run(run: DemoRun, width: int | None = None) -> Any:
+    """The live table of one run, for a terminal ``width`` columns wide (None: wide)."""
+    from rich import box
     from rich.table import Table
     from rich.text import Text
 
@@ -719,24 +738,35 @@ def render_run(run: DemoRun) -> Any:
                     if info.next_retry_at is None or info.state != "waiting"
                     else max(0.0, info.next_retry_at - now),
                 }
+    compact = width is not None and width < COMPACT_BELOW
     table = Table(
         title=f"{run.name}  {time.monotonic() - run.started:5.1f} s",
         title_justify="left",
         expand=False,
     )
-    table.add_column("turn", justify="right")
-    table.add_column("storm")
-    table.add_column("step")
-    table.add_column("client")
+    if compact:  # no rules between columns, one space between them
+        table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0)
+
+    def column(name: str, justify: Any = "left") -> None:
+        if not compact:
+            table.add_column(name, justify=justify)
+            return
+        header, most = _COMPACT[name]
+        table.add_column(header, justify=justify, max_width=most, no_wrap=True, overflow="ellipsis")
+
+    column("turn", "right")
+    column("storm")
+    column("step")
+    column("client")
     if run.server is not None:
-        table.add_column("relay")
-        table.add_column("attempt", justify="right")
-        table.add_column("last failure")
-        table.add_column("next try")
-        table.add_column("absorbed", justify="right")
-    table.add_column("errors seen", justify="right")
+        column("relay")
+        column("attempt", "right")
+        column("last failure")
+        column("next try")
+        column("absorbed", "right")
+    column("errors seen", "right")
     for t in run.turns:
-        step = ("tool call", "answer", "-")[t.step]
+        step = ("tool" if compact else "tool call", "answer", "-")[t.step]
         row: list[Any] = [
             str(t.number),
             t.storm,
@@ -753,7 +783,7 @@ def render_run(run: DemoRun) -> Any:
                     Text(r["state"], style=STATE_STYLE.get(r["state"], "")),
                     str(r["attempts"]),
                     r["last_failure"] or "",
-                    "" if r["next"] is None else f"in {r['next']:.1f}s",
+                    "" if r["next"] is None else f"{'' if compact else 'in '}{r['next']:.1f}s",
                 ]
             hidden = run.absorbed.by_session[session] if run.absorbed is not None else 0
             row.append(Text(str(hidden), style="cyan" if hidden else "dim"))
@@ -863,9 +893,9 @@ def _run_demo_command(args: argparse.Namespace) -> int:
             if live is not None:
                 live.stop()
             current.append(run.name)
-            live = Live(render_run(run), console=console, auto_refresh=False)
+            live = Live(render_run(run, console.width), console=console, auto_refresh=False)
             live.start()
-        live.update(render_run(run), refresh=True)
+        live.update(render_run(run, console.width), refresh=True)
 
     try:
         summary = asyncio.run(

@@ -24,6 +24,7 @@ from unbroken.core.policy import RetryPolicy, RetryState
 from unbroken.core.profiles import Profile, profile_named
 from unbroken.core.protocols import RESPONSES
 from unbroken.core.turn import Open, TurnMachine
+from unbroken.mock import MockProvider
 
 
 @pytest.mark.parametrize(
@@ -224,7 +225,9 @@ sys.exit(3)
 """
 
 
-async def test_unbroken_run_a_python_script_with_the_openai_sdk(tmp_path, mock):
+async def test_unbroken_run_a_python_script_with_the_openai_sdk(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """`unbroken run -- python script.py`: the openai SDK finds its base URL; a 503 storm
     is absorbed; the script's exit code comes back."""
     (tmp_path / "script.py").write_text(SCRIPT)

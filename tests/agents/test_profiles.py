@@ -178,7 +178,7 @@ def test_claude_code_nonstreamed_wait_is_at_least_its_own(first_frame_timeout_s:
 
 
 #: [stream] settings a user might choose, to check the relay's waits against
-_STREAMS: list[dict[str, float]] = [
+_STREAMS: list[dict[str, Any]] = [
     {},
     {"first_frame_timeout_s": 60.0, "idle_timeout_s": 30.0, "header_timeout_s": 30.0},
     {"first_frame_timeout_s": 900.0, "idle_timeout_s": 900.0},
@@ -188,7 +188,7 @@ _STREAMS: list[dict[str, float]] = [
 @pytest.mark.parametrize("name", sorted(PROFILES))
 @pytest.mark.parametrize("stream", _STREAMS)
 def test_the_relay_never_waits_less_or_stalls_later_than_the_client(
-    name: str, stream: dict[str, float]
+    name: str, stream: dict[str, Any]
 ) -> None:
     """Every profile, whatever the [stream] timers: a non-streamed attempt waits at least
     as long as the client waits for its answer, and a silent stream is cut no later than
@@ -342,6 +342,7 @@ def test_claude_code_ends_a_cut_after_commit_by_aborting_the_connection(cut: str
     """After commit Claude Code gets no error event (it would re-send the request without
     streaming): the client connection is aborted, so it re-streams.  Never a clean end."""
     m = _committed(PROFILES["claude-code"])
+    end: object
     if cut == "reset":
         end = m.transport_failed(2.0, Failure(FailureClass.RESET, "reset"))
     elif cut == "in-stream error":

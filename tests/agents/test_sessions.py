@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from relayfix import make_config, start_relay
 from unbroken.cli import main
 from unbroken.config import JournalSettings
+from unbroken.mock import MockProvider
 from unbroken.observe.hooks import TurnInfo
 from unbroken.observe.journal import Journal
 from unbroken.observe.stats import compute_sessions
@@ -31,7 +33,9 @@ def _rows(path: Path, sql: str) -> list[dict[str, Any]]:
         conn.close()
 
 
-async def test_journal_names_sessions_and_clients(mock, tmp_path, capsys):
+async def test_journal_names_sessions_and_clients(
+    mock: MockProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "j.sqlite3"
     cfg = dataclasses.replace(
         make_config([{"url": mock.url}]), journal=JournalSettings(path=str(path))
@@ -106,7 +110,7 @@ PRAGMA user_version=1;
 """
 
 
-async def test_an_old_journal_gains_the_new_columns_and_tables(tmp_path):
+async def test_an_old_journal_gains_the_new_columns_and_tables(tmp_path: Path) -> None:
     path = tmp_path / "old.sqlite3"
     conn = sqlite3.connect(path)
     conn.executescript(V1 + V2)  # the attempts table as versions 1 and 2 had it

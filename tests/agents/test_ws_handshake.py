@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 
 from relayfix import make_config, start_relay
+from unbroken.mock import MockProvider
 
 CREATE: dict[str, Any] = {"type": "response.create", "model": "m", "input": "hi", "store": False}
 HEADERS = {
@@ -26,7 +27,8 @@ HEADERS = {
 
 
 def _ws_url(server: Any) -> str:
-    return server.url.replace("http://", "ws://") + "/mock/v1/responses"
+    url: str = server.url
+    return url.replace("http://", "ws://") + "/mock/v1/responses"
 
 
 async def _turn(ws: aiohttp.ClientWebSocketResponse, create: dict[str, Any]) -> list[Any]:
@@ -40,7 +42,9 @@ async def _turn(ws: aiohttp.ClientWebSocketResponse, create: dict[str, Any]) -> 
     return got
 
 
-async def test_handshake_headers_reach_the_client_and_the_turn_state_goes_back(mock):
+async def test_handshake_headers_reach_the_client_and_the_turn_state_goes_back(
+    mock: MockProvider,
+) -> None:
     server, _ = await start_relay(
         make_config([{"url": mock.url}], stream={"first_frame_timeout_s": 2})
     )
@@ -68,7 +72,7 @@ async def test_handshake_headers_reach_the_client_and_the_turn_state_goes_back(m
         await server.stop()
 
 
-async def test_refused_upgrade_falls_back_to_http_without_headers(mock):
+async def test_refused_upgrade_falls_back_to_http_without_headers(mock: MockProvider) -> None:
     server, _ = await start_relay(make_config([{"url": mock.url}]))
     mock.script_upgrades([{"status": 426, "headers": {"x-codex-turn-state": "nope"}}])
     try:
@@ -82,7 +86,7 @@ async def test_refused_upgrade_falls_back_to_http_without_headers(mock):
         await server.stop()
 
 
-async def test_unreachable_upstream_still_accepts_the_client(unused_tcp_port):
+async def test_unreachable_upstream_still_accepts_the_client(unused_tcp_port: int) -> None:
     server, _ = await start_relay(
         make_config([{"url": f"http://127.0.0.1:{unused_tcp_port}"}], retry={"max_attempts": 1})
     )
@@ -94,7 +98,7 @@ async def test_unreachable_upstream_still_accepts_the_client(unused_tcp_port):
         await server.stop()
 
 
-async def test_codex_gets_keepalive_messages_on_a_quiet_socket(mock):
+async def test_codex_gets_keepalive_messages_on_a_quiet_socket(mock: MockProvider) -> None:
     """Codex's idle timer counts WebSocket messages, not pings: while the upstream is
     quiet, a Codex client gets ``{"type":"keepalive"}`` messages; another client none."""
     cfg = make_config([{"url": mock.url}], stream={"first_frame_timeout_s": 5, "idle_timeout_s": 5})

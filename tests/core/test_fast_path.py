@@ -33,6 +33,7 @@ from turnfix import Report, Timers
 from unbroken.core.ledger import Hold, Ledger
 from unbroken.core.policy import RetryPolicy, RetryState
 from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES
+from unbroken.core.sse import SSESplitter
 from unbroken.core.turn import TurnMachine
 
 PROTOCOLS = {"chat": CHAT, "responses": RESPONSES, "anthropic": ANTHROPIC}
@@ -352,3 +353,50 @@ def test_the_typed_classification_matches_the_dict_walk(name: str) -> None:
         assert typed.open_indices == walk.open_indices and typed.finished == walk.finished
     if name in PLAIN_PAYLOADS:
         assert typed.typed, f"{name}: the typed decode should have taken it"
+
+
+# -- the guards of the fast path, each shown to matter ---------------------------------
+
+
+@pytest.mark.parametrize("proto", sorted(PROTOCOLS))
+def test_a_chunk_holding_a_cr_goes_frame_by_frame(proto: str) -> None:
+    """A CR ends a line in SSE, and `plain_prefix` looks only for ``\\n\\n``: a CR where
+    JSON allows white space makes a frame that a run would prove plain and release,
+    while the splitter cuts it there and finds a malformed frame.  So a chunk holding
+    a CR takes no run (without that guard, the garbage went out as plain output)."""
+    frames = FRAMES[proto]("t", Shape(reasoning=0, text=4, tools=(), interleave=False))
+    first = next(i for i, f in enumerate(frames) if b"text t 0" in f)
+    text = frames[first + 1]
+    assert b', "' in text
+    cut = text.replace(b', "', b',\r"', 1)  # valid JSON; to SSE, two lines
+    chunks = [b"".join(frames[: first + 1]), cut + frames[first + 2], *frames[first + 3 :]]
+    fast, _ = run(proto, chunks, verbatim=True)
+    slow, _ = run(proto, chunks, verbatim=False)
+    assert fast == slow
+    out, over = slow[1]
+    assert b"malformed frame" in out and b"text t 1" not in out
+    assert over is not None  # the turn ends there, with the protocol's error
+
+
+def test_no_run_while_a_tool_call_is_open_even_with_nothing_held() -> None:
+    """After a tool call overflowed the hold (released, still open), the ledger holds
+    again what follows while it is open; a run must not release it instead."""
+    frames = chat_frames("t", Shape(reasoning=0, text=2, tools=(1,), interleave=False))
+    role, text, more, start = frames[:4]
+    big_start = start.replace(b'"arguments": ""', b'"arguments": "' + b"x" * 400 + b'"')
+
+    def ledger() -> Ledger:
+        led = Ledger(CHAT, max_hold_bytes=300)
+        for raw in (role, text, big_start):
+            for event in SSESplitter().feed(raw):
+                led.feed(event)
+        assert led.open_tools == 1 and not led.held_bytes and led.hold_overflowed
+        return led
+
+    slow = ledger()
+    (event,) = SSESplitter().feed(more)
+    assert slow.feed(event) == ()  # held: a tool call is open
+    assert slow.held_bytes == len(more)
+    fast = ledger()
+    assert fast.release_run(more) == 0  # no run: frame by frame, so held the same way
+    assert fast.stats.released_frames == slow.stats.released_frames

@@ -347,7 +347,7 @@ def test_classifiers_never_raise_on_arbitrary_json(frames: list[Event]) -> None:
             assert isinstance(kinds, int) and isinstance(open_tools, int)
         # the error frames built from what was seen never raise either
         last = frames[-1].raw if frames else None
-        assert isinstance(protocol.error_frame("boom", classifier, last), bytes)
+        assert isinstance(protocol.error_frame("boom", classifier, last, 1.0), bytes)
     usage_from([e.raw for e in frames])
     for event in frames:
         loads_object(event.data)

@@ -24,6 +24,17 @@ from unbroken.core.sse import Event, SSESplitter
 PROTOCOLS = {"chat": CHAT, "responses": RESPONSES, "anthropic": ANTHROPIC}
 
 
+def state(ledger: Ledger) -> State:
+    """``ledger.state``, read through a call: after a call that changed it, the type
+    checker would still hold the value an earlier assert narrowed it to."""
+    return ledger.state
+
+
+def verdict(ledger: Ledger) -> Verdict:
+    """``ledger.verdict``, read through a call (see `state`)."""
+    return ledger.verdict
+
+
 # ---------------------------------------------------------------------------
 # Frame builders
 
@@ -676,12 +687,12 @@ def test_replay_then_clean_attempt_releases_exactly_that_attempt(proto: str) -> 
     out += ledger.failed("reset")
     assert ledger.verdict is Verdict.REPLAY
     ledger.start_attempt()
-    assert ledger.verdict is Verdict.CONTINUE
+    assert verdict(ledger) is Verdict.CONTINUE
     out += b"".join(feed_all(ledger, second))
     out += ledger.ended(b"")
     assert out == b"".join(second)
     assert b"A0Z" not in out
-    assert ledger.state is State.DONE and ledger.verdict is Verdict.DONE
+    assert state(ledger) is State.DONE and verdict(ledger) is Verdict.DONE
 
 
 def _committed_prefix(proto: str) -> tuple[list[bytes], int]:
@@ -710,7 +721,7 @@ def test_failure_after_commit_ends_with_native_error(proto: str, how: str) -> No
             tail = ledger.feed_bytes(to_event(RETRYABLE_ERROR[proto]))
         else:
             tail = ledger.feed_bytes(to_event(MALFORMED[proto]))
-        assert ledger.verdict is Verdict.FAIL and ledger.state is State.FAILED
+        assert ledger.verdict is Verdict.FAIL and state(ledger) is State.FAILED
         assert tail == ledger.error_bytes != b""
         assert RETRYABLE_ERROR[proto] not in tail  # ours, not the provider's frame
         client = visible_events(out + tail)
@@ -841,7 +852,7 @@ def test_generic_protocol() -> None:
     assert ledger.feed_bytes(to_event(b"data: 1\n\n")) == b": hello\n\ndata: 1\n\n"
     assert ledger.state is State.COMMITTED
     assert ledger.ended(b"") == b""
-    assert ledger.state is State.DONE and ledger.verdict is Verdict.DONE
+    assert state(ledger) is State.DONE and ledger.verdict is Verdict.DONE
 
     cut = Ledger(GENERIC)
     cut.feed(to_event(b"data: 1\n\n"))

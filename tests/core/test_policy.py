@@ -27,7 +27,13 @@ from unbroken.core.policy import (
 from unbroken.relay.errors import ERRNO_CLASSES, EXCEPTION_CLASSES, classify_exception
 
 KEY = ConnectionKey("api.example.com", 443, True, True, None, None, None)
-CONNECT_LEVEL = {
+
+
+def _value(c: FailureClass) -> str:
+    return c.value
+
+
+CONNECT_LEVEL: set[FailureClass] = {
     FailureClass.DNS,
     FailureClass.REFUSED,
     FailureClass.UNREACHABLE,
@@ -35,6 +41,9 @@ CONNECT_LEVEL = {
     FailureClass.CONNECT_TIMEOUT,
     FailureClass.TLS,
 }
+
+CONNECT_SORTED = sorted(CONNECT_LEVEL, key=_value)
+OTHERS_SORTED = sorted(set(FailureClass) - CONNECT_LEVEL, key=_value)
 
 #: the old default: a fixed 250 ms (the default is now exponential with full jitter)
 FIXED_250 = RetryPolicy(backoff="fixed", delay_ms=250)
@@ -129,7 +138,7 @@ def test_single_upstream_always_zero() -> None:
     assert [state.next_upstream(0.0) for _ in range(3)] == [0, 0, 0]
 
 
-@pytest.mark.parametrize("cls", sorted(CONNECT_LEVEL, key=lambda c: c.value))
+@pytest.mark.parametrize("cls", CONNECT_SORTED)
 def test_connection_failure_reroutes_at_once_when_another_upstream_exists(
     cls: FailureClass,
 ) -> None:
@@ -139,14 +148,14 @@ def test_connection_failure_reroutes_at_once_when_another_upstream_exists(
     assert state.next_upstream(0.0) == 1
 
 
-@pytest.mark.parametrize("cls", sorted(CONNECT_LEVEL, key=lambda c: c.value))
+@pytest.mark.parametrize("cls", CONNECT_SORTED)
 def test_connection_failure_with_one_upstream_waits(cls: FailureClass) -> None:
     state = RetryState(FIXED_250, n_upstreams=1, rng=random.Random(0))
     state.next_upstream(0.0)
     assert state.record_failure(fail(cls), 0.0) == 0.25
 
 
-@pytest.mark.parametrize("cls", sorted(set(FailureClass) - CONNECT_LEVEL, key=lambda c: c.value))
+@pytest.mark.parametrize("cls", OTHERS_SORTED)
 def test_other_failures_wait_even_with_another_upstream(cls: FailureClass) -> None:
     state = RetryState(FIXED_250, n_upstreams=2, rng=random.Random(0))
     state.next_upstream(0.0)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
 from unbroken.core.ratehead import Reading, parse_duration, parse_rate_headers
 
 NOW = 1_750_000_000.0  # a wall-clock time
+
+
+def approx(x: float) -> float:
+    """`pytest.approx`, typed as the float it stands for in a `Reading`."""
+    return cast(float, pytest.approx(x))
 
 
 @pytest.mark.parametrize(
@@ -27,7 +34,7 @@ NOW = 1_750_000_000.0  # a wall-clock time
 )
 def test_durations(text: str, seconds: float | None) -> None:
     got = parse_duration(text)
-    assert got == pytest.approx(seconds) if seconds is not None else got is None
+    assert got == approx(seconds) if seconds is not None else got is None
 
 
 def test_openai_headers() -> None:
@@ -42,7 +49,7 @@ def test_openai_headers() -> None:
         },
         now_wall=NOW,
     )
-    assert h.requests == Reading(500, 499, pytest.approx(0.12))
+    assert h.requests == Reading(500, 499, approx(0.12))
     assert h.tokens == Reading(30000, 29000, 2.0)
     assert h.output is None and h.retry_after_s is None and h.problems == ()
 
@@ -63,9 +70,9 @@ def test_anthropic_headers_with_rfc3339_resets() -> None:
         },
         now_wall=NOW,
     )
-    assert h.requests == Reading(50, 0, pytest.approx(10.0))
-    assert h.tokens == Reading(40000, 39000, pytest.approx(1.5))
-    assert h.output == Reading(8000, 8000, pytest.approx(0.0))
+    assert h.requests == Reading(50, 0, approx(10.0))
+    assert h.tokens == Reading(40000, 39000, approx(1.5))
+    assert h.output == Reading(8000, 8000, approx(0.0))
     assert h.retry_after_s == 10.0
 
 
@@ -87,7 +94,7 @@ def test_retry_after_forms() -> None:
     assert parse_rate_headers({"retry-after": "3"}, now_wall=NOW).retry_after_s == 3.0
     date = "Sun, 15 Jun 2025 15:06:45 GMT"  # NOW + 5 s
     got = parse_rate_headers({"retry-after": date}, now_wall=NOW).retry_after_s
-    assert got == pytest.approx(5.0)
+    assert got == approx(5.0)
 
 
 def test_no_headers_is_empty() -> None:

@@ -124,7 +124,7 @@ EOLS = (b"\n", b"\r\n", b"\r")
 
 field_text = st.text(
     alphabet=st.characters(
-        blacklist_categories=("Cs",),
+        blacklist_categories=["Cs"],
         blacklist_characters="\r\n",
     ),
     max_size=12,

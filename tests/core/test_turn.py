@@ -199,6 +199,30 @@ def test_give_up_after_early_headers_is_the_native_error_in_the_stream() -> None
     assert m.outcome is Outcome.ENDED_WITH_ERROR
 
 
+def test_a_responses_give_up_after_early_headers_is_dated_by_the_wall_clock_passed_in() -> None:
+    """No response.created came: the failed response's id and created_at are made up
+    from the Unix time the transport passes in (the core reads no clock)."""
+    from unbroken.core.protocols import RESPONSES
+
+    m = TurnMachine(
+        protocol=RESPONSES,
+        hold=Hold(),
+        timers=Timers(early_headers_s=1.0),
+        retry=RetryState(RetryPolicy(max_attempts=1), 1, rng=random.Random(0)),
+        stream=True,
+        now=0.0,
+        report=Report(),
+        wall_clock=lambda: 1_800_000_000.5,
+    )
+    m.start(0.0)
+    assert m.tick(1.0) == SendHeaders(200)
+    action = m.open_failed(1.2, REFUSED)
+    assert isinstance(action, GiveUp) and action.kind is GiveUpKind.IN_STREAM
+    failed = json.loads(action.data.split(b"event: response.failed\ndata: ")[1])
+    assert failed["response"]["created_at"] == 1_800_000_000
+    assert failed["response"]["id"] == "resp_unbroken_1800000000500"
+
+
 # -- streams -------------------------------------------------------------------------------
 def test_control_frames_are_held_then_released_with_the_first_output() -> None:
     m, _ = make()
@@ -659,8 +683,7 @@ def test_a_replay_decided_by_a_frame_does_not_end_the_next_attempt() -> None:
     # (over real sockets, the turn then crashed with a 500).
     m, _ = make(upstreams=2)
     streaming(m)
-    set_testing(True)
-    try:
+    with set_testing(True):
         assert raw(m.feed_chunk(1.1, ROLE + RETRYABLE)) == b""
         assert m.attempt_over == Open(1, 120.0)
         assert m.answered(1.2, 200, sse=True) == Stream()
@@ -668,8 +691,6 @@ def test_a_replay_decided_by_a_frame_does_not_end_the_next_attempt() -> None:
         assert m.attempt_over is None
         assert raw(m.feed_chunk(1.4, FINISH + DONE)) == FINISH + DONE
         assert m.body_ended(1.5) == End(EndKind.CLEAN)
-    finally:
-        set_testing(False)
     assert m.outcome is Outcome.RECOVERED
 
 
@@ -825,9 +846,32 @@ def test_an_oversized_event_after_output_ends_with_the_native_error() -> None:
 def test_testing_mode_switches_waits_off_but_still_reports_them() -> None:
     m, report = make(delay_ms=30_000)
     m.start(0.0)
-    set_testing(True)
-    try:
+    with set_testing(True):
         assert m.open_failed(0.1, REFUSED) == Open(0, 120.0)  # no Wait: straight on
+    assert report.of("failed")[0][3] == 30.0  # the wait that would have been
+
+
+def test_set_testing_is_a_restoring_context_manager() -> None:
+    """As stamina's: it takes effect at once, and a ``with`` puts the previous mode
+    back, also when nested and when the block raises."""
+
+    def waits() -> bool:
+        m, _ = make(delay_ms=30_000)
+        m.start(0.0)
+        return isinstance(m.open_failed(0.1, REFUSED), Wait)
+
+    assert waits()
+    with set_testing(True):
+        assert not waits()
+        with set_testing(False):
+            assert waits()
+        assert not waits()  # the outer mode is back, not "off"
+        with pytest.raises(ZeroDivisionError), set_testing(False):
+            1 / 0  # noqa: B018
+        assert not waits()
+    assert waits()
+    set_testing(True)  # a plain call still switches it, for good
+    try:
+        assert not waits()
     finally:
         set_testing(False)
-    assert report.of("failed")[0][3] == 30.0  # the wait that would have been

@@ -168,7 +168,7 @@ def text_then_bash(cuts: int = TOOL_CUTS) -> list[dict[str, Any]]:
 
 def _text(messages: list[dict[str, Any]]) -> str:
     """The text of the session's assistant messages, in order."""
-    out = []
+    out: list[str] = []
     for m in messages:
         if m.get("info", {}).get("role") != "assistant":
             continue

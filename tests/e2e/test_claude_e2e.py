@@ -56,7 +56,7 @@ def _bash(command: str) -> dict[str, Any]:
     }
 
 
-async def test_text_turn_and_its_session_in_the_journal(tmp_path, mock):
+async def test_text_turn_and_its_session_in_the_journal(tmp_path: Path, mock: MockProvider) -> None:
     env, cfg = _setup(tmp_path, mock)
     r = await run(through_unbroken(cfg, claude_argv("say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
@@ -73,7 +73,7 @@ async def test_text_turn_and_its_session_in_the_journal(tmp_path, mock):
     assert rows == [(sid, "claude-code", "ok")]
 
 
-async def test_bash_tool_runs_once(tmp_path, mock):
+async def test_bash_tool_runs_once(tmp_path: Path, mock: MockProvider) -> None:
     env, cfg = _setup(tmp_path, mock)
     mock.script([_bash("echo ran >> marker.txt")])
     r = await run(through_unbroken(cfg, claude_argv("run the tool")), env, tmp_path / "project")
@@ -82,7 +82,9 @@ async def test_bash_tool_runs_once(tmp_path, mock):
     assert len(mock.requests) == 2
 
 
-async def test_529_storm_kills_claude_code_alone(tmp_path, mock, capsys):
+async def test_529_storm_kills_claude_code_alone(
+    tmp_path: Path, mock: MockProvider, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The baseline: Claude Code alone gives up on a 529 storm (its retries cut to 2
     here; with its default 10 it gives up after 11 requests, ~190 s)."""
     env = claude_env(tmp_path, mock.url, CLAUDE_CODE_MAX_RETRIES="2")
@@ -99,7 +101,9 @@ async def test_529_storm_kills_claude_code_alone(tmp_path, mock, capsys):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("count", [30, 100])
-async def test_529_storm_absorbed_with_no_unbroken_config(tmp_path, mock, capsys, count):
+async def test_529_storm_absorbed_with_no_unbroken_config(
+    tmp_path: Path, mock: MockProvider, capsys: pytest.CaptureFixture[str], count: int
+) -> None:
     """`unbroken run -- claude` with no unbroken config (the defaults: a lone turn retried
     every 250 ms, breakers that never open for one turn's failures): 529 x ``count``,
     then the answer.  Claude Code sees one clean turn: no error, no ``api_retry``."""
@@ -120,7 +124,9 @@ async def test_529_storm_absorbed_with_no_unbroken_config(tmp_path, mock, capsys
     )
 
 
-async def test_reset_mid_input_json_delta_runs_the_tool_once(tmp_path, mock):
+async def test_reset_mid_input_json_delta_runs_the_tool_once(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     env, cfg = _setup(tmp_path, mock)
     tool = _bash("echo ran >> marker.txt")
     events = events_for("anthropic", tool, {"model": "fake-model", "stream": True})
@@ -146,7 +152,9 @@ TOO_LONG = {
 STORM_THEN_400 = [{"status": 529, "headers": {"retry-after-ms": "1500"}}, TOO_LONG, TOO_LONG]
 
 
-async def test_a_final_400_after_a_long_storm_stays_a_400(tmp_path, mock):
+async def test_a_final_400_after_a_long_storm_stays_a_400(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """529s for longer than early_headers_s (1 s here), then a final 400 ("prompt is too
     long"): the Claude Code profile sends no early headers, so the 400 reaches it as a
     status and it stops, with no extra request.  With early headers forced on (the
@@ -175,7 +183,7 @@ async def test_a_final_400_after_a_long_storm_stays_a_400(tmp_path, mock):
     )
 
 
-async def test_cut_right_after_a_complete_tool_call(tmp_path, mock):
+async def test_cut_right_after_a_complete_tool_call(tmp_path: Path, mock: MockProvider) -> None:
     """A cut between the Bash call's content_block_stop and message_stop.  By default the
     call was released (Claude Code dispatches it there) and the claude-code profile ends
     the stream with a reset.  Claude Code then does one of two things, depending on
@@ -243,7 +251,9 @@ async def test_cut_right_after_a_complete_tool_call(tmp_path, mock):
     assert len(mock.requests) == 3  # the cut attempt, unbroken's replay, the follow-up
 
 
-async def test_a_cut_while_the_tool_runs_lets_it_finish_once(tmp_path, mock):
+async def test_a_cut_while_the_tool_runs_lets_it_finish_once(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """The upstream goes silent after the Bash call's content_block_stop and the relay's
     stall timer (3 s) cuts it while the tool (sleep 5) is still running.  After the
     reset, Claude Code waits for the tool it started, shows "Connection lost
@@ -283,7 +293,9 @@ def _streamed(mock: MockProvider) -> list[bool]:
     return [req.json().get("stream") is True for req in mock.requests]
 
 
-async def test_a_cut_after_text_ends_with_a_reset_and_claude_code_streams_again(tmp_path, mock):
+async def test_a_cut_after_text_ends_with_a_reset_and_claude_code_streams_again(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """The upstream dies after three text deltas, after commit: never replayed.  The
     claude-code profile ends the stream by aborting Claude Code's connection; Claude Code
     re-sends the request streamed (after ~0.6 s: one api_retry) and prints the answer
@@ -322,7 +334,9 @@ async def test_a_cut_after_text_ends_with_a_reset_and_claude_code_streams_again(
     )
 
 
-async def test_after_a_cut_a_long_answer_arrives_only_streamed(tmp_path, mock):
+async def test_after_a_cut_a_long_answer_arrives_only_streamed(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """Why the reset: after a cut, the answer takes ~9 s to generate, longer than Claude
     Code's wait for a non-streamed answer (API_TIMEOUT_MS = 5000 here; 300 s by default,
     while it asks for max_tokens = 32000 on its non-streamed re-send too, minutes of
@@ -359,7 +373,9 @@ async def test_after_a_cut_a_long_answer_arrives_only_streamed(tmp_path, mock):
 LONG = "Done: the command ran and printed its marker.  Everything is in place now."
 
 
-async def test_five_cuts_after_text_are_continued_and_the_tool_runs_once(tmp_path, mock):
+async def test_five_cuts_after_text_are_continued_and_the_tool_runs_once(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """``after_commit = "continue"`` (issue 23): the answer after the tool's result is
     cut five times after two text deltas each; every cut is continued by prefill (the
     committed text as an assistant message), so Claude Code sees one clean streamed
@@ -406,7 +422,9 @@ async def test_five_cuts_after_text_are_continued_and_the_tool_runs_once(tmp_pat
     )
 
 
-async def test_cuts_in_the_text_before_a_tool_call_run_the_tool_once(tmp_path, mock):
+async def test_cuts_in_the_text_before_a_tool_call_run_the_tool_once(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """The answer is text, then a ``Bash`` call (as Claude Code's model often answers);
     the text is cut three times: each continuation brings the rest of the text and then
     the call, which reaches Claude Code as block 1, whole.  It runs once; no error."""

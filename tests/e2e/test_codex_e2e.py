@@ -49,7 +49,7 @@ def _tool(cmd: str) -> dict[str, Any]:
     return {"reply": "tool", "tool_name": "exec_command", "tool_args": {"cmd": cmd}}
 
 
-async def test_text_turn(tmp_path, mock):
+async def test_text_turn(tmp_path: Path, mock: MockProvider) -> None:
     env, cfg = _setup(tmp_path, mock)
     r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
@@ -66,7 +66,7 @@ async def test_text_turn(tmp_path, mock):
     assert rows == [(req.headers["session-id"], "codex", "ok")]  # the session, named
 
 
-async def test_tool_turn_runs_once(tmp_path, mock):
+async def test_tool_turn_runs_once(tmp_path: Path, mock: MockProvider) -> None:
     env, cfg = _setup(tmp_path, mock)
     mock.script([_tool("echo ran >> marker.txt")])
     r = await run(
@@ -79,8 +79,8 @@ async def test_tool_turn_runs_once(tmp_path, mock):
 
 @pytest.mark.timeout(240)
 async def test_503_storm_alone_dies_through_unbroken_with_no_config_completes(
-    tmp_path, mock, capsys
-):
+    tmp_path: Path, mock: MockProvider, capsys: pytest.CaptureFixture[str]
+) -> None:
     """503 x 40, then the answer.  Alone, Codex gives up; through `unbroken run -- codex`
     with no unbroken config (the defaults: a lone turn retried every 250 ms, breakers
     that never open for one turn's failures) it sees one clean turn."""
@@ -106,7 +106,9 @@ async def test_503_storm_alone_dies_through_unbroken_with_no_config_completes(
     )
 
 
-async def test_reset_mid_tool_arguments_runs_the_tool_once(tmp_path, mock):
+async def test_reset_mid_tool_arguments_runs_the_tool_once(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     env, cfg = _setup(tmp_path, mock)
     tool = _tool("echo ran >> marker.txt")
     events = events_for("responses", tool, {"model": "fake-model", "stream": True})
@@ -124,7 +126,9 @@ async def test_reset_mid_tool_arguments_runs_the_tool_once(tmp_path, mock):
     assert len(set(bodies)) == 1  # every replay byte-identical
 
 
-async def test_silent_200_longer_than_codex_idle_timeout(tmp_path, mock):
+async def test_silent_200_longer_than_codex_idle_timeout(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """An upstream answers 200 then stays silent: alone, Codex's idle timer fires and it
     reconnects; through unbroken Codex's timer never starts (no early headers for it),
     unbroken's stall detection replays, and Codex sees a clean turn."""
@@ -151,7 +155,9 @@ async def test_silent_200_longer_than_codex_idle_timeout(tmp_path, mock):
 STALL_10S = "\n[clients.codex]\nfirst_frame_timeout_s = 10\nidle_timeout_s = 10\n"
 
 
-async def test_the_relay_cuts_a_silent_upstream_when_codex_would(tmp_path, mock):
+async def test_the_relay_cuts_a_silent_upstream_when_codex_would(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """Codex's stream_idle_timeout_ms is 1.5 s; the relay's own [stream] timers would wait
     60 s for a first frame.  Codex gets no early headers, so its idle timer never runs
     while the relay waits: `unbroken run` tells the relay Codex's timeout, the relay cuts
@@ -174,7 +180,9 @@ async def test_the_relay_cuts_a_silent_upstream_when_codex_would(tmp_path, mock)
 
 
 @pytest.mark.parametrize("ending", ["error", "reset"])
-async def test_a_cut_after_text_codex_retries_the_turn_once(tmp_path, mock, ending):
+async def test_a_cut_after_text_codex_retries_the_turn_once(
+    tmp_path: Path, mock: MockProvider, ending: str
+) -> None:
     """The upstream dies after three text deltas, after commit.  Codex's profile ends the
     stream with the error event (``error`` + ``response.failed``); a reset (for
     comparison, as [clients.codex] after_commit_end) ends the same: Codex reconnects once
@@ -195,7 +203,7 @@ async def test_a_cut_after_text_codex_retries_the_turn_once(tmp_path, mock, endi
     print(f"\ncodex, a cut after text, {ending}: {reconnect[:90]!r}, {r.seconds:.1f} s")
 
 
-async def test_keepalive_events_hold_codex_idle_timer(tmp_path, mock):
+async def test_keepalive_events_hold_codex_idle_timer(tmp_path: Path, mock: MockProvider) -> None:
     """A slow upstream: a frame every second, against Codex's 0.7 s idle timer.  Alone,
     Codex gives up; through unbroken, told to wait 10 s for a frame ([clients.codex]),
     which holds the opening frames and then sends its Responses keepalive event between
@@ -219,7 +227,9 @@ async def test_keepalive_events_hold_codex_idle_timer(tmp_path, mock):
     )
 
 
-def test_unbroken_run_print_env_for_codex(tmp_path, capsys):
+def test_unbroken_run_print_env_for_codex(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from unbroken.cli import main
 
     home = tmp_path / "codex"
@@ -245,7 +255,9 @@ def test_unbroken_run_print_env_for_codex(tmp_path, capsys):
     assert "[routes.fake]" in out and json.dumps("http://127.0.0.1:9") in out
 
 
-async def test_websocket_turn_and_its_handshake_headers_reach_codex(tmp_path, mock):
+async def test_websocket_turn_and_its_handshake_headers_reach_codex(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """Codex over WebSocket (``supports_websockets``): unbroken opens the upstream socket
     before it accepts Codex, so the handshake headers Codex reads arrive.  Codex shows
     ``openai-model`` as a reroute notice, which proves it (the notice appears alone and
@@ -280,7 +292,9 @@ TOO_LONG = {
 
 
 @pytest.mark.parametrize("early_headers", [False, True])
-async def test_a_final_400_after_a_storm_stops_codex(tmp_path, mock, early_headers):
+async def test_a_final_400_after_a_storm_stops_codex(
+    tmp_path: Path, mock: MockProvider, early_headers: bool
+) -> None:
     """A 503 past early_headers_s, then a final 400 (context_length_exceeded).  With the
     Codex profile the 400 arrives as a status; with early headers forced on it can only
     be in-stream, as ``error`` + ``response.failed`` carrying the provider's code.  Either
@@ -298,7 +312,9 @@ async def test_a_final_400_after_a_storm_stops_codex(tmp_path, mock, early_heade
     assert len(mock.requests) == 2
 
 
-async def test_websocket_socket_dies_mid_tool_arguments_tool_runs_once(tmp_path, mock):
+async def test_websocket_socket_dies_mid_tool_arguments_tool_runs_once(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """Over WebSocket, the upstream socket closes (1011) twice in the middle of the call's
     arguments: unbroken replays on fresh upstream sockets, Codex's own socket stays up,
     and exec_command runs once."""
@@ -319,7 +335,9 @@ async def test_websocket_socket_dies_mid_tool_arguments_tool_runs_once(tmp_path,
     assert [q.socket for q in mock.requests[:4]] == [1, 1, 2, 3]
 
 
-async def test_keepalive_messages_hold_codex_idle_timer_over_websocket(tmp_path, mock):
+async def test_keepalive_messages_hold_codex_idle_timer_over_websocket(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """The slow upstream over WebSocket (a frame a second, Codex idle timeout 0.7 s):
     alone, Codex abandons the turn and sends it again; through unbroken (told to wait
     10 s for a frame), the keepalive messages ({"type":"keepalive"}) between frames count
@@ -339,7 +357,9 @@ async def test_keepalive_messages_hold_codex_idle_timer_over_websocket(tmp_path,
     assert [q.method for q in mock.requests] == ["WS", "WS"]
 
 
-async def test_twenty_cuts_after_output_are_resumed_with_no_error(tmp_path, mock):
+async def test_twenty_cuts_after_output_are_resumed_with_no_error(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """Issue 23: with ``[stream] after_commit = "continue"`` the relay makes Codex's
     request a background one (``store: true`` over Codex's ``store: false``) and, each
     time the stream is cut after output, resumes it from the last sequence number fed
@@ -372,7 +392,9 @@ async def test_twenty_cuts_after_output_are_resumed_with_no_error(tmp_path, mock
     print(f"\ncodex, 20 cuts after output, after_commit = continue: exit 0 in {r.seconds:.1f} s")
 
 
-async def test_websocket_codex_keeps_its_socket_through_cuts_resumed_over_http(tmp_path, mock):
+async def test_websocket_codex_keeps_its_socket_through_cuts_resumed_over_http(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """Issue 23 over WebSocket: background mode is not supported on a socket, so with
     ``after_commit = "continue"`` unbroken serves Codex's socket turns over HTTP in
     background mode underneath and resumes them there.  Five cuts after output: Codex

@@ -47,7 +47,9 @@ def _shell(command: str) -> dict[str, Any]:
     }
 
 
-async def test_a_plain_prompt_and_its_turn_in_the_journal(tmp_path, mock):
+async def test_a_plain_prompt_and_its_turn_in_the_journal(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     env, cfg = _setup(tmp_path, mock)
     r = await run(through_unbroken(cfg, gemini_argv("say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
@@ -64,7 +66,7 @@ async def test_a_plain_prompt_and_its_turn_in_the_journal(tmp_path, mock):
     assert rows == [("gemini", "gemini-cli", "ok")]
 
 
-async def test_a_503_storm_is_absorbed(tmp_path, mock):
+async def test_a_503_storm_is_absorbed(tmp_path: Path, mock: MockProvider) -> None:
     """30 x 503: alone, Gemini CLI gives up after 10 attempts (~205 s, measured for the
     issue); through unbroken with its defaults it never sees one."""
     env, cfg = _setup(tmp_path, mock)
@@ -78,7 +80,9 @@ async def test_a_503_storm_is_absorbed(tmp_path, mock):
     print(f"\ngemini 503x30 through unbroken (defaults): exit 0 in {r.seconds:.1f} s")
 
 
-async def test_early_headers_and_blank_line_keepalives_before_the_first_event(tmp_path, mock):
+async def test_early_headers_and_blank_line_keepalives_before_the_first_event(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """A storm that outlasts ``early_headers_s``: Gemini CLI gets the ``200`` and then
     only blank-line keepalives for seconds before its first event, and reads the answer
     (so early headers can serve its ~60 s header timer, and the Gemini keepalive does not
@@ -123,7 +127,7 @@ RETRY_INFO = json.dumps(
 )
 
 
-async def test_a_429_with_retry_info_is_obeyed(tmp_path, mock):
+async def test_a_429_with_retry_info_is_obeyed(tmp_path: Path, mock: MockProvider) -> None:
     env, cfg = _setup(tmp_path, mock)
     mock.script([{"status": 429, "body": RETRY_INFO}])
     r = await run(through_unbroken(cfg, gemini_argv("say hi")), env, tmp_path / "project")
@@ -135,7 +139,9 @@ async def test_a_429_with_retry_info_is_obeyed(tmp_path, mock):
     print(f"\ngemini 429 with retryDelay 3s: the retry went after {waited:.2f} s")
 
 
-async def test_a_cut_before_output_runs_the_shell_tool_exactly_once(tmp_path, mock):
+async def test_a_cut_before_output_runs_the_shell_tool_exactly_once(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """Resets before the functionCall event (right after the headers, and with only the
     headers of a stalled attempt): unbroken replays them, the call reaches Gemini CLI
     once, and its shell tool runs once."""
@@ -152,7 +158,9 @@ async def test_a_cut_before_output_runs_the_shell_tool_exactly_once(tmp_path, mo
     assert follow_up["functionResponse"]["name"] == "run_shell_command"
 
 
-async def test_a_cut_after_output_ends_without_duplicated_text(tmp_path, mock):
+async def test_a_cut_after_output_ends_without_duplicated_text(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """A reset after two text events.  The profile ends the stream with a reset: Gemini
     CLI prints the partial text once and fails the turn.  Forced to the native error
     event instead (``after_commit_end = "error"``), Gemini CLI retries the turn and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -63,11 +64,13 @@ def test_a_nested_fan_out_is_flattened_and_follows_changes_to_the_inner_list() -
     outer = MultiHooks(inner, Guarded(Seen("b", log)))
     outer.turn_started(TURN)
     assert all(
-        m.__self__ is not inner for m in outer._bound["turn_started"] if hasattr(m, "__self__")
+        m.__self__ is not inner
+        for m in (outer._bound or {})["turn_started"]
+        if hasattr(m, "__self__")
     )
-    inner.hooks.append(Seen("c", log))  # a change inside: the outer re-binds
+    inner.add(Seen("c", log))  # a change inside: the outer re-binds
     outer.turn_started(TURN)
-    del inner.hooks[0]
+    inner.remove(inner.hooks[0])
     outer.turn_started(TURN)
     assert log == [
         "a:started",
@@ -80,12 +83,31 @@ def test_a_nested_fan_out_is_flattened_and_follows_changes_to_the_inner_list() -
     ]
 
 
+def test_a_change_deep_inside_reaches_every_outer_fan_out_and_no_other() -> None:
+    """No module-wide generation counter: a change re-binds the fan-out it is made to
+    and those it is nested in (at any depth), and leaves unrelated ones bound."""
+    log: list[str] = []
+    inner = MultiHooks(Seen("a", log))
+    middle = MultiHooks(inner)
+    outer = MultiHooks(middle, Seen("b", log))
+    other = MultiHooks(Seen("z", log))
+    outer.turn_started(TURN)
+    other.turn_started(TURN)
+    inner.add(Seen("c", log))
+    assert outer._bound is None and middle._bound is None
+    assert other._bound is not None  # unrelated: still bound
+    outer.turn_started(TURN)
+    assert log == ["a:started", "b:started", "z:started", "a:started", "c:started", "b:started"]
+    with pytest.raises(AttributeError):
+        outer.hooks.append(Seen("x", log))  # type: ignore[attr-defined]  # a tuple: add()
+
+
 def test_fan_out_calls_the_hooks_that_implement_an_event_in_order() -> None:
     log: list[str] = []
     multi = MultiHooks(Seen("a", log), Hooks(), Guarded(Seen("b", log)))
     multi.turn_started(TURN)
     multi.attempt_ended(TURN, AttemptInfo(number=1, upstream="u"))  # nobody implements it
-    multi.hooks.append(Seen("c", log))  # added later: bound on the next event
+    multi.add(Seen("c", log))  # added later: bound on the next event
     multi.turn_ended(TURN)
     assert log == ["a:started", "b:started", "a:ended", "b:ended", "c:ended"]
     assert implements(multi, "turn_ended") and not implements(multi, "hold_overflow")
@@ -139,7 +161,7 @@ def _run(defer: bool, flush_after: int) -> list[str]:
     calls = Calls()
     info = TurnInfo(route="r", path="v1/chat/completions", protocol="chat", stream=True)
     report = TurnReporter(info, calls, ("a", "b"), set())
-    steps = [
+    steps: list[Callable[[], None]] = [
         lambda: report.attempt_started(1, 0),
         lambda: report.attempt_failed(Failure(FailureClass.STATUS, "503"), Phase.HEADERS, 0.1),
         lambda: report.attempt_ended("503", Phase.HEADERS, 503, None),

@@ -16,9 +16,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from relayfix import Recorder, make_config, start_relay
+from relayfix import KEY_AUTH, Recorder, make_config, start_relay
 from unbroken.config import ConfigError, JournalSettings, parse_config
 from unbroken.core.policy import Failure, FailureClass
+from unbroken.mock import MockProvider
 from unbroken.observe.hooks import AttemptInfo, TurnInfo
 from unbroken.observe.journal import SCHEMA, Journal, default_journal_path, journal_path
 from unbroken.relay.server import RelayServer
@@ -58,7 +59,7 @@ async def _post(url: str, body: dict[str, Any], headers: dict[str, str] | None =
 
 
 # -- rows ---------------------------------------------------------------------------------
-async def test_rows_for_each_outcome(mock, tmp_path):
+async def test_rows_for_each_outcome(mock: MockProvider, tmp_path: Path) -> None:
     path = tmp_path / "journal.sqlite3"
     server, rec = await start_relay(_config(mock, path))
     try:
@@ -134,7 +135,7 @@ async def test_rows_for_each_outcome(mock, tmp_path):
     assert ab["reason"] == "aborted_by_client"
 
 
-async def test_turn_in_flight_is_written_at_start(mock, tmp_path):
+async def test_turn_in_flight_is_written_at_start(mock: MockProvider, tmp_path: Path) -> None:
     path = tmp_path / "j.sqlite3"
     server, _ = await start_relay(_config(mock, path))
     try:
@@ -167,7 +168,7 @@ class _SlowDisk(sqlite3.Connection):
         super().commit()
 
 
-async def test_slow_disk_does_not_block_turns(mock, tmp_path):
+async def test_slow_disk_does_not_block_turns(mock: MockProvider, tmp_path: Path) -> None:
     path = tmp_path / "slow.sqlite3"
     _SlowDisk.gate.clear()
     _SlowDisk.entered.clear()
@@ -177,7 +178,7 @@ async def test_slow_disk_does_not_block_turns(mock, tmp_path):
     )
     rec = Recorder()
     server = RelayServer(cfg, hooks=journal)
-    server.hooks.hooks.append(rec)
+    server.hooks.add(rec)
     journal.start()
     await server.start()
     try:
@@ -208,7 +209,9 @@ class _FullDisk(sqlite3.Connection):
 
 
 @pytest.mark.parametrize("failure", ["unwritable_path", "disk_full"])
-async def test_unwritable_journal_degrades_to_a_warning(mock, tmp_path, caplog, failure):
+async def test_unwritable_journal_degrades_to_a_warning(
+    mock: MockProvider, tmp_path: Path, caplog: pytest.LogCaptureFixture, failure: str
+) -> None:
     if failure == "unwritable_path":
         blocker = tmp_path / "not-a-dir"
         blocker.write_text("x")  # a file where the directory should be (fails even as root)
@@ -240,7 +243,9 @@ async def test_unwritable_journal_degrades_to_a_warning(mock, tmp_path, caplog, 
     assert len(warnings) == 1  # rate-limited: one line, not one per batch
 
 
-async def test_relay_serves_when_the_configured_journal_is_unwritable(mock, tmp_path):
+async def test_relay_serves_when_the_configured_journal_is_unwritable(
+    mock: MockProvider, tmp_path: Path
+) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     server, _ = await start_relay(_config(mock, blocker / "j.sqlite3"))
@@ -261,7 +266,7 @@ def _turn(route: str = "r") -> TurnInfo:
     return TurnInfo(route=route, path="v1/chat/completions", protocol="chat", stream=True)
 
 
-async def test_retention_prunes_old_rows_and_wal_mode(tmp_path):
+async def test_retention_prunes_old_rows_and_wal_mode(tmp_path: Path) -> None:
     path = tmp_path / "j.sqlite3"
     conn = sqlite3.connect(path)
     conn.executescript(SCHEMA)
@@ -294,7 +299,7 @@ async def test_retention_prunes_old_rows_and_wal_mode(tmp_path):
     assert _rows(path, "PRAGMA journal_mode") == [{"journal_mode": "wal"}]
 
 
-async def test_a_turn_ended_in_a_later_batch_gets_the_same_row(tmp_path):
+async def test_a_turn_ended_in_a_later_batch_gets_the_same_row(tmp_path: Path) -> None:
     """Within one batch a turn is one complete insert; across batches, an insert and
     an update.  Both write the same row, and a retry's wait lands on its attempt."""
     path = tmp_path / "j.sqlite3"
@@ -320,6 +325,7 @@ async def test_a_turn_ended_in_a_later_batch_gets_the_same_row(tmp_path):
             journal.attempt_ended(turn, second)
             turn.outcome, turn.attempts, turn.upstream = "recovered", 2, "u"
             turn.last_failure, turn.ended = "503", turn.started + 1.5
+            turn.waited_s = 0.5  # what the reporter measured (observe/report.py)
             turn.first_byte_at = turn.started + 1.25
             journal.turn_ended(turn)
             await journal.flush()
@@ -341,7 +347,7 @@ async def test_a_turn_ended_in_a_later_batch_gets_the_same_row(tmp_path):
         assert waits == [{"number": 1, "wait_s": 0.5}, {"number": 2, "wait_s": None}]
 
 
-async def test_batches_of_any_size_use_two_insert_shapes_per_table(tmp_path):
+async def test_batches_of_any_size_use_two_insert_shapes_per_table(tmp_path: Path) -> None:
     """SQLite keeps each statement text it prepares; a multi-row insert per batch size
     would fill that cache with large programs (RSS grew 3.5 KiB per open stream)."""
     from unbroken.observe import journal as journal_module
@@ -363,7 +369,7 @@ async def test_batches_of_any_size_use_two_insert_shapes_per_table(tmp_path):
     assert _rows(tmp_path / "j.sqlite3", "SELECT count(*) AS n FROM attempts") == [{"n": 272}]
 
 
-async def test_queue_is_bounded(tmp_path):
+async def test_queue_is_bounded(tmp_path: Path) -> None:
     journal = Journal(tmp_path / "j.sqlite3", max_pending=3)  # never started: nothing drains
     for _ in range(5):
         journal.turn_started(_turn())
@@ -372,7 +378,7 @@ async def test_queue_is_bounded(tmp_path):
 
 
 # -- configuration -------------------------------------------------------------------------------
-def test_journal_config_defaults_and_values(tmp_path):
+def test_journal_config_defaults_and_values(tmp_path: Path) -> None:
     cfg = parse_config({}, env={})
     assert cfg.journal == JournalSettings(enabled=True, path=None, retention_days=14.0)
     cfg = parse_config(
@@ -393,19 +399,19 @@ def test_journal_config_defaults_and_values(tmp_path):
         ({"keep": 1}, "journal.keep"),
     ],
 )
-def test_journal_config_errors_name_the_key(section, key):
+def test_journal_config_errors_name_the_key(section: Any, key: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config({"journal": section}, env={})
     assert err.value.key == key
 
 
-def test_journal_config_table_type():
+def test_journal_config_table_type() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config({"journal": 1}, env={})
     assert err.value.key == "journal"
 
 
-async def test_serve_exits_2_on_a_bad_journal_key(tmp_path):
+async def test_serve_exits_2_on_a_bad_journal_key(tmp_path: Path) -> None:
     conf = tmp_path / "u.toml"
     conf.write_text("[journal]\nretention_days = 'two weeks'\n")
     proc = await asyncio.create_subprocess_exec(
@@ -425,7 +431,7 @@ async def test_serve_exits_2_on_a_bad_journal_key(tmp_path):
     assert "journal.retention_days" in err.decode()
 
 
-def test_default_path_follows_xdg_state_home(tmp_path):
+def test_default_path_follows_xdg_state_home(tmp_path: Path) -> None:
     assert default_journal_path({"XDG_STATE_HOME": str(tmp_path)}) == (
         tmp_path / "unbroken" / "journal.sqlite3"
     )
@@ -436,7 +442,7 @@ def test_default_path_follows_xdg_state_home(tmp_path):
 
 
 # -- secrets never reach the journal, /status or /metrics ------------------------------
-async def test_no_canary_in_journal_status_or_metrics(mock, tmp_path):
+async def test_no_canary_in_journal_status_or_metrics(mock: MockProvider, tmp_path: Path) -> None:
     canary = "sk-canary-4242beef"
     path = tmp_path / "j.sqlite3"
     cfg = make_config(
@@ -452,6 +458,7 @@ async def test_no_canary_in_journal_status_or_metrics(mock, tmp_path):
             "Authorization": f"Bearer {canary}",
             "x-api-key": canary,
             "x-session-id": "session-1",
+            **KEY_AUTH,
         }
         mock.script([{"status": 503}, {"fault": "reset", "after_frame": 1}])
         await _post(url, _body(text=f"my key is {canary}"), headers)
@@ -472,5 +479,5 @@ async def test_no_canary_in_journal_status_or_metrics(mock, tmp_path):
     dump = "\n".join(sqlite3.connect(path).iterdump())
     assert "session-1" in dump  # the journal keeps the session id, as asked
     assert canary not in dump
-    for f in tmp_path.iterdir():  # the database file and any WAL left behind
+    for f in tmp_path.iterdir():  # noqa: ASYNC240  # the database file and any WAL left behind
         assert canary.encode() not in f.read_bytes()

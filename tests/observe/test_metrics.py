@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from relayfix import make_config, start_relay
+from unbroken.mock import MockProvider
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -35,7 +36,7 @@ async def _post(url: str) -> bytes:
         return await r.read()
 
 
-async def test_metrics_parse_and_move_with_traffic(mock):
+async def test_metrics_parse_and_move_with_traffic(mock: MockProvider) -> None:
     server, rec = await start_relay(make_config([{"url": mock.url}]))
     try:
         ctype, before = await _scrape(server.url)
@@ -72,7 +73,7 @@ async def test_metrics_parse_and_move_with_traffic(mock):
         await server.stop()
 
 
-async def test_upstream_down_and_inflight_gauges(mock):
+async def test_upstream_down_and_inflight_gauges(mock: MockProvider) -> None:
     cfg = make_config([{"url": mock.url}], retry={"delay_ms": 1, "max_attempts": 3})
     server, rec = await start_relay(cfg)
     try:
@@ -105,7 +106,7 @@ async def test_upstream_down_and_inflight_gauges(mock):
         await server.stop()
 
 
-async def test_two_relays_keep_separate_registries(mock):
+async def test_two_relays_keep_separate_registries(mock: MockProvider) -> None:
     one, rec1 = await start_relay(make_config([{"url": mock.url}]))
     two, rec2 = await start_relay(make_config([{"url": mock.url}]))
     try:

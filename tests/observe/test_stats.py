@@ -142,7 +142,7 @@ def journal(tmp_path: Path) -> tuple[Path, float]:
     return path, now
 
 
-def test_stats_over_the_last_24h(journal):
+def test_stats_over_the_last_24h(journal: tuple[Path, float]) -> None:
     path, now = journal
     s = compute_stats(sqlite3.connect(path), since_s=86400, now=now)
     assert s["turns"] == 10
@@ -194,7 +194,7 @@ def test_stats_over_the_last_24h(journal):
     }
 
 
-def test_stats_window(journal):
+def test_stats_window(journal: tuple[Path, float]) -> None:
     path, now = journal
     conn = sqlite3.connect(path)
     everything = compute_stats(conn, since_s=None, now=now)
@@ -206,7 +206,7 @@ def test_stats_window(journal):
     assert recent["failures_by_phase"] == {}
 
 
-def test_empty_journal(tmp_path):
+def test_empty_journal(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / "j.sqlite3")
     conn.executescript(SCHEMA)
     s = compute_stats(conn)
@@ -215,7 +215,9 @@ def test_empty_journal(tmp_path):
     assert "no turn hit a failure" in format_stats(s)
 
 
-def test_stats_json_command(journal, capsys):
+def test_stats_json_command(
+    journal: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+) -> None:
     path, _ = journal
     assert main(["stats", "--journal", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -226,7 +228,9 @@ def test_stats_json_command(journal, capsys):
     assert json.loads(capsys.readouterr().out)["turns"] == 11
 
 
-def test_stats_text_command(journal, capsys):
+def test_stats_text_command(
+    journal: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+) -> None:
     path, _ = journal
     assert main(["stats", "--journal", str(path), "--since", "24h"]) == 0
     out = capsys.readouterr().out
@@ -241,25 +245,67 @@ def test_stats_text_command(journal, capsys):
     )
 
 
-def test_stats_finds_the_journal_through_the_config(journal, tmp_path, capsys, monkeypatch):
+def test_stats_finds_the_journal_through_the_config(
+    journal: tuple[Path, float],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     path, _ = journal
     conf = tmp_path / "u.toml"
     conf.write_text(f"[journal]\npath = {json.dumps(str(path))}\n")
     assert main(["stats", "--config", str(conf), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["turns"] == 10
-    monkeypatch.setenv("XDG_STATE_HOME", str(path.parent.parent))  # no journal there
-    assert main(["stats", "--json"]) == 1
-    assert "no journal at" in capsys.readouterr().err
+    assert main(["stats", "--journal", str(tmp_path / "none.sqlite3")]) == 1
+    assert "no journal at" in capsys.readouterr().err  # a journal named, and not there
+
+
+def test_stats_before_the_first_turn_says_there_are_none_yet_and_where_they_go(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`unbroken serve` writes its journal from its first turn: before that, stats said
+    "no journal" (exit 1) as if the relay were not running or not journaling."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.delenv("UNBROKEN_CONFIG", raising=False)
+    assert main(["stats"]) == 0
+    out = capsys.readouterr().out
+    assert "no turns yet" in out and str(tmp_path / "unbroken" / "journal.sqlite3") in out
+    assert main(["stats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["turns"] == 0
+    assert main(["stats", "--json", "--by", "session"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"sessions": []}
+    conf = tmp_path / "off.toml"
+    conf.write_text("[journal]\nenabled = false\n")
+    assert main(["stats", "--config", str(conf)]) == 1
+    assert "the journal is off" in capsys.readouterr().err
+
+
+def test_since_takes_a_minus_sign_and_its_error_says_what_it_takes(
+    journal: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = journal
+    assert main(["stats", "--journal", str(path), "--since", "5h", "--json"]) == 0
+    five = json.loads(capsys.readouterr().out)
+    assert main(["stats", "--journal", str(path), "--since", "-5h", "--json"]) == 0
+    minus = json.loads(capsys.readouterr().out)  # argparse took -5h for an option
+    assert minus["turns"] == five["turns"] > 0
+    assert main(["stats", "--journal", str(path), "--since=-5h", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["turns"] == five["turns"]
     assert main(["stats", "--since", "yesterday"]) == 2
+    err = capsys.readouterr().err
+    assert "'yesterday'" in err and "s, m, h, d or w" in err and "or all" in err
+    assert err.count("\n") == 1  # one line
 
 
-def test_parse_since_and_percentile():
+def test_parse_since_and_percentile() -> None:
     assert parse_since("90s") == 90 and parse_since("30m") == 1800
     assert parse_since("24h") == 86400 and parse_since("7d") == 7 * 86400
     assert parse_since("2w") == 14 * 86400 and parse_since("15") == 15
     assert parse_since("all") is None
-    with pytest.raises(ValueError):
-        parse_since("-1h")
+    assert parse_since("-1h") == 3600 and parse_since("- 2d") == 2 * 86400
+    for bad in ("h", "1x", "--1h", "1h2m", ""):
+        with pytest.raises(ValueError):
+            parse_since(bad)
     assert percentile([], 50) is None
     assert percentile([3.0], 99) == 3.0
     values = [float(v) for v in range(1, 101)]
@@ -267,7 +313,54 @@ def test_parse_since_and_percentile():
     assert percentile(values, 100) == 100
 
 
-def test_a_version_4_journal_gains_the_continuation_columns_and_stats_show_them(tmp_path):
+async def test_time_waiting_is_the_time_really_waited_never_more_than_the_turn_s_age(
+    tmp_path: Path,
+) -> None:
+    """A client that goes away 2 s into a 30 s retry wait: the turn waited 2 s, and
+    the journal, `unbroken stats` and /status say 2 s (they said 30 s: the wait as
+    scheduled, longer than the turn itself)."""
+    from unbroken.core.policy import Failure, FailureClass
+    from unbroken.core.turn import Outcome, Phase
+    from unbroken.observe.hooks import MultiHooks, TurnInfo
+    from unbroken.observe.journal import Journal
+    from unbroken.observe.report import TurnReporter
+    from unbroken.observe.status import StatusTracker
+
+    clock = [time.time()]  # (the journal prunes what is older than its retention)
+    journal = Journal(tmp_path / "j.sqlite3")
+    status = StatusTracker()
+    journal.start()
+    try:
+        info = TurnInfo(route="r", path="v1/chat/completions", protocol="chat", stream=True)
+        info.started = clock[0]
+        report = TurnReporter(
+            info, MultiHooks(journal, status), ["u"], set(), wall=lambda: clock[0]
+        )
+        report.open()
+        report.attempt_started(1, 0)
+        clock[0] += 0.5
+        report.attempt_ended("503", Phase.HEADERS, 503, None)
+        report.attempt_failed(Failure(FailureClass.STATUS, "503", 503), Phase.HEADERS, 30.0)
+        clock[0] += 2.0  # the client goes away during the wait
+        report.close(Outcome.ABORTED_BY_CLIENT)
+        await journal.flush()
+    finally:
+        await journal.aclose()
+    assert status.retry_wait_s == 2.0
+    conn = sqlite3.connect(tmp_path / "j.sqlite3")
+    try:
+        (wait_s, age) = conn.execute("SELECT wait_s, ended - started FROM turns").fetchone()
+        report_ = compute_stats(conn, since_s=None)
+    finally:
+        conn.close()
+    assert wait_s == 2.0 and wait_s <= age
+    assert report_["waiting_s"]["total"] == 2.0
+    assert info.waited_s == 2.0
+
+
+def test_a_version_4_journal_gains_the_continuation_columns_and_stats_show_them(
+    tmp_path: Path,
+) -> None:
     """Journal schema 5 (issue 23): turns.splices and turns.saved_tokens.  A journal
     written before them is migrated when opened; stats count turns finished in place."""
     path = tmp_path / "old.sqlite3"
@@ -300,7 +393,7 @@ def test_a_version_4_journal_gains_the_continuation_columns_and_stats_show_them(
     conn.close()
 
 
-def test_a_turn_finished_in_place_counts_as_recovered(tmp_path):
+def test_a_turn_finished_in_place_counts_as_recovered(tmp_path: Path) -> None:
     """A turn cut after commit and finished in place (outcome ``resumed``) hit failures
     and the client got the whole answer: the recovery rate counts it.  (It counted only
     ``recovered``: a run whose every cut turn was resumed showed 0.0 %.)"""

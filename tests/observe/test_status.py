@@ -8,6 +8,8 @@ import json
 import re
 import sys
 import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,6 +19,8 @@ from rich.console import Console
 from docsamples import DOCS, block_after
 from relayfix import Recorder, make_config
 from unbroken.cli import main
+from unbroken.core.policy import Failure
+from unbroken.mock import MockProvider
 from unbroken.observe.hooks import TurnInfo
 from unbroken.observe.status import StatusTracker, render, watch
 from unbroken.relay.server import RelayServer
@@ -31,10 +35,15 @@ class _Waiting(Recorder):
         super().__init__()
         self.retrying = asyncio.Event()
 
-    def attempt_failed(self, turn, upstream, failure, *, phase, wait_s):  # type: ignore[no-untyped-def]
+    def attempt_failed(
+        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+    ) -> None:
         super().attempt_failed(turn, upstream, failure, phase=phase, wait_s=wait_s)
         if wait_s is not None:
             self.retrying.set()
+
+
+WaitingRelay = tuple[RelayServer, _Waiting, "asyncio.Future[aiohttp.ClientResponse]"]
 
 
 async def _status(url: str) -> dict[str, Any]:
@@ -45,7 +54,9 @@ async def _status(url: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def waiting_relay(mock):
+async def waiting_relay(
+    mock: MockProvider,
+) -> AsyncIterator[tuple[RelayServer, _Waiting, asyncio.Future[aiohttp.ClientResponse]]]:
     """A relay whose one turn is waiting 30 s (Retry-After) before its second attempt."""
     rec = _Waiting()
     server = RelayServer(make_config([{"url": mock.url}]), hooks=rec)
@@ -69,7 +80,9 @@ async def waiting_relay(mock):
     await server.stop()
 
 
-async def test_status_reflects_an_inflight_retry(mock, waiting_relay):
+async def test_status_reflects_an_inflight_retry(
+    mock: MockProvider, waiting_relay: WaitingRelay
+) -> None:
     server, rec, task = waiting_relay
     data = await _status(server.url)
     [turn] = data["inflight"]
@@ -122,7 +135,12 @@ async def test_status_reflects_an_inflight_retry(mock, waiting_relay):
     assert after["totals"]["outcomes"]["aborted_by_client"] == 1
 
 
-async def test_status_command_once_and_json(mock, waiting_relay, capsys, monkeypatch):
+async def test_status_command_once_and_json(
+    mock: MockProvider,
+    waiting_relay: WaitingRelay,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     server, _, _ = waiting_relay
     monkeypatch.setenv("COLUMNS", "160")
     code = await asyncio.to_thread(main, ["status", "--once", "--url", server.url])
@@ -136,7 +154,7 @@ async def test_status_command_once_and_json(mock, waiting_relay, capsys, monkeyp
     assert json.loads(capsys.readouterr().out)["inflight"][0]["last_failure"] == "429"
 
 
-async def test_live_view_redraws_in_place(mock, waiting_relay):
+async def test_live_view_redraws_in_place(mock: MockProvider, waiting_relay: WaitingRelay) -> None:
     server, _, _ = waiting_relay
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=True, width=160)
@@ -146,7 +164,43 @@ async def test_live_view_redraws_in_place(mock, waiting_relay):
     assert "\x1b[" in out  # cursor movement: the second frame overwrote the first
 
 
-async def test_status_command_unreachable(capsys, unused_tcp_port):
+async def test_status_into_a_file_prints_one_snapshot_and_exits(
+    mock: MockProvider, tmp_path: Path
+) -> None:
+    """``unbroken status > file``: the live view needs a terminal; it drew nothing
+    into a file and never exited (without --once)."""
+    server = RelayServer(make_config([{"url": mock.url}]))
+    await server.start()
+    out_file = tmp_path / "status.txt"
+    try:
+        with out_file.open("wb") as out:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "unbroken",
+                "status",
+                "--url",
+                server.url,
+                stdout=out,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            try:
+                _, err = await asyncio.wait_for(proc.communicate(), 60)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+    finally:
+        await server.stop()
+    assert proc.returncode == 0, err.decode()
+    text = out_file.read_text()
+    assert "nothing in flight" in text and "Upstreams" in text
+    assert "\x1b[" not in text  # no cursor movement: a snapshot, not a redraw
+
+
+async def test_status_command_unreachable(
+    capsys: pytest.CaptureFixture[str], unused_tcp_port: int
+) -> None:
     code = await asyncio.to_thread(
         main, ["status", "--once", "--url", f"http://127.0.0.1:{unused_tcp_port}"]
     )
@@ -154,7 +208,7 @@ async def test_status_command_unreachable(capsys, unused_tcp_port):
     assert "cannot reach" in capsys.readouterr().out
 
 
-def test_held_bytes_and_render():
+def test_held_bytes_and_render() -> None:
     turn = TurnInfo(route="r", path="v1/messages?beta=true", protocol="anthropic", stream=True)
     turn.state, turn.attempts, turn.upstream = "holding", 2, "http://u.test"
     turn.held = lambda: 2048
@@ -285,7 +339,9 @@ def test_the_live_view_fits_the_terminal(width: int, inflight: bool) -> None:
         assert "streaming" in text and "DOWN" in text
 
 
-async def test_status_once_fits_80_columns_with_nothing_in_flight(mock, tmp_path):
+async def test_status_once_fits_80_columns_with_nothing_in_flight(
+    mock: MockProvider, tmp_path: Path
+) -> None:
     server = RelayServer(make_config([{"url": mock.url}]))
     await server.start()
     try:
@@ -362,7 +418,9 @@ def _keys(a: dict[str, Any], b: dict[str, Any], where: str) -> None:
     assert set(a) == set(b), (where, sorted(set(a) ^ set(b)))
 
 
-async def test_the_status_json_sample_has_the_shape_of_a_real_one(mock, waiting_relay):
+async def test_the_status_json_sample_has_the_shape_of_a_real_one(
+    mock: MockProvider, waiting_relay: WaitingRelay
+) -> None:
     server, _, _ = waiting_relay
     real = await _status(server.url)
     sample = _json_sample()
@@ -388,7 +446,9 @@ def test_the_status_view_sample_is_the_view_of_the_json_sample() -> None:
     ], text
 
 
-async def test_status_sends_the_token_when_one_is_set(monkeypatch, unused_tcp_port):
+async def test_status_sends_the_token_when_one_is_set(
+    monkeypatch: pytest.MonkeyPatch, unused_tcp_port: int
+) -> None:
     from aiohttp import web
 
     from unbroken.observe.status import fetch_status

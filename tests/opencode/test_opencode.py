@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import socket
 import stat
 import sys
@@ -17,22 +18,18 @@ import pytest
 
 from unbroken.config import parse_config
 from unbroken.opencode import jsonc
-from unbroken.opencode.launcher import (
-    UndoResult,
+from unbroken.opencode.discovery import (
     content_with_relay,
     discover,
     find_config_files,
     load_merged,
     merge,
-    parse_opencode_args,
     relay_config,
     route_name,
-    run_opencode,
-    server_args,
-    setup,
-    undo,
 )
 from unbroken.opencode.providers import OPENCODE_PROVIDERS
+from unbroken.opencode.run import parse_opencode_args, run_opencode, server_args
+from unbroken.opencode.setup import UndoResult, setup, undo
 
 
 @pytest.fixture
@@ -212,6 +209,10 @@ def test_relay_config_has_one_route_per_placed_provider() -> None:
     assert config.routes["fake"].upstreams[0].url == "http://127.0.0.1:9/v1"
     assert config.routes["openai"].upstreams[0].url == "https://api.openai.com/v1"
     assert route_name("a", {"a"}) == "a-2"
+    # one route_name for every launcher: a provider named like a relay endpoint
+    # gets a route of its own, never the endpoint
+    assert route_name("status", set()) == "status-provider"
+    assert route_name("_x~y", set()) == "x-y"  # a valid [routes.<name>]: no _ first, no ~
 
 
 def test_relay_config_keeps_the_users_route_settings() -> None:
@@ -498,6 +499,36 @@ def test_run_sends_other_commands_to_the_agents_launcher(
     assert main(["run", "--print-env", "--", "python3", "-c", "pass"]) == 0
     assert "export OPENAI_BASE_URL=" in capsys.readouterr().out
     assert main(["run"]) == 2
+
+
+def test_print_env_for_opencode_prints_the_config_that_points_it_at_serve(
+    home: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``run --print-env -- opencode`` printed one comment; it prints what OpenCode
+    needs: OPENCODE_CONFIG_CONTENT with each provider in use pointed at the relay's
+    route to its real URL (and the route to add for one the relay lacks)."""
+    from unbroken.cli import main
+
+    (home["gdir"] / "opencode.json").write_text(COMMENTED.replace("1/v1", "9/v1"))
+    for key, value in {**home["env"], "ANTHROPIC_API_KEY": "sk"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("OPENCODE_CONFIG_CONTENT", raising=False)
+    monkeypatch.delenv("UNBROKEN_CONFIG", raising=False)
+    monkeypatch.chdir(home["project"])
+    assert main(["run", "--print-env", "--", "opencode", "-m", "anthropic/claude"]) == 0
+    out = capsys.readouterr().out
+    (export,) = [line for line in out.splitlines() if line.startswith("export ")]
+    name, _, value = export.removeprefix("export ").partition("=")
+    assert name == "OPENCODE_CONFIG_CONTENT"
+    content = json.loads(shlex.split(value)[0])
+    relay = "http://127.0.0.1:4780"
+    assert content["provider"]["anthropic"]["options"]["baseURL"] == f"{relay}/anthropic/v1"
+    assert content["provider"]["fake"]["options"]["baseURL"] == f"{relay}/fake"
+    assert '#   upstreams = [{ url = "http://127.0.0.1:9/v1" }]' in out  # no route yet
+    assert "opencode -m anthropic/claude" in out
+    assert "unbroken opencode setup" in out
 
 
 # -- unbroken run when OpenCode exits: the resumer shuts down cleanly ---------------------------

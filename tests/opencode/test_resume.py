@@ -556,7 +556,9 @@ async def test_a_cancelled_resumer_leaves_no_task_behind(fake: FakeOpenCode) -> 
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    mine = [t for t in asyncio.all_tasks() if "Resumer." in t.get_coro().__qualname__]
+    mine = [
+        t for t in asyncio.all_tasks() if "Resumer." in getattr(t.get_coro(), "__qualname__", "")
+    ]
     assert mine == []
 
 
@@ -660,7 +662,7 @@ async def test_cli_says_at_once_when_opencode_is_unreachable(unused_tcp_port: in
         stderr=asyncio.subprocess.PIPE,
     )
     assert proc.stderr is not None
-    seen = []
+    seen: list[str] = []
     try:
         async with asyncio.timeout(20):
             while not any("cannot reach" in line for line in seen):

@@ -162,7 +162,10 @@ def test_token_compare_is_constant_time() -> None:
 
     from unbroken.relay import access
 
-    assert "compare_digest" in inspect.getsource(access.Access.token_ok)
+    # every token check (the configured token, the keyed routes' token) goes through _same
+    assert "compare_digest" in inspect.getsource(access._same)
+    assert "_same(" in inspect.getsource(access.Access.token_ok)
+    assert inspect.getsource(access.Access.check).count("_same(") == 2
 
 
 def test_denials_never_echo_the_token() -> None:

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from relayfix import make_config, start_relay
+from relayfix import KEY_TOKEN, make_config, start_relay
 from unbroken.config import BUILTIN_ROUTES
 from unbroken.core.protocols.gemini import KEEPALIVE
 from unbroken.mock import MockProvider
@@ -179,11 +179,10 @@ async def test_an_injected_key_replaces_the_header_and_the_query_key(
     server, _ = await relay(
         mock, upstream={"api_key_env": "GEMINI_KEY"}, env={"GEMINI_KEY": "route-key-0123456789"}
     )
+    base = f"{server.url}/t/{KEY_TOKEN}"  # the route injects a key: it needs the token
     try:
-        await post(session, server.url, STREAM + "&key=client-query-key&$x=1")
-        await post(
-            session, server.url, STREAM + "&key=client-query-key", headers={"x-goog-api-key": ""}
-        )
+        await post(session, base, STREAM + "&key=client-query-key&$x=1")
+        await post(session, base, STREAM + "&key=client-query-key", headers={"x-goog-api-key": ""})
         for req in mock.requests:
             assert req.headers.getall("x-goog-api-key") == ["route-key-0123456789"]
             assert "key" not in req.query and req.query["alt"] == "sse"

@@ -101,7 +101,7 @@ async def test_an_open_breaker_sends_nothing_to_the_dead_upstream_until_the_prob
             assert dead.accepted == 5
             assert server.relay.board.state(f"mock|{dead.url}", time.monotonic()) == "open"
             t0 = time.monotonic()
-            for _ in range(100):
+            for _ in range(20):  # few enough to finish before the probe on a loaded machine
                 assert (await chat(http, server.url))[0] == 200
             assert time.monotonic() - t0 < 4.0, "too slow to test before the probe"
             assert dead.accepted == 5  # zero connection attempts while open

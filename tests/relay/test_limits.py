@@ -164,6 +164,9 @@ async def test_connections_beyond_the_cap_get_503_at_once(mock):
 async def test_accept_exhaustion_is_logged_once_a_minute(caplog):
     loop = asyncio.get_running_loop()
     install_accept_log_limiter(loop)
+    handler = loop.get_exception_handler()
+    install_accept_log_limiter(loop)  # once per loop: read off the loop, no module state
+    assert loop.get_exception_handler() is handler
     caplog.set_level(logging.DEBUG)
     for _ in range(500):
         loop.call_exception_handler(

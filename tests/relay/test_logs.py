@@ -22,6 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
+from unbroken.mock import MockProvider
 from unbroken.relay.logfilter import SafeLogFilter
 
 CANARY = "sk-canary-9c1f2e7d5b3a"
@@ -77,7 +78,7 @@ async def _send_raw(port: int, data: bytes) -> None:
         writer.close()
 
 
-async def test_canary_key_appears_nowhere(mock, tmp_path: Path):
+async def test_canary_key_appears_nowhere(mock: MockProvider, tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(
         "[server]\nheader_read_timeout_s = 2\n"

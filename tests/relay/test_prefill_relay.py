@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from relayfix import make_config, start_relay
+from relayfix import KEY_TOKEN, make_config, start_relay
 from unbroken.core.sse import SSESplitter
 from unbroken.mock import MockProvider, frames_for
 from unbroken.mock.wire import make_reply
@@ -441,7 +441,8 @@ async def test_a_continuation_carries_the_routes_key_as_its_attempts_do(mock):
     try:
         shape = {"text": TEXT, "deltas": 12}
         mock.script([{**shape, "fault": "reset", "after_deltas": 3}, shape])
-        got = await _post(f"{server.url}/mock/{MESSAGES}", BODY)
+        # the route injects a key: the request carries the relay's token (issue 25)
+        got = await _post(f"{server.url}/t/{KEY_TOKEN}/mock/{MESSAGES}", BODY)
         assert _anthropic_text(got) == TEXT
         first, cont = mock.requests
         assert first.headers["x-api-key"] == cont.headers["x-api-key"] == "sk-ant-route"

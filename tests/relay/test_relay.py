@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from relayfix import make_config, start_relay
+from relayfix import KEY_AUTH, make_config, start_relay
 
 CHAT = {"model": "m-1", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -254,7 +254,7 @@ async def test_model_rewrite_and_key_injection(mock, http):
             http,
             f"{server.url}/mock/v1/chat/completions?x=1",
             CHAT,
-            {"Authorization": "Bearer sk-client", "OpenAI-Beta": "b"},
+            {"Authorization": "Bearer sk-client", "OpenAI-Beta": "b", **KEY_AUTH},
         )
         req = mock.requests[0]
         assert req.json()["model"] == "vendor/m-1"
@@ -262,7 +262,9 @@ async def test_model_rewrite_and_key_injection(mock, http):
         assert req.headers["OpenAI-Beta"] == "b"
         assert req.headers["Accept-Encoding"] == "identity"
         assert req.query == "x=1" or req.query.get("x") == "1"
-        await _post(http, f"{server.url}/mock/v1/messages", CHAT, {"x-api-key": "sk-client"})
+        await _post(
+            http, f"{server.url}/mock/v1/messages", CHAT, {"x-api-key": "sk-client", **KEY_AUTH}
+        )
         assert mock.requests[1].headers["x-api-key"] == "sk-injected-123"
         assert "Authorization" not in mock.requests[1].headers
     finally:
@@ -281,7 +283,7 @@ async def test_canary_key_never_logged(mock, http, caplog):
             http,
             f"{server.url}/mock/v1/chat/completions",
             CHAT,
-            {"Authorization": f"Bearer {canary}", "x-api-key": canary},
+            {"Authorization": f"Bearer {canary}", "x-api-key": canary, **KEY_AUTH},
         )
         assert status == 200
         assert len(rec.failures) == 3

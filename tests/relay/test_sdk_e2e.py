@@ -3,11 +3,15 @@ and a turn cut after commit raises in the SDK (never a silent, clean success).""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import anthropic
 import openai
 import pytest
 
-from relayfix import make_config, start_relay
+from relayfix import Recorder, make_config, start_relay
+from unbroken.mock import MockProvider
+from unbroken.relay.server import RelayServer
 
 STREAM = {"first_frame_timeout_s": 1, "idle_timeout_s": 1}
 MSGS = [{"role": "user", "content": "hi"}]
@@ -19,27 +23,32 @@ TOOLS_CHAT = [
 ]
 
 
+Relay = tuple[RelayServer, Recorder]
+
+
 @pytest.fixture
-async def relay(mock):
+async def relay(mock: MockProvider) -> AsyncIterator[Relay]:
     server, rec = await start_relay(make_config([{"url": mock.url}], stream=STREAM))
     yield server, rec
     await server.stop()
 
 
 @pytest.fixture
-def oai(relay):
+def oai(relay: Relay) -> openai.AsyncOpenAI:
     server, _ = relay
     return openai.AsyncOpenAI(base_url=f"{server.url}/mock/v1", api_key="sk-x", max_retries=0)
 
 
 @pytest.fixture
-def ant(relay):
+def ant(relay: Relay) -> anthropic.AsyncAnthropic:
     server, _ = relay
     return anthropic.AsyncAnthropic(base_url=f"{server.url}/mock", api_key="sk-x", max_retries=0)
 
 
 # -- chat completions -------------------------------------------------------------
-async def test_chat_stream_survives_faults_before_commit(mock, oai):
+async def test_chat_stream_survives_faults_before_commit(
+    mock: MockProvider, oai: openai.AsyncOpenAI
+) -> None:
     mock.script(
         [
             {"status": 503},
@@ -57,7 +66,9 @@ async def test_chat_stream_survives_faults_before_commit(mock, oai):
     assert len(mock.requests) == 5
 
 
-async def test_chat_tool_call_cut_mid_arguments_arrives_once_and_whole(mock, oai):
+async def test_chat_tool_call_cut_mid_arguments_arrives_once_and_whole(
+    mock: MockProvider, oai: openai.AsyncOpenAI
+) -> None:
     mock.script([{"fault": "reset", "after_frame": 3, "reply": "tools"}, {"reply": "tools"}])
     stream = await oai.chat.completions.create(
         model="m", messages=MSGS, tools=TOOLS_CHAT, stream=True
@@ -75,7 +86,7 @@ async def test_chat_tool_call_cut_mid_arguments_arrives_once_and_whole(mock, oai
         assert entry["id"] and entry["args"].startswith("{") and entry["args"].endswith("}")
 
 
-async def test_chat_cut_after_output_raises(mock, oai):
+async def test_chat_cut_after_output_raises(mock: MockProvider, oai: openai.AsyncOpenAI) -> None:
     mock.script([{"fault": "reset", "after_frame": 3}])
     stream = await oai.chat.completions.create(model="m", messages=MSGS, stream=True)
     seen = ""
@@ -90,7 +101,9 @@ async def test_chat_cut_after_output_raises(mock, oai):
 
 
 # -- responses -------------------------------------------------------------------
-async def test_responses_stream_survives_faults_before_commit(mock, oai):
+async def test_responses_stream_survives_faults_before_commit(
+    mock: MockProvider, oai: openai.AsyncOpenAI
+) -> None:
     mock.script(
         [
             {"fault": "close_before_headers"},
@@ -113,7 +126,9 @@ async def test_responses_stream_survives_faults_before_commit(mock, oai):
     assert len(mock.requests) == 4
 
 
-async def test_responses_cut_after_output_raises(mock, oai):
+async def test_responses_cut_after_output_raises(
+    mock: MockProvider, oai: openai.AsyncOpenAI
+) -> None:
     mock.script([{"fault": "reset", "after_frame": 6}])
     got_text = False
     with pytest.raises(openai.APIError):
@@ -126,7 +141,9 @@ async def test_responses_cut_after_output_raises(mock, oai):
     assert len(mock.requests) == 1
 
 
-async def test_responses_function_call_cut_mid_arguments(mock, oai):
+async def test_responses_function_call_cut_mid_arguments(
+    mock: MockProvider, oai: openai.AsyncOpenAI
+) -> None:
     mock.script([{"fault": "reset", "after_frame": 4, "reply": "tool"}, {"reply": "tool"}])
     final = None
     async with oai.responses.stream(model="m", input="hi") as stream:
@@ -139,7 +156,9 @@ async def test_responses_function_call_cut_mid_arguments(mock, oai):
 
 
 # -- anthropic -------------------------------------------------------------------
-async def test_anthropic_stream_survives_faults_before_commit(mock, ant):
+async def test_anthropic_stream_survives_faults_before_commit(
+    mock: MockProvider, ant: anthropic.AsyncAnthropic
+) -> None:
     mock.script(
         [
             {"status": 529},
@@ -156,7 +175,9 @@ async def test_anthropic_stream_survives_faults_before_commit(mock, ant):
     assert len(mock.requests) == 4
 
 
-async def test_anthropic_cut_after_output_raises(mock, ant):
+async def test_anthropic_cut_after_output_raises(
+    mock: MockProvider, ant: anthropic.AsyncAnthropic
+) -> None:
     mock.script([{"fault": "end", "after_frame": 4}])
     with pytest.raises(anthropic.APIStatusError) as info:
         async with ant.messages.stream(model="m", max_tokens=64, messages=MSGS) as stream:

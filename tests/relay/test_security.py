@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from relayfix import make_config, start_relay
+from relayfix import KEY_AUTH, make_config, start_relay
 from unbroken.relay.server import RelayServer
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -110,7 +110,7 @@ async def test_websocket_from_a_web_page_is_refused(mock, caplog):
     server, _ = await start_relay(cfg)
     url = server.url.replace("http://", "ws://") + "/mock/v1/responses"
     try:
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=KEY_AUTH) as s:
             with pytest.raises(aiohttp.WSServerHandshakeError) as info:
                 await s.ws_connect(url, origin="https://evil.example")
             assert info.value.status == 403
@@ -170,7 +170,7 @@ async def test_dns_rebinding_host_and_foreign_origin_are_refused(mock):
         assert mock.requests == []  # nothing reached the provider, no key was spent
         # an agent (no Origin, a local Host) gets the answer, without the CORS headers
         async with (
-            aiohttp.ClientSession() as s,
+            aiohttp.ClientSession(headers=KEY_AUTH) as s,
             s.post(f"{server.url}/mock/v1/chat/completions", json=CHAT) as r,
         ):
             assert r.status == 200
@@ -279,7 +279,7 @@ async def test_keyed_route_forwards_no_client_key(mock):
     server, _ = await start_relay(cfg)
     try:
         async with (
-            aiohttp.ClientSession() as s,
+            aiohttp.ClientSession(headers=KEY_AUTH) as s,
             s.post(
                 f"{server.url}/mock/v1/chat/completions",
                 json=CHAT,
@@ -430,7 +430,7 @@ async def test_key_echoed_in_a_final_error_answer_is_redacted(capture, caplog):
     )
     try:
         async with (
-            aiohttp.ClientSession() as s,
+            aiohttp.ClientSession(headers=KEY_AUTH) as s,
             s.post(f"{server.url}/cap/v1/chat/completions", json=CHAT) as r,
         ):
             got = await r.read()
@@ -449,7 +449,7 @@ async def test_key_echoed_in_a_passed_through_401_is_redacted(capture):
     capture.reply = (401, {"Content-Type": "application/json"}, echo)
     try:
         async with (
-            aiohttp.ClientSession() as s,
+            aiohttp.ClientSession(headers=KEY_AUTH) as s,
             s.post(f"{server.url}/cap/v1/chat/completions", json=CHAT) as r,
         ):
             got = await r.read()

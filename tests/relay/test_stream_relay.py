@@ -8,14 +8,17 @@ before any frame, after the control frames, mid tool arguments, after output.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 
-from relayfix import make_config, start_relay
+from relayfix import Recorder, make_config, start_relay
 from unbroken.core.protocols import Kind, protocol_for_path
 from unbroken.core.sse import SSESplitter
+from unbroken.mock import MockProvider
+from unbroken.relay.server import RelayServer
 
 PATHS = {
     "chat": "v1/chat/completions",
@@ -41,7 +44,7 @@ STREAM = {"first_frame_timeout_s": 0.5, "idle_timeout_s": 0.5, "keepalive_s": 30
 
 
 @pytest.fixture
-async def relay(mock):
+async def relay(mock: MockProvider) -> AsyncIterator[tuple[RelayServer, Recorder]]:
     server, rec = await start_relay(make_config([{"url": mock.url}], stream=STREAM))
     yield server, rec
     await server.stop()
@@ -71,7 +74,7 @@ def _phase(frames: list[tuple[bytes, int]], phase: str) -> int:
     raise AssertionError(phase)
 
 
-async def _direct(mock, proto: str, reply: str) -> bytes:
+async def _direct(mock: MockProvider, proto: str, reply: str) -> bytes:
     mock.script([{"reply": reply}])
     raw = await _fetch(f"{mock.url}/{PATHS[proto]}", BODIES[proto])
     mock.reset()
@@ -94,7 +97,14 @@ RECOVERABLE = [
 
 @pytest.mark.parametrize("proto", list(PATHS))
 @pytest.mark.parametrize(("fault", "phase", "reply"), RECOVERABLE)
-async def test_failure_before_commit_is_invisible(mock, relay, proto, fault, phase, reply):
+async def test_failure_before_commit_is_invisible(
+    mock: MockProvider,
+    relay: tuple[RelayServer, Recorder],
+    proto: str,
+    fault: str,
+    phase: str,
+    reply: str,
+) -> None:
     server, rec = relay
     direct = await _direct(mock, proto, reply)
     k = _phase(_frames(proto, direct), phase)
@@ -116,7 +126,9 @@ FATAL = [("reset", "after_output"), ("end", "after_output"), ("stall", "after_ou
 
 @pytest.mark.parametrize("proto", list(PATHS))
 @pytest.mark.parametrize(("fault", "phase"), FATAL)
-async def test_failure_after_commit_ends_with_native_error(mock, relay, proto, fault, phase):
+async def test_failure_after_commit_ends_with_native_error(
+    mock: MockProvider, relay: tuple[RelayServer, Recorder], proto: str, fault: str, phase: str
+) -> None:
     server, rec = relay
     direct = await _direct(mock, proto, "text")
     frames = _frames(proto, direct)
@@ -154,7 +166,9 @@ async def test_failure_after_commit_ends_with_native_error(mock, relay, proto, f
 
 
 @pytest.mark.parametrize("proto", list(PATHS))
-async def test_non_retryable_stream_error_passes_through(mock, relay, proto):
+async def test_non_retryable_stream_error_passes_through(
+    mock: MockProvider, relay: tuple[RelayServer, Recorder], proto: str
+) -> None:
     server, rec = relay
     direct = await _direct(mock, proto, "text")
     k = _phase(_frames(proto, direct), "after_control")
@@ -166,7 +180,7 @@ async def test_non_retryable_stream_error_passes_through(mock, relay, proto):
     assert (await rec.wait_turns(1))[0].outcome == "passed_through_error"
 
 
-async def test_hold_all_replays_after_output(mock):
+async def test_hold_all_replays_after_output(mock: MockProvider) -> None:
     cfg = make_config([{"url": mock.url}], stream={**STREAM, "hold": ["all"]})
     server, _ = await start_relay(cfg)
     try:
@@ -180,7 +194,7 @@ async def test_hold_all_replays_after_output(mock):
         await server.stop()
 
 
-async def test_early_headers_and_keepalive_while_retrying(mock):
+async def test_early_headers_and_keepalive_while_retrying(mock: MockProvider) -> None:
     stream = {**STREAM, "early_headers_s": 0.2, "keepalive_s": 0.1}
     server, _ = await start_relay(
         make_config([{"url": mock.url}], retry={"delay_ms": 400, "backoff": "fixed"}, stream=stream)
@@ -200,7 +214,9 @@ async def test_early_headers_and_keepalive_while_retrying(mock):
         await server.stop()
 
 
-async def test_non_retryable_status_after_early_headers_is_an_error_event(mock):
+async def test_non_retryable_status_after_early_headers_is_an_error_event(
+    mock: MockProvider,
+) -> None:
     stream = {**STREAM, "early_headers_s": 0.1}
     server, _ = await start_relay(
         make_config([{"url": mock.url}], retry={"delay_ms": 300, "backoff": "fixed"}, stream=stream)

@@ -6,6 +6,7 @@ import gzip
 import itertools
 import json
 import zlib
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -152,7 +153,8 @@ def test_gzip_body_is_byte_identical_without_a_rename() -> None:
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", None])
 def test_a_rename_is_re_encoded_in_the_same_encoding(encoding: str | None) -> None:
     raw = json.dumps(CHAT).encode()
-    body = {"gzip": gzip.compress, "deflate": zlib.compress}.get(encoding or "", bytes)(raw)
+    encode: dict[str, Callable[[bytes], bytes]] = {"gzip": gzip.compress, "deflate": zlib.compress}
+    body = encode.get(encoding or "", bytes)(raw)
     parsed = parse_body(
         body,
         {

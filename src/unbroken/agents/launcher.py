@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import shlex
 import sys
 import tempfile
@@ -30,8 +31,25 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from unbroken.agents import claude, codex, gemini
-from unbroken.agents.plan import FILES, RELAY, Launch, split_version
-from unbroken.config import Config, ConfigError, Route, validate_url, with_upstream
+from unbroken.agents.child import log_to, run_child, setup_run_logging
+from unbroken.agents.plan import (
+    FILES,
+    RELAY,
+    Launch,
+    private_token,
+    relay_base,
+    split_version,
+    token_note,
+)
+from unbroken.config import (
+    TOKEN_ENV,
+    Config,
+    ConfigError,
+    Route,
+    load_config,
+    validate_url,
+    with_upstream,
+)
 
 __all__ = ["agent_of", "generic_plan", "plan_for", "print_env", "relay_config", "run_agent"]
 
@@ -103,9 +121,17 @@ def relay_config(base: Config, launch: Launch) -> Config:
     clients: dict[str, Mapping[str, Any]] = {k: dict(v) for k, v in launch.clients.items()}
     for name, table in base.clients.items():
         clients[name] = {**clients.get(name, {}), **table}
-    # A private loopback relay for this one agent: no token (the agent could not send it).
+    # A private loopback relay for this one agent: when a route injects a key, a token
+    # of its own that route needs (given to the agent in its base URLs), else none.
     return dataclasses.replace(
-        base, routes=routes, clients=clients, host="127.0.0.1", port=0, token=None
+        base,
+        routes=routes,
+        clients=clients,
+        host="127.0.0.1",
+        port=0,
+        token=None,
+        token_env=None,
+        key_token=private_token(routes),
     )
 
 
@@ -117,8 +143,19 @@ def print_env(
     launch = plan_for(command, env)
     host = base.host or "127.0.0.1"
     shown = f"[{host}]" if ":" in host else host
-    relay = f"http://{shown}:{base.port}"
-    out.write(f"# unbroken run -- {command[0]}: point it at unbroken serve ({relay})\n")
+    plain = f"http://{shown}:{base.port}"
+    out.write(f"# unbroken run -- {command[0]}: point it at unbroken serve ({plain})\n")
+    # The relay's token, when it needs one, as a shell expansion (never its value):
+    # the variable it is read from, or the file `unbroken serve` keeps it in.
+    ref = _token_ref(base, launch, env)
+    relay = f"{plain}/t/{_TOKEN_MARK}" if ref else plain
+
+    def quote(value: str) -> str:
+        quoted = shlex.quote(value)
+        if ref is None or _TOKEN_MARK not in quoted:
+            return quoted
+        return quoted.replace(_TOKEN_MARK, f"'\"{ref}\"'" if quoted[0] == "'" else f'"{ref}"')
+
     missing = [
         n
         for n, u in launch.routes.items()
@@ -131,10 +168,10 @@ def print_env(
             out.write(f'#   [routes.{name}]\n#   upstreams = [{{ url = "{url}" }}]\n')
     for key, value in launch.resolved_env(relay).items():
         if FILES not in launch.env[key]:  # a file `run` writes: shown below instead
-            out.write(f"export {key}={shlex.quote(value)}\n")
+            out.write(f"export {key}={quote(value)}\n")
     args = launch.resolved_args(relay)
     if args:
-        out.write(shlex.join([command[0], *args, *command[1:]]) + "\n")
+        out.write(" ".join(quote(a) for a in [command[0], *args, *command[1:]]) + "\n")
     for table, values in launch.clients.items():
         out.write(
             f"# optional, for this agent's timers: [clients.{table}] "
@@ -150,6 +187,24 @@ def print_env(
         out.writelines(f"#   {line}\n" for line in text.splitlines())
 
 
+#: stands for the token in `print_env`'s URLs until they are quoted for the shell
+_TOKEN_MARK = "UNBROKEN-TOKEN-MARK"
+
+
+def _token_ref(base: Config, launch: Launch, env: Mapping[str, str]) -> str | None:
+    """How the printed commands get ``unbroken serve``'s token: ``${UNBROKEN_TOKEN}`` (or
+    the ``[server] token_env`` variable), ``$(cat <token file>)`` when a route the agent
+    uses injects a key and no token is set (`relay.tokenfile`), else None."""
+    if base.token is not None:
+        return "${" + (base.token_env or TOKEN_ENV) + "}"
+    keyed = [n for n in launch.routes if n in base.routes and base.routes[n].injects_key]
+    if keyed:
+        from unbroken.relay.tokenfile import default_token_path
+
+        return f"$(cat {shlex.quote(str(default_token_path(env)))})"
+    return None
+
+
 async def run_agent(
     command: Sequence[str],
     *,
@@ -159,7 +214,6 @@ async def run_agent(
     ready: Callable[[str], None] | None = None,
 ) -> int:
     """Relay the agent's providers, launch ``command``, return its exit code."""
-    from unbroken.opencode.launcher import run_child
     from unbroken.relay.server import RelayServer
 
     launch = plan_for(command, env)
@@ -167,10 +221,16 @@ async def run_agent(
     await server.start()
     files = tempfile.TemporaryDirectory(prefix="unbroken-run-") if launch.files else None
     try:
-        relay = server.url
+        token = server.config.key_token
+        # A base URL passed in the agent's arguments (Codex's -c) is on its command line,
+        # which other users can read (/proc/<pid>/cmdline): no token there.
+        in_url = token is not None and not any(RELAY in a for a in launch.args)
+        relay = relay_base(server.url, token if in_url else None)
         for note in launch.notes:
             log.info("%s", note)
-        log.info("run: relay on %s", relay)
+        log.info("run: relay on %s", server.url)  # never the token
+        if token is not None:
+            log.info("run: %s", token_note(in_url))
         if files is not None:
             for name, text in launch.files.items():
                 (Path(files.name) / name).write_text(text, encoding="utf-8")
@@ -206,11 +266,6 @@ def run_cmd(
     command: Sequence[str], *, config: str | None, log_path: str | None, print_only: bool
 ) -> int:
     """`unbroken run -- <non-OpenCode command>` (called by the run subcommand)."""
-    import os
-
-    from unbroken.config import load_config
-    from unbroken.opencode.launcher import _log_to, _setup_run_logging
-
     env = dict(os.environ)
     try:
         base = load_config(config)
@@ -222,8 +277,8 @@ def run_cmd(
         return 0
     base = dataclasses.replace(base, grace_s=min(base.grace_s, 2.0))
     agent = agent_of(command)
-    log_file = _log_to(log_path, _interactive(command, agent), env)
-    _setup_run_logging(log_file)
+    log_file = log_to(log_path, _interactive(command, agent), env)
+    setup_run_logging(log_file)
     if log_file is not None:
         print(f"unbroken: relaying {command[0]}; log: {log_file}", file=sys.stderr)
     return asyncio.run(run_agent(command, base=base, env=env, cwd=Path.cwd()))

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["FILES", "RELAY", "Launch", "route_name", "split_version"]
+from unbroken.config import Route
+
+__all__ = [
+    "FILES",
+    "RELAY",
+    "TOKEN_NOTE",
+    "Launch",
+    "private_token",
+    "relay_base",
+    "route_name",
+    "split_version",
+    "token_note",
+]
 
 #: stands for the relay's base URL (``http://127.0.0.1:PORT``) in `Launch` values
 RELAY = "{relay}"
@@ -44,8 +57,9 @@ class Launch:
 
 
 def route_name(wanted: str, taken: set[str]) -> str:
-    """A route name for a provider id: ``[A-Za-z0-9._-]+``, not reserved, not taken."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", wanted).strip(".") or "provider"
+    """A route name for a provider id: ``[A-Za-z0-9._-]+`` not starting with ``_`` (a
+    valid ``[routes.<name>]``), not reserved, not taken."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", wanted).lstrip("._").rstrip(".") or "provider"
     if name in _RESERVED:
         name = f"{name}-provider"
     candidate, n = name, 2
@@ -64,3 +78,32 @@ def split_version(url: str) -> tuple[str, str]:
     if m is None or "/" not in url[: m.start()].split("://", 1)[-1] + "/":
         return url, ""
     return url[: m.start()], m.group(0)
+
+
+#: logged when `unbroken run`'s private relay has a token (a route injects a key)
+TOKEN_NOTE = "a route injects a key: it answers only requests with this run's own token"
+
+
+def token_note(in_url: bool) -> str:
+    """`TOKEN_NOTE`, and who has the token (never the token itself)."""
+    if in_url:
+        return f"{TOKEN_NOTE} (in the agent's base URLs); other processes get 401 there"
+    return (
+        f"{TOKEN_NOTE}, which no one is given: the agent's base URLs are on its command "
+        "line, which other users can read, and it does not use that route"
+    )
+
+
+def private_token(routes: Mapping[str, Route]) -> str | None:
+    """The token of `unbroken run`'s private relay (its ``key_token``: the routes that
+    inject a key need it, the agent's own routes do not): random, when a route injects
+    a key of the relay's (no local stranger may spend it), else None."""
+    if any(r.injects_key for r in routes.values()):
+        return secrets.token_urlsafe(32)
+    return None
+
+
+def relay_base(url: str, token: str | None) -> str:
+    """The base URL the launched agent gets: the relay's, with the ``/t/<token>``
+    prefix when it has a token (only the agent learns it; never logged)."""
+    return f"{url}/t/{token}" if token else url

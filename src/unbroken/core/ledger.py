@@ -166,6 +166,7 @@ class Ledger:
         "_last_raw",
         "_tail",
         "_tool_mark",
+        "_wall_clock",
         "error_bytes",
         "errors_cut",
         "fail_reason",
@@ -188,12 +189,15 @@ class Ledger:
         hold: Hold | None = None,
         max_hold_bytes: int = 8 * 1024 * 1024,
         clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], float] | None = None,
         error_after_commit: bool = True,
     ) -> None:
         self.protocol = protocol
         self.hold = hold or Hold()
         self.max_hold_bytes = max_hold_bytes
         self._clock = clock
+        #: Unix time, for an error event that carries a date (passed in: no clock here)
+        self._wall_clock = wall_clock
         #: False: a failure after commit emits no error event (the shell aborts the
         #: client connection instead; `TurnMachine.abort_after_commit`)
         self._error_after_commit = error_after_commit
@@ -448,6 +452,7 @@ class Ledger:
             "Retry the request (server_error, upstream terminated).",
             self._classifier,
             self._last_raw,
+            self._wall_clock() if self._wall_clock is not None else 0.0,
         )
         self.stats.released_bytes += len(self.error_bytes)
         return self.error_bytes

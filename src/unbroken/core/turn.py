@@ -140,6 +140,7 @@ told through the `TurnReport` protocol, which the I/O layer implements.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from collections.abc import Callable, Sequence
@@ -208,15 +209,27 @@ KEEPALIVE = b": keepalive\n\n"
 _testing = False
 
 
-def set_testing(enabled: bool = True) -> None:
+def set_testing(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Testing mode: retry waits are switched off (as stamina's ``set_testing`` does).
 
     The machine still computes and reports every wait (logs, journal, /status say
     what would have happened); only the `Wait` it returns is zero, so tests of
-    retry storms and Retry-After run without real waits.
+    retry storms and Retry-After run without real waits.  It takes effect at once;
+    used as a context manager (``with set_testing():``), the previous mode is back
+    on exit, as in stamina.
     """
     global _testing
-    _testing = enabled
+    previous, _testing = _testing, enabled
+    return _Restore(previous)
+
+
+class _Restore(contextlib.AbstractContextManager[None]):
+    def __init__(self, previous: bool) -> None:
+        self.previous = previous
+
+    def __exit__(self, *exc: object) -> None:
+        global _testing
+        _testing = self.previous
 
 
 class Phase(enum.StrEnum):
@@ -480,6 +493,7 @@ class TurnMachine:
         "stream",
         "t0",
         "timers",
+        "wall_clock",
         "writing",
     )
 
@@ -494,6 +508,7 @@ class TurnMachine:
         now: float,
         report: TurnReport,
         clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], float] | None = None,
         profile: Profile | None = None,
         socket: bool = False,
         continuation: Strategy | None = None,
@@ -527,6 +542,7 @@ class TurnMachine:
         self.stream = stream
         self.report = report
         self.clock = clock  # for the ledger's hold time only
+        self.wall_clock = wall_clock  # Unix time, for the ledger's dated error events
         self.t0 = now
         self.step = _Step.NEW
         self.outcome: Outcome | None = None
@@ -678,6 +694,7 @@ class TurnMachine:
                     hold=self.hold,
                     max_hold_bytes=self.timers.max_hold_bytes,
                     clock=self.clock,
+                    wall_clock=self.wall_clock,
                     error_after_commit=not self.abort_after_commit,
                 )
                 ledger.stats = self.stats or AttemptStats()
@@ -1303,7 +1320,9 @@ class TurnMachine:
         self.step = _Step.ENDED
         self.retry.close()
         if self.headers_out:
-            ledger = self.ledger or Ledger(self.protocol, hold=self.hold)
+            ledger = self.ledger or Ledger(
+                self.protocol, hold=self.hold, wall_clock=self.wall_clock
+            )
             data = ledger.give_up(f"retries exhausted ({reason})")
             self.outcome = Outcome.ENDED_WITH_ERROR
             return GiveUp(GiveUpKind.IN_STREAM, data)

@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from unbroken.cli import OneLineParser
+from unbroken.cmdline import OneLineParser
 from unbroken.config import ConfigError, check_host, port_number
 from unbroken.mock.actions import (
     ActionError,

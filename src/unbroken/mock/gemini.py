@@ -20,7 +20,7 @@ import re
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from unbroken.mock.wire import Reply, _Item
+    from unbroken.mock.wire import Reply, _Item, _Run
 
 __all__ = [
     "GEMINI",
@@ -112,10 +112,9 @@ def _call_part(name: str, arguments: str) -> dict[str, Any]:
     return {"functionCall": {"name": name, "args": json.loads(arguments)}}
 
 
-def items(r: Reply) -> list[_Item]:
-    """The streamed reply's events (``(None, payload)``; text pieces as one run)."""
-    from unbroken.mock.wire import _VAL, _Run
-
+def items(r: Reply, run: type[_Run], val: str) -> list[_Item]:
+    """The streamed reply's events (``(None, payload)``; text pieces as one ``run``
+    whose template holds ``val`` where each piece goes: both are wire's, passed in)."""
     if r.calls:
         out: list[_Item] = [
             (None, _response(r, [_call_part(c.name, c.arguments)], final=False)) for c in r.calls
@@ -125,8 +124,8 @@ def items(r: Reply) -> list[_Item]:
     pieces = r.pieces
     out = []
     if len(pieces) > 1:
-        template = _response(r, [{"text": _VAL}], final=False)
-        out.append(_Run(None, template, pieces[:-1]))
+        template = _response(r, [{"text": val}], final=False)
+        out.append(run(None, template, pieces[:-1]))
     out.append((None, _response(r, [{"text": pieces[-1] if pieces else ""}], final=True)))
     return out
 

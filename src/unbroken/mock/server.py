@@ -52,7 +52,7 @@ from unbroken.mock.wire import (
     garbage_frame,
     halves,
     previous_not_found_body,
-    protocol_for_path,
+    protocol_name_for_path,
     render,
     status_error_body,
     ws_connection_limit,
@@ -523,7 +523,7 @@ class MockProvider:
             target = resume_target(path)
             if target is not None and (request.method == "GET") != target[1]:
                 return await self._h_background(request, *target)
-        protocol = protocol_for_path(path)
+        protocol = protocol_name_for_path(path)
         if protocol is None or path.startswith("/_mock/"):
             return web.json_response(
                 {"error": {"message": f"mock: no route for {path}", "type": "not_found"}},

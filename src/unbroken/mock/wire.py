@@ -15,10 +15,11 @@ replies, and a faulted reply is a byte-exact prefix of the clean one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from json.encoder import encode_basestring
@@ -43,7 +44,7 @@ __all__ = [
     "frames_for",
     "garbage_frame",
     "make_reply",
-    "protocol_for_path",
+    "protocol_name_for_path",
     "render",
     "responses_events",
     "status_error_body",
@@ -82,7 +83,7 @@ _PATH_SUFFIXES: Final = (
 )
 
 
-def protocol_for_path(path: str) -> str | None:
+def protocol_name_for_path(path: str) -> str | None:
     """Map a request path to a protocol by suffix (``/x/v1/messages`` -> anthropic;
     ``/v1beta/models/<model>:streamGenerateContent`` -> gemini)."""
     path = path.rstrip("/")
@@ -995,11 +996,11 @@ def garbage_frame(protocol: str, stream: bool = True) -> bytes:
 # ---------------------------------------------------------------------------
 # Public rendering API
 
-_ITEMS = {
+_ITEMS: dict[str, Callable[[Reply], list[_Item]]] = {
     CHAT: _chat_items,
     RESPONSES: _responses_items,
     ANTHROPIC: _anthropic_items,
-    GEMINI: _gemini.items,
+    GEMINI: functools.partial(_gemini.items, run=_Run, val=_VAL),
 }
 _BODIES = {
     CHAT: _chat_body,

@@ -2,7 +2,7 @@
 
 * `hooks`    the observer protocol, the fan-out, and the retry log;
 * `guard`    runs an observer so that its failures never break a turn;
-* `health`   per-upstream health and cool-offs, for /status and metrics;
+* `outcomes` each upstream's recent outcomes and cool-offs, for /status and metrics;
 * `journal`  the SQLite turn journal (batched writer thread);
 * `metrics`  Prometheus metrics (GET /metrics);
 * `status`   the live status (GET /status) and ``unbroken status``;

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,9 @@ class TurnInfo:
     parked_for: str | None = None
     #: seconds the turn waited at the relay for the provider's rate limit
     queued_s: float = 0.0
+    #: seconds the turn really waited between attempts: a wait cut short (the client
+    #: went away, the relay stopped) counts what elapsed, never the wait that was planned
+    waited_s: float = 0.0
     # ok | recovered | ended_with_error | passed_through_error | aborted_by_client
     outcome: str | None = None
     ended: float | None = None
@@ -141,62 +145,12 @@ def implements(hook: Hooks, name: str) -> bool:
     return getattr(type(hook), name) is not getattr(Hooks, name)
 
 
-#: bumped by any change to any `MultiHooks`' list: every fan-out re-binds on its next
-#: event (a nested one may have changed, and the outer ones bind through it)
-_generation = 0
-
-
-class _HookList(list[Hooks]):
-    """The hooks of a `MultiHooks`: a change to it re-binds the fan-outs."""
-
-    def _changed(self) -> None:
-        global _generation
-        _generation += 1
-
-    def append(self, hook: Hooks) -> None:
-        super().append(hook)
-        self._changed()
-
-    def extend(self, hooks: Any) -> None:
-        super().extend(hooks)
-        self._changed()
-
-    def insert(self, index: Any, hook: Hooks) -> None:
-        super().insert(index, hook)
-        self._changed()
-
-    def remove(self, hook: Hooks) -> None:
-        super().remove(hook)
-        self._changed()
-
-    def pop(self, index: Any = -1) -> Hooks:
-        hook = super().pop(index)
-        self._changed()
-        return hook
-
-    def clear(self) -> None:
-        super().clear()
-        self._changed()
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        super().__setitem__(index, value)
-        self._changed()
-
-    def __delitem__(self, index: Any) -> None:
-        super().__delitem__(index)
-        self._changed()
-
-    def __iadd__(self, hooks: Any) -> _HookList:  # type: ignore[override,misc]
-        super().__iadd__(hooks)
-        self._changed()
-        return self
-
-
 def _fan_out(name: str) -> Callable[..., None]:
     def call(self: MultiHooks, *args: Any, **kwargs: Any) -> None:
-        if self._seen != _generation:
-            self._bind()
-        for method in self._bound[name]:
+        bound = self._bound
+        if bound is None:
+            bound = self._bind()
+        for method in bound[name]:
             method(*args, **kwargs)
 
     call.__name__ = name
@@ -207,30 +161,54 @@ class MultiHooks(Hooks):
     """Calls every hook of ``hooks`` in order (its methods are made from `HOOK_NAMES`).
 
     Per event, only the hooks that implement it are called, through methods bound
-    once (re-bound when any `MultiHooks`' list changes): the fan-out runs on every
-    turn.  A nested `MultiHooks` is flattened into the methods it would call.
+    once: the fan-out runs on every turn.  A nested `MultiHooks` is flattened into
+    the methods it would call.  ``hooks`` is a tuple: `add` and `remove` change it,
+    and re-bind this fan-out and every one it is nested in (on their next event).
     """
 
     def __init__(self, *hooks: Hooks) -> None:
-        self.hooks = _HookList(hooks)
-        self._seen = -1
-        self._bound: dict[str, tuple[Callable[..., None], ...]] = {}
+        self._hooks: tuple[Hooks, ...] = hooks
+        #: the fan-outs this one is nested in (they bind through it)
+        self._outer: weakref.WeakSet[MultiHooks] = weakref.WeakSet()
+        self._bound: dict[str, tuple[Callable[..., None], ...]] | None = None
 
-    def _bind(self) -> None:
-        self._bound = {name: tuple(self._methods(name)) for name in HOOK_NAMES}
-        self._seen = _generation
+    @property
+    def hooks(self) -> tuple[Hooks, ...]:
+        return self._hooks
 
-    def _methods(self, name: str) -> list[Callable[..., None]]:
+    def add(self, hook: Hooks) -> None:
+        """Call ``hook`` too, after the others."""
+        self._hooks = (*self._hooks, hook)
+        self._changed()
+
+    def remove(self, hook: Hooks) -> None:
+        """Stop calling ``hook`` (ValueError if it is not one of these)."""
+        hooks = list(self._hooks)
+        hooks.remove(hook)
+        self._hooks = tuple(hooks)
+        self._changed()
+
+    def _changed(self) -> None:
+        self._bound = None
+        for outer in list(self._outer):
+            outer._changed()
+
+    def _bind(self) -> dict[str, tuple[Callable[..., None], ...]]:
+        bound = self._bound = {name: tuple(self._methods(name, self)) for name in HOOK_NAMES}
+        return bound
+
+    def _methods(self, name: str, outer: MultiHooks) -> list[Callable[..., None]]:
         out: list[Callable[..., None]] = []
-        for h in self.hooks:
+        for h in self._hooks:
             if isinstance(h, MultiHooks):
-                out.extend(h._methods(name))
+                h._outer.add(outer)
+                out.extend(h._methods(name, outer))
             elif implements(h, name):
                 out.append(getattr(h, name))
         return out
 
     def _implements(self, name: str) -> bool:
-        return any(implements(h, name) for h in self.hooks)
+        return any(implements(h, name) for h in self._hooks)
 
 
 for _name in HOOK_NAMES:

@@ -62,7 +62,7 @@ CREATE TABLE IF NOT EXISTS turns (
     upstream     TEXT,               -- of the last attempt
     last_failure TEXT,               -- label of the last failed attempt
     first_byte_s REAL,               -- start to the first byte sent to the client
-    wait_s       REAL NOT NULL DEFAULT 0, -- total time waited between attempts
+    wait_s       REAL NOT NULL DEFAULT 0, -- total time really waited between attempts
     queued_s     REAL NOT NULL DEFAULT 0, -- time waited at the relay for the rate limit
     splices      INTEGER NOT NULL DEFAULT 0, -- continuations after cuts (outcome resumed)
     saved_tokens INTEGER NOT NULL DEFAULT 0  -- output frames (~ tokens) a redo would resample
@@ -87,7 +87,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     input_tokens      INTEGER,           -- as reported by the provider
     output_tokens     INTEGER,
     est_output_tokens INTEGER NOT NULL DEFAULT 0,  -- output frames generated (~ tokens)
-    wait_s            REAL,              -- wait before the next attempt, when one followed
+    wait_s            REAL,              -- wait planned before the next attempt, if any
     choice            TEXT,              -- how the upstream was chosen: first | sticky |
                                          -- rotated | breaker_skip | parked
     PRIMARY KEY (turn_uid, number)
@@ -244,7 +244,6 @@ class Journal(Hooks):
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
-        self._waits: dict[int, float] = {}
         self._warned_at: float | None = None
         self._pruned_at = 0.0
         self._closed = False
@@ -351,11 +350,10 @@ class Journal(Hooks):
     ) -> None:
         if wait_s is None or not turn.attempt_log:
             return
-        self._waits[turn.id] = self._waits.get(turn.id, 0.0) + wait_s
         self._put(("wait", (wait_s, turn.id, turn.attempt_log[-1].number)))
 
     def turn_ended(self, turn: TurnInfo) -> None:
-        self._put(("turn_end", (turn, self._waits.pop(turn.id, 0.0))))
+        self._put(("turn_end", (turn, turn.waited_s)))
 
     # -- writer thread -------------------------------------------------------------------
     def _run(self) -> None:

@@ -34,6 +34,7 @@ class TurnReporter:
     __slots__ = (
         "_deferred",
         "_queued_at",
+        "_waiting",
         "current",
         "hooks",
         "inflight",
@@ -56,6 +57,7 @@ class TurnReporter:
         self.current: AttemptInfo | None = None
         self._deferred = False
         self._queued_at: float | None = None  # parked for the rate limit since then
+        self._waiting: tuple[float, float] | None = None  # (since, planned) of a retry wait
 
     # -- the turn ------------------------------------------------------------------------
     def open(self, *, defer: bool = False) -> None:
@@ -97,6 +99,7 @@ class TurnReporter:
             )
         self.inflight.discard(info)
         self._end_queue()
+        self._end_wait()
         info.state = _DONE
         info.ended = self.wall()
         info.held = None
@@ -111,6 +114,8 @@ class TurnReporter:
         info.attempts, info.upstream, info.next_retry_at = number, name, None
         if self._queued_at is not None:
             self._end_queue()
+        if self._waiting is not None:
+            self._end_wait()
         self.current = AttemptInfo(number=number, upstream=name, started=self.wall(), choice=choice)
         info.attempt_log.append(self.current)
         if not self._deferred:
@@ -140,8 +145,10 @@ class TurnReporter:
         info = self.info
         info.last_failure = failure.label
         if wait_s is not None:
-            info.next_retry_at = self.wall() + wait_s
+            now = self.wall()
+            info.next_retry_at = now + wait_s
             info.state = _WAITING
+            self._waiting = (now, wait_s)
         upstream = self.current.upstream if self.current is not None else info.upstream
         self.hooks.attempt_failed(info, upstream, failure, phase=_VALUE[phase], wait_s=wait_s)
 
@@ -162,6 +169,15 @@ class TurnReporter:
         if at is not None:
             self._queued_at = None
             self.info.queued_s += max(0.0, self.wall() - at)
+
+    def _end_wait(self) -> None:
+        """A retry wait ended (the next attempt starts, or the turn ends during it):
+        count the time it really took, at most the wait planned, in ``waited_s``."""
+        waiting = self._waiting
+        if waiting is not None:
+            self._waiting = None
+            since, planned = waiting
+            self.info.waited_s += min(planned, max(0.0, self.wall() - since))
 
     def hold_overflow(self, held_bytes: int) -> None:
         self.flush()

@@ -21,7 +21,7 @@ from typing import Any
 from unbroken.config import ConfigError, load_config
 from unbroken.core.turn import NOT_FAILURES
 from unbroken.core.turn import OUTCOMES as _OUTCOMES
-from unbroken.observe.journal import journal_path
+from unbroken.observe.journal import SCHEMA, journal_path
 
 __all__ = ["compute_stats", "format_stats", "parse_since", "percentile", "register"]
 
@@ -29,14 +29,22 @@ OUTCOMES = tuple(o.value for o in _OUTCOMES)
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 
 
+#: what ``--since`` accepts, said in its errors
+SINCE_FORMS = (
+    "a number and a unit: s, m, h, d or w (90s, 30m, 24h, 7d, 2w; 1.5h; no unit: "
+    "seconds), with or without a minus sign (-5h: since 5 hours ago, as 5h), or all"
+)
+
+
 def parse_since(text: str) -> float | None:
-    """``90s``, ``30m``, ``24h``, ``7d``, ``2w`` -> seconds; ``all`` -> None."""
+    """``90s``, ``30m``, ``24h``, ``7d``, ``2w`` (``-5h`` as ``5h``: ago) -> seconds;
+    ``all`` -> None."""
     text = text.strip().lower()
     if text == "all":
         return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", text)
+    m = re.fullmatch(r"-?\s*(\d+(?:\.\d+)?)\s*([smhdw]?)", text)
     if not m:
-        raise ValueError(f"expected a duration like 30m, 24h, 7d or 'all', got {text!r}")
+        raise ValueError(f"expected {SINCE_FORMS}; got {text!r}")
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
@@ -348,6 +356,9 @@ def _stats(args: argparse.Namespace) -> int:
         return 2
     if args.journal:
         path = Path(args.journal)
+        if not path.is_file():
+            print(f"unbroken stats: no journal at {path}", file=sys.stderr)
+            return 1
     else:
         try:
             config = load_config(args.config)
@@ -355,13 +366,24 @@ def _stats(args: argparse.Namespace) -> int:
             print(f"unbroken: invalid config: {exc}", file=sys.stderr)
             return 2
         path = journal_path(config.journal.path)
-    if not path.is_file():
-        print(
-            f"unbroken stats: no journal at {path} (has `unbroken serve` run with "
-            "[journal] enabled?)",
-            file=sys.stderr,
-        )
-        return 1
+        if not config.journal.enabled:
+            print(
+                "unbroken stats: the journal is off ([journal] enabled = false): "
+                "no turn is recorded",
+                file=sys.stderr,
+            )
+            return 1
+        if not path.is_file():
+            # `unbroken serve` creates it with its first turn: before that, there is
+            # nothing to report, which is not an error (JSON: the report of no turns)
+            note = (
+                f"no turns yet: `unbroken serve` writes the journal to {path} from its first turn"
+            )
+            if args.json:
+                print(json.dumps(_empty_report(args.by == "session", since_s)))
+            else:
+                print(f"unbroken stats: {note}")
+            return 0
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
         try:
@@ -387,9 +409,26 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _empty_report(by_session: bool, since_s: float | None) -> dict[str, Any]:
+    """The report of a journal with no turns in it yet."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.executescript(SCHEMA)
+        if by_session:
+            return {"sessions": compute_sessions(conn, since_s=since_s)}
+        return compute_stats(conn, since_s=since_s)
+    finally:
+        conn.close()
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("stats", help="what the journal says happened (outcomes, failures, waste)")
-    p.add_argument("--since", default="24h", help="window: 30m, 24h, 7d, ... or all (default 24h)")
+    p.add_argument(
+        "--since",
+        default="24h",
+        help="window: 30m, 24h, 7d, 2w (-5h: the same as 5h), or all (default 24h)",
+    )
+    p.accept_dashed_value("--since")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--by",

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from unbroken import __version__
 from unbroken.core.policy import Failure
+from unbroken.core.redact import REDACTED_PART, redact_url
 from unbroken.core.turn import NOT_FAILURES
 from unbroken.core.turn import OUTCOMES as _OUTCOMES
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
@@ -64,7 +65,6 @@ class StatusTracker(Hooks):
     ) -> None:
         if wait_s is not None:
             self.retries += 1
-            self.retry_wait_s += wait_s
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
         self.attempts += 1
@@ -82,6 +82,7 @@ class StatusTracker(Hooks):
     def turn_ended(self, turn: TurnInfo) -> None:
         self.turns += 1
         self.outcomes[turn.outcome or "unknown"] += 1
+        self.retry_wait_s += turn.waited_s  # really waited: a cut-short wait as it went
         self.saved_tokens_est += turn.saved_tokens
 
     # -- snapshot ------------------------------------------------------------------------
@@ -476,13 +477,14 @@ async def watch(
 
     console = console or Console()
     updates = 0
-    with Live(_render_error(url, "connecting"), console=console, auto_refresh=False) as live:
+    shown = redact_url(url)  # a /t/<token>/ in --url is never printed
+    with Live(_render_error(shown, "connecting"), console=console, auto_refresh=False) as live:
         while max_updates is None or updates < max_updates:
             try:
                 data = await fetch_status(url)
-                live.update(render(data, url), refresh=True)
+                live.update(render(data, shown), refresh=True)
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                live.update(_render_error(url, type(exc).__name__), refresh=True)
+                live.update(_render_error(shown, type(exc).__name__), refresh=True)
             updates += 1
             if max_updates is None or updates < max_updates:
                 await asyncio.sleep(interval)
@@ -495,16 +497,31 @@ async def _once(url: str, as_json: bool) -> int:
     import aiohttp
     from rich.console import Console
 
+    shown = redact_url(url)  # a /t/<token>/ in --url is never printed
     try:
         data = await fetch_status(url)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        print(f"unbroken status: cannot reach {url}/status: {type(exc).__name__} {exc}")
+        detail = _hide(f"{type(exc).__name__} {exc}", url)
+        print(f"unbroken status: cannot reach {shown}/status: {detail}")
         return 1
     if as_json:
         print(json.dumps(data, indent=2))
     else:
-        Console().print(render(data, url))
+        Console().print(render(data, shown))
     return 0
+
+
+def _hide(text: str, url: str) -> str:
+    """``text`` without the secret parts of ``url`` (an error message may quote it)."""
+    shown = redact_url(url)
+    if shown == url:
+        return text
+    text = text.replace(url, shown)
+    path = urlsplit(url).path
+    if "/t/" not in path:
+        return text
+    secret = path.split("/t/", 1)[1].split("/", 1)[0]
+    return text.replace(secret, REDACTED_PART) if len(secret) >= 8 else text
 
 
 #: The shortest refresh interval ``unbroken status`` accepts (seconds).
@@ -524,12 +541,13 @@ def _status(args: argparse.Namespace) -> int:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         print(
             f"unbroken status: --url must be an http(s) URL such as {DEFAULT_URL}, "
-            f"got {args.url!r}",
+            f"got {redact_url(args.url)!r}",
             file=sys.stderr,
         )
         return 2
     try:
-        if args.once or args.json:
+        # Redrawing in place needs a terminal: into a file or a pipe, one snapshot.
+        if args.once or args.json or not sys.stdout.isatty():
             return asyncio.run(_once(url, args.json))
         return asyncio.run(watch(url, args.interval))
     except KeyboardInterrupt:
@@ -541,7 +559,8 @@ def register(sub: Any) -> None:
         "status",
         help="live view of a running relay (in-flight turns, upstreams)",
         description="A live terminal view of a relay's GET /status: the turns in flight, "
-        "each upstream's recent failures, totals since start. Redraws until Ctrl-C.",
+        "each upstream's recent failures, totals since start. Redraws until Ctrl-C; when "
+        "stdout is not a terminal (a file, a pipe), prints one snapshot and exits.",
     )
     p.add_argument(
         "--url",
@@ -555,6 +574,10 @@ def register(sub: Any) -> None:
         metavar="SECONDS",
         help=f"seconds between refreshes, at least {MIN_INTERVAL_S} (default: %(default)s)",
     )
-    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="print one snapshot and exit (the default when stdout is not a terminal)",
+    )
     p.add_argument("--json", action="store_true", help="print the raw /status JSON once")
     p.set_defaults(func=_status)

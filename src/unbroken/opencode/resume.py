@@ -742,7 +742,7 @@ async def wait_healthy(
 
 
 def _resume_cmd(args: argparse.Namespace) -> int:
-    from unbroken.cli import setup_logging
+    from unbroken.cmdline import setup_logging
     from unbroken.config import ConfigError, validate_url
 
     try:

@@ -13,7 +13,9 @@ Every request passes, in this order:
    included: browsers apply no CORS to WebSockets;
 4. the token, when one is configured: ``x-unbroken-token: <token>`` or the path
    prefix ``/t/<token>/``, compared in constant time: else **401**.  ``/healthz``
-   needs none.
+   needs none.  A route that injects a key of the relay's (``api_key_env``) needs a
+   token even when none is configured: the ``key_token`` (`relay.tokenfile`); with
+   neither, it answers **401** to everyone.  No key without a right to it.
 
 The target is split into the route name and the rest, still percent-encoded,
 which the relay forwards byte for byte.
@@ -150,6 +152,10 @@ class Access:
         self.port = port
         self.token = config.token
         self._token_bytes = config.token.encode() if config.token else None
+        #: the routes that inject a key: they need a token even with none configured
+        self.keyed = frozenset(name for name, r in config.routes.items() if r.injects_key)
+        key_token = config.token or config.key_token
+        self._key_token_bytes = key_token.encode() if key_token else None
         bound = config.host.strip().strip("[]").lower()
         self.wildcard = bound in _WILDCARD_BINDS
         self.local_names = {"localhost", "127.0.0.1", "::1"}
@@ -215,13 +221,7 @@ class Access:
     def token_ok(self, given: str | None) -> bool:
         if self._token_bytes is None:
             return True
-        if given is None:
-            return False
-        try:
-            candidate = given.encode("utf-8", "surrogateescape")
-        except UnicodeError:
-            return False
-        return hmac.compare_digest(candidate, self._token_bytes)
+        return _same(given, self._token_bytes)
 
     def check(
         self, target: Target, headers: Mapping[str, str], *, open_path: bool
@@ -240,10 +240,36 @@ class Access:
                 "origin_not_allowed",
                 "requests from web pages are refused (see [server] allowed_origins)",
             )
-        if self._token_bytes is not None and not open_path:
+        if open_path:
+            return None
+        if self._token_bytes is not None:
             given = target.token if target.token is not None else headers.get(TOKEN_HEADER)
-            if not self.token_ok(given):
-                return Denied(
-                    401, "unauthorized", "missing or wrong x-unbroken-token (or /t/<token>/ prefix)"
-                )
+            if not _same(given, self._token_bytes):
+                return _UNAUTHORIZED
+        elif target.name in self.keyed:
+            given = target.token if target.token is not None else headers.get(TOKEN_HEADER)
+            if self._key_token_bytes is None or not _same(given, self._key_token_bytes):
+                return _KEY_UNAUTHORIZED
         return None
+
+
+_UNAUTHORIZED = Denied(
+    401, "unauthorized", "missing or wrong x-unbroken-token (or /t/<token>/ prefix)"
+)
+_KEY_UNAUTHORIZED = Denied(
+    401,
+    "unauthorized",
+    "this route injects the relay's API key: send the relay's token as x-unbroken-token "
+    "(or a /t/<token>/ prefix); `unbroken serve` logs the file that holds it",
+)
+
+
+def _same(given: str | None, expected: bytes) -> bool:
+    """``given`` is the token, compared in constant time."""
+    if given is None:
+        return False
+    try:
+        candidate = given.encode("utf-8", "surrogateescape")
+    except UnicodeError:
+        return False
+    return hmac.compare_digest(candidate, expected)

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import resource
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -286,7 +285,35 @@ class GuardedRunner(web.AppRunner):
         )
 
 
-_installed: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+class _AcceptLogLimiter:
+    """The loop's exception handler: ``accept()`` failures once a minute, the rest to
+    the handler it replaced."""
+
+    def __init__(self, previous: Callable[..., object] | None) -> None:
+        self.previous = previous
+        self.last = float("-inf")
+        self.since = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", ""))
+        if "accept()" in message and "out of system resource" in message:
+            self.since += 1
+            now = loop.time()
+            if now - self.last >= LOG_EVERY_S:
+                exc = context.get("exception")
+                reason = getattr(exc, "strerror", None) or type(exc).__name__
+                log.error(
+                    "accept() failed: out of system resources (%s); new connections wait. "
+                    "%d such failure(s) since the last report; reported once a minute",
+                    reason,
+                    self.since,
+                )
+                self.last, self.since = now, 0
+            return
+        if self.previous is not None:
+            self.previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
 
 
 def install_accept_log_limiter(loop: asyncio.AbstractEventLoop) -> None:
@@ -296,32 +323,9 @@ def install_accept_log_limiter(loop: asyncio.AbstractEventLoop) -> None:
     through the loop's exception handler, with a traceback; under a connection
     flood that is thousands of lines.  Other reports go to the previous handler.
     """
-    if loop in _installed:
-        return
-    _installed.add(loop)
     previous = loop.get_exception_handler()
-    state = {"last": float("-inf"), "since": 0}
-
-    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        message = str(context.get("message", ""))
-        if "accept()" in message and "out of system resource" in message:
-            state["since"] += 1
-            now = loop.time()
-            if now - state["last"] >= LOG_EVERY_S:
-                exc = context.get("exception")
-                reason = getattr(exc, "strerror", None) or type(exc).__name__
-                log.error(
-                    "accept() failed: out of system resources (%s); new connections wait. "
-                    "%d such failure(s) since the last report; reported once a minute",
-                    reason,
-                    state["since"],
-                )
-                state["last"], state["since"] = now, 0
-            return
-        if previous is not None:
-            previous(loop, context)
-        else:
-            loop.default_exception_handler(context)
-
+    if isinstance(previous, _AcceptLogLimiter):
+        return  # installed on this loop already
+    handler = _AcceptLogLimiter(previous)
     with contextlib.suppress(RuntimeError):
         loop.set_exception_handler(handler)

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -53,6 +53,7 @@ from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.protocols.gemini import is_stream_path
 from unbroken.core.ratehead import parse_rate_headers
 from unbroken.core.ratelimit import max_output_of
+from unbroken.core.shared import SharedBounds
 from unbroken.core.sse import Event
 from unbroken.core.turn import (
     AbortUpstream,
@@ -86,6 +87,7 @@ from unbroken.relay.upstream import (
     patched_body,
     raw_query,
     redact,
+    redacted_chunks,
     request_headers,
     response_headers,
     strip_key_param,
@@ -176,6 +178,8 @@ class Relay:
         self.config = config
         #: the keys and the token: redacted from any error answer that echoes them
         self.secrets = config.secrets()
+        #: the relay's token: cut out of every header forwarded upstream
+        self.token = config.token or config.key_token
         #: the health of every upstream (breakers, cool-offs), consulted by every turn
         self.board = HealthBoard(
             config.health, pace=config.retry.pace_settings(), rate=config.ratelimit
@@ -185,7 +189,11 @@ class Relay:
         self.clock = clock
         #: shares the board with other processes: in-process, a workers' channel, or Redis
         self.store: HealthStore = make_store(
-            self.board, config.health.store, channel_dir=channel_dir, worker=worker
+            self.board,
+            config.health.store,
+            channel_dir=channel_dir,
+            worker=worker,
+            bounds=SharedBounds.of(config.health, config.retry.max_retry_after_ms),
         )
         #: breaker transitions: (route, upstream, kind) -> count
         self.transitions: dict[tuple[str, str, str], int] = {}
@@ -345,7 +353,9 @@ class Relay:
         headers_for: Callable[[Upstream], CIMultiDict[str]] | None,
     ) -> None:
         up = route.upstreams[cancel.upstream]
-        headers, query = continuation_headers(request, up, ("content-type", "content-encoding"))
+        headers, query = continuation_headers(
+            request, up, ("content-type", "content-encoding"), token=self.token
+        )
         if headers_for is not None:
             headers = headers_for(up)
         url = upstream_url(up, cancel.path, query)
@@ -455,7 +465,12 @@ class _Running:
 
 
 def continuation_headers(
-    request: web.Request, up: Any, drop: Sequence[str], *, anthropic: bool = False
+    request: web.Request,
+    up: Any,
+    drop: Sequence[str],
+    *,
+    anthropic: bool = False,
+    token: str | None = None,
 ) -> tuple[CIMultiDict[str], str]:
     """The headers (credentials as for the turn's attempts, ``drop`` removed) and the
     client's query (``api-version`` on Azure, a Gemini key stripped) for a
@@ -464,7 +479,7 @@ def continuation_headers(
     query = raw_query(request)
     if up.api_key is not None:
         query, _ = strip_key_param(query)
-    headers = request_headers(request.headers, up, anthropic=anthropic)
+    headers = request_headers(request.headers, up, anthropic=anthropic, token=token)
     for name in drop:
         headers.popall(name, None)
     return headers, query
@@ -660,10 +675,19 @@ class HttpAttempt:
         self.sink = _GONE
 
     async def run(
-        self, action: Open | Resume, method: str, url: URL, headers: CIMultiDict[str], body: bytes
+        self,
+        action: Open | Resume,
+        method: str,
+        url: URL,
+        headers: CIMultiDict[str],
+        body: bytes,
+        *,
+        key: str | None = None,
     ) -> Action:
         """The attempt, up to the machine's next action.  The caller has armed the
-        watchdog for whatever is timed while it connects (early headers, keepalives)."""
+        watchdog for whatever is timed while it connects (early headers, keepalives).
+        ``key``: the relay's key the request carries, if any: any body the upstream
+        answers is redacted of it on its way through (an error's, of every secret)."""
         machine = self.machine
         try:
             async with asyncio.timeout(action.timeout_s):
@@ -689,9 +713,9 @@ class HttpAttempt:
             )
             self.watchdog.arm()
             if type(answer) is Stream:
-                return await self._stream(resp)
+                return await self._stream(resp, key)
             if type(answer) is PassThrough:
-                return await self._pass_through(resp)
+                return await self._pass_through(resp, key)
             if type(answer) is ReadErrorBody or type(answer) is FinalInStream:
                 return await self._error_body(resp, final=type(answer) is FinalInStream)
             return answer  # a 1xx: the machine already decided what follows
@@ -728,8 +752,10 @@ class HttpAttempt:
         data = b"".join(chunks)[:MAX_ERROR_BODY]
         return redact(data, self.secrets) if self.secrets else data
 
-    async def _stream(self, resp: aiohttp.ClientResponse) -> Action:
-        """Read an SSE body through the machine; release what it releases."""
+    async def _stream(self, resp: aiohttp.ClientResponse, key: str | None) -> Action:
+        """Read an SSE body through the machine; release what it releases.  ``key``: the
+        relay's key went with the request: echoed anywhere in the stream, it is
+        redacted before the machine sees it (across chunk boundaries)."""
         machine = self.machine
         sink = self.sink
         sink.answer(resp.status, response_headers(resp.headers, keep_length=False))
@@ -738,8 +764,11 @@ class HttpAttempt:
         loop_time = self.loop.time
         release, write = sink.release, sink.release_body
         rearm_on_first_frame = True
+        chunks: AsyncIterator[bytes] = resp.content.iter_any()
+        if key is not None:
+            chunks = redacted_chunks(chunks, Redactor((key,)))
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in chunks:
                 now = loop_time()
                 if verbatim:
                     data = feed_verbatim(now, chunk)
@@ -764,12 +793,18 @@ class HttpAttempt:
             return machine.transport_failed(loop_time(), _classify(exc))
         return machine.body_ended(loop_time())
 
-    async def _pass_through(self, resp: aiohttp.ClientResponse) -> Action:
+    async def _pass_through(self, resp: aiohttp.ClientResponse, key: str | None) -> Action:
         """Forward a non-SSE body as it arrives; the first byte out commits."""
         machine = self.machine
-        # An error answer may echo the injected key: it is redacted on its way through
-        # (the length may change, so it goes out chunked).  Success bodies pass as they are.
-        redactor = Redactor(self.secrets) if self.secrets and resp.status >= 400 else None
+        # An error answer may echo a secret, and any answer to a request that carried the
+        # relay's key may echo that key: it is redacted on its way through (the length
+        # may change, so it goes out chunked).  Other bodies pass as they are.
+        # (The upstream knows only the key it was sent: a success is searched for that
+        # one, an error for every secret, as before.)
+        if self.secrets and resp.status >= 400:
+            redactor: Redactor | None = Redactor(self.secrets)
+        else:
+            redactor = Redactor((key,)) if key is not None else None
         keep_length = "content-length" in resp.headers and redactor is None
         self.sink.answer(resp.status, response_headers(resp.headers, keep_length=keep_length))
         loop_time = self.loop.time
@@ -918,6 +953,7 @@ class _HttpTurn:
             now=self.loop.time(),
             report=self.report,
             clock=self.loop.time,
+            wall_clock=time.time,
             profile=self.profile,
         )
         info.held = self._held
@@ -1030,18 +1066,23 @@ class _HttpTurn:
             up,
             anthropic=self.protocol.anthropic_errors,
             gemini=keyed or self.protocol is GEMINI,
+            token=self.relay.token,
         )
         url = upstream_url(up, self.rest, query)
         if action.body_patch:
             body = patched_body(body, action.body_patch)
-        return self.upstream.run(action, req.method, url, headers, body)
+        return self.upstream.run(action, req.method, url, headers, body, key=up.api_key)
 
     def _resume(self, action: Resume) -> Awaitable[Action]:
         """A continuation's request: the machine's method, path and body, with the
         turn's headers (credentials as for any attempt) changed as it says."""
         up = self.route.upstreams[action.upstream]
         headers, query = continuation_headers(
-            self.request, up, action.drop_headers, anthropic=self.protocol.anthropic_errors
+            self.request,
+            up,
+            action.drop_headers,
+            anthropic=self.protocol.anthropic_errors,
+            token=self.relay.token,
         )
         for name, value in action.set_headers:
             headers[name] = value
@@ -1050,7 +1091,7 @@ class _HttpTurn:
         body = action.body
         if up.models and body:  # a prefill continuation's body names the client's model
             body = body_for(body, loads_object(body), up)
-        return self.upstream.run(action, action.method, url, headers, body)
+        return self.upstream.run(action, action.method, url, headers, body, key=up.api_key)
 
     def _send_cancels(self) -> None:
         self.relay.send_cancels(self.route, self.request, self.machine.take_cancels())

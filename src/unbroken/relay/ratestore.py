@@ -20,6 +20,13 @@ Redis unreachable or slower than the budget (250 ms): the limiter's buckets stop
 being shared and refill locally again (each relay paces alone; a 429 then still
 blocks its key and halves its window), and they are shared again with the next
 report once the store is back.  A turn never waits on Redis itself.
+
+What Redis holds is checked like the rest of the shared state (`unbroken.core.shared`):
+a bucket whose fields are not finite numbers (or a key of another type) counts as
+unknown, so the next report overwrites it; a level is kept within ``[-limit, limit]``
+and a bucket's time never ahead of Redis's own clock; a lease is at most what was
+asked and its wait at most ``MAX_RETRY_S``.  An error answer from Redis is garbage,
+logged once a minute, never an outage.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any
 
 from unbroken.core.health import HealthBoard
 from unbroken.core.ratelimit import Limiter
+from unbroken.core.shared import Garbage, lease_grant
 
 __all__ = ["RateShare"]
 
@@ -48,10 +56,25 @@ MAX_RETRY_S = 1.0
 _NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function num(x)
+  local v = tonumber(x)
+  if v == nil or v ~= v or v == math.huge or v == -math.huge then return nil end
+  return v
+end
+-- a bucket's fields, validated: nil when it is not one of ours (unknown: taught again)
+local function bucket(k)
+  if redis.call('TYPE', k).ok ~= 'hash' then return nil end
+  local h = redis.call('HMGET', k, 'limit', 'rate', 'level', 't')
+  local limit, rate, level, at = num(h[1]), num(h[2]), num(h[3]), num(h[4])
+  if not (limit and rate and level and at) or limit <= 0 or rate < 0 then return nil end
+  at = math.min(at, now)
+  return limit, rate, math.max(-limit, math.min(limit, level)), at
+end
 """
 
 #: KEYS: the buckets; ARGV: most requests wanted, each bucket's cost per request, ttl ms.
-#: Returns {granted requests, seconds until one more is there} ({-1, 0}: unknown bucket).
+#: Returns {granted requests, seconds until one more is there} ({-1, 0}: unknown bucket;
+#: {-2, 0}: a key there that is not a valid bucket, taught again like an unknown one).
 TAKE = (
     _NOW
     + """
@@ -60,10 +83,9 @@ local ttl = tonumber(ARGV[#ARGV])
 local state = {}
 local wait = 0
 for i, k in ipairs(KEYS) do
-  local h = redis.call('HMGET', k, 'limit', 'rate', 'level', 't')
-  if not h[1] then return {-1, '0'} end
-  local limit, rate = tonumber(h[1]), tonumber(h[2])
-  local level = math.min(limit, tonumber(h[3]) + math.max(0, now - tonumber(h[4])) * rate)
+  local limit, rate, old, at = bucket(k)
+  if not limit then return {redis.call('EXISTS', k) == 1 and -2 or -1, '0'} end
+  local level = math.min(limit, old + (now - at) * rate)
   local cost = math.min(tonumber(ARGV[i + 1]), limit)
   state[i] = {level, cost}
   if cost > 0 then
@@ -82,22 +104,25 @@ return {n, tostring(wait)}
 )
 
 #: KEYS: one bucket; ARGV: limit, rate, the level the provider's report implies, ttl ms.
+#: Returns 1 when it replaced a key that was not a valid bucket, else 0.
 LEARN = (
     _NOW
     + """
 local k = KEYS[1]
 local limit, rate, value = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local h = redis.call('HMGET', k, 'limit', 'rate', 'level', 't')
+local olimit, orate, olevel, at = bucket(k)
 local level = value
-if h[1] then
-  local old = math.min(tonumber(h[1]),
-    tonumber(h[3]) + math.max(0, now - tonumber(h[4])) * tonumber(h[2]))
-  level = math.min(old, value)
+local replaced = 0
+if olimit then
+  level = math.min(math.min(olimit, olevel + (now - at) * orate), value)
+elseif redis.call('EXISTS', k) == 1 then
+  redis.call('DEL', k)  -- garbage (or another type): this report replaces it
+  replaced = 1
 end
 redis.call('HSET', k, 'limit', tostring(limit), 'rate', tostring(rate),
   'level', tostring(level), 't', tostring(now))
 redis.call('PEXPIRE', k, tonumber(ARGV[4]))
-return tostring(level)
+return replaced
 """
 )
 
@@ -117,11 +142,16 @@ class RateShare:
         *,
         is_up: Callable[[], bool],
         on_error: Callable[[BaseException], None],
+        on_garbage: Callable[[Garbage], None] | None = None,
     ) -> None:
         self.board = board
         self.redis = redis
         self.is_up = is_up
         self.on_error = on_error
+        self.on_garbage = on_garbage
+        from redis.exceptions import ResponseError
+
+        self._response_error: type[Exception] = ResponseError
         self._take = redis.register_script(TAKE)
         self._learn = redis.register_script(LEARN)
         #: (limiter, bucket) -> the report version pushed to Redis
@@ -205,6 +235,10 @@ class RateShare:
             raise
         except TimeoutError:
             self.unshare(lim)  # slow: pace locally until the next report
+        except self._response_error:  # Redis answered, with an error: garbage there
+            self.unshare(lim)
+            if self.on_garbage is not None:
+                self.on_garbage(Garbage.WRONG_TYPE)
         except Exception as exc:
             self.unshare(lim)
             self.on_error(exc)
@@ -225,7 +259,11 @@ class RateShare:
             else:  # sharing it (again): what this relay reckons is left now
                 b.refill(asyncio.get_running_loop().time())
                 value = b.level
-            await self._learn(keys=[self._name(lim, n)], args=[b.limit, b.rate, value, TTL_MS])
+            replaced = await self._learn(
+                keys=[self._name(lim, n)], args=[b.limit, b.rate, value, TTL_MS]
+            )
+            if replaced == 1 and self.on_garbage is not None:
+                self.on_garbage(Garbage.VALUE)
             self._pushed[(id(lim), n)] = b.version
             if not b.shared:
                 b.shared = True
@@ -243,7 +281,9 @@ class RateShare:
         got, wait = await self._take(
             keys=[self._name(lim, n) for n in names], args=[want, *costs, TTL_MS]
         )
-        got, wait = int(got), float(wait)
+        if got == -2 and self.on_garbage is not None:
+            self.on_garbage(Garbage.VALUE)
+        got, wait = lease_grant(got, wait, want, MAX_RETRY_S)
         if got < 0:  # the fleet forgot the bucket (expired, Redis restarted): teach it
             for n in names:
                 self._pushed.pop((id(lim), n), None)

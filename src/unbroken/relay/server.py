@@ -26,10 +26,10 @@ from aiohttp import web
 from unbroken import __version__
 from unbroken.config import Config, Route, bind_problem
 from unbroken.observe.guard import Guarded
-from unbroken.observe.health import Health
 from unbroken.observe.hooks import Hooks, LogHooks, MultiHooks
 from unbroken.observe.journal import Journal, journal_path
 from unbroken.observe.metrics import CONTENT_TYPE_LATEST, Metrics
+from unbroken.observe.outcomes import Health
 from unbroken.observe.status import StatusTracker
 from unbroken.relay.access import Access, Denied, Target, parse_target
 from unbroken.relay.connections import (
@@ -41,9 +41,9 @@ from unbroken.relay.connections import (
 )
 from unbroken.relay.http import CleanStream, Relay
 from unbroken.relay.logfilter import install_log_filter
+from unbroken.relay.siblings import WorkerSpec, read_worker_status, write_worker_status
 from unbroken.relay.upstream import redact
 from unbroken.relay.websocket import handle_websocket, is_websocket_request
-from unbroken.relay.workers import WorkerSpec, read_worker_status, write_worker_status
 
 __all__ = ["RelayServer", "build_app", "serve", "tune_gc"]
 
@@ -306,7 +306,7 @@ class RelayServer:
             self.relay.cooloffs,
             breakers=self.relay.health_view,
         )
-        self.hooks.hooks.append(self.health)
+        self.hooks.add(self.health)
         self.journal: Journal | None = None
         if config.journal.enabled:
             self.journal = Journal(
@@ -317,9 +317,9 @@ class RelayServer:
         self.status = StatusTracker(inflight, self.health.snapshot, extra=self._status_extra)
         for observer in (self.status, self.metrics, self.journal):
             if observer is not None:
-                self.hooks.hooks.append(Guarded(observer))
+                self.hooks.add(Guarded(observer))
         if hooks is not None:
-            self.hooks.hooks.append(hooks)
+            self.hooks.add(hooks)
         self.app = build_app(
             self.relay, {"/status": self._get_status, "/metrics": self._get_metrics}
         )

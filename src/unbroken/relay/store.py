@@ -12,7 +12,8 @@ applies theirs to the local board:
 
       unbroken:K:breaker          an open breaker; PX = the time it stays open
       unbroken:K:cooloff          a Retry-After or quota cool-off; PX = its length
-      unbroken:K:probe            the half-open probe's owner (SET NX PX)
+      unbroken:K:probe            the half-open probe's owner (SET NX PX; a script
+                                  shortens another's lease that is longer than ours)
       unbroken:K:n:<bucket>:ok    attempts per window bucket (INCR + EXPIRE)
       unbroken:K:n:<bucket>:fail
       unbroken:K:waiters          relays with turns in K's line: origin -> until (ms)
@@ -26,15 +27,20 @@ applies theirs to the local board:
   used).  The same read says how many relays have turns waiting in an upstream's
   line, and each splits the pacer's floor with them, so a dead upstream gets the
   floor from the whole fleet, not from every relay (a relay alone keeps all of it).
-  When Redis is unreachable the relay keeps serving on local state, logs one
-  warning per minute, reports ``degraded``, reconnects by itself, and then writes its
-  local state back so the fleet shares it again.
+  When Redis is unreachable (an error, or no answer for 3 s: a stalled server) the
+  relay keeps serving on local state, logs it once, reports ``degraded``, reconnects
+  by itself (a dropped connection is retried at once, without degrading), logs once
+  that Redis is back, and writes its local state back so the fleet shares it again.
+  Everything read (TTLs, values, counts, marks, messages) is validated and clamped
+  to this relay's own bounds by `unbroken.core.shared`: a key that outlives them is
+  shortened, garbage is logged once a minute per kind and never degrades the store.
 * `ChannelStore`: what ``unbroken serve --workers N`` uses when no Redis is
   configured.  Each worker binds a Unix datagram socket in the supervisor's runtime
   directory and sends every change to its siblings' sockets (no broker, nothing to
   start, a dead sibling costs one failed ``sendto``); the half-open probe is owned by
   whoever creates ``probe-<hash>`` there first (``O_CREAT|O_EXCL``, expiring like
-  ``PX``).  A worker that (re)starts asks its siblings for their state.
+  ``PX``).  A worker that (re)starts asks its siblings for their state.  A datagram
+  is at most 4 KiB and schema-checked like a Redis message (`unbroken.core.shared`).
 """
 
 from __future__ import annotations
@@ -54,6 +60,23 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.health import Breaker, Change, HealthBoard
+from unbroken.core.redact import redact_url
+from unbroken.core.shared import (
+    MAX_DATAGRAM,
+    Garbage,
+    KeyReading,
+    Link,
+    Message,
+    Rejected,
+    SharedBounds,
+    Throttle,
+    escape,
+    fleet_share,
+    parse_message,
+    read_breaker,
+    read_cooloff,
+    read_count,
+)
 from unbroken.relay.ratestore import RateShare
 
 __all__ = ["ChannelStore", "HealthStore", "RedisStore", "make_store"]
@@ -63,12 +86,33 @@ log = logging.getLogger("unbroken")
 CHANNEL = "unbroken:health"
 PREFIX = "unbroken:"
 READ_BUDGET_S = 0.05
+#: after a read that ran out of budget, the next one may take this long
+SLOW_BUDGET_S = 0.5
 RESYNC_S = 1.0
+#: no answer from Redis for this long (a stalled server): degraded
+SILENT_S = 3.0
 #: a relay's mark in an upstream's ``waiters`` hash lasts this long unless renewed
 WAITERS_TTL_MS = 3000
 #: the floor is split among at most this many relays (a bound on garbage in Redis)
 MAX_SHARE = 1000
 WARN_EVERY_S = 60.0
+#: a key that outlives this relay's bound is shortened to it (never lengthened)
+SHORTEN = """
+local t = redis.call('PTTL', KEYS[1])
+if t == -1 or t > tonumber(ARGV[1]) then return redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return 0
+"""
+#: the half-open probe: SET NX PX; another's lease that outlives ours (or has no
+#: expiry: garbage) is shortened to ours.  Returns {1 mine | 0 not, its PTTL}.
+PROBE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {1, tonumber(ARGV[2])} end
+local t = redis.call('PTTL', KEYS[1])
+if t == -1 or t > tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  t = tonumber(ARGV[2])
+end
+return {0, math.max(t, 0)}
+"""
 
 
 class HealthStore:
@@ -76,11 +120,22 @@ class HealthStore:
 
     kind = "memory"
 
-    def __init__(self, board: HealthBoard, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        board: HealthBoard,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        bounds: SharedBounds | None = None,
+    ):
         self.board = board
         self.clock = clock
         self.origin = uuid.uuid4().hex[:12]
         self.up = True
+        #: what shared state may impose on this relay (its own config's bounds)
+        self.bounds = bounds or SharedBounds.of(board.settings, 60_000)
+        self._throttle = Throttle(WARN_EVERY_S)
+        #: garbage ignored, per kind (for tests and /status)
+        self.garbage: dict[str, int] = {}
         self.board.listeners.append(self._on_change)
 
     async def start(self) -> None:
@@ -104,37 +159,48 @@ class HealthStore:
 
     # -- helpers for the shared stores ---------------------------------------------------
     def _encode(self, change: Change) -> bytes:
+        ttl = min(max(change.ttl_s, 0.0), self.bounds.bound(change.kind, change.reason))
         return json.dumps(
             {
                 "o": self.origin,
                 "k": change.key,
                 "kind": change.kind,
-                "ttl": change.ttl_s,
-                "r": change.reason,
+                "ttl": ttl,
+                "r": escape(change.reason),
                 "n": change.reopens,
             }
         ).encode()
 
-    def _apply_message(self, data: bytes | str) -> dict[str, Any] | None:
-        try:
-            msg = json.loads(data)
-            if msg.get("o") == self.origin:
-                return None
-            if msg.get("kind") in ("open", "close", "cooloff"):
-                self.board.apply(
-                    Change(
-                        str(msg["k"]),
-                        str(msg["kind"]),
-                        float(msg.get("ttl", 0.0)),
-                        str(msg.get("r", "")),
-                        int(msg.get("n", 0)),
-                    ),
-                    self.clock(),
-                )
-            return msg  # type: ignore[no-any-return]
-        except (ValueError, KeyError, TypeError, AttributeError):
-            log.warning("health store: ignored a malformed message")
+    def _ignored(self, why: Garbage, where: str) -> None:
+        """Garbage from shared state: counted, logged at most once a minute per kind."""
+        self.garbage[why.value] = self.garbage.get(why.value, 0) + 1
+        if why is not Garbage.UNKNOWN_KEY and self._throttle.allow(why.value, self.clock()):
+            log.warning(
+                "health store: ignored %s from %s (%s; logged once a minute)",
+                why.value,
+                self.kind,
+                escape(where),
+            )
+
+    def _apply_message(self, data: bytes | str, where: str = "a message") -> Message | None:
+        """Validate and apply a peer's message (`core.shared.parse_message`)."""
+        msg = parse_message(data, self.bounds, self.board.records)
+        if isinstance(msg, Rejected):
+            self._ignored(msg.why, where)
             return None
+        if msg.origin == self.origin:
+            return None
+        if msg.clamped:
+            self._ignored(Garbage.TTL, where)
+        if msg.change is not None:
+            self.board.apply(msg.change, self.clock())
+        return msg
+
+    def _apply_reading(self, reading: KeyReading, where: str) -> None:
+        if reading.garbage is not None:
+            self._ignored(reading.garbage, where)
+        if reading.change is not None:
+            self.board.apply(reading.change, self.clock())
 
     def _local_changes(self) -> list[Change]:
         """The board's live opens and cool-offs, as changes (to re-share them)."""
@@ -146,20 +212,6 @@ class HealthStore:
             if rec.cooloff_until > now:
                 out.append(Change(key, "cooloff", rec.cooloff_until - now, rec.cooloff_reason))
         return out
-
-
-class _Warner:
-    """One warning per minute while a store is degraded."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self.last = -WARN_EVERY_S
-
-    def warn(self, message: str, *args: Any) -> None:
-        now = self.clock()
-        if now - self.last >= WARN_EVERY_S:
-            self.last = now
-            log.warning(message, *args)
 
 
 class RedisStore(HealthStore):
@@ -174,10 +226,15 @@ class RedisStore(HealthStore):
         *,
         clock: Callable[[], float] = time.monotonic,
         retry_s: float = 0.5,
+        bounds: SharedBounds | None = None,
     ) -> None:
-        super().__init__(board, clock=clock)
+        super().__init__(board, clock=clock, bounds=bounds)
         try:
             import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+            from redis.exceptions import ConnectionError as RedisConnectionError
+            from redis.exceptions import ResponseError
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise RuntimeError(
                 "[health] store is a redis:// URL but the redis client is not installed: "
@@ -185,30 +242,53 @@ class RedisStore(HealthStore):
             ) from exc
         self.url = url
         self.retry_s = retry_s
+        #: a server's error reply (WRONGTYPE, a script's error): garbage, not an outage
+        self._response_error: type[Exception] = ResponseError
+        # A pooled connection that died (a restart, CLIENT KILL) is retried once on a
+        # new one: a stale connection is not an outage.
         self.redis = aioredis.Redis.from_url(
-            url, socket_connect_timeout=1.0, socket_timeout=2.0, retry_on_timeout=False
+            url,
+            socket_connect_timeout=1.0,
+            socket_timeout=2.0,
+            retry_on_timeout=False,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
+        self._shorten = self.redis.register_script(SHORTEN)
+        self._probe = self.redis.register_script(PROBE)
+        self.link = Link(SILENT_S)
         self.up = False
-        self.degraded_since: float | None = None
+        self._subscribed = False
+        self._quick_at = float("-inf")
+        self._slow = False
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=10_000)
         self._tasks: list[asyncio.Task[None]] = []
         self._probes: dict[str, tuple[bool, float]] = {}  # key -> (mine, until)
         self._asking: set[str] = set()
         self._side: set[asyncio.Future[None]] = set()
-        self._warner = _Warner(clock)
         self.fleet: dict[str, tuple[int, int]] = {}  # key -> (ok, failed) over the window
         self.board.probe_gate = self._probe_gate
         #: the providers' rate-limit budgets, one per key across the fleet (leases)
         self.rates: RateShare | None = None
         if board.rates.settings.enabled:
-            self.rates = RateShare(board, self.redis, is_up=lambda: self.up, on_error=self._degrade)
+            self.rates = RateShare(
+                board,
+                self.redis,
+                is_up=lambda: self.up,
+                on_error=self._degrade,
+                on_garbage=lambda why: self._ignored(why, "a rate-limit key"),
+            )
+
+    @property
+    def degraded_since(self) -> float | None:
+        return self.link.degraded_since
 
     def status(self) -> dict[str, Any]:
-        host = self.url.split("@")[-1]  # never a password
         return {
             "kind": self.kind,
             "state": "ok" if self.up else "degraded",
-            "url": host if "://" in host else f"redis://{host}",
+            "url": redact_url(self.url),  # never a password (userinfo or ?password=)
+            #: values from Redis ignored or clamped, per kind (`core.shared.Garbage`)
+            "ignored": dict(sorted(self.garbage.items())),
             #: the fleet's attempts over the window, per upstream: [ok, failed]
             "fleet_window": {k: list(v) for k, v in sorted(self.fleet.items()) if any(v)},
             #: rate-limit budgets shared through Redis, and the leases taken
@@ -255,21 +335,24 @@ class RedisStore(HealthStore):
                     await self._write_count(*item)
             except asyncio.CancelledError:
                 raise
+            except self._response_error:
+                self._ignored(Garbage.WRONG_TYPE, "a write")  # a key that is not ours
             except Exception as exc:
                 self._degrade(exc)
 
     async def _write_change(self, change: Change) -> None:
         k = PREFIX + change.key
+        # never longer than this relay's bounds (what it learned was clamped already)
+        bound = self.bounds.bound(change.kind, change.reason)
+        ttl_ms = max(1, int(min(change.ttl_s, bound) * 1000))
         pipe = self.redis.pipeline(transaction=False)
         if change.kind == "open":
-            pipe.set(f"{k}:breaker", change.reopens, px=max(1, int(change.ttl_s * 1000)))
+            pipe.set(f"{k}:breaker", change.reopens, px=ttl_ms)
             pipe.delete(f"{k}:probe")
         elif change.kind == "close":
             pipe.delete(f"{k}:breaker", f"{k}:probe")
         elif change.kind == "cooloff":
-            pipe.set(
-                f"{k}:cooloff", change.reason or "cooloff", px=max(1, int(change.ttl_s * 1000))
-            )
+            pipe.set(f"{k}:cooloff", change.reason or "cooloff", px=ttl_ms)
         pipe.publish(CHANNEL, self._encode(change))
         await pipe.execute()
 
@@ -300,10 +383,14 @@ class RedisStore(HealthStore):
     async def _ask_probe(self, key: str, ttl_s: float) -> None:
         try:
             async with asyncio.timeout(READ_BUDGET_S * 4):
-                got = await self.redis.set(
-                    f"{PREFIX}{key}:probe", self.origin, nx=True, px=int(ttl_s * 1000)
+                got = await self._probe(
+                    keys=[f"{PREFIX}{key}:probe"], args=[self.origin, max(1, int(ttl_s * 1000))]
                 )
-            self._probes[key] = (bool(got), self.clock() + 5.0)
+            # another's lease (never longer than ours: PROBE shortens it) ends at its PTTL
+            mine, left_ms = read_count(got[0])[0] == 1, read_count(got[1])[0]
+            self._probes[key] = (mine, self.clock() + (5.0 if mine else min(5.0, left_ms / 1000)))
+        except TimeoutError:  # slow, not gone: this relay probes (the reads tell the rest)
+            self._probes[key] = (True, self.clock() + 5.0)
         except Exception as exc:
             self._degrade(exc)
             self._probes[key] = (True, self.clock() + 5.0)
@@ -318,46 +405,66 @@ class RedisStore(HealthStore):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                now = self.clock()
+                if self._subscribed and self.up and now - self._quick_at > RESYNC_S:
+                    # The session's connection dropped (a killed client, a restart):
+                    # reconnect at once; only a reconnection that fails degrades.
+                    self._subscribed, self._quick_at = False, now
+                    continue
                 self._degrade(exc)
+            self._subscribed = False
             await asyncio.sleep(self.retry_s)
 
     async def _session(self) -> None:
+        self._subscribed = False
         async with asyncio.timeout(2.0):
             await self.redis.ping()
         pubsub = self.redis.pubsub()
         try:
-            await pubsub.subscribe(CHANNEL)
+            async with asyncio.timeout(2.0):
+                await pubsub.subscribe(CHANNEL)
+            self._subscribed = True
             self._back()
-            await self._resync(budget=1.0)
+            await self._read(budget=1.0)
             next_sync = self.clock() + RESYNC_S
             while True:
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.25)
                 if msg is not None and msg.get("type") == "message":
-                    self._apply_message(msg["data"])
+                    self._apply_message(msg["data"], "the channel")
                 if self.clock() >= next_sync:
                     next_sync = self.clock() + RESYNC_S
-                    # A writer's failure (a stale connection after a restart, say) marks
-                    # the store degraded while this session still reads: a read that
-                    # succeeds brings it back, so sharing never stops for good.
-                    if await self._resync(budget=READ_BUDGET_S) and not self.up:
-                        self._back()
+                    # A writer's failure (a stale connection, a stall) marks the store
+                    # degraded while this session still reads: a read that succeeds
+                    # brings it back, so sharing never stops for good.
+                    await self._read(budget=SLOW_BUDGET_S if self._slow else READ_BUDGET_S)
         finally:
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                async with asyncio.timeout(1.0):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def _read(self, *, budget: float) -> None:
+        """One re-read: an answer keeps (or brings) the store up; silence for
+        ``SILENT_S`` (a stalled Redis) degrades it."""
+        self._slow = not await self._resync(budget=budget)
+        if not self._slow:
+            self._back()
+        elif self.link.silent(self.clock()):
+            self._degraded_now(TimeoutError(f"no answer for {SILENT_S:g}s"))
 
     def _back(self) -> None:
         """Redis answers again: share again (logged once per outage)."""
-        was_down = self.degraded_since is not None
-        self.up = True
-        self.degraded_since = None
-        if was_down:
+        back = self.link.answered(self.clock())
+        was_up, self.up = self.up, True
+        if back:
             log.warning("health store: redis is back (%s)", self.status()["url"])
-        for change in self._local_changes():  # share what we learned meanwhile
-            self.publish(change)
+        if not was_up:
+            for change in self._local_changes():  # share what we learned meanwhile
+                self.publish(change)
 
     async def _resync(self, *, budget: float) -> bool:
         """Re-read every known upstream's keys; past ``budget`` seconds keep local state.
-        True when Redis answered."""
+        True when Redis answered.  Each value is validated (`core.shared`): garbage
+        is ignored, a TTL beyond this relay's bounds is clamped and the key shortened."""
         keys = list(self.board.records)
         if not keys:
             return True
@@ -385,51 +492,83 @@ class RedisStore(HealthStore):
             )
         try:
             async with asyncio.timeout(budget):
-                res = await pipe.execute()
+                # a key of the wrong type answers an error for its command only
+                res = await pipe.execute(raise_on_error=False)
         except TimeoutError:
             return False  # slow Redis: local state stands until the next read
         now = self.clock()
         for i, key in enumerate(keys):
-            _, _, waiters, b_ttl, b_val, c_ttl, c_val, counts = res[i * 8 : (i + 1) * 8]
+            mark, _, waiters, b_ttl, b_val, c_ttl, c_val, counts = res[i * 8 : (i + 1) * 8]
+            k = PREFIX + key
+            if isinstance(mark, Exception) or isinstance(waiters, Exception):
+                # not a hash (we renew its TTL every second): it would never go away
+                self._ignored(Garbage.WRONG_TYPE, f"{k}:waiters")
+                self._spawn_write(self.redis.delete(f"{k}:waiters"))
+                waiters = None
             self._share(key, waiters, wall_ms)
-            if isinstance(b_ttl, int) and b_ttl > 0:
-                reopens = int(b_val or 0)
-                self.board.apply(Change(key, "open", b_ttl / 1000.0, "fleet", reopens), now)
-            if isinstance(c_ttl, int) and c_ttl > 0:
-                reason = c_val.decode() if isinstance(c_val, bytes) else str(c_val or "")
-                self.board.apply(Change(key, "cooloff", c_ttl / 1000.0, reason), now)
-            nums = [int(x) if x is not None else 0 for x in counts]
-            ok, failed = self.fleet[key] = (sum(nums[:10]), sum(nums[10:]))
+            for name, reading in (
+                ("breaker", read_breaker(key, b_ttl, b_val, self.bounds)),
+                ("cooloff", read_cooloff(key, c_ttl, c_val, self.bounds)),
+            ):
+                self._apply_reading(reading, f"{k}:{name}")
+                if reading.shorten_ms is not None:
+                    self._spawn_write(
+                        self._shorten(keys=[f"{k}:{name}"], args=[reading.shorten_ms])
+                    )
+            nums = []
+            if isinstance(counts, list):
+                for x in counts:
+                    n, bad = read_count(x)
+                    nums.append(n)
+                    if bad:
+                        self._ignored(Garbage.VALUE, f"{k}:n")
+            else:
+                self._ignored(Garbage.WRONG_TYPE, f"{k}:n")
+            nums += [0] * (20 - len(nums))
+            ok, failed = self.fleet[key] = (sum(nums[:10]), sum(nums[10:20]))
             self.board.fleet_window(key, ok, failed, now)
         return True
+
+    def _spawn_write(self, coro: Any) -> None:
+        """A repair in the background (shortening a key, removing a garbage one)."""
+
+        async def run() -> None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await coro
+
+        task = asyncio.ensure_future(run())
+        self._side.add(task)
+        task.add_done_callback(self._side.discard)
 
     def _share(self, key: str, waiters: Any, wall_ms: int) -> None:
         """How many relays have turns in ``key``'s line (this one counts itself): the
         pacer's floor is split among them.  Garbage counts as nobody."""
-        n = 0
-        if isinstance(waiters, dict):
-            for until in waiters.values():
-                try:
-                    if int(until) > wall_ms:
-                        n += 1
-                except (TypeError, ValueError):
-                    continue
+        n, garbage = fleet_share(waiters, wall_ms, WAITERS_TTL_MS, MAX_SHARE)
+        if garbage:
+            self._ignored(Garbage.VALUE, f"{PREFIX}{key}:waiters")
         pacer = self.board.pacers.get(key)
         if pacer is not None:
-            pacer.share = min(max(n, 1), MAX_SHARE)
+            pacer.share = n
 
     def _degrade(self, exc: BaseException) -> None:
-        if self.up or self.degraded_since is None:
-            self.degraded_since = self.clock()
+        """An operation failed for want of Redis."""
+        if isinstance(exc, self._response_error):  # Redis answered: garbage, not an outage
+            self._ignored(Garbage.WRONG_TYPE, type(exc).__name__)
+            return
+        self._degraded_now(exc)
+
+    def _degraded_now(self, exc: BaseException) -> None:
         self.up = False
         if self.rates is not None:
             self.rates.unshare_all()  # local pacing until Redis is back
-        self._warner.warn(
-            "health store degraded: redis unreachable (%s: %s); serving on local state, "
-            "reconnecting",
-            type(exc).__name__,
-            exc,
-        )
+        if self.link.failed(self.clock()):
+            log.warning(
+                "health store degraded: redis unreachable (%s: %s); serving on local state, "
+                "reconnecting",
+                type(exc).__name__,
+                escape(str(exc)),
+            )
 
 
 class ChannelStore(HealthStore):
@@ -444,8 +583,9 @@ class ChannelStore(HealthStore):
         worker: int,
         *,
         clock: Callable[[], float] = time.monotonic,
+        bounds: SharedBounds | None = None,
     ) -> None:
-        super().__init__(board, clock=clock)
+        super().__init__(board, clock=clock, bounds=bounds)
         self.dir = Path(directory)
         self.worker = worker
         self.path = self.dir / f"w{worker}.sock"
@@ -453,7 +593,12 @@ class ChannelStore(HealthStore):
         self.board.probe_gate = self._probe_gate
 
     def status(self) -> dict[str, Any]:
-        return {"kind": self.kind, "state": "ok", "worker": self.worker}
+        return {
+            "kind": self.kind,
+            "state": "ok",
+            "worker": self.worker,
+            "ignored": dict(sorted(self.garbage.items())),
+        }
 
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -498,16 +643,19 @@ class ChannelStore(HealthStore):
 
     def _readable(self) -> None:
         sock = self.sock
-        while sock is not None:
+        if sock is None:
+            return
+        # at most 256 datagrams per wake-up: a flood cannot hold the event loop
+        for _ in range(256):
             try:
-                data = sock.recv(65536)
+                data = sock.recv(MAX_DATAGRAM + 1)  # longer: cut, and rejected as oversized
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return
-            msg = self._apply_message(data)
-            if msg is not None and msg.get("kind") == "hello":
-                peer = str(self.dir / f"w{int(msg.get('w', -1))}.sock")
+            msg = self._apply_message(data, "a datagram")
+            if msg is not None and msg.worker is not None:  # a sibling's hello
+                peer = str(self.dir / f"w{msg.worker}.sock")
                 for change in self._local_changes():
                     self._send(self._encode(change), to=peer)
 
@@ -544,10 +692,12 @@ def make_store(
     *,
     channel_dir: str | None = None,
     worker: int | None = None,
+    bounds: SharedBounds | None = None,
 ) -> HealthStore:
-    """The store ``[health] store`` names (workers without one share a local channel)."""
+    """The store ``[health] store`` names (workers without one share a local channel);
+    ``bounds``: the local config's limits on what the others may impose."""
     if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisStore(board, url)
+        return RedisStore(board, url, bounds=bounds)
     if channel_dir is not None and worker is not None:
-        return ChannelStore(board, channel_dir, worker)
-    return HealthStore(board)
+        return ChannelStore(board, channel_dir, worker, bounds=bounds)
+    return HealthStore(board, bounds=bounds)

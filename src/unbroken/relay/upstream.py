@@ -12,7 +12,7 @@ import functools
 import gzip
 import json
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -22,6 +22,7 @@ from yarl import URL
 
 from unbroken.config import CREDENTIAL_HEADERS, Upstream
 from unbroken.core.protocols.base import loads_object
+from unbroken.core.redact import REDACTED_PART
 from unbroken.relay.access import CACHED_TARGET
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "parse_body",
     "raw_query",
     "redact",
+    "redacted_chunks",
     "request_headers",
     "response_headers",
     "strip_key_param",
@@ -74,6 +76,7 @@ def request_headers(
     *,
     anthropic: bool,
     gemini: bool = False,
+    token: str | None = None,
 ) -> CIMultiDict[str]:
     """Headers for the upstream request: hop-by-hop dropped, identity encoding, key injected.
 
@@ -86,7 +89,8 @@ def request_headers(
     Gemini API (``gemini``: a Gemini path, or a client that sent its key as
     ``?key=``, which `strip_key_param` removes) it is always ``x-goog-api-key``: the
     API takes a key there, and a bearer token only for OAuth.
-    The relay's ``x-unbroken-token`` is never forwarded.
+    The relay's ``x-unbroken-token`` is never forwarded, and its ``token`` is cut out of
+    any other header that carries it (a ``Referer`` of a ``/t/<token>/`` URL, say).
     """
     out: CIMultiDict[str] = CIMultiDict()
     connection_tokens = {
@@ -96,6 +100,8 @@ def request_headers(
         low = k.lower()
         if low in _DROP_REQUEST or low in connection_tokens:
             continue
+        if token is not None and token in v:
+            v = v.replace(token, REDACTED_PART)
         out.add(k, v)
     out["Accept-Encoding"] = "identity"
     key = upstream.api_key
@@ -301,16 +307,19 @@ def redact(body: bytes, secrets: Iterable[str]) -> bytes:
 class Redactor:
     """`redact` for a body that arrives in chunks (a secret may straddle two).
 
-    ``feed`` returns what can be sent now; it holds back the last
-    ``len(longest secret) - 1`` bytes until the next chunk or ``flush``.  With no
-    secret it returns every chunk unchanged and holds nothing.
+    ``feed`` returns what can be sent now; it holds back only the end of the data
+    that could be the start of a secret (the longest suffix that is a prefix of
+    one), until the next chunk or ``flush``: an SSE chunk that ends its event with a
+    blank line is sent whole.  With no secret it returns every chunk unchanged.
     """
 
-    __slots__ = ("_keep", "_needles", "_tail")
+    __slots__ = ("_bytes", "_needles", "_tail")
 
     def __init__(self, secrets: Iterable[str]) -> None:
         self._needles = _needles(secrets)
-        self._keep = max((len(n) for n in self._needles), default=1) - 1
+        #: every byte value of every secret: data that ends in another byte (an SSE
+        #: chunk ends in a newline) cannot end with the start of one
+        self._bytes = frozenset(b for n in self._needles for b in n)
         self._tail = b""
 
     @property
@@ -322,19 +331,63 @@ class Redactor:
         if not self._needles:
             return chunk
         data = self._tail + chunk if self._tail else chunk
+        cut = self._cut(data) if data and data[-1] in self._bytes else len(data)
+        if cut < len(data):
+            self._tail = data[cut:]
+            data = data[:cut]
+        else:
+            self._tail = b""
         for needle in self._needles:
             if needle in data:
                 data = data.replace(needle, _REDACTED)
-        if len(data) <= self._keep:
-            self._tail = data
-            return b""
-        cut = len(data) - self._keep
-        self._tail = data[cut:]
-        return data[:cut]
+        return data
+
+    def _cut(self, data: bytes) -> int:
+        """Where what may be sent now ends: before the longest end of ``data`` that could
+        begin a secret, and before any secret that would straddle that point."""
+        n = len(data)
+        cut = n
+        for needle in self._needles:  # the longest end that is the start of a secret
+            # A candidate of 3 bytes or more starts with the secret's first 3 (rare in
+            # text: one search); one of 1 or 2 bytes is the very end of the data.
+            head = needle[:3]
+            i = data.find(head, max(0, n - len(needle) + 1))
+            while 0 <= i < cut:
+                if needle.startswith(data[i:]):
+                    cut = i
+                    break
+                i = data.find(head, i + 1)
+            if cut > n - 2 and data.endswith(needle[:2]):
+                cut = n - 2
+            elif cut > n - 1 and data.endswith(needle[:1]):
+                cut = n - 1
+        moved = cut < n
+        while moved:  # a whole secret across the cut: hold it back whole
+            moved = False
+            for needle in self._needles:
+                i = data.find(needle, max(0, cut - len(needle) + 1))
+                if 0 <= i < cut:
+                    cut, moved = i, True
+        return cut
 
     def flush(self) -> bytes:
         tail, self._tail = self._tail, b""
+        for needle in self._needles:
+            if needle in tail:
+                tail = tail.replace(needle, _REDACTED)
         return tail
+
+
+async def redacted_chunks(chunks: AsyncIterator[bytes], redactor: Redactor) -> AsyncIterator[bytes]:
+    """``chunks`` with every secret of ``redactor`` redacted (what might begin one waits
+    for the next chunk)."""
+    async for chunk in chunks:
+        out = redactor.feed(chunk)
+        if out:
+            yield out
+    tail = redactor.flush()
+    if tail:
+        yield tail
 
 
 class UpstreamClient:

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -210,7 +211,7 @@ def abort_websocket(ws: aiohttp.ClientWebSocketResponse[Any]) -> None:
         transport.abort()
 
 
-def ws_messages(events: Sequence[Event], *, sse: bool) -> list[bytes]:
+def as_messages(events: Sequence[Event], *, sse: bool) -> list[bytes]:
     """What the machine released, as WebSocket text messages (boundaries kept)."""
     if sse:
         return [e.data.encode() for e in events if e.data is not None]
@@ -361,7 +362,7 @@ class _Connection:
             abort_websocket(ws)
 
     def headers_for(self, up: Upstream) -> CIMultiDict[str]:
-        headers = request_headers(self.request.headers, up, anthropic=False)
+        headers = request_headers(self.request.headers, up, anthropic=False, token=self.relay.token)
         for k in list(headers):
             if k.lower() in _WS_HOP:
                 del headers[k]
@@ -482,6 +483,7 @@ class _WsTurn:
             now=now,
             report=self.report,
             clock=conn.loop.time,
+            wall_clock=time.time,
             profile=profile,
             socket=True,  # keepalives, for a profile that wants them, are messages
         )
@@ -586,7 +588,7 @@ class _WsTurn:
                 if isinstance(exc, TimeoutError):
                     failure = Failure(FailureClass.HEADER_TIMEOUT, "no handshake in time")
                 return self.machine.open_failed(conn.loop.time(), failure)
-        return await self._over_websocket(ws)
+        return await self._over_websocket(ws, key=up.api_key)
 
     def _start_fallback(self, reason: str) -> None:
         conn = self.conn
@@ -603,7 +605,7 @@ class _WsTurn:
             # A profile whose idle timer counts messages, not pings (Codex): the
             # keepalive event's data as a message, which its parser ignores.
             with contextlib.suppress(ConnectionError):
-                self.conn.send(ws_messages(SSESplitter().feed(action.data), sse=True))
+                self.conn.send(as_messages(SSESplitter().feed(action.data), sse=True))
             return
         # A WebSocket turn has no early headers (the socket is open); the other timed
         # action is a stall: abort the upstream at once.
@@ -613,7 +615,9 @@ class _WsTurn:
         self.http.abort()
 
     # -- over a WebSocket ---------------------------------------------------------------
-    async def _over_websocket(self, ws: aiohttp.ClientWebSocketResponse[Any]) -> Action:
+    async def _over_websocket(
+        self, ws: aiohttp.ClientWebSocketResponse[Any], *, key: str | None = None
+    ) -> Action:
         conn, machine = self.conn, self.machine
         if self.response_id is not None:
             # A replay: the failed attempt's response is over; late events of it are
@@ -636,6 +640,7 @@ class _WsTurn:
         self.reading_ws = ws
         self.watchdog.arm()
         secrets = self.relay.secrets
+        needle = key.encode() if key is not None else None
         loop_time = conn.loop.time
         rearm = True
         try:
@@ -646,8 +651,12 @@ class _WsTurn:
                     label = f"websocket closed ({code})" if code else "websocket error"
                     return machine.transport_failed(loop_time(), Failure(FailureClass.RESET, label))
                 data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
-                if secrets and data.find(b'"error"') >= 0:  # (`core.sse.CR`: not `in`)
-                    data = redact(data, secrets)  # an error that echoes the injected key
+                # An error may echo a secret; any message on a socket the relay's key
+                # opened may echo that key (a message is whole: no straddling).
+                if secrets and data.find(b'"error"') >= 0:  # (not `in`: `core.sse.CR`)
+                    data = redact(data, secrets)
+                elif needle is not None and needle in data:
+                    data = redact(data, (key or "",))
                 text = data.decode("utf-8", "replace")
                 if self._not_ours(text, data):
                     continue
@@ -702,7 +711,7 @@ class _WsTurn:
             # an in-stream error after output: the released frame is our native error
             self.conn.send(ws_error_messages(b"".join([e.raw for e in released])))
             return
-        self.conn.send(ws_messages(released, sse=sse))
+        self.conn.send(as_messages(released, sse=sse))
         if not self.completed:
             self._remember(released, sse=sse)
 
@@ -736,7 +745,9 @@ class _WsTurn:
         headers["Accept"] = "text/event-stream"
         url = upstream_url(up, conn.rest, raw_query(conn.request))
         self.watchdog.arm()
-        return await self.http.run(action, "POST", url, headers, json.dumps(body).encode())
+        return await self.http.run(
+            action, "POST", url, headers, json.dumps(body).encode(), key=up.api_key
+        )
 
     async def _resume(self, action: Resume) -> Action:
         """A continuation of the cut HTTP attempt, over HTTP: its frames go to the client
@@ -752,7 +763,7 @@ class _WsTurn:
         query = f"{action.query}&{query}" if query else action.query
         url = upstream_url(up, action.path, query)
         self.watchdog.arm()
-        return await self.http.run(action, action.method, url, headers, action.body)
+        return await self.http.run(action, action.method, url, headers, action.body, key=up.api_key)
 
     def _send_cancels(self) -> None:
         conn = self.conn

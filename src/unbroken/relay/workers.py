@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -32,25 +31,17 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from unbroken.config import Config
+from unbroken.relay.server import RelayServer, tune_gc
+from unbroken.relay.siblings import WorkerSpec
 
-__all__ = ["WorkerSpec", "read_worker_status", "serve_workers", "write_worker_status"]
+__all__ = ["serve_workers"]
 
 log = logging.getLogger("unbroken")
 
 STATUS_EVERY_S = 1.0
-STATUS_FRESH_S = 5.0
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerSpec:
-    """Who a worker is: its number, and the supervisor's runtime directory."""
-
-    id: int
-    runtime_dir: str
 
 
 def _reserve_port(host: str, port: int) -> socket.socket:
@@ -167,8 +158,6 @@ def _worker_main(config: Config, spec: WorkerSpec, started: Any, holder_fd: int)
 
 
 async def _worker_serve(config: Config, spec: WorkerSpec, ready: Callable[[], None]) -> int:
-    from unbroken.relay.server import RelayServer, tune_gc
-
     server = RelayServer(config, worker=spec)
     await server.start()
     tune_gc()
@@ -193,28 +182,3 @@ async def _worker_serve(config: Config, spec: WorkerSpec, ready: Callable[[], No
             with contextlib.suppress(asyncio.CancelledError):
                 await cleanup
     return 0
-
-
-def write_worker_status(spec: WorkerSpec, data: dict[str, Any]) -> None:
-    """Write this worker's ``/status`` summary where its siblings read it (atomically)."""
-    path = Path(spec.runtime_dir) / f"status-{spec.id}.json"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-def read_worker_status(spec: WorkerSpec) -> list[dict[str, Any]]:
-    """Every worker's latest summary (fresh ones only), this one's included."""
-    out = []
-    now = time.time()
-    for path in sorted(Path(spec.runtime_dir).glob("status-*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and now - float(data.get("now", 0)) <= STATUS_FRESH_S:
-            out.append(data)
-    return out

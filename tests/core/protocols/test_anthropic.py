@@ -295,7 +295,7 @@ def test_error_frame_shape() -> None:
     assert AnthropicClassifier().classify(e) == (ERR | RETRY, 0)
     assert b"message_stop" not in raw
     clf = ANTHROPIC.new_classifier()
-    assert ANTHROPIC.error_frame("x", clf, None) == error_frame("x")
+    assert ANTHROPIC.error_frame("x", clf, None, 1.0) == error_frame("x")
 
 
 def test_error_body_is_anthropic_style() -> None:

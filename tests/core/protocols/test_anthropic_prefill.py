@@ -396,7 +396,7 @@ def test_request_refusals(request_: dict[str, Any], refusal: Refusal | None) -> 
 
 def test_the_plan_extends_a_client_prefill_and_trims_whitespace() -> None:
     committed = Committed("one two \n", 0, 1, {"input_tokens": 4})
-    request = {
+    request: dict[str, Any] = {
         "stream": True,
         "messages": [
             {"role": "user", "content": "q"},
@@ -407,7 +407,8 @@ def test_the_plan_extends_a_client_prefill_and_trims_whitespace() -> None:
     assert isinstance(p, Plan)
     assert p.prefill == "Answer:one two"
     assert p.shown_ws == " \n"
-    assert p.body["messages"][-1]["content"] == [{"type": "text", "text": "Answer:one two"}]
+    body: Any = p.body
+    assert body["messages"][-1]["content"] == [{"type": "text", "text": "Answer:one two"}]
     assert request["messages"][-1]["content"] == [
         {"type": "text", "text": "Answer:"}
     ]  # not mutated

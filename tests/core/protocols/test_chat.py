@@ -92,7 +92,10 @@ def run(events: list[Event]) -> list[tuple[int, int]]:
 def assert_table(rows: list[tuple[Event, int, int]]) -> None:
     got = run([r[0] for r in rows])
     want = [(r[1], r[2]) for r in rows]
-    pretty = lambda xs: [(kind_names(k), n) for k, n in xs]  # noqa: E731
+
+    def pretty(xs: list[tuple[int, int]]) -> list[tuple[str, int]]:
+        return [(kind_names(k), n) for k, n in xs]
+
     assert pretty(got) == pretty(want)
 
 
@@ -379,7 +382,7 @@ def test_error_frame_shape() -> None:
 
 def test_protocol_error_frame_and_body() -> None:
     clf = CHAT.new_classifier()
-    assert CHAT.error_frame("m", clf, None) == error_frame("m")
+    assert CHAT.error_frame("m", clf, None, 1.0) == error_frame("m")
     body = json.loads(CHAT.error_body("all failed"))
     assert body == {
         "error": {"message": "all failed", "type": "server_error", "code": "upstream_unavailable"}
@@ -416,7 +419,7 @@ def test_generic_classifier() -> None:
     assert clf.classify(event(b": hi\n\n")) == (C, 0)
     assert clf.classify(event(b"data: x\n\n")) == (UNK, 0)
     assert clf.classify(event(b"event: y\n\n")) == (UNK, 0)
-    raw = GENERIC.error_frame("boom", clf, None)
+    raw = GENERIC.error_frame("boom", clf, None, 1.0)
     ev = event(raw)
     assert ev.name == "error"
     assert json.loads(ev.data or "") == {"error": {"message": "boom"}}

@@ -146,7 +146,7 @@ def test_refusals_of_the_stream_and_the_request() -> None:
     assert read_committed(b"data: {nope\n\n") is Refusal.MALFORMED
     two = b'data: {"choices":[{"index":1,"delta":{"content":"x"}}]}\n\n'
     assert read_committed(two) is Refusal.CHOICES
-    ok = {"stream": True, "messages": [{"role": "user", "content": "q"}]}
+    ok: dict[str, Any] = {"stream": True, "messages": [{"role": "user", "content": "q"}]}
     assert request_refusal(ok, ChatPrefix.PREFIX) is None
     assert request_refusal({**ok, "stream": False}, ChatPrefix.PREFIX) is Refusal.NOT_STREAMED
     assert request_refusal({**ok, "n": 2}, ChatPrefix.PREFIX) is Refusal.CHOICES
@@ -177,7 +177,7 @@ def test_refusals_of_the_stream_and_the_request() -> None:
 
 
 def test_an_answer_that_does_not_repeat_the_prefix_breaks_the_join() -> None:
-    request = {"stream": True, "messages": [{"role": "user", "content": "q"}]}
+    request: dict[str, Any] = {"stream": True, "messages": [{"role": "user", "content": "q"}]}
     p = plan(request, Committed("Hello wor", "c1", 1), ChatPrefix.PREFIX_ECHO)
     assert isinstance(p, Plan)
     splicer = Splicer(p, ChatPrefix.PREFIX_ECHO)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from unbroken.core.ledger import Ledger
 from unbroken.core.protocols import RESPONSES, Kind, kind_names
 from unbroken.core.protocols.responses import (
     CLIENT_TOOL_ITEMS,
@@ -688,7 +689,7 @@ def test_created_snapshot_is_remembered() -> None:
     clf = ResponsesClassifier()
     clf.classify(s.ev("response.created", response=response_obj()))
     clf.classify(s.ev("response.in_progress", response=response_obj(id="resp_other")))
-    raw = RESPONSES.error_frame("cut", clf, b'data: {"sequence_number": 41}\n\n')
+    raw = RESPONSES.error_frame("cut", clf, b'data: {"sequence_number": 41}\n\n', 1.0)
     events = parse(raw)
     assert [e.name for e in events] == ["error", "response.failed"]
     error, failed = (json.loads(e.data or "") for e in events)
@@ -711,10 +712,23 @@ def test_created_snapshot_is_remembered() -> None:
 
 
 def test_error_frame_without_created_makes_up_an_id() -> None:
-    events = parse(error_frame("cut"))
+    events = parse(error_frame("cut", now=1_700_000_000.25))
     failed = json.loads(events[-1].data or "")
-    assert failed["response"]["id"].startswith("resp_")
+    assert failed["response"]["id"] == "resp_unbroken_1700000000250"
+    assert failed["response"]["created_at"] == 1_700_000_000  # the time passed in
     assert failed["response"]["status"] == "failed"
+
+
+def test_a_ledger_dates_its_error_with_the_wall_clock_it_was_given() -> None:
+    """The core reads no clock: a Responses turn cut after output, before any
+    ``response.created``, is dated by the clock the transport passes in."""
+    s = Stream()
+    ledger = Ledger(RESPONSES, wall_clock=lambda: 1_234_567.0)
+    released = ledger.feed_bytes(s.ev("response.output_text.delta", delta="hi"))
+    assert released  # output reached the client: committed
+    failed = json.loads(parse(ledger.failed("upstream cut"))[-1].data or "")
+    assert failed["response"]["created_at"] == 1_234_567
+    assert failed["response"]["id"] == "resp_unbroken_1234567000"
 
 
 @pytest.mark.parametrize(

@@ -61,8 +61,11 @@ class Protocol:
     #: stops parsing at one): every client then gets ``keepalive_event``
     comment_keepalive: bool = True
 
-    def error_frame(self, message: str, classifier: Classifier, last_raw: bytes | None) -> bytes:
-        """The protocol-native, retryable error event that ends a truncated turn."""
+    def error_frame(
+        self, message: str, classifier: Classifier, last_raw: bytes | None, now: float
+    ) -> bytes:
+        """The protocol-native, retryable error event that ends a truncated turn (``now``:
+        Unix time, for a Responses turn cut before its ``response.created``)."""
         if self is CHAT:
             return chat.error_frame(message)
         if self is ANTHROPIC:
@@ -77,6 +80,7 @@ class Protocol:
                 message,
                 snapshot=snapshot,
                 sequence_number=responses.next_sequence_number(last_raw),
+                now=now,
             )
         if self is BODY:
             return b""  # a plain body has no error frame: the shell aborts the connection

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from typing import Any
 
 from unbroken.core.protocols.base import (
@@ -254,6 +253,7 @@ def error_frame(
     *,
     snapshot: dict[str, Any] | None = None,
     sequence_number: int | None = None,
+    now: float,
 ) -> bytes:
     """The events that end a truncated Responses turn: ``error`` then ``response.failed``.
 
@@ -261,7 +261,8 @@ def error_frame(
     AI SDK's schema requires) and a nested ``error`` (what makes the openai SDK
     raise).  ``response.failed`` reuses the upstream ``response.created``
     snapshot, because the openai SDK's stream helper rejects a changed id.
-    See docs/protocols.md, section 6.
+    See docs/protocols.md, section 6.  ``now`` (Unix time, passed in: the core reads
+    no clock) dates a failed response that has no snapshot.
     """
     seq = 0 if sequence_number is None else sequence_number
     nested = {"type": "server_error", "code": "server_error", "message": message, "param": None}
@@ -274,9 +275,9 @@ def error_frame(
         "error": nested,
     }
     response: dict[str, Any] = dict(snapshot or {})
-    response.setdefault("id", f"resp_unbroken_{int(time.time() * 1000)}")
+    response.setdefault("id", f"resp_unbroken_{int(now * 1000)}")
     response.setdefault("object", "response")
-    response.setdefault("created_at", int(time.time()))
+    response.setdefault("created_at", int(now))
     response.update(
         status="failed",
         output=[],

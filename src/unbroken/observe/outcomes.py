@@ -1,4 +1,5 @@
-"""In-memory upstream health: recent outcomes per upstream, for status and metrics.
+"""Each upstream's recent outcomes (and its breaker, read off the board), for status
+and metrics.
 
 A `Hooks` observer: it learns from every attempt the relay reports.  What steers
 retries (cool-offs, circuit breakers) lives in the relay's health board
@@ -18,11 +19,11 @@ from typing import Any
 from unbroken.core.turn import NOT_UPSTREAM, UPSTREAM_ANSWERED
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
 
-__all__ = ["Health", "UpstreamHealth"]
+__all__ = ["Health", "UpstreamOutcomes"]
 
 
 @dataclass(slots=True)
-class UpstreamHealth:
+class UpstreamOutcomes:
     route: str
     upstream: str
     ok: int = 0
@@ -49,19 +50,19 @@ class Health(Hooks):
         breakers: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.breakers = breakers
-        self.upstreams: dict[tuple[str, str], UpstreamHealth] = {
-            (route, up): UpstreamHealth(route, up) for route, ups in routes.items() for up in ups
+        self.upstreams: dict[tuple[str, str], UpstreamOutcomes] = {
+            (route, up): UpstreamOutcomes(route, up) for route, ups in routes.items() for up in ups
         }
         self._index = {(route, up): i for route, ups in routes.items() for i, up in enumerate(ups)}
         self.cooloffs = cooloffs
         self.clock = clock
         self.wall = wall
 
-    def _get(self, route: str, upstream: str) -> UpstreamHealth:
+    def _get(self, route: str, upstream: str) -> UpstreamOutcomes:
         key = (route, upstream)
         h = self.upstreams.get(key)
         if h is None:
-            h = self.upstreams[key] = UpstreamHealth(route, upstream)
+            h = self.upstreams[key] = UpstreamOutcomes(route, upstream)
         return h
 
     def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:

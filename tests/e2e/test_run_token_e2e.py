@@ -1,0 +1,121 @@
+"""Issue 25 with each agent's real binary: `unbroken run` with a config whose route
+injects a key gives its private relay a random token, which that route needs, in the
+base URLs only the launched agent gets (``/t/<token>/``): the agent works through
+them, and the token reaches neither the provider nor the log.  Codex is the
+exception: its base URLs are on its command line, which other users can read, so it
+gets none (it does not use the keyed route).  ``tests/agents/test_run_token.py``
+checks that a process without the token, another Unix user's included, gets 401.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from agent_run import (
+    agent_text,
+    claude_argv,
+    claude_env,
+    claude_result,
+    codex_argv,
+    codex_home,
+    gemini_argv,
+    gemini_env,
+    run,
+    through_unbroken,
+)
+from oc_harness import Sandbox, fake_provider, opencode_bin, run_args, run_to_end, turn_requests
+
+from unbroken.agents.plan import TOKEN_NOTE
+from unbroken.mock import MockProvider
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+TEXT = "Hello from the mock provider."
+SPARE_KEY = "sk-spare-key-0123456789abcdef"
+
+
+def _keyed_config(tmp_path: Path, mock: MockProvider) -> Path:
+    """A user's config with a route that injects a key (not one the agent uses)."""
+    cfg = tmp_path / "unbroken.toml"
+    cfg.write_text(
+        "[journal]\nenabled = false\n"
+        f'[routes.spare]\nupstreams = [{{ url = "{mock.url}", api_key_env = "SPARE_KEY" }}]\n'
+    )
+    return cfg
+
+
+def _check(mock: MockProvider, log: str, *, in_url: bool = True) -> None:
+    """The relay had a token (a key is injected), in the agent's base URLs or not;
+    neither the provider nor the log saw it, nor the key."""
+    assert TOKEN_NOTE in log, log[-3000:]
+    assert ("in the agent's base URLs" in log) is in_url, log[-3000:]
+    assert re.search(r"relay on http://127\.0\.0\.1:\d+(\s|;|$)", log), log[-3000:]
+    assert "/t/" not in log and SPARE_KEY not in log
+    assert mock.requests
+    for req in mock.requests:
+        seen = req.path + json.dumps(dict(req.headers))
+        assert "/t/" not in seen and SPARE_KEY not in seen
+
+
+@pytest.mark.cli("claude")
+async def test_claude_code_through_a_private_relay_with_a_token(
+    tmp_path: Path, mock: MockProvider
+) -> None:
+    env = claude_env(tmp_path, mock.url, SPARE_KEY=SPARE_KEY)
+    cfg = _keyed_config(tmp_path, mock)
+    r = await run(through_unbroken(cfg, claude_argv("say hi")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    result = claude_result(r)
+    assert result.get("result") == TEXT and not result.get("is_error")
+    assert [q.path for q in mock.requests] == ["/v1/messages"]
+    _check(mock, r.stderr)
+
+
+@pytest.mark.cli("codex")
+async def test_codex_through_a_private_relay_with_a_token(
+    tmp_path: Path, mock: MockProvider
+) -> None:
+    env = {**codex_home(tmp_path, mock.url), "SPARE_KEY": SPARE_KEY}
+    cfg = _keyed_config(tmp_path, mock)
+    r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert agent_text(r).startswith(TEXT)
+    assert [q.path for q in mock.requests] == ["/v1/responses"]
+    _check(mock, r.stderr, in_url=False)  # Codex's URLs are in its argv: no token there
+
+
+@pytest.mark.cli("gemini")
+async def test_gemini_cli_through_a_private_relay_with_a_token(
+    tmp_path: Path, mock: MockProvider
+) -> None:
+    env = gemini_env(tmp_path, mock.url, SPARE_KEY=SPARE_KEY)
+    cfg = _keyed_config(tmp_path, mock)
+    r = await run(through_unbroken(cfg, gemini_argv("say hi")), env, tmp_path / "project")
+    assert r.code == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == TEXT
+    assert len(mock.requests) == 1 and mock.requests[0].path.endswith(":streamGenerateContent")
+    _check(mock, r.stderr)
+
+
+@pytest.mark.cli("opencode")
+async def test_opencode_through_a_private_relay_with_a_token(
+    tmp_path: Path, mock: MockProvider
+) -> None:
+    box = Sandbox(tmp_path / "box")
+    box.write_global_config(fake_provider(mock.url + "/v1"))
+    cfg = _keyed_config(tmp_path, mock)
+    argv = [sys.executable, "-m", "unbroken", "run", "--config", str(cfg), "--"]
+    finished = await run_to_end(
+        [*argv, str(opencode_bin()), *run_args()],
+        box,
+        limit_s=120,
+        extra_env={"SPARE_KEY": SPARE_KEY},
+    )
+    assert finished.code == 0, finished.stderr[-3000:]
+    assert finished.stdout.strip().endswith(TEXT)
+    assert len(turn_requests(mock)) == 1
+    _check(mock, finished.stderr)
