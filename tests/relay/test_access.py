@@ -34,6 +34,7 @@ def _access(
         ("/healthz", "healthz", "", "", None),
         ("/mock/v1/x?q=a/b?c", "mock", "v1/x", "q=a/b?c", None),
         ("/mock/v1/..x/x..", "mock", "v1/..x/x..", "", None),
+        ("/mock/v1/a;b=c/..x;y", "mock", "v1/a;b=c/..x;y", "", None),  # a parameter, no dots
     ],
 )
 def test_targets_split_raw(raw: str, name: str, rest: str, query: str, token: str | None) -> None:
@@ -58,6 +59,14 @@ def test_targets_split_raw(raw: str, name: str, rest: str, query: str, token: st
         "/mock/v1/./x",
         "/mock/..%2f..%2fadmin",  # decodes to ../.. upstream: the base path escape
         "/mock/v1/..%2Fadmin",
+        # path parameters: Tomcat and friends strip ";..." and then see "..": traversal
+        "/mock/..;/admin",
+        "/mock/v1/..;x=1/..;/admin",
+        "/mock/v1/.;/x",
+        "/mock/v1/%2e%2e;/admin",
+        "/mock/v1/..%3b/admin",
+        "/mock/v1/..%3B/..%3Bjsessionid=x/admin",
+        "/mock/v1/..;%2fadmin",
         "/mock/v1/caf\u00e9",
         "/mock/v1/%zz",
         "/mock/v1/%4",

@@ -42,6 +42,8 @@ CHECKED = {
     "_response": "websocket.py: a client WebSocket's handshake response (its headers)",
     "_conn": "websocket.py: a client WebSocket's connection (its transport, to abort)",
     "_drain_helper": "websocket.py: a RequestHandler waits for a slow client's buffer",
+    "_close_transport": "wslinger.py: a WebSocketResponse closes its TCP connection (lingered)",
+    "_req": "wslinger.py: a prepared WebSocketResponse's request (its transport)",
 }
 
 
@@ -257,6 +259,20 @@ def _private_names_used(path: Path) -> set[str]:
         ):
             used.add(n.args[1].value)
     return used
+
+
+def test_a_websocket_response_closes_its_connection_through_close_transport() -> None:
+    """`ClientSocket` overrides the one place aiohttp closes the TCP connection of a
+    server WebSocket, and reads the prepared request's transport from ``_req``."""
+    close_transport = web.WebSocketResponse._close_transport
+    source = inspect.getsource(close_transport)
+    assert "self._req" in source and ".transport.close()" in source
+    assert "self._close_transport()" in inspect.getsource(web.WebSocketResponse.close)
+    assert "self._close_transport()" in inspect.getsource(
+        web.WebSocketResponse._set_code_close_transport
+    )
+    assert "_req" in web.StreamResponse.__annotations__  # set by prepare(), None before
+    assert "self._req = request" in inspect.getsource(web.StreamResponse._start)
 
 
 def test_every_private_name_of_aiohttp_the_relay_uses_is_checked() -> None:

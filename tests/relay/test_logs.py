@@ -241,3 +241,65 @@ def test_filter_drops_bytes_and_unsafe_arguments() -> None:
     )
     assert SafeLogFilter().filter(record)
     assert CANARY not in record.getMessage() and "\n" not in record.getMessage()
+
+
+def _record(exc: BaseException) -> logging.LogRecord:
+    try:
+        raise exc
+    except BaseException:
+        return logging.LogRecord(
+            "aiohttp.server",
+            logging.ERROR,
+            __file__,
+            1,
+            "Error handling request from %s",
+            ("127.0.0.1",),
+            sys.exc_info(),
+        )
+
+
+def test_malformed_requests_are_one_line_a_minute_and_real_errors_stay() -> None:
+    from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+
+    now = [1000.0]
+    f = SafeLogFilter(clock=lambda: now[0])
+    first = _record(BadHttpMessage("bad"))
+    assert f.filter(first) and first.levelno == logging.WARNING
+    assert first.getMessage().startswith("Error handling request from 127.0.0.1 (BadHttpMessage)")
+    assert not any(f.filter(_record(LineTooLong("x", "8190"))) for _ in range(500))
+    for _ in range(3):  # a real server error is never rate-limited
+        real = _record(RuntimeError("boom"))
+        assert f.filter(real) and real.levelno == logging.ERROR
+        assert real.getMessage() == "Error handling request from 127.0.0.1 (RuntimeError)"
+    now[0] += 60
+    later = _record(BadHttpMessage("bad"))
+    assert f.filter(later) and "500 more since the last report" in later.getMessage()
+
+
+async def test_a_flood_of_malformed_requests_is_not_a_flood_of_log_lines(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[routes.mock]\nupstreams = [{ url = "http://127.0.0.1:9" }]\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
+    env.update(XDG_STATE_HOME=str(tmp_path / "state"))
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None
+    ready = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    m = re.search(r"http://127\.0\.0\.1:(\d+)", ready)
+    assert m, ready
+    port = int(m.group(1))
+    try:
+        for i in range(60):
+            await _send_raw(port, [b"GARBAGE\x01\r\n\r\n", b"GET / HTTP/1.1\r\nBad\r\n\r\n"][i % 2])
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/healthz") as r:
+            assert r.status == 200  # served on
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    lines = [line for line in err.decode().splitlines() if "aiohttp" in line]
+    assert len(lines) == 1, lines
+    assert "WARNING" in lines[0] and "malformed request" in lines[0]

@@ -332,6 +332,8 @@ async def test_path_and_query_go_upstream_still_encoded(capture, path, upstream_
         "/cap/..%2f..%2fadmin",  # escaped the upstream's base path, key attached
         "/cap/v1/%2e%2e/%2e%2e/admin",
         "/cap/../admin",
+        "/cap/..;/..;/admin",  # path-parameter traversal (Tomcat, Spring)
+        "/cap/v1/..%3B/admin",
         "/cap/v1/chat%00",  # a 500 and a traceback
         "/cap/v1/%0d%0aX-Evil:%201",
         "/cap/v1/%7f",

@@ -31,6 +31,23 @@ async def test_a_message_over_max_body_mb_is_refused_with_1009(mock):
         await server.stop()
 
 
+async def test_the_client_reads_1009_while_it_is_still_sending_the_oversized_message(mock):
+    """Closed at once, the socket's unread input made the kernel send a reset, which threw
+    away the close frame in the client's buffer: it saw 1006.  The relay now lingers."""
+    cfg = dataclasses.replace(make_config([{"url": mock.url}]), max_body_mb=0.01)  # 10 kB
+    server, _ = await start_relay(cfg)
+    try:
+        for size in (2_000_000, 8_000_000):
+            async with aiohttp.ClientSession() as s, s.ws_connect(_ws_url(server)) as ws:
+                await ws.send_str(json.dumps({**CREATE, "input": "x" * size}))
+                msg = await ws.receive(timeout=10)
+                assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+                assert ws.close_code == 1009, (size, msg)
+        assert mock.requests == []
+    finally:
+        await server.stop()
+
+
 async def test_too_many_queued_creates_close_the_socket_with_1008(mock):
     cfg = make_config([{"url": mock.url}], retry={"delay_ms": 60_000})
     cfg = dataclasses.replace(cfg, websocket_max_queued_messages=2)

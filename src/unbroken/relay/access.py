@@ -4,7 +4,8 @@ Every request passes, in this order:
 
 1. the request-target: origin-form only (``/path[?query]``), printable ASCII,
    well-formed ``%HH`` escapes, no control character (raw or escaped), no ``#``,
-   no ``.``/``..`` segment (raw or escaped): else **400**;
+   no ``.``/``..`` segment (raw or escaped, or before a ``;`` path parameter:
+   ``/..;/`` is ``/../`` to Tomcat and its kin): else **400**;
 2. the ``Host`` header: the bound address, ``localhost``, ``127.0.0.1`` or
    ``[::1]``, with the bound port, or a name in ``[server] allowed_hosts``: else
    **421** (this is what defeats DNS rebinding);
@@ -44,6 +45,9 @@ _ESCAPED_CTL = re.compile(r"%(?:[01][0-9A-Fa-f]|7[Ff])")
 _DOT = re.compile(r"(?:\.|%2[Ee]){1,2}")
 #: What an upstream may take for a path separator once it decodes: %2F, %5C.
 _ENCODED_SEP = re.compile(r"%2[Ff]|%5[Cc]")
+#: The start of a path parameter (``;x``, raw or escaped), which some back ends strip
+#: before they resolve dot segments.
+_PARAM = re.compile(r";|%3[Bb]")
 _WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
 
 
@@ -99,7 +103,11 @@ def _parse_target(raw: str) -> Target | Denied:
     if _ESCAPED_CTL.search(raw):
         return Denied(400, "invalid_request_target", "control character in the request-target")
     segments = path[1:].split("/")
-    if any(_DOT.fullmatch(part) for seg in segments for part in _ENCODED_SEP.split(seg)):
+    if any(
+        _DOT.fullmatch(_PARAM.split(part, 1)[0])
+        for seg in segments
+        for part in _ENCODED_SEP.split(seg)
+    ):
         # The upstream would resolve it and leave its base path, key attached.
         return Denied(400, "invalid_request_target", "'.' or '..' segment in the path")
     token: str | None = None

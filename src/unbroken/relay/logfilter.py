@@ -8,13 +8,21 @@ handling request" traceback too.  `SafeLogFilter`, attached to aiohttp's
 loggers, rewrites every record into one line: the message template with only
 safe arguments (numbers, peer addresses), and the exception's class name,
 never its text or traceback.  A client that went away is an INFO line.
+
+A malformed request (aiohttp's ``HttpProcessingError``: a bad request line,
+header or body framing) is the client's fault and costs an unauthenticated local
+process nothing to repeat, so it is a WARNING at most once a minute, with the
+count of those left out since the last one; every other error keeps its line.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+
+from aiohttp.http_exceptions import HttpProcessingError
 
 __all__ = ["AIOHTTP_LOGGERS", "SafeLogFilter", "install_log_filter"]
 
@@ -36,6 +44,8 @@ _GONE = (
     "CancelledError",
 )
 #: An argument kept as is: a peer address (IPv4/IPv6, optional port) or a number.
+#: A malformed request is reported at most once this often.
+MALFORMED_EVERY_S = 60.0
 _PEER = re.compile(r"\[?[0-9A-Fa-f:.]{2,45}\]?(?::\d{1,5})?")
 _BYTES_LITERAL = re.compile(r"""b(['"]).*?(?<!\\)\1""", re.S)
 
@@ -59,8 +69,21 @@ def _one_line(text: str) -> str:
 class SafeLogFilter(logging.Filter):
     """Rewrite a record so that no request byte (header line, body) can be in it."""
 
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._clock = clock
+        self._malformed_at = float("-inf")
+        self._malformed_since = 0
+
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        malformed = isinstance(exc, HttpProcessingError)
+        if malformed:
+            now = self._clock()
+            if now - self._malformed_at < MALFORMED_EVERY_S:
+                self._malformed_since += 1
+                return False
+            left_out, self._malformed_at, self._malformed_since = self._malformed_since, now, 0
         template = record.msg if isinstance(record.msg, str) else type(record.msg).__name__
         args = record.args
         safe: tuple[object, ...] | dict[str, object]
@@ -81,6 +104,12 @@ class SafeLogFilter(logging.Filter):
             if name in _GONE or isinstance(exc, ConnectionError):
                 record.levelno, record.levelname = logging.INFO, "INFO"
                 text = f"client went away: {text}"
+            elif malformed:
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
+                text = (
+                    f"{text}: a malformed request; {left_out} more since the last report "
+                    f"(reported once every {MALFORMED_EVERY_S:g} s)"
+                )
         record.msg, record.args = text, ()
         record.exc_info, record.exc_text, record.stack_info = None, None, None
         return True

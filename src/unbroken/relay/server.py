@@ -15,7 +15,6 @@ import gc
 import json
 import logging
 import os
-import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -41,8 +40,13 @@ from unbroken.relay.connections import (
 )
 from unbroken.relay.http import CleanStream, Relay
 from unbroken.relay.logfilter import install_log_filter
-from unbroken.relay.siblings import WorkerSpec, read_worker_status, write_worker_status
-from unbroken.relay.upstream import redact
+from unbroken.relay.siblings import (
+    WorkerSpec,
+    read_worker_status,
+    stop_signals,
+    write_worker_status,
+)
+from unbroken.relay.upstream import looped, redact
 from unbroken.relay.websocket import handle_websocket, is_websocket_request
 
 __all__ = ["RelayServer", "build_app", "serve", "tune_gc"]
@@ -216,6 +220,13 @@ async def _relay(
     request: web.Request, relay: Relay, route: Route, target: Target
 ) -> web.StreamResponse:
     rest = target.rest
+    if looped(request.headers):  # it came back through us: answer before holding anything
+        return _error(
+            508,
+            "loop_detected",
+            f"the request came back to this relay (route {route.name!r} leads to itself)",
+            "server_error",
+        )
     if is_websocket_request(request):
         if not rest.rstrip("/").endswith("responses"):
             return _error(
@@ -530,11 +541,12 @@ async def serve(
     ready: Callable[[str], None] | None = None,
     stop_event: asyncio.Event | None = None,
 ) -> int:
-    """Run until SIGINT/SIGTERM (or ``stop_event``), then shut down gracefully.
+    """Run until SIGINT/SIGTERM/SIGHUP (or ``stop_event``), then shut down gracefully.
 
     The first signal stops accepting and lets in-flight turns finish within
     ``grace_s``; a second one cuts the grace period short.  Either way the exit
-    status is 0.
+    status is 0.  SIGHUP (a closed terminal) drains like SIGTERM, unless it was
+    ignored at start (``nohup``); see `unbroken.relay.workers`.
     """
     server = RelayServer(config)
     await server.start()
@@ -546,7 +558,7 @@ async def serve(
     def _signal() -> None:
         (force if stop.is_set() else stop).set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in stop_signals():
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, _signal)
     if ready is not None:

@@ -11,16 +11,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STATUS_FRESH_S", "WorkerSpec", "read_worker_status", "write_worker_status"]
+__all__ = [
+    "STATUS_FRESH_S",
+    "WorkerSpec",
+    "read_worker_status",
+    "stop_signals",
+    "write_worker_status",
+]
 
 #: a sibling's summary older than this is not shown (its worker is gone or stuck)
 STATUS_FRESH_S = 5.0
 #: a sibling's summary larger than this is not read (it lists its turns in flight)
 STATUS_MAX_BYTES = 4 << 20
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that drain a relay, worker or not: SIGTERM, SIGINT, and SIGHUP unless
+    it was ignored when the process started (``nohup``: the user asked to outlive the
+    terminal).  SIGHUP drains rather than reloads: see `unbroken.relay.workers`."""
+    ignored = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    return (signal.SIGTERM, signal.SIGINT) + (() if ignored else (signal.SIGHUP,))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import secrets
 import zlib
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
@@ -29,10 +30,12 @@ __all__ = [
     "HOP_BY_HOP",
     "REDACTED",
     "TOKEN_HEADER",
+    "VIA",
     "Redactor",
     "UpstreamClient",
     "body_for",
     "decoded_body",
+    "looped",
     "parse_body",
     "raw_query",
     "redact",
@@ -50,6 +53,20 @@ REDACTED = "sk-…REDACTED"
 _REDACTED = REDACTED.encode()
 #: Secrets shorter than this are not searched for (they would match ordinary text).
 MIN_SECRET = 8
+#: This relay's entry in the ``Via`` header of what it forwards (RFC 9110 7.6.3): a
+#: random pseudonym per relay process (``--workers`` siblings fork after it is drawn,
+#: so one relay is one id).  A request that arrives carrying it has come back: a loop.
+VIA = f"1.1 unbroken-{secrets.token_hex(8)}"
+_VIA_ID = VIA.split(" ", 1)[1]
+
+
+def looped(incoming: Mapping[str, str] | CIMultiDictProxy[str]) -> bool:
+    """True if a request already passed through this relay (its ``Via`` names us)."""
+    if isinstance(incoming, CIMultiDictProxy):
+        return any(_VIA_ID in v for v in incoming.getall("via", ()))
+    via = incoming.get("via")
+    return via is not None and _VIA_ID in via
+
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus the ones the relay sets itself.
 HOP_BY_HOP = frozenset(
@@ -91,6 +108,8 @@ def request_headers(
     API takes a key there, and a bearer token only for OAuth.
     The relay's ``x-unbroken-token`` is never forwarded, and its ``token`` is cut out of
     any other header that carries it (a ``Referer`` of a ``/t/<token>/`` URL, say).
+    ``Via`` gets this relay's entry appended (`VIA`), the one header added: it is how
+    a loop is seen.
     """
     out: CIMultiDict[str] = CIMultiDict()
     connection_tokens = {
@@ -104,6 +123,8 @@ def request_headers(
             v = v.replace(token, REDACTED_PART)
         out.add(k, v)
     out["Accept-Encoding"] = "identity"
+    via = out.getall("via", None)
+    out["Via"] = f"{', '.join(via)}, {VIA}" if via else VIA
     key = upstream.api_key
     if key is not None:
         names = [*CREDENTIAL_HEADERS, *(h for h in upstream.key_headers if h not in _CRED)]
@@ -415,7 +436,9 @@ class UpstreamClient:
                     sock_connect=self.connect_timeout_s,
                     sock_read=None,
                 ),
-                skip_auto_headers=("User-Agent", "Content-Type"),
+                # nothing the client did not send: no default User-Agent, Content-Type,
+                # Accept (*/*) or Accept-Encoding (a WebSocket handshake's included)
+                skip_auto_headers=("User-Agent", "Content-Type", "Accept", "Accept-Encoding"),
                 trust_env=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
             )

@@ -68,6 +68,7 @@ from unbroken.observe.report import TurnReporter
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.http import HttpAttempt, Relay, Watchdog, session_id_of, sticky_key
 from unbroken.relay.upstream import raw_query, redact, request_headers, upstream_url
+from unbroken.relay.wslinger import ClientSocket
 
 __all__ = ["History", "handle_websocket", "is_websocket_request"]
 
@@ -241,7 +242,7 @@ class _Connection:
         self.route = route
         self.rest = rest
         s = self.cfg.stream
-        self.client = web.WebSocketResponse(
+        self.client = ClientSocket(
             autoping=True,
             heartbeat=s.keepalive_s,
             max_msg_size=max(int(self.cfg.max_body_bytes), 1),
@@ -268,6 +269,11 @@ class _Connection:
         #: the refusal of the socket `_open_first` tried: `connect` answers it once
         self.first_refused: _Refused | None = None
         self._flush_scheduled = False
+        #: permessage-deflate on the upstream hop when the client offered it (each hop
+        #: negotiates its own; the client's, on loopback, stays uncompressed: the relay
+        #: writes its frames itself)
+        offer = request.headers.get("sec-websocket-extensions", "")
+        self.deflate = 15 if "permessage-deflate" in offer.lower() else 0
 
     async def run(self) -> web.StreamResponse:
         await self._open_first()
@@ -298,6 +304,7 @@ class _Connection:
             with contextlib.suppress(asyncio.CancelledError):
                 await worker
             await self.drop_upstream()
+        await self.client.linger()  # after a 1009: until the client has read it
         return self.client
 
     async def _open_first(self) -> None:
@@ -366,6 +373,8 @@ class _Connection:
         for k in list(headers):
             if k.lower() in _WS_HOP:
                 del headers[k]
+        if "accept-encoding" not in self.request.headers:  # set for HTTP; not the client's
+            headers.popall("Accept-Encoding", None)
         if self.turn_state is not None:
             headers["x-codex-turn-state"] = self.turn_state
         return headers
@@ -387,7 +396,7 @@ class _Connection:
                     autoping=True,
                     heartbeat=s.keepalive_s,
                     max_msg_size=s.max_event_bytes,  # an oversized message fails the attempt
-                    compress=0,
+                    compress=self.deflate,  # the client offered it: so does its relay
                     decode_text=False,
                 )
         except aiohttp.WSServerHandshakeError as exc:
@@ -743,6 +752,7 @@ class _WsTurn:
         headers = conn.headers_for(up)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "text/event-stream"
+        headers["Accept-Encoding"] = "identity"
         url = upstream_url(up, conn.rest, raw_query(conn.request))
         self.watchdog.arm()
         return await self.http.run(

@@ -6,10 +6,16 @@
   Linux kernel spreads new connections over the workers.
 * **Supervision.**  The parent only watches: a worker that exits while the relay is
   not shutting down is restarted (with a growing pause if it keeps crashing).
-  SIGTERM or SIGINT is forwarded to every worker as SIGTERM, which drains it like a
-  single ``unbroken serve`` (in-flight turns finish within ``grace_s``); a second
-  signal is forwarded too and cuts the grace period short.  Workers ignore SIGINT
-  themselves, so a Ctrl-C in a terminal is one signal, not two.
+  SIGTERM, SIGINT or SIGHUP is forwarded to every worker as SIGTERM, which drains it
+  like a single ``unbroken serve`` (in-flight turns finish within ``grace_s``); a
+  second signal is forwarded as SIGUSR1, which cuts the grace period short.  Workers
+  ignore SIGINT and SIGHUP themselves and take a repeated SIGTERM as the same drain,
+  so a signal to the whole process group (Ctrl-C, a closed terminal, systemd's
+  ``KillMode=control-group``) is one signal, not two.  SIGHUP drains rather than
+  reloads: a closed terminal means "this relay's terminal is gone", and nothing
+  is reloadable in place; started under ``nohup`` (SIGHUP ignored) it stays ignored.
+  A worker whose supervisor dies without forwarding (SIGKILL) gets SIGTERM from the
+  kernel (``PR_SET_PDEATHSIG``) and drains instead of serving on unsupervised.
 * **Shared health.**  With ``[health] store = "redis://..."`` the workers share
   health through Redis like any fleet.  Without it they share it through a local
   channel in the supervisor's runtime directory (`unbroken.relay.store.ChannelStore`:
@@ -35,13 +41,15 @@ from typing import Any
 
 from unbroken.config import Config
 from unbroken.relay.server import RelayServer, tune_gc
-from unbroken.relay.siblings import WorkerSpec
+from unbroken.relay.siblings import WorkerSpec, stop_signals
 
 __all__ = ["serve_workers"]
 
 log = logging.getLogger("unbroken")
 
 STATUS_EVERY_S = 1.0
+#: sent by the supervisor to its workers on a second signal: stop waiting for turns
+FORCE_SIGNAL = signal.SIGUSR1
 
 
 def _reserve_port(host: str, port: int) -> socket.socket:
@@ -75,19 +83,23 @@ def serve_workers(config: Config, n: int, *, ready: Callable[[str], None] | None
     def start(i: int) -> None:
         p = ctx.Process(
             target=_worker_main,
-            args=(cfg, WorkerSpec(i, runtime), started, holder.fileno()),
+            args=(cfg, WorkerSpec(i, runtime), started, holder.fileno(), os.getpid()),
             name=f"unbroken-worker-{i}",
         )
         p.start()
         procs[i] = p
-
-    def on_signal(signum: int, frame: object) -> None:
-        state["signals"] += 1
-        for p in procs.values():
+        if state["signals"] and p.pid is not None:  # a signal came during the fork: it drains too
             with contextlib.suppress(ProcessLookupError, TypeError):
                 os.kill(p.pid, signal.SIGTERM)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def on_signal(signum: int, frame: object) -> None:
+        state["signals"] += 1
+        forward = signal.SIGTERM if state["signals"] == 1 else FORCE_SIGNAL
+        for p in procs.values():
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(p.pid, forward)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in stop_signals()}
     try:
         for i in range(n):
             start(i)
@@ -131,7 +143,8 @@ def serve_workers(config: Config, n: int, *, ready: Callable[[str], None] | None
                     pause,
                 )
                 time.sleep(pause)
-                start(i)
+                if not state["signals"]:  # a signal during the pause: no restart
+                    start(i)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -144,12 +157,31 @@ def serve_workers(config: Config, n: int, *, ready: Callable[[str], None] | None
     return 0
 
 
-def _worker_main(config: Config, spec: WorkerSpec, started: Any, holder_fd: int) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel for SIGTERM when the supervisor dies (Linux ``PR_SET_PDEATHSIG``)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return
+    if os.getppid() != parent:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _worker_main(
+    config: Config, spec: WorkerSpec, started: Any, holder_fd: int, supervisor: int
+) -> None:
     """A worker process: one relay on the shared port, drained on SIGTERM."""
+    # the supervisor forwards SIGINT and SIGHUP as SIGTERM: a group signal is one signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(FORCE_SIGNAL, signal.SIG_DFL)
     with contextlib.suppress(OSError):
         os.close(holder_fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards it as SIGTERM
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent(supervisor)
     try:
         code = asyncio.run(_worker_serve(config, spec, lambda: started.put(spec.id)))
     except KeyboardInterrupt:  # pragma: no cover
@@ -164,10 +196,15 @@ async def _worker_serve(config: Config, spec: WorkerSpec, ready: Callable[[], No
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
-    def on_term() -> None:
-        (force if stop.is_set() else stop).set()
+    # SIGTERM drains (again and again: the group's and the supervisor's are one);
+    # only the supervisor's second signal, FORCE_SIGNAL, cuts the grace period short
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
 
-    loop.add_signal_handler(signal.SIGTERM, on_term)
+    def on_force() -> None:
+        stop.set()
+        force.set()
+
+    loop.add_signal_handler(FORCE_SIGNAL, on_force)
     ready()
     try:
         await stop.wait()

@@ -1,0 +1,281 @@
+"""Signals to a real relay (issue 25): SIGHUP drains like SIGTERM, and so does a group signal.
+
+A closed terminal sends SIGHUP to the whole foreground process group: the
+supervisor and every worker at once (``os.killpg`` here).  systemd's default
+``KillMode=control-group`` does the same with SIGTERM.  Either way every stream
+in flight must finish whole, every worker must exit, and the supervisor's
+runtime directory must be gone.  ``nohup`` (SIGHUP ignored at start) still means
+"keep running".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from relay.test_health_relay import CHAT, PATH, until
+from unbroken.mock import MockProvider
+
+STREAM = {"deltas": 30, "chunk_delay_ms": 100, "count": 100}  # ~3 s streams
+
+
+class Relay:
+    def __init__(self, proc: asyncio.subprocess.Process, url: str, tmpdir: Path) -> None:
+        self.proc, self.url, self.tmpdir = proc, url, tmpdir
+
+    async def status(self) -> dict[str, Any]:
+        conn = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=conn) as s, s.get(self.url + "/status") as r:
+            return await r.json()  # type: ignore[no-any-return]
+
+
+async def start_relay(
+    tmp_path: Path, upstream: str, workers: int, *, ignore_hup: bool = False
+) -> Relay:
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(
+        "[server]\ngrace_s = 20\n[retry]\ndelay_ms = 5\n[journal]\nenabled = false\n"
+        f'[routes.mock]\nupstreams = [{{ url = "{upstream}" }}]\n'
+    )
+    tmpdir = tmp_path / "tmp"  # the supervisor's runtime directory is made here
+    tmpdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
+    env["TMPDIR"] = str(tmpdir)
+    argv = [sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"]
+    if workers > 1:
+        argv += ["--workers", str(workers)]
+    if ignore_hup:
+        argv = ["nohup", *argv]
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        start_new_session=True,  # its own process group, as a shell job has
+    )
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    m = re.search(r"http://127\.0\.0\.1:\d+", line)
+    assert m, line
+    return Relay(proc, m.group(0), tmpdir)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie awaiting its parent's wait counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def streams_in_flight(
+    relay: Relay, http: aiohttp.ClientSession, workers: int
+) -> tuple[list[asyncio.Future[bytes]], set[int]]:
+    """Streams open on every worker; returns them and the worker pids."""
+
+    async def stream() -> bytes:
+        async with http.post(relay.url + PATH, json=CHAT) as r:
+            assert r.status == 200
+            return await r.read()
+
+    futures = [asyncio.ensure_future(stream()) for _ in range(8)]
+    want = set(range(workers)) if workers > 1 else {None}
+    pids: set[int] = set()
+
+    async def on_all() -> bool:
+        data = await relay.status()
+        pids.update(w["pid"] for w in data.get("workers", []))
+        if workers <= 1:
+            return len(data["inflight"]) == len(futures)
+        return {t["worker"] for t in data["inflight"]} == want and len(pids) == workers
+
+    try:
+        await until(on_all, cap=10)
+    except AssertionError:  # the kernel put all 8 on one worker: add more
+        futures += [asyncio.ensure_future(stream()) for _ in range(8)]
+        await until(on_all, cap=10)
+    return futures, pids
+
+
+async def signal_and_check(
+    relay: Relay, mock: MockProvider, workers: int, sig: int, *, group: bool
+) -> None:
+    mock.script([STREAM])
+    conn = aiohttp.TCPConnector(force_close=True, limit=0)
+    pids: set[int] = set()
+    try:
+        async with aiohttp.ClientSession(connector=conn) as http:
+            streams, pids = await streams_in_flight(relay, http, workers)
+            if group:
+                os.killpg(relay.proc.pid, sig)
+            else:
+                relay.proc.send_signal(sig)
+            bodies = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 30)
+        cut = [b for b in bodies if not (isinstance(b, bytes) and b"[DONE]" in b)]
+        assert not cut, f"{len(cut)} of {len(bodies)} streams cut: {cut[:2]}"
+        code = await asyncio.wait_for(relay.proc.wait(), 30)
+        try:
+            await until(lambda: not any(alive(p) for p in pids), cap=10)
+        except AssertionError:
+            raise AssertionError(f"orphaned workers: {[p for p in pids if alive(p)]}") from None
+        assert relay.proc.stderr is not None
+        err = (await asyncio.wait_for(relay.proc.stderr.read(), 10)).decode()
+        assert code == 0, f"exit {code}: {err[-2000:]}"
+        assert "Traceback" not in err, err[-2000:]
+        assert not list(relay.tmpdir.glob("unbroken-workers-*")), "runtime dir left behind"
+    finally:
+        for pid in [relay.proc.pid, *pids]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("sig", "group"),
+    [(signal.SIGHUP, False), (signal.SIGHUP, True), (signal.SIGTERM, True)],
+    ids=["hup-supervisor", "hup-group", "term-group"],
+)
+async def test_workers_drain_on_hup_and_group_signals(tmp_path, mock, sig, group):
+    """SIGHUP to the supervisor, SIGHUP to the group (a closed terminal), SIGTERM to the group."""
+    relay = await start_relay(tmp_path, mock.url, workers=2)
+    await signal_and_check(relay, mock, 2, sig, group=group)
+
+
+@pytest.mark.timeout(60)
+async def test_single_serve_drains_on_sighup(tmp_path, mock):
+    relay = await start_relay(tmp_path, mock.url, workers=1)
+    await signal_and_check(relay, mock, 1, signal.SIGHUP, group=True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_nohup_keeps_serving_after_sighup(tmp_path, mock, workers):
+    """Started under nohup, SIGHUP is still ignored: the relay answers on, then drains on TERM."""
+    relay = await start_relay(tmp_path, mock.url, workers=workers, ignore_hup=True)
+    try:
+        os.killpg(relay.proc.pid, signal.SIGHUP)
+        conn = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=conn) as http:
+            for _ in range(4):  # new connections: each worker takes some
+                async with http.post(relay.url + PATH, json=CHAT) as r:
+                    assert r.status == 200 and b"[DONE]" in await r.read()
+        assert relay.proc.returncode is None
+    finally:
+        relay.proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(relay.proc.communicate(), 30)
+    assert relay.proc.returncode == 0
+
+
+@pytest.mark.timeout(60)
+async def test_workers_of_a_killed_supervisor_drain_and_exit(tmp_path, mock):
+    """SIGKILL leaves the supervisor no say: the kernel tells each worker (PDEATHSIG)."""
+    relay = await start_relay(tmp_path, mock.url, workers=2)
+    mock.script([STREAM])
+    conn = aiohttp.TCPConnector(force_close=True, limit=0)
+    pids: set[int] = set()
+    try:
+        async with aiohttp.ClientSession(connector=conn) as http:
+            streams, pids = await streams_in_flight(relay, http, 2)
+            relay.proc.kill()
+            bodies = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 30)
+        cut = [b for b in bodies if not (isinstance(b, bytes) and b"[DONE]" in b)]
+        assert not cut, f"{len(cut)} of {len(bodies)} streams cut: {cut[:2]}"
+        await until(lambda: not any(alive(p) for p in pids), cap=20)  # none serves on alone
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        await relay.proc.wait()
+
+
+@pytest.mark.timeout(90)
+async def test_what_a_worker_crash_costs(tmp_path, mock):
+    """As README says: the crashed worker's streams are cut (the client sees the body end
+    early, no terminal frame), the other worker's finish whole, and it is restarted."""
+    relay = await start_relay(tmp_path, mock.url, workers=2)
+    mock.script([STREAM])
+    conn = aiohttp.TCPConnector(force_close=True, limit=0)
+    try:
+        async with aiohttp.ClientSession(connector=conn) as http:
+            by_worker: dict[int, int] = {}
+
+            async def stream() -> bytes | BaseException:
+                try:
+                    async with http.post(relay.url + PATH, json=CHAT) as r:
+                        assert r.status == 200
+                        return await r.read()
+                except aiohttp.ClientError as exc:  # the body ended early
+                    return exc
+
+            futures = [asyncio.ensure_future(stream()) for _ in range(12)]
+
+            async def on_both() -> bool:
+                data = await relay.status()
+                for w in data.get("workers", []):
+                    by_worker[w["id"]] = w["pid"]
+                ids = [t["worker"] for t in data["inflight"]]
+                return set(ids) == {0, 1} and len(by_worker) == 2
+
+            await until(on_both, cap=15)
+            data = await relay.status()
+            on_victim = sum(1 for t in data["inflight"] if t["worker"] == 0)
+            os.kill(by_worker[0], signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*futures), 30)
+            cut = [b for b in results if isinstance(b, BaseException)]
+            whole = [b for b in results if isinstance(b, bytes) and b"[DONE]" in b]
+            assert len(cut) >= on_victim > 0, results
+            assert len(cut) + len(whole) == len(futures)
+
+            async def restarted() -> bool:
+                data = await relay.status()
+                return any(w["id"] == 0 and w["pid"] != by_worker[0] for w in data["workers"])
+
+            await until(restarted, cap=20)
+    finally:
+        relay.proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(relay.proc.communicate(), 30)
+    assert relay.proc.returncode == 0
+    assert re.search(rb"worker 0 \(pid \d+\) exited with code -9: restarting", err), err
+
+
+@pytest.mark.timeout(90)
+async def test_sigterm_while_a_crashed_worker_waits_to_restart(tmp_path, mock):
+    """A signal during the restart pause: the worker is not started again behind the
+    supervisor's back (it was, and the supervisor waited for it forever)."""
+    relay = await start_relay(tmp_path, mock.url, workers=2)
+    assert relay.proc.stderr is not None
+    pids: set[int] = set()
+    data: dict[str, Any] = {}
+
+    async def has_worker_0() -> bool:
+        data.update(await relay.status())
+        return any(w["id"] == 0 and w["pid"] not in pids for w in data["workers"])
+
+    try:
+        for _ in range(3):  # the pause grows: 0.05 s, 0.1 s, 0.2 s
+            await until(has_worker_0, cap=20)
+            [victim] = [w["pid"] for w in data["workers"] if w["id"] == 0]
+            pids.add(victim)
+            os.kill(victim, signal.SIGKILL)
+            while True:  # the supervisor says it will restart it, then pauses
+                line = await asyncio.wait_for(relay.proc.stderr.readline(), 20)
+                assert line, "the supervisor's stderr ended"
+                if b"restarting in" in line:
+                    break
+        relay.proc.send_signal(signal.SIGTERM)  # during the 0.2 s pause
+        code = await asyncio.wait_for(relay.proc.wait(), 30)
+        assert code == 0
+        assert not list(relay.tmpdir.glob("unbroken-workers-*"))
+    finally:
+        if relay.proc.returncode is None:
+            relay.proc.kill()
+            await relay.proc.wait()
