@@ -57,7 +57,7 @@ def test_503_storm_kills_opencode_alone_but_not_through_unbroken(
     )
     assert alone.finished.code == 1, _fails(alone)
     assert alone.requests == 6, _fails(alone)  # the first try and OpenCode's 5 retries
-    # The docs give this time (README, docs/opencode.md): it must still be true.
+    # The docs give this time (README, docs/agents.md, docs/opencode.md): it must still be true.
     documented = documented_storm_seconds()
     assert abs(died_after - documented) <= 12, (died_after, documented, alone.times)
     assert relayed.finished.code == 0, _fails(relayed)
