@@ -27,7 +27,7 @@ _MUTATORS = {
 #: the turn machine's testing switch (process-wide, changed only through the restoring
 #: `set_testing`), and the mock's bounded render memos (pure functions of a digest)
 ALLOWED = {
-    "core/turn.py: global _testing",
+    "core/turn_fields.py: global testing",
     "mock/wire.py: _cache",
     "mock/wire.py: _ws_cache",
 }

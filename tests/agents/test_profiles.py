@@ -332,8 +332,8 @@ def _committed(profile: Profile | None, *, socket: bool = False) -> TurnMachine:
     m = machine(profile, ANTHROPIC, socket=socket)
     m.start(0.0)
     assert isinstance(m.answered(0.0, 200, sse=True), Stream)
-    out = m.feed_chunk(1.0, MESSAGE_START + TEXT_DELTA)
-    assert b"Hel" in b"".join(e.raw for e in out) and m.attempt_over is None
+    out, over = m.feed_chunk(1.0, MESSAGE_START + TEXT_DELTA)
+    assert b"Hel" in b"".join(e.raw for e in out) and over is None
     return m
 
 
@@ -346,8 +346,8 @@ def test_claude_code_ends_a_cut_after_commit_by_aborting_the_connection(cut: str
     if cut == "reset":
         end = m.transport_failed(2.0, Failure(FailureClass.RESET, "reset"))
     elif cut == "in-stream error":
-        assert not m.feed_chunk(2.0, OVERLOADED)  # the error event is not passed on
-        end = m.attempt_over
+        out, end = m.feed_chunk(2.0, OVERLOADED)
+        assert not out  # the error event is not passed on
     elif cut == "stall":
         assert isinstance(m.tick(1.0 + 120.0), AbortUpstream)
         end = m.transport_failed(121.0, Failure(FailureClass.RESET, "aborted"))
@@ -365,8 +365,9 @@ def test_other_clients_end_a_cut_after_commit_with_the_native_error(name: str) -
     assert isinstance(end, End) and end.kind is EndKind.ERROR
     assert b"overloaded_error" in end.data
     m = _committed(PROFILES[name])
-    assert b"overloaded_error" in b"".join(e.raw for e in m.feed_chunk(2.0, OVERLOADED))
-    assert m.attempt_over == End(EndKind.ERROR, b"")
+    out, over = m.feed_chunk(2.0, OVERLOADED)
+    assert b"overloaded_error" in b"".join(e.raw for e in out)
+    assert over == End(EndKind.ERROR, b"")
 
 
 def test_the_reset_ending_is_for_http_only() -> None:
@@ -461,10 +462,9 @@ def test_the_reset_ending_never_ends_a_cut_turn_cleanly_nor_sends_an_error_event
         before = len(client)
         over = None
         for i, kind in enumerate(kinds):
-            out = m.feed_chunk(now, _anthropic_frame(f"a{n}f{i}", kind))
+            out, over = m.feed_chunk(now, _anthropic_frame(f"a{n}f{i}", kind))
             released += [e.raw for e in out]
             client += b"".join(e.raw for e in out)
-            over = m.attempt_over
             if over is not None:
                 break
         if over is None:
@@ -499,7 +499,7 @@ def test_before_commit_the_reset_profile_still_replays() -> None:
     m = machine(PROFILES["claude-code"], ANTHROPIC)
     m.start(0.0)
     m.answered(0.0, 200, sse=True)
-    assert not m.feed_chunk(1.0, MESSAGE_START)  # held
+    assert not m.feed_chunk(1.0, MESSAGE_START).released  # held
     assert isinstance(m.transport_failed(2.0, Failure(FailureClass.RESET, "reset")), (Open, Wait))
 
 

@@ -147,10 +147,10 @@ def run_with_cuts(frames: list[bytes], cuts: list[int], chunk: int) -> tuple[byt
         sent = body[:limit]
         action = None
         for pos in range(0, len(sent), chunk):
-            data = m.feed_verbatim(now, sent[pos : pos + chunk])
+            data, over = m.feed_verbatim(now, sent[pos : pos + chunk])
             out.append(sent[pos : pos + chunk] if data is None else data)
-            if m.attempt_over is not None:
-                action = m.attempt_over
+            if over is not None:
+                action = over
                 break
         if action is None:
             action = m.body_ended(now) if limit >= len(body) else m.transport_failed(now, RESET)
@@ -228,8 +228,8 @@ def test_a_resume_answered_with_an_error_ends_with_the_native_error(status):
 def test_a_continuation_that_does_not_join_is_never_spliced(first):
     m, _, _, _ = _cut_turn()
     assert isinstance(m.answered(0.4, 200, sse=True), Stream)
-    assert m.feed_verbatim(0.5, first) == b""  # nothing of it reaches the client
-    over = m.attempt_over
+    released, over = m.feed_verbatim(0.5, first)
+    assert released == b""  # nothing of it reaches the client
     assert isinstance(over, End) and over.kind is EndKind.ERROR
     assert over.data.startswith(b"event: error")  # only the native error
     assert m.outcome is Outcome.ENDED_WITH_ERROR

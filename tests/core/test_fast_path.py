@@ -78,14 +78,14 @@ def run(proto: str, chunks: list[bytes], verbatim: bool) -> tuple[list[Any], int
     with runs_counted() as runs:
         for i, c in enumerate(chunks):
             if verbatim:
-                data = m.feed_verbatim(float(i), c)
+                data, over = m.feed_verbatim(float(i), c)
                 if data is None:  # released whole, as it is: the attempt goes on
-                    assert m.attempt_over is None
+                    assert over is None
                     data = c
                 out = data
             else:
-                out = b"".join(e.raw for e in m.feed_chunk(float(i), c))
-            over = m.attempt_over
+                events, over = m.feed_chunk(float(i), c)
+                out = b"".join(e.raw for e in events)
             seen.append((out, over))
             if over is not None:
                 break
@@ -188,11 +188,11 @@ def test_a_chunk_that_finishes_a_frame_then_takes_the_run() -> None:
 def test_an_empty_chunk_releases_nothing_before_or_after_commit() -> None:
     frames = FRAMES["chat"]("t", Shape(text=2))
     m = machine("chat")
-    assert m.feed_verbatim(0.0, b"") == b""  # not None: None would be "write the chunk"
-    assert m.feed_verbatim(0.0, frames[0]) == b""  # the role chunk: held
-    assert m.feed_verbatim(0.0, frames[1]) == frames[0] + frames[1]  # commits
-    assert m.feed_verbatim(0.0, b"") == b""
-    assert m.feed_verbatim(0.0, frames[2]) is None  # plain, whole
+    assert m.feed_verbatim(0.0, b"") == (b"", None)  # not None: "write the chunk"
+    assert m.feed_verbatim(0.0, frames[0]) == (b"", None)  # the role chunk: held
+    assert m.feed_verbatim(0.0, frames[1]) == (frames[0] + frames[1], None)  # commits
+    assert m.feed_verbatim(0.0, b"") == (b"", None)
+    assert m.feed_verbatim(0.0, frames[2]) == (None, None)  # plain, whole
 
 
 def test_no_fast_path_while_a_tool_call_is_open_or_before_commit() -> None:

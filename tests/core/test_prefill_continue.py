@@ -182,9 +182,8 @@ def test_cuts_through_the_machine_give_the_uncut_text(
                 take = [*take, OVERLOADED]
             over = None
             for chunk in chunks_of(b"".join(take), rng):
-                out = m.feed_verbatim(0.0, chunk)
+                out, over = m.feed_verbatim(0.0, chunk)
                 client.append(chunk if out is None else out)
-                over = m.attempt_over
                 if over is not None:
                     break
             assert (over is not None) == error

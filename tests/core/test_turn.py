@@ -19,8 +19,10 @@ from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn import (
     KEEPALIVE,
     AbortUpstream,
+    Action,
     End,
     EndKind,
+    Fed,
     FinalInStream,
     GiveUp,
     GiveUpKind,
@@ -79,8 +81,15 @@ RESET = Failure(FailureClass.RESET, "reset")
 REFUSED = Failure(FailureClass.REFUSED, "refused")
 
 
-def raw(events: Any) -> bytes:
+def raw(fed: Any) -> bytes:
+    """The bytes of what a feed released (its frames')."""
+    events = fed.released if isinstance(fed, Fed) else fed
     return b"".join(e.raw for e in events)
+
+
+def seen(fed: Fed[Any]) -> tuple[bytes, Action | None]:
+    """A feed's released bytes and its ``over``."""
+    return raw(fed), fed.over
 
 
 def streaming(m: TurnMachine, now: float = 1.0) -> None:
@@ -162,7 +171,7 @@ def test_a_plain_answer_passes_through_and_its_first_byte_commits() -> None:
     m, _ = make(stream=False)
     m.start(0.0)
     assert m.answered(0.1, 200, sse=False) == PassThrough()
-    assert m.feed_body(0.2, b'{"ok":') == b'{"ok":'
+    assert m.feed_body(0.2, b'{"ok":') == Fed(b'{"ok":', None)
     assert m.transport_failed(0.3, RESET) == End(EndKind.ABORT)
     assert m.outcome is Outcome.ENDED_WITH_ERROR
 
@@ -229,8 +238,9 @@ def test_control_frames_are_held_then_released_with_the_first_output() -> None:
     streaming(m)
     assert raw(m.feed_chunk(1.1, ROLE)) == b""
     assert raw(m.feed_chunk(1.2, TEXT)) == ROLE + TEXT
-    assert raw(m.feed_chunk(1.3, FINISH + DONE)) == FINISH + DONE
-    assert m.attempt_over is None
+    fed = m.feed_chunk(1.3, FINISH + DONE)
+    assert raw(fed) == FINISH + DONE
+    assert fed.over is None
     assert m.body_ended(1.4) == End(EndKind.CLEAN)
     assert m.outcome is Outcome.OK
 
@@ -282,28 +292,26 @@ def test_a_truncated_stream_never_ends_clean() -> None:
 def test_a_retryable_in_stream_error_before_output_replays() -> None:
     m, _ = make()
     streaming(m)
-    assert raw(m.feed_chunk(1.1, ROLE + RETRYABLE + TEXT)) == b""
-    assert m.attempt_over == Wait(0.1)
-    assert m.attempt_over == Wait(0.1)  # decided once
+    assert seen(m.feed_chunk(1.1, ROLE + RETRYABLE + TEXT)) == (b"", Wait(0.1))
 
 
 def test_a_retryable_in_stream_error_after_output_releases_the_native_error() -> None:
     m, _ = make()
     streaming(m)
     m.feed_chunk(1.1, TEXT)
-    out = raw(m.feed_chunk(1.2, RETRYABLE))
-    assert b"server_error" in out
-    assert m.attempt_over == End(EndKind.ERROR)
+    fed = m.feed_chunk(1.2, RETRYABLE)
+    assert b"server_error" in raw(fed)
+    assert fed.over == End(EndKind.ERROR)
 
 
 def test_frames_keep_their_boundaries() -> None:
     m, _ = make()
     streaming(m)
-    released = m.feed_chunk(1.1, ROLE + TEXT)
+    released, _ = m.feed_chunk(1.1, ROLE + TEXT)
     assert [e.raw for e in released] == [ROLE, TEXT]
     m2, _ = make()
     streaming(m2)
-    frames = m2.feed_frame(1.1, Event(TEXT, None, TEXT[6:-2].decode()))
+    frames, _ = m2.feed_frame(1.1, Event(TEXT, None, TEXT[6:-2].decode()))
     assert [e.raw for e in frames] == [TEXT]
 
 
@@ -666,13 +674,12 @@ def test_a_chunk_after_end_raises(feed: str) -> None:
 
 def test_a_feed_after_the_frame_that_ended_the_attempt_raises_even_unasked() -> None:
     # The frame that ends an attempt decides it at once: a transport that feeds on
-    # without asking attempt_over gets an error, not the dead attempt's frames
-    # released (this TEXT would have committed the ledger).
+    # without carrying out the feed's ``over`` gets an error, not the dead attempt's
+    # frames released (this TEXT would have committed the ledger).
     m, _ = make()
     streaming(m)
-    assert raw(m.feed_chunk(1.1, ROLE + RETRYABLE)) == b""
+    assert seen(m.feed_chunk(1.1, ROLE + RETRYABLE)) == (b"", Wait(0.1))
     _assert_refused(m, "feed_chunk", 1.2)
-    assert m.attempt_over == Wait(0.1)
     assert m.ledger is not None and m.ledger.state is State.PENDING
 
 
@@ -684,11 +691,11 @@ def test_a_replay_decided_by_a_frame_does_not_end_the_next_attempt() -> None:
     m, _ = make(upstreams=2)
     streaming(m)
     with set_testing(True):
-        assert raw(m.feed_chunk(1.1, ROLE + RETRYABLE)) == b""
-        assert m.attempt_over == Open(1, 120.0)
+        assert seen(m.feed_chunk(1.1, ROLE + RETRYABLE)) == (b"", Open(1, 120.0))
         assert m.answered(1.2, 200, sse=True) == Stream()
-        assert raw(m.feed_chunk(1.3, ROLE + TEXT)) == ROLE + TEXT
-        assert m.attempt_over is None
+        fed = m.feed_chunk(1.3, ROLE + TEXT)
+        assert raw(fed) == ROLE + TEXT
+        assert fed.over is None
         assert raw(m.feed_chunk(1.4, FINISH + DONE)) == FINISH + DONE
         assert m.body_ended(1.5) == End(EndKind.CLEAN)
     assert m.outcome is Outcome.RECOVERED
@@ -784,10 +791,9 @@ def test_random_event_sequences_keep_the_four_invariants(
         for i in range(0, len(body), step):
             if refused():
                 break
-            out = m.feed_chunk(now, body[i : i + step])
+            out, over = m.feed_chunk(now, body[i : i + step])
             released_frames += [e.raw for e in out]
             client += raw(out)
-            over = m.attempt_over
             if over is not None:
                 break
         if was_refused:
@@ -830,16 +836,17 @@ def test_random_event_sequences_keep_the_four_invariants(
 def test_an_oversized_event_fails_the_attempt_and_is_replayed_before_output() -> None:
     m, report = make(max_event_bytes=1024)
     streaming(m)
-    assert raw(m.feed_chunk(1.0, ROLE + b"data: " + b"x" * 2000)) == b""
-    assert m.attempt_over == Wait(0.1)
+    fed = m.feed_chunk(1.0, ROLE + b"data: " + b"x" * 2000)
+    assert raw(fed) == b"" and fed.over == Wait(0.1)
     assert report.of("failed")[0][1] == "malformed"
 
 
 def test_an_oversized_event_after_output_ends_with_the_native_error() -> None:
     m, _ = make(max_event_bytes=1024)
     streaming(m)
-    assert raw(m.feed_chunk(1.0, TEXT + b"data: " + b"x" * 2000)) == TEXT
-    over = m.attempt_over
+    fed = m.feed_chunk(1.0, TEXT + b"data: " + b"x" * 2000)
+    assert raw(fed) == TEXT
+    over = fed.over
     assert isinstance(over, End) and over.kind is EndKind.ERROR and b"server_error" in over.data
 
 

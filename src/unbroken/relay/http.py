@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, assert_never
 from typing import Protocol as TypingProtocol
 
 import aiohttp
@@ -70,6 +70,7 @@ from unbroken.core.turn import (
     ReadErrorBody,
     SendHeaders,
     Stream,
+    TimerAction,
     TurnError,
     TurnMachine,
     Wait,
@@ -618,8 +619,9 @@ class Sink(TypingProtocol):
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         """A retryable answer, kept in case it is the last one (passed through then)."""
 
-    def release(self, events: Sequence[Event]) -> Awaitable[None]:
-        """SSE frames the machine released (an ``async def`` will do)."""
+    def release(self, events: Sequence[Event], over: Action | None) -> Awaitable[None]:
+        """SSE frames the machine released (an ``async def`` will do); ``over``: the
+        action that ends the attempt, decided by the same feed (`core.turn.Fed`)."""
 
     def release_body(self, data: bytes) -> Awaitable[None]:
         """Plain body bytes the machine released, or SSE bytes (`verbatim` sinks)."""
@@ -712,13 +714,19 @@ class HttpAttempt:
                 self.loop.time(), status, sse=sse, retry_after_s=retry_after, rate=rate
             )
             self.watchdog.arm()
-            if type(answer) is Stream:
-                return await self._stream(resp, key)
-            if type(answer) is PassThrough:
-                return await self._pass_through(resp, key)
-            if type(answer) is ReadErrorBody or type(answer) is FinalInStream:
-                return await self._error_body(resp, final=type(answer) is FinalInStream)
-            return answer  # a 1xx: the machine already decided what follows
+            match answer:
+                case Stream():
+                    return await self._stream(resp, key)
+                case PassThrough():
+                    return await self._pass_through(resp, key)
+                case ReadErrorBody():
+                    return await self._error_body(resp, final=False)
+                case FinalInStream():
+                    return await self._error_body(resp, final=True)
+                case Open() | Resume() | Wait() | End() | GiveUp():
+                    return answer  # a 1xx: the machine already decided what follows
+                case _:
+                    assert_never(answer)
         finally:
             self.reading = None
             resp.close()
@@ -771,20 +779,19 @@ class HttpAttempt:
             async for chunk in chunks:
                 now = loop_time()
                 if verbatim:
-                    data = feed_verbatim(now, chunk)
+                    data, over = feed_verbatim(now, chunk)
                     if data is None:  # released whole: plain output, the attempt goes on
                         await write(chunk)
                         continue
                     pending = write(data) if data else None
                 else:
-                    out = feed(now, chunk)
-                    pending = release(out) if out else None
+                    out, over = feed(now, chunk)
+                    pending = release(out, over) if out else None
                 if rearm_on_first_frame and machine.first_frame:
                     rearm_on_first_frame = False
                     self.watchdog.arm()  # the stall deadline moved to idle_timeout_s
                 if pending is not None:
                     await pending
-                over = machine.attempt_over
                 if over is not None:
                     return over
         except ClientGone:
@@ -814,15 +821,14 @@ class HttpAttempt:
                     chunk = redactor.feed(chunk)
                     if not chunk:
                         continue
-                out = machine.feed_body(loop_time(), chunk)
+                out, over = machine.feed_body(loop_time(), chunk)
                 if out:
                     await self.sink.release_body(out)
-                over = machine.attempt_over
                 if over is not None:
                     return over
             if redactor is not None:
                 tail = redactor.flush()
-                if tail and machine.feed_body(loop_time(), tail):
+                if tail and machine.feed_body(loop_time(), tail).released:
                     await self.sink.release_body(tail)
         except ClientGone:
             raise
@@ -859,7 +865,7 @@ class _Gone:
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         pass
 
-    async def release(self, events: Sequence[Event]) -> None:
+    async def release(self, events: Sequence[Event], over: Action | None) -> None:
         pass
 
     async def release_body(self, data: bytes) -> None:
@@ -999,20 +1005,24 @@ class _HttpTurn:
                 while True:
                     if machine.cancels:
                         self._send_cancels()
-                    if type(action) is Open:
-                        action = await self._attempt(action)
-                    elif type(action) is Resume:
-                        action = await self._resume(action)
-                    elif type(action) is Wait:
-                        self.watchdog.arm()  # keepalives and early headers go on meanwhile
-                        await self.relay.waker.wait(action)
-                        action = machine.next_attempt(self.loop.time())
-                    elif type(action) is End:
-                        return await self._end(action)
-                    elif type(action) is GiveUp:
-                        return await self._give_up(action)
-                    else:
-                        raise TurnError(f"unexpected action {action!r}")
+                    match action:
+                        case Open():
+                            action = await self._attempt(action)
+                        case Resume():
+                            action = await self._resume(action)
+                        case Wait():
+                            self.watchdog.arm()  # keepalives, early headers go on meanwhile
+                            await self.relay.waker.wait(action)
+                            action = machine.next_attempt(self.loop.time())
+                        case End():
+                            return await self._end(action)
+                        case GiveUp():
+                            return await self._give_up(action)
+                        case Stream() | PassThrough() | ReadErrorBody() | FinalInStream():
+                            # (answers to `answered`, carried out by the attempt)
+                            raise TurnError(f"unexpected action {action!r}")
+                        case _:
+                            assert_never(action)
             except asyncio.CancelledError:
                 machine.client_gone()
                 await self._cancelled()
@@ -1105,7 +1115,7 @@ class _HttpTurn:
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         self.last_answer = (status, headers, body)
 
-    def release(self, events: Sequence[Event]) -> Awaitable[None]:
+    def release(self, events: Sequence[Event], over: Action | None) -> Awaitable[None]:
         # The write's own coroutine, awaited by the caller: no frame of its own per chunk.
         # It follows the read that fed the machine at once: that read's time is when the
         # write starts (no second clock read per chunk).
@@ -1218,16 +1228,18 @@ class _HttpTurn:
         return self.response or web.Response(status=502)
 
     # -- the timer's actions -------------------------------------------------------------
-    def _on_timer(self, action: SendHeaders | Keepalive | AbortUpstream) -> None:
-        if type(action) is AbortUpstream:
-            self.upstream.abort()  # the reader sees the connection end: a stall
-            return
-        if self._side_task is not None:
-            return
-        if type(action) is SendHeaders:
-            self._spawn(self._early_headers(action.status))
-        elif type(action) is Keepalive:
-            self._spawn(self._write(action.data))
+    def _on_timer(self, action: TimerAction) -> None:
+        match action:
+            case AbortUpstream():
+                self.upstream.abort()  # the reader sees the connection end: a stall
+            case SendHeaders():
+                if self._side_task is None:
+                    self._spawn(self._early_headers(action.status))
+            case Keepalive():
+                if self._side_task is None:
+                    self._spawn(self._write(action.data))
+            case _:
+                assert_never(action)
 
     async def _early_headers(self, status: int) -> None:
         if await self._prepare(CleanStream(status=status, headers=SSE_HEADERS)):

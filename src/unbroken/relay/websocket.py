@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 import aiohttp
 from aiohttp import WSMsgType, web
@@ -51,14 +51,20 @@ from unbroken.core.protocols.base import loads_object
 from unbroken.core.protocols.responses import error_code_of, lifecycle_of
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn import (
+    AbortUpstream,
     Action,
     End,
     EndKind,
+    FinalInStream,
     GiveUp,
     Keepalive,
     Open,
     Outcome,
+    PassThrough,
+    ReadErrorBody,
+    SendHeaders,
     Stream,
+    TimerAction,
     TurnError,
     TurnMachine,
     Wait,
@@ -555,24 +561,24 @@ class _WsTurn:
         while True:
             if machine.cancels:
                 self._send_cancels()
-            if type(action) is Open:
-                action = await self._attempt(action)
-            elif type(action) is Resume:
-                action = await self._resume(action)
-            elif type(action) is Wait:
-                await conn.drop_upstream()
-                await self.relay.waker.wait(action)
-                action = machine.next_attempt(conn.loop.time())
-            elif type(action) is End:
-                if action.data:
-                    conn.send(ws_error_messages(action.data))
-                return
-            elif type(action) is GiveUp:
-                if action.data:
-                    conn.send(ws_error_messages(action.data))
-                return
-            else:
-                raise TurnError(f"unexpected action {action!r}")
+            match action:
+                case Open():
+                    action = await self._attempt(action)
+                case Resume():
+                    action = await self._resume(action)
+                case Wait():
+                    await conn.drop_upstream()
+                    await self.relay.waker.wait(action)
+                    action = machine.next_attempt(conn.loop.time())
+                case End() | GiveUp():
+                    if action.data:
+                        conn.send(ws_error_messages(action.data))
+                    return
+                case Stream() | PassThrough() | ReadErrorBody() | FinalInStream():
+                    # (answers to `answered`, carried out by the attempt)
+                    raise TurnError(f"unexpected action {action!r}")
+                case _:
+                    assert_never(action)
 
     async def _attempt(self, action: Open) -> Action:
         conn = self.conn
@@ -609,19 +615,23 @@ class _WsTurn:
             conn.cfg.websocket_fallback_cooldown_s,
         )
 
-    def _on_timer(self, action: object) -> None:
-        if type(action) is Keepalive:
-            # A profile whose idle timer counts messages, not pings (Codex): the
-            # keepalive event's data as a message, which its parser ignores.
-            with contextlib.suppress(ConnectionError):
-                self.conn.send(as_messages(SSESplitter().feed(action.data), sse=True))
-            return
-        # A WebSocket turn has no early headers (the socket is open); the other timed
-        # action is a stall: abort the upstream at once.
-        ws = self.reading_ws
-        if ws is not None:
-            abort_websocket(ws)
-        self.http.abort()
+    def _on_timer(self, action: TimerAction) -> None:
+        match action:
+            case Keepalive():
+                # A profile whose idle timer counts messages, not pings (Codex): the
+                # keepalive event's data as a message, which its parser ignores.
+                with contextlib.suppress(ConnectionError):
+                    self.conn.send(as_messages(SSESplitter().feed(action.data), sse=True))
+            case AbortUpstream():
+                # A stall: abort the upstream at once.
+                ws = self.reading_ws
+                if ws is not None:
+                    abort_websocket(ws)
+                self.http.abort()
+            case SendHeaders():
+                pass  # (never: a WebSocket turn's headers are out from its start)
+            case _:
+                assert_never(action)
 
     # -- over a WebSocket ---------------------------------------------------------------
     async def _over_websocket(
@@ -669,11 +679,10 @@ class _WsTurn:
                 text = data.decode("utf-8", "replace")
                 if self._not_ours(text, data):
                     continue
-                released = machine.feed_frame(loop_time(), Event(data, None, text))
+                released, over = machine.feed_frame(loop_time(), Event(data, None, text))
                 if rearm:
                     rearm = False
                     self.watchdog.arm()  # the stall deadline moved to idle_timeout_s
-                over = machine.attempt_over
                 self._send(released, over, sse=False)
                 if over is not None:
                     if type(over) is not End and error_code_of(text) == WS_LIMIT_CODE:
@@ -790,8 +799,8 @@ class _WsTurn:
     def keep_answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         """A retryable answer is never passed through to a WebSocket client."""
 
-    async def release(self, events: Sequence[Event]) -> None:
-        self._send(events, self.machine.attempt_over, sse=True)
+    async def release(self, events: Sequence[Event], over: Action | None) -> None:
+        self._send(events, over, sse=True)
         await self.conn.drain(self.machine)
 
     async def release_body(self, data: bytes) -> None:  # pragma: no cover - never plain

@@ -359,7 +359,7 @@ def test_a_per_day_quota_is_given_up_not_retried() -> None:
 def stream_text(m: TurnMachine) -> bytes:
     assert isinstance(m.start(0.0), Open)
     assert m.answered(0.1, 200, sse=True) == Stream()
-    return b"".join(e.raw for e in m.feed_chunk(0.2, HELLO))
+    return b"".join(e.raw for e in m.feed_chunk(0.2, HELLO).released)
 
 
 def test_gemini_cli_gets_a_reset_after_commit() -> None:
@@ -372,8 +372,9 @@ def test_gemini_cli_gets_a_reset_after_commit() -> None:
     assert m.outcome is Outcome.ENDED_WITH_ERROR
     m = machine()
     stream_text(m)
-    assert not m.feed_chunk(0.3, UNAVAILABLE)  # no error event reaches the client
-    assert m.attempt_over == End(EndKind.ABORT)
+    released, over = m.feed_chunk(0.3, UNAVAILABLE)
+    assert not released  # no error event reaches the client
+    assert over == End(EndKind.ABORT)
 
 
 def test_an_unknown_client_gets_the_native_error_after_commit() -> None:

@@ -1,0 +1,139 @@
+"""The turn machine's table (`core.turn_table`): the code runs it, and the docs are made from it."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from turnfix import Report, Timers
+from unbroken.core import turn as machine_mod
+from unbroken.core import turn_fields as turn_mod
+from unbroken.core import turn_table
+from unbroken.core.ledger import Hold
+from unbroken.core.policy import RetryPolicy, RetryState
+from unbroken.core.protocols import CHAT
+from unbroken.core.turn import Action, Open, TurnError, TurnMachine, Wait
+from unbroken.core.turn_table import ENTERS, LEGAL, ROWS, Step, TurnEvent
+
+ROOT = Path(__file__).resolve().parents[2]
+GATE = ROOT / "docs" / "gate.md"
+TURN = ROOT / "src" / "unbroken" / "core" / "turn.py"
+
+
+def _machine() -> TurnMachine:
+    return TurnMachine(
+        protocol=CHAT,
+        hold=Hold(),
+        timers=Timers(),
+        retry=RetryState(RetryPolicy(delay_ms=100, backoff="fixed"), 1, rng=random.Random(0)),
+        stream=True,
+        now=0.0,
+        report=Report(),
+    )
+
+
+def test_gate_md_shows_the_table_the_code_runs() -> None:
+    part = turn_table.generated_part(GATE.read_text(encoding="utf-8"))
+    assert part is not None, "docs/gate.md lost its generated turn table markers"
+    assert part == turn_table.markdown(), (
+        "docs/gate.md's turn table differs from core/turn_table.py's ROWS: regenerate it "
+        "with `python -m unbroken.core.turn_table --markdown`"
+    )
+
+
+def test_the_doc_check_notices_a_hand_edit() -> None:
+    doc = GATE.read_text(encoding="utf-8").replace("| NEW | `start` |", "| NEW | `begin` |")
+    assert turn_table.generated_part(doc) != turn_table.markdown()
+
+
+def test_the_turn_header_shows_the_same_steps() -> None:
+    assert turn_table.header_table() in TURN.read_text(encoding="utf-8")
+
+
+def test_the_command_prints_the_table() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "unbroken.core.turn_table", "--markdown"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out == turn_table.markdown()
+    bad = subprocess.run(
+        [sys.executable, "-m", "unbroken.core.turn_table"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_every_action_enters_a_step_and_every_row_is_unique() -> None:
+    assert set(ENTERS) == set(typing.get_args(Action))
+    pairs = [(r.step, r.event) for r in ROWS]
+    assert len(pairs) == len(set(pairs))
+    assert {e for _, e in pairs} == set(TurnEvent)  # every event is legal somewhere
+    # ENDED and ERROR accept no event of the table; every other step accepts one
+    assert {s for s, _ in pairs} == set(Step) - {Step.ENDED, Step.ERROR}
+
+
+def test_the_legal_events_of_each_step() -> None:
+    # Written out by hand, independently of the rows: the table says what the header did.
+    expected = {
+        Step.NEW: {"start"},
+        Step.IDLE: {"next_attempt"},
+        Step.CONNECTING: {"open_failed", "answered", "transport_failed"},
+        Step.RESUMING: {"open_failed", "answered", "transport_failed"},
+        Step.STREAM: {
+            "feed_chunk",
+            "feed_verbatim",
+            "feed_frame",
+            "body_ended",
+            "transport_failed",
+        },
+        Step.PASS_THROUGH: {"feed_body", "body_ended", "transport_failed"},
+        Step.ERROR_BODY: {"error_body", "transport_failed"},
+        Step.FINAL_BODY: {"final_body", "transport_failed"},
+        Step.ENDED: set(),
+        Step.ERROR: set(),
+    }
+    got = {s: {e.value for e, steps in LEGAL.items() if s in steps} for s in Step}
+    assert got == expected
+
+
+def test_the_step_after_an_event_is_the_step_its_action_enters() -> None:
+    m = _machine()
+    action = m.start(0.0)
+    assert isinstance(action, Open) and m.step is Step.CONNECTING
+    assert m.answered(0.1, 503, sse=False).__class__.__name__ == "ReadErrorBody"
+    assert m.step is Step.ERROR_BODY
+    wait = m.error_body(0.2, b"")
+    assert isinstance(wait, Wait) and m.step is ENTERS[Wait] is Step.IDLE
+
+
+def test_an_action_the_table_does_not_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The table is what runs: take Open out of (NEW, start) and start() is refused,
+    # the machine left in ERROR (on the old code, the steps were set by hand: no
+    # table to take anything out of).
+    rows = dict(turn_table.ALLOWED)
+    rows[Step.NEW, TurnEvent.START] = frozenset({Wait})
+    monkeypatch.setattr(turn_mod, "ALLOWED", rows)
+    monkeypatch.setattr(machine_mod, "ALLOWED", rows)  # (start checks it inline)
+    m = _machine()
+    with pytest.raises(TurnError, match="not in the table"):
+        m.start(0.0)
+    assert m.step is Step.ERROR
+    with pytest.raises(TurnError):
+        m.next_attempt(0.1)
+
+
+def test_an_event_the_table_does_not_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # each event's check is the table's LEGAL entry for it
+    assert machine_mod._START_IN is LEGAL[TurnEvent.START]
+    assert machine_mod._ANSWERED_IN is LEGAL[TurnEvent.ANSWERED]
+    monkeypatch.setattr(machine_mod, "_START_IN", frozenset())
+    m = _machine()
+    with pytest.raises(TurnError, match="illegal in step new"):
+        m.start(0.0)
+    assert m.step is Step.ERROR
