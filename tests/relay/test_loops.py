@@ -23,7 +23,6 @@ from relay.test_health_relay import CHAT
 from relayfix import Recorder, make_config, start_relay
 from unbroken.config import parse_config
 from unbroken.relay.server import RelayServer
-from unbroken.relay.upstream import VIA
 
 
 def free_port() -> int:
@@ -120,15 +119,18 @@ async def test_via_is_added_and_kept(seen: Seen) -> None:
                 assert r.status == 200
             async with http.post(url, json=CHAT, headers={"Via": "1.1 corp-proxy"}) as r:
                 assert r.status == 200
+        via = server.relay.via
     finally:
         await server.stop()
-    assert seen.headers[0]["via"] == VIA
-    assert seen.headers[1]["via"] == f"1.1 corp-proxy, {VIA}"
+    assert via.startswith("1.1 unbroken-")
+    assert seen.headers[0]["via"] == via
+    assert seen.headers[1]["via"] == f"1.1 corp-proxy, {via}"
 
 
 async def test_another_relays_via_is_not_a_loop(seen: Seen) -> None:
     """Chaining relays (each with its own id) is allowed: only our own id is a loop."""
     server, _ = await start_relay(make_config([{"url": seen.url}]))
+    via = server.relay.via
     try:
         async with aiohttp.ClientSession() as http:
             other = "1.1 unbroken-0123456789abcdef"
@@ -137,9 +139,25 @@ async def test_another_relays_via_is_not_a_loop(seen: Seen) -> None:
             ) as r:
                 assert r.status == 200
             async with http.post(
-                f"{server.url}/mock/v1/chat/completions", json=CHAT, headers={"Via": VIA}
+                f"{server.url}/mock/v1/chat/completions", json=CHAT, headers={"Via": via}
             ) as r:
                 assert r.status == 508
     finally:
         await server.stop()
-    assert len(seen.headers) == 1 and seen.headers[0]["via"] == f"{other}, {VIA}"
+    assert len(seen.headers) == 1 and seen.headers[0]["via"] == f"{other}, {via}"
+
+
+async def test_two_relays_in_one_process_chain_without_a_loop(seen: Seen) -> None:
+    """Each relay draws its own id: one process may chain two (the id was once drawn per
+    process, and the second relay answered the first with 508)."""
+    back, _ = await start_relay(make_config([{"url": seen.url}]))
+    front, _ = await start_relay(make_config([{"url": f"{back.url}/mock"}]))
+    try:
+        assert front.relay.via != back.relay.via
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{front.url}/mock/v1/chat/completions", json=CHAT) as r:
+                assert r.status == 200, await r.text()
+    finally:
+        await front.stop()
+        await back.stop()
+    assert seen.headers[0]["via"] == f"{front.relay.via}, {back.relay.via}"

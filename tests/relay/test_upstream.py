@@ -24,11 +24,14 @@ from unbroken.relay.upstream import (
     request_headers,
     response_headers,
     upstream_url,
+    via_entry,
 )
 
 KEY = "sk-injected-0123456789"
 KEYED = Upstream(url="https://api.example.com/v1", api_key_env="K", api_key=KEY)
 PLAIN = Upstream(url="https://api.example.com/v1")
+
+VIA = via_entry()
 
 
 def _h(**kv: str) -> CIMultiDict[str]:
@@ -47,7 +50,7 @@ def test_keyed_route_forwards_no_other_key() -> None:
         x_goog_api_key="sk-client4",
         openai_beta="b",
     )
-    out = request_headers(sent, KEYED, anthropic=False)
+    out = request_headers(sent, KEYED, anthropic=False, via=VIA)
     assert out["Authorization"] == f"Bearer {KEY}"
     for h in ("x-api-key", "api-key", "x-goog-api-key"):
         assert h not in out
@@ -70,7 +73,7 @@ def test_keyed_route_forwards_no_other_key() -> None:
 def test_key_goes_where_the_client_put_its_own(
     sent: dict[str, str], anthropic: bool, target: str, value: str
 ) -> None:
-    out = request_headers(CIMultiDict(sent), KEYED, anthropic=anthropic)
+    out = request_headers(CIMultiDict(sent), KEYED, anthropic=anthropic, via=VIA)
     assert out[target] == value
     creds = [h for h in ("authorization", "x-api-key", "api-key", "x-goog-api-key") if h in out]
     assert creds == [target]
@@ -81,19 +84,19 @@ def test_declared_key_headers_are_dropped_too() -> None:
         url="https://a.example", api_key_env="K", api_key=KEY, key_headers=("x-custom-key",)
     )
     out = request_headers(
-        _h(x_custom_key="sk-client", authorization="Bearer c"), up, anthropic=False
+        _h(x_custom_key="sk-client", authorization="Bearer c"), up, anthropic=False, via=VIA
     )
     assert "x-custom-key" not in out and out["Authorization"] == f"Bearer {KEY}"
-    only = request_headers(_h(x_custom_key="sk-client"), up, anthropic=False)
+    only = request_headers(_h(x_custom_key="sk-client"), up, anthropic=False, via=VIA)
     assert only["x-custom-key"] == KEY and "authorization" not in only
 
 
 def test_without_injection_client_credentials_pass_and_token_never() -> None:
     sent = _h(authorization="Bearer sk-client", x_unbroken_token="tok-secret-0000000000")
-    out = request_headers(sent, PLAIN, anthropic=False)
+    out = request_headers(sent, PLAIN, anthropic=False, via=VIA)
     assert out["Authorization"] == "Bearer sk-client"
     assert "x-unbroken-token" not in out
-    assert "x-unbroken-token" not in request_headers(sent, KEYED, anthropic=False)
+    assert "x-unbroken-token" not in request_headers(sent, KEYED, anthropic=False, via=VIA)
 
 
 def test_upstream_cors_headers_are_dropped() -> None:

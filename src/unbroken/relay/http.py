@@ -294,6 +294,7 @@ class _HttpTurn:
             anthropic=self.protocol.anthropic_errors,
             gemini=keyed or self.protocol is GEMINI,
             token=self.relay.token,
+            via=self.relay.via,
         )
         url = upstream_url(up, self.rest, query)
         if action.body_patch:
@@ -310,6 +311,7 @@ class _HttpTurn:
             action.drop_headers,
             anthropic=self.protocol.anthropic_errors,
             token=self.relay.token,
+            via=self.relay.via,
         )
         for name, value in action.set_headers:
             headers[name] = value

@@ -41,6 +41,7 @@ from unbroken.relay.upstream import (
     request_headers,
     strip_key_param,
     upstream_url,
+    via_entry,
 )
 
 __all__ = ["Relay", "continuation_headers", "session_id_of", "sticky_key"]
@@ -100,6 +101,8 @@ class Relay:
         self.secrets = config.secrets()
         #: the relay's token: cut out of every header forwarded upstream
         self.token = config.token or config.key_token
+        #: this relay's entry in the ``Via`` of what it forwards (one id for workers)
+        self.via = via_entry(channel_dir)
         #: the health of every upstream (breakers, cool-offs), consulted by every turn
         self.board = HealthBoard(
             config.health, pace=config.retry.pace_settings(), rate=config.ratelimit
@@ -274,7 +277,7 @@ class Relay:
     ) -> None:
         up = route.upstreams[cancel.upstream]
         headers, query = continuation_headers(
-            request, up, ("content-type", "content-encoding"), token=self.token
+            request, up, ("content-type", "content-encoding"), token=self.token, via=self.via
         )
         if headers_for is not None:
             headers = headers_for(up)
@@ -384,6 +387,7 @@ def continuation_headers(
     *,
     anthropic: bool = False,
     token: str | None = None,
+    via: str,
 ) -> tuple[CIMultiDict[str], str]:
     """The headers (credentials as for the turn's attempts, ``drop`` removed) and the
     client's query (``api-version`` on Azure, a Gemini key stripped) for a
@@ -392,7 +396,7 @@ def continuation_headers(
     query = raw_query(request)
     if up.api_key is not None:
         query, _ = strip_key_param(query)
-    headers = request_headers(request.headers, up, anthropic=anthropic, token=token)
+    headers = request_headers(request.headers, up, anthropic=anthropic, token=token, via=via)
     for name in drop:
         headers.popall(name, None)
     return headers, query

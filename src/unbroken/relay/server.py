@@ -221,7 +221,9 @@ async def _relay(
     request: web.Request, relay: Relay, route: Route, target: Target
 ) -> web.StreamResponse:
     rest = target.rest
-    if looped(request.headers):  # it came back through us: answer before holding anything
+    if looped(
+        request.headers, relay.via
+    ):  # it came back through us: answer before holding anything
         return _error(
             508,
             "loop_detected",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import json
 import secrets
 import zlib
@@ -30,7 +31,6 @@ __all__ = [
     "HOP_BY_HOP",
     "REDACTED",
     "TOKEN_HEADER",
-    "VIA",
     "Redactor",
     "UpstreamClient",
     "body_for",
@@ -44,6 +44,7 @@ __all__ = [
     "response_headers",
     "strip_key_param",
     "upstream_url",
+    "via_entry",
 ]
 
 #: The header that carries the relay's own token; never forwarded upstream.
@@ -53,19 +54,26 @@ REDACTED = "sk-…REDACTED"
 _REDACTED = REDACTED.encode()
 #: Secrets shorter than this are not searched for (they would match ordinary text).
 MIN_SECRET = 8
-#: This relay's entry in the ``Via`` header of what it forwards (RFC 9110 7.6.3): a
-#: random pseudonym per relay process (``--workers`` siblings fork after it is drawn,
-#: so one relay is one id).  A request that arrives carrying it has come back: a loop.
-VIA = f"1.1 unbroken-{secrets.token_hex(8)}"
-_VIA_ID = VIA.split(" ", 1)[1]
 
 
-def looped(incoming: Mapping[str, str] | CIMultiDictProxy[str]) -> bool:
-    """True if a request already passed through this relay (its ``Via`` names us)."""
+def via_entry(seed: str | None = None) -> str:
+    """A relay's entry in the ``Via`` header of what it forwards (RFC 9110 7.6.3):
+    ``1.1 unbroken-<id>``, a pseudonym drawn for each relay (two relays in one process,
+    chained, are two ids).  ``--workers`` siblings are one relay: their id is derived
+    from ``seed``, the supervisor's runtime directory (a fresh random path per run).
+    A request that arrives carrying a relay's id has come back to it: a loop."""
+    if seed is None:
+        return f"1.1 unbroken-{secrets.token_hex(8)}"
+    return f"1.1 unbroken-{hashlib.sha256(seed.encode()).hexdigest()[:16]}"
+
+
+def looped(incoming: Mapping[str, str] | CIMultiDictProxy[str], via: str) -> bool:
+    """True if a request already passed through the relay whose entry is ``via``."""
+    me = via.split(" ", 1)[1]
     if isinstance(incoming, CIMultiDictProxy):
-        return any(_VIA_ID in v for v in incoming.getall("via", ()))
-    via = incoming.get("via")
-    return via is not None and _VIA_ID in via
+        return any(me in v for v in incoming.getall("via", ()))
+    seen = incoming.get("via")
+    return seen is not None and me in seen
 
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus the ones the relay sets itself.
@@ -94,6 +102,7 @@ def request_headers(
     anthropic: bool,
     gemini: bool = False,
     token: str | None = None,
+    via: str,
 ) -> CIMultiDict[str]:
     """Headers for the upstream request: hop-by-hop dropped, identity encoding, key injected.
 
@@ -108,8 +117,8 @@ def request_headers(
     API takes a key there, and a bearer token only for OAuth.
     The relay's ``x-unbroken-token`` is never forwarded, and its ``token`` is cut out of
     any other header that carries it (a ``Referer`` of a ``/t/<token>/`` URL, say).
-    ``Via`` gets this relay's entry appended (`VIA`), the one header added: it is how
-    a loop is seen.
+    ``Via`` gets the relay's entry ``via`` appended (`via_entry`), the one header added:
+    it is how a loop is seen.
     """
     out: CIMultiDict[str] = CIMultiDict()
     connection_tokens = {
@@ -123,8 +132,8 @@ def request_headers(
             v = v.replace(token, REDACTED_PART)
         out.add(k, v)
     out["Accept-Encoding"] = "identity"
-    via = out.getall("via", None)
-    out["Via"] = f"{', '.join(via)}, {VIA}" if via else VIA
+    before = out.getall("via", None)
+    out["Via"] = f"{', '.join(before)}, {via}" if before else via
     key = upstream.api_key
     if key is not None:
         names = [*CREDENTIAL_HEADERS, *(h for h in upstream.key_headers if h not in _CRED)]

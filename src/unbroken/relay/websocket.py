@@ -304,7 +304,9 @@ class _Connection:
             abort_websocket(ws)
 
     def headers_for(self, up: Upstream) -> CIMultiDict[str]:
-        headers = request_headers(self.request.headers, up, anthropic=False, token=self.relay.token)
+        headers = request_headers(
+            self.request.headers, up, anthropic=False, token=self.relay.token, via=self.relay.via
+        )
         for k in list(headers):
             if k.lower() in _WS_HOP:
                 del headers[k]
