@@ -1,5 +1,5 @@
 """`unbroken demo`: the real command, a faster storm whose journal `stats` reads, and the
-README and docs samples of both, checked against a real run."""
+samples of both in docs/, checked against a real run."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from docsamples import DOCS, README, block_after, counted_names, lines_in_order, numbers_out
+from docsamples import DOCS, block_after, counted_names, lines_in_order, numbers_out
 from unbroken.cli import main
 from unbroken.demo import DemoRun, _turns, format_summary, render_run, run_demo, storms
 from unbroken.observe.stats import compute_stats, format_stats
@@ -172,15 +172,16 @@ def test_demo_text_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Straight against the mock" not in out
 
 
-# -- the samples in README.md and docs/ -------------------------------------------------------
+# -- the samples in docs/ ---------------------------------------------------------------------
 DEMO_MARKER = "$ pip install -e . && unbroken demo"
+DEMO_DOC = DOCS / "demo.md"
 
 
-def test_the_readme_demo_sample_is_what_the_demo_prints(
+def test_the_demo_sample_is_what_the_demo_prints(
     demo_run: tuple[dict[str, Any], Path],
 ) -> None:
     summary, _ = demo_run
-    sample = block_after(README, DEMO_MARKER).splitlines()
+    sample = block_after(DEMO_DOC, DEMO_MARKER).splitlines()
     # the introduction names the storms, in order
     intro = " ".join(sample[1:4])
     assert ", ".join(s.name for s in storms()) in intro, intro
@@ -203,11 +204,11 @@ def test_the_readme_demo_sample_is_what_the_demo_prints(
         assert numbers_out(mine) == numbers_out(theirs), (mine, theirs)
 
 
-def test_every_number_the_demo_prints_is_explained_in_the_readme(
+def test_every_number_the_demo_prints_is_explained_in_its_doc(
     demo_run: tuple[dict[str, Any], Path],
 ) -> None:
     summary, _ = demo_run
-    text = README.read_text()
+    text = DEMO_DOC.read_text()
     explained = text[text.index("What the numbers mean:") :]
     explained = explained[: explained.index("\n## ")]
     labels = {
@@ -224,12 +225,11 @@ def test_every_number_the_demo_prints_is_explained_in_the_readme(
 
 
 STATS_SAMPLES = [
-    (README, "**`unbroken stats [--since 24h] [--json]`** reports from it"),
     (DOCS / "observability.md", "## `unbroken stats [--since 24h] [--json]`"),
 ]
 
 
-@pytest.mark.parametrize(("path", "marker"), STATS_SAMPLES, ids=["README", "observability"])
+@pytest.mark.parametrize(("path", "marker"), STATS_SAMPLES, ids=["observability"])
 def test_the_stats_samples_are_what_stats_prints_for_a_demo_journal(
     demo_run: tuple[dict[str, Any], Path], path: Path, marker: str
 ) -> None:

@@ -1,7 +1,9 @@
 """The README and docs say what the code does: checked against the code, not by eye.
 
 The demo and stats samples are checked in tests/test_demo.py, the status samples
-in tests/observe/test_status.py, the OpenCode numbers by the e2e tests.
+in tests/observe/test_status.py, the OpenCode numbers by the e2e tests. The README
+is a front page: short, its sections in a fixed order, and each figure in it
+found in a docs section that names the command that measures it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from typing import Any
 import pytest
 
 from docsamples import (
+    CONFIGURATION,
+    DOCS,
     README,
     ROOT,
     STORM,
     STORM_PLACES,
+    TROUBLESHOOTING,
     block_after,
     code_blocks,
     doc_files,
@@ -65,7 +70,7 @@ def _schema() -> dict[str, set[str]]:
 
 
 def test_the_config_block_documents_every_section_and_key() -> None:
-    block = block_after(README, CONFIG_MARKER, "toml")
+    block = block_after(CONFIGURATION, CONFIG_MARKER, "toml")
     documented = _documented_keys(block)
     schema = _schema()
     assert set(documented) - {"routes"} == set(schema)
@@ -73,14 +78,14 @@ def test_the_config_block_documents_every_section_and_key() -> None:
         assert documented[name] == keys, (name, sorted(keys ^ documented[name]))
     in_block = set(re.findall(r"[{,] *([a-z_]+) = ", block.split("[routes.NAME]")[1]))
     assert in_block <= config_module.UPSTREAM_KEYS
-    text = section(README, "Configuration")
+    text = section(CONFIGURATION, "Configuration")
     for key in config_module.UPSTREAM_KEYS:
         assert f"`{key}" in text or key in in_block, f"upstream key {key} is not documented"
 
 
 def test_the_config_block_shows_the_defaults() -> None:
     """Every value in the block is the default, except the examples (path, routes)."""
-    data: dict[str, Any] = tomllib.loads(block_after(README, CONFIG_MARKER, "toml"))
+    data: dict[str, Any] = tomllib.loads(block_after(CONFIGURATION, CONFIG_MARKER, "toml"))
     data.pop("routes")
     data["journal"].pop("path")
     assert parse_config(data, env={}) == parse_config({}, env={})
@@ -149,17 +154,17 @@ def test_the_log_lines_are_found_where_expected() -> None:
 def test_troubleshooting_explains_every_log_line(path: str, fmt: str) -> None:
     samples = [
         line
-        for block in code_blocks(section(README, "Troubleshooting"))
+        for block in code_blocks(section(TROUBLESHOOTING, "Troubleshooting"))
         for line in block.splitlines()
     ]
     pattern = _pattern(fmt)
     assert any(pattern.search(line) for line in samples), (
-        f"README Troubleshooting has no sample of this log line from {path}: {fmt!r}"
+        f"docs/troubleshooting.md has no sample of this log line from {path}: {fmt!r}"
     )
 
 
 def test_troubleshooting_says_what_a_stall_and_a_degraded_journal_are() -> None:
-    text = section(README, "Troubleshooting")
+    text = section(TROUBLESHOOTING, "Troubleshooting")
     for words in (
         "reason=stall",
         "**A stall.**",
@@ -172,12 +177,12 @@ def test_troubleshooting_says_what_a_stall_and_a_degraded_journal_are() -> None:
         assert words in text, words
 
 
-# -- the README's small promises -----------------------------------------------------------
+# -- the docs' small promises -------------------------------------------------------------
 def test_the_quickstart_snippet_passes_the_key() -> None:
-    [snippet] = code_blocks(section(README, "Quickstart"), "python")
+    [snippet] = code_blocks(section(CONFIGURATION, "Quickstart"), "python")
     assert 'api_key=os.environ["OPENAI_API_KEY"]' in snippet
     assert 'api_key=os.environ["ANTHROPIC_API_KEY"]' in snippet
-    compile(snippet, "README Quickstart", "exec")
+    compile(snippet, "docs/configuration.md Quickstart", "exec")
 
 
 def test_the_readme_test_command_is_the_one_ci_runs() -> None:
@@ -241,3 +246,182 @@ def test_docsamples_reads_markdown(tmp_path: Path) -> None:
     assert code_blocks(section(doc, "A"), "toml") == ["k = 1\n"]
     assert code_blocks(section(doc, "B")) == ["plain\n"]
     assert block_after(doc, "more") == "plain\n"
+
+
+# -- the front page -------------------------------------------------------------------------
+#: The README's sections, in this order (a short section may come between them).
+FRONT_PAGE = (
+    "What it is",
+    "Set-up",
+    "Protecting an agent",
+    "What happens on each failure",
+    "Where to read more",
+)
+MAX_README_LINES = 250
+MAX_SECURITY_LINES = 8
+
+
+def _headings(path: Path, level: int) -> list[str]:
+    """The headings of one level, outside code blocks."""
+    out = []
+    fenced = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#" * level + " "):
+            out.append(line[level + 1 :].strip())
+    return out
+
+
+def test_the_readme_is_a_short_front_page_with_its_sections_in_order() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines"
+    headings = _headings(README, 2)
+    assert headings[0] == FRONT_PAGE[0], headings
+    assert headings[-1] == FRONT_PAGE[-1], headings
+    assert [h for h in headings if h in FRONT_PAGE] == list(FRONT_PAGE), headings
+    security = section(README, "Security").strip().splitlines()
+    assert len(security) <= MAX_SECURITY_LINES, security
+    assert "(docs/security.md)" in "".join(security)
+
+
+def test_the_readme_set_up_gives_the_python_version_pyproject_requires() -> None:
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    version = re.fullmatch(r">=\s*(\d+\.\d+)", requires)
+    assert version, requires
+    assert f"Python ≥ {version.group(1)}" in section(README, "Set-up")
+
+
+def test_the_readme_installs_from_a_clone_not_from_an_index() -> None:
+    """unbroken is not on a package index: every install the docs give is ``-e .``."""
+    for doc in doc_files():
+        for m in re.finditer(r"pip install (?:-U )?'?unbroken\b", doc.read_text()):
+            pytest.fail(f"{doc.name}: {m.group(0)!r}: install from a clone (pip install -e .)")
+
+
+def test_where_to_read_more_points_to_where_a_decision_lives() -> None:
+    text = section(README, "Where to read more")
+    assert "[docs/architecture.md](docs/architecture.md): where a decision lives" in text
+
+
+# -- the README's figures -------------------------------------------------------------------
+#: A figure: a number with a unit of time, size, rate or count ("about"/"~" dropped).
+FIGURE = re.compile(
+    r"(?<![\w.,])\d[\d,]*(?:\.\d+)?(?:[–-]\d[\d,]*(?:\.\d+)?)?"
+    r"(?: (?:min \d+ s|min|ms|s|h|MB|GB|requests/s|tests|requests|retries)|%)(?![\w/])"
+)
+#: A default, given with the key it is the default of: "`[retry] delay_ms` (250 ms)".
+DEFAULT = re.compile(r"`\[([a-z_]+)\] ([a-z_]+)` \((\d+(?:\.\d+)?) (ms|s)\)")
+#: A command that measures or checks a figure, named in backticks in a docs section.
+COMMAND = re.compile(r"`(?:CI=true bash \.ci/run|pytest\b|python (?:bench|tools)/)[^`]*`")
+
+
+def _prose(text: str) -> str:
+    """The text without its code blocks, with runs of whitespace made one space."""
+    text = re.sub(r"^```.*?^```\s*$", " ", text, flags=re.M | re.S)
+    return re.sub(r"\s+", " ", text)
+
+
+def _chunks(path: Path) -> list[str]:
+    """A page cut at every heading (any level), each piece as prose."""
+    pieces: list[list[str]] = [[]]
+    fenced = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"^#+ ", line):
+            pieces.append([])
+        pieces[-1].append(line)
+    return ["\n".join(p) for p in pieces]
+
+
+def _measured(figure: str) -> list[str]:
+    """The docs sections that give this figure and name a command that measures it."""
+    return [
+        f"{doc.name}: {COMMAND.search(chunk).group(0)}"  # type: ignore[union-attr]
+        for doc in sorted(DOCS.glob("*.md"))
+        for chunk in _chunks(doc)
+        if COMMAND.search(chunk) and figure in _prose(chunk)
+    ]
+
+
+def _readme_figures() -> tuple[list[tuple[str, str, str, str]], list[str]]:
+    """The README's defaults (section, key, value, unit) and its other figures."""
+    text = _prose(README.read_text())
+    defaults = DEFAULT.findall(text)
+    return defaults, FIGURE.findall(DEFAULT.sub(" ", text))
+
+
+def test_the_readme_has_figures_to_check() -> None:
+    defaults, figures = _readme_figures()
+    assert len(defaults) >= 3 and len(figures) >= 8, (defaults, figures)
+    assert "11 min 33 s" in figures and "2,049 tests" in figures
+
+
+@pytest.mark.parametrize("figure", _readme_figures()[1])
+def test_each_readme_figure_is_in_a_docs_section_that_names_its_command(figure: str) -> None:
+    assert _measured(figure), (
+        f"README gives {figure!r}: no docs section gives it with the command that measures it"
+    )
+
+
+@pytest.mark.parametrize(("table", "key", "value", "unit"), _readme_figures()[0])
+def test_each_readme_default_is_the_documented_default(
+    table: str, key: str, value: str, unit: str
+) -> None:
+    defaults: dict[str, Any] = tomllib.loads(block_after(CONFIGURATION, CONFIG_MARKER, "toml"))
+    assert key.endswith(f"_{unit}"), f"README gives [{table}] {key} in {unit}"
+    assert float(defaults[table][key]) == float(value), (table, key, defaults[table][key])
+
+
+def test_the_figure_check_sees_figures_and_commands() -> None:
+    found = FIGURE.findall(
+        "took 11 min 33 s, about 74 s, 482 MB and 1.3 GB; 6 requests; 2,049 tests"
+    )
+    assert found == ["11 min 33 s", "74 s", "482 MB", "1.3 GB", "6 requests", "2,049 tests"]
+    assert not FIGURE.findall("Python ≥ 3.11, port 4780, opencode-ai@1.18.33, 30 × 503, 429s")
+    assert DEFAULT.findall("after `[retry] delay_ms` (250 ms)") == [
+        ("retry", "delay_ms", "250", "ms")
+    ]
+    assert COMMAND.search("run `python bench/x.py --repeat 2` to")
+    assert not COMMAND.search("see `tests/e2e/clis.py`")
+
+
+# -- links between the pages ------------------------------------------------------------------
+def _slugs(path: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings."""
+    seen: dict[str, int] = {}
+    out = set()
+    for level in range(1, 7):
+        for heading in _headings(path, level):
+            slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def _links() -> list[tuple[str, str]]:
+    found = []
+    for doc in doc_files():
+        for m in re.finditer(r"\]\(([^)\s]+)\)", _prose(doc.read_text())):
+            target = m.group(1)
+            if not re.match(r"[a-z]+:", target):
+                found.append((str(doc.relative_to(ROOT)), target))
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize(("doc", "target"), _links())
+def test_every_link_between_the_pages_resolves(doc: str, target: str) -> None:
+    path, _, anchor = target.partition("#")
+    page = (ROOT / doc).parent / path if path else ROOT / doc
+    assert page.exists(), f"{doc} links to {target}: no such file"
+    if anchor:
+        assert page.suffix == ".md", f"{doc} links to an anchor in {path}"
+        assert anchor in _slugs(page), f"{doc} links to {target}: no such heading"
+
+
+def test_where_to_read_more_lists_every_docs_page() -> None:
+    text = section(README, "Where to read more")
+    for page in sorted(DOCS.glob("*.md")):
+        assert f"](docs/{page.name})" in text, f"README does not point to docs/{page.name}"

@@ -28,6 +28,9 @@ def test_xfails():
 
 def _pytest(tmp_path: Path, *args: str, allow: bool = False) -> tuple[int, str]:
     (tmp_path / "test_sample.py").write_text(SAMPLE)
+    # its own rootdir and ini: a pyproject.toml in an ancestor of the temp dir (another
+    # tool's leftover in /tmp) would otherwise become the rootdir and change the node ids
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "PYTEST_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     if allow:

@@ -762,7 +762,7 @@ def parse_config(data: dict[str, Any], env: Mapping[str, str] | None = None) -> 
 
 
 def _ratelimit(rl: dict[str, Any]) -> RateSettings:
-    """The ``[ratelimit]`` section (see README, Running many agents)."""
+    """The ``[ratelimit]`` section (see docs/fleet.md)."""
     if rl.get("max_wait_s", 1.0) <= 0:
         raise ConfigError("ratelimit.max_wait_s", "must be greater than 0")
     if rl.get("max_concurrency", 1) < 1:
@@ -790,7 +790,7 @@ def _ratio_of_budget(retry: dict[str, Any]) -> float:
 
 
 def _health(health: dict[str, Any]) -> HealthSettings:
-    """The ``[health]`` section (see README, Configuration)."""
+    """The ``[health]`` section (see docs/configuration.md)."""
     for k in ("failures_to_open", "min_window_attempts"):
         if health.get(k, 1) < 1:
             raise ConfigError(f"health.{k}", "must be at least 1")

@@ -5,7 +5,7 @@ Gemini CLI runs headless (``gemini -p ... -m gemini-2.5-flash``, ``--approval-mo
 yolo`` when its shell tool must run) with API-key auth and ``GOOGLE_GEMINI_BASE_URL``
 at the mock provider, as a user's own gateway would be; `unbroken run -- gemini`
 relays to it.  Most tests run unbroken with its defaults (250 ms retries), so the
-figures they print are the README's.
+figures they print are docs/agents.md's.
 """
 
 from __future__ import annotations

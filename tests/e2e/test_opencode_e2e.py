@@ -57,7 +57,7 @@ def test_503_storm_kills_opencode_alone_but_not_through_unbroken(
     )
     assert alone.finished.code == 1, _fails(alone)
     assert alone.requests == 6, _fails(alone)  # the first try and OpenCode's 5 retries
-    # The docs give this time (README, docs/opencode.md): it must still be true.
+    # The docs give this time (README, docs/agents.md, docs/opencode.md): it must still be true.
     documented = documented_storm_seconds()
     assert abs(died_after - documented) <= 12, (died_after, documented, alone.times)
     assert relayed.finished.code == 0, _fails(relayed)
@@ -119,8 +119,11 @@ def test_drop_after_output_causes_no_hot_reprompt_loop(
         f"one second); through unbroken {relayed.extra['per_second']:.2f} requests/s (peak "
         f"{relayed.extra['max_per_second']})",
     )
-    # The hot loop unbroken exists to prevent (its rate depends on the CPU OpenCode gets).
-    assert alone.extra["per_second"] >= 3 * relayed.extra["per_second"]
+    # The hot loop unbroken exists to prevent. Its rate is bound by the CPU OpenCode gets:
+    # 13-15 requests/s on an idle machine, as low as 0.4/s at a load average of 15 (a CI
+    # run measured 0.4 against 0.2 through unbroken), so only the order is asserted here;
+    # the bounds that matter are unbroken's own, below.
+    assert alone.extra["per_second"] > relayed.extra["per_second"]
     assert relayed.extra["max_per_second"] <= 2
     assert relayed.extra["per_second"] < 0.5
 

@@ -1,7 +1,8 @@
-"""The README's client recipes: each base URL, with the path its client appends, works
-through the relay.  The routes ``openai`` and ``anthropic`` point at the mock here,
-exactly as the built-in ones point at https://api.openai.com and
-https://api.anthropic.com, so every URL shape is the one the README gives."""
+"""The client recipes of docs/configuration.md: each base URL, with the path its
+client appends, works through the relay.  The routes ``openai`` and ``anthropic``
+point at the mock here, exactly as the built-in ones point at
+https://api.openai.com and https://api.anthropic.com, so every URL shape is the
+one the docs give."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def sse_json(body: bytes) -> list[Any]:
 
 
 async def test_openai_sdk_recipe(mock: Any, relay: str) -> None:
-    # README: OpenAI(base_url="http://127.0.0.1:4780/openai/v1")
+    # docs/configuration.md: OpenAI(base_url="http://127.0.0.1:4780/openai/v1")
     client = openai.AsyncOpenAI(base_url=f"{relay}/openai/v1", api_key="sk-user", max_retries=0)
     mock.script(FAULTS)
     stream = await client.chat.completions.create(
@@ -72,7 +73,7 @@ async def test_openai_sdk_recipe(mock: Any, relay: str) -> None:
 
 
 async def test_anthropic_sdk_recipe(mock: Any, relay: str) -> None:
-    # README: Anthropic(base_url="http://127.0.0.1:4780/anthropic")
+    # docs/configuration.md: Anthropic(base_url="http://127.0.0.1:4780/anthropic")
     client = anthropic.AsyncAnthropic(
         base_url=f"{relay}/anthropic", api_key="sk-ant-user", max_retries=0
     )
@@ -98,7 +99,7 @@ async def _post(url: str, body: dict[str, Any], headers: dict[str, str]) -> tupl
 
 
 async def test_claude_code_recipe(mock: Any, relay: str) -> None:
-    # README: ANTHROPIC_BASE_URL=http://127.0.0.1:4780/anthropic claude
+    # docs/configuration.md: ANTHROPIC_BASE_URL=http://127.0.0.1:4780/anthropic claude
     # Claude Code posts to $ANTHROPIC_BASE_URL/v1/messages?beta=true, streamed.
     base = f"{relay}/anthropic"
     mock.script(FAULTS)
@@ -128,7 +129,7 @@ async def test_claude_code_recipe(mock: Any, relay: str) -> None:
 
 
 async def test_codex_cli_recipe(mock: Any, relay: str) -> None:
-    # README: [model_providers.unbroken] base_url = "http://127.0.0.1:4780/openai/v1",
+    # docs/configuration.md: [model_providers.unbroken] base_url = "http://127.0.0.1:4780/openai/v1",
     # wire_api = "responses": Codex posts to {base_url}/responses, streamed.
     base = f"{relay}/openai/v1"
     mock.script(FAULTS)
@@ -149,7 +150,8 @@ async def test_codex_cli_recipe(mock: Any, relay: str) -> None:
 
 @pytest.mark.parametrize("stream", [True, False])
 async def test_aider_and_litellm_recipe(mock: Any, relay: str, stream: bool) -> None:
-    # README: aider --openai-api-base http://127.0.0.1:4780/openai/v1 (OPENAI_API_BASE), and
+    # docs/configuration.md: aider --openai-api-base http://127.0.0.1:4780/openai/v1
+    # (OPENAI_API_BASE), and
     # litellm.completion(..., api_base="http://127.0.0.1:4780/openai/v1") post to
     # {api_base}/chat/completions
     base = f"{relay}/openai/v1"
@@ -172,7 +174,7 @@ async def test_aider_and_litellm_recipe(mock: Any, relay: str, stream: bool) -> 
 
 
 async def test_litellm_anthropic_recipe(mock: Any, relay: str) -> None:
-    # README: litellm.completion(model="anthropic/...", api_base="http://127.0.0.1:4780/anthropic")
+    # docs/configuration.md: litellm.completion(model="anthropic/...", api_base="http://127.0.0.1:4780/anthropic")
     # LiteLLM appends /v1/messages to an Anthropic api_base.
     mock.script(FAULTS)
     status, body = await _post(

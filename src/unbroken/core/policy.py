@@ -161,7 +161,7 @@ def parse_retry_after(headers: Mapping[str, str], *, now_wall: float) -> float |
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """The ``[retry]`` settings that shape waiting (see README, Configuration).
+    """The ``[retry]`` settings that shape waiting (see docs/configuration.md).
 
     A retry waits ``delay_ms`` (``backoff = "fixed"``, the default; or a full-jitter
     exponential draw), then takes its go from the upstream's pacer
