@@ -326,7 +326,12 @@ class RedisStore(HealthStore):
                 self._queue.put_nowait(("count", (key, failed)))
 
     async def _writer(self) -> None:
+        me = asyncio.current_task()
         while True:
+            if me is not None and me.cancelling():
+                # A cancellation swallowed below a write (library code) must still
+                # stop the writer, or a draining worker never exits (issue 25).
+                raise asyncio.CancelledError
             what, item = await self._queue.get()
             try:
                 if what == "change":

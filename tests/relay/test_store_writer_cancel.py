@@ -1,0 +1,39 @@
+"""The Redis store's writer stops when cancelled, even if a write swallowed the cancel.
+
+Seen once in a ``--workers 2 --redis`` soak (issue 25): after SIGTERM a worker never
+exited; ``asyncio.run`` sat in ``_cancel_all_tasks`` with ``RedisStore._writer``
+*cancelling* yet awaiting ``queue.get()`` again: a cancellation had been swallowed below
+a ``pipeline.execute()`` and the writer went back to its loop.  The write below stands
+in for that library code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from relay.test_health_relay import until
+from relay.test_redis_store import fleet_config
+from unbroken.relay.server import RelayServer
+
+
+async def test_a_swallowed_cancellation_still_stops_the_writer(redis_server, mock):
+    cfg = fleet_config([mock.url], redis_server.url)
+    async with RelayServer(cfg) as server:
+        store = server.relay.store
+        writing = asyncio.Event()
+
+        async def swallowing_write(key: str, failed: bool) -> None:
+            writing.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                pass  # what a library below a write may do
+
+        store._write_count = swallowing_write  # type: ignore[method-assign]
+        store._queue.put_nowait(("count", ("k", False)))
+        store._queue.put_nowait(("count", ("k", True)))
+        await asyncio.wait_for(writing.wait(), 5)
+        writer = next(t for t in store._tasks if t.get_coro().__name__ == "_writer")
+        writer.cancel()
+        await until(writer.done, cap=5)
+        assert writer.cancelled()
