@@ -743,7 +743,7 @@ async def wait_healthy(
 
 def _resume_cmd(args: argparse.Namespace) -> int:
     from unbroken.cmdline import setup_logging
-    from unbroken.config import ConfigError, validate_url
+    from unbroken.config_values import ConfigError, validate_url
 
     try:
         if not args.opencode.lower().startswith(("http://", "https://")):
