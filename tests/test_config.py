@@ -15,8 +15,8 @@ from unbroken.config import (
     bind_problem,
     load_config,
     parse_config,
-    validate_url,
 )
+from unbroken.config_values import validate_url
 from unbroken.core.policy import RetryPolicy
 
 SECRET = "sk-live-0123456789abcdef-SECRET"

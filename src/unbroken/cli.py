@@ -23,7 +23,8 @@ from typing import Any
 from unbroken import __version__
 from unbroken.cmdline import OneLineParser, setup_logging
 from unbroken.cmdline import one_line as _one_line
-from unbroken.config import ConfigError, bind_problem, check_host, load_config, port_number
+from unbroken.config import ConfigError, bind_problem, load_config
+from unbroken.config_values import check_host, port_number
 
 __all__ = ["OneLineParser", "main", "port_number", "setup_logging"]
 

@@ -17,7 +17,7 @@ failed step once, as agents do.  A turn is *lost* when a step fails twice.
 (``:streamGenerateContent?alt=sse``, a whole ``functionCall``, Google RPC errors,
 ``RetryInfo``): the client is then a plain Gemini API client (aiohttp) with no
 retries of its own, in the same agent loop.  Its storms are the Gemini API's own
-(`storms`): a 429 names its wait in ``RetryInfo.retryDelay``, an ``error`` object
+(`unbroken.demo_gemini`): a 429 names its wait in ``RetryInfo.retryDelay``, an ``error`` object
 arrives inside the stream, and since a function call arrives whole there is no
 "mid-tool-args": the cuts before output come before the call's event.
 
@@ -44,6 +44,8 @@ import aiohttp
 
 from unbroken.config import JournalSettings, parse_config
 from unbroken.core.turn import NOT_FAILURES
+from unbroken.demo_gemini import gemini_agent_turn
+from unbroken.demo_gemini import storms as gemini_storms
 from unbroken.demo_messages import messages_agent_turn
 from unbroken.demo_messages import storms as messages_storms
 from unbroken.mock import MockProvider, frames_for
@@ -73,22 +75,6 @@ TOOLS = [
         },
     }
 ]
-#: the same tool, declared as the Gemini API declares it
-GEMINI_TOOLS = [
-    {
-        "functionDeclarations": [
-            {
-                "name": "bash",
-                "description": "Run a shell command.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"command": {"type": "string"}},
-                    "required": ["command"],
-                },
-            }
-        ]
-    }
-]
 TOOL_REPLY = {"reply": "tool"}
 TEXT_REPLY = {"reply": "text"}
 
@@ -110,7 +96,7 @@ def storms(
     """The storm of each kind of turn (chat frames: 1 role, 2 tool start, 3-10 arguments;
     Gemini frames: 1 the whole ``functionCall``, 2 the finish; text: 8 pieces)."""
     if protocol == "gemini":
-        return _gemini_storms(retry_after_s, stall_s)
+        return [Storm(name, script) for name, script in gemini_storms(retry_after_s, stall_s)]
     if protocol == "anthropic":
         return [Storm(name, script) for name, script in messages_storms(retry_after_s, stall_s)]
     return [
@@ -143,71 +129,6 @@ def storms(
             "stall",
             (
                 {"fault": "stall", "after_frame": 1, "seconds": stall_s, "reply": "tool"},
-                TOOL_REPLY,
-                TEXT_REPLY,
-            ),
-        ),
-    ]
-
-
-def retry_info_429(retry_after_s: float) -> str:
-    """A Gemini API 429 body whose ``RetryInfo`` names the wait (a per-minute quota)."""
-    return json.dumps(
-        {
-            "error": {
-                "code": 429,
-                "message": "You exceeded your current quota, please check your plan and "
-                f"billing details. Please retry in {retry_after_s:g}s.",
-                "status": "RESOURCE_EXHAUSTED",
-                "details": [
-                    {
-                        "@type": "type.googleapis.com/google.rpc.QuotaFailure",
-                        "violations": [{"quotaId": "GenerateRequestsPerMinutePerProjectPerModel"}],
-                    },
-                    {
-                        "@type": "type.googleapis.com/google.rpc.RetryInfo",
-                        "retryDelay": f"{retry_after_s:g}s",
-                    },
-                ],
-            }
-        }
-    )
-
-
-def _gemini_storms(retry_after_s: float, stall_s: float) -> list[Storm]:
-    """The Gemini API's storms: the same kinds, in its own terms.  A ``functionCall``
-    arrives whole in one event (released at once: it commits), so the cuts before
-    output come before it: after the ``200``, with no event yet."""
-    return [
-        Storm("503 burst", ({"status": 503, "count": 6}, TOOL_REPLY, TEXT_REPLY)),
-        Storm(
-            "429 + RetryInfo",
-            ({"status": 429, "body": retry_info_429(retry_after_s)}, TOOL_REPLY, TEXT_REPLY),
-        ),
-        Storm(
-            "resets before output",
-            (
-                {"fault": "reset", "after_frame": 0, "reply": "tool", "count": 2},
-                TOOL_REPLY,
-                TEXT_REPLY,
-            ),
-        ),
-        Storm(
-            "in-stream 503",
-            (
-                {"fault": "error_event", "after_frame": 0, "error": "overloaded", "reply": "tool"},
-                TOOL_REPLY,
-                TEXT_REPLY,
-            ),
-        ),
-        Storm(
-            "drop after output",
-            (TOOL_REPLY, {"fault": "reset", "after_frame": 4, "reply": "text"}, TEXT_REPLY),
-        ),
-        Storm(
-            "stall",
-            (
-                {"fault": "stall", "after_frame": 0, "seconds": stall_s, "reply": "tool"},
                 TOOL_REPLY,
                 TEXT_REPLY,
             ),
@@ -353,142 +274,6 @@ async def _agent_turn(client: Any, turn: DemoTurn) -> None:
     turn.completed = True
 
 
-class GeminiStreamError(Exception):
-    """What the demo's Gemini client raises: an error status, an ``error`` object in the
-    stream, or a stream that ended without a ``finishReason`` (a cut turn)."""
-
-
-def _gemini_parts(obj: dict[str, Any]) -> tuple[str, list[dict[str, Any]], bool]:
-    """(text, function calls, finished) of one ``GenerateContentResponse``."""
-    text = ""
-    calls: list[dict[str, Any]] = []
-    finished = False
-    for candidate in obj.get("candidates") or []:
-        finished = finished or bool(candidate.get("finishReason"))
-        for part in (candidate.get("content") or {}).get("parts") or []:
-            if isinstance(part.get("text"), str) and not part.get("thought"):
-                text += part["text"]
-            call = part.get("functionCall")
-            if isinstance(call, dict):
-                calls.append(call)
-    return text, calls, finished
-
-
-def _call_text(calls: list[dict[str, Any]]) -> str:
-    return "".join(json.dumps(c.get("args") or {}, sort_keys=True) for c in calls)
-
-
-def _gemini_expected(shape: dict[str, Any], request: dict[str, Any]) -> tuple[int, str, str]:
-    """(events, text, function calls' arguments) of the clean reply the mock sends."""
-    chunks, text, calls = 0, "", []
-    for frame in frames_for("gemini", shape, request):
-        chunks += 1
-        piece, got, _ = _gemini_parts(json.loads(frame.decode().removeprefix("data: ")))
-        text += piece
-        calls += got
-    return chunks, text, _call_text(calls)
-
-
-async def _gemini_stream(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: dict[str, Any],
-    headers: dict[str, str],
-    turn: DemoTurn,
-) -> tuple[int, str, list[dict[str, Any]]]:
-    """One ``:streamGenerateContent?alt=sse`` call, read as a Gemini client reads it: one
-    JSON object per ``data:`` event (events end with a blank line; blank lines alone are
-    keepalives), an ``error`` object is an error, and no ``finishReason`` is a cut."""
-    async with session.post(url, json=body, headers=headers) as resp:
-        if resp.status != 200:
-            raise GeminiStreamError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
-        turn.state = "streaming"
-        chunks, text, calls, finished = 0, "", [], False
-        data: list[str] = []
-        async for raw in resp.content:
-            line = raw.decode().rstrip("\r\n")
-            if line:
-                if line.startswith("data:"):
-                    data.append(line[5:].removeprefix(" "))
-                continue
-            if not data:
-                continue  # a keepalive
-            obj = json.loads("\n".join(data))
-            data = []
-            if not isinstance(obj, dict):
-                raise GeminiStreamError("an event that is not an object")
-            if "error" in obj:
-                raise GeminiStreamError(f"in-stream error: {obj['error']}")
-            chunks += 1
-            turn.chunks += 1
-            piece, got, done = _gemini_parts(obj)
-            text += piece
-            calls += got
-            finished = finished or done
-        if not finished:
-            raise GeminiStreamError("the stream ended without a finishReason")
-        return chunks, text, calls
-
-
-async def _gemini_agent_turn(session: aiohttp.ClientSession, base_url: str, turn: DemoTurn) -> None:
-    """`_agent_turn` over the Gemini API: the tool call, its result, the answer."""
-    contents: list[dict[str, Any]] = [
-        {"role": "user", "parts": [{"text": f"Task {turn.number}: say hello from the shell."}]}
-    ]
-    headers = {
-        "x-goog-api-key": "demo-no-key-needed",
-        "x-mock-key": turn.key,
-        "x-session-id": f"demo-session-{turn.number}",
-    }
-    url = f"{base_url}/v1beta/models/{MODEL}:streamGenerateContent?alt=sse"
-    for step, shape in enumerate((TOOL_REPLY, TEXT_REPLY)):
-        turn.step = step
-        body = {
-            "contents": contents,
-            "systemInstruction": {
-                "parts": [{"text": "You are a coding agent. Use the bash tool."}]
-            },
-            "tools": GEMINI_TOOLS,
-        }
-        # the mock renders a Gemini call as its body with the path's model and method
-        want_chunks, want_text, want_args = _gemini_expected(
-            shape, {**body, "model": MODEL, "stream": True}
-        )
-        calls: list[dict[str, Any]] = []
-        for _try in range(1 + AGENT_RETRIES):
-            turn.state = "requesting"
-            try:
-                chunks, text, calls = await _gemini_stream(session, url, body, headers, turn)
-            except Exception as exc:  # what an agent sees: errors, read timeouts, resets
-                turn.errors += 1
-                turn.last_error = type(exc).__name__
-                turn.state = "retrying"
-                continue
-            turn.duplicates += max(0, chunks - want_chunks)
-            if text != want_text or _call_text(calls) != want_args:
-                turn.corrupted += 1
-            break
-        else:
-            turn.state = "LOST"
-            turn.lost = True
-            return
-        if shape is TOOL_REPLY:
-            name = str(calls[0].get("name")) if calls else "bash"
-            contents = [
-                *contents,
-                {"role": "model", "parts": [{"functionCall": c} for c in calls]},
-                {
-                    "role": "user",
-                    "parts": [
-                        {"functionResponse": {"name": name, "response": {"output": "hello"}}}
-                    ],
-                },
-            ]
-    turn.step = 2
-    turn.state = "done"
-    turn.completed = True
-
-
 async def _drive(
     run: DemoRun,
     base_url: str,
@@ -521,7 +306,9 @@ async def _drive(
         )
         try:
             await _tick_while(
-                run, on_tick, [_gemini_agent_turn(session, base_url, t) for t in run.turns]
+                run,
+                on_tick,
+                [gemini_agent_turn(session, base_url, t, MODEL, AGENT_RETRIES) for t in run.turns],
             )
         finally:
             await session.close()

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from unbroken.opencode.resume import (
+from unbroken.opencode.resume import Resumer
+from unbroken.opencode.resume_policy import (
     Resume,
-    Resumer,
     ResumeSettings,
     Skip,
     decide,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from unbroken.agents.plan import RELAY, Launch
-from unbroken.config import ConfigError, validate_url
+from unbroken.config_values import ConfigError, validate_url
 
 __all__ = ["ANTHROPIC_DEFAULT", "client_timers", "plan"]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.agents.plan import RELAY, Launch, route_name, split_version
-from unbroken.config import ConfigError, validate_url
+from unbroken.config_values import ConfigError, validate_url
 
 __all__ = ["OPENAI_DEFAULT", "codex_home", "plan", "read_config"]
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.agents.plan import FILES, RELAY, Launch
-from unbroken.config import ConfigError, validate_url
+from unbroken.config_values import ConfigError, validate_url
 
 __all__ = ["GEMINI_DEFAULT", "SYSTEM_DEFAULTS", "auth_from_env", "plan"]
 

@@ -47,9 +47,9 @@ from unbroken.config import (
     ConfigError,
     Route,
     load_config,
-    validate_url,
     with_upstream,
 )
+from unbroken.config_values import validate_url
 
 __all__ = ["agent_of", "generic_plan", "plan_for", "print_env", "relay_config", "run_agent"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.cmdline import OneLineParser
-from unbroken.config import ConfigError, check_host, port_number
+from unbroken.config_values import ConfigError, check_host, port_number
 from unbroken.mock.actions import (
     ActionError,
     expand_actions,

@@ -21,7 +21,8 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from unbroken.agents.plan import private_token, route_name
-from unbroken.config import Config, ConfigError, Route, validate_url, with_upstream
+from unbroken.config import Config, ConfigError, Route, with_upstream
+from unbroken.config_values import validate_url
 from unbroken.opencode import jsonc
 from unbroken.opencode.providers import OPENCODE_PROVIDERS, UNPLACEABLE
 

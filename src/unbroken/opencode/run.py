@@ -319,7 +319,8 @@ class _Follower:
     def __init__(
         self, watch: str, env: Mapping[str, str], proc: asyncio.subprocess.Process
     ) -> None:
-        from unbroken.opencode.resume import Resumer, settings_from_env
+        from unbroken.opencode.resume import Resumer
+        from unbroken.opencode.resume_policy import settings_from_env
 
         self.watch, self.proc = watch, proc
         self.resumer = Resumer(
@@ -376,7 +377,7 @@ def _run_cmd(args: argparse.Namespace) -> int:
         from unbroken.agents.launcher import run_cmd
 
         return run_cmd(command, config=args.config, log_path=args.log, print_only=args.print_env)
-    from unbroken.opencode.resume import settings_from_env
+    from unbroken.opencode.resume_policy import settings_from_env
 
     env = dict(os.environ)
     if args.print_env:

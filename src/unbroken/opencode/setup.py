@@ -219,7 +219,7 @@ def _setup_cmd(args: argparse.Namespace) -> int:
     host = f"[{config.host}]" if ":" in config.host else config.host
     relay_url = (args.relay or f"http://{host}:{config.port}").rstrip("/")
     if args.relay is not None:
-        from unbroken.config import validate_http_url
+        from unbroken.config_values import validate_http_url
 
         try:
             relay_url = validate_http_url("--relay", args.relay)

@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from unbroken.config import Config, normalise_origin
+from unbroken.config import Config
+from unbroken.config_values import normalise_origin
 
 __all__ = ["Access", "Denied", "Target", "parse_target"]
 
