@@ -141,9 +141,10 @@ of that attempt is illegal.  A transport dispatches over actions with ``match`` 
 
 Where the parts live (one class, `TurnMachine`, its fields in `turn_fields`)::
 
-    turn            this header; the events: attempts, answers, feeds, body ends, failures
-    turn_endings    verdicts (replay, end, the kept answer), retry or give up, the end
-                    from outside (the client gone, a crash)
+    turn            this header; the events: attempts, answers, feeds (legality checks
+                    for every event)
+    turn_endings    an attempt's body ending or failing, verdicts (replay, end, the kept
+                    answer), retry or give up, the end from outside (client gone, crash)
     turn_types      the actions, `Fed`, `Outcome`, `Phase`, the `TurnReport` protocol
     turn_table      the steps (`Step`), the events (`TurnEvent`), the table the code runs
     turn_fast_path  `feed_verbatim`: runs of plain frames after commit, in one piece
@@ -184,7 +185,7 @@ from unbroken.core.protocols import BODY, Protocol
 from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
 from unbroken.core.ratehead import RateHeaders
 from unbroken.core.sse import Event, EventTooLarge, SSESplitter
-from unbroken.core.turn_clock import TurnClock, queued_failure, stall_failure, stall_timers
+from unbroken.core.turn_clock import TurnClock, stall_timers
 from unbroken.core.turn_continue import ContinuationHooks, strategy_splices
 from unbroken.core.turn_endings import TurnEndings
 from unbroken.core.turn_fast_path import PEEL_FRAMES, FastPath
@@ -763,31 +764,6 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         self.step = ENTERS[kind]
         return action
 
-    def _body_ended(self, now: float) -> Action:
-        ledger = self.attempt_ledger
-        assert ledger is not None
-        if self.watch is not Watch.WATCHING:
-            return self._transport_failed(now, stall_failure())
-        if ledger.protocol is BODY:
-            ledger.ended()
-            outcome = (
-                self._ok_outcome() if (self.status or 0) < 400 else (Outcome.PASSED_THROUGH_ERROR)
-            )
-            return self._end(outcome, End(EndKind.CLEAN))
-        if ledger.state is State.DONE:
-            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
-        if self.continuation is not None and ledger.protocol.has_terminal:
-            cut = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
-            action = self._continue(now, cut)
-            if action is not None:
-                return action
-        pending = self._splitter.pending if self._splitter is not None else b""
-        out = ledger.ended(pending)
-        if ledger.verdict is Verdict.DONE:  # generic SSE: a clean end is its success
-            return self._end(self._ok_outcome(), End(EndKind.CLEAN))
-        failure = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
-        return self._verdict_action(now, failure, out)
-
     def transport_failed(self, now: float, failure: Failure) -> Action:
         """Reading the upstream failed (or the connection was aborted for a stall)."""
         before = self.step
@@ -795,26 +771,6 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
             self._illegal("transport_failed")
         action = self._transport_failed(now, failure)
         return self._moved(before, TurnEvent.TRANSPORT_FAILED, action)
-
-    def _transport_failed(self, now: float, failure: Failure) -> Action:
-        if self.step in _OPENING:
-            return self._open_failed(now, failure)
-        watch = self.watch
-        if watch is not Watch.WATCHING:
-            failure = queued_failure() if watch is Watch.QUEUED else stall_failure()
-        ledger = self.attempt_ledger
-        if ledger is None:
-            return self._attempt_failed(now, failure, self._replay_phase(failure))
-        if ledger.state is State.DONE:
-            # The turn is complete: finish the protocol's ending, record the cut.
-            self._record_tail_cut(failure)
-            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
-        if self.continuation is not None and self.step is Step.STREAM:
-            action = self._continue(now, failure)
-            if action is not None:
-                return action
-        out = ledger.failed(failure.reason)
-        return self._verdict_action(now, failure, out)
 
     def _reading(self, now: float, step: Step) -> None:
         self.step = step
