@@ -145,7 +145,7 @@ Where the parts live (one class, `TurnMachine`, its fields in `turn_fields`)::
                     for every event)
     turn_endings    an attempt's body ending or failing, verdicts (replay, end, the kept
                     answer), retry or give up, the end from outside (client gone, crash)
-    turn_types      the actions, `Fed`, `Outcome`, `Phase`, the `TurnReport` protocol
+    turn_types      the actions, `Fed`, `Outcome`, `Phase`, the `TurnObserver` protocol
     turn_table      the steps (`Step`), the events (`TurnEvent`), the table the code runs
     turn_fast_path  `feed_verbatim`: runs of plain frames after commit, in one piece
     turn_continue   the continuation hooks (`core.continuation`): plan, answer, join
@@ -158,7 +158,7 @@ never ends cleanly; no frame is released twice; every turn ends.
 
 Nothing here does I/O: no aiohttp, asyncio or ssl.  Time comes in as ``now``,
 randomness through the `RetryState`'s injected ``random.Random``.  Observers are
-told through the `TurnReport` protocol, which the I/O layer implements.
+told through the `TurnObserver` protocol, which the I/O layer implements.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ from unbroken.core.turn_types import (
     TimerAction,
     Timers,
     TurnError,
-    TurnReport,
+    TurnObserver,
     TurnState,
     Wait,
     new_fed,
@@ -260,7 +260,7 @@ __all__ = [
     "TurnError",
     "TurnEvent",
     "TurnMachine",
-    "TurnReport",
+    "TurnObserver",
     "TurnState",
     "Wait",
     "set_testing",
@@ -308,7 +308,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         retry: RetryState,
         stream: bool,
         now: float,
-        report: TurnReport,
+        report: TurnObserver,
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
         profile: Profile | None = None,

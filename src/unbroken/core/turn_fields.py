@@ -28,7 +28,7 @@ from unbroken.core.turn_types import (
     Phase,
     Timers,
     TurnError,
-    TurnReport,
+    TurnObserver,
 )
 
 __all__ = ["TurnFields", "is_testing", "set_testing", "testing"]
@@ -141,7 +141,7 @@ class TurnFields:
     protocol: Protocol
     queued_s: float
     refusal: Refusal | PrefillRefusal | None
-    report: TurnReport
+    report: TurnObserver
     retry: RetryState
     socket: bool
     stats: AttemptStats | None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.core.turn import NOT_UPSTREAM, UPSTREAM_ANSWERED
-from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
+from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
 __all__ = ["Health", "UpstreamOutcomes"]
 
@@ -65,7 +65,7 @@ class Health(Hooks):
             h = self.upstreams[key] = UpstreamOutcomes(route, upstream)
         return h
 
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+    def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         h = self._get(turn.route, attempt.upstream)
         if attempt.reason in NOT_UPSTREAM:
             return  # not the upstream's doing (the client left, or a relay bug)

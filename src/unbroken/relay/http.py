@@ -50,8 +50,8 @@ from unbroken.core.turn import (
     TurnMachine,
     Wait,
 )
-from unbroken.observe.hooks import TurnInfo
-from unbroken.observe.report import TurnReporter
+from unbroken.observe.hooks import TurnRecord
+from unbroken.observe.report import HooksObserver
 from unbroken.relay.http_attempt import ClientGone, HttpAttempt
 from unbroken.relay.relay_state import Relay, continuation_headers, session_id_of, sticky_key
 from unbroken.relay.upstream import (
@@ -153,7 +153,7 @@ class _HttpTurn:
         # agent body is hundreds of KiB, and its parsed form is larger still.
         self.parsed = parsed if renames else None
         self.profile = relay.profile_for(request.headers)
-        info = TurnInfo(
+        info = TurnRecord(
             route=route.name,
             path=rest,
             protocol=self.protocol.name,
@@ -161,7 +161,7 @@ class _HttpTurn:
             session_id=session_id_of(request.headers, parsed),
             client=self.profile.name,
         )
-        self.report = TurnReporter(info, relay.hooks, names, relay.inflight)
+        self.report = HooksObserver(info, relay.hooks, names, relay.inflight)
         self.loop = asyncio.get_running_loop()
         retry = relay.retry_state(
             route,

@@ -32,7 +32,7 @@ from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
 from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.shared import SharedBounds
 from unbroken.core.turn import TurnMachine
-from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnInfo
+from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnRecord
 from unbroken.relay.pacing import RateLimitIO, Waker
 from unbroken.relay.store import HealthStore, make_store
 from unbroken.relay.upstream import (
@@ -131,7 +131,7 @@ class Relay:
         self.client = client or UpstreamClient(connect_timeout_s=config.stream.connect_timeout_s)
         self.rng = rng or random.Random()
         self.hold = Hold(config.stream.hold)
-        self.inflight: set[TurnInfo] = set()
+        self.inflight: set[TurnRecord] = set()
         #: the tasks running client requests (turns, WebSocket connections): cancelled
         #: when the grace period of a shutdown runs out
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -422,10 +422,10 @@ class _HealthHook(Hooks):
         self.relay = relay
         self.accounting = AttemptAccounting(relay.board)
 
-    def turn_ended(self, turn: TurnInfo) -> None:
+    def turn_ended(self, turn: TurnRecord) -> None:
         self.accounting.turn_ended(turn.id)
 
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+    def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         relay = self.relay
         key = upstream_key(turn.route, attempt.upstream)
         failed = self.accounting.attempt_ended(

@@ -71,8 +71,8 @@ from unbroken.core.turn import (
     Wait,
 )
 from unbroken.core.ws_session import Fallback, SessionResponses, handshake_failure
-from unbroken.observe.hooks import TurnInfo
-from unbroken.observe.report import TurnReporter
+from unbroken.observe.hooks import TurnRecord
+from unbroken.observe.report import HooksObserver
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.http_attempt import HttpAttempt
 from unbroken.relay.relay_state import Relay, session_id_of, sticky_key
@@ -401,7 +401,7 @@ class _WsTurn:
         self.create = create
         self.text = text  # the client's message, forwarded as it is unless rebuilt
         profile = relay.profile_for(conn.request.headers)
-        info = TurnInfo(
+        info = TurnRecord(
             route=conn.route.name,
             path=conn.rest,
             protocol="responses-ws",
@@ -409,7 +409,7 @@ class _WsTurn:
             session_id=session_id_of(conn.request.headers, create),
             client=profile.name,
         )
-        self.report = TurnReporter(
+        self.report = HooksObserver(
             info, relay.hooks, relay.route_facts(conn.route)[0], relay.inflight
         )
         # The first attempt goes where the socket is (a turn, not a retry).
