@@ -4,7 +4,7 @@ and metrics.
 A `Hooks` observer: it learns from every attempt the relay reports.  What steers
 retries (cool-offs, circuit breakers) lives in the relay's health board
 (`unbroken.core.health.HealthBoard`, shared through the health store); this module
-only reads it, through ``breakers`` (`Relay.health_view`), and adds each upstream's
+only reads it, through ``breakers`` (`RelayState.health_view`), and adds each upstream's
 breaker state, open-until time, failure rate and cool-off to its snapshot.
 """
 

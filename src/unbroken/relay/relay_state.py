@@ -1,9 +1,9 @@
-"""The state every turn shares: `Relay` (config, outbound client, hooks, upstream
+"""The state every turn shares: `RelayState` (config, outbound client, hooks, upstream
 health and cool-offs, the running tasks for a graceful shutdown), and the request
 keys a turn is journaled and made sticky by.
 
 Both transports (`relay.http`, `relay.websocket`) run their turns against one
-`Relay`.  Each attempt's end reaches the health accounting
+`RelayState`.  Each attempt's end reaches the health accounting
 (`core.health.AttemptAccounting`) through `_HealthHook`; the shared store hears the
 fleet count it decides.
 """
@@ -44,7 +44,7 @@ from unbroken.relay.upstream import (
     via_entry,
 )
 
-__all__ = ["Relay", "continuation_headers", "session_id_of", "sticky_key"]
+__all__ = ["RelayState", "continuation_headers", "session_id_of", "sticky_key"]
 
 log = logging.getLogger("unbroken")
 
@@ -82,7 +82,7 @@ def _session_key(headers: Any, body: dict[str, Any] | None, names: tuple[str, ..
     return None
 
 
-class Relay:
+class RelayState:
     """Shared state of the relay: config, outbound client, hooks, upstream health."""
 
     def __init__(
@@ -359,11 +359,11 @@ class Relay:
 
 
 class _Running:
-    """`Relay.running`: a plain context manager, not a generator one (every request)."""
+    """`RelayState.running`: a plain context manager, not a generator one (every request)."""
 
     __slots__ = ("relay", "task")
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: RelayState) -> None:
         self.relay = relay
         self.task = asyncio.current_task()
 
@@ -418,7 +418,7 @@ class _HealthHook(Hooks):
     """Hands each attempt's end to the health accounting (`core.health.AttemptAccounting`)
     and sends the fleet count it decides to the shared store."""
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: RelayState) -> None:
         self.relay = relay
         self.accounting = AttemptAccounting(relay.board)
 

@@ -75,7 +75,7 @@ from unbroken.observe.hooks import TurnRecord
 from unbroken.observe.report import HooksObserver
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.http_attempt import HttpAttempt
-from unbroken.relay.relay_state import Relay, session_id_of, sticky_key
+from unbroken.relay.relay_state import RelayState, session_id_of, sticky_key
 from unbroken.relay.upstream import raw_query, redact, request_headers, upstream_url
 from unbroken.relay.watchdog import Watchdog
 from unbroken.relay.wslinger import ClientSocket
@@ -134,7 +134,7 @@ class _Refused(Exception):
 
 
 async def handle_websocket(
-    relay: Relay, request: web.Request, route: Route, rest: str
+    relay: RelayState, request: web.Request, route: Route, rest: str
 ) -> web.StreamResponse:
     with relay.running():
         return await _Connection(relay, request, route, rest).run()
@@ -171,7 +171,7 @@ def ws_error_messages(error_bytes: bytes) -> list[bytes]:
 class _Connection:
     """One client WebSocket and the upstream sockets behind it."""
 
-    def __init__(self, relay: Relay, request: web.Request, route: Route, rest: str) -> None:
+    def __init__(self, relay: RelayState, request: web.Request, route: Route, rest: str) -> None:
         self.relay = relay
         self.cfg = relay.config
         self.request = request
