@@ -141,8 +141,7 @@ of that attempt is illegal.  A transport dispatches over actions with ``match`` 
 
 Where the parts live (one class, `TurnMachine`, its fields in `turn_fields`)::
 
-    turn            this header; the events: attempts, answers, feeds (legality checks
-                    for every event)
+    turn            this header; the events (attempts, answers, feeds), their legality
     turn_endings    an attempt's body ending or failing, verdicts (replay, end, the kept
                     answer), retry or give up, the end from outside (client gone, crash)
     turn_types      the actions, `Fed`, `Outcome`, `Phase`, the `TurnObserver` protocol
@@ -151,6 +150,10 @@ Where the parts live (one class, `TurnMachine`, its fields in `turn_fields`)::
     turn_continue   the continuation hooks (`core.continuation`): plan, answer, join
     turn_clock      `deadline`, `tick`, the write notifications, the stall timers
     turn_fields     the fields every part shares, the table's checks; `set_testing`
+
+State enums, one question each: `Step` (the machine's position: which events are
+legal), `Watch` (the read attempt's stall watch), `LedgerState` (what the attempt
+released: the replay gate), `TurnState` (what /status shows, told to observers).
 
 The four invariants (checked by a property test over random event sequences, illegal
 events among them): nothing is released after a replay decision; a truncated turn
@@ -177,7 +180,7 @@ from unbroken.core.continuation import (
     Strategy,
 )
 from unbroken.core.continuation import Refusal as Refusal
-from unbroken.core.ledger import NOTHING, Hold, Ledger, State, Verdict
+from unbroken.core.ledger import NOTHING, Hold, Ledger, LedgerState, Verdict
 from unbroken.core.policy import Failure, FailureClass, Park, RetryState, is_retryable_status
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
 from unbroken.core.profiles import KeepaliveForm, Profile
@@ -540,7 +543,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
             self._splitter = SSESplitter(self.timers.max_event_bytes)
             self._reading(now, Step.STREAM)
             self.report.state(
-                TurnState.HOLDING if ledger.state is State.PENDING else TurnState.STREAMING
+                TurnState.HOLDING if ledger.state is LedgerState.PENDING else TurnState.STREAMING
             )
             return Stream()
         if self.headers_out:
@@ -794,4 +797,4 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         """The current attempt's answer reached its terminal frame.  A socket has no
         end of body: its transport then calls `body_ended` itself."""
         ledger = self.attempt_ledger
-        return ledger is not None and ledger.state is State.DONE
+        return ledger is not None and ledger.state is LedgerState.DONE

@@ -6,7 +6,7 @@ A part of `TurnMachine`: methods only, on `TurnFields`.
 
 from __future__ import annotations
 
-from unbroken.core.ledger import Ledger, State, Verdict
+from unbroken.core.ledger import Ledger, LedgerState, Verdict
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.profiles import CommitEnd
 from unbroken.core.protocols import BODY, usage_from
@@ -49,7 +49,7 @@ class TurnEndings(TurnFields):
                 self._ok_outcome() if (self.status or 0) < 400 else (Outcome.PASSED_THROUGH_ERROR)
             )
             return self._end(outcome, End(EndKind.CLEAN))
-        if ledger.state is State.DONE:
+        if ledger.state is LedgerState.DONE:
             return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
         if self.continuation is not None and ledger.protocol.has_terminal:
             cut = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
@@ -72,7 +72,7 @@ class TurnEndings(TurnFields):
         ledger = self.attempt_ledger
         if ledger is None:
             return self._attempt_failed(now, failure, self._replay_phase(failure))
-        if ledger.state is State.DONE:
+        if ledger.state is LedgerState.DONE:
             # The turn is complete: finish the protocol's ending, record the cut.
             self._record_tail_cut(failure)
             return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
@@ -224,14 +224,14 @@ class TurnEndings(TurnFields):
         """
         if self.outcome is None:
             ledger = self.ledger
-            if ledger is not None and ledger.state is State.DONE:
+            if ledger is not None and ledger.state is LedgerState.DONE:
                 self.outcome = self._ok_outcome()
                 self.report.attempt_ended("ok", None, self.status, self.stats)
             else:
                 self.outcome = Outcome.ABORTED_BY_CLIENT
                 if self.continuation is not None:
                     self._abandon()  # nobody reads the response any more
-                committed = ledger is not None and ledger.state is not State.PENDING
+                committed = ledger is not None and ledger.state is not LedgerState.PENDING
                 self.report.attempt_ended(
                     Outcome.ABORTED_BY_CLIENT.value,
                     Phase.COMMITTED if committed or self.headers_out else None,
@@ -254,6 +254,6 @@ class TurnEndings(TurnFields):
     def shutdown_error(self) -> bytes:
         """The relay shuts down mid-stream: the native error for a committed stream, or b""."""
         ledger = self.ledger
-        if ledger is None or ledger.state is not State.COMMITTED or not self.headers_out:
+        if ledger is None or ledger.state is not LedgerState.COMMITTED or not self.headers_out:
             return b""
         return ledger.failed("the relay is shutting down")  # b"" for a reset profile
