@@ -8,7 +8,7 @@ from typing import Any
 
 from unbroken.config import parse_config
 from unbroken.core.policy import Failure
-from unbroken.observe.hooks import Hooks, TurnInfo
+from unbroken.observe.hooks import Hooks, TurnRecord
 from unbroken.relay.server import RelayServer
 
 #: the token `make_config` gives a relay whose route injects a key (`Config.key_token`)
@@ -21,20 +21,20 @@ class Recorder(Hooks):
     """Collects hook calls; lets tests wait for a turn to end without sleeping."""
 
     def __init__(self) -> None:
-        self.ended: list[TurnInfo] = []
+        self.ended: list[TurnRecord] = []
         self.failures: list[tuple[str, str, float | None]] = []
         self._ended = asyncio.Event()
 
     def attempt_failed(
-        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+        self, turn: TurnRecord, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
     ) -> None:
         self.failures.append((failure.label, phase, wait_s))
 
-    def turn_ended(self, turn: TurnInfo) -> None:
+    def turn_ended(self, turn: TurnRecord) -> None:
         self.ended.append(turn)
         self._ended.set()
 
-    async def wait_turns(self, n: int) -> list[TurnInfo]:
+    async def wait_turns(self, n: int) -> list[TurnRecord]:
         async with asyncio.timeout(30):
             while len(self.ended) < n:
                 self._ended.clear()

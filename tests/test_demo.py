@@ -257,14 +257,14 @@ def test_the_live_table_keeps_each_turn_on_one_line_at_80_columns(
     from rich.console import Console
 
     from unbroken.demo import _Absorbed
-    from unbroken.observe.hooks import TurnInfo
+    from unbroken.observe.hooks import TurnRecord
 
     kinds = storms(protocol=protocol)
     turns = _turns(len(kinds), kinds, "x")
     inflight = []
     for t in turns:
         t.state = "requesting"
-        info = TurnInfo(route="r", path="p", protocol="chat", stream=True)
+        info = TurnRecord(route="r", path="p", protocol="chat", stream=True)
         info.session_id, info.state, info.attempts = f"demo-session-{t.number}", "waiting", 12
         info.last_failure, info.next_retry_at = "server_disconnected", time.time() + 12.3
         inflight.append(info)

@@ -1,4 +1,4 @@
-"""Test doubles for the turn machine: its timers and a recording `TurnReport`."""
+"""Test doubles for the turn machine: its timers and a recording `TurnObserver`."""
 
 from __future__ import annotations
 

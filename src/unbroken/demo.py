@@ -49,7 +49,7 @@ from unbroken.demo_gemini import storms as gemini_storms
 from unbroken.demo_messages import messages_agent_turn
 from unbroken.demo_messages import storms as messages_storms
 from unbroken.mock import MockProvider, frames_for
-from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
+from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 from unbroken.relay.server import RelayServer
 
 __all__ = ["PROTOCOLS", "STORMS", "DemoTurn", "register", "run_demo"]
@@ -166,11 +166,11 @@ class _Absorbed(Hooks):
         self.by_session: Counter[str] = Counter()  # absorbed, per agent session
         self.continued = 0  # cuts after output finished in place (after_commit = continue)
 
-    def continuation(self, turn: TurnInfo, result: str) -> None:
+    def continuation(self, turn: TurnRecord, result: str) -> None:
         if result == "spliced":
             self.continued += 1
 
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+    def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         if attempt.reason in NOT_FAILURES:
             return
         if attempt.phase == "committed":

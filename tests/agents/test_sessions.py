@@ -16,7 +16,7 @@ from relayfix import make_config, start_relay
 from unbroken.cli import main
 from unbroken.config import JournalSettings
 from unbroken.mock import MockProvider
-from unbroken.observe.hooks import TurnInfo
+from unbroken.observe.hooks import TurnRecord
 from unbroken.observe.journal import Journal
 from unbroken.observe.stats import compute_sessions
 
@@ -122,7 +122,7 @@ async def test_an_old_journal_gains_the_new_columns_and_tables(tmp_path: Path) -
     journal = Journal(path)
     journal.start()
     journal.turn_started(
-        TurnInfo(
+        TurnRecord(
             route="x", path="p", protocol="chat", stream=True, session_id="new", client="codex"
         )
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unbroken.core.ledger import Hold, Ledger, State, Verdict
+from unbroken.core.ledger import Hold, Ledger, LedgerState, Verdict
 from unbroken.core.protocols import ANTHROPIC, RESPONSES, Protocol
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.mock.wire import frames_for
@@ -39,7 +39,7 @@ def test_anthropic_call_waits_for_message_stop_and_a_cut_in_the_gap_replays() ->
     # is a failure after commit
     plain = Ledger(ANTHROPIC)
     out = _feed(plain, events[: stop + 1])
-    assert out[stop] and plain.state is State.COMMITTED
+    assert out[stop] and plain.state is LedgerState.COMMITTED
     # with it, nothing is released yet, and the cut replays
     ledger = Ledger(ANTHROPIC, hold=TAIL)
     assert not any(_feed(ledger, events[: stop + 2]))
@@ -49,7 +49,7 @@ def test_anthropic_call_waits_for_message_stop_and_a_cut_in_the_gap_replays() ->
     ledger.start_attempt()
     out = _feed(ledger, events)
     assert [raw for frames in out for raw in frames] == [e.raw for e in events]
-    assert ledger.state is State.DONE
+    assert ledger.state is LedgerState.DONE
 
 
 def test_responses_call_waits_for_response_completed() -> None:
@@ -73,7 +73,7 @@ def _parallel(protocol: Protocol, name: str, start_name: str, end_name: str) -> 
     # turn is committed then, and the second call goes out at its end, as without
     # tool_tail
     assert released_at[:2] == [starts[-1], ends[-1]]
-    assert ledger.state is State.DONE
+    assert ledger.state is LedgerState.DONE
     assert [raw for frames in out for raw in frames] == [e.raw for e in events]
 
 

@@ -17,14 +17,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unbroken.core.ledger import Hold, Ledger, LedgerError, State, Verdict
+from unbroken.core.ledger import Hold, Ledger, LedgerError, LedgerState, Verdict
 from unbroken.core.protocols import ANTHROPIC, CHAT, GENERIC, RESPONSES, Kind, Protocol
 from unbroken.core.sse import Event, SSESplitter
 
 PROTOCOLS = {"chat": CHAT, "responses": RESPONSES, "anthropic": ANTHROPIC}
 
 
-def state(ledger: Ledger) -> State:
+def state(ledger: Ledger) -> LedgerState:
     """``ledger.state``, read through a call: after a call that changed it, the type
     checker would still hold the value an earlier assert narrowed it to."""
     return ledger.state
@@ -575,7 +575,7 @@ def test_control_frames_held_then_released_in_order_with_first_output(proto: str
     assert outs[:first_out] == [b""] * first_out
     assert outs[first_out] == b"".join(frames[: first_out + 1])
     assert b"".join(outs) == b"".join(frames)
-    assert ledger.state is State.DONE and ledger.verdict is Verdict.DONE
+    assert ledger.state is LedgerState.DONE and ledger.verdict is Verdict.DONE
     assert ledger.stats.released_bytes == len(b"".join(frames))
     assert ledger.released_frames == len(frames)
 
@@ -588,18 +588,18 @@ def test_state_commits_exactly_at_first_release(proto: str) -> None:
     for f in frames:
         before = ledger.state
         out = ledger.feed_bytes(to_event(f))
-        if before is State.PENDING and out and ledger.state is not State.DONE:
-            assert ledger.state is State.COMMITTED
+        if before is LedgerState.PENDING and out and ledger.state is not LedgerState.DONE:
+            assert ledger.state is LedgerState.COMMITTED
         if not out:
             assert ledger.state is before
-    assert ledger.state is State.DONE
+    assert ledger.state is LedgerState.DONE
 
 
 def test_without_control_hold_control_frames_commit() -> None:
     frames = responses_frames("A0Z", Shape(text=1))
     ledger = Ledger(RESPONSES, hold=Hold(["tool_calls"]))
     assert ledger.feed_bytes(to_event(frames[0])) == frames[0]  # response.created released at once
-    assert ledger.state is State.COMMITTED
+    assert ledger.state is LedgerState.COMMITTED
     assert ledger.failed("reset") != b""
     assert ledger.verdict is Verdict.FAIL
 
@@ -613,7 +613,7 @@ def test_tool_call_held_until_end_then_released_whole(proto: str) -> None:
     ledger = Ledger(protocol)
     outs = feed_all(ledger, frames)
     assert outs[:end] == [b""] * end
-    assert ledger.state is State.DONE
+    assert ledger.state is LedgerState.DONE
     assert outs[end] == b"".join(frames[: end + 1])  # everything held, whole, in order
     assert b"".join(outs) == b"".join(frames)
 
@@ -669,7 +669,7 @@ def test_failure_while_pending_replays_and_releases_nothing(proto: str, how: str
             out = ledger.feed_bytes(to_event(MALFORMED[proto]))
         assert out == b""
         assert ledger.verdict is Verdict.REPLAY
-        assert ledger.state is State.PENDING and ledger.replayable
+        assert ledger.state is LedgerState.PENDING and ledger.replayable
         assert ledger.stats.released_bytes == 0
         assert ledger.held_bytes == 0
         assert ledger.fail_reason
@@ -692,7 +692,7 @@ def test_replay_then_clean_attempt_releases_exactly_that_attempt(proto: str) -> 
     out += ledger.ended(b"")
     assert out == b"".join(second)
     assert b"A0Z" not in out
-    assert state(ledger) is State.DONE and verdict(ledger) is Verdict.DONE
+    assert state(ledger) is LedgerState.DONE and verdict(ledger) is Verdict.DONE
 
 
 def _committed_prefix(proto: str) -> tuple[list[bytes], int]:
@@ -710,7 +710,7 @@ def test_failure_after_commit_ends_with_native_error(proto: str, how: str) -> No
     for k in range(commit + 1, terminal):
         ledger = Ledger(protocol)
         out = b"".join(feed_all(ledger, frames[:k]))
-        assert ledger.state is State.COMMITTED
+        assert ledger.state is LedgerState.COMMITTED
         if how == "reset":
             tail = ledger.failed("connection reset")
         elif how == "end":
@@ -721,7 +721,7 @@ def test_failure_after_commit_ends_with_native_error(proto: str, how: str) -> No
             tail = ledger.feed_bytes(to_event(RETRYABLE_ERROR[proto]))
         else:
             tail = ledger.feed_bytes(to_event(MALFORMED[proto]))
-        assert ledger.verdict is Verdict.FAIL and state(ledger) is State.FAILED
+        assert ledger.verdict is Verdict.FAIL and state(ledger) is LedgerState.FAILED
         assert tail == ledger.error_bytes != b""
         assert RETRYABLE_ERROR[proto] not in tail  # ours, not the provider's frame
         client = visible_events(out + tail)
@@ -828,7 +828,7 @@ def test_chat_end_after_finish_reason_before_done_is_complete() -> None:
     frames = chat_frames("A0Z", Shape(text=2))
     ledger = Ledger(CHAT)
     out = b"".join(feed_all(ledger, frames[:-2]))  # up to finish_reason, no usage, no [DONE]
-    assert ledger.state is State.DONE
+    assert ledger.state is LedgerState.DONE
     assert ledger.failed("reset") == b""
     assert ledger.verdict is Verdict.DONE
     assert ledger.ended(b"") == b""
@@ -843,16 +843,16 @@ def test_trailing_frames_after_terminal_ok_are_released() -> None:
     assert ledger.feed_bytes(to_event(frames[-2])) == frames[-2]  # usage chunk
     assert ledger.feed_bytes(to_event(frames[-1])) == frames[-1]  # [DONE]
     assert ledger.feed_bytes(to_event(b": trailing\n\n")) == b": trailing\n\n"
-    assert ledger.verdict is Verdict.DONE and ledger.state is State.DONE
+    assert ledger.verdict is Verdict.DONE and ledger.state is LedgerState.DONE
 
 
 def test_generic_protocol() -> None:
     ledger = Ledger(GENERIC)
     assert ledger.feed_bytes(to_event(b": hello\n\n")) == b""  # CONTROL held while pending
     assert ledger.feed_bytes(to_event(b"data: 1\n\n")) == b": hello\n\ndata: 1\n\n"
-    assert ledger.state is State.COMMITTED
+    assert ledger.state is LedgerState.COMMITTED
     assert ledger.ended(b"") == b""
-    assert state(ledger) is State.DONE and ledger.verdict is Verdict.DONE
+    assert state(ledger) is LedgerState.DONE and ledger.verdict is Verdict.DONE
 
     cut = Ledger(GENERIC)
     cut.feed(to_event(b"data: 1\n\n"))
@@ -876,7 +876,7 @@ def test_generic_stream_with_trailing_blank_line_completes() -> None:
             for event in splitter.feed(chunk):
                 out += ledger.feed_bytes(event)
         out += ledger.ended(splitter.pending)
-        assert ledger.state is State.DONE, i
+        assert ledger.state is LedgerState.DONE, i
         assert out == stream
 
 
@@ -892,7 +892,7 @@ def test_byte_level_truncation_at_every_offset(proto: str) -> None:
         ledger = Ledger(protocol)
         out = b"".join(ledger.feed_bytes(e) for e in splitter.feed(stream[:i]))
         out += ledger.ended(splitter.pending)
-        if ledger.state is State.DONE:
+        if ledger.state is LedgerState.DONE:
             assert len(out) in boundaries and stream.startswith(out)
             assert success_terminals(proto, visible_events(out))
         elif ledger.verdict is Verdict.REPLAY:
@@ -975,7 +975,7 @@ def test_max_hold_bytes_overflow_releases_and_commits() -> None:
     assert outs[:3] == [b"", b"", b""]
     assert outs[3] == b"".join(frames[:4])  # the frame that crossed the limit releases all
     assert ledger.hold_overflowed
-    assert ledger.state is State.COMMITTED
+    assert ledger.state is LedgerState.COMMITTED
     assert ledger.held_bytes == 0
     tail = ledger.failed("reset")
     assert ledger.verdict is Verdict.FAIL and tail == ledger.error_bytes
@@ -987,7 +987,7 @@ def test_max_hold_bytes_overflow_of_a_huge_tool_call() -> None:
     out = b"".join(feed_all(ledger, frames))
     assert ledger.hold_overflowed
     assert out == b"".join(frames)  # nothing lost, nothing reordered
-    assert ledger.state is State.DONE
+    assert ledger.state is LedgerState.DONE
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
@@ -998,7 +998,7 @@ def test_non_retryable_error_while_pending_passes_through(proto: str) -> None:
     assert feed_all(ledger, frames[:1]) == [b""]
     out = ledger.feed_bytes(to_event(FATAL_ERROR[proto]))
     assert out == frames[0] + FATAL_ERROR[proto]  # with what was held
-    assert ledger.state is State.FAILED and ledger.verdict is Verdict.FAIL
+    assert ledger.state is LedgerState.FAILED and ledger.verdict is Verdict.FAIL
     assert ledger.error_bytes == b""
     assert ledger.fail_reason
     assert ledger.failed("reset") == b""
@@ -1121,7 +1121,7 @@ def test_unknown_frame_commits_with_held_control() -> None:
         "response.brand_new_event", {"type": "response.brand_new_event", "sequence_number": 2}
     )
     assert ledger.feed_bytes(to_event(unknown)) == frames[0] + frames[1] + unknown
-    assert ledger.state is State.COMMITTED
+    assert ledger.state is LedgerState.COMMITTED
 
 
 def test_hold_seconds_with_fake_clock() -> None:
@@ -1179,7 +1179,7 @@ def test_give_up_while_pending_sends_only_the_native_error(proto: str) -> None:
     tail = ledger.give_up("retries exhausted")
     assert tail == ledger.error_bytes != b""
     assert frames[0] not in tail
-    assert ledger.state is State.FAILED and ledger.verdict is Verdict.FAIL
+    assert ledger.state is LedgerState.FAILED and ledger.verdict is Verdict.FAIL
     assert ledger.fail_reason == "retries exhausted"
     client = visible_events(tail)
     assert is_error_event(proto, client[-1])
@@ -1241,7 +1241,7 @@ def drive(proto: str, hold: tuple[str, ...], attempts: list[Attempt]) -> tuple[L
         if i > 0:
             # (c) a new attempt only ever follows a REPLAY, i.e. nothing was released
             assert ledger.verdict is Verdict.REPLAY
-            assert ledger.state is State.PENDING and not out
+            assert ledger.state is LedgerState.PENDING and not out
             ledger.start_attempt()
         last = i
         stop = len(att.frames) if att.fault == "none" else att.pos
@@ -1266,7 +1266,7 @@ def drive(proto: str, hold: tuple[str, ...], attempts: list[Attempt]) -> tuple[L
             out += ledger.feed_bytes(to_event(frame))
             if ledger.verdict in (Verdict.CONTINUE, Verdict.DONE):
                 out += ledger.ended(b"")  # the upstream closes after its error
-        if ledger.state is not State.PENDING:
+        if ledger.state is not LedgerState.PENDING:
             assert ledger.verdict is not Verdict.REPLAY
         if ledger.verdict is not Verdict.REPLAY:
             break
@@ -1287,7 +1287,7 @@ def check_invariants(proto: str, hold: tuple[str, ...], attempts: list[Attempt])
     prefixes = {b"".join(att.received[:k]): k for k in range(len(att.received) + 1)}
     client = visible_events(out)
     check_tool_calls(proto, [e for e in client if not is_error_event(proto, e)])
-    if ledger.state is State.DONE:
+    if ledger.state is LedgerState.DONE:
         # (a) the client saw a frame-aligned prefix of exactly one attempt, the last,
         # that includes its success terminal; all of it when that attempt was clean
         assert out in prefixes
@@ -1297,7 +1297,7 @@ def check_invariants(proto: str, hold: tuple[str, ...], attempts: list[Attempt])
     else:
         # (d) a turn that did not complete ends with an error event, ours or the
         # provider's final one, never with a success terminal or a bare end
-        assert ledger.state is State.FAILED and ledger.verdict is Verdict.FAIL
+        assert ledger.state is LedgerState.FAILED and ledger.verdict is Verdict.FAIL
         assert client, "a failed turn must not end with a bare end of body"
         assert is_error_event(proto, client[-1])
         assert not success_terminals(proto, client)
@@ -1313,7 +1313,7 @@ def check_invariants(proto: str, hold: tuple[str, ...], attempts: list[Attempt])
             assert out.endswith(fatal)
             assert out[: len(out) - len(fatal)] in prefixes or out in prefixes
     # hold "all": every failure before the terminal frame was replayable
-    if hold == ("all",) and ledger.state is State.FAILED and not ledger.hold_overflowed:
+    if hold == ("all",) and ledger.state is LedgerState.FAILED and not ledger.hold_overflowed:
         assert out == ledger.error_bytes or att.fault == "fatal"
 
 

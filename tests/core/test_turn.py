@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnfix import Report, Timers
-from unbroken.core.ledger import Hold, State
+from unbroken.core.ledger import Hold, LedgerState
 from unbroken.core.policy import Failure, FailureClass, RetryPolicy, RetryState
 from unbroken.core.protocols import CHAT
 from unbroken.core.sse import Event, SSESplitter
@@ -659,7 +659,7 @@ def test_a_late_chunk_after_a_failed_attempts_wait_raises_and_releases_nothing(
     assert raw(m.feed_chunk(1.1, ROLE)) == b""  # held
     assert m.transport_failed(1.2, RESET) == Wait(0.1)
     _assert_refused(m, feed, 1.3)
-    assert m.ledger is not None and m.ledger.state is State.PENDING
+    assert m.ledger is not None and m.ledger.state is LedgerState.PENDING
     assert m.ledger.released_frames == 0 and not report.of("headers")
 
 
@@ -680,7 +680,7 @@ def test_a_feed_after_the_frame_that_ended_the_attempt_raises_even_unasked() -> 
     streaming(m)
     assert seen(m.feed_chunk(1.1, ROLE + RETRYABLE)) == (b"", Wait(0.1))
     _assert_refused(m, "feed_chunk", 1.2)
-    assert m.ledger is not None and m.ledger.state is State.PENDING
+    assert m.ledger is not None and m.ledger.state is LedgerState.PENDING
 
 
 def test_a_replay_decided_by_a_frame_does_not_end_the_next_attempt() -> None:

@@ -44,7 +44,7 @@ from oc_harness import (
 )
 
 from unbroken.config import parse_config
-from unbroken.observe.hooks import Hooks, TurnInfo
+from unbroken.observe.hooks import Hooks, TurnRecord
 from unbroken.relay.server import RelayServer
 
 TEXT = "Hello from the mock provider."
@@ -256,9 +256,9 @@ async def drop_after_output() -> dict[str, CliRun]:
 
 class _Turns(Hooks):
     def __init__(self) -> None:
-        self.ended: list[TurnInfo] = []
+        self.ended: list[TurnRecord] = []
 
-    def turn_ended(self, turn: TurnInfo) -> None:
+    def turn_ended(self, turn: TurnRecord) -> None:
         self.ended.append(turn)
 
 

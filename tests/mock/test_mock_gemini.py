@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from unbroken.core.ledger import Ledger, State, Verdict
+from unbroken.core.ledger import Ledger, LedgerState, Verdict
 from unbroken.core.protocols import GEMINI, Kind
 from unbroken.core.protocols.gemini import GeminiClassifier, retry_delay
 from unbroken.core.sse import SSESplitter
@@ -141,7 +141,7 @@ async def test_an_in_stream_error_after_output(
     ledger = Ledger(GEMINI)
     for event in SSESplitter().feed(data):
         ledger.feed(event)
-    assert ledger.state is State.FAILED
+    assert ledger.state is LedgerState.FAILED
     assert ledger.passed_through is not retryable
     assert data.endswith(b"}}\r\n\r\n")
 

@@ -10,26 +10,33 @@ import pytest
 
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.observe.guard import Guarded
-from unbroken.observe.hooks import HOOK_NAMES, AttemptInfo, Hooks, MultiHooks, TurnInfo, implements
+from unbroken.observe.hooks import (
+    HOOK_NAMES,
+    AttemptInfo,
+    Hooks,
+    MultiHooks,
+    TurnRecord,
+    implements,
+)
 
 
 class Seen(Hooks):
     def __init__(self, tag: str, log: list[str]) -> None:
         self.tag, self.log = tag, log
 
-    def turn_started(self, turn: TurnInfo) -> None:
+    def turn_started(self, turn: TurnRecord) -> None:
         self.log.append(f"{self.tag}:started")
 
-    def turn_ended(self, turn: TurnInfo) -> None:
+    def turn_ended(self, turn: TurnRecord) -> None:
         self.log.append(f"{self.tag}:ended")
 
 
 class Broken(Hooks):
-    def turn_started(self, turn: TurnInfo) -> None:
+    def turn_started(self, turn: TurnRecord) -> None:
         raise RuntimeError("observer bug")
 
 
-TURN = TurnInfo(route="r", path="v1/chat/completions", protocol="chat", stream=True)
+TURN = TurnRecord(route="r", path="v1/chat/completions", protocol="chat", stream=True)
 
 
 def test_every_hook_method_is_an_event() -> None:
@@ -135,32 +142,32 @@ class Calls(Hooks):
     def __init__(self) -> None:
         self.log: list[str] = []
 
-    def turn_started(self, turn: TurnInfo) -> None:
+    def turn_started(self, turn: TurnRecord) -> None:
         self.log.append("turn_started")
 
-    def attempt_started(self, turn: TurnInfo, upstream: str) -> None:
+    def attempt_started(self, turn: TurnRecord, upstream: str) -> None:
         self.log.append(f"attempt_started:{upstream}")
 
     def attempt_failed(
-        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+        self, turn: TurnRecord, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
     ) -> None:
         self.log.append(f"attempt_failed:{upstream}")
 
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+    def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         self.log.append(f"attempt_ended:{attempt.upstream}")
 
-    def turn_ended(self, turn: TurnInfo) -> None:
+    def turn_ended(self, turn: TurnRecord) -> None:
         self.log.append("turn_ended")
 
 
 def _run(defer: bool, flush_after: int) -> list[str]:
     """Two attempts (a failure, then ok), with `flush` after ``flush_after`` steps."""
     from unbroken.core.turn import Outcome, Phase
-    from unbroken.observe.report import TurnReporter
+    from unbroken.observe.report import HooksObserver
 
     calls = Calls()
-    info = TurnInfo(route="r", path="v1/chat/completions", protocol="chat", stream=True)
-    report = TurnReporter(info, calls, ("a", "b"), set())
+    info = TurnRecord(route="r", path="v1/chat/completions", protocol="chat", stream=True)
+    report = HooksObserver(info, calls, ("a", "b"), set())
     steps: list[Callable[[], None]] = [
         lambda: report.attempt_started(1, 0),
         lambda: report.attempt_failed(Failure(FailureClass.STATUS, "503"), Phase.HEADERS, 0.1),

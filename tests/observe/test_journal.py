@@ -20,7 +20,7 @@ from relayfix import KEY_AUTH, Recorder, make_config, start_relay
 from unbroken.config import ConfigError, JournalSettings, parse_config
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.mock import MockProvider
-from unbroken.observe.hooks import AttemptInfo, TurnInfo
+from unbroken.observe.hooks import AttemptInfo, TurnRecord
 from unbroken.observe.journal import SCHEMA, Journal, default_journal_path, journal_path
 from unbroken.relay.server import RelayServer
 
@@ -262,8 +262,8 @@ async def test_relay_serves_when_the_configured_journal_is_unwritable(
 
 
 # -- retention, WAL ---------------------------------------------------------------------------
-def _turn(route: str = "r") -> TurnInfo:
-    return TurnInfo(route=route, path="v1/chat/completions", protocol="chat", stream=True)
+def _turn(route: str = "r") -> TurnRecord:
+    return TurnRecord(route=route, path="v1/chat/completions", protocol="chat", stream=True)
 
 
 async def test_retention_prunes_old_rows_and_wal_mode(tmp_path: Path) -> None:

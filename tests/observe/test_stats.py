@@ -321,9 +321,9 @@ async def test_time_waiting_is_the_time_really_waited_never_more_than_the_turn_s
     scheduled, longer than the turn itself)."""
     from unbroken.core.policy import Failure, FailureClass
     from unbroken.core.turn import Outcome, Phase
-    from unbroken.observe.hooks import MultiHooks, TurnInfo
+    from unbroken.observe.hooks import MultiHooks, TurnRecord
     from unbroken.observe.journal import Journal
-    from unbroken.observe.report import TurnReporter
+    from unbroken.observe.report import HooksObserver
     from unbroken.observe.status import StatusTracker
 
     clock = [time.time()]  # (the journal prunes what is older than its retention)
@@ -331,9 +331,9 @@ async def test_time_waiting_is_the_time_really_waited_never_more_than_the_turn_s
     status = StatusTracker()
     journal.start()
     try:
-        info = TurnInfo(route="r", path="v1/chat/completions", protocol="chat", stream=True)
+        info = TurnRecord(route="r", path="v1/chat/completions", protocol="chat", stream=True)
         info.started = clock[0]
-        report = TurnReporter(
+        report = HooksObserver(
             info, MultiHooks(journal, status), ["u"], set(), wall=lambda: clock[0]
         )
         report.open()

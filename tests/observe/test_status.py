@@ -21,7 +21,7 @@ from relayfix import Recorder, make_config
 from unbroken.cli import main
 from unbroken.core.policy import Failure
 from unbroken.mock import MockProvider
-from unbroken.observe.hooks import TurnInfo
+from unbroken.observe.hooks import TurnRecord
 from unbroken.observe.status import StatusTracker, render, watch
 from unbroken.relay.server import RelayServer
 
@@ -36,7 +36,7 @@ class _Waiting(Recorder):
         self.retrying = asyncio.Event()
 
     def attempt_failed(
-        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+        self, turn: TurnRecord, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
     ) -> None:
         super().attempt_failed(turn, upstream, failure, phase=phase, wait_s=wait_s)
         if wait_s is not None:
@@ -209,7 +209,7 @@ async def test_status_command_unreachable(
 
 
 def test_held_bytes_and_render() -> None:
-    turn = TurnInfo(route="r", path="v1/messages?beta=true", protocol="anthropic", stream=True)
+    turn = TurnRecord(route="r", path="v1/messages?beta=true", protocol="anthropic", stream=True)
     turn.state, turn.attempts, turn.upstream = "holding", 2, "http://u.test"
     turn.held = lambda: 2048
     tracker = StatusTracker(

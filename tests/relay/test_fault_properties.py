@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relayfix import make_config, start_relay
-from unbroken.core.ledger import Ledger, State
+from unbroken.core.ledger import Ledger, LedgerState
 from unbroken.core.protocols import Kind, protocol_for_path
 from unbroken.core.sse import SSESplitter
 from unbroken.mock import MockProvider
@@ -87,7 +87,7 @@ async def _scenario(proto: str, reply: str, schedule: list[tuple[str, int]]) -> 
     commit_at = None
     for i, e in enumerate(SSESplitter().feed(clean), start=1):
         released_after.append(released_after[-1] + ledger.feed_bytes(e))
-        if commit_at is None and ledger.state is not State.PENDING:
+        if commit_at is None and ledger.state is not LedgerState.PENDING:
             commit_at = i
     assert commit_at is not None
     frame_faults = {"reset", "end", "stall", "malformed", "error_event"}

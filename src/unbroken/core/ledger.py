@@ -83,7 +83,7 @@ __all__ = [
     "Hold",
     "Ledger",
     "LedgerError",
-    "State",
+    "LedgerState",
     "Verdict",
 ]
 
@@ -95,7 +95,10 @@ class LedgerError(RuntimeError):
     """An illegal transition was asked of the ledger (a bug in the caller)."""
 
 
-class State(enum.Enum):
+class LedgerState(enum.Enum):
+    """What one attempt has released (the replay gate); not the machine's `Step`, nor
+    the `TurnState` that /status shows."""
+
     PENDING = "pending"  # nothing released; only held frames
     COMMITTED = "committed"  # something released; never replay
     DONE = "done"  # the success terminal was released
@@ -146,11 +149,11 @@ class Hold:
 
 
 # What each failure does in each state: the decision table.
-_ON_FAILURE: dict[State, Verdict] = {
-    State.PENDING: Verdict.REPLAY,
-    State.COMMITTED: Verdict.FAIL,
-    State.DONE: Verdict.DONE,
-    State.FAILED: Verdict.FAIL,
+_ON_FAILURE: dict[LedgerState, Verdict] = {
+    LedgerState.PENDING: Verdict.REPLAY,
+    LedgerState.COMMITTED: Verdict.FAIL,
+    LedgerState.DONE: Verdict.DONE,
+    LedgerState.FAILED: Verdict.FAIL,
 }
 
 
@@ -201,7 +204,7 @@ class Ledger:
         #: False: a failure after commit emits no error event (the shell aborts the
         #: client connection instead; `TurnMachine.abort_after_commit`)
         self._error_after_commit = error_after_commit
-        self.state = State.PENDING
+        self.state = LedgerState.PENDING
         self.verdict = Verdict.CONTINUE
         self.error_bytes = b""
         self.fail_reason = ""
@@ -219,7 +222,7 @@ class Ledger:
 
         ``stats`` receives this attempt's counters (a fresh record when omitted).
         """
-        if self.state is not State.PENDING:
+        if self.state is not LedgerState.PENDING:
             raise LedgerError(f"cannot start a new attempt in state {self.state.value}")
         self._classifier: Classifier = self.protocol.new_classifier()
         self._held: list[Event] = []
@@ -240,7 +243,7 @@ class Ledger:
         stream goes on, so the classifier, the held frames and the open tool calls
         stay as they were; only the attempt's counters start afresh.  Legal while
         PENDING or COMMITTED, before the cut was turned into a verdict."""
-        if self.state is not State.PENDING and self.state is not State.COMMITTED:
+        if self.state is not LedgerState.PENDING and self.state is not LedgerState.COMMITTED:
             raise LedgerError(f"cannot resume an attempt in state {self.state.value}")
         if self.verdict is not Verdict.CONTINUE:
             raise LedgerError(f"cannot resume an attempt after a {self.verdict.value} verdict")
@@ -251,7 +254,7 @@ class Ledger:
         what was received: what is held (a tool call cut mid-arguments) is dropped,
         never to be released, and a fresh classifier reads the ``released`` frames
         back, so it knows the stream as the client does.  Only while COMMITTED."""
-        if self.state is not State.COMMITTED or self.verdict is not Verdict.CONTINUE:
+        if self.state is not LedgerState.COMMITTED or self.verdict is not Verdict.CONTINUE:
             raise LedgerError(f"cannot rewind an attempt in state {self.state.value}")
         self._drop_held()
         classifier = self.protocol.new_classifier()
@@ -268,7 +271,7 @@ class Ledger:
 
     @property
     def replayable(self) -> bool:
-        return self.state is State.PENDING
+        return self.state is LedgerState.PENDING
 
     @property
     def passed_through(self) -> bool:
@@ -298,9 +301,9 @@ class Ledger:
         if len(recent) > 4:
             del recent[0]
         state = self.state
-        if state is State.DONE:  # trailing frames after the terminal (usage, [DONE])
+        if state is LedgerState.DONE:  # trailing frames after the terminal (usage, [DONE])
             return self._emit([event])
-        if state is State.FAILED:
+        if state is LedgerState.FAILED:
             return NOTHING
         tools_before = self.open_tools
         kinds, self.open_tools = self._classifier.classify(event)
@@ -312,7 +315,7 @@ class Ledger:
             return self._fail("malformed frame from upstream")
         if kinds & Kind.TERMINAL_ERROR:
             if kinds & Kind.RETRYABLE:
-                if self.errors_cut and state is State.COMMITTED:
+                if self.errors_cut and state is LedgerState.COMMITTED:
                     self.verdict = Verdict.CUT
                     return NOTHING
                 return self.error_failed()
@@ -321,13 +324,13 @@ class Ledger:
             if self.open_tools:
                 del self._held[self._tool_mark :]
             out = self._release_held(event)
-            self.state = State.FAILED
+            self.state = LedgerState.FAILED
             self.verdict = Verdict.FAIL
             self.fail_reason = PASSED_THROUGH
             return out
         if kinds & Kind.TERMINAL_OK:
             out = self._release_held(event)
-            self.state = State.DONE
+            self.state = LedgerState.DONE
             self.verdict = Verdict.DONE
             return out
 
@@ -339,7 +342,7 @@ class Ledger:
                 out.extend(self._hold(event))
                 return out
             self._tool_mark = len(self._held)  # where the open tool calls begin
-        if hold.tool_tail and state is State.PENDING:
+        if hold.tool_tail and state is LedgerState.PENDING:
             if tools_before and not self.open_tools:
                 # tool_tail: the call is complete; it waits for the message's end.
                 self._tail = True
@@ -349,7 +352,7 @@ class Ledger:
         if (
             hold.all
             or (self.open_tools and hold.tools)
-            or (state is State.PENDING and not kinds & ~hold.pending_mask)
+            or (state is LedgerState.PENDING and not kinds & ~hold.pending_mask)
         ):
             return self._hold(event)
         return self._release_held(event)
@@ -364,7 +367,12 @@ class Ledger:
         Then the decision is the same as frame by frame, and the counters are
         updated as `feed` would.  The caller feeds what follows the run one by one.
         """
-        if self.state is not State.COMMITTED or self.open_tools or self._held or self.hold.all:
+        if (
+            self.state is not LedgerState.COMMITTED
+            or self.open_tools
+            or self._held
+            or self.hold.all
+        ):
             return start
         frames, end = self._classifier.plain_prefix(chunk, start)
         if not frames:
@@ -415,8 +423,8 @@ class Ledger:
         stats.released_frames += n
         self.released_frames += n
         stats.released_bytes += sum([len(e.raw) for e in events]) if n > 1 else len(events[0].raw)
-        if self.state is State.PENDING:
-            self.state = State.COMMITTED
+        if self.state is LedgerState.PENDING:
+            self.state = LedgerState.COMMITTED
         return events
 
     # -- failures -----------------------------------------------------------------
@@ -428,7 +436,7 @@ class Ledger:
         if self.verdict is Verdict.FAIL:
             if not self._error_after_commit:
                 self._drop_held()
-                self.state = State.FAILED
+                self.state = LedgerState.FAILED
                 return NOTHING
             out = self._end_with_error(message)
             return [Event(out, None, None)] if out else NOTHING
@@ -444,9 +452,9 @@ class Ledger:
     def _end_with_error(self, message: str) -> bytes:
         """Committed: drop anything held (a partial tool call) and emit the native error."""
         self._drop_held()
-        if self.state is State.FAILED:
+        if self.state is LedgerState.FAILED:
             return b""
-        self.state = State.FAILED
+        self.state = LedgerState.FAILED
         self.error_bytes = self.protocol.error_frame(
             f"unbroken: {message}; the turn was cut after output reached the client. "
             "Retry the request (server_error, upstream terminated).",
@@ -473,18 +481,18 @@ class Ledger:
         are the native error event; end the stream after them) or ``DONE`` (the
         turn had already completed; just end the stream).
         """
-        if self.state is State.PENDING or self.state is State.COMMITTED:
+        if self.state is LedgerState.PENDING or self.state is LedgerState.COMMITTED:
             self.fail_reason = reason
         return b"".join([e.raw for e in self._fail(reason)])
 
     def ended(self, leftover: bytes = b"") -> bytes:
         """The upstream body ended cleanly; ``leftover`` is an unfinished event's bytes."""
-        if self.state is State.DONE or self.state is State.FAILED:
+        if self.state is LedgerState.DONE or self.state is LedgerState.FAILED:
             return b""
         if not self.protocol.has_terminal and not leftover:
             # Generic SSE has no terminal frame: its clean end is its success.
             self._drop_held()
-            self.state = State.DONE
+            self.state = LedgerState.DONE
             self.verdict = Verdict.DONE
             return b""
         return self.failed("stream ended without a terminal frame")

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from unbroken.core.continuation import ContinuationMemory, JoinBroken, Refusal, Resume
-from unbroken.core.ledger import Ledger, State
+from unbroken.core.ledger import Ledger, LedgerState
 from unbroken.core.protocols import anthropic_prefill as anthropic
 from unbroken.core.protocols import chat_prefix as chat
 from unbroken.core.protocols.chat_prefix import ChatPrefix
@@ -152,7 +152,7 @@ class PrefillContinue:
     def plan(
         self, upstream: int, ledger: Ledger, timeout_s: float
     ) -> Resume | Refusal | PrefillRefusal:
-        if ledger.state is State.PENDING:
+        if ledger.state is LedgerState.PENDING:
             return Refusal.NO_HANDLE  # nothing reached the client: a replay, as always
         if self._memory.refused(self.name, self._key(upstream)):
             return Refusal.NOT_RESUMABLE

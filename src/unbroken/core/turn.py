@@ -141,15 +141,19 @@ of that attempt is illegal.  A transport dispatches over actions with ``match`` 
 
 Where the parts live (one class, `TurnMachine`, its fields in `turn_fields`)::
 
-    turn            this header; the events: attempts, answers, feeds, body ends, failures
-    turn_endings    verdicts (replay, end, the kept answer), retry or give up, the end
-                    from outside (the client gone, a crash)
-    turn_types      the actions, `Fed`, `Outcome`, `Phase`, the `TurnReport` protocol
+    turn            this header; the events (attempts, answers, feeds), their legality
+    turn_endings    an attempt's body ending or failing, verdicts (replay, end, the kept
+                    answer), retry or give up, the end from outside (client gone, crash)
+    turn_types      the actions, `Fed`, `Outcome`, `Phase`, the `TurnObserver` protocol
     turn_table      the steps (`Step`), the events (`TurnEvent`), the table the code runs
     turn_fast_path  `feed_verbatim`: runs of plain frames after commit, in one piece
     turn_continue   the continuation hooks (`core.continuation`): plan, answer, join
     turn_clock      `deadline`, `tick`, the write notifications, the stall timers
     turn_fields     the fields every part shares, the table's checks; `set_testing`
+
+State enums, one question each: `Step` (the machine's position: which events are
+legal), `Watch` (the read attempt's stall watch), `LedgerState` (what the attempt
+released: the replay gate), `TurnState` (what /status shows, told to observers).
 
 The four invariants (checked by a property test over random event sequences, illegal
 events among them): nothing is released after a replay decision; a truncated turn
@@ -157,7 +161,7 @@ never ends cleanly; no frame is released twice; every turn ends.
 
 Nothing here does I/O: no aiohttp, asyncio or ssl.  Time comes in as ``now``,
 randomness through the `RetryState`'s injected ``random.Random``.  Observers are
-told through the `TurnReport` protocol, which the I/O layer implements.
+told through the `TurnObserver` protocol, which the I/O layer implements.
 """
 
 from __future__ import annotations
@@ -176,7 +180,7 @@ from unbroken.core.continuation import (
     Strategy,
 )
 from unbroken.core.continuation import Refusal as Refusal
-from unbroken.core.ledger import NOTHING, Hold, Ledger, State, Verdict
+from unbroken.core.ledger import NOTHING, Hold, Ledger, LedgerState, Verdict
 from unbroken.core.policy import Failure, FailureClass, Park, RetryState, is_retryable_status
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
 from unbroken.core.profiles import KeepaliveForm, Profile
@@ -184,7 +188,7 @@ from unbroken.core.protocols import BODY, Protocol
 from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
 from unbroken.core.ratehead import RateHeaders
 from unbroken.core.sse import Event, EventTooLarge, SSESplitter
-from unbroken.core.turn_clock import TurnClock, queued_failure, stall_failure, stall_timers
+from unbroken.core.turn_clock import TurnClock, stall_timers
 from unbroken.core.turn_continue import ContinuationHooks, strategy_splices
 from unbroken.core.turn_endings import TurnEndings
 from unbroken.core.turn_fast_path import PEEL_FRAMES, FastPath
@@ -223,7 +227,7 @@ from unbroken.core.turn_types import (
     TimerAction,
     Timers,
     TurnError,
-    TurnReport,
+    TurnObserver,
     TurnState,
     Wait,
     new_fed,
@@ -259,7 +263,7 @@ __all__ = [
     "TurnError",
     "TurnEvent",
     "TurnMachine",
-    "TurnReport",
+    "TurnObserver",
     "TurnState",
     "Wait",
     "set_testing",
@@ -307,7 +311,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         retry: RetryState,
         stream: bool,
         now: float,
-        report: TurnReport,
+        report: TurnObserver,
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
         profile: Profile | None = None,
@@ -539,7 +543,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
             self._splitter = SSESplitter(self.timers.max_event_bytes)
             self._reading(now, Step.STREAM)
             self.report.state(
-                TurnState.HOLDING if ledger.state is State.PENDING else TurnState.STREAMING
+                TurnState.HOLDING if ledger.state is LedgerState.PENDING else TurnState.STREAMING
             )
             return Stream()
         if self.headers_out:
@@ -763,31 +767,6 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         self.step = ENTERS[kind]
         return action
 
-    def _body_ended(self, now: float) -> Action:
-        ledger = self.attempt_ledger
-        assert ledger is not None
-        if self.watch is not Watch.WATCHING:
-            return self._transport_failed(now, stall_failure())
-        if ledger.protocol is BODY:
-            ledger.ended()
-            outcome = (
-                self._ok_outcome() if (self.status or 0) < 400 else (Outcome.PASSED_THROUGH_ERROR)
-            )
-            return self._end(outcome, End(EndKind.CLEAN))
-        if ledger.state is State.DONE:
-            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
-        if self.continuation is not None and ledger.protocol.has_terminal:
-            cut = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
-            action = self._continue(now, cut)
-            if action is not None:
-                return action
-        pending = self._splitter.pending if self._splitter is not None else b""
-        out = ledger.ended(pending)
-        if ledger.verdict is Verdict.DONE:  # generic SSE: a clean end is its success
-            return self._end(self._ok_outcome(), End(EndKind.CLEAN))
-        failure = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
-        return self._verdict_action(now, failure, out)
-
     def transport_failed(self, now: float, failure: Failure) -> Action:
         """Reading the upstream failed (or the connection was aborted for a stall)."""
         before = self.step
@@ -795,26 +774,6 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
             self._illegal("transport_failed")
         action = self._transport_failed(now, failure)
         return self._moved(before, TurnEvent.TRANSPORT_FAILED, action)
-
-    def _transport_failed(self, now: float, failure: Failure) -> Action:
-        if self.step in _OPENING:
-            return self._open_failed(now, failure)
-        watch = self.watch
-        if watch is not Watch.WATCHING:
-            failure = queued_failure() if watch is Watch.QUEUED else stall_failure()
-        ledger = self.attempt_ledger
-        if ledger is None:
-            return self._attempt_failed(now, failure, self._replay_phase(failure))
-        if ledger.state is State.DONE:
-            # The turn is complete: finish the protocol's ending, record the cut.
-            self._record_tail_cut(failure)
-            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
-        if self.continuation is not None and self.step is Step.STREAM:
-            action = self._continue(now, failure)
-            if action is not None:
-                return action
-        out = ledger.failed(failure.reason)
-        return self._verdict_action(now, failure, out)
 
     def _reading(self, now: float, step: Step) -> None:
         self.step = step
@@ -838,4 +797,4 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         """The current attempt's answer reached its terminal frame.  A socket has no
         end of body: its transport then calls `body_ended` itself."""
         ledger = self.attempt_ledger
-        return ledger is not None and ledger.state is State.DONE
+        return ledger is not None and ledger.state is LedgerState.DONE

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unbroken.core.ledger import State
+from unbroken.core.ledger import LedgerState
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.profiles import Profile
 from unbroken.core.turn_fields import TurnFields
@@ -101,7 +101,9 @@ class TurnClock(TurnFields):
         due: float | None = None
         if self.stream or self.socket:
             if not self.headers_out:
-                if p.early_headers and (self.ledger is None or self.ledger.state is State.PENDING):
+                if p.early_headers and (
+                    self.ledger is None or self.ledger.state is LedgerState.PENDING
+                ):
                     due = self.t0 + (p.early_headers_s or t.early_headers_s)
             elif not self.writing and (self.keepalive_event is not None or not self.socket):
                 due = self.last_tx + (p.keepalive_s or t.keepalive_s)
@@ -152,7 +154,7 @@ class TurnClock(TurnFields):
                 if (
                     p.early_headers
                     and now >= early
-                    and (ledger is None or ledger.state is State.PENDING)
+                    and (ledger is None or ledger.state is LedgerState.PENDING)
                 ):
                     # Retries or held frames have lasted long: send SSE headers now so
                     # the client's header timer does not fire; keepalives follow.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from unbroken.core.continuation import Cancel, JoinBroken, Refusal, Resume, Strategy
-from unbroken.core.ledger import NOTHING, Ledger, State, Verdict
+from unbroken.core.ledger import NOTHING, Ledger, LedgerState, Verdict
 from unbroken.core.policy import Failure, FailureClass, is_retryable_status
 from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
@@ -97,10 +97,10 @@ class ContinuationHooks(TurnFields):
         if strategy is None or ledger is None or self.attempt_ledger is not ledger:
             return None
         if ledger.verdict is not Verdict.CONTINUE or (
-            ledger.state is not State.PENDING and ledger.state is not State.COMMITTED
+            ledger.state is not LedgerState.PENDING and ledger.state is not LedgerState.COMMITTED
         ):
             return None
-        committed = ledger.state is State.COMMITTED
+        committed = ledger.state is LedgerState.COMMITTED
         if self.watch is Watch.QUEUED:
             self._refused(Refusal.QUEUED)  # given up (and cancelled); PENDING: replayed
             return None
@@ -161,7 +161,7 @@ class ContinuationHooks(TurnFields):
             self._reading(now, Step.STREAM)
             self._resume_t0 = now
             self.report.state(
-                TurnState.HOLDING if ledger.state is State.PENDING else TurnState.STREAMING
+                TurnState.HOLDING if ledger.state is LedgerState.PENDING else TurnState.STREAMING
             )
             return Stream()
         failure = Failure(

@@ -1,17 +1,19 @@
-"""How attempts and turns end: the verdicts (replay, the end, the kept answer), the
-retry or give-up after a failed attempt, and the end from outside (the client gone,
-a crash).  A part of `TurnMachine`: methods only, on `TurnFields`.
+"""How attempts and turns end: an attempt's body ending or failing (`_body_ended`,
+`_transport_failed`), the verdicts (replay, the end, the kept answer), the retry or
+give-up after a failed attempt, and the end from outside (the client gone, a crash).
+A part of `TurnMachine`: methods only, on `TurnFields`.
 """
 
 from __future__ import annotations
 
-from unbroken.core.ledger import Ledger, State, Verdict
+from unbroken.core.ledger import Ledger, LedgerState, Verdict
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.profiles import CommitEnd
 from unbroken.core.protocols import BODY, usage_from
+from unbroken.core.turn_clock import queued_failure, stall_failure
 from unbroken.core.turn_continue import strategy_splices
 from unbroken.core.turn_fields import TurnFields, is_testing
-from unbroken.core.turn_table import Step, Watch
+from unbroken.core.turn_table import LEGAL, Step, TurnEvent, Watch
 from unbroken.core.turn_types import (
     Action,
     End,
@@ -26,11 +28,60 @@ from unbroken.core.turn_types import (
 
 __all__ = ["TurnEndings"]
 
+#: where an attempt (or a continuation) waits for its answer
+_OPENING = LEGAL[TurnEvent.ANSWERED]
+
 
 class TurnEndings(TurnFields):
     """Verdicts, retries, giving up, and the end from outside."""
 
     __slots__ = ()
+
+    # -- an attempt's body ends or fails ------------------------------------------------
+    def _body_ended(self, now: float) -> Action:
+        ledger = self.attempt_ledger
+        assert ledger is not None
+        if self.watch is not Watch.WATCHING:
+            return self._transport_failed(now, stall_failure())
+        if ledger.protocol is BODY:
+            ledger.ended()
+            outcome = (
+                self._ok_outcome() if (self.status or 0) < 400 else (Outcome.PASSED_THROUGH_ERROR)
+            )
+            return self._end(outcome, End(EndKind.CLEAN))
+        if ledger.state is LedgerState.DONE:
+            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        if self.continuation is not None and ledger.protocol.has_terminal:
+            cut = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
+            action = self._continue(now, cut)
+            if action is not None:
+                return action
+        pending = self._splitter.pending if self._splitter is not None else b""
+        out = ledger.ended(pending)
+        if ledger.verdict is Verdict.DONE:  # generic SSE: a clean end is its success
+            return self._end(self._ok_outcome(), End(EndKind.CLEAN))
+        failure = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
+        return self._verdict_action(now, failure, out)
+
+    def _transport_failed(self, now: float, failure: Failure) -> Action:
+        if self.step in _OPENING:
+            return self._open_failed(now, failure)
+        watch = self.watch
+        if watch is not Watch.WATCHING:
+            failure = queued_failure() if watch is Watch.QUEUED else stall_failure()
+        ledger = self.attempt_ledger
+        if ledger is None:
+            return self._attempt_failed(now, failure, self._replay_phase(failure))
+        if ledger.state is LedgerState.DONE:
+            # The turn is complete: finish the protocol's ending, record the cut.
+            self._record_tail_cut(failure)
+            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        if self.continuation is not None and self.step is Step.STREAM:
+            action = self._continue(now, failure)
+            if action is not None:
+                return action
+        out = ledger.failed(failure.reason)
+        return self._verdict_action(now, failure, out)
 
     # -- verdicts -----------------------------------------------------------------------
     def _verdict_action(self, now: float, failure: Failure | None, out: bytes = b"") -> Action:
@@ -173,14 +224,14 @@ class TurnEndings(TurnFields):
         """
         if self.outcome is None:
             ledger = self.ledger
-            if ledger is not None and ledger.state is State.DONE:
+            if ledger is not None and ledger.state is LedgerState.DONE:
                 self.outcome = self._ok_outcome()
                 self.report.attempt_ended("ok", None, self.status, self.stats)
             else:
                 self.outcome = Outcome.ABORTED_BY_CLIENT
                 if self.continuation is not None:
                     self._abandon()  # nobody reads the response any more
-                committed = ledger is not None and ledger.state is not State.PENDING
+                committed = ledger is not None and ledger.state is not LedgerState.PENDING
                 self.report.attempt_ended(
                     Outcome.ABORTED_BY_CLIENT.value,
                     Phase.COMMITTED if committed or self.headers_out else None,
@@ -203,6 +254,6 @@ class TurnEndings(TurnFields):
     def shutdown_error(self) -> bytes:
         """The relay shuts down mid-stream: the native error for a committed stream, or b""."""
         ledger = self.ledger
-        if ledger is None or ledger.state is not State.COMMITTED or not self.headers_out:
+        if ledger is None or ledger.state is not LedgerState.COMMITTED or not self.headers_out:
             return b""
         return ledger.failed("the relay is shutting down")  # b"" for a reset profile

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from unbroken.core.ledger import State
+from unbroken.core.ledger import LedgerState
 from unbroken.core.sse import CR, Event
 from unbroken.core.turn_fields import TurnFields
 from unbroken.core.turn_table import TurnEvent, only_step
@@ -83,7 +83,7 @@ class FastPath(TurnFields):
             self._record(chunk[:pos])
         peeled = 0
         while True:
-            if peeled < PEEL_FRAMES and (ledger.state is State.PENDING or not splitter.idle):
+            if peeled < PEEL_FRAMES and (ledger.state is LedgerState.PENDING or not splitter.idle):
                 peeled += 1
                 end = chunk.find(b"\n\n", pos)
                 end = size if end < 0 else end + 2

@@ -28,7 +28,7 @@ from unbroken.core.turn_types import (
     Phase,
     Timers,
     TurnError,
-    TurnReport,
+    TurnObserver,
 )
 
 __all__ = ["TurnFields", "is_testing", "set_testing", "testing"]
@@ -141,7 +141,7 @@ class TurnFields:
     protocol: Protocol
     queued_s: float
     refusal: Refusal | PrefillRefusal | None
-    report: TurnReport
+    report: TurnObserver
     retry: RetryState
     socket: bool
     stats: AttemptStats | None
@@ -186,6 +186,8 @@ class TurnFields:
         def _feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]: ...
         def _feed_events(self, now: float, events: list[Event]) -> Sequence[Event]: ...
         def _next_attempt(self, now: float) -> Action: ...
+        def _open_failed(self, now: float, failure: Failure) -> Action: ...
+        def _continue(self, now: float, failure: Failure) -> Action | None: ...
         def _verdict_action(
             self, now: float, failure: Failure | None, out: bytes = b""
         ) -> Action: ...

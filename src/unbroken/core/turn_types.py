@@ -173,7 +173,7 @@ class Timers(TypingProtocol):
     def max_event_bytes(self) -> int: ...
 
 
-class TurnReport(TypingProtocol):
+class TurnObserver(TypingProtocol):
     """What the machine tells observers.  The I/O layer implements it (`relay.report`)."""
 
     def attempt_started(self, number: int, upstream: int, choice: str) -> None:

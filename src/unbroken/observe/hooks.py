@@ -24,7 +24,7 @@ __all__ = [
     "Hooks",
     "LogHooks",
     "MultiHooks",
-    "TurnInfo",
+    "TurnRecord",
     "implements",
 ]
 
@@ -57,7 +57,7 @@ class AttemptInfo:
 
 
 @dataclass(slots=True, eq=False)
-class TurnInfo:
+class TurnRecord:
     """Live, log-safe facts about one client turn (also what /status will show)."""
 
     route: str
@@ -101,27 +101,27 @@ class TurnInfo:
 class Hooks:
     """Observer interface.  Every method is optional; the default does nothing."""
 
-    def turn_started(self, turn: TurnInfo) -> None:
+    def turn_started(self, turn: TurnRecord) -> None:
         pass
 
-    def attempt_started(self, turn: TurnInfo, upstream: str) -> None:
+    def attempt_started(self, turn: TurnRecord, upstream: str) -> None:
         pass
 
     def attempt_failed(
-        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+        self, turn: TurnRecord, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
     ) -> None:
         """``wait_s`` is the wait before the next attempt, or None when none follows."""
 
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+    def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         """Every attempt, successful or not, once its outcome is known."""
 
-    def hold_overflow(self, turn: TurnInfo, held_bytes: int) -> None:
+    def hold_overflow(self, turn: TurnRecord, held_bytes: int) -> None:
         pass
 
-    def turn_ended(self, turn: TurnInfo) -> None:
+    def turn_ended(self, turn: TurnRecord) -> None:
         """``turn.outcome`` and ``turn.attempt_log`` are final."""
 
-    def continuation(self, turn: TurnInfo, result: str) -> None:
+    def continuation(self, turn: TurnRecord, result: str) -> None:
         """A cut turn was continued in place (``spliced``) or not (``refused_<reason>``)."""
 
     def upstream_changed(
@@ -222,7 +222,7 @@ class LogHooks(Hooks):
         self.verbose = verbose
 
     def attempt_failed(
-        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+        self, turn: TurnRecord, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
     ) -> None:
         if phase == "tail":
             log.info(
@@ -272,7 +272,7 @@ class LogHooks(Hooks):
                 round(wait_s * 1000),
             )
 
-    def hold_overflow(self, turn: TurnInfo, held_bytes: int) -> None:
+    def hold_overflow(self, turn: TurnRecord, held_bytes: int) -> None:
         log.warning(
             "hold limit reached route=%s turn=%d held_bytes=%d: released and committed",
             turn.route,
@@ -280,7 +280,7 @@ class LogHooks(Hooks):
             held_bytes,
         )
 
-    def turn_ended(self, turn: TurnInfo) -> None:
+    def turn_ended(self, turn: TurnRecord) -> None:
         if turn.outcome not in (None, "ok"):
             log.info(
                 "turn route=%s turn=%d outcome=%s attempts=%d",

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.policy import Failure
-from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
+from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
 __all__ = ["SCHEMA", "Journal", "default_journal_path", "journal_path"]
 
@@ -181,7 +181,7 @@ def _insert(kind: str, rows: int) -> str:
     return head + ", ".join([one] * rows)
 
 
-def _turn_end(turn: TurnInfo, wait_s: float) -> tuple[Any, ...]:
+def _turn_end(turn: TurnRecord, wait_s: float) -> tuple[Any, ...]:
     """The columns a turn's end fills: ended, outcome, ..., wait_s (as in ``turn_end``)."""
     first_byte_s = None
     if turn.first_byte_at is not None:
@@ -319,11 +319,11 @@ class Journal(Hooks):
     # rows and formats the ids.  It reads nothing that can still change: a turn's
     # identity fields (route, path, protocol, stream, session id, client, started, id)
     # are set when the turn is made, an `AttemptInfo` is final once reported ended,
-    # and a `TurnInfo` is final once reported ended (`Hooks.turn_ended`).
-    def turn_started(self, turn: TurnInfo) -> None:
+    # and a `TurnRecord` is final once reported ended (`Hooks.turn_ended`).
+    def turn_started(self, turn: TurnRecord) -> None:
         self._put(("turn", turn))
 
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+    def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         self._put(("attempt", (turn.id, attempt)))
 
     def upstream_changed(
@@ -346,13 +346,13 @@ class Journal(Hooks):
         )
 
     def attempt_failed(
-        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+        self, turn: TurnRecord, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
     ) -> None:
         if wait_s is None or not turn.attempt_log:
             return
         self._put(("wait", (wait_s, turn.id, turn.attempt_log[-1].number)))
 
-    def turn_ended(self, turn: TurnInfo) -> None:
+    def turn_ended(self, turn: TurnRecord) -> None:
         self._put(("turn_end", (turn, turn.waited_s)))
 
     # -- writer thread -------------------------------------------------------------------
@@ -454,7 +454,7 @@ class Journal(Hooks):
         waits: list[tuple[Any, ...]] = []
         for kind, item in batch:
             if kind == "turn":
-                t: TurnInfo = item
+                t: TurnRecord = item
                 turns[t.id] = [
                     f"{run}:{t.id}",
                     run,

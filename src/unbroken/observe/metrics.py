@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from unbroken.core.policy import Failure
 from unbroken.core.turn import NOT_FAILURES
-from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
+from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics", "held_bytes"]
 
@@ -25,7 +25,7 @@ WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 TTFB_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
-def held_bytes(turn: TurnInfo) -> int:
+def held_bytes(turn: TurnRecord) -> int:
     """Bytes the turn's ledger holds right now (0 when it does not stream)."""
     return turn.held() if turn.held is not None else 0
 
@@ -35,7 +35,7 @@ class _Live:
 
     def __init__(
         self,
-        inflight: Callable[[], Iterable[TurnInfo]],
+        inflight: Callable[[], Iterable[TurnRecord]],
         upstreams: Callable[[], list[dict[str, Any]]],
         fleet: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
@@ -188,7 +188,7 @@ def _fleet_metrics(fleet: dict[str, Any]) -> Iterator[Metric]:
 class Metrics(Hooks):
     def __init__(
         self,
-        inflight: Callable[[], Iterable[TurnInfo]] = tuple,
+        inflight: Callable[[], Iterable[TurnRecord]] = tuple,
         upstreams: Callable[[], list[dict[str, Any]]] = list,
         fleet: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
@@ -265,7 +265,7 @@ class Metrics(Hooks):
 
     # -- hooks ---------------------------------------------------------------------------
     def attempt_failed(
-        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+        self, turn: TurnRecord, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
     ) -> None:
         if wait_s is None:
             return
@@ -273,17 +273,17 @@ class Metrics(Hooks):
             self._child(self.replays, phase or "unknown").inc()
         self._child(self.retry_wait, turn.route).observe(wait_s)
 
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+    def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         reason = attempt.reason or "unknown"
         self._child(self.attempts, turn.route, attempt.upstream, reason).inc()
         if reason not in NOT_FAILURES and attempt.phase != "committed":
             if attempt.est_output_tokens:
                 self._child(self.wasted, turn.route).inc(attempt.est_output_tokens)
 
-    def continuation(self, turn: TurnInfo, result: str) -> None:
+    def continuation(self, turn: TurnRecord, result: str) -> None:
         self._child(self.continuations, turn.protocol, result).inc()
 
-    def turn_ended(self, turn: TurnInfo) -> None:
+    def turn_ended(self, turn: TurnRecord) -> None:
         self._child(self.turns, turn.route, turn.outcome or "unknown").inc()
         if turn.saved_tokens:
             self._child(self.saved, turn.route).inc(turn.saved_tokens)

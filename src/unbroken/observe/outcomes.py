@@ -4,7 +4,7 @@ and metrics.
 A `Hooks` observer: it learns from every attempt the relay reports.  What steers
 retries (cool-offs, circuit breakers) lives in the relay's health board
 (`unbroken.core.health.HealthBoard`, shared through the health store); this module
-only reads it, through ``breakers`` (`Relay.health_view`), and adds each upstream's
+only reads it, through ``breakers`` (`RelayState.health_view`), and adds each upstream's
 breaker state, open-until time, failure rate and cool-off to its snapshot.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.core.turn import NOT_UPSTREAM, UPSTREAM_ANSWERED
-from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
+from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
 __all__ = ["Health", "UpstreamOutcomes"]
 
@@ -65,7 +65,7 @@ class Health(Hooks):
             h = self.upstreams[key] = UpstreamOutcomes(route, upstream)
         return h
 
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+    def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         h = self._get(turn.route, attempt.upstream)
         if attempt.reason in NOT_UPSTREAM:
             return  # not the upstream's doing (the client left, or a relay bug)

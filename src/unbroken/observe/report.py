@@ -1,8 +1,8 @@
 """The bridge from the turn machine to the observers.
 
-`TurnReporter` implements `unbroken.core.turn.TurnReport`: the machine says what
+`HooksObserver` implements `unbroken.core.turn.TurnObserver`: the machine says what
 happened (an attempt started, ended or failed; the turn's state changed), and the
-reporter keeps the turn's log-safe record (`TurnInfo`, `AttemptInfo`) and calls the
+reporter keeps the turn's log-safe record (`TurnRecord`, `AttemptInfo`) and calls the
 hooks.  Every transport uses it, so the bookkeeping is written once.
 """
 
@@ -15,9 +15,9 @@ from unbroken.core.attempt import AttemptStats
 from unbroken.core.policy import Failure
 from unbroken.core.protocols import usage_from
 from unbroken.core.turn import Outcome, Phase, TurnState
-from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
+from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
-__all__ = ["TurnReporter"]
+__all__ = ["HooksObserver"]
 
 #: each enum member's value, read once (``member.value`` is a descriptor call, per event)
 _VALUE: dict[Outcome | Phase | TurnState, str] = {
@@ -28,7 +28,7 @@ _VALUE: dict[Outcome | Phase | TurnState, str] = {
 _DONE, _WAITING = TurnState.DONE.value, TurnState.WAITING.value
 
 
-class TurnReporter:
+class HooksObserver:
     """One turn's record and its hook calls."""
 
     __slots__ = (
@@ -45,10 +45,10 @@ class TurnReporter:
 
     def __init__(
         self,
-        info: TurnInfo,
+        info: TurnRecord,
         hooks: Hooks,
         upstreams: Sequence[str],
-        inflight: set[TurnInfo],
+        inflight: set[TurnRecord],
         *,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -105,7 +105,7 @@ class TurnReporter:
         info.held = None
         self.hooks.turn_ended(info)
 
-    # -- TurnReport ----------------------------------------------------------------------
+    # -- TurnObserver ----------------------------------------------------------------------
     def attempt_started(self, number: int, upstream: int, choice: str = "") -> None:
         if self._deferred and self.current is not None:
             self.flush()  # only the first attempt's call is held back

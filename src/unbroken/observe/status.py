@@ -2,7 +2,7 @@
 
 `StatusTracker` is a `Hooks` observer that keeps totals since the relay
 started; `snapshot()` adds the turns in flight (read from the relay's live
-`TurnInfo` objects) and the upstreams' health.  Only structural facts are
+`TurnRecord` objects) and the upstreams' health.  Only structural facts are
 shown: no header value (not even the session id), no key, no content.
 """
 
@@ -24,7 +24,7 @@ from unbroken.core.policy import Failure
 from unbroken.core.redact import REDACTED_PART, redact_url
 from unbroken.core.turn import NOT_FAILURES
 from unbroken.core.turn import OUTCOMES as _OUTCOMES
-from unbroken.observe.hooks import AttemptInfo, Hooks, TurnInfo
+from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 from unbroken.observe.metrics import held_bytes
 
 __all__ = ["StatusTracker", "fetch_status", "register", "render", "watch"]
@@ -38,7 +38,7 @@ class StatusTracker(Hooks):
 
     def __init__(
         self,
-        inflight: Callable[[], Iterable[TurnInfo]] = tuple,
+        inflight: Callable[[], Iterable[TurnRecord]] = tuple,
         upstreams: Callable[[], list[dict[str, Any]]] = list,
         *,
         extra: Callable[[], dict[str, Any]] | None = None,
@@ -61,12 +61,12 @@ class StatusTracker(Hooks):
 
     # -- hooks ---------------------------------------------------------------------------
     def attempt_failed(
-        self, turn: TurnInfo, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
+        self, turn: TurnRecord, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
     ) -> None:
         if wait_s is not None:
             self.retries += 1
 
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+    def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         self.attempts += 1
         if attempt.reason in NOT_FAILURES:
             return
@@ -76,10 +76,10 @@ class StatusTracker(Hooks):
         if attempt.phase != "committed":
             self.wasted_tokens_est += attempt.est_output_tokens
 
-    def continuation(self, turn: TurnInfo, result: str) -> None:
+    def continuation(self, turn: TurnRecord, result: str) -> None:
         self.continuations[result] += 1
 
-    def turn_ended(self, turn: TurnInfo) -> None:
+    def turn_ended(self, turn: TurnRecord) -> None:
         self.turns += 1
         self.outcomes[turn.outcome or "unknown"] += 1
         self.retry_wait_s += turn.waited_s  # really waited: a cut-short wait as it went
@@ -87,7 +87,7 @@ class StatusTracker(Hooks):
 
     # -- snapshot ------------------------------------------------------------------------
     @staticmethod
-    def turn_view(turn: TurnInfo, now: float) -> dict[str, Any]:
+    def turn_view(turn: TurnRecord, now: float) -> dict[str, Any]:
         next_in = None
         if turn.next_retry_at is not None and turn.state == "waiting":
             next_in = round(max(0.0, turn.next_retry_at - now), 3)

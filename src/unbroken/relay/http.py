@@ -6,7 +6,7 @@ the one timer the machine's deadlines ask for, and ends the response the way the
 machine says.  Every decision (retry, wait, give up, phase, stall, early headers,
 keepalive, replay safety) is `unbroken.core.turn.TurnMachine`'s.
 
-The pieces it runs: `relay.relay_state` (`Relay`, the state every turn shares),
+The pieces it runs: `relay.relay_state` (`RelayState`, the state every turn shares),
 `relay.http_attempt` (one upstream attempt, shared with the WebSocket transport's
 HTTP fallback) and `relay.watchdog` (the turn's one timer)."""
 
@@ -50,10 +50,10 @@ from unbroken.core.turn import (
     TurnMachine,
     Wait,
 )
-from unbroken.observe.hooks import TurnInfo
-from unbroken.observe.report import TurnReporter
+from unbroken.observe.hooks import TurnRecord
+from unbroken.observe.report import HooksObserver
 from unbroken.relay.http_attempt import ClientGone, HttpAttempt
-from unbroken.relay.relay_state import Relay, continuation_headers, session_id_of, sticky_key
+from unbroken.relay.relay_state import RelayState, continuation_headers, session_id_of, sticky_key
 from unbroken.relay.upstream import (
     body_for,
     parse_body,
@@ -124,7 +124,7 @@ class _HttpTurn:
 
     def __init__(
         self,
-        relay: Relay,
+        relay: RelayState,
         request: web.Request,
         route: Route,
         rest: str,
@@ -153,7 +153,7 @@ class _HttpTurn:
         # agent body is hundreds of KiB, and its parsed form is larger still.
         self.parsed = parsed if renames else None
         self.profile = relay.profile_for(request.headers)
-        info = TurnInfo(
+        info = TurnRecord(
             route=route.name,
             path=rest,
             protocol=self.protocol.name,
@@ -161,7 +161,7 @@ class _HttpTurn:
             session_id=session_id_of(request.headers, parsed),
             client=self.profile.name,
         )
-        self.report = TurnReporter(info, relay.hooks, names, relay.inflight)
+        self.report = HooksObserver(info, relay.hooks, names, relay.inflight)
         self.loop = asyncio.get_running_loop()
         retry = relay.retry_state(
             route,
@@ -478,7 +478,7 @@ class _HttpTurn:
 
 
 def handle_http(
-    relay: Relay, request: web.Request, route: Route, rest: str, body: bytes
+    relay: RelayState, request: web.Request, route: Route, rest: str, body: bytes
 ) -> Awaitable[web.StreamResponse]:
     """The turn of one HTTP request: its coroutine, for the caller to await (no frame of
     its own on every wake-up of the turn)."""

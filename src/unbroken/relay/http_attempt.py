@@ -31,7 +31,7 @@ from unbroken.core.turn import (
     Wait,
 )
 from unbroken.relay.errors import classify_exception
-from unbroken.relay.relay_state import Relay
+from unbroken.relay.relay_state import RelayState
 from unbroken.relay.upstream import (
     Redactor,
     UpstreamClient,
@@ -111,7 +111,7 @@ class HttpAttempt:
         client: UpstreamClient,
         sink: Sink,
         secrets: tuple[str, ...] = (),
-        relay: Relay | None = None,
+        relay: RelayState | None = None,
     ) -> None:
         self.machine, self.watchdog, self.client, self.sink = machine, watchdog, client, sink
         #: the turn's retry state (the machine's): which upstream and limiter admission

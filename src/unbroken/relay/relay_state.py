@@ -1,9 +1,9 @@
-"""The state every turn shares: `Relay` (config, outbound client, hooks, upstream
+"""The state every turn shares: `RelayState` (config, outbound client, hooks, upstream
 health and cool-offs, the running tasks for a graceful shutdown), and the request
 keys a turn is journaled and made sticky by.
 
 Both transports (`relay.http`, `relay.websocket`) run their turns against one
-`Relay`.  Each attempt's end reaches the health accounting
+`RelayState`.  Each attempt's end reaches the health accounting
 (`core.health.AttemptAccounting`) through `_HealthHook`; the shared store hears the
 fleet count it decides.
 """
@@ -32,7 +32,7 @@ from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
 from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.shared import SharedBounds
 from unbroken.core.turn import TurnMachine
-from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnInfo
+from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnRecord
 from unbroken.relay.pacing import RateLimitIO, Waker
 from unbroken.relay.store import HealthStore, make_store
 from unbroken.relay.upstream import (
@@ -44,7 +44,7 @@ from unbroken.relay.upstream import (
     via_entry,
 )
 
-__all__ = ["Relay", "continuation_headers", "session_id_of", "sticky_key"]
+__all__ = ["RelayState", "continuation_headers", "session_id_of", "sticky_key"]
 
 log = logging.getLogger("unbroken")
 
@@ -82,7 +82,7 @@ def _session_key(headers: Any, body: dict[str, Any] | None, names: tuple[str, ..
     return None
 
 
-class Relay:
+class RelayState:
     """Shared state of the relay: config, outbound client, hooks, upstream health."""
 
     def __init__(
@@ -131,7 +131,7 @@ class Relay:
         self.client = client or UpstreamClient(connect_timeout_s=config.stream.connect_timeout_s)
         self.rng = rng or random.Random()
         self.hold = Hold(config.stream.hold)
-        self.inflight: set[TurnInfo] = set()
+        self.inflight: set[TurnRecord] = set()
         #: the tasks running client requests (turns, WebSocket connections): cancelled
         #: when the grace period of a shutdown runs out
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -359,11 +359,11 @@ class Relay:
 
 
 class _Running:
-    """`Relay.running`: a plain context manager, not a generator one (every request)."""
+    """`RelayState.running`: a plain context manager, not a generator one (every request)."""
 
     __slots__ = ("relay", "task")
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: RelayState) -> None:
         self.relay = relay
         self.task = asyncio.current_task()
 
@@ -418,14 +418,14 @@ class _HealthHook(Hooks):
     """Hands each attempt's end to the health accounting (`core.health.AttemptAccounting`)
     and sends the fleet count it decides to the shared store."""
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: RelayState) -> None:
         self.relay = relay
         self.accounting = AttemptAccounting(relay.board)
 
-    def turn_ended(self, turn: TurnInfo) -> None:
+    def turn_ended(self, turn: TurnRecord) -> None:
         self.accounting.turn_ended(turn.id)
 
-    def attempt_ended(self, turn: TurnInfo, attempt: AttemptInfo) -> None:
+    def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         relay = self.relay
         key = upstream_key(turn.route, attempt.upstream)
         failed = self.accounting.attempt_ended(

@@ -40,7 +40,7 @@ from unbroken.relay.connections import (
 )
 from unbroken.relay.http import CleanStream, handle_http
 from unbroken.relay.logfilter import install_log_filter
-from unbroken.relay.relay_state import Relay
+from unbroken.relay.relay_state import RelayState
 from unbroken.relay.siblings import (
     WorkerSpec,
     read_worker_status,
@@ -54,7 +54,7 @@ __all__ = ["RelayServer", "build_app", "serve", "tune_gc"]
 
 log = logging.getLogger("unbroken")
 
-RELAY_KEY = web.AppKey("relay", Relay)
+RELAY_KEY = web.AppKey("relay", RelayState)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -90,7 +90,7 @@ def _denied(d: Denied) -> web.Response:
     return _error(d.status, d.code, d.message, kind)
 
 
-def _route_list(relay: Relay) -> list[str]:
+def _route_list(relay: RelayState) -> list[str]:
     return [f"/{name}/..." for name in sorted(relay.config.routes)]
 
 
@@ -136,12 +136,12 @@ async def _read_body(request: web.Request, limit: int, idle_s: float) -> bytes |
     return b"".join(chunks)
 
 
-def _too_large(relay: Relay) -> web.Response:
+def _too_large(relay: RelayState) -> web.Response:
     mb = relay.config.max_body_mb
     return _error(413, "request_too_large", f"request body exceeds retry.max_body_mb ({mb:g} MB)")
 
 
-def _not_found(relay: Relay, path: str) -> web.Response:
+def _not_found(relay: RelayState, path: str) -> web.Response:
     return _json(
         404,
         {
@@ -218,7 +218,7 @@ async def _dispatch(request: web.Request) -> web.StreamResponse:
 
 
 async def _relay(
-    request: web.Request, relay: Relay, route: Route, target: Target
+    request: web.Request, relay: RelayState, route: Route, target: Target
 ) -> web.StreamResponse:
     rest = target.rest
     if looped(
@@ -284,7 +284,7 @@ async def _cors(request: web.Request, response: web.StreamResponse) -> None:
             response.headers.add("Vary", "Origin")
 
 
-def build_app(relay: Relay, endpoints: Mapping[str, Handler] | None = None) -> web.Application:
+def build_app(relay: RelayState, endpoints: Mapping[str, Handler] | None = None) -> web.Application:
     """``endpoints``: extra GET routes (path -> handler), matched before the relay routes."""
     # Bodies are read by _read_body with our own limit and a JSON 413.
     app = web.Application(client_max_size=2**63)
@@ -309,7 +309,7 @@ class RelayServer:
     ) -> None:
         self.hooks = MultiHooks(LogHooks(verbose=config.verbose))
         self.worker = worker
-        self.relay = Relay(
+        self.relay = RelayState(
             config,
             hooks=self.hooks,
             worker=worker.id if worker is not None else None,

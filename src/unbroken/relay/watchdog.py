@@ -34,7 +34,7 @@ class Watchdog:
         on_action: Any,
         interval: float,
     ) -> None:
-        """``interval``: the machine's ``min_interval`` (`Relay.min_interval` caches it)."""
+        """``interval``: the machine's ``min_interval`` (`RelayState.min_interval` caches it)."""
         self.loop, self.machine, self.on_action = loop, machine, on_action
         self._handle: asyncio.TimerHandle | None = None
         self._interval = interval

@@ -71,11 +71,11 @@ from unbroken.core.turn import (
     Wait,
 )
 from unbroken.core.ws_session import Fallback, SessionResponses, handshake_failure
-from unbroken.observe.hooks import TurnInfo
-from unbroken.observe.report import TurnReporter
+from unbroken.observe.hooks import TurnRecord
+from unbroken.observe.report import HooksObserver
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.http_attempt import HttpAttempt
-from unbroken.relay.relay_state import Relay, session_id_of, sticky_key
+from unbroken.relay.relay_state import RelayState, session_id_of, sticky_key
 from unbroken.relay.upstream import raw_query, redact, request_headers, upstream_url
 from unbroken.relay.watchdog import Watchdog
 from unbroken.relay.wslinger import ClientSocket
@@ -134,7 +134,7 @@ class _Refused(Exception):
 
 
 async def handle_websocket(
-    relay: Relay, request: web.Request, route: Route, rest: str
+    relay: RelayState, request: web.Request, route: Route, rest: str
 ) -> web.StreamResponse:
     with relay.running():
         return await _Connection(relay, request, route, rest).run()
@@ -171,7 +171,7 @@ def ws_error_messages(error_bytes: bytes) -> list[bytes]:
 class _Connection:
     """One client WebSocket and the upstream sockets behind it."""
 
-    def __init__(self, relay: Relay, request: web.Request, route: Route, rest: str) -> None:
+    def __init__(self, relay: RelayState, request: web.Request, route: Route, rest: str) -> None:
         self.relay = relay
         self.cfg = relay.config
         self.request = request
@@ -401,7 +401,7 @@ class _WsTurn:
         self.create = create
         self.text = text  # the client's message, forwarded as it is unless rebuilt
         profile = relay.profile_for(conn.request.headers)
-        info = TurnInfo(
+        info = TurnRecord(
             route=conn.route.name,
             path=conn.rest,
             protocol="responses-ws",
@@ -409,7 +409,7 @@ class _WsTurn:
             session_id=session_id_of(conn.request.headers, create),
             client=profile.name,
         )
-        self.report = TurnReporter(
+        self.report = HooksObserver(
             info, relay.hooks, relay.route_facts(conn.route)[0], relay.inflight
         )
         # The first attempt goes where the socket is (a turn, not a retry).

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.core.ledger import Ledger, State, Verdict
+from unbroken.core.ledger import Ledger, LedgerState, Verdict
 from unbroken.core.protocols import ANTHROPIC
 from unbroken.core.protocols.anthropic_prefill import (
     Committed,
@@ -201,7 +201,7 @@ def splice(p: Plan, frames: list[bytes], cut: int | None) -> bytes:
     through the splicer and the ledger, as a continued attempt releases them."""
     splicer = Splicer(p)
     ledger = Ledger(ANTHROPIC)
-    ledger.state = State.COMMITTED  # a continuation attempt follows output
+    ledger.state = LedgerState.COMMITTED  # a continuation attempt follows output
     out: list[bytes] = []
     for raw in frames if cut is None else frames[:cut]:
         (event,) = events(raw)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.core.ledger import Ledger, State, Verdict
+from unbroken.core.ledger import Ledger, LedgerState, Verdict
 from unbroken.core.protocols import CHAT
 from unbroken.core.protocols.chat_prefix import (
     ChatPrefix,
@@ -112,7 +112,7 @@ def test_cut_again_and_again_the_client_gets_the_uncut_text(
         cont = stream(pieces_of(answer, split), cid="c2")
         splicer = Splicer(p, mode)
         ledger = Ledger(CHAT)
-        ledger.state = State.COMMITTED
+        ledger.state = LedgerState.COMMITTED
         take = cont if cut is None else cont[: min(cut, len(cont) - 3)]
         for raw in take:
             for spliced in splicer.feed(events(raw)[0]):

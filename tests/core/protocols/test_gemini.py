@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from turnfix import Report, Timers
-from unbroken.core.ledger import Hold, Ledger, State, Verdict
+from unbroken.core.ledger import Hold, Ledger, LedgerState, Verdict
 from unbroken.core.policy import Failure, FailureClass, RetryPolicy, RetryState
 from unbroken.core.profiles import PROFILES, CommitEnd, check_overrides, identify
 from unbroken.core.protocols import GEMINI, GENERIC, Kind, kind_names, protocol_for_path
@@ -170,7 +170,7 @@ def test_frames_that_carry_nothing_are_held_and_a_cut_replays() -> None:
     ledger = Ledger(GEMINI)
     usage_only = frame({"usageMetadata": USAGE})
     assert feed_all(ledger, KEEPALIVE + SIGNATURE + usage_only) == b""
-    assert ledger.state is State.PENDING
+    assert ledger.state is LedgerState.PENDING
     assert ledger.failed("reset") == b"" and ledger.verdict is Verdict.REPLAY
 
 
@@ -178,13 +178,13 @@ def test_the_first_text_releases_what_was_held_and_commits() -> None:
     ledger = Ledger(GEMINI)
     assert feed_all(ledger, SIGNATURE) == b""
     assert feed_all(ledger, HELLO) == SIGNATURE + HELLO
-    assert ledger.state is State.COMMITTED
+    assert ledger.state is LedgerState.COMMITTED
 
 
 def test_a_function_call_is_released_whole_and_commits() -> None:
     ledger = Ledger(GEMINI)
     assert feed_all(ledger, chunk(SHELL)) == chunk(SHELL)
-    assert ledger.state is State.COMMITTED
+    assert ledger.state is LedgerState.COMMITTED
     assert not ledger.replayable
 
 
@@ -196,7 +196,7 @@ def test_a_retryable_error_before_output_replays_after_output_fails() -> None:
     ledger = Ledger(GEMINI)
     feed_all(ledger, HELLO)
     out = feed_all(ledger, UNAVAILABLE)
-    assert ledger.verdict is Verdict.FAIL and ledger.state is State.FAILED
+    assert ledger.verdict is Verdict.FAIL and ledger.state is LedgerState.FAILED
     assert out == ledger.error_bytes and b'"status":"UNAVAILABLE"' in out
     assert b"finishReason" not in out  # never a clean end
 
@@ -217,7 +217,7 @@ def test_a_cut_after_output_ends_with_the_native_error_or_nothing_for_a_reset() 
     quiet = Ledger(GEMINI, error_after_commit=False)
     feed_all(quiet, HELLO)
     assert quiet.failed("reset") == b"" and quiet.verdict is Verdict.FAIL
-    assert quiet.state is State.FAILED
+    assert quiet.state is LedgerState.FAILED
     # retries exhausted before any output: the retryable error even for a reset profile
     pending = Ledger(GEMINI, error_after_commit=False)
     assert b"UNAVAILABLE" in pending.give_up("retries exhausted")
