@@ -91,7 +91,12 @@ def responses_stream(items: list[tuple[str, int]]) -> list[bytes]:
     for i, (kind, n) in enumerate(items):
         iid = f"item_{i}"
         if kind == "tool":
-            item = {"id": iid, "type": "function_call", "call_id": f"c{i}", "name": "f"}
+            item: dict[str, Any] = {
+                "id": iid,
+                "type": "function_call",
+                "call_id": f"c{i}",
+                "name": "f",
+            }
             ev("response.output_item.added", output_index=i, item=item)
             for k in range(n):
                 ev("response.function_call_arguments.delta", item_id=iid, delta=f"a{k}")
@@ -165,7 +170,9 @@ items_st = st.lists(
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(items=items_st, data=st.data())
-def test_resumed_stream_equals_the_uncut_stream(items, data):
+def test_resumed_stream_equals_the_uncut_stream(
+    items: list[tuple[str, int]], data: st.DataObject
+) -> None:
     frames = responses_stream(items)
     total = sum(len(f) for f in frames)
     cuts = data.draw(st.lists(st.integers(0, total), max_size=8), label="cuts")
@@ -181,7 +188,7 @@ def test_resumed_stream_equals_the_uncut_stream(items, data):
     assert m.outcome in (Outcome.OK, Outcome.RECOVERED, Outcome.RESUMED)
 
 
-def test_cut_after_output_resumes_after_the_last_number_fed():
+def test_cut_after_output_resumes_after_the_last_number_fed() -> None:
     frames = responses_stream([("text", 4)])
     k = 6  # created, in_progress, added, part, two deltas
     got, m = run_with_cuts(frames, [sum(len(f) for f in frames[:k])], 50)
@@ -205,7 +212,7 @@ def _cut_turn() -> tuple[TurnMachine, ContReport, Resume, list[bytes]]:
 
 
 @pytest.mark.parametrize("status", [404, 400, 422])
-def test_a_resume_answered_with_an_error_ends_with_the_native_error(status):
+def test_a_resume_answered_with_an_error_ends_with_the_native_error(status: int) -> None:
     m, _, _, _ = _cut_turn()
     action = m.answered(0.4, status, sse=False)
     assert isinstance(action, End) and action.kind is EndKind.ERROR
@@ -225,7 +232,7 @@ def test_a_resume_answered_with_an_error_ends_with_the_native_error(status):
         b"event: response.output_text.delta\ndata: [1]\n\n",  # not an object
     ],
 )
-def test_a_continuation_that_does_not_join_is_never_spliced(first):
+def test_a_continuation_that_does_not_join_is_never_spliced(first: bytes) -> None:
     m, _, _, _ = _cut_turn()
     assert isinstance(m.answered(0.4, 200, sse=True), Stream)
     released, over = m.feed_verbatim(0.5, first)
@@ -235,7 +242,7 @@ def test_a_continuation_that_does_not_join_is_never_spliced(first):
     assert m.outcome is Outcome.ENDED_WITH_ERROR
 
 
-def test_a_retryable_answer_to_a_resume_is_another_cut():
+def test_a_retryable_answer_to_a_resume_is_another_cut() -> None:
     m, _, _, _ = _cut_turn()
     action = m.answered(0.4, 503, sse=False)
     if isinstance(action, Wait):
@@ -244,7 +251,7 @@ def test_a_retryable_answer_to_a_resume_is_another_cut():
     assert m.splices == 2
 
 
-def test_splices_are_bounded():
+def test_splices_are_bounded() -> None:
     frames = responses_stream([("text", 6)])
     m, _, _ = make(max_splices=2)
     m.start(0.0)
@@ -262,7 +269,7 @@ def test_splices_are_bounded():
     assert m.refusal is Refusal.LIMIT
 
 
-def test_a_continuation_stuck_in_queued_is_given_up():
+def test_a_continuation_stuck_in_queued_is_given_up() -> None:
     m, _, _, _ = _cut_turn()
     assert isinstance(m.answered(1.0, 200, sse=True), Stream)
     due = m.deadline()
@@ -275,7 +282,7 @@ def test_a_continuation_stuck_in_queued_is_given_up():
     assert m.take_cancels()
 
 
-def test_a_cut_before_the_response_has_an_id_is_a_replay():
+def test_a_cut_before_the_response_has_an_id_is_a_replay() -> None:
     m, _, _ = make()
     m.start(0.0)
     m.answered(0.0, 200, sse=True)
@@ -285,7 +292,7 @@ def test_a_cut_before_the_response_has_an_id_is_a_replay():
     assert isinstance(action, Open)
 
 
-def test_a_refusal_of_background_mode_is_remembered_and_the_turn_retried():
+def test_a_refusal_of_background_mode_is_remembered_and_the_turn_retried() -> None:
     memory = ContinuationMemory()
     m, _, _ = make(memory)
     first = m.start(0.0)
@@ -302,7 +309,7 @@ def test_a_refusal_of_background_mode_is_remembered_and_the_turn_retried():
     assert m2.start(0.0) == Open(0, Timers().header_timeout_s)
 
 
-def test_another_4xx_to_a_background_request_is_the_providers_answer():
+def test_another_4xx_to_a_background_request_is_the_providers_answer() -> None:
     m, _, _ = make()
     m.start(0.0)
     m.answered(0.1, 400, sse=False)
@@ -311,13 +318,13 @@ def test_another_4xx_to_a_background_request_is_the_providers_answer():
     assert m.outcome is Outcome.PASSED_THROUGH_ERROR
 
 
-def test_feeding_a_resume_before_its_answer_is_illegal():
+def test_feeding_a_resume_before_its_answer_is_illegal() -> None:
     m, _, _, frames = _cut_turn()
     with pytest.raises(TurnError):
         m.feed_chunk(0.4, frames[6])
 
 
-def test_the_splicer_passes_comments_and_errors():
+def test_the_splicer_passes_comments_and_errors() -> None:
     s = SequenceSplicer(RID, 3, "item_0")
     comment = Event(b": keepalive\n\n", None, None)
     assert s.splice(comment) is comment
@@ -327,7 +334,7 @@ def test_the_splicer_passes_comments_and_errors():
         s.splice(Event(b"x", "response.output_text.delta", json.dumps({"type": "t"})))
 
 
-def test_after_a_queued_continuation_is_given_up_the_replay_may_resume_again():
+def test_after_a_queued_continuation_is_given_up_the_replay_may_resume_again() -> None:
     """Before commit, a continuation stuck in queued is cancelled and the turn replayed;
     the replay's own cut is continued again (the queued state was the old response's)."""
     frames = responses_stream([("text", 3)])
@@ -368,7 +375,9 @@ def test_after_a_queued_continuation_is_given_up_the_replay_may_resume_again():
         (500, b'{"error": {"message": "background", "param": "background"}}', False),
     ],
 )
-def test_what_counts_as_a_refusal_of_background_mode(status, body, refused):
+def test_what_counts_as_a_refusal_of_background_mode(
+    status: int, body: bytes, refused: bool
+) -> None:
     from unbroken.core.background import refuses_background
 
     assert refuses_background(status, body) is refused

@@ -10,13 +10,16 @@ import asyncio
 import dataclasses
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 
-from relayfix import make_config, start_relay
+from relayfix import Recorder, make_config, start_relay
 from unbroken.core.sse import SSESplitter
+from unbroken.mock import MockProvider
+from unbroken.relay.server import RelayServer
 
 PATH = "v1/responses"
 BODY: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "store": False}
@@ -26,9 +29,11 @@ STREAM = {"first_frame_timeout_s": 2, "idle_timeout_s": 2, "keepalive_s": 30}
 #: item added, part added
 FIRST_DELTA = 6
 
+Relay = tuple[RelayServer, Recorder]
+
 
 @pytest.fixture
-async def relay(mock):
+async def relay(mock: MockProvider) -> AsyncIterator[Relay]:
     cfg = make_config(
         [{"url": mock.url}],
         stream={**STREAM, "after_commit": "continue", "resume_queued_s": 0.5},
@@ -48,7 +53,7 @@ def _events(raw: bytes) -> list[dict[str, Any]]:
     return [json.loads(e.data or "") for e in SSESplitter().feed(raw) if e.data]
 
 
-async def _uncut(mock) -> bytes:
+async def _uncut(mock: MockProvider) -> bytes:
     """What the mock streams for the background request, uncut."""
     mock.script([{"text": TEXT}])
     raw = await _post(f"{mock.url}/{PATH}", {**BODY, "background": True, "store": True})
@@ -65,7 +70,7 @@ def _assert_one_clean_stream(got: bytes, uncut: bytes) -> None:
     assert not any(e["type"] in ("error", "response.failed") for e in events)
 
 
-async def test_cut_after_output_is_resumed_exactly(mock, relay):
+async def test_cut_after_output_is_resumed_exactly(mock: MockProvider, relay: Relay) -> None:
     server, rec = relay
     uncut = await _uncut(mock)
     mock.script([{"text": TEXT, "fault": "reset", "after_frame": FIRST_DELTA + 2}])
@@ -93,7 +98,7 @@ async def test_cut_after_output_is_resumed_exactly(mock, relay):
     assert status["totals"]["outcomes"]["resumed"] == 1
 
 
-async def test_many_cuts_in_one_turn(mock, relay):
+async def test_many_cuts_in_one_turn(mock: MockProvider, relay: Relay) -> None:
     server, rec = relay
     uncut = await _uncut(mock)
     cuts = [{"text": TEXT, "fault": "reset", "after_frame": FIRST_DELTA + 1}]
@@ -107,7 +112,9 @@ async def test_many_cuts_in_one_turn(mock, relay):
 
 
 @pytest.mark.parametrize("answer", ["not_found", "bad_request", "other_id", "backwards"])
-async def test_a_resume_that_does_not_join_ends_with_the_native_error(mock, relay, answer):
+async def test_a_resume_that_does_not_join_ends_with_the_native_error(
+    mock: MockProvider, relay: Relay, answer: str
+) -> None:
     server, rec = relay
     uncut = await _uncut(mock)
     k = FIRST_DELTA + 2
@@ -126,7 +133,9 @@ async def test_a_resume_that_does_not_join_ends_with_the_native_error(mock, rela
     assert mock.background.cancels == [_events(uncut)[0]["response"]["id"]]
 
 
-async def test_an_upstream_refusing_background_is_remembered(mock, relay):
+async def test_an_upstream_refusing_background_is_remembered(
+    mock: MockProvider, relay: Relay
+) -> None:
     server, rec = relay
     mock.script([{"text": TEXT, "refuse_background": True}, {"text": TEXT}])
     got = await _post(f"{server.url}/mock/{PATH}")
@@ -144,7 +153,9 @@ async def test_an_upstream_refusing_background_is_remembered(mock, relay):
     assert turns[1].continuation == "refused_not_resumable"
 
 
-async def test_client_gone_cancels_the_background_response(mock, relay):
+async def test_client_gone_cancels_the_background_response(
+    mock: MockProvider, relay: Relay
+) -> None:
     server, _ = relay
     mock.script([{"text": TEXT, "deltas": 40, "chunk_delay_ms": 50}])
     async with aiohttp.ClientSession() as s, s.post(f"{server.url}/mock/{PATH}", json=BODY) as r:
@@ -156,7 +167,9 @@ async def test_client_gone_cancels_the_background_response(mock, relay):
     assert mock.background.items[rid].cancelled
 
 
-async def test_stuck_in_queued_before_commit_is_cancelled_and_replayed(mock, relay):
+async def test_stuck_in_queued_before_commit_is_cancelled_and_replayed(
+    mock: MockProvider, relay: Relay
+) -> None:
     server, rec = relay
     # Cut after response.created (held: nothing released), resume stays queued.
     mock.script(
@@ -179,7 +192,7 @@ async def test_stuck_in_queued_before_commit_is_cancelled_and_replayed(mock, rel
     assert turn.outcome in ("recovered", "resumed")
 
 
-async def test_default_setting_changes_nothing(mock):
+async def test_default_setting_changes_nothing(mock: MockProvider) -> None:
     """Regression: without the setting, the same request goes upstream and a cut after
     output ends with the native error, as before."""
     server, rec = await start_relay(make_config([{"url": mock.url}], stream=STREAM))
@@ -224,7 +237,9 @@ async def _ws_turn(ws: aiohttp.ClientWebSocketResponse, create: dict[str, Any]) 
             return out
 
 
-async def test_a_websocket_client_keeps_its_socket_and_the_turn_resumes_over_http(mock, relay):
+async def test_a_websocket_client_keeps_its_socket_and_the_turn_resumes_over_http(
+    mock: MockProvider, relay: Relay
+) -> None:
     """Background mode is not supported over WebSocket: with the setting on, the relay
     serves a socket's turn over HTTP in background mode and resumes it over HTTP; the
     client's socket sees one stream, then takes its next turn on the same socket."""
@@ -246,7 +261,7 @@ async def test_a_websocket_client_keeps_its_socket_and_the_turn_resumes_over_htt
     assert turns[0].outcome == "resumed" and turns[0].splices == 1
 
 
-async def test_a_route_override_keeps_the_default_on_that_route(mock):
+async def test_a_route_override_keeps_the_default_on_that_route(mock: MockProvider) -> None:
     """``[routes.NAME] after_commit = "error"`` under a global "continue": that route's
     turns go as the client sent them and end as before; the same bytes as a relay with
     no setting at all."""

@@ -12,6 +12,7 @@ import gzip
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -92,7 +93,9 @@ class DeadPort:
         await self.server.wait_closed()
 
 
-async def test_an_open_breaker_sends_nothing_to_the_dead_upstream_until_the_probe(mock, http):
+async def test_an_open_breaker_sends_nothing_to_the_dead_upstream_until_the_probe(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     async with DeadPort() as dead:
         cfg = config([dead.url, mock.url], health={"failures_to_open": 5, "open_s": 4.0})
         async with RelayServer(cfg) as server:
@@ -123,7 +126,9 @@ async def test_an_open_breaker_sends_nothing_to_the_dead_upstream_until_the_prob
             assert "unbroken_breaker_transitions_total{" in metrics
 
 
-async def test_a_down_upstream_parks_turns_and_they_all_complete_when_it_returns(mock, http):
+async def test_a_down_upstream_parks_turns_and_they_all_complete_when_it_returns(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     down_s = 10.0
     cfg = config([mock.url], health={"failures_to_open": 3, "open_s": 0.5, "max_open_s": 1.0})
     mock.script([{"status": 503, "count": 100_000}])
@@ -133,7 +138,8 @@ async def test_a_down_upstream_parks_turns_and_they_all_complete_when_it_returns
 
         async def parked() -> bool:
             data = await (await http.get(server.url + "/status")).json()
-            return sum(t["state"] == "parked" for t in data["inflight"]) >= 9
+            n: int = sum(t["state"] == "parked" for t in data["inflight"])
+            return n >= 9
 
         await until(parked)
         metrics = await (await http.get(server.url + "/metrics")).text()
@@ -152,7 +158,9 @@ async def test_a_down_upstream_parks_turns_and_they_all_complete_when_it_returns
         assert all(status == 200 and b"[DONE]" in body for status, body in results)
 
 
-async def test_quota_with_no_other_upstream_ends_with_the_provider_answer(mock, http):
+async def test_quota_with_no_other_upstream_ends_with_the_provider_answer(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     mock.script([{"status": 402, "count": 5}])
     async with RelayServer(config([mock.url])) as server:
         async with http.post(server.url + PATH, json=CHAT) as r:
@@ -164,7 +172,9 @@ async def test_quota_with_no_other_upstream_ends_with_the_provider_answer(mock, 
         assert up["cooloff_reason"] == "quota" and up["cooloff_s"] > 3500
 
 
-async def test_quota_reroutes_to_the_next_upstream(mock, mock2, http):
+async def test_quota_reroutes_to_the_next_upstream(
+    mock: MockProvider, mock2: MockProvider, http: aiohttp.ClientSession
+) -> None:
     mock.script([{"status": 429, "body": '{"error": {"code": "insufficient_quota"}}'}])
     async with RelayServer(config([mock.url, mock2.url])) as server:
         assert (await chat(http, server.url))[0] == 200
@@ -172,7 +182,9 @@ async def test_quota_reroutes_to_the_next_upstream(mock, mock2, http):
         assert len(mock.requests) == 1 and len(mock2.requests) == 2
 
 
-async def test_the_relays_own_final_errors_say_do_not_retry(mock, http):
+async def test_the_relays_own_final_errors_say_do_not_retry(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     mock.script([{"status": 503, "count": 10}])
     async with RelayServer(config([mock.url], retry={"max_attempts": 2})) as server:
         async with http.post(server.url + PATH, json=CHAT) as r:
@@ -183,7 +195,9 @@ async def test_the_relays_own_final_errors_say_do_not_retry(mock, http):
                 assert r.status == 502 and r.headers["x-should-retry"] == "false"
 
 
-async def test_sticky_sessions_stay_on_one_upstream_and_spread_across_sessions(mock, mock2, http):
+async def test_sticky_sessions_stay_on_one_upstream_and_spread_across_sessions(
+    mock: MockProvider, mock2: MockProvider, http: aiohttp.ClientSession
+) -> None:
     async with RelayServer(config([mock.url, mock2.url])) as server:
         for _ in range(20):
             assert (await chat(http, server.url, **{"x-session-id": "one"}))[0] == 200
@@ -196,7 +210,9 @@ async def test_sticky_sessions_stay_on_one_upstream_and_spread_across_sessions(m
 
 
 @pytest.mark.parametrize("encoding", [None, "gzip"])
-async def test_a_body_prompt_cache_key_is_a_sticky_session_gzip_or_not(mock, mock2, http, encoding):
+async def test_a_body_prompt_cache_key_is_a_sticky_session_gzip_or_not(
+    mock: MockProvider, mock2: MockProvider, http: aiohttp.ClientSession, encoding: str | None
+) -> None:
     """Codex sends ``prompt_cache_key`` in the body; Claude Code may gzip its body."""
     async with RelayServer(config([mock.url, mock2.url])) as server:
         for i in range(40):  # 10 turns of one session, then 30 sessions
@@ -213,8 +229,8 @@ async def test_a_body_prompt_cache_key_is_a_sticky_session_gzip_or_not(mock, moc
 
 
 async def test_a_fast_failing_storm_gets_retries_at_the_pacers_rate_and_every_turn_completes(
-    mock, http
-):
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     """Issue 22: 503s answer in milliseconds, so a budget of retries *in flight* never
     engaged (``budget_percent = 20`` sent 374 requests where 0 % sent 376).  The pacer
     bounds the rate: after the first attempts, at most its burst plus its floor a
@@ -254,7 +270,9 @@ async def test_a_fast_failing_storm_gets_retries_at_the_pacers_rate_and_every_tu
     assert len(retries) == 70 and retries[-1] - retries[0] >= (70 - 10 - 1) / 50 - 0.1
 
 
-async def test_a_failover_to_another_vendor_rewrites_the_model(mock, mock2, http):
+async def test_a_failover_to_another_vendor_rewrites_the_model(
+    mock: MockProvider, mock2: MockProvider, http: aiohttp.ClientSession
+) -> None:
     data = {
         "retry": {"delay_ms": 5},
         "journal": {"enabled": False},
@@ -322,8 +340,8 @@ def test_health_config_defaults() -> None:
 
 
 async def test_the_journal_records_how_each_upstream_was_chosen_and_breaker_transitions(
-    mock, http, tmp_path
-):
+    mock: MockProvider, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
     import sqlite3
 
     path = tmp_path / "journal.sqlite3"
@@ -355,7 +373,9 @@ async def test_the_journal_records_how_each_upstream_was_chosen_and_breaker_tran
     assert events[0][3]  # the failure that opened it
 
 
-async def test_websocket_turns_stick_to_their_sessions_upstream(mock, mock2):
+async def test_websocket_turns_stick_to_their_sessions_upstream(
+    mock: MockProvider, mock2: MockProvider
+) -> None:
     cfg = config([mock.url, mock2.url])
     async with RelayServer(cfg) as server, aiohttp.ClientSession() as s:
         ws_url = server.url.replace("http://", "ws://") + "/mock/v1/responses"
@@ -380,7 +400,9 @@ async def test_websocket_turns_stick_to_their_sessions_upstream(mock, mock2):
         assert len(mock.requests) > before[0] and len(mock2.requests) > before[1]
 
 
-async def test_parked_turns_are_woken_when_the_upstream_answers_not_by_a_timer(mock, http):
+async def test_parked_turns_are_woken_when_the_upstream_answers_not_by_a_timer(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     """Issue 22: a parked turn looked again only every ``park_check_s`` (and a turn that
     found the probe out waited for the probe's 30 s lease).  Now the turns in the line
     are released as soon as the probe is answered: with ``park_check_s`` at 10 minutes,
@@ -402,7 +424,9 @@ async def test_parked_turns_are_woken_when_the_upstream_answers_not_by_a_timer(m
     assert len(mock.requests) < 120
 
 
-async def test_a_websocket_turn_on_its_sessions_second_upstream_is_never_a_retry(mock, mock2):
+async def test_a_websocket_turn_on_its_sessions_second_upstream_is_never_a_retry(
+    mock: MockProvider, mock2: MockProvider
+) -> None:
     """Issue 22: ``relay/websocket.py`` set ``current = upstream_idx - 1``, so on any
     upstream but the first a turn's first attempt counted as a retry (and was never
     given back): with two upstreams, ``budget_percent = 20`` and a sticky session,
@@ -429,7 +453,9 @@ async def test_a_websocket_turn_on_its_sessions_second_upstream_is_never_a_retry
     assert len(mock2.requests) == 8 and len(mock.requests) == 0
 
 
-async def test_a_line_is_logged_once_when_it_forms_and_once_when_it_clears(mock, http, caplog):
+async def test_a_line_is_logged_once_when_it_forms_and_once_when_it_clears(
+    mock: MockProvider, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
     """Every long wait is visible in the logs too: one line per upstream's line, not
     one per waiting turn."""
     caplog.set_level("INFO", logger="unbroken")

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from relayfix import make_config, start_relay
+from unbroken.mock import MockProvider
 from unbroken.relay.connections import GuardedServer, install_accept_log_limiter
 from unbroken.relay.server import RelayServer
 
@@ -59,7 +60,7 @@ async def _eof_after(reader: asyncio.StreamReader, limit_s: float) -> float:
     return time.monotonic() - t0
 
 
-async def test_silent_connection_is_closed_after_header_read_timeout(mock):
+async def test_silent_connection_is_closed_after_header_read_timeout(mock: MockProvider) -> None:
     server, _ = await start_relay(_limited(mock.url, header_read_timeout_s=0.5))
     try:
         reader, writer = await _open(server)
@@ -71,7 +72,7 @@ async def test_silent_connection_is_closed_after_header_read_timeout(mock):
         await server.stop()
 
 
-async def test_slowloris_dripping_headers_is_cut(mock):
+async def test_slowloris_dripping_headers_is_cut(mock: MockProvider) -> None:
     server, _ = await start_relay(_limited(mock.url, header_read_timeout_s=0.6))
     try:
         reader, writer = await _open(server)
@@ -99,7 +100,7 @@ async def test_slowloris_dripping_headers_is_cut(mock):
         await server.stop()
 
 
-async def test_body_that_stops_arriving_gets_408(mock):
+async def test_body_that_stops_arriving_gets_408(mock: MockProvider) -> None:
     server, _ = await start_relay(_limited(mock.url, header_read_timeout_s=0.5))
     try:
         reader, writer = await _open(server)
@@ -115,7 +116,7 @@ async def test_body_that_stops_arriving_gets_408(mock):
         await server.stop()
 
 
-async def test_idle_keepalive_connection_is_closed(mock):
+async def test_idle_keepalive_connection_is_closed(mock: MockProvider) -> None:
     server, _ = await start_relay(_limited(mock.url, keepalive_timeout_s=0.5))
     try:
         reader, writer = await _open(server)
@@ -130,7 +131,7 @@ async def test_idle_keepalive_connection_is_closed(mock):
         await server.stop()
 
 
-async def test_connections_beyond_the_cap_get_503_at_once(mock):
+async def test_connections_beyond_the_cap_get_503_at_once(mock: MockProvider) -> None:
     server, _ = await start_relay(_limited(mock.url, max_connections=3))
     guard = _guard(server)
     silent = []
@@ -161,7 +162,7 @@ async def test_connections_beyond_the_cap_get_503_at_once(mock):
         await server.stop()
 
 
-async def test_accept_exhaustion_is_logged_once_a_minute(caplog):
+async def test_accept_exhaustion_is_logged_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
     loop = asyncio.get_running_loop()
     install_accept_log_limiter(loop)
     handler = loop.get_exception_handler()
@@ -185,7 +186,9 @@ def _low_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 
 
-async def test_slowloris_with_a_low_fd_limit_does_not_starve_clients(mock, tmp_path: Path):
+async def test_slowloris_with_a_low_fd_limit_does_not_starve_clients(
+    mock: MockProvider, tmp_path: Path
+) -> None:
     """Review: with ulimit -n 128, 150 silent connections made legitimate requests hang,
     and the log filled with 4,841 accept() tracebacks in 6 s."""
     cfg = tmp_path / "c.toml"
@@ -253,7 +256,7 @@ async def test_slowloris_with_a_low_fd_limit_does_not_starve_clients(mock, tmp_p
     assert "max_connections lowered" in text  # the cap fits the fd limit
 
 
-async def test_fifty_megabyte_sse_line_fails_the_attempt_quickly(tmp_path: Path):
+async def test_fifty_megabyte_sse_line_fails_the_attempt_quickly(tmp_path: Path) -> None:
     """Review: one 50 MB SSE line cost 14.8 s of relay CPU and +97 MB RSS."""
     from aiohttp import web
 
@@ -306,7 +309,9 @@ async def test_fifty_megabyte_sse_line_fails_the_attempt_quickly(tmp_path: Path)
     ("limits", "cap", "soft_after"),
     [((1024, 4096), 1024, 2112), ((1024, 1024), 480, 1024), ((128, 128), 32, 128)],
 )
-def test_the_cap_fits_the_open_file_limit(limits, cap, soft_after):
+def test_the_cap_fits_the_open_file_limit(
+    limits: tuple[int, int], cap: int, soft_after: int
+) -> None:
     """The soft limit is raised toward the hard one to fit the cap; what does not fit
     lowers the cap (two fds a connection), so new connections get 503, not EMFILE."""
     import subprocess

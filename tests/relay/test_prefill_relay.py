@@ -18,15 +18,18 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from relayfix import KEY_TOKEN, make_config, start_relay
+from relayfix import KEY_TOKEN, Recorder, make_config, start_relay
 from unbroken.core.sse import SSESplitter
 from unbroken.mock import MockProvider, frames_for
 from unbroken.mock.wire import make_reply
+from unbroken.relay.server import RelayServer
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then naps.  Twice over!"
 STREAM = {"first_frame_timeout_s": 2, "idle_timeout_s": 2, "keepalive_s": 30}
 MESSAGES = "v1/messages"
 CHAT = "v1/chat/completions"
+
+Relay = tuple[RelayServer, Recorder]
 BODY: dict[str, Any] = {
     "model": "claude-mock",
     "max_tokens": 256,
@@ -40,7 +43,7 @@ CHAT_BODY: dict[str, Any] = {
 }
 
 
-async def _relay(mock: MockProvider, **route: Any) -> Any:
+async def _relay(mock: MockProvider, **route: Any) -> Relay:
     cfg = make_config([{"url": mock.url}], stream={**STREAM, "after_commit": "continue"})
     if route:
         import dataclasses
@@ -51,7 +54,7 @@ async def _relay(mock: MockProvider, **route: Any) -> Any:
 
 
 @pytest.fixture
-async def relay(mock: MockProvider) -> AsyncIterator[Any]:
+async def relay(mock: MockProvider) -> AsyncIterator[Relay]:
     server, rec = await _relay(mock)
     yield server, rec
     await server.stop()
@@ -97,7 +100,9 @@ def _anthropic_text(raw: bytes) -> str:
     return "".join(text)
 
 
-async def test_a_text_cut_after_output_completes_with_the_exact_text(mock, relay):
+async def test_a_text_cut_after_output_completes_with_the_exact_text(
+    mock: MockProvider, relay: Relay
+) -> None:
     server, rec = relay
     mock.script(
         [
@@ -118,7 +123,9 @@ async def test_a_text_cut_after_output_completes_with_the_exact_text(mock, relay
     assert turn.continuation == "spliced"
 
 
-async def test_five_cuts_after_text_and_whitespace_at_the_joins(mock, relay):
+async def test_five_cuts_after_text_and_whitespace_at_the_joins(
+    mock: MockProvider, relay: Relay
+) -> None:
     server, rec = relay
     # 24 pieces of a text with double spaces: some cuts fall right after whitespace.
     shape = {"text": TEXT, "deltas": 24}
@@ -141,7 +148,9 @@ async def test_five_cuts_after_text_and_whitespace_at_the_joins(mock, relay):
     assert turn.outcome == "resumed" and turn.splices == 5
 
 
-async def test_text_then_a_tool_call_after_the_cut_is_renumbered_and_held_whole(mock, relay):
+async def test_text_then_a_tool_call_after_the_cut_is_renumbered_and_held_whole(
+    mock: MockProvider, relay: Relay
+) -> None:
     """The continuation goes on with a block the client has not seen (a tool call after
     the text): it gets the client's next index, and the ledger releases it whole."""
     server, _ = relay
@@ -156,7 +165,7 @@ async def test_text_then_a_tool_call_after_the_cut_is_renumbered_and_held_whole(
     assert stops == [0, 1]  # the client's text block closed before the call
 
 
-async def test_default_setting_changes_nothing(mock):
+async def test_default_setting_changes_nothing(mock: MockProvider) -> None:
     """Regression: without the setting the request goes as it is and a cut after text
     ends with the native error, byte for byte as before."""
     server, rec = await start_relay(make_config([{"url": mock.url}], stream=STREAM))
@@ -192,7 +201,7 @@ def _ends_with_native_error(got: bytes) -> None:
     assert b"message_stop" not in got
 
 
-async def test_a_tool_call_committed_is_refused(mock, relay):
+async def test_a_tool_call_committed_is_refused(mock: MockProvider, relay: Relay) -> None:
     """Two parallel calls: the first is released whole, then the cut: a refusal, the
     native error, no continuation request."""
     server, rec = relay
@@ -208,7 +217,7 @@ async def test_a_tool_call_committed_is_refused(mock, relay):
     assert turn.outcome == "ended_with_error" and turn.continuation == "refused_tool_call"
 
 
-async def test_thinking_enabled_is_refused(mock, relay):
+async def test_thinking_enabled_is_refused(mock: MockProvider, relay: Relay) -> None:
     server, rec = relay
     body = {**BODY, "thinking": {"type": "enabled", "budget_tokens": 1024}}
     mock.script([{"text": TEXT, "deltas": 12, "fault": "reset", "after_deltas": 3}])
@@ -223,7 +232,9 @@ def _sse(name: str, payload: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode()
 
 
-async def test_a_thinking_block_released_is_refused(relay_for_thinking):
+async def test_a_thinking_block_released_is_refused(
+    relay_for_thinking: tuple[RelayServer, Recorder, list[int]],
+) -> None:
     """An upstream that streams a thinking block, then text, then dies: refused."""
     server, rec, requests = relay_for_thinking
     got = await _post(f"{server.url}/mock/{MESSAGES}", BODY)
@@ -235,7 +246,7 @@ async def test_a_thinking_block_released_is_refused(relay_for_thinking):
 
 
 @pytest.fixture
-async def relay_for_thinking() -> AsyncIterator[Any]:
+async def relay_for_thinking() -> AsyncIterator[tuple[RelayServer, Recorder, list[int]]]:
     requests: list[int] = []
 
     async def messages(request: web.Request) -> web.StreamResponse:
@@ -290,8 +301,8 @@ async def relay_for_thinking() -> AsyncIterator[Any]:
 
 
 async def test_a_model_that_refuses_prefill_ends_with_the_native_error_and_is_remembered(
-    mock, relay
-):
+    mock: MockProvider, relay: Relay
+) -> None:
     """Claude 4.6 models answer a prefill with 400: the client never sees that 400, the
     turn ends as today, and the next cut to that upstream and model asks no more."""
     server, rec = relay
@@ -310,7 +321,7 @@ async def test_a_model_that_refuses_prefill_ends_with_the_native_error_and_is_re
 
 
 @pytest.mark.parametrize("mode", ["prefix", "partial", "prefix_echo"])
-async def test_chat_prefix_route_continues_a_chat_turn(mock, mode):
+async def test_chat_prefix_route_continues_a_chat_turn(mock: MockProvider, mode: str) -> None:
     """``prefix_echo``: the mock answers with the prefix first (as Mistral's does); the
     splicer checks it and drops it."""
     server, rec = await _relay(mock, chat_prefix=mode)
@@ -337,7 +348,7 @@ async def test_chat_prefix_route_continues_a_chat_turn(mock, mode):
         await server.stop()
 
 
-async def test_chat_without_a_prefix_mode_ends_as_today(mock, relay):
+async def test_chat_without_a_prefix_mode_ends_as_today(mock: MockProvider, relay: Relay) -> None:
     server, rec = relay
     mock.script([{"text": TEXT, "deltas": 10, "fault": "reset", "after_deltas": 4}])
     got = await _post(f"{server.url}/mock/{CHAT}", CHAT_BODY)
@@ -346,7 +357,9 @@ async def test_chat_without_a_prefix_mode_ends_as_today(mock, relay):
     await asyncio.wait_for(rec.wait_turns(1), 10)
 
 
-async def test_a_cut_in_a_held_tool_call_after_text_is_continued_from_the_text(mock, relay):
+async def test_a_cut_in_a_held_tool_call_after_text_is_continued_from_the_text(
+    mock: MockProvider, relay: Relay
+) -> None:
     """Text, then a tool call whose arguments are cut midway: the call was held (never
     released), so the client has the text only.  The continuation starts from that text;
     the partial call the ledger held is dropped, never released beside the new one."""
@@ -373,7 +386,9 @@ async def test_a_cut_in_a_held_tool_call_after_text_is_continued_from_the_text(m
     assert turn.outcome == "resumed"
 
 
-async def test_chat_a_cut_in_a_held_tool_call_after_text_is_continued_from_the_text(mock):
+async def test_chat_a_cut_in_a_held_tool_call_after_text_is_continued_from_the_text(
+    mock: MockProvider,
+) -> None:
     server, _ = await _relay(mock, chat_prefix="prefix")
     try:
         shape = {"reply": "text_tool", "text": TEXT, "deltas": 6, "tool_name": "bash"}
@@ -395,7 +410,9 @@ async def test_chat_a_cut_in_a_held_tool_call_after_text_is_continued_from_the_t
         await server.stop()
 
 
-async def test_an_overloaded_error_event_after_text_is_continued(mock, relay):
+async def test_an_overloaded_error_event_after_text_is_continued(
+    mock: MockProvider, relay: Relay
+) -> None:
     """Anthropic's own ``overloaded_error`` event mid-stream, after text: a cut like a
     reset for the prefill continuation (the next request is a new message): the client
     sees no error and the exact text."""
@@ -410,7 +427,7 @@ async def test_an_overloaded_error_event_after_text_is_continued(mock, relay):
     assert turn.outcome == "resumed" and turn.splices == 2
 
 
-async def test_an_overloaded_error_event_refused_ends_as_before(mock):
+async def test_an_overloaded_error_event_refused_ends_as_before(mock: MockProvider) -> None:
     """The same error event with the default setting, and with the setting on a turn a
     refusal applies to (thinking on): the client gets the same bytes."""
     shape = {"text": TEXT, "deltas": 12}
@@ -429,7 +446,7 @@ async def test_an_overloaded_error_event_refused_ends_as_before(mock):
     assert len(mock.requests) == 2  # one each: no continuation request
 
 
-async def test_a_continuation_carries_the_routes_key_as_its_attempts_do(mock):
+async def test_a_continuation_carries_the_routes_key_as_its_attempts_do(mock: MockProvider) -> None:
     """A route with its own key for an Anthropic upstream: the continuation request
     sends it in ``x-api-key``, as the turn's first attempt did (never a bearer token)."""
     cfg = make_config(
@@ -451,7 +468,9 @@ async def test_a_continuation_carries_the_routes_key_as_its_attempts_do(mock):
         await server.stop()
 
 
-async def test_a_gzip_request_is_continued_with_a_plain_json_body(mock, relay):
+async def test_a_gzip_request_is_continued_with_a_plain_json_body(
+    mock: MockProvider, relay: Relay
+) -> None:
     """Claude Code may send its body gzip-compressed: the first request goes upstream as
     the client sent it; the continuation is built from the decoded request and sent as
     plain JSON, without the Content-Encoding."""
@@ -479,8 +498,8 @@ async def test_a_gzip_request_is_continued_with_a_plain_json_body(mock, relay):
 
 
 async def test_chat_prefix_echo_that_does_not_repeat_the_prefix_ends_with_the_native_error(
-    mock,
-):
+    mock: MockProvider,
+) -> None:
     """An upstream named ``prefix_echo`` whose answer does not start with the prefix: the
     join is broken, never spliced: the turn ends with the native error."""
     server, rec = await _relay(mock, chat_prefix="prefix_echo")

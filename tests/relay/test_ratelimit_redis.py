@@ -13,8 +13,10 @@ from typing import Any
 
 import aiohttp
 
+from redisfix import RedisServer
 from relay.test_health_relay import CHAT, PATH, until
 from unbroken.config import parse_config
+from unbroken.mock import MockProvider
 from unbroken.mock.limits import MockLimits
 from unbroken.relay.server import RelayServer
 
@@ -46,7 +48,9 @@ def shared(server: RelayServer) -> bool:
     return bool(lims) and all(b.shared for lim in lims for b in lim.buckets.values())
 
 
-async def test_two_relays_share_one_budget_per_key(redis_server, mock):
+async def test_two_relays_share_one_budget_per_key(
+    redis_server: RedisServer, mock: MockProvider
+) -> None:
     mock.limits = MockLimits(rpm=300, start=0.0)  # five a second, spent at first
     cfg = fleet_config(mock.url, redis_server.url)
     async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
@@ -71,7 +75,9 @@ async def test_two_relays_share_one_budget_per_key(redis_server, mock):
         assert u["ratelimits"][0]["shared"] is True
 
 
-async def test_a_redis_outage_falls_back_to_local_pacing_never_to_blocking(redis_server, mock):
+async def test_a_redis_outage_falls_back_to_local_pacing_never_to_blocking(
+    redis_server: RedisServer, mock: MockProvider
+) -> None:
     mock.limits = MockLimits(rpm=600, start=0.0)  # ten a second
     cfg = fleet_config(mock.url, redis_server.url)
     async with RelayServer(cfg) as a, aiohttp.ClientSession() as http:

@@ -13,6 +13,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -47,7 +48,9 @@ def statuses(mock: MockProvider) -> list[int]:
 
 
 @pytest.mark.parametrize("style", ["openai", "anthropic"])
-async def test_turns_wait_at_the_relay_for_the_learned_budget_not_in_429s(mock, http, style):
+async def test_turns_wait_at_the_relay_for_the_learned_budget_not_in_429s(
+    mock: MockProvider, http: aiohttp.ClientSession, style: str
+) -> None:
     # 300 a minute (5 a second), the key's budget spent when the test begins
     mock.limits = MockLimits(rpm=300, style=style, start=0.0)
     async with RelayServer(config([mock.url])) as server:
@@ -68,7 +71,9 @@ async def test_turns_wait_at_the_relay_for_the_learned_budget_not_in_429s(mock, 
         assert lim.waited_total >= 5  # they waited at the relay
 
 
-async def test_a_waiting_turn_shows_why_in_status_and_metrics(mock, http):
+async def test_a_waiting_turn_shows_why_in_status_and_metrics(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     mock.limits = MockLimits(rpm=6, start=0.0)  # one every ten seconds
     async with RelayServer(config([mock.url])) as server:
         # a 429 that teaches the relay the budget, Retry-After 10: a cool-off first
@@ -93,7 +98,9 @@ async def test_a_waiting_turn_shows_why_in_status_and_metrics(mock, http):
         await asyncio.gather(first, second, return_exceptions=True)
 
 
-async def test_a_429_explained_by_the_limiter_is_not_also_a_pacer_failure(mock, http):
+async def test_a_429_explained_by_the_limiter_is_not_also_a_pacer_failure(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     mock.script(
         [
             {
@@ -117,7 +124,9 @@ async def test_a_429_explained_by_the_limiter_is_not_also_a_pacer_failure(mock, 
         assert len(mock.requests) == 2
 
 
-async def test_bad_rate_limit_headers_are_ignored_and_logged_once(mock, http, caplog):
+async def test_bad_rate_limit_headers_are_ignored_and_logged_once(
+    mock: MockProvider, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
     bad = {
         "x-ratelimit-limit-requests": "-5",
         "x-ratelimit-remaining-requests": "lots",
@@ -138,7 +147,9 @@ async def test_bad_rate_limit_headers_are_ignored_and_logged_once(mock, http, ca
     assert any("87600h" in line and "clamped" in line for line in lines)
 
 
-async def test_a_busy_session_does_not_starve_the_others(mock, http):
+async def test_a_busy_session_does_not_starve_the_others(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     mock.limits = MockLimits(rpm=300, start=0.0)  # five a second, spent at first
     async with RelayServer(config([mock.url])) as server:
         # a 429 (Retry-After: 1) teaches the relay the budget; its retry spends one
@@ -158,7 +169,7 @@ async def test_a_busy_session_does_not_starve_the_others(mock, http):
         ]
         results = await asyncio.gather(*busy, *light)
         assert all(status == 200 for status, _ in results)
-        served = [r.headers.get("x-session-id") for r in mock.requests]
+        served = [r.headers.get("x-session-id", "") for r in mock.requests]
         assert sorted(set(served)) == ["busy", "light0", "light1", "light2"]
         # round robin across sessions: the light sessions, queued last, are served
         # before the busy one's last two turns (first come first served would put them
@@ -167,7 +178,9 @@ async def test_a_busy_session_does_not_starve_the_others(mock, http):
         assert statuses(mock).count(429) <= 2
 
 
-async def test_the_journal_records_time_queued_and_stats_report_it(mock, http, tmp_path):
+async def test_the_journal_records_time_queued_and_stats_report_it(
+    mock: MockProvider, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
     path = tmp_path / "journal.sqlite3"
     mock.limits = MockLimits(rpm=300, start=0.0)  # five a second, spent at first
     cfg = config([mock.url], journal={"enabled": True, "path": str(path)})
@@ -194,7 +207,9 @@ async def test_the_journal_records_time_queued_and_stats_report_it(mock, http, t
     assert "Queued for rate limits" in format_stats(stats)
 
 
-def test_an_older_journal_gains_the_queued_column_and_stats_read_one_without_it(tmp_path):
+def test_an_older_journal_gains_the_queued_column_and_stats_read_one_without_it(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "old.sqlite3"
     lines = SCHEMA.splitlines()
     at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("wait_s"))
@@ -226,7 +241,9 @@ def test_an_older_journal_gains_the_queued_column_and_stats_read_one_without_it(
         conn.close()
 
 
-async def test_geminis_retry_delay_in_a_429_body_blocks_the_key_for_that_long(mock, http):
+async def test_geminis_retry_delay_in_a_429_body_blocks_the_key_for_that_long(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     # The Gemini protocol reads the delay (`protocols.gemini.retry_delay`): the limiter
     # is told it as the 429's Retry-After, and the retry waits it once.
     body = json.dumps(
@@ -256,7 +273,7 @@ async def test_geminis_retry_delay_in_a_429_body_blocks_the_key_for_that_long(mo
         assert server.relay.board.get(f"mock|{mock.url}").cooloff_reason == "retry_after"
 
 
-def test_a_credential_is_the_injected_key_else_the_clients_header_else_its_key_param():
+def test_a_credential_is_the_injected_key_else_the_clients_header_else_its_key_param() -> None:
     cfg = config(["http://127.0.0.1:1"])
     route = cfg.routes["mock"]
     io = RateLimitIO()

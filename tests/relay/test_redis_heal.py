@@ -17,8 +17,10 @@ import time
 import aiohttp
 import pytest
 
+from redisfix import RedisServer
 from relay.test_health_relay import until
 from relay.test_redis_store import fleet_config, from_instance, mock2, post, up
+from unbroken.mock import MockProvider
 from unbroken.relay.server import RelayServer
 
 __all__ = ["mock2"]  # a fixture
@@ -32,10 +34,12 @@ def lines(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 
 
 async def degraded(server: RelayServer) -> bool:
-    return server.relay.store.status()["state"] == "degraded"
+    return bool(server.relay.store.status()["state"] == "degraded")
 
 
-async def shares(http: aiohttp.ClientSession, a: RelayServer, b: RelayServer, mock) -> None:  # type: ignore[no-untyped-def]
+async def shares(
+    http: aiohttp.ClientSession, a: RelayServer, b: RelayServer, mock: MockProvider
+) -> None:
     """A's 429 Retry-After keeps B off that upstream (proof that they share again).
     Waits first for the last proof's cool-off to be over for both."""
     key = f"mock|{mock.url}"
@@ -63,13 +67,17 @@ def redis_command(port: int, *args: str) -> bytes:
 
 
 async def test_after_sigstop_and_sigcont_both_relays_are_ok_and_share_again(
-    redis_server, mock, mock2, caplog
-):
+    redis_server: RedisServer,
+    mock: MockProvider,
+    mock2: MockProvider,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="unbroken")
     cfg = fleet_config([mock.url, mock2.url], redis_server.url)
     async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
         await until(lambda: up(a))
         await until(lambda: up(b))
+        assert redis_server.proc is not None
         pid = redis_server.proc.pid
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -91,8 +99,11 @@ async def test_after_sigstop_and_sigcont_both_relays_are_ok_and_share_again(
 
 
 async def test_after_a_restart_both_relays_are_ok_share_again_and_log_it_once(
-    redis_server, mock, mock2, caplog
-):
+    redis_server: RedisServer,
+    mock: MockProvider,
+    mock2: MockProvider,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="unbroken")
     cfg = fleet_config([mock.url, mock2.url], redis_server.url)
     async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
@@ -114,7 +125,12 @@ async def test_after_a_restart_both_relays_are_ok_share_again_and_log_it_once(
         assert len(lines(caplog, BACK)) == 2, lines(caplog, BACK)
 
 
-async def test_dropped_connections_heal_without_a_flap(redis_server, mock, mock2, caplog):
+async def test_dropped_connections_heal_without_a_flap(
+    redis_server: RedisServer,
+    mock: MockProvider,
+    mock2: MockProvider,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="unbroken")
     cfg = fleet_config([mock.url, mock2.url], redis_server.url)
     async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:

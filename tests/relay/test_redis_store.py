@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest_asyncio
 
+from redisfix import RedisServer
 from relay.test_health_relay import CHAT, PATH, DeadPort, until
 from unbroken.config import parse_config
 from unbroken.mock import MockProvider
@@ -49,12 +50,12 @@ def from_instance(mock: MockProvider, who: str) -> int:
 
 
 async def up(server: RelayServer) -> bool:
-    return server.relay.store.status()["state"] == "ok"
+    return bool(server.relay.store.status()["state"] == "ok")
 
 
 async def test_a_retry_after_seen_by_one_instance_steers_the_other_at_once(
-    redis_server, mock, mock2
-):
+    redis_server: RedisServer, mock: MockProvider, mock2: MockProvider
+) -> None:
     cfg = fleet_config([mock.url, mock2.url], redis_server.url)
     async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
         await until(lambda: up(a))
@@ -91,7 +92,9 @@ async def test_a_retry_after_seen_by_one_instance_steers_the_other_at_once(
         assert time.monotonic() >= cool_end - 0.1  # not before the cool-off ended
 
 
-async def test_exactly_one_instance_probes_a_half_open_upstream(redis_server, mock):
+async def test_exactly_one_instance_probes_a_half_open_upstream(
+    redis_server: RedisServer, mock: MockProvider
+) -> None:
     async with DeadPort() as dead:
         cfg = fleet_config([dead.url, mock.url], redis_server.url, failures_to_open=2, open_s=1.0)
         async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
@@ -118,8 +121,8 @@ async def test_exactly_one_instance_probes_a_half_open_upstream(redis_server, mo
 
 
 async def test_redis_down_keeps_serving_degraded_and_shares_again_when_back(
-    redis_server, mock, mock2
-):
+    redis_server: RedisServer, mock: MockProvider, mock2: MockProvider
+) -> None:
     cfg = fleet_config([mock.url, mock2.url], redis_server.url)
     async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
         await until(lambda: up(a))
@@ -129,7 +132,7 @@ async def test_redis_down_keeps_serving_degraded_and_shares_again_when_back(
         async def degraded(s: RelayServer) -> bool:
             status = await (await http.get(s.url + "/status")).json()
             healthz = await (await http.get(s.url + "/healthz")).json()
-            return status["store"]["state"] == "degraded" and healthz["store"] == "degraded"
+            return bool(status["store"]["state"] == "degraded" and healthz["store"] == "degraded")
 
         for _ in range(5):
             assert await post(http, a.url, "A") == 200
@@ -155,8 +158,8 @@ async def test_redis_down_keeps_serving_degraded_and_shares_again_when_back(
 
 
 async def test_the_fleets_failure_rate_opens_a_breaker_no_instance_could_alone(
-    redis_server, mock, mock2
-):
+    redis_server: RedisServer, mock: MockProvider, mock2: MockProvider
+) -> None:
     # each instance sees 6 failing turns: under min_window_attempts (10) alone, over together
     cfg = fleet_config(
         [mock.url, mock2.url],
@@ -180,7 +183,9 @@ async def test_the_fleets_failure_rate_opens_a_breaker_no_instance_could_alone(
         assert status["store"]["fleet_window"][key][1] == 12
 
 
-async def test_relays_with_turns_waiting_on_one_upstream_split_its_pacers_floor(redis_server, mock):
+async def test_relays_with_turns_waiting_on_one_upstream_split_its_pacers_floor(
+    redis_server: RedisServer, mock: MockProvider
+) -> None:
     """Issue 22: however many turns wait, a dead upstream gets a bounded rate of retries
     from the whole fleet, not from every relay: the relays that have turns in its line
     split the floor (and a value in Redis that is not a relay's mark counts as nobody)."""

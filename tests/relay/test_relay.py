@@ -7,14 +7,17 @@ import json
 import logging
 import socket
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
 from relayfix import KEY_AUTH, make_config, start_relay
+from unbroken.mock import MockProvider
 
-CHAT = {"model": "m-1", "messages": [{"role": "user", "content": "hi"}]}
+CHAT: dict[str, Any] = {"model": "m-1", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def _free_port() -> int:
@@ -24,17 +27,21 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-async def http():
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
 
 
-async def _post(http, url, body, headers=None):
+async def _post(
+    http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
     async with http.post(url, json=body, headers=headers or {}) as r:
         return r.status, dict(r.headers), await r.read()
 
 
-async def test_503_storm_then_200_gets_exact_bytes(mock, http):
+async def test_503_storm_then_200_gets_exact_bytes(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     server, rec = await start_relay(make_config([{"url": mock.url}]))
     try:
         mock.script([{"status": 503}] * 5)
@@ -50,7 +57,7 @@ async def test_503_storm_then_200_gets_exact_bytes(mock, http):
         await server.stop()
 
 
-async def test_retry_after_is_honoured(mock, http):
+async def test_retry_after_is_honoured(mock: MockProvider, http: aiohttp.ClientSession) -> None:
     server, rec = await start_relay(make_config([{"url": mock.url}]))
     try:
         mock.script([{"status": 429, "headers": {"Retry-After": "1"}}])
@@ -63,7 +70,7 @@ async def test_retry_after_is_honoured(mock, http):
         await server.stop()
 
 
-async def test_retry_after_is_capped(mock, http):
+async def test_retry_after_is_capped(mock: MockProvider, http: aiohttp.ClientSession) -> None:
     cfg = make_config([{"url": mock.url}], retry={"max_retry_after_ms": 50})
     server, rec = await start_relay(cfg)
     try:
@@ -75,7 +82,9 @@ async def test_retry_after_is_capped(mock, http):
         await server.stop()
 
 
-async def test_testing_mode_skips_real_waits_and_still_reports_them(mock, http, no_waits):
+async def test_testing_mode_skips_real_waits_and_still_reports_them(
+    mock: MockProvider, http: aiohttp.ClientSession, no_waits: None
+) -> None:
     server, rec = await start_relay(make_config([{"url": mock.url}]))
     try:
         mock.script([{"status": 429, "headers": {"Retry-After": "30"}}])
@@ -88,7 +97,9 @@ async def test_testing_mode_skips_real_waits_and_still_reports_them(mock, http, 
         await server.stop()
 
 
-async def test_retry_after_ms_and_http_date(mock, http):
+async def test_retry_after_ms_and_http_date(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     server, rec = await start_relay(make_config([{"url": mock.url}]))
     try:
         mock.script([{"status": 503, "headers": {"retry-after-ms": "120"}}])
@@ -98,7 +109,7 @@ async def test_retry_after_ms_and_http_date(mock, http):
         await server.stop()
 
 
-async def test_400_passes_straight_through(mock, http):
+async def test_400_passes_straight_through(mock: MockProvider, http: aiohttp.ClientSession) -> None:
     server, rec = await start_relay(make_config([{"url": mock.url}]))
     try:
         body = '{"error": {"message": "bad", "type": "invalid_request_error"}}'
@@ -113,7 +124,9 @@ async def test_400_passes_straight_through(mock, http):
         await server.stop()
 
 
-async def test_refused_primary_fails_over_without_delay(mock, http):
+async def test_refused_primary_fails_over_without_delay(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
     # delay_ms is large: a failover that waited would take 5 s.
     cfg = make_config([{"url": dead}, {"url": mock.url}], retry={"delay_ms": 5000})
@@ -128,7 +141,7 @@ async def test_refused_primary_fails_over_without_delay(mock, http):
         await server.stop()
 
 
-async def test_dns_failure_is_retryable(mock, http):
+async def test_dns_failure_is_retryable(mock: MockProvider, http: aiohttp.ClientSession) -> None:
     cfg = make_config([{"url": "http://no-such-host.invalid"}, {"url": mock.url}])
     server, rec = await start_relay(cfg)
     try:
@@ -139,7 +152,9 @@ async def test_dns_failure_is_retryable(mock, http):
         await server.stop()
 
 
-async def test_max_attempts_passes_last_answer_through(mock, http):
+async def test_max_attempts_passes_last_answer_through(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     server, _ = await start_relay(make_config([{"url": mock.url}], retry={"max_attempts": 3}))
     try:
         mock.script(
@@ -153,7 +168,9 @@ async def test_max_attempts_passes_last_answer_through(mock, http):
         await server.stop()
 
 
-async def test_network_failure_exhausted_gives_protocol_shaped_502(http):
+async def test_network_failure_exhausted_gives_protocol_shaped_502(
+    http: aiohttp.ClientSession,
+) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
     server, _ = await start_relay(make_config([{"url": dead}], retry={"max_attempts": 2}))
     try:
@@ -169,7 +186,7 @@ async def test_network_failure_exhausted_gives_protocol_shaped_502(http):
         await server.stop()
 
 
-async def test_client_disconnect_during_wait_stops_retrying(mock):
+async def test_client_disconnect_during_wait_stops_retrying(mock: MockProvider) -> None:
     cfg = make_config([{"url": mock.url}], retry={"delay_ms": 60_000})
     server, rec = await start_relay(cfg)
     try:
@@ -190,7 +207,7 @@ async def test_client_disconnect_during_wait_stops_retrying(mock):
         await server.stop()
 
 
-async def test_oversize_body_gets_413(mock, http):
+async def test_oversize_body_gets_413(mock: MockProvider, http: aiohttp.ClientSession) -> None:
     cfg = make_config([{"url": mock.url}], retry={"max_body_mb": 0.001})
     server, _ = await start_relay(cfg)
     try:
@@ -203,7 +220,9 @@ async def test_oversize_body_gets_413(mock, http):
         await server.stop()
 
 
-async def test_unknown_route_404_lists_routes(mock, http):
+async def test_unknown_route_404_lists_routes(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     server, _ = await start_relay(make_config([{"url": mock.url}]))
     try:
         async with http.get(f"{server.url}/nope/v1/models") as r:
@@ -217,7 +236,9 @@ async def test_unknown_route_404_lists_routes(mock, http):
         await server.stop()
 
 
-async def test_streamed_200_chunks_byte_identical(mock, http):
+async def test_streamed_200_chunks_byte_identical(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     server, _ = await start_relay(make_config([{"url": mock.url}]))
     try:
         body = {**CHAT, "stream": True}
@@ -233,7 +254,9 @@ async def test_streamed_200_chunks_byte_identical(mock, http):
         await server.stop()
 
 
-async def test_non_streamed_cut_after_bytes_is_not_complete(mock, http):
+async def test_non_streamed_cut_after_bytes_is_not_complete(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     server, _ = await start_relay(make_config([{"url": mock.url}]))
     try:
         mock.script([{"fault": "reset", "after_frame": 1}])
@@ -243,7 +266,9 @@ async def test_non_streamed_cut_after_bytes_is_not_complete(mock, http):
         await server.stop()
 
 
-async def test_model_rewrite_and_key_injection(mock, http):
+async def test_model_rewrite_and_key_injection(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
     env = {"BACKUP_KEY": "sk-injected-123"}
     cfg = make_config(
         [{"url": mock.url, "api_key_env": "BACKUP_KEY", "models": {"m-1": "vendor/m-1"}}], env=env
@@ -271,7 +296,9 @@ async def test_model_rewrite_and_key_injection(mock, http):
         await server.stop()
 
 
-async def test_canary_key_never_logged(mock, http, caplog):
+async def test_canary_key_never_logged(
+    mock: MockProvider, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
     canary = "sk-canary-7f3e9d"
     env = {"CANARY": canary + "-configured"}
     cfg = make_config([{"url": mock.url, "api_key_env": "CANARY"}], env=env)
@@ -293,7 +320,7 @@ async def test_canary_key_never_logged(mock, http, caplog):
         await server.stop()
 
 
-async def test_openai_sdk_through_relay(mock):
+async def test_openai_sdk_through_relay(mock: MockProvider) -> None:
     server, _ = await start_relay(make_config([{"url": mock.url}]))
     try:
         mock.script([{"status": 503}, {"fault": "close_before_headers"}])

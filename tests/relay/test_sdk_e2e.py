@@ -8,14 +8,17 @@ from collections.abc import AsyncIterator
 import anthropic
 import openai
 import pytest
+from anthropic.types import MessageParam
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from relayfix import Recorder, make_config, start_relay
 from unbroken.mock import MockProvider
 from unbroken.relay.server import RelayServer
 
 STREAM = {"first_frame_timeout_s": 1, "idle_timeout_s": 1}
-MSGS = [{"role": "user", "content": "hi"}]
-TOOLS_CHAT = [
+MSGS: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+ANT_MSGS: list[MessageParam] = [{"role": "user", "content": "hi"}]
+TOOLS_CHAT: list[ChatCompletionToolParam] = [
     {
         "type": "function",
         "function": {"name": "bash", "parameters": {"type": "object", "properties": {}}},
@@ -167,7 +170,7 @@ async def test_anthropic_stream_survives_faults_before_commit(
             {"reply": "tool"},
         ]
     )
-    async with ant.messages.stream(model="m", max_tokens=64, messages=MSGS) as stream:
+    async with ant.messages.stream(model="m", max_tokens=64, messages=ANT_MSGS) as stream:
         message = await stream.get_final_message()
     tools = [b for b in message.content if b.type == "tool_use"]
     assert len(tools) == 1 and tools[0].input
@@ -180,7 +183,7 @@ async def test_anthropic_cut_after_output_raises(
 ) -> None:
     mock.script([{"fault": "end", "after_frame": 4}])
     with pytest.raises(anthropic.APIStatusError) as info:
-        async with ant.messages.stream(model="m", max_tokens=64, messages=MSGS) as stream:
+        async with ant.messages.stream(model="m", max_tokens=64, messages=ANT_MSGS) as stream:
             async for _ in stream:
                 pass
     assert "overloaded" in str(info.value).lower()

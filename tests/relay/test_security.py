@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from relayfix import KEY_AUTH, make_config, start_relay
+from unbroken.mock import MockProvider
 from unbroken.relay.server import RelayServer
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -103,7 +104,9 @@ def _hostport(server: RelayServer) -> str:
 # -- a web page must not reach the key -----------------------------------------------------
 
 
-async def test_websocket_from_a_web_page_is_refused(mock, caplog):
+async def test_websocket_from_a_web_page_is_refused(
+    mock: MockProvider, caplog: pytest.LogCaptureFixture
+) -> None:
     """Review: a page opened ws://127.0.0.1:4780/<keyed route>/v1/responses with a foreign
     Origin and got response.completed, with the key injected upstream."""
     cfg = make_config([{"url": mock.url, "api_key_env": "K"}], env={"K": KEY})
@@ -122,7 +125,7 @@ async def test_websocket_from_a_web_page_is_refused(mock, caplog):
                         {"type": "response.create", "model": "m", "input": "hi", "store": False}
                     )
                 )
-                kinds = []
+                kinds: list[str] = []
                 while not kinds or kinds[-1] != "response.completed":
                     kinds.append(json.loads((await ws.receive(timeout=10)).data)["type"])
             assert mock.upgrades[0].headers["Authorization"] == f"Bearer {KEY}"
@@ -131,7 +134,7 @@ async def test_websocket_from_a_web_page_is_refused(mock, caplog):
     assert KEY not in caplog.text
 
 
-async def test_dns_rebinding_host_and_foreign_origin_are_refused(mock):
+async def test_dns_rebinding_host_and_foreign_origin_are_refused(mock: MockProvider) -> None:
     """Review: Host: attacker-rebind.example:4780 with a foreign Origin got 200, with the
     upstream's Access-Control-Allow-Origin: * passed back."""
     cfg = make_config([{"url": mock.url, "api_key_env": "K"}], env={"K": KEY})
@@ -181,7 +184,7 @@ async def test_dns_rebinding_host_and_foreign_origin_are_refused(mock):
         await server.stop()
 
 
-async def test_allowed_origin_gets_cors_from_the_relay_only(mock):
+async def test_allowed_origin_gets_cors_from_the_relay_only(mock: MockProvider) -> None:
     cfg = make_config([{"url": mock.url}])
     cfg = dataclasses.replace(cfg, allowed_origins=("https://app.example.com",))
     server, _ = await start_relay(cfg)
@@ -214,7 +217,7 @@ async def test_allowed_origin_gets_cors_from_the_relay_only(mock):
 # -- the token -----------------------------------------------------------------------------
 
 
-async def test_token_on_every_request_healthz_open(mock):
+async def test_token_on_every_request_healthz_open(mock: MockProvider) -> None:
     cfg = dataclasses.replace(make_config([{"url": mock.url}]), token=TOKEN)
     server, _ = await start_relay(cfg)
     try:
@@ -259,7 +262,7 @@ async def test_token_on_every_request_healthz_open(mock):
         await server.stop()
 
 
-async def test_non_loopback_bind_without_token_refuses_to_start():
+async def test_non_loopback_bind_without_token_refuses_to_start() -> None:
     for host in ("0.0.0.0", "::"):
         cfg = dataclasses.replace(make_config([{"url": "http://127.0.0.1:9"}]), host=host)
         with pytest.raises(ValueError, match="UNBROKEN_TOKEN"):
@@ -273,7 +276,7 @@ async def test_non_loopback_bind_without_token_refuses_to_start():
         await server.stop()
 
 
-async def test_keyed_route_forwards_no_client_key(mock):
+async def test_keyed_route_forwards_no_client_key(mock: MockProvider) -> None:
     """Review: the client's api-key and x-goog-api-key went upstream beside the key."""
     cfg = make_config([{"url": mock.url, "api_key_env": "K"}], env={"K": KEY})
     server, _ = await start_relay(cfg)
@@ -316,7 +319,9 @@ async def test_keyed_route_forwards_no_client_key(mock):
         ("/cap/v1/x?x=%E2%82%AC", "/base/v1/x?x=%E2%82%AC"),
     ],
 )
-async def test_path_and_query_go_upstream_still_encoded(capture, path, upstream_path):
+async def test_path_and_query_go_upstream_still_encoded(
+    capture: Capture, path: str, upstream_path: str
+) -> None:
     server, _ = await start_relay(make_config([{"url": capture.url + "/base"}], route="cap"))
     try:
         status, _ = await _raw(server.url, _req(path, _hostport(server)))
@@ -339,7 +344,9 @@ async def test_path_and_query_go_upstream_still_encoded(capture, path, upstream_
         "/cap/v1/%7f",
     ],
 )
-async def test_bad_request_targets_get_400_and_never_reach_upstream(capture, path, caplog):
+async def test_bad_request_targets_get_400_and_never_reach_upstream(
+    capture: Capture, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     cfg = make_config(
         [{"url": capture.url + "/base", "api_key_env": "K"}], env={"K": KEY}, route="cap"
@@ -354,7 +361,9 @@ async def test_bad_request_targets_get_400_and_never_reach_upstream(capture, pat
     assert "Traceback" not in caplog.text
 
 
-async def test_a_gzip_body_is_read_as_a_copy_for_streaming_and_model_renames(mock):
+async def test_a_gzip_body_is_read_as_a_copy_for_streaming_and_model_renames(
+    mock: MockProvider,
+) -> None:
     """The relay reads a gzip JSON body to see ``stream`` and to rename the model; the
     renamed body goes upstream gzip-encoded again, as its header says."""
     cfg = make_config([{"url": mock.url, "models": {"alias": "m-real"}}])
@@ -382,7 +391,7 @@ async def test_a_gzip_body_is_read_as_a_copy_for_streaming_and_model_renames(moc
         await server.stop()
 
 
-async def test_gzip_request_body_arrives_byte_identical(capture):
+async def test_gzip_request_body_arrives_byte_identical(capture: Capture) -> None:
     """Review: a gzip body was decompressed by the server and forwarded still labelled
     Content-Encoding: gzip (Claude Code's CLAUDE_CODE_GZIP_REQUEST_BODIES)."""
     cfg = make_config([{"url": capture.url}], retry={"max_body_mb": 0.01}, route="cap")
@@ -415,7 +424,9 @@ async def test_gzip_request_body_arrives_byte_identical(capture):
 # -- an upstream error that echoes the key -------------------------------------------------
 
 
-async def test_key_echoed_in_a_final_error_answer_is_redacted(capture, caplog):
+async def test_key_echoed_in_a_final_error_answer_is_redacted(
+    capture: Capture, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     cfg = make_config(
         [{"url": capture.url, "api_key_env": "K"}],
@@ -444,7 +455,7 @@ async def test_key_echoed_in_a_final_error_answer_is_redacted(capture, caplog):
     assert KEY not in caplog.text
 
 
-async def test_key_echoed_in_a_passed_through_401_is_redacted(capture):
+async def test_key_echoed_in_a_passed_through_401_is_redacted(capture: Capture) -> None:
     cfg = make_config([{"url": capture.url, "api_key_env": "K"}], env={"K": KEY}, route="cap")
     server, _ = await start_relay(cfg)
     echo = json.dumps({"error": {"message": f"Incorrect API key provided: {KEY}"}}).encode()
@@ -461,7 +472,7 @@ async def test_key_echoed_in_a_passed_through_401_is_redacted(capture):
         await server.stop()
 
 
-async def test_an_upstream_cookie_never_goes_back_upstream(capture):
+async def test_an_upstream_cookie_never_goes_back_upstream(capture: Capture) -> None:
     """The relay keeps no cookie jar: what a provider sets (Cloudflare's ``__cf_bm`` on
     api.openai.com, say) reaches the client that got it and is never added to another
     request, this client's or anyone else's.  Upstream by host name: aiohttp's jar

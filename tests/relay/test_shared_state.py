@@ -10,6 +10,7 @@ poll a condition with a deadline.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -17,8 +18,10 @@ import time
 import aiohttp
 import pytest
 
+from redisfix import RedisServer
 from relay.test_health_relay import until
 from relay.test_redis_store import fleet_config, from_instance, mock2, post, up
+from unbroken.mock import MockProvider
 from unbroken.relay.server import RelayServer
 
 __all__ = ["mock2"]  # a fixture
@@ -39,8 +42,11 @@ def degraded_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 async def test_a_breaker_key_with_a_31_year_ttl_opens_for_max_open_s_at_most(
-    redis_server, mock, mock2, caplog
-):
+    redis_server: RedisServer,
+    mock: MockProvider,
+    mock2: MockProvider,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="unbroken")
     cfg = fleet_config([mock.url, mock2.url], redis_server.url, open_s=0.25, max_open_s=0.5)
     key = f"mock|{mock.url}"
@@ -79,7 +85,9 @@ async def test_a_breaker_key_with_a_31_year_ttl_opens_for_max_open_s_at_most(
         k2 = f"mock|{mock2.url}"
         for s, secs, reason in ((a, 5.0, "retry_after"), (b, 6.0, "quota")):
             s.relay.board.cooloff(k2, time.monotonic(), secs, reason)
-            await until(lambda r=reason: _value_is(redis, f"unbroken:{k2}:cooloff", r), cap=5)
+            await until(
+                functools.partial(_value_is, redis, f"unbroken:{k2}:cooloff", reason), cap=5
+            )
         ttl = await _pttl(redis, name)
         assert ttl <= 500, ttl
         assert all(t <= 0.5 for t in opens), opens
@@ -118,7 +126,9 @@ async def _gone(redis, name: str) -> bool:  # type: ignore[no-untyped-def]
     return await _pttl(redis, name) == -2
 
 
-async def test_cooloff_keys_are_clamped_to_the_relays_own_bounds(redis_server, mock, mock2):
+async def test_cooloff_keys_are_clamped_to_the_relays_own_bounds(
+    redis_server: RedisServer, mock: MockProvider, mock2: MockProvider
+) -> None:
     cfg = fleet_config([mock.url, mock2.url], redis_server.url, quota_cooloff_s=30)
     k1, k2 = f"mock|{mock.url}", f"mock|{mock2.url}"
     async with RelayServer(cfg) as a:
@@ -137,8 +147,11 @@ async def test_cooloff_keys_are_clamped_to_the_relays_own_bounds(redis_server, m
 
 
 async def test_garbage_in_redis_is_ignored_and_never_turns_sharing_off(
-    redis_server, mock, mock2, caplog
-):
+    redis_server: RedisServer,
+    mock: MockProvider,
+    mock2: MockProvider,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="unbroken")
     cfg = fleet_config([mock.url, mock2.url], redis_server.url)
     k1, k2 = f"mock|{mock.url}", f"mock|{mock2.url}"
@@ -181,8 +194,8 @@ def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 async def test_garbage_in_a_shared_rate_limit_budget_is_replaced_not_fatal(
-    redis_server, mock, caplog
-):
+    redis_server: RedisServer, mock: MockProvider, caplog: pytest.LogCaptureFixture
+) -> None:
     from relay.test_ratelimit_redis import fleet_config as rate_config
     from relay.test_ratelimit_redis import post as rate_post
     from relay.test_ratelimit_redis import shared
@@ -226,8 +239,8 @@ async def test_garbage_in_a_shared_rate_limit_budget_is_replaced_not_fatal(
 
 
 async def test_a_probe_key_that_never_expires_holds_the_probe_no_longer_than_probe_timeout_s(
-    redis_server, mock, caplog
-):
+    redis_server: RedisServer, mock: MockProvider, caplog: pytest.LogCaptureFixture
+) -> None:
     from relay.test_health_relay import DeadPort
     from relay.test_redis_store import post as fleet_post
 
@@ -259,8 +272,11 @@ async def test_a_probe_key_that_never_expires_holds_the_probe_no_longer_than_pro
 
 
 async def test_messages_on_the_redis_channel_are_checked_like_datagrams(
-    redis_server, mock, mock2, caplog
-):
+    redis_server: RedisServer,
+    mock: MockProvider,
+    mock2: MockProvider,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="unbroken")
     cfg = fleet_config([mock.url, mock2.url], redis_server.url)
     k1, k2 = f"mock|{mock.url}", f"mock|{mock2.url}"

@@ -87,7 +87,7 @@ async def streams_in_flight(
             assert r.status == 200
             return await r.read()
 
-    futures = [asyncio.ensure_future(stream()) for _ in range(8)]
+    futures: list[asyncio.Future[bytes]] = [asyncio.ensure_future(stream()) for _ in range(8)]
     want = set(range(workers)) if workers > 1 else {None}
     pids: set[int] = set()
 
@@ -144,21 +144,25 @@ async def signal_and_check(
     [(signal.SIGHUP, False), (signal.SIGHUP, True), (signal.SIGTERM, True)],
     ids=["hup-supervisor", "hup-group", "term-group"],
 )
-async def test_workers_drain_on_hup_and_group_signals(tmp_path, mock, sig, group):
+async def test_workers_drain_on_hup_and_group_signals(
+    tmp_path: Path, mock: MockProvider, sig: signal.Signals, group: bool
+) -> None:
     """SIGHUP to the supervisor, SIGHUP to the group (a closed terminal), SIGTERM to the group."""
     relay = await start_relay(tmp_path, mock.url, workers=2)
     await signal_and_check(relay, mock, 2, sig, group=group)
 
 
 @pytest.mark.timeout(60)
-async def test_single_serve_drains_on_sighup(tmp_path, mock):
+async def test_single_serve_drains_on_sighup(tmp_path: Path, mock: MockProvider) -> None:
     relay = await start_relay(tmp_path, mock.url, workers=1)
     await signal_and_check(relay, mock, 1, signal.SIGHUP, group=True)
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", [1, 2])
-async def test_nohup_keeps_serving_after_sighup(tmp_path, mock, workers):
+async def test_nohup_keeps_serving_after_sighup(
+    tmp_path: Path, mock: MockProvider, workers: int
+) -> None:
     """Started under nohup, SIGHUP is still ignored: the relay answers on, then drains on TERM."""
     relay = await start_relay(tmp_path, mock.url, workers=workers, ignore_hup=True)
     try:
@@ -176,7 +180,9 @@ async def test_nohup_keeps_serving_after_sighup(tmp_path, mock, workers):
 
 
 @pytest.mark.timeout(60)
-async def test_workers_of_a_killed_supervisor_drain_and_exit(tmp_path, mock):
+async def test_workers_of_a_killed_supervisor_drain_and_exit(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """SIGKILL leaves the supervisor no say: the kernel tells each worker (PDEATHSIG)."""
     relay = await start_relay(tmp_path, mock.url, workers=2)
     mock.script([STREAM])
@@ -198,7 +204,7 @@ async def test_workers_of_a_killed_supervisor_drain_and_exit(tmp_path, mock):
 
 
 @pytest.mark.timeout(90)
-async def test_what_a_worker_crash_costs(tmp_path, mock):
+async def test_what_a_worker_crash_costs(tmp_path: Path, mock: MockProvider) -> None:
     """As README says: the crashed worker's streams are cut (the client sees the body end
     early, no terminal frame), the other worker's finish whole, and it is restarted."""
     relay = await start_relay(tmp_path, mock.url, workers=2)
@@ -248,7 +254,9 @@ async def test_what_a_worker_crash_costs(tmp_path, mock):
 
 
 @pytest.mark.timeout(90)
-async def test_sigterm_while_a_crashed_worker_waits_to_restart(tmp_path, mock):
+async def test_sigterm_while_a_crashed_worker_waits_to_restart(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """A signal during the restart pause: the worker is not started again behind the
     supervisor's back (it was, and the supervisor waited for it forever)."""
     relay = await start_relay(tmp_path, mock.url, workers=2)

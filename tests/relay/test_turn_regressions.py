@@ -35,10 +35,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import pytest
 from aiohttp import WSMsgType, web
 
 from relayfix import Recorder, make_config, start_relay
-from unbroken.mock import frames_for, ws_messages_for
+from unbroken.mock import MockProvider, frames_for, ws_messages_for
+from unbroken.relay.server import RelayServer
 
 CHAT_PATH = "v1/chat/completions"
 CHAT: dict[str, Any] = {
@@ -328,7 +330,7 @@ async def switching_protocols(writer: asyncio.StreamWriter) -> None:
     await writer.drain()
 
 
-def _ws_url(server: Any) -> str:
+def _ws_url(server: RelayServer) -> str:
     return server.url.replace("http://", "ws://") + "/mock/v1/responses"
 
 
@@ -460,7 +462,7 @@ class HungWSUpstream:
             writer.close()
 
 
-async def test_ws_stall_after_first_frames_is_replayed_within_idle_timeout():
+async def test_ws_stall_after_first_frames_is_replayed_within_idle_timeout() -> None:
     idle = 1.0
     messages = ws_messages_for({}, CREATE)
     async with (
@@ -559,11 +561,7 @@ class CancellableWSUpstream:
         return ws
 
     async def _respond(
-        self,
-        ws: web.WebSocketResponse,
-        rid: str,
-        cancelled: asyncio.Event,
-        running: dict[str, Any],
+        self, ws: web.WebSocketResponse, rid: str, cancelled: asyncio.Event, running: dict[str, Any]
     ) -> None:
         seq = 0
 
@@ -629,7 +627,7 @@ class CancellableWSUpstream:
         )
 
 
-async def test_ws_cancel_reaches_upstream_at_once_and_next_turn_gets_its_own_events():
+async def test_ws_cancel_reaches_upstream_at_once_and_next_turn_gets_its_own_events() -> None:
     async with CancellableWSUpstream(pause=2.0) as up, relay_for(up.url) as (server, _):
         async with aiohttp.ClientSession() as s, s.ws_connect(_ws_url(server)) as ws:
             await ws.send_str(json.dumps(CREATE))
@@ -663,8 +661,8 @@ async def test_ws_cancel_reaches_upstream_at_once_and_next_turn_gets_its_own_eve
 
 # -- 3. WebSocket: a crash inside a turn closes the client with 1011 ------------------------
 async def test_ws_crash_inside_a_turn_closes_client_with_1011_and_journals_internal_error(
-    mock, monkeypatch
-):
+    mock: MockProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from unbroken.core.ledger import Ledger
 
     def boom(self: Any, event: Any) -> bytes:
@@ -693,7 +691,7 @@ async def test_ws_crash_inside_a_turn_closes_client_with_1011_and_journals_inter
 
 
 # -- 4. HTTP: early headers reach a raw client at early_headers_s ---------------------------
-async def test_http_early_headers_reach_a_raw_client_on_time(mock):
+async def test_http_early_headers_reach_a_raw_client_on_time(mock: MockProvider) -> None:
     # A guard more than a reproduction: with the aiohttp installed here (3.14),
     # StreamResponse.prepare() sends the headers at once (only web.Response buffers
     # them until the body), so the pre-rewrite relay already passes this.  A relay
@@ -743,7 +741,7 @@ async def _paused_reader(
     return client, rec, turns, at
 
 
-async def test_http_slow_reader_is_not_cut_as_a_stall(mock):
+async def test_http_slow_reader_is_not_cut_as_a_stall(mock: MockProvider) -> None:
     # ~16 MB of text deltas: far more than the loopback socket buffers hold
     action = {"text": "x" * 12_000_000, "deltas": 12_000}
     expected = b"".join(frames_for("chat", action, CHAT))
@@ -755,7 +753,7 @@ async def test_http_slow_reader_is_not_cut_as_a_stall(mock):
     assert rec.failures == []
 
 
-async def test_http_stall_after_a_slow_reader_resumes_is_still_caught(mock):
+async def test_http_stall_after_a_slow_reader_resumes_is_still_caught(mock: MockProvider) -> None:
     # The turn's timer fires while the relay is blocked writing to the paused reader;
     # no deadline runs during a write, so it found none.  Found in review: nothing
     # armed it again after the write, so a stall that followed was never caught (the
@@ -777,7 +775,7 @@ async def test_http_stall_after_a_slow_reader_resumes_is_still_caught(mock):
 
 
 # -- 6. HTTP: a comment-only stream trips first_frame_timeout_s ----------------------------
-async def test_http_comment_only_stream_trips_first_frame_timeout():
+async def test_http_comment_only_stream_trips_first_frame_timeout() -> None:
     first = 1.0
     clean = frames_for("chat", {}, CHAT)
     async with (
@@ -805,7 +803,7 @@ async def test_http_comment_only_stream_trips_first_frame_timeout():
 
 
 # -- 7. HTTP: an upstream 101 to a plain POST is retried -----------------------------------
-async def test_http_upstream_101_is_retried():
+async def test_http_upstream_101_is_retried() -> None:
     plain = {k: v for k, v in CHAT.items() if k != "stream"}
     answer = b"".join(frames_for("chat", {}, plain))
     async with (
@@ -830,7 +828,7 @@ async def test_http_upstream_101_is_retried():
 
 
 # -- 8. HTTP: a turn completed, then closed by the client, journals ok ---------------------
-async def test_http_turn_completed_then_closed_by_client_is_ok(mock):
+async def test_http_turn_completed_then_closed_by_client_is_ok(mock: MockProvider) -> None:
     async with relay_for(mock.url) as (server, rec):
         # frames 150 ms apart: the client closes between the terminal frame and [DONE]
         mock.script([{"chunk_delay_ms": 150}])
@@ -847,7 +845,9 @@ async def test_http_turn_completed_then_closed_by_client_is_ok(mock):
 
 
 # -- 9. HTTP: idle_timeout_s below early_headers_s and keepalive_s is enforced ---------------
-async def test_http_idle_timeout_shorter_than_early_headers_and_keepalive_is_enforced(mock):
+async def test_http_idle_timeout_shorter_than_early_headers_and_keepalive_is_enforced(
+    mock: MockProvider,
+) -> None:
     idle = 1.0
     async with relay_for(mock.url, stream={"idle_timeout_s": idle}) as (server, rec):
         # (a) after the first released output frame: the client gets the native error
@@ -891,7 +891,7 @@ async def test_http_idle_timeout_shorter_than_early_headers_and_keepalive_is_enf
 
 
 # -- 10. HTTP: the first keepalive goes out keepalive_s after the last write -----------------
-async def test_http_first_keepalive_at_keepalive_s(mock):
+async def test_http_first_keepalive_at_keepalive_s(mock: MockProvider) -> None:
     keepalive, early = 1.0, 5.0
     stream = {"keepalive_s": keepalive, "early_headers_s": early, "idle_timeout_s": 60}
     async with relay_for(mock.url, stream=stream) as (server, _):
@@ -912,7 +912,7 @@ async def test_http_first_keepalive_at_keepalive_s(mock):
 
 
 # -- 11. HTTP: a cut after finish_reason still ends with [DONE], and is recorded -------------
-async def test_http_cut_after_finish_reason_gets_done_and_is_recorded(mock):
+async def test_http_cut_after_finish_reason_gets_done_and_is_recorded(mock: MockProvider) -> None:
     async with relay_for(mock.url) as (server, rec):
         mock.script([{"fault": "reset", "after_frame": FINISH}])
         client = await RawHTTP.post(server.url, f"/mock/{CHAT_PATH}", CHAT)
@@ -982,18 +982,18 @@ async def _stall_behind_keepalives(
     assert turns[0].outcome == "ended_with_error"
 
 
-async def test_http_stall_behind_comment_keepalives_is_caught(mock):
+async def test_http_stall_behind_comment_keepalives_is_caught(mock: MockProvider) -> None:
     await _stall_behind_keepalives(mock, CHAT_PATH, CHAT, {}, b": keepalive\n\n")
 
 
-async def test_http_stall_behind_codex_keepalive_events_is_caught(mock):
+async def test_http_stall_behind_codex_keepalive_events_is_caught(mock: MockProvider) -> None:
     # Codex measured: a 20 s idle timer took 200 s through the relay (20 s direct),
     # because the relay's own keepalive writes kept resetting its stall clock.
     await _stall_behind_keepalives(mock, RESPONSES_PATH, RESPONSES, CODEX_UA, RESPONSES_KEEPALIVE)
 
 
 # -- 13. HTTP: a replay decided by a frame, retried at once, serves the next attempt ---------
-async def test_http_in_stream_error_replayed_with_no_delay_is_served(mock):
+async def test_http_in_stream_error_replayed_with_no_delay_is_served(mock: MockProvider) -> None:
     # Found with the turn machine's legality checks (issue 22): with no wait before the
     # retry (delay_ms = 0, or a reroute), a replay decided by an in-stream error left
     # its decision behind, and the next attempt's first chunk "ended" that attempt
@@ -1015,7 +1015,7 @@ async def test_http_in_stream_error_replayed_with_no_delay_is_served(mock):
 
 
 # -- 14. WebSocket: a client that pauses reading is not cut as a stall -----------------------
-async def test_ws_slow_reader_is_not_cut_as_a_stall(mock):
+async def test_ws_slow_reader_is_not_cut_as_a_stall(mock: MockProvider) -> None:
     # The HTTP transport stops the stall clock while it is blocked writing to a slow
     # client (test 5); the WebSocket transport waited for a full client buffer with
     # the clock running, so a client that paused reading for longer than

@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
-from relayfix import make_config, start_relay
-from unbroken.mock import ws_messages_for
+from relayfix import Recorder, make_config, start_relay
+from unbroken.mock import MockProvider, ws_messages_for
+from unbroken.relay.server import RelayServer
 
 CREATE: dict[str, Any] = {"type": "response.create", "model": "m", "input": "hi", "store": False}
 STREAM = {"first_frame_timeout_s": 1, "idle_timeout_s": 1}
@@ -22,14 +24,17 @@ STREAM = {"first_frame_timeout_s": 1, "idle_timeout_s": 1}
 AFTER_CONTROL, MID_TOOL, AFTER_OUTPUT = 4, 4, 6
 
 
+Relay = tuple[RelayServer, Recorder]
+
+
 @pytest.fixture
-async def relay(mock):
+async def relay(mock: MockProvider) -> AsyncIterator[Relay]:
     server, rec = await start_relay(make_config([{"url": mock.url}], stream=STREAM))
     yield server, rec
     await server.stop()
 
 
-def _ws_url(server: Any) -> str:
+def _ws_url(server: RelayServer) -> str:
     return server.url.replace("http://", "ws://") + "/mock/v1/responses"
 
 
@@ -50,7 +55,7 @@ async def _turn(ws: aiohttp.ClientWebSocketResponse, create: dict[str, Any]) -> 
                 return got
 
 
-async def test_openai_sdk_websocket_through_relay(mock, relay):
+async def test_openai_sdk_websocket_through_relay(mock: MockProvider, relay: Relay) -> None:
     server, _ = relay
     client = openai.AsyncOpenAI(base_url=f"{server.url}/mock/v1", api_key="sk-x", max_retries=0)
     mock.script([{"fault": "reset", "after_frame": AFTER_CONTROL}, {}, {"reply": "tool"}])
@@ -92,7 +97,9 @@ async def test_openai_sdk_websocket_through_relay(mock, relay):
         ({"status": 503}, "text"),
     ],
 )
-async def test_failure_before_commit_is_invisible(mock, relay, fault, reply):
+async def test_failure_before_commit_is_invisible(
+    mock: MockProvider, relay: Relay, fault: dict[str, Any], reply: str
+) -> None:
     server, rec = relay
     expected = ws_messages_for({"reply": reply}, CREATE)
     mock.script([{**fault, "reply": reply}, {"reply": reply}, {}])
@@ -114,7 +121,9 @@ async def test_failure_before_commit_is_invisible(mock, relay, fault, reply):
         {"fault": "error_event", "after_frame": AFTER_OUTPUT, "error": "overloaded"},
     ],
 )
-async def test_failure_after_commit_fails_the_turn_and_keeps_the_socket(mock, relay, fault):
+async def test_failure_after_commit_fails_the_turn_and_keeps_the_socket(
+    mock: MockProvider, relay: Relay, fault: dict[str, Any]
+) -> None:
     server, rec = relay
     clean = ws_messages_for({}, CREATE)
     mock.script([fault, {}])
@@ -135,7 +144,9 @@ async def test_failure_after_commit_fails_the_turn_and_keeps_the_socket(mock, re
     assert turns[0].outcome == "ended_with_error"
 
 
-async def test_previous_response_id_survives_upstream_socket_death(mock, relay):
+async def test_previous_response_id_survives_upstream_socket_death(
+    mock: MockProvider, relay: Relay
+) -> None:
     server, _ = relay
     mock.script([{}, {"fault": "reset", "after_frame": 0}, {}])
     async with aiohttp.ClientSession() as s, s.ws_connect(_ws_url(server)) as ws:
@@ -160,7 +171,9 @@ async def test_previous_response_id_survives_upstream_socket_death(mock, relay):
     assert reqs[2].previous_response_found is None
 
 
-async def test_http_fallback_when_upgrade_refused_then_back_to_websocket(mock):
+async def test_http_fallback_when_upgrade_refused_then_back_to_websocket(
+    mock: MockProvider,
+) -> None:
     cfg = make_config([{"url": mock.url}], stream=STREAM)
     cfg = dataclasses.replace(cfg, websocket_fallback_cooldown_s=0.0)
     server, _ = await start_relay(cfg)
@@ -178,7 +191,9 @@ async def test_http_fallback_when_upgrade_refused_then_back_to_websocket(mock):
         await server.stop()
 
 
-async def test_connection_limit_falls_back_to_http_within_cooldown(mock, relay):
+async def test_connection_limit_falls_back_to_http_within_cooldown(
+    mock: MockProvider, relay: Relay
+) -> None:
     server, _ = relay
     mock.script([{"fault": "connection_limit"}, {}, {}])
     async with aiohttp.ClientSession() as s, s.ws_connect(_ws_url(server)) as ws:
@@ -188,7 +203,7 @@ async def test_connection_limit_falls_back_to_http_within_cooldown(mock, relay):
     assert [r.method for r in mock.requests] == ["WS", "POST", "POST"]
 
 
-async def test_concurrent_client_sockets(mock, relay):
+async def test_concurrent_client_sockets(mock: MockProvider, relay: Relay) -> None:
     server, _ = relay
     n = 8
     for i in range(n):
@@ -207,7 +222,7 @@ async def test_concurrent_client_sockets(mock, relay):
     assert len(mock.requests) == 2 * n
 
 
-async def test_client_close_during_retry_stops_everything(mock):
+async def test_client_close_during_retry_stops_everything(mock: MockProvider) -> None:
     cfg = make_config([{"url": mock.url}], retry={"delay_ms": 60_000}, stream=STREAM)
     server, rec = await start_relay(cfg)
     try:
@@ -225,7 +240,7 @@ async def test_client_close_during_retry_stops_everything(mock):
         await server.stop()
 
 
-async def test_pings_are_answered_while_retrying(mock):
+async def test_pings_are_answered_while_retrying(mock: MockProvider) -> None:
     cfg = make_config([{"url": mock.url}], retry={"delay_ms": 60_000}, stream=STREAM)
     server, _ = await start_relay(cfg)
     try:

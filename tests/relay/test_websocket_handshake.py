@@ -17,6 +17,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from relayfix import make_config, start_relay
+from unbroken.mock import MockProvider
 
 CREATE: dict[str, Any] = {"type": "response.create", "model": "m", "input": "hi", "store": False}
 EXTRA = {"Authorization": "Bearer sk-client", "OpenAI-Beta": "responses_websockets=2026-02-06"}
@@ -36,7 +37,9 @@ async def _one_turn(url: str, compression: str | None) -> str:
 
 
 @pytest.mark.parametrize("compression", ["deflate", None])
-async def test_upstream_handshake_has_the_clients_headers_and_offer(mock, compression):
+async def test_upstream_handshake_has_the_clients_headers_and_offer(
+    mock: MockProvider, compression: str | None
+) -> None:
     direct = mock.url.replace("http://", "ws://") + "/v1/responses"
     assert await _one_turn(direct, compression) == "Hello from the mock provider."
     sent = mock.upgrades[-1].headers  # what this client sends, straight to the provider

@@ -9,15 +9,17 @@ from typing import Any
 import aiohttp
 
 from relayfix import make_config, start_relay
+from unbroken.mock import MockProvider
+from unbroken.relay.server import RelayServer
 
 CREATE: dict[str, Any] = {"type": "response.create", "model": "m", "input": "hi", "store": False}
 
 
-def _ws_url(server: Any) -> str:
+def _ws_url(server: RelayServer) -> str:
     return server.url.replace("http://", "ws://") + "/mock/v1/responses"
 
 
-async def test_a_message_over_max_body_mb_is_refused_with_1009(mock):
+async def test_a_message_over_max_body_mb_is_refused_with_1009(mock: MockProvider) -> None:
     cfg = dataclasses.replace(make_config([{"url": mock.url}]), max_body_mb=0.01)  # 10 kB
     server, _ = await start_relay(cfg)
     try:
@@ -31,7 +33,9 @@ async def test_a_message_over_max_body_mb_is_refused_with_1009(mock):
         await server.stop()
 
 
-async def test_the_client_reads_1009_while_it_is_still_sending_the_oversized_message(mock):
+async def test_the_client_reads_1009_while_it_is_still_sending_the_oversized_message(
+    mock: MockProvider,
+) -> None:
     """Closed at once, the socket's unread input made the kernel send a reset, which threw
     away the close frame in the client's buffer: it saw 1006.  The relay now lingers."""
     cfg = dataclasses.replace(make_config([{"url": mock.url}]), max_body_mb=0.01)  # 10 kB
@@ -48,7 +52,7 @@ async def test_the_client_reads_1009_while_it_is_still_sending_the_oversized_mes
         await server.stop()
 
 
-async def test_too_many_queued_creates_close_the_socket_with_1008(mock):
+async def test_too_many_queued_creates_close_the_socket_with_1008(mock: MockProvider) -> None:
     cfg = make_config([{"url": mock.url}], retry={"delay_ms": 60_000})
     cfg = dataclasses.replace(cfg, websocket_max_queued_messages=2)
     server, _ = await start_relay(cfg)

@@ -11,11 +11,13 @@ import pytest_asyncio
 from aiohttp import web
 
 from relayfix import make_config, start_relay
+from unbroken.mock import MockProvider
+from unbroken.relay.server import RelayServer
 
 CREATE: dict[str, Any] = {"type": "response.create", "model": "m", "input": "hi", "store": False}
 
 
-def _ws_url(server: Any) -> str:
+def _ws_url(server: RelayServer) -> str:
     return server.url.replace("http://", "ws://") + "/mock/v1/responses"
 
 
@@ -30,7 +32,9 @@ async def _turn(ws: aiohttp.ClientWebSocketResponse) -> list[dict[str, Any]]:
             return events
 
 
-async def test_turns_on_one_socket_complete_even_when_the_upstream_reuses_ids(mock):
+async def test_turns_on_one_socket_complete_even_when_the_upstream_reuses_ids(
+    mock: MockProvider,
+) -> None:
     server, rec = await start_relay(make_config([{"url": mock.url}]))
     try:
         async with aiohttp.ClientSession() as s, s.ws_connect(_ws_url(server)) as ws:
@@ -93,7 +97,9 @@ async def new_id_per_socket() -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-async def test_a_replay_with_a_new_response_id_shows_the_client_one_response(new_id_per_socket):
+async def test_a_replay_with_a_new_response_id_shows_the_client_one_response(
+    new_id_per_socket: str,
+) -> None:
     server, rec = await start_relay(make_config([{"url": new_id_per_socket}]))
     try:
         async with aiohttp.ClientSession() as s, s.ws_connect(_ws_url(server)) as ws:

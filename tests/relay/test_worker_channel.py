@@ -97,8 +97,8 @@ def msg(**fields: Any) -> bytes:
 
 
 async def test_a_worker_clamps_and_ignores_what_its_channel_brings(
-    tmp_path, mock: MockProvider, mock2: MockProvider
-):
+    tmp_path: Path, mock: MockProvider, mock2: MockProvider
+) -> None:
     fleet = await start(tmp_path, [mock.url, mock2.url])
     try:
         k1, k2 = f"mock|{mock.url}", f"mock|{mock2.url}"
@@ -142,8 +142,8 @@ async def test_a_worker_clamps_and_ignores_what_its_channel_brings(
             return closed == {0, 1}
 
         await until(breakers_closed_again, cap=5)
-        data = await fleet.status()
-        assert sorted(w["id"] for w in data["workers"]) == [0, 1]
+        final = await fleet.status()
+        assert sorted(w["id"] for w in final["workers"]) == [0, 1]
         assert not any("exited" in e for e in fleet.err)  # no worker died of it
     finally:
         assert await fleet.stop() == 0
@@ -155,7 +155,9 @@ async def test_a_worker_clamps_and_ignores_what_its_channel_brings(
     assert 2 <= len(ignored) <= 2, ignored  # once a minute per worker, for all of them
 
 
-async def test_a_siblings_status_summary_that_is_garbage_is_skipped(tmp_path, mock: MockProvider):
+async def test_a_siblings_status_summary_that_is_garbage_is_skipped(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     """/status merges the workers' summaries from the runtime directory: a file there
     that is not shaped like one (or too deep to parse) is skipped, never a 500."""
     fleet = await start(tmp_path, [mock.url])

@@ -77,7 +77,9 @@ async def stop(fleet: Fleet) -> int:
     return fleet.proc.returncode
 
 
-async def test_both_workers_answer_and_a_killed_worker_is_restarted(tmp_path, mock):
+async def test_both_workers_answer_and_a_killed_worker_is_restarted(
+    tmp_path: Path, mock: MockProvider
+) -> None:
     fleet = await start_fleet(tmp_path, [mock.url])
     try:
         seen: dict[int, int] = {}
@@ -106,7 +108,7 @@ async def test_both_workers_answer_and_a_killed_worker_is_restarted(tmp_path, mo
         assert await stop(fleet) == 0
 
 
-async def test_sigterm_drains_both_workers(tmp_path, mock):
+async def test_sigterm_drains_both_workers(tmp_path: Path, mock: MockProvider) -> None:
     fleet = await start_fleet(tmp_path, [mock.url])
     mock.script([{"deltas": 30, "chunk_delay_ms": 100, "count": 100}])  # ~3 s streams
     conn = aiohttp.TCPConnector(force_close=True, limit=0)
@@ -134,7 +136,9 @@ async def test_sigterm_drains_both_workers(tmp_path, mock):
     assert await stop(fleet) == 0
 
 
-async def test_health_learned_by_one_worker_steers_the_other(tmp_path, mock, mock2):
+async def test_health_learned_by_one_worker_steers_the_other(
+    tmp_path: Path, mock: MockProvider, mock2: MockProvider
+) -> None:
     fleet = await start_fleet(tmp_path, [mock.url, mock2.url])
     try:
         await until(lambda: _both_up(fleet), cap=20)
