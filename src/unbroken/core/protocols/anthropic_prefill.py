@@ -42,12 +42,12 @@ from typing import Any
 
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.protocols.prefill import (
-    MAX_COMMITTED_BYTES,
     Refusal,
     TextJoin,
+    released_events,
     split_trailing_ws,
 )
-from unbroken.core.sse import Event, EventTooLarge, SSESplitter
+from unbroken.core.sse import Event
 
 __all__ = [
     "Committed",
@@ -139,15 +139,9 @@ class Committed:
 
 def read_committed(released: bytes) -> Committed | Refusal:
     """Read the client's stream back from the bytes released to it."""
-    if len(released) > MAX_COMMITTED_BYTES:
-        return Refusal.TOO_LARGE
-    splitter = SSESplitter(MAX_COMMITTED_BYTES + 1)
-    try:
-        events = splitter.feed(released)
-    except EventTooLarge:
-        return Refusal.TOO_LARGE
-    if splitter.pending.strip():
-        return Refusal.MALFORMED  # released bytes always end with a whole frame
+    events = released_events(released)
+    if isinstance(events, Refusal):
+        return events
     parts: list[str] = []
     open_index: int | None = None
     next_index = 0

@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import enum
 
+from unbroken.core.sse import Event, EventTooLarge, SSESplitter
+
 __all__ = [
     "MAX_COMMITTED_BYTES",
     "JoinError",
     "Refusal",
     "TextJoin",
     "reconcile",
+    "released_events",
     "split_trailing_ws",
 ]
 
@@ -132,3 +135,18 @@ class TextJoin:
             raise JoinError("the answer ended before it repeated the prefix")
         rest = buf.lstrip()
         return reconcile(self.shown, buf[: len(buf) - len(rest)]) + rest
+
+
+def released_events(released: bytes) -> list[Event] | Refusal:
+    """The frames released to the client, read back (bounded): what a continuation is
+    built from.  Released bytes always end with a whole frame."""
+    if len(released) > MAX_COMMITTED_BYTES:
+        return Refusal.TOO_LARGE
+    splitter = SSESplitter(MAX_COMMITTED_BYTES + 1)
+    try:
+        events = splitter.feed(released)
+    except EventTooLarge:
+        return Refusal.TOO_LARGE
+    if splitter.pending.strip():
+        return Refusal.MALFORMED
+    return events
