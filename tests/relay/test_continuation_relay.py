@@ -6,16 +6,15 @@ the native error, and the request was never made a background one).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 
+from relay.test_health_relay import until
 from relayfix import Recorder, make_config, start_relay
 from unbroken.core.sse import SSESplitter
 from unbroken.mock import MockProvider
@@ -129,7 +128,7 @@ async def test_a_resume_that_does_not_join_ends_with_the_native_error(
     assert turn.outcome == "ended_with_error"
     assert turn.continuation == "refused_join"
     # the response nobody will read on is cancelled
-    await _wait(lambda: mock.background.cancels)
+    await until(lambda: bool(mock.background.cancels), cap=10)
     assert mock.background.cancels == [_events(uncut)[0]["response"]["id"]]
 
 
@@ -161,7 +160,7 @@ async def test_client_gone_cancels_the_background_response(
     async with aiohttp.ClientSession() as s, s.post(f"{server.url}/mock/{PATH}", json=BODY) as r:
         await r.content.readuntil(b"output_text.delta")
     # the client closed its connection mid-stream
-    await _wait(lambda: mock.background.cancels)
+    await until(lambda: bool(mock.background.cancels), cap=10)
     rid = mock.requests[0].json() and next(iter(mock.background.items))
     assert mock.background.cancels == [rid]
     assert mock.background.items[rid].cancelled
@@ -186,7 +185,7 @@ async def test_stuck_in_queued_before_commit_is_cancelled_and_replayed(
     methods = [(r.method, r.path.endswith("/cancel")) for r in mock.requests]
     assert methods[:2] == [("POST", False), ("GET", False)]
     assert methods.count(("POST", False)) == 2  # the replay
-    await _wait(lambda: mock.background.cancels)
+    await until(lambda: bool(mock.background.cancels), cap=10)
     assert mock.background.cancels[0] == mock.requests[1].path.rsplit("/", 1)[1]
     turn = (await rec.wait_turns(1))[0]
     assert turn.outcome in ("recovered", "resumed")
@@ -215,15 +214,6 @@ async def test_default_setting_changes_nothing(mock: MockProvider) -> None:
         assert turn.outcome == "ended_with_error" and turn.splices == 0
     finally:
         await server.stop()
-
-
-async def _wait(cond: Any, cap: float = 10.0) -> None:
-    """Poll ``cond`` until it holds (a deadline, not a sleep as synchronisation)."""
-    deadline = time.monotonic() + cap
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 async def _ws_turn(ws: aiohttp.ClientWebSocketResponse, create: dict[str, Any]) -> list[bytes]:
