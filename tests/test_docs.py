@@ -233,6 +233,37 @@ def test_every_python_name_the_docs_give_exists(doc: str, name: str) -> None:
     pytest.fail(f"{doc} names {name}, which cannot be imported")
 
 
+def _decision_table() -> list[tuple[str, str, str]]:
+    """(question, module path, name) for each name in architecture.md's "Where a
+    decision lives" table."""
+    text = section(ROOT / "docs" / "architecture.md", "Where a decision lives")
+    rows = []
+    for line in text.splitlines():
+        if not line.startswith("| ") or line.startswith("| the question"):
+            continue
+        question, where = line.strip("| ").split(" | ")
+        module = ""
+        for token in re.findall(r"`([^`]+)`", where):
+            if token.endswith((".py", "/")):
+                module = token
+            else:
+                rows.append((question, module, token))
+    return rows
+
+
+def test_where_a_decision_lives_names_only_what_exists() -> None:
+    rows = _decision_table()
+    assert len(rows) >= 20
+    for question, path, name in rows:
+        assert (ROOT / "src" / "unbroken" / path).exists(), (question, path)
+        module = "unbroken." + path.removesuffix(".py").removesuffix("/").replace("/", ".")
+        module = module.removesuffix(".__init__")
+        obj: object = importlib.import_module(module)
+        for attr in name.split("."):
+            assert hasattr(obj, attr), f"{question}: {module} has no {name}"
+            obj = getattr(obj, attr)
+
+
 # -- one measured number, the same everywhere -------------------------------------------------
 def test_the_opencode_storm_time_is_the_same_everywhere() -> None:
     counts = {p.name: len(STORM.findall(p.read_text())) for p in STORM_PLACES}

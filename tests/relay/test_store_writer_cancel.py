@@ -37,3 +37,28 @@ async def test_a_swallowed_cancellation_still_stops_the_writer(redis_server, moc
         writer.cancel()
         await until(writer.done, cap=5)
         assert writer.cancelled()
+
+
+async def test_a_cancellation_swallowed_below_a_read_still_stops_the_reader(redis_server, mock):
+    """The same for the reader (`RedisStore._run`): seen as a test run's teardown that
+    hung for two minutes in ``_cancel_all_tasks`` on a loaded machine, the reader
+    *cancelling* and reading on."""
+    cfg = fleet_config([mock.url], redis_server.url)
+    async with RelayServer(cfg) as server:
+        store = server.relay.store
+        reading = asyncio.Event()
+
+        async def swallowing_resync(*, budget: float) -> bool:
+            reading.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                pass  # what a library below a read may do
+            return True
+
+        store._resync = swallowing_resync  # type: ignore[method-assign]
+        reader = next(t for t in store._tasks if t.get_coro().__name__ == "_run")
+        await asyncio.wait_for(reading.wait(), 10)
+        reader.cancel()
+        await until(reader.done, cap=5)
+        assert reader.cancelled()

@@ -326,12 +326,10 @@ class RedisStore(HealthStore):
                 self._queue.put_nowait(("count", (key, failed)))
 
     async def _writer(self) -> None:
-        me = asyncio.current_task()
         while True:
-            if me is not None and me.cancelling():
-                # A cancellation swallowed below a write (library code) must still
-                # stop the writer, or a draining worker never exits (issue 25).
-                raise asyncio.CancelledError
+            # A cancellation swallowed below a write (library code) must still stop
+            # the writer, or a draining worker never exits (issue 25).
+            _stop_if_cancelled()
             what, item = await self._queue.get()
             try:
                 if what == "change":
@@ -405,6 +403,7 @@ class RedisStore(HealthStore):
     # -- reading: the channel, and a re-read every second -----------------------------------
     async def _run(self) -> None:
         while True:
+            _stop_if_cancelled()  # (as the writer: a cancel swallowed below a read)
             try:
                 await self._session()
             except asyncio.CancelledError:
@@ -433,6 +432,7 @@ class RedisStore(HealthStore):
             await self._read(budget=1.0)
             next_sync = self.clock() + RESYNC_S
             while True:
+                _stop_if_cancelled()
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.25)
                 if msg is not None and msg.get("type") == "message":
                     self._apply_message(msg["data"], "the channel")
@@ -706,3 +706,12 @@ def make_store(
     if channel_dir is not None and worker is not None:
         return ChannelStore(board, channel_dir, worker, bounds=bounds)
     return HealthStore(board, bounds=bounds)
+
+
+def _stop_if_cancelled() -> None:
+    """Raise `CancelledError` if the current task was cancelled and library code below
+    an await swallowed it (the task stays *cancelling*): a loop that went on would
+    never end, and a draining worker would never exit."""
+    me = asyncio.current_task()
+    if me is not None and me.cancelling():
+        raise asyncio.CancelledError
