@@ -25,11 +25,9 @@ _MUTATORS = {
 
 #: the module globals that are changed after import, each on purpose:
 #: the turn machine's testing switch (process-wide, changed only through the restoring
-#: `set_testing`), and the mock's bounded render memos (pure functions of a digest)
+#: `set_testing`).  A memo is `functools.lru_cache` on a pure function, never a dict.
 ALLOWED = {
     "core/turn_fields.py: global testing",
-    "mock/wire/render.py: _cache",
-    "mock/wire/ws_replies.py: _ws_cache",
 }
 
 

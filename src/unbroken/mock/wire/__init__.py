@@ -21,9 +21,9 @@ replies, and a faulted reply is a byte-exact prefix of the clean one.
 
 from unbroken.mock.wire.error_replies import (
     BODY_GARBAGE,
-    error_body,
-    error_frame,
     garbage_frame,
+    kind_error_body,
+    kind_error_frame,
     status_error_body,
 )
 from unbroken.mock.wire.frames import (
@@ -41,7 +41,7 @@ from unbroken.mock.wire.render import (
     events_for,
     frames_for,
     protocol_name_for_path,
-    render,
+    render_reply,
     responses_events,
 )
 from unbroken.mock.wire.reply import Reply, canonical_json, make_reply, split_exact
@@ -67,14 +67,14 @@ __all__ = [
     "Reply",
     "canonical_json",
     "encode_sse",
-    "error_body",
-    "error_frame",
     "events_for",
     "frames_for",
     "garbage_frame",
+    "kind_error_body",
+    "kind_error_frame",
     "make_reply",
     "protocol_name_for_path",
-    "render",
+    "render_reply",
     "responses_events",
     "split_exact",
     "status_error_body",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -79,6 +79,21 @@ def _first_tool_name(request: Mapping[str, Any]) -> str | None:
                 if isinstance(name, str) and name:
                     return name
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyKey:
+    """A reply as a memo's key: replies with one ``digest`` and ``stream`` flag render
+    to the same bytes, so only those two are compared and hashed (``reply`` rides
+    along for the memo's miss)."""
+
+    digest: str
+    stream: bool
+    reply: Reply = field(compare=False, repr=False)
+
+    @classmethod
+    def of(cls, reply: Reply) -> ReplyKey:
+        return cls(reply.digest, reply.stream, reply)
 
 
 class Reply:

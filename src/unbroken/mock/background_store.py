@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from unbroken.mock.actions import Action
-from unbroken.mock.wire import Reply, render
+from unbroken.mock.wire import Reply, render_reply
 
 __all__ = [
     "BackgroundStore",
@@ -98,7 +98,7 @@ def resume_frames(stored: Stored, after: int, action: Action) -> tuple[bytes, ..
             reply.request,
             json.dumps(reply.request, sort_keys=True),
         )
-        return render(other).frames[start:]
+        return render_reply(other).frames[start:]
     return frames[start:]
 
 

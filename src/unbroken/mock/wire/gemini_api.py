@@ -25,13 +25,13 @@ from unbroken.mock.wire.reply import Reply
 __all__ = [
     "GEMINI",
     "body",
-    "error_body",
     "error_payload",
     "garbage",
     "items",
+    "kind_body",
     "parse_path",
     "request_view",
-    "status_error_body",
+    "status_body",
     "to_crlf",
 ]
 
@@ -143,14 +143,14 @@ def error_payload(status: int, message: str | None = None) -> dict[str, Any]:
     return {"error": {"code": status, "message": message or default, "status": name}}
 
 
-def error_body(error: str) -> tuple[int, bytes]:
+def kind_body(error: str) -> tuple[int, bytes]:
     """Status and body of a mock error kind, in Gemini's terms."""
     status = _KINDS[error]
     message = _CONTEXT_MESSAGE if error == "context_length" else None
     return status, json.dumps(error_payload(status, message), separators=(",", ":")).encode()
 
 
-def status_error_body(status: int) -> bytes:
+def status_body(status: int) -> bytes:
     return json.dumps(error_payload(status), separators=(",", ":")).encode()
 
 

@@ -78,7 +78,7 @@ def _responses_items(r: Reply) -> list[_Item]:
 
     started = _response_object(r, "in_progress", [], None)
     if r.request.get("background") is True:
-        # Background mode (`mock.background`): created and announced queued first.
+        # Background mode (`mock.background_store`): created and announced queued first.
         queued = _response_object(r, "queued", [], None)
         ev("response.created", response=queued)
         ev("response.queued", response=queued)
