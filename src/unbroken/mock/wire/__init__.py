@@ -9,9 +9,9 @@ from a pre-encoded template instead of one ``json.dumps`` per frame, and whole
 replies are cached by request digest.
 
 The modules: `frames` (protocol names, SSE encoding, delta runs), `reply` (the
-reply model), `chat`, `responses`, `anthropic`, `gemini` (each protocol's
-frames and bodies), `error_replies` (each protocol's errors), `render` (a reply in its
-protocol, cached; which protocol a path speaks), `ws_replies` (Responses
+reply model), `chat_api`, `responses_api`, `messages_api` (Anthropic), `gemini_api`
+(each API's frames and bodies), `error_replies` (each protocol's errors), `render` (a
+reply in its protocol, cached; which protocol a path speaks), `ws_replies` (Responses
 WebSocket mode).  This package re-exports the API the tests and tools use.
 
 Ids and timestamps are derived only from the protocol, the reply-shape keys of
