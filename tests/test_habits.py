@@ -23,12 +23,10 @@ _MUTATORS = {
     "setdefault",
 }
 
-#: the module globals that are changed after import, each on purpose:
-#: the turn machine's testing switch (process-wide, changed only through the restoring
-#: `set_testing`).  A memo is `functools.lru_cache` on a pure function, never a dict.
-ALLOWED = {
-    "core/turn_fields.py: global testing",
-}
+#: the module globals that are changed after import, each on purpose: none.  A memo is
+#: `functools.lru_cache` on a pure function, never a dict; the turn machine's testing
+#: switch is a `contextvars.ContextVar` (scoped to a context, restored by its token).
+ALLOWED: set[str] = set()
 
 
 def mutated_globals(path: Path, name: str) -> set[str]:
