@@ -48,7 +48,7 @@ from unbroken.mock.wire.frames import ANTHROPIC, GEMINI, RESPONSES
 from unbroken.mock.wire.gemini_api import parse_path as parse_gemini_path
 from unbroken.mock.wire.gemini_api import request_view as gemini_request_view
 from unbroken.mock.wire.render import cut_after, halves, protocol_name_for_path, render_reply
-from unbroken.mock.wire.reply import Reply, canonical_json
+from unbroken.mock.wire.reply import MockReply, canonical_json
 from unbroken.mock.wire.ws_replies import (
     connection_limit_body,
     previous_not_found_body,
@@ -185,7 +185,7 @@ class HttpMode(MockState):
             _abort(request, action.rst)
             return web.Response()
 
-        reply = Reply(protocol, action, req_json, canonical_json(req_json))
+        reply = MockReply(protocol, action, req_json, canonical_json(req_json))
         request_id_header = "request-id" if protocol == ANTHROPIC else "x-request-id"
         headers: CIMultiDict[str] = CIMultiDict()
         error_kind = action.error if fault == "error_event" else None
@@ -292,7 +292,7 @@ class HttpMode(MockState):
         frames: tuple[bytes, ...],
         *,
         stream: bool,
-        reply: Reply,
+        reply: MockReply,
         chunked_frames: tuple[bytes, ...] | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(status=status, headers=headers)

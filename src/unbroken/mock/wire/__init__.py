@@ -44,7 +44,7 @@ from unbroken.mock.wire.render import (
     render_reply,
     responses_events,
 )
-from unbroken.mock.wire.reply import Reply, canonical_json, make_reply, split_exact
+from unbroken.mock.wire.reply import MockReply, canonical_json, make_reply, split_exact
 from unbroken.mock.wire.ws_replies import (
     WS_GARBAGE,
     ws_error,
@@ -63,8 +63,8 @@ __all__ = [
     "RESPONSES",
     "WS_GARBAGE",
     "Event",
+    "MockReply",
     "Rendered",
-    "Reply",
     "canonical_json",
     "encode_sse",
     "events_for",

@@ -15,7 +15,7 @@ from unbroken.mock.wire.frames import (
     dumps,
     encode_sse,
 )
-from unbroken.mock.wire.reply import Reply
+from unbroken.mock.wire.reply import MockReply
 from unbroken.mock.wire.responses_api import _response_object
 
 
@@ -98,7 +98,7 @@ def _anthropic_error(kind: _ErrorKind) -> dict[str, Any]:
 
 
 def kind_error_frame(
-    reply: Reply, error: str, sequence_number: int, style: str = "failed"
+    reply: MockReply, error: str, sequence_number: int, style: str = "failed"
 ) -> bytes:
     """The protocol-native in-stream error frame for ``error`` (an ERROR_KINDS name)."""
     kind = _ERRORS[error]

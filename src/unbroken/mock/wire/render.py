@@ -24,7 +24,7 @@ from unbroken.mock.wire.frames import (
     dumps,
 )
 from unbroken.mock.wire.messages_api import _anthropic_body, _anthropic_items
-from unbroken.mock.wire.reply import Reply, ReplyKey, make_reply
+from unbroken.mock.wire.reply import MockReply, ReplyKey, make_reply
 from unbroken.mock.wire.responses_api import _responses_body, _responses_items
 
 _PATH_SUFFIXES: Final = (
@@ -82,7 +82,7 @@ def halves(body: bytes) -> tuple[bytes, bytes]:
     return body[:mid], body[mid:]
 
 
-def _render(reply: Reply) -> Rendered:
+def _render(reply: MockReply) -> Rendered:
     if reply.stream:
         frames = tuple(_encode_items(_ITEMS[reply.protocol](reply)))
         if reply.protocol == GEMINI:
@@ -100,7 +100,7 @@ def _render_memo(key: ReplyKey) -> Rendered:
     return _render(key.reply)
 
 
-def render_reply(reply: Reply) -> Rendered:
+def render_reply(reply: MockReply) -> Rendered:
     """Render ``reply`` (the last 256 are kept by digest: identical requests share
     the bytes)."""
     return _render_memo(ReplyKey.of(reply))
@@ -148,7 +148,7 @@ def responses_events(
     return events_for(RESPONSES, action, request_json)
 
 
-def delta_offset(reply: Reply) -> int:
+def delta_offset(reply: MockReply) -> int:
     """Frames before the first delta of the reply's first run (text deltas, or a tool
     call's argument fragments): ``after_deltas`` counts from there."""
     count = 0
@@ -161,7 +161,7 @@ def delta_offset(reply: Reply) -> int:
     return count
 
 
-def cut_after(reply: Reply, action: Action, total: int) -> int:
+def cut_after(reply: MockReply, action: Action, total: int) -> int:
     """The frames a faulted reply sends before its fault (``after_frame``, or
     ``after_deltas`` counted from the first delta), at most ``total``."""
     if action.after_deltas is not None:

@@ -89,14 +89,14 @@ class ReplyKey:
 
     digest: str
     stream: bool
-    reply: Reply = field(compare=False, repr=False)
+    reply: MockReply = field(compare=False, repr=False)
 
     @classmethod
-    def of(cls, reply: Reply) -> ReplyKey:
+    def of(cls, reply: MockReply) -> ReplyKey:
         return cls(reply.digest, reply.stream, reply)
 
 
-class Reply:
+class MockReply:
     """Everything needed to render one deterministic reply."""
 
     def __init__(
@@ -248,5 +248,5 @@ def continue_pieces(pieces: tuple[str, ...], prefix: str) -> tuple[str, ...]:
 
 def make_reply(
     protocol: str, action: Mapping[str, Any] | Action | None, request: Mapping[str, Any]
-) -> Reply:
-    return Reply(protocol, parse_action(action), request, canonical_json(request))
+) -> MockReply:
+    return MockReply(protocol, parse_action(action), request, canonical_json(request))

@@ -15,7 +15,7 @@ from unbroken.mock.wire.frames import (
     dumps,
 )
 from unbroken.mock.wire.render import render_reply
-from unbroken.mock.wire.reply import Reply, ReplyKey, make_reply
+from unbroken.mock.wire.reply import MockReply, ReplyKey, make_reply
 
 # ---------------------------------------------------------------------------
 # Responses WebSocket mode
@@ -40,7 +40,7 @@ def _sse_data(frame: bytes) -> bytes:
     return frame[start:-2] if frame.endswith(b"\n\n") else frame[start:]
 
 
-def ws_messages(reply: Reply) -> tuple[bytes, ...]:
+def ws_messages(reply: MockReply) -> tuple[bytes, ...]:
     """The WebSocket TEXT messages (UTF-8 JSON) of a streamed Responses ``reply``.
 
     Each is the ``data:`` payload of the matching SSE frame of :func:`render_reply`
@@ -112,7 +112,7 @@ def ws_status_error(status: int) -> bytes:
     return ws_error(status, error["type"], error["code"], error["message"])
 
 
-def ws_failed_event(reply: Reply, error: str, sequence_number: int) -> bytes:
+def ws_failed_event(reply: MockReply, error: str, sequence_number: int) -> bytes:
     """The ``response.failed`` payload (as in SSE ``error_style: failed``)."""
     return _sse_data(kind_error_frame(reply, error, sequence_number, "failed"))
 
