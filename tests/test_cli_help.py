@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from unbroken.cli import _parser, main
-from unbroken.mock.cli import main_mock
+from unbroken.mock.command import main_mock
 
 FLAGS = (
     argparse._StoreTrueAction,

@@ -23,13 +23,10 @@ _MUTATORS = {
     "setdefault",
 }
 
-#: the module globals that are changed after import, each on purpose: the mock's
-#: bounded render memos (pure functions of a digest).  (The turn machine's testing
-#: switch is a `contextvars.ContextVar`: scoped to a context, restored by its token.)
-ALLOWED = {
-    "mock/wire/render.py: _cache",
-    "mock/wire/ws_replies.py: _ws_cache",
-}
+#: the module globals that are changed after import, each on purpose: none.  A memo is
+#: `functools.lru_cache` on a pure function, never a dict; the turn machine's testing
+#: switch is a `contextvars.ContextVar` (scoped to a context, restored by its token).
+ALLOWED: set[str] = set()
 
 
 def mutated_globals(path: Path, name: str) -> set[str]:
@@ -94,3 +91,88 @@ def test_the_scan_sees_each_kind_of_change(tmp_path: Path) -> None:
         "    mine = []\n    mine.append(_ok)\n"
     )
     assert mutated_globals(sample, "m") == {"m: global _n", "m: _seen", "m: _by"}
+
+
+# -- one name, one meaning ------------------------------------------------------------
+
+_PREFILL = {"core/protocols/anthropic_prefill.py", "core/protocols/chat_prefix.py"}
+_PROTOCOLS = {f"core/protocols/{p}.py" for p in ("anthropic", "chat", "gemini", "responses")}
+_AGENTS = {f"agents/{a}.py" for a in ("claude", "codex", "gemini_cli")}
+_COMMANDS = {
+    "demo.py",
+    "observe/stats.py",
+    "observe/status.py",
+    "opencode/resume.py",
+    "opencode/run.py",
+    "opencode/setup.py",
+}
+
+#: public top-level names defined in more than one module on purpose, with the modules
+#: that define them: one role, one module per implementation, each called through its
+#: module (``anthropic.read_committed``, ``claude.plan``, ``chat.error_frame``)
+SHARED_NAMES: dict[str, tuple[set[str], str]] = {
+    # prefill continuation's two protocol halves (core/prefill_continue.py calls each)
+    "Committed": (_PREFILL, "what the client has, read back from the released bytes"),
+    "read_committed": (_PREFILL, "reads that back (or refuses)"),
+    "request_refusal": (_PREFILL, "why a request can never be continued by prefill"),
+    "Plan": (_PREFILL, "a continuation request and how its frames join"),
+    "plan_continuation": (_PREFILL, "builds that request (or refuses)"),
+    "FrameSplicer": (_PREFILL, "the continuation's frames as the client's stream goes on"),
+    "error_frame": (_PROTOCOLS, "each protocol's retryable error that ends a cut turn"),
+    "plan": (_AGENTS, "each agent's `unbroken run` launch plan (agents/launcher.py)"),
+    "register": (_COMMANDS, "each command's argparse set-up (cli.COMMAND_MODULES)"),
+    "main": ({"cli.py", "core/turn_table.py"}, "a command-line entry point"),
+    # NOT one meaning, left for now: two enums of why a cut turn is not continued (any
+    # strategy's reasons, prefill's own); core/turn*.py (not to be touched by this
+    # change) imports prefill's as PrefillRefusal: rename the class to that
+    "Refusal": (
+        {"core/continuation.py", "core/protocols/prefill.py"},
+        "to rename: prefill's is PrefillRefusal wherever it is imported",
+    ),
+}
+
+
+def modules(root: Path) -> list[Path]:
+    """The package's modules but ``__init__`` and ``__main__``, which every package has."""
+    return [p for p in sorted(root.rglob("*.py")) if p.stem not in ("__init__", "__main__")]
+
+
+def shared_basenames(root: Path) -> dict[str, set[str]]:
+    """Module file names that more than one module of ``root`` has."""
+    seen: dict[str, set[str]] = {}
+    for path in modules(root):
+        seen.setdefault(path.name, set()).add(str(path.relative_to(root)))
+    return {name: where for name, where in seen.items() if len(where) > 1}
+
+
+def shared_names(root: Path) -> dict[str, set[str]]:
+    """Public top-level functions and classes that more than one module defines."""
+    seen: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+            if isinstance(node, kinds) and not node.name.startswith("_"):
+                seen.setdefault(node.name, set()).add(str(path.relative_to(root)))
+    return {name: where for name, where in seen.items() if len(where) > 1}
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    """`mock/server.py` beside `relay/server.py` makes a reader ask which: each module's
+    name says what it is, once in the package."""
+    assert shared_basenames(SRC) == {}
+
+
+def test_no_public_name_is_defined_twice_but_the_listed_ones() -> None:
+    """A public function or class name means one thing in the package; the exceptions
+    are one role implemented per protocol, agent or command (`SHARED_NAMES`)."""
+    assert shared_names(SRC) == {name: where for name, (where, _) in SHARED_NAMES.items()}
+
+
+def test_the_name_scans_see_a_clash(tmp_path: Path) -> None:
+    for folder, body in (("a", "def plan():\n    pass\n"), ("b", "class plan:\n    pass\n")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+        (tmp_path / folder / "cli.py").write_text(body + "def _own():\n    pass\n")
+    (tmp_path / "c.py").write_text("async def plan():\n    pass\ndef once():\n    pass\n")
+    assert shared_basenames(tmp_path) == {"cli.py": {"a/cli.py", "b/cli.py"}}
+    assert shared_names(tmp_path) == {"plan": {"a/cli.py", "b/cli.py", "c.py"}}

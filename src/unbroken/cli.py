@@ -157,7 +157,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "mock":
-        from unbroken.mock.cli import main_mock
+        from unbroken.mock.command import main_mock
 
         return main_mock(argv[1:])
     args = _parser(argv[0] if argv else None).parse_args(argv)

@@ -1,6 +1,6 @@
 """What every command line shares: one-line usage errors and the log format.
 
-It sits below every feature (``cli``, ``mock.cli``, the launchers), so that none
+It sits below every feature (``cli``, ``mock.command``, the launchers), so that none
 of them imports ``unbroken.cli`` back: ``cli`` dispatches to the features, and
 they take their parser and logging from here.
 """

@@ -44,10 +44,8 @@ import aiohttp
 
 from unbroken.config import JournalSettings, parse_config
 from unbroken.core.turn import NOT_FAILURES
-from unbroken.demo_gemini import gemini_agent_turn
-from unbroken.demo_gemini import storms as gemini_storms
-from unbroken.demo_messages import messages_agent_turn
-from unbroken.demo_messages import storms as messages_storms
+from unbroken.demo_gemini import gemini_agent_turn, gemini_storms
+from unbroken.demo_messages import messages_agent_turn, messages_storms
 from unbroken.mock import MockProvider, frames_for
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 from unbroken.relay.server import RelayServer

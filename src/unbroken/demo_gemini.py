@@ -16,7 +16,13 @@ import aiohttp
 from unbroken.demo_messages import DemoTurnLike
 from unbroken.mock import frames_for
 
-__all__ = ["GEMINI_TOOLS", "GeminiStreamError", "gemini_agent_turn", "retry_info_429", "storms"]
+__all__ = [
+    "GEMINI_TOOLS",
+    "GeminiStreamError",
+    "gemini_agent_turn",
+    "gemini_storms",
+    "retry_info_429",
+]
 
 #: the same tool, declared as the Gemini API declares it
 GEMINI_TOOLS = [
@@ -62,7 +68,9 @@ def retry_info_429(retry_after_s: float) -> str:
     )
 
 
-def storms(retry_after_s: float, stall_s: float) -> list[tuple[str, tuple[dict[str, Any], ...]]]:
+def gemini_storms(
+    retry_after_s: float, stall_s: float
+) -> list[tuple[str, tuple[dict[str, Any], ...]]]:
     """The Gemini API's storms: the same kinds, in its own terms.  A ``functionCall``
     arrives whole in one event (released at once: it commits), so the cuts before
     output come before it: after the ``200``, with no event yet."""

@@ -4,7 +4,7 @@ A plain Messages client (aiohttp, no retries of its own, like the demo's Gemini
 client): ``POST /v1/messages`` streamed, each ``event:`` frame read as the anthropic
 SDK reads it: an ``error`` event is an error, a stream that ends without
 ``message_stop`` is a cut.  The storms are the chat ones in Messages terms
-(`storms`); with ``--after-commit continue`` the drop after output is continued by
+(`messages_storms`); with ``--after-commit continue`` the drop after output is continued by
 prefill and the client sees no error at all.
 """
 
@@ -17,7 +17,7 @@ import aiohttp
 
 from unbroken.mock import frames_for
 
-__all__ = ["MESSAGES_TOOLS", "MessagesStreamError", "messages_agent_turn", "storms"]
+__all__ = ["MESSAGES_TOOLS", "MessagesStreamError", "messages_agent_turn", "messages_storms"]
 
 MESSAGES_TOOLS = [
     {
@@ -35,7 +35,9 @@ TOOL_REPLY = {"reply": "tool"}
 TEXT_REPLY = {"reply": "text", "text": "Hello from the shell: the command ran, all is well."}
 
 
-def storms(retry_after_s: float, stall_s: float) -> list[tuple[str, tuple[dict[str, Any], ...]]]:
+def messages_storms(
+    retry_after_s: float, stall_s: float
+) -> list[tuple[str, tuple[dict[str, Any], ...]]]:
     """(name, script) of each kind of turn (Messages frames: 1 ``message_start``, 2 the
     block's start, 3 a ping, then the deltas)."""
     return [

@@ -296,3 +296,26 @@ def test_split_sse_helper() -> None:
     frames, rest = split_sse(b"data: 1\n\nevent: x\ndata: 2\n\ndata: 3")
     assert frames == [b"data: 1\n\n", b"event: x\ndata: 2\n\n"]
     assert rest == b"data: 3"
+
+
+# -- the render memos ------------------------------------------------------
+
+
+def test_identical_requests_share_the_rendered_bytes_and_the_memos_are_bounded() -> None:
+    """A reply is rendered once per digest (identical requests share the bytes, a
+    non-streamed twin is its own), and each memo keeps at most 256 replies."""
+    from unbroken.mock.wire import make_reply, render_reply, ws_messages
+    from unbroken.mock.wire.render import _render_memo
+    from unbroken.mock.wire.ws_replies import _ws_messages_memo
+
+    first = render_reply(make_reply("chat", None, dict(CHAT_REQ)))
+    assert render_reply(make_reply("chat", None, dict(CHAT_REQ))) is first
+    plain = render_reply(make_reply("chat", None, {**CHAT_REQ, "stream": False}))
+    assert plain is not first and not plain.stream and first.stream
+    socket = ws_messages(make_reply("responses", None, dict(RESP_REQ)))
+    assert ws_messages(make_reply("responses", None, dict(RESP_REQ))) is socket
+    for n in range(300):
+        ws_messages(make_reply("responses", None, {**RESP_REQ, "input": f"hi {n}"}))
+    for memo in (_render_memo, _ws_messages_memo):
+        info = memo.cache_info()
+        assert info.maxsize == 256 and info.currsize == 256, info

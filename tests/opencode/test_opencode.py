@@ -24,7 +24,7 @@ from unbroken.opencode.discovery import (
     find_config_files,
     load_merged,
     merge,
-    relay_config,
+    opencode_relay_config,
     route_name,
 )
 from unbroken.opencode.providers import OPENCODE_PROVIDERS
@@ -203,7 +203,7 @@ def test_relay_config_has_one_route_per_placed_provider() -> None:
         {"OPENAI_API_KEY": "k"},
         probe=no_probe,
     )
-    config, names = relay_config(base, providers)
+    config, names = opencode_relay_config(base, providers)
     assert config.host == "127.0.0.1" and config.port == 0
     assert names == {"fake": "fake", "_odd/id": "odd-id", "openai": "openai"}
     assert config.routes["fake"].upstreams[0].url == "http://127.0.0.1:9/v1"
@@ -234,7 +234,7 @@ def test_relay_config_keeps_the_users_route_settings() -> None:
         {"OPENAI_API_KEY": "k", "DEEPSEEK_API_KEY": "k"},
         probe=no_probe,
     )
-    config, names = relay_config(base, providers)
+    config, names = opencode_relay_config(base, providers)
     openai, deepseek = config.routes[names["openai"]], config.routes[names["deepseek"]]
     assert openai.upstreams[0].url == "https://api.openai.com/v1"  # OpenCode's URL wins
     assert config.stream.after_commit_for(openai) == "continue"

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from unbroken.opencode.resume import Resumer
 from unbroken.opencode.resume_policy import (
-    Resume,
+    ResumeSession,
     ResumeSettings,
     Skip,
     decide,
@@ -125,7 +125,7 @@ def turn(*middle: dict[str, Any]) -> list[dict[str, Any]]:
     ("name", "expected", "reason"),
     [
         ("ok", Skip, "completed"),
-        ("reset6", Resume, "retryable APIError"),
+        ("reset6", ResumeSession, "retryable APIError"),
         ("abortretry", Skip, "aborted during a retry"),
         ("abortstream", Skip, "MessageAbortedError"),
         ("auth", Skip, "auth error"),
@@ -145,17 +145,17 @@ def test_decisions_on_events_captured_from_opencode(name: str, expected: type, r
         # session.error once OpenCode's retries are spent
         (
             turn(text(), RETRY, ev("session.error", error=RELAY_ERROR)),
-            Resume,
+            ResumeSession,
             "retryable UnknownError",
         ),
-        (turn(error("APIError", statusCode=503, isRetryable=True)), Resume, "APIError 503"),
-        (turn(error("APIError", statusCode=529, isRetryable=False)), Resume, "APIError 529"),
+        (turn(error("APIError", statusCode=503, isRetryable=True)), ResumeSession, "APIError 503"),
+        (turn(error("APIError", statusCode=529, isRetryable=False)), ResumeSession, "APIError 529"),
         (
             turn(error("APIError", message="Provider is overloaded", isRetryable=False)),
-            Resume,
+            ResumeSession,
             "overloaded",
         ),
-        (turn(error("UnknownError", message="socket hang up")), Resume, "socket hang up"),
+        (turn(error("UnknownError", message="socket hang up")), ResumeSession, "socket hang up"),
         (turn(error("UnknownError", message="TypeError: x is undefined")), Skip, "not transient"),
         (
             turn(error("APIError", statusCode=400, isRetryable=False, message="bad tool schema")),
@@ -175,17 +175,17 @@ def test_decisions_on_events_captured_from_opencode(name: str, expected: type, r
         ),
         (turn(error("MessageOutputLengthError")), Skip, "output length"),
         # no session.error: the last assistant message decides
-        (turn(text(), assistant(finish="unknown")), Resume, "finish 'unknown' after output"),
+        (turn(text(), assistant(finish="unknown")), ResumeSession, "finish 'unknown' after output"),
         (turn(assistant(finish="unknown")), Skip, "zero-output 'unknown' finish"),
         (
             turn(
                 ev("message.part.delta", messageID="msg_a1", partID="p", field="text", delta="Hi"),
                 assistant(finish="unknown"),
             ),
-            Resume,
+            ResumeSession,
             "after output",
         ),
-        (turn(text(), assistant(error=RELAY_ERROR)), Resume, "error after output"),
+        (turn(text(), assistant(error=RELAY_ERROR)), ResumeSession, "error after output"),
         (turn(assistant(error=RELAY_ERROR)), Skip, "before any output"),
         (
             turn(text(), assistant(error={"name": "MessageAbortedError", "data": {}})),
@@ -212,7 +212,7 @@ def test_decisions_on_events_captured_from_opencode(name: str, expected: type, r
         # a repeated update of the same user message does not start a new turn
         (
             [*turn(error("APIError", statusCode=503, isRetryable=True))[:-2], user(), *IDLE],
-            Resume,
+            ResumeSession,
             "APIError 503",
         ),
     ],
@@ -225,9 +225,9 @@ def test_decision_table(events: list[dict[str, Any]], expected: type, reason: st
 
 def test_filters_on_provider_glob_and_model_prefix() -> None:
     events = turn(text(), assistant(finish="unknown", provider="openai", model="gpt-5-codex"))
-    assert isinstance(decide(events, ResumeSettings(provider="open*")), Resume)
-    assert isinstance(decide(events, ResumeSettings(model="gpt-5")), Resume)
-    assert isinstance(decide(events, ResumeSettings(model="gpt-5*")), Resume)
+    assert isinstance(decide(events, ResumeSettings(provider="open*")), ResumeSession)
+    assert isinstance(decide(events, ResumeSettings(model="gpt-5")), ResumeSession)
+    assert isinstance(decide(events, ResumeSettings(model="gpt-5*")), ResumeSession)
     skip = decide(events, ResumeSettings(provider="anthropic"))
     assert isinstance(skip, Skip) and "not covered" in skip.reason
     assert isinstance(decide(events, ResumeSettings(model="claude")), Skip)
@@ -238,7 +238,7 @@ def test_filters_on_provider_glob_and_model_prefix() -> None:
         error("APIError", statusCode=503, isRetryable=True),
         *IDLE,
     ]
-    assert isinstance(decide(early, ResumeSettings(provider="anthropic")), Resume)
+    assert isinstance(decide(early, ResumeSettings(provider="anthropic")), ResumeSession)
     assert isinstance(decide(early, ResumeSettings(provider="openai")), Skip)
 
 
@@ -544,7 +544,9 @@ async def test_updates_that_trail_the_idle_event_still_count(fake: FakeOpenCode)
         await fake.prompted.wait()
     await stopped(resumer, task)
     [(_, decision)] = resumer.decisions
-    assert isinstance(decision, Resume) and "finish 'unknown' after output" in decision.reason
+    assert (
+        isinstance(decision, ResumeSession) and "finish 'unknown' after output" in decision.reason
+    )
 
 
 async def test_a_cancelled_resumer_leaves_no_task_behind(fake: FakeOpenCode) -> None:

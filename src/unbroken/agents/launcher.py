@@ -9,7 +9,7 @@ through, the agent's exit code is returned and the relay stops with it.
   ``openai`` (`unbroken.agents.codex`);
 * ``claude``: ``ANTHROPIC_BASE_URL`` (`unbroken.agents.claude`);
 * ``gemini``: ``GOOGLE_GEMINI_BASE_URL`` (and ``GOOGLE_VERTEX_BASE_URL`` for Vertex
-  AI), keeping Gemini CLI's auth choice (`unbroken.agents.gemini`);
+  AI), keeping Gemini CLI's auth choice (`unbroken.agents.gemini_cli`);
 * anything else: ``OPENAI_BASE_URL``, ``OPENAI_API_BASE`` and ``ANTHROPIC_BASE_URL``
   for SDK-based scripts and tools (aider and friends).
 
@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from unbroken.agents import claude, codex, gemini
+from unbroken.agents import claude, codex, gemini_cli
 from unbroken.agents.child import log_to, run_child, setup_run_logging
 from unbroken.agents.plan import (
     FILES,
@@ -108,7 +108,7 @@ def plan_for(command: Sequence[str], env: Mapping[str, str]) -> Launch:
     if agent == "claude":
         return claude.plan(env)
     if agent == "gemini":
-        return gemini.plan(env)
+        return gemini_cli.plan(env)
     return generic_plan(env)
 
 

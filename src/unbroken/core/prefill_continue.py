@@ -168,12 +168,12 @@ class PrefillContinue:
             committed = anthropic.read_committed(released)
             if isinstance(committed, PrefillRefusal):
                 return committed
-            plan = anthropic.plan(self.request, committed)
+            plan = anthropic.plan_continuation(self.request, committed)
         else:
             chat_committed = chat.read_committed(released)
             if isinstance(chat_committed, PrefillRefusal):
                 return chat_committed
-            plan = chat.plan(self.request, chat_committed, mode)
+            plan = chat.plan_continuation(self.request, chat_committed, mode)
         if isinstance(plan, PrefillRefusal):
             return plan
         self._plan = plan
@@ -200,9 +200,9 @@ class PrefillContinue:
         plan = self._plan
         assert plan is not None, "splicer() follows a plan"
         if isinstance(plan, anthropic.Plan):
-            return PrefillSplicer(anthropic.Splicer(plan).feed)
+            return PrefillSplicer(anthropic.FrameSplicer(plan).feed)
         assert self._mode is not None
-        return PrefillSplicer(chat.Splicer(plan, self._mode).feed)
+        return PrefillSplicer(chat.FrameSplicer(plan, self._mode).feed)
 
     def abandon(self, upstream: int, ledger: Ledger) -> Sequence[Any]:
         return ()  # nothing runs at the provider after a cut: nothing to cancel

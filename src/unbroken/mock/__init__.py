@@ -71,8 +71,8 @@ from unbroken.mock.actions import (
     expand_actions,
     parse_action,
 )
-from unbroken.mock.cli import load_script, main_mock, serve_mock
-from unbroken.mock.server import MockProvider, RecordedRequest, RecordedUpgrade
+from unbroken.mock.command import load_script, main_mock, serve_mock
+from unbroken.mock.provider import MockProvider, RecordedRequest, RecordedUpgrade
 from unbroken.mock.wire import (
     ANTHROPIC,
     CHAT,

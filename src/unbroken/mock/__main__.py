@@ -2,6 +2,6 @@
 
 import sys
 
-from unbroken.mock.cli import main_mock
+from unbroken.mock.command import main_mock
 
 raise SystemExit(main_mock(sys.argv[1:]))

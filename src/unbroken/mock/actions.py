@@ -91,7 +91,7 @@ ACTION_KEYS: Final = frozenset(
         "rst",
         "count",
         "code",
-        # Responses background mode (`mock.background`)
+        # Responses background mode (`mock.background_store`)
         "refuse_background",
         "resume",
         # Chat prefix continuation: the answer starts with the prefix (Mistral's)

@@ -15,7 +15,7 @@ from unbroken.mock.actions import (
     ActionError,
     parse_action,
 )
-from unbroken.mock.background import (
+from unbroken.mock.background_store import (
     background_refused_body,
     cancelled_body,
     not_found_body,
@@ -39,16 +39,16 @@ from unbroken.mock.state import (
     _remember,
 )
 from unbroken.mock.wire.error_replies import (
-    error_body,
-    error_frame,
     garbage_frame,
+    kind_error_body,
+    kind_error_frame,
     status_error_body,
 )
 from unbroken.mock.wire.frames import ANTHROPIC, GEMINI, RESPONSES
-from unbroken.mock.wire.gemini import parse_path as parse_gemini_path
-from unbroken.mock.wire.gemini import request_view as gemini_request_view
-from unbroken.mock.wire.render import cut_after, halves, protocol_name_for_path, render
-from unbroken.mock.wire.reply import Reply, canonical_json
+from unbroken.mock.wire.gemini_api import parse_path as parse_gemini_path
+from unbroken.mock.wire.gemini_api import request_view as gemini_request_view
+from unbroken.mock.wire.render import cut_after, halves, protocol_name_for_path, render_reply
+from unbroken.mock.wire.reply import MockReply, canonical_json
 from unbroken.mock.wire.ws_replies import (
     connection_limit_body,
     previous_not_found_body,
@@ -185,7 +185,7 @@ class HttpMode(MockState):
             _abort(request, action.rst)
             return web.Response()
 
-        reply = Reply(protocol, action, req_json, canonical_json(req_json))
+        reply = MockReply(protocol, action, req_json, canonical_json(req_json))
         request_id_header = "request-id" if protocol == ANTHROPIC else "x-request-id"
         headers: CIMultiDict[str] = CIMultiDict()
         error_kind = action.error if fault == "error_event" else None
@@ -206,7 +206,7 @@ class HttpMode(MockState):
                     else "text/plain; charset=utf-8"
                 )
             elif error_kind is not None:
-                status, payload = error_body(protocol, error_kind)
+                status, payload = kind_error_body(protocol, error_kind)
                 ctype = JSON_CONTENT_TYPE
             elif fault == "connection_limit":
                 status, payload = 400, connection_limit_body(protocol)
@@ -244,7 +244,7 @@ class HttpMode(MockState):
                 body=background_refused_body() if refused else store_required_body(),
                 headers=headers,
             )
-        rendered = render(reply)
+        rendered = render_reply(reply)
         if background and rendered.stream:
             # It runs on whatever happens to this connection: stored whole first.
             self.background.put(reply.response_id, reply, rendered.frames)
@@ -292,7 +292,7 @@ class HttpMode(MockState):
         frames: tuple[bytes, ...],
         *,
         stream: bool,
-        reply: Reply,
+        reply: MockReply,
         chunked_frames: tuple[bytes, ...] | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(status=status, headers=headers)
@@ -316,7 +316,7 @@ class HttpMode(MockState):
         else:
             seq = list(frames[:k])
             if fault == "error_event":
-                seq.append(error_frame(reply, action.error, k, action.error_style))
+                seq.append(kind_error_frame(reply, action.error, k, action.error_style))
             elif fault == "malformed":
                 seq.append(garbage_frame(reply.protocol, stream))
                 seq.extend(frames[k:])
@@ -338,7 +338,7 @@ class HttpMode(MockState):
         await resp.write_eof()
         return resp
 
-    # -- Responses background mode (`mock.background`) ----------------------------
+    # -- Responses background mode (`mock.background_store`) ----------------------------
 
     async def _h_background(
         self, request: web.Request, response_id: str, cancel: bool

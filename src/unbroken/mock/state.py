@@ -25,7 +25,7 @@ from unbroken.mock.actions import (
     expand_upgrade_actions,
     parse_action,
 )
-from unbroken.mock.background import (
+from unbroken.mock.background_store import (
     BackgroundStore,
 )
 from unbroken.mock.limits import MockLimits
@@ -178,7 +178,7 @@ class MockState:
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._header_actions: dict[str, Action] = {}
         self._active: set[asyncio.Transport] = set()
-        #: Responses background mode: the stored streams (`mock.background`)
+        #: Responses background mode: the stored streams (`mock.background_store`)
         self.background = BackgroundStore()
         self._runner: web.AppRunner | None = None
         self._stopping: asyncio.Event | None = None

@@ -35,7 +35,7 @@ from unbroken.mock.state import (
 from unbroken.mock.wire.error_replies import status_error_body
 from unbroken.mock.wire.frames import RESPONSES
 from unbroken.mock.wire.render import cut_after
-from unbroken.mock.wire.reply import Reply, canonical_json
+from unbroken.mock.wire.reply import MockReply, canonical_json
 from unbroken.mock.wire.ws_replies import (
     WS_GARBAGE,
     ws_connection_limit,
@@ -272,7 +272,7 @@ class WebSocketMode(MockState):
             return True
 
         request_json = ws_request(message)
-        reply = Reply(RESPONSES, action, request_json, canonical_json(request_json))
+        reply = MockReply(RESPONSES, action, request_json, canonical_json(request_json))
         events = ws_messages(reply)
         total = len(events)
         k = total if fault is None else cut_after(reply, action, total)

@@ -36,7 +36,7 @@ __all__ = [
     "find_config_files",
     "load_merged",
     "merge",
-    "relay_config",
+    "opencode_relay_config",
     "route_for",
     "route_name",
 ]
@@ -311,7 +311,9 @@ def _place(
     return Provider(pid, url, why)
 
 
-def relay_config(base: Config, providers: Sequence[Provider]) -> tuple[Config, dict[str, str]]:
+def opencode_relay_config(
+    base: Config, providers: Sequence[Provider]
+) -> tuple[Config, dict[str, str]]:
     """A relay config for ``unbroken run``: one route per placed provider (loopback,
     a free port).  Returns it with provider id -> route name."""
     routes: dict[str, Route] = dict(base.routes)

@@ -36,7 +36,7 @@ import aiohttp
 
 from unbroken.opencode.resume_policy import (
     Decision,
-    Resume,
+    ResumeSession,
     ResumeSettings,
     Skip,
     decide,
@@ -284,7 +284,7 @@ class Resumer:
         await asyncio.sleep(SETTLE_S)
         decision = decide(state.events, self.settings)
         if (
-            isinstance(decision, Resume)
+            isinstance(decision, ResumeSession)
             and self.settings.max_attempts
             and (state.attempts >= self.settings.max_attempts)
         ):

@@ -15,7 +15,7 @@ from typing import Any, Final
 
 __all__ = [
     "Decision",
-    "Resume",
+    "ResumeSession",
     "ResumeSettings",
     "Skip",
     "decide",
@@ -83,7 +83,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ResumeSettings:
 
 
 @dataclass(frozen=True)
-class Resume:
+class ResumeSession:
     reason: str
 
 
@@ -92,7 +92,7 @@ class Skip:
     reason: str
 
 
-Decision = Resume | Skip
+Decision = ResumeSession | Skip
 
 #: OpenCode 1.18's own "is this transient" patterns (session/retry.ts), so a turn is
 #: resumed exactly when OpenCode would have retried it but ran out of retries.
@@ -269,7 +269,7 @@ def decide(events: Sequence[Mapping[str, Any]], settings: ResumeSettings | None 
     provider = (last or {}).get("providerID") or _user_model(turn.user)[0]
     model = (last or {}).get("modelID") or _user_model(turn.user)[1]
     decision = _decide(turn, last)
-    if isinstance(decision, Resume) and not settings.covers(provider, model):
+    if isinstance(decision, ResumeSession) and not settings.covers(provider, model):
         return Skip(
             f"{provider}/{model} is not covered by the resume filter "
             f"(provider {settings.provider!r}, model {settings.model!r})"
@@ -288,7 +288,7 @@ def _decide(turn: _Turn, last: Mapping[str, Any] | None) -> Decision:
     if turn.session_error is not None:
         ok, why = is_retryable(turn.session_error)
         if ok:
-            return Resume(f"the turn failed after OpenCode's retries: {why}")
+            return ResumeSession(f"the turn failed after OpenCode's retries: {why}")
         return Skip(why)
     if last is None:
         return Skip("no assistant reply in this turn")
@@ -301,10 +301,10 @@ def _decide(turn: _Turn, last: Mapping[str, Any] | None) -> Decision:
             return Skip(why)
         if not produced:
             return Skip(f"the reply failed before any output ({why})")
-        return Resume(f"the reply ended with an error after output: {why}")
+        return ResumeSession(f"the reply ended with an error after output: {why}")
     if finish == "unknown":
         if produced:
-            return Resume("the reply ended with finish 'unknown' after output")
+            return ResumeSession("the reply ended with finish 'unknown' after output")
         return Skip(
             "zero-output 'unknown' finish: a deliberate abort, a denied permission or a compaction"
         )

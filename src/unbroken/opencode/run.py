@@ -31,7 +31,7 @@ from unbroken.opencode.discovery import (
     content_with_relay,
     discover,
     load_merged,
-    relay_config,
+    opencode_relay_config,
     route_for,
     route_name,
 )
@@ -241,7 +241,7 @@ async def run_opencode(
         await server.stop()
 
 
-def print_env(
+def print_opencode_env(
     command: Sequence[str],
     base: Config,
     env: Mapping[str, str],
@@ -300,7 +300,7 @@ def _relay_for(
             "opencode: not relaying %s",
             "; ".join(f"{p.id} ({p.problem})" for p in unplaced),
         )
-    return relay_config(base, [p for p in providers if p.url is not None])
+    return opencode_relay_config(base, [p for p in providers if p.url is not None])
 
 
 def _child_env(env: Mapping[str, str], cwd: Path, base_urls: Mapping[str, str]) -> dict[str, str]:
@@ -386,7 +386,7 @@ def _run_cmd(args: argparse.Namespace) -> int:
         except (ConfigError, ValueError) as exc:
             print(f"unbroken: invalid config: {exc}", file=sys.stderr)
             return 2
-        print_env(command, base, env, Path.cwd())
+        print_opencode_env(command, base, env, Path.cwd())
         return 0
     try:
         base = load_config(args.config)

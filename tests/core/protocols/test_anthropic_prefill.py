@@ -24,9 +24,9 @@ from unbroken.core.ledger import Ledger, LedgerState, Verdict
 from unbroken.core.protocols import ANTHROPIC
 from unbroken.core.protocols.anthropic_prefill import (
     Committed,
+    FrameSplicer,
     Plan,
-    Splicer,
-    plan,
+    plan_continuation,
     read_committed,
     request_refusal,
 )
@@ -199,7 +199,7 @@ def continue_exactly(
 def splice(p: Plan, frames: list[bytes], cut: int | None) -> bytes:
     """The client's bytes from a continuation cut after ``cut`` frames (None: whole),
     through the splicer and the ledger, as a continued attempt releases them."""
-    splicer = Splicer(p)
+    splicer = FrameSplicer(p)
     ledger = Ledger(ANTHROPIC)
     ledger.state = LedgerState.COMMITTED  # a continuation attempt follows output
     out: list[bytes] = []
@@ -237,7 +237,7 @@ def test_cut_again_and_again_the_client_gets_the_uncut_text(
             assert committed in (Refusal.TOOL_CALL, Refusal.STOP_RELEASED)
             return
         assert committed.text == full[: len(committed.text)]
-        p = plan(request, committed)
+        p = plan_continuation(request, committed)
         assert isinstance(p, Plan)
         assert not p.prefill[-1:].isspace()
         last = p.body["messages"][-1]
@@ -269,7 +269,7 @@ def test_a_model_with_its_own_whitespace_at_the_join(
     if isinstance(committed, Refusal):
         assert committed is Refusal.STOP_RELEASED
         return
-    p = plan(request, committed)
+    p = plan_continuation(request, committed)
     assert isinstance(p, Plan)
     continuation = leading + rest
     cont = stream([pieces_of(continuation, split)], input_tokens=ORIG_IN + 3, output_tokens=5)
@@ -403,7 +403,7 @@ def test_the_plan_extends_a_client_prefill_and_trims_whitespace() -> None:
             {"role": "assistant", "content": [{"type": "text", "text": "Answer:"}]},
         ],
     }
-    p = plan(request, committed)
+    p = plan_continuation(request, committed)
     assert isinstance(p, Plan)
     assert p.prefill == "Answer:one two"
     assert p.shown_ws == " \n"
@@ -412,7 +412,9 @@ def test_the_plan_extends_a_client_prefill_and_trims_whitespace() -> None:
     assert request["messages"][-1]["content"] == [
         {"type": "text", "text": "Answer:"}
     ]  # not mutated
-    only_ws = plan({"stream": True, "messages": [{"role": "user"}]}, Committed("  ", 0, 1))
+    only_ws = plan_continuation(
+        {"stream": True, "messages": [{"role": "user"}]}, Committed("  ", 0, 1)
+    )
     assert isinstance(only_ws, Plan)
     assert (only_ws.prefill, only_ws.shown_ws) == ("", "  ")
     assert only_ws.body["messages"] == [{"role": "user"}]  # nothing to prefill: no message

@@ -21,9 +21,9 @@ from unbroken.core.protocols import CHAT
 from unbroken.core.protocols.chat_prefix import (
     ChatPrefix,
     Committed,
+    FrameSplicer,
     Plan,
-    Splicer,
-    plan,
+    plan_continuation,
     read_committed,
     request_refusal,
 )
@@ -99,7 +99,7 @@ def test_cut_again_and_again_the_client_gets_the_uncut_text(
     for cut in [*cuts[1:], None]:
         committed = read_committed(client)
         assert isinstance(committed, Committed)
-        p = plan(request, committed, mode)
+        p = plan_continuation(request, committed, mode)
         assert isinstance(p, Plan)
         if p.prefill:
             assert p.body["messages"][-1] == {
@@ -110,7 +110,7 @@ def test_cut_again_and_again_the_client_gets_the_uncut_text(
         rest = text[len(p.prefill) :]
         answer = (p.full_prefix + rest) if mode is ChatPrefix.PREFIX_ECHO else rest
         cont = stream(pieces_of(answer, split), cid="c2")
-        splicer = Splicer(p, mode)
+        splicer = FrameSplicer(p, mode)
         ledger = Ledger(CHAT)
         ledger.state = LedgerState.COMMITTED
         take = cont if cut is None else cont[: min(cut, len(cont) - 3)]
@@ -170,7 +170,7 @@ def test_refusals_of_the_stream_and_the_request() -> None:
     with_own = {**ok, "messages": [*ok["messages"], own]}
     assert request_refusal(with_own, ChatPrefix.PARTIAL) is None
     assert request_refusal(with_own, ChatPrefix.PREFIX) is Refusal.CLIENT_PREFILL
-    p = plan(with_own, Committed('"a": 1 ', "c1", 1), ChatPrefix.PARTIAL)
+    p = plan_continuation(with_own, Committed('"a": 1 ', "c1", 1), ChatPrefix.PARTIAL)
     assert isinstance(p, Plan)
     assert p.body["messages"][-1] == {"role": "assistant", "content": '{"a": 1', "partial": True}
     assert p.shown_ws == " "
@@ -178,13 +178,13 @@ def test_refusals_of_the_stream_and_the_request() -> None:
 
 def test_an_answer_that_does_not_repeat_the_prefix_breaks_the_join() -> None:
     request: dict[str, Any] = {"stream": True, "messages": [{"role": "user", "content": "q"}]}
-    p = plan(request, Committed("Hello wor", "c1", 1), ChatPrefix.PREFIX_ECHO)
+    p = plan_continuation(request, Committed("Hello wor", "c1", 1), ChatPrefix.PREFIX_ECHO)
     assert isinstance(p, Plan)
-    splicer = Splicer(p, ChatPrefix.PREFIX_ECHO)
+    splicer = FrameSplicer(p, ChatPrefix.PREFIX_ECHO)
     assert splicer.feed(events(chunk({"content": "Hello"}))[0]) == []  # the echo, so far
     with pytest.raises(JoinError):
         splicer.feed(events(chunk({"content": " there"}))[0])
-    ended = Splicer(p, ChatPrefix.PREFIX_ECHO)
+    ended = FrameSplicer(p, ChatPrefix.PREFIX_ECHO)
     ended.feed(events(chunk({"content": "Hel"}))[0])
     with pytest.raises(JoinError):
         ended.feed(events(chunk({}, "stop"))[0])

@@ -12,10 +12,10 @@ client has is text, the turn can be finished in place:
    ``thinking`` / ``redacted_thinking``, no server-tool block, no
    ``message_delta`` yet.  Anything else is a typed `Refusal`: the turn ends as
    today, with the native error (or the profile's reset).
-3. `plan` builds the continuation request: the original body plus an assistant
+3. `plan_continuation` builds the continuation request: the original body plus an assistant
    message with the committed text, trailing whitespace trimmed (the client's own
    prefill is extended instead when it has one).
-4. A `Splicer` turns the continuation's frames into the client's stream: its
+4. A `FrameSplicer` turns the continuation's frames into the client's stream: its
    ``message_start`` and the first ``content_block_start`` of text are absorbed,
    its deltas continue the client's open block with the client's index (later
    blocks renumbered after the client's), the join's whitespace follows
@@ -51,9 +51,9 @@ from unbroken.core.sse import Event
 
 __all__ = [
     "Committed",
+    "FrameSplicer",
     "Plan",
-    "Splicer",
-    "plan",
+    "plan_continuation",
     "read_committed",
     "request_refusal",
 ]
@@ -209,7 +209,7 @@ class Plan:
     prefill: str
 
 
-def plan(request: Mapping[str, Any], committed: Committed) -> Plan | Refusal:
+def plan_continuation(request: Mapping[str, Any], committed: Committed) -> Plan | Refusal:
     """The continuation request for ``request`` after ``committed`` (or why not)."""
     refusal = request_refusal(request)
     if refusal is not None:
@@ -258,7 +258,7 @@ def _total_input(usage: Mapping[str, Any]) -> int | None:
     return total if seen else None
 
 
-class Splicer:
+class FrameSplicer:
     """The continuation's frames, as the client's stream goes on (`feed`, frame by frame).
 
     Every frame out is a valid frame of the client's stream.  Frames the continuation

@@ -20,7 +20,7 @@ streamed with one choice and does not ask for thinking; the committed text,
 trailing whitespace trimmed, is the prefix (a client's own prefix message is
 extended); the join follows `prefill.TextJoin`.
 
-The `Splicer` drops the continuation's role-only first chunk, keeps the client's
+The `FrameSplicer` drops the continuation's role-only first chunk, keeps the client's
 chunk ``id`` and ``created`` on every chunk, and passes ``finish_reason``, the
 usage chunk and ``[DONE]`` through: the turn ends once.  Usage is the
 continuation's own (the cut attempt's was never reported: Chat sends usage last):
@@ -47,9 +47,9 @@ from unbroken.core.sse import Event
 __all__ = [
     "ChatPrefix",
     "Committed",
+    "FrameSplicer",
     "Plan",
-    "Splicer",
-    "plan",
+    "plan_continuation",
     "read_committed",
     "request_refusal",
 ]
@@ -192,7 +192,9 @@ class Plan:
     full_prefix: str
 
 
-def plan(request: Mapping[str, Any], committed: Committed, mode: ChatPrefix) -> Plan | Refusal:
+def plan_continuation(
+    request: Mapping[str, Any], committed: Committed, mode: ChatPrefix
+) -> Plan | Refusal:
     """The continuation request for ``request`` after ``committed`` (or why not)."""
     refusal = request_refusal(request, mode)
     if refusal is not None:
@@ -220,7 +222,7 @@ def _chunk(payload: Mapping[str, Any]) -> Event:
     return Event(f"data: {data}\n\n".encode(), None, data)
 
 
-class Splicer:
+class FrameSplicer:
     """The continuation's chunks, as the client's stream goes on (`feed`, chunk by chunk)."""
 
     __slots__ = ("_join", "committed")

@@ -9,9 +9,9 @@ from a pre-encoded template instead of one ``json.dumps`` per frame, and whole
 replies are cached by request digest.
 
 The modules: `frames` (protocol names, SSE encoding, delta runs), `reply` (the
-reply model), `chat`, `responses`, `anthropic`, `gemini` (each protocol's
-frames and bodies), `error_replies` (each protocol's errors), `render` (a reply in its
-protocol, cached; which protocol a path speaks), `ws_replies` (Responses
+reply model), `chat_api`, `responses_api`, `messages_api` (Anthropic), `gemini_api`
+(each API's frames and bodies), `error_replies` (each protocol's errors), `render` (a
+reply in its protocol, cached; which protocol a path speaks), `ws_replies` (Responses
 WebSocket mode).  This package re-exports the API the tests and tools use.
 
 Ids and timestamps are derived only from the protocol, the reply-shape keys of
@@ -21,9 +21,9 @@ replies, and a faulted reply is a byte-exact prefix of the clean one.
 
 from unbroken.mock.wire.error_replies import (
     BODY_GARBAGE,
-    error_body,
-    error_frame,
     garbage_frame,
+    kind_error_body,
+    kind_error_frame,
     status_error_body,
 )
 from unbroken.mock.wire.frames import (
@@ -41,10 +41,10 @@ from unbroken.mock.wire.render import (
     events_for,
     frames_for,
     protocol_name_for_path,
-    render,
+    render_reply,
     responses_events,
 )
-from unbroken.mock.wire.reply import Reply, canonical_json, make_reply, split_exact
+from unbroken.mock.wire.reply import MockReply, canonical_json, make_reply, split_exact
 from unbroken.mock.wire.ws_replies import (
     WS_GARBAGE,
     ws_error,
@@ -63,18 +63,18 @@ __all__ = [
     "RESPONSES",
     "WS_GARBAGE",
     "Event",
+    "MockReply",
     "Rendered",
-    "Reply",
     "canonical_json",
     "encode_sse",
-    "error_body",
-    "error_frame",
     "events_for",
     "frames_for",
     "garbage_frame",
+    "kind_error_body",
+    "kind_error_frame",
     "make_reply",
     "protocol_name_for_path",
-    "render",
+    "render_reply",
     "responses_events",
     "split_exact",
     "status_error_body",

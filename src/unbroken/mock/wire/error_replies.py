@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-import unbroken.mock.wire.gemini as _gemini
+import unbroken.mock.wire.gemini_api as _gemini
 from unbroken.mock.wire.frames import (
     ANTHROPIC,
     CHAT,
@@ -15,8 +15,8 @@ from unbroken.mock.wire.frames import (
     dumps,
     encode_sse,
 )
-from unbroken.mock.wire.reply import Reply
-from unbroken.mock.wire.responses import _response_object
+from unbroken.mock.wire.reply import MockReply
+from unbroken.mock.wire.responses_api import _response_object
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +97,13 @@ def _anthropic_error(kind: _ErrorKind) -> dict[str, Any]:
     }
 
 
-def error_frame(reply: Reply, error: str, sequence_number: int, style: str = "failed") -> bytes:
+def kind_error_frame(
+    reply: MockReply, error: str, sequence_number: int, style: str = "failed"
+) -> bytes:
     """The protocol-native in-stream error frame for ``error`` (an ERROR_KINDS name)."""
     kind = _ERRORS[error]
     if reply.protocol == GEMINI:
-        _status, payload = _gemini.error_body(error)
+        _status, payload = _gemini.kind_body(error)
         return _gemini.to_crlf(encode_sse(None, payload.decode()))
     if reply.protocol == CHAT:
         return encode_sse(None, {"error": _openai_error(kind)})
@@ -127,11 +129,11 @@ def error_frame(reply: Reply, error: str, sequence_number: int, style: str = "fa
     )
 
 
-def error_body(protocol: str, error: str) -> tuple[int, bytes]:
+def kind_error_body(protocol: str, error: str) -> tuple[int, bytes]:
     """HTTP status and JSON body of the non-streamed form of an error kind."""
     kind = _ERRORS[error]
     if protocol == GEMINI:
-        return _gemini.error_body(error)
+        return _gemini.kind_body(error)
     if protocol == ANTHROPIC:
         return kind.anthropic_status, dumps(_anthropic_error(kind)).encode()
     return kind.openai_status, dumps({"error": _openai_error(kind)}).encode()
@@ -187,7 +189,7 @@ _ANTHROPIC_MESSAGES: Final[dict[str, str]] = {
 def status_error_body(protocol: str, status: int) -> bytes:
     """Default protocol-shaped JSON error body for an HTTP status."""
     if protocol == GEMINI:
-        return _gemini.status_error_body(status)
+        return _gemini.status_body(status)
     entry = _STATUS_MESSAGES.get(status)
     if entry is None:
         server = status >= 500

@@ -3,14 +3,14 @@ a request path speaks."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-import unbroken.mock.wire.gemini as _gemini
+import unbroken.mock.wire.gemini_api as _gemini
 from unbroken.mock.actions import Action
-from unbroken.mock.wire.anthropic import _anthropic_body, _anthropic_items
-from unbroken.mock.wire.chat import _chat_body, _chat_items
+from unbroken.mock.wire.chat_api import _chat_body, _chat_items
 from unbroken.mock.wire.frames import (
     ANTHROPIC,
     CHAT,
@@ -23,8 +23,9 @@ from unbroken.mock.wire.frames import (
     _Run,
     dumps,
 )
-from unbroken.mock.wire.reply import Reply, make_reply
-from unbroken.mock.wire.responses import _responses_body, _responses_items
+from unbroken.mock.wire.messages_api import _anthropic_body, _anthropic_items
+from unbroken.mock.wire.reply import MockReply, ReplyKey, make_reply
+from unbroken.mock.wire.responses_api import _responses_body, _responses_items
 
 _PATH_SUFFIXES: Final = (
     ("/chat/completions", CHAT),
@@ -81,7 +82,7 @@ def halves(body: bytes) -> tuple[bytes, bytes]:
     return body[:mid], body[mid:]
 
 
-def _render_reply(reply: Reply) -> Rendered:
+def _render(reply: MockReply) -> Rendered:
     if reply.stream:
         frames = tuple(_encode_items(_ITEMS[reply.protocol](reply)))
         if reply.protocol == GEMINI:
@@ -94,21 +95,15 @@ def _render_reply(reply: Reply) -> Rendered:
     return Rendered(frames, body, reply.stream, reply.request_id, chunked)
 
 
-_CACHE_MAX: Final = 256
-_cache: dict[str, Rendered] = {}
+@functools.lru_cache(maxsize=256)
+def _render_memo(key: ReplyKey) -> Rendered:
+    return _render(key.reply)
 
 
-def render(reply: Reply) -> Rendered:
-    """Render ``reply`` (cached by digest; identical requests share the bytes)."""
-    key = reply.digest + ("s" if reply.stream else "n")
-    hit = _cache.get(key)
-    if hit is not None:
-        return hit
-    rendered = _render_reply(reply)
-    if len(_cache) >= _CACHE_MAX:
-        del _cache[next(iter(_cache))]
-    _cache[key] = rendered
-    return rendered
+def render_reply(reply: MockReply) -> Rendered:
+    """Render ``reply`` (the last 256 are kept by digest: identical requests share
+    the bytes)."""
+    return _render_memo(ReplyKey.of(reply))
 
 
 def _check_protocol(protocol: str) -> None:
@@ -128,7 +123,7 @@ def frames_for(
     the exact response body. Fault keys in ``action`` are ignored.
     """
     _check_protocol(protocol)
-    return list(render(make_reply(protocol, action, request_json)).frames)
+    return list(render_reply(make_reply(protocol, action, request_json)).frames)
 
 
 def events_for(
@@ -153,7 +148,7 @@ def responses_events(
     return events_for(RESPONSES, action, request_json)
 
 
-def delta_offset(reply: Reply) -> int:
+def delta_offset(reply: MockReply) -> int:
     """Frames before the first delta of the reply's first run (text deltas, or a tool
     call's argument fragments): ``after_deltas`` counts from there."""
     count = 0
@@ -166,7 +161,7 @@ def delta_offset(reply: Reply) -> int:
     return count
 
 
-def cut_after(reply: Reply, action: Action, total: int) -> int:
+def cut_after(reply: MockReply, action: Action, total: int) -> int:
     """The frames a faulted reply sends before its fault (``after_frame``, or
     ``after_deltas`` counted from the first delta), at most ``total``."""
     if action.after_deltas is not None:

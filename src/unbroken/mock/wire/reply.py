@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -81,7 +81,22 @@ def _first_tool_name(request: Mapping[str, Any]) -> str | None:
     return None
 
 
-class Reply:
+@dataclass(frozen=True, slots=True)
+class ReplyKey:
+    """A reply as a memo's key: replies with one ``digest`` and ``stream`` flag render
+    to the same bytes, so only those two are compared and hashed (``reply`` rides
+    along for the memo's miss)."""
+
+    digest: str
+    stream: bool
+    reply: MockReply = field(compare=False, repr=False)
+
+    @classmethod
+    def of(cls, reply: MockReply) -> ReplyKey:
+        return cls(reply.digest, reply.stream, reply)
+
+
+class MockReply:
     """Everything needed to render one deterministic reply."""
 
     def __init__(
@@ -233,5 +248,5 @@ def continue_pieces(pieces: tuple[str, ...], prefix: str) -> tuple[str, ...]:
 
 def make_reply(
     protocol: str, action: Mapping[str, Any] | Action | None, request: Mapping[str, Any]
-) -> Reply:
-    return Reply(protocol, parse_action(action), request, canonical_json(request))
+) -> MockReply:
+    return MockReply(protocol, parse_action(action), request, canonical_json(request))

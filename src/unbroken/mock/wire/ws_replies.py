@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any, Final
 
 from unbroken.mock.actions import Action
-from unbroken.mock.wire.error_replies import _ERRORS, error_frame, status_error_body
+from unbroken.mock.wire.error_replies import _ERRORS, kind_error_frame, status_error_body
 from unbroken.mock.wire.frames import (
     ANTHROPIC,
     RESPONSES,
     dumps,
 )
-from unbroken.mock.wire.render import render
-from unbroken.mock.wire.reply import Reply, make_reply
+from unbroken.mock.wire.render import render_reply
+from unbroken.mock.wire.reply import MockReply, ReplyKey, make_reply
 
 # ---------------------------------------------------------------------------
 # Responses WebSocket mode
@@ -25,9 +26,6 @@ from unbroken.mock.wire.reply import Reply, make_reply
 # without ``"type"``, with ``"stream": true`` (streaming is implicit on a socket).
 # So a socket reply and the SSE reply to ``POST /v1/responses`` with that body
 # carry the same ids and byte-identical payloads.
-
-_WS_CACHE_MAX: Final = 256
-_ws_cache: dict[str, tuple[bytes, ...]] = {}
 
 
 def ws_request(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -42,21 +40,20 @@ def _sse_data(frame: bytes) -> bytes:
     return frame[start:-2] if frame.endswith(b"\n\n") else frame[start:]
 
 
-def ws_messages(reply: Reply) -> tuple[bytes, ...]:
+def ws_messages(reply: MockReply) -> tuple[bytes, ...]:
     """The WebSocket TEXT messages (UTF-8 JSON) of a streamed Responses ``reply``.
 
-    Each is the ``data:`` payload of the matching SSE frame of :func:`render`.
+    Each is the ``data:`` payload of the matching SSE frame of :func:`render_reply`
+    (the last 256 are kept by digest).
     """
     if reply.protocol != RESPONSES or not reply.stream:
         raise ValueError("ws_messages needs a streamed Responses reply")
-    hit = _ws_cache.get(reply.digest)
-    if hit is not None:
-        return hit
-    messages = tuple(_sse_data(f) for f in render(reply).frames)
-    if len(_ws_cache) >= _WS_CACHE_MAX:
-        del _ws_cache[next(iter(_ws_cache))]
-    _ws_cache[reply.digest] = messages
-    return messages
+    return _ws_messages_memo(ReplyKey.of(reply))
+
+
+@functools.lru_cache(maxsize=256)
+def _ws_messages_memo(key: ReplyKey) -> tuple[bytes, ...]:
+    return tuple(_sse_data(f) for f in render_reply(key.reply).frames)
 
 
 def ws_messages_for(
@@ -115,9 +112,9 @@ def ws_status_error(status: int) -> bytes:
     return ws_error(status, error["type"], error["code"], error["message"])
 
 
-def ws_failed_event(reply: Reply, error: str, sequence_number: int) -> bytes:
+def ws_failed_event(reply: MockReply, error: str, sequence_number: int) -> bytes:
     """The ``response.failed`` payload (as in SSE ``error_style: failed``)."""
-    return _sse_data(error_frame(reply, error, sequence_number, "failed"))
+    return _sse_data(kind_error_frame(reply, error, sequence_number, "failed"))
 
 
 PREVIOUS_NOT_FOUND_CODE: Final = "previous_response_not_found"

@@ -11,10 +11,10 @@ from unbroken.mock.wire.frames import (
     _Item,
     _Run,
 )
-from unbroken.mock.wire.reply import Reply
+from unbroken.mock.wire.reply import MockReply
 
 
-def _responses_usage(r: Reply) -> dict[str, Any]:
+def _responses_usage(r: MockReply) -> dict[str, Any]:
     return {
         "input_tokens": r.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -25,7 +25,7 @@ def _responses_usage(r: Reply) -> dict[str, Any]:
 
 
 def _response_object(
-    r: Reply,
+    r: MockReply,
     status: str,
     output: list[dict[str, Any]],
     usage: dict[str, Any] | None,
@@ -61,7 +61,7 @@ def _response_object(
     }
 
 
-def _responses_items(r: Reply) -> list[_Item]:
+def _responses_items(r: MockReply) -> list[_Item]:
     items: list[_Item] = []
     seq = 0
 
@@ -78,7 +78,7 @@ def _responses_items(r: Reply) -> list[_Item]:
 
     started = _response_object(r, "in_progress", [], None)
     if r.request.get("background") is True:
-        # Background mode (`mock.background`): created and announced queued first.
+        # Background mode (`mock.background_store`): created and announced queued first.
         queued = _response_object(r, "queued", [], None)
         ev("response.created", response=queued)
         ev("response.queued", response=queued)
@@ -167,7 +167,7 @@ def _responses_items(r: Reply) -> list[_Item]:
     return items
 
 
-def _responses_body(r: Reply) -> dict[str, Any]:
+def _responses_body(r: MockReply) -> dict[str, Any]:
     completed = _responses_items(r)[-1]
     assert isinstance(completed, tuple)
     body: dict[str, Any] = completed[1]["response"]

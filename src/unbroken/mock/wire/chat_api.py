@@ -11,10 +11,10 @@ from unbroken.mock.wire.frames import (
     _Item,
     _Run,
 )
-from unbroken.mock.wire.reply import Reply
+from unbroken.mock.wire.reply import MockReply
 
 
-def _chat_usage(r: Reply) -> dict[str, Any]:
+def _chat_usage(r: MockReply) -> dict[str, Any]:
     return {
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
@@ -29,7 +29,7 @@ def _chat_usage(r: Reply) -> dict[str, Any]:
     }
 
 
-def _chat_items(r: Reply) -> list[_Item]:
+def _chat_items(r: MockReply) -> list[_Item]:
     base = {
         "id": r.message_id,
         "object": "chat.completion.chunk",
@@ -76,7 +76,7 @@ def _chat_items(r: Reply) -> list[_Item]:
     return items
 
 
-def _chat_body(r: Reply) -> dict[str, Any]:
+def _chat_body(r: MockReply) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
         "content": None if r.calls and not r.pieces else r.text,

@@ -19,7 +19,7 @@ from unbroken.mock.actions import (
     expand_upgrade_actions,
     parse_action,
 )
-from unbroken.mock.server import MockProvider
+from unbroken.mock.provider import MockProvider
 
 __all__ = ["ScriptFile", "load_script", "main_mock", "serve_mock"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.agents import gemini
+from unbroken.agents import gemini_cli
 from unbroken.agents.launcher import agent_of, print_env
 from unbroken.agents.plan import FILES, RELAY
 from unbroken.config import parse_config
@@ -31,13 +31,13 @@ def no_defaults(tmp_path: Path) -> dict[str, str]:
 
 
 def test_the_default_upstream_and_the_api_key_choice_kept(tmp_path: Path) -> None:
-    launch = gemini.plan({**no_defaults(tmp_path), "GEMINI_API_KEY": "k"})
+    launch = gemini_cli.plan({**no_defaults(tmp_path), "GEMINI_API_KEY": "k"})
     assert launch.routes == {"gemini": "https://generativelanguage.googleapis.com"}
     assert launch.env == {
         "GOOGLE_GEMINI_BASE_URL": f"{RELAY}/gemini",
-        "GEMINI_CLI_SYSTEM_DEFAULTS_PATH": f"{FILES}/{gemini.SYSTEM_DEFAULTS}",
+        "GEMINI_CLI_SYSTEM_DEFAULTS_PATH": f"{FILES}/{gemini_cli.SYSTEM_DEFAULTS}",
     }
-    settings = json.loads(launch.files[gemini.SYSTEM_DEFAULTS])
+    settings = json.loads(launch.files[gemini_cli.SYSTEM_DEFAULTS])
     assert settings == {"security": {"auth": {"selectedType": "gemini-api-key"}}}
     assert launch.resolved_env("http://R", "/run")["GOOGLE_GEMINI_BASE_URL"] == "http://R/gemini"
 
@@ -46,16 +46,16 @@ def test_the_users_system_defaults_are_kept_and_their_choice_wins(tmp_path: Path
     path = tmp_path / "defaults.json"
     path.write_text(json.dumps({"ui": {"theme": "x"}, "security": {"folderTrust": {}}}))
     env = {"GEMINI_CLI_SYSTEM_DEFAULTS_PATH": str(path), "GEMINI_API_KEY": "k"}
-    settings = json.loads(gemini.plan(env).files[gemini.SYSTEM_DEFAULTS])
+    settings = json.loads(gemini_cli.plan(env).files[gemini_cli.SYSTEM_DEFAULTS])
     assert settings == {
         "ui": {"theme": "x"},
         "security": {"folderTrust": {}, "auth": {"selectedType": "gemini-api-key"}},
     }
     path.write_text(json.dumps({"security": {"auth": {"selectedType": "vertex-ai"}}}))
-    launch = gemini.plan(env)
+    launch = gemini_cli.plan(env)
     assert not launch.files and "GEMINI_CLI_SYSTEM_DEFAULTS_PATH" not in launch.env
     path.write_text("{not json")
-    launch = gemini.plan(env)
+    launch = gemini_cli.plan(env)
     assert not launch.files and any("not JSON" in n for n in launch.notes)
 
 
@@ -65,11 +65,11 @@ def test_the_users_own_base_url_is_the_upstream_and_their_gateway_choice(tmp_pat
         "GOOGLE_GEMINI_BASE_URL": "https://gw.example.com/g/",
         "GEMINI_API_KEY": "k",
     }
-    launch = gemini.plan(env)
+    launch = gemini_cli.plan(env)
     assert launch.routes == {"gemini": "https://gw.example.com/g"}
     assert not launch.files  # a base URL of their own: the gateway is their choice
     assert any("your GOOGLE_GEMINI_BASE_URL" in n for n in launch.notes)
-    bad = gemini.plan({"GOOGLE_GEMINI_BASE_URL": "ftp://x"})
+    bad = gemini_cli.plan({"GOOGLE_GEMINI_BASE_URL": "ftp://x"})
     assert not bad.routes and not bad.env
 
 
@@ -80,17 +80,17 @@ def test_vertex_and_google_login(tmp_path: Path) -> None:
         "GOOGLE_CLOUD_PROJECT": "p",
         "GOOGLE_CLOUD_LOCATION": "us-central1",
     }
-    launch = gemini.plan(env)
+    launch = gemini_cli.plan(env)
     assert launch.routes["vertex"] == "https://us-central1-aiplatform.googleapis.com"
     assert launch.env["GOOGLE_VERTEX_BASE_URL"] == f"{RELAY}/vertex"
-    assert json.loads(launch.files[gemini.SYSTEM_DEFAULTS])["security"]["auth"] == {
+    assert json.loads(launch.files[gemini_cli.SYSTEM_DEFAULTS])["security"]["auth"] == {
         "selectedType": "vertex-ai"
     }
-    express = gemini.plan(
+    express = gemini_cli.plan(
         {**no_defaults(tmp_path), "GOOGLE_GENAI_USE_VERTEXAI": "true", "GOOGLE_API_KEY": "k"}
     )
     assert express.routes["vertex"] == "https://aiplatform.googleapis.com"
-    login = gemini.plan({**no_defaults(tmp_path), "GOOGLE_GENAI_USE_GCA": "true"})
+    login = gemini_cli.plan({**no_defaults(tmp_path), "GOOGLE_GENAI_USE_GCA": "true"})
     assert "vertex" not in login.routes and any("Code Assist" in n for n in login.notes)
 
 

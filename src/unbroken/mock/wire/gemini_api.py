@@ -20,18 +20,18 @@ import re
 from typing import Any, Final
 
 from unbroken.mock.wire.frames import _VAL, GEMINI, _Item, _Run
-from unbroken.mock.wire.reply import Reply
+from unbroken.mock.wire.reply import MockReply
 
 __all__ = [
     "GEMINI",
     "body",
-    "error_body",
     "error_payload",
     "garbage",
     "items",
+    "kind_body",
     "parse_path",
     "request_view",
-    "status_error_body",
+    "status_body",
     "to_crlf",
 ]
 
@@ -82,7 +82,7 @@ def to_crlf(frame: bytes) -> bytes:
     return frame[:-2] + b"\r\n\r\n" if frame.endswith(b"\n\n") else frame
 
 
-def _usage(r: Reply, final: bool) -> dict[str, Any]:
+def _usage(r: MockReply, final: bool) -> dict[str, Any]:
     if not final:
         return {"promptTokenCount": r.prompt_tokens, "totalTokenCount": r.prompt_tokens}
     return {
@@ -93,7 +93,7 @@ def _usage(r: Reply, final: bool) -> dict[str, Any]:
     }
 
 
-def _response(r: Reply, parts: list[Any], *, final: bool) -> dict[str, Any]:
+def _response(r: MockReply, parts: list[Any], *, final: bool) -> dict[str, Any]:
     candidate: dict[str, Any] = {"content": {"parts": parts, "role": "model"}}
     if final:
         candidate["finishReason"] = "STOP"
@@ -110,7 +110,7 @@ def _call_part(name: str, arguments: str) -> dict[str, Any]:
     return {"functionCall": {"name": name, "args": json.loads(arguments)}}
 
 
-def items(r: Reply) -> list[_Item]:
+def items(r: MockReply) -> list[_Item]:
     """The streamed reply's events (``(None, payload)``; text pieces as one run)."""
     if r.calls:
         out: list[_Item] = [
@@ -127,7 +127,7 @@ def items(r: Reply) -> list[_Item]:
     return out
 
 
-def body(r: Reply) -> dict[str, Any]:
+def body(r: MockReply) -> dict[str, Any]:
     """The ``:generateContent`` answer."""
     if r.calls:
         parts = [_call_part(c.name, c.arguments) for c in r.calls]
@@ -143,14 +143,14 @@ def error_payload(status: int, message: str | None = None) -> dict[str, Any]:
     return {"error": {"code": status, "message": message or default, "status": name}}
 
 
-def error_body(error: str) -> tuple[int, bytes]:
+def kind_body(error: str) -> tuple[int, bytes]:
     """Status and body of a mock error kind, in Gemini's terms."""
     status = _KINDS[error]
     message = _CONTEXT_MESSAGE if error == "context_length" else None
     return status, json.dumps(error_payload(status, message), separators=(",", ":")).encode()
 
 
-def status_error_body(status: int) -> bytes:
+def status_body(status: int) -> bytes:
     return json.dumps(error_payload(status), separators=(",", ":")).encode()
 
 

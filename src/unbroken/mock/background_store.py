@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from unbroken.mock.actions import Action
-from unbroken.mock.wire import Reply, render
+from unbroken.mock.wire import MockReply, render_reply
 
 __all__ = [
     "BackgroundStore",
@@ -47,7 +47,7 @@ _TARGET = re.compile(r"/responses/([A-Za-z0-9_-]+)(/cancel)?/?$")
 class Stored:
     """One background response: its reply and whether it was cancelled."""
 
-    reply: Reply
+    reply: MockReply
     frames: tuple[bytes, ...]
     cancelled: bool = False
     resumes: list[int] = field(default_factory=list)  # each resume's starting_after
@@ -61,7 +61,7 @@ class BackgroundStore:
         #: ids a cancel was asked for, in order (known or not)
         self.cancels: list[str] = []
 
-    def put(self, response_id: str, reply: Reply, frames: tuple[bytes, ...]) -> None:
+    def put(self, response_id: str, reply: MockReply, frames: tuple[bytes, ...]) -> None:
         self.items[response_id] = Stored(reply, frames)
         self.items.move_to_end(response_id)
         while len(self.items) > _STORE_MAX:
@@ -92,13 +92,13 @@ def resume_frames(stored: Stored, after: int, action: Action) -> tuple[bytes, ..
         return frames[max(after, 0) :]
     if action.resume == "other_id":
         reply = stored.reply
-        other = Reply(
+        other = MockReply(
             reply.protocol,
             replace(reply.action, seed=(reply.action.seed or "") + "-other"),
             reply.request,
             json.dumps(reply.request, sort_keys=True),
         )
-        return render(other).frames[start:]
+        return render_reply(other).frames[start:]
     return frames[start:]
 
 

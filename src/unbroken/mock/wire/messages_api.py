@@ -10,10 +10,10 @@ from unbroken.mock.wire.frames import (
     _Item,
     _Run,
 )
-from unbroken.mock.wire.reply import Reply
+from unbroken.mock.wire.reply import MockReply
 
 
-def _anthropic_start_usage(r: Reply, output_tokens: int) -> dict[str, Any]:
+def _anthropic_start_usage(r: MockReply, output_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": r.prompt_tokens,
         "cache_creation_input_tokens": 0,
@@ -23,7 +23,7 @@ def _anthropic_start_usage(r: Reply, output_tokens: int) -> dict[str, Any]:
     }
 
 
-def _anthropic_items(r: Reply) -> list[_Item]:
+def _anthropic_items(r: MockReply) -> list[_Item]:
     message: dict[str, Any] = {
         "id": r.message_id,
         "type": "message",
@@ -75,7 +75,7 @@ def _anthropic_items(r: Reply) -> list[_Item]:
     return items
 
 
-def _anthropic_body(r: Reply) -> dict[str, Any]:
+def _anthropic_body(r: MockReply) -> dict[str, Any]:
     content: list[dict[str, Any]] = []
     if r.pieces or not r.calls:
         content.append({"type": "text", "text": r.text})
