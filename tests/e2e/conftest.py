@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clis import INSTALLED, PINNED, CliUnavailable, cache_root, ensure_npm_cli, installed
-from oc_harness import kill_leftovers
-from oc_scenarios import SCENARIOS, remove_sandboxes
+
+from e2e.clis import INSTALLED, PINNED, CliUnavailable, cache_root, ensure_npm_cli, installed
+from e2e.oc_harness import kill_leftovers
+from e2e.oc_scenarios import SCENARIOS, remove_sandboxes
 
 
 def pytest_configure(config: pytest.Config) -> None:

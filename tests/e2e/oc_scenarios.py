@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oc_after_commit import (
+from e2e.oc_after_commit import (
     ROUTE_TOML,
     AfterCommitRun,
     after_commit_session,
     every_request_cut,
     text_then_bash,
 )
-from oc_harness import (
+from e2e.oc_harness import (
     Background,
     Finished,
     OpenCodeClient,
@@ -42,7 +42,6 @@ from oc_harness import (
     turn_requests,
     unbroken_run,
 )
-
 from unbroken.config import parse_config
 from unbroken.observe.hooks import Hooks, TurnRecord
 from unbroken.relay.server import RelayServer

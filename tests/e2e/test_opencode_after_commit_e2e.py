@@ -21,7 +21,8 @@ import itertools
 from typing import Any
 
 import pytest
-from oc_after_commit import CUTS, LEAD_TEXT, LONG_TEXT, TOOL_CUTS, TOOL_DONE, AfterCommitRun
+
+from e2e.oc_after_commit import CUTS, LEAD_TEXT, LONG_TEXT, TOOL_CUTS, TOOL_DONE, AfterCommitRun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cli("opencode"), pytest.mark.timeout(420)]
 

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from oc_harness import OPENCODE_VERSION, Sandbox, opencode, run_to_end
-from oc_scenarios import SEED_FAILURES, TEXT, CliRun, SessionRun
 
 from docsamples import documented_storm_seconds
+from e2e.oc_harness import OPENCODE_VERSION, Sandbox, opencode, run_to_end
+from e2e.oc_scenarios import SEED_FAILURES, TEXT, CliRun, SessionRun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cli("opencode"), pytest.mark.timeout(420)]
 
