@@ -23,11 +23,10 @@ _MUTATORS = {
     "setdefault",
 }
 
-#: the module globals that are changed after import, each on purpose:
-#: the turn machine's testing switch (process-wide, changed only through the restoring
-#: `set_testing`), and the mock's bounded render memos (pure functions of a digest)
+#: the module globals that are changed after import, each on purpose: the mock's
+#: bounded render memos (pure functions of a digest).  (The turn machine's testing
+#: switch is a `contextvars.ContextVar`: scoped to a context, restored by its token.)
 ALLOWED = {
-    "core/turn_fields.py: global testing",
     "mock/wire/render.py: _cache",
     "mock/wire/ws_replies.py: _ws_cache",
 }

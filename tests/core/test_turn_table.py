@@ -143,3 +143,33 @@ def test_an_event_the_table_does_not_list_is_refused(monkeypatch: pytest.MonkeyP
     with pytest.raises(TurnError, match="illegal in step new"):
         m.start(0.0)
     assert m.step is Step.ERROR
+
+
+#: the turn's given facts (constructor arguments, never changed): not state
+_GIVEN = {"socket", "stream"}
+
+
+def test_the_machine_keeps_no_flags_its_state_is_the_step_and_the_sub_states() -> None:
+    """Every yes/no of the machine's state is a sub-state enum listed in
+    `turn_table.SUBSTATES` (the issue counted nine flags beside `_Step`)."""
+    hints = typing.get_type_hints(turn_mod.TurnFields)
+    flags = {name for name, hint in hints.items() if hint is bool} - _GIVEN
+    assert flags == set()
+    enums = {
+        name: hint
+        for name, hint in hints.items()
+        if isinstance(hint, type) and hint.__module__ == turn_table.__name__
+    }
+    assert enums.pop("step") is Step
+    assert enums == {sub.field: sub.states for sub in turn_table.SUBSTATES}
+    # (``writing`` is a count: a keepalive's write may overlap the output's)
+    assert hints["writing"] is int
+
+
+def test_each_sub_state_value_says_what_enters_it() -> None:
+    machine = _machine()
+    for sub in turn_table.SUBSTATES:
+        assert set(sub.entered) == {value.name for value in sub.states}, sub.field
+        assert all(sub.entered.values()), sub.field
+        assert isinstance(getattr(machine, sub.field), sub.states)
+        assert (sub.states.__doc__ or "").strip(), sub.field

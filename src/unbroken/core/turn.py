@@ -84,8 +84,9 @@ Deadlines (`deadline()` says when `tick()` is next due):
   blocked writing to a slow client the stall clock stands still, and it goes on
   from where it stood when the write completes (`wrote` moves the last byte's time
   forward by the blocked time).  The attempt's stall watch is a sub-state,
-  `turn_table.Watch`: WATCHING, then STALLED (aborted for silence) or QUEUED (a
-  continuation with no progress); the abort's read failure is named by it.
+  `turn_table.Watch`: FIRST_FRAME, then IDLE (the timer it runs), then STALLED
+  (aborted for silence) or QUEUED (a continuation with no progress); the abort's
+  read failure is named by it.
 
 Continuation after commit (``[stream] after_commit = "continue"``, `core.continuation`):
 where a cut would end the turn (a reset, a stall, a body ended without its terminal;
@@ -146,13 +147,20 @@ Where the parts live (one class, `TurnMachine`, its fields in `turn_fields`)::
                     answer), retry or give up, the end from outside (client gone, crash)
     turn_types      the actions, `Fed`, `Outcome`, `Phase`, the `TurnObserver` protocol
     turn_table      the steps (`Step`), the events (`TurnEvent`), the table the code runs
+    turn_feeds      the body's feeds (`feed_chunk`, `feed_frame`, `feed_body`): frames
+                    through the ledger, what is released, the decision a frame makes
     turn_fast_path  `feed_verbatim`: runs of plain frames after commit, in one piece
     turn_continue   the continuation hooks (`core.continuation`): plan, answer, join
     turn_clock      `deadline`, `tick`, the write notifications, the stall timers
     turn_fields     the fields every part shares, the table's checks; `set_testing`
 
-State enums, one question each: `Step` (the machine's position: which events are
-legal), `Watch` (the read attempt's stall watch), `LedgerState` (what the attempt
+State enums, one question each.  The machine's state is its `Step` and its
+sub-states, no flags (`turn_table.SUBSTATES` lists them and what enters each value;
+``docs/gate.md`` shows that table, generated): `Watch` (the read attempt's stall
+watch), `Reply` (what the client has been sent: nothing, headers, the done marker),
+`Request` (the attempt's request as sent or patched), `Kept` (the answer a give-up
+passes on), `Pacing` (the next attempt waited in a pacer's line), `Overflow` (the
+hold's bound, reported once).  Beside the machine: `LedgerState` (what the attempt
 released: the replay gate), `TurnState` (what /status shows, told to observers).
 
 The four invariants (checked by a property test over random event sequences, illegal
@@ -167,40 +175,46 @@ told through the `TurnObserver` protocol, which the I/O layer implements.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from unbroken.core import turn_fields
 from unbroken.core.attempt import AttemptStats
 from unbroken.core.continuation import (
     DEFAULT_QUEUED_S,
     Cancel,
-    JoinBroken,
     Resume,
     Splicer,
     Strategy,
 )
 from unbroken.core.continuation import Refusal as Refusal
-from unbroken.core.ledger import NOTHING, Hold, Ledger, LedgerState, Verdict
+from unbroken.core.ledger import Hold, Ledger, LedgerState
 from unbroken.core.policy import Failure, FailureClass, Park, RetryState, is_retryable_status
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
 from unbroken.core.profiles import KeepaliveForm, Profile
 from unbroken.core.protocols import BODY, Protocol
 from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
 from unbroken.core.ratehead import RateHeaders
-from unbroken.core.sse import Event, EventTooLarge, SSESplitter
+from unbroken.core.sse import SSESplitter
 from unbroken.core.turn_clock import TurnClock, stall_timers
 from unbroken.core.turn_continue import ContinuationHooks, strategy_splices
 from unbroken.core.turn_endings import TurnEndings
 from unbroken.core.turn_fast_path import PEEL_FRAMES, FastPath
-from unbroken.core.turn_fields import set_testing
+from unbroken.core.turn_feeds import TurnFeeds
+from unbroken.core.turn_fields import TESTING, set_testing
 from unbroken.core.turn_table import (
     ALLOWED,
+    ANSWER_KEPT,
+    AS_SENT,
     ENTERS,
+    FIRST_FRAME,
+    FREE,
     LEGAL,
+    NOTHING_KEPT,
+    NOTHING_SENT,
+    PARKED,
+    PATCHED,
+    WITHIN_BOUND,
     Step,
     TurnEvent,
-    Watch,
-    only_step,
 )
 from unbroken.core.turn_types import (
     KEEPALIVE,
@@ -230,7 +244,6 @@ from unbroken.core.turn_types import (
     TurnObserver,
     TurnState,
     Wait,
-    new_fed,
 )
 
 __all__ = [
@@ -271,9 +284,6 @@ __all__ = [
 ]
 
 _NO_HOLD = Hold(())
-#: the hot path's legality checks: identities (the table says where each is legal)
-_STREAM = only_step(TurnEvent.FEED_CHUNK)
-_PASS_THROUGH = only_step(TurnEvent.FEED_BODY)
 #: where an attempt (or a continuation) waits for its answer
 _OPENING = LEGAL[TurnEvent.ANSWERED]
 #: where each event is legal (the table's `LEGAL`, one name each for the checks)
@@ -285,19 +295,9 @@ _ERROR_BODY_IN = LEGAL[TurnEvent.ERROR_BODY]
 _FINAL_BODY_IN = LEGAL[TurnEvent.FINAL_BODY]
 _BODY_ENDED_IN = LEGAL[TurnEvent.BODY_ENDED]
 _TRANSPORT_FAILED_IN = LEGAL[TurnEvent.TRANSPORT_FAILED]
-#: the step each feed is legal in
-_FEEDS_IN = {
-    e: only_step(e)
-    for e in (
-        TurnEvent.FEED_CHUNK,
-        TurnEvent.FEED_VERBATIM,
-        TurnEvent.FEED_FRAME,
-        TurnEvent.FEED_BODY,
-    )
-}
 
 
-class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
+class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock):
     """One turn's decisions.  Feed it events; carry out the actions it returns."""
 
     __slots__ = ()
@@ -326,23 +326,23 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         #: a continuation with no progress this long is given up (stuck in ``queued``)
         self.queued_s = queued_s
         #: requests that free what nobody will read (the transport sends them)
-        self.cancels: list[Cancel] = []
+        self._cancels: list[Cancel] = []
         #: why the last cut was not continued (None: it was, or none was asked)
         self.refusal: Refusal | PrefillRefusal | None = None
         #: the client's profile (`core.profiles`): early headers, keepalive form and
         #: interval, the non-streamed wait
-        self.profile = profile or DEFAULT_PROFILE
+        self._profile = profile = profile or DEFAULT_PROFILE
         #: the keepalive the profile asks for, when the protocol has one (else comments)
         self.keepalive_event = (
             protocol.keepalive_event
-            if self.profile.keepalive is KeepaliveForm.EVENT or not protocol.comment_keepalive
+            if profile.keepalive is KeepaliveForm.EVENT or not protocol.comment_keepalive
             else None
         )
         #: the client is a WebSocket: its keepalive is a message (the event's data), sent
         #: only for a profile that asks for events (pings keep the socket alive otherwise)
         self.socket = socket
         self.hold = hold
-        self.timers = stall_timers(timers, self.profile)
+        self.timers = stall_timers(timers, profile)
         self.retry = retry
         self.stream = stream
         self.report = report
@@ -350,27 +350,26 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         self.wall_clock = wall_clock  # Unix time, for the ledger's dated error events
         self.t0 = now
         self.step = Step.NEW
-        self.outcome: Outcome | None = None
+        self._outcome: Outcome | None = None
         self.failure: Failure | None = None
         self.status: int | None = None  # the current attempt's upstream status
         self.ledger: Ledger | None = None  # the SSE ledger: one per turn, across attempts
         self.attempt_ledger: Ledger | None = None  # the ledger this attempt's body went through
         self.stats: AttemptStats | None = None
-        self.headers_out = False
+        #: the sub-states besides the step (`turn_table.SUBSTATES`: one question each)
+        self.reply = NOTHING_SENT  # what the client has been sent
         self.writing = 0  # writes to the client in progress (a keepalive may overlap one)
         self._write_t0 = now  # when the writes in progress began
-        self.watch = Watch.WATCHING
-        self.first_frame = False  # the current attempt's first (non-comment) frame arrived
+        self.watch = FIRST_FRAME  # the read attempt's stall watch
         self.last_rx = now
         self.last_tx = now
         self._attempt_t0 = now
-        self._answer_kept = False
-        self._done_seen = False
-        self._overflow_reported = False
+        self.kept = NOTHING_KEPT  # what the attempt's failure left for a give-up
+        self.overflow = WITHIN_BOUND  # the hold's bound, and its one report
+        self.pacing = FREE  # whether the next attempt waited in a pacer's line
+        self.request = AS_SENT  # how the attempt's request went upstream
         self._over: Action | None = None
-        self._parked = False  # the next attempt follows a park
         self._splitter: SSESplitter | None = None
-        self._patched = False  # the current attempt's request body was patched
         self._resume: Resume | None = None  # the continuation the next attempt opens
         self._splice: Splicer | None = None  # the current continuation's join check
         self._resume_t0 = now
@@ -400,11 +399,12 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         if retry.exhausted():
             return self._give_up()
         resume = self._resume
+        testing = TESTING.get()
         if resume is not None:
-            idx = retry.next_resume(now, pace=not turn_fields.testing)
+            idx = retry.next_resume(now, pace=not testing)
         else:
-            idx = retry.next_upstream(now, pace=not turn_fields.testing)
-        if type(idx) is Park and turn_fields.testing:
+            idx = retry.next_upstream(now, pace=not testing)
+        if type(idx) is Park and testing:
             # testing mode: no real waits, parks neither
             if resume is not None:
                 idx = retry.next_resume(idx.until, pace=False)
@@ -416,17 +416,20 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
             # (early headers, keepalives) meanwhile.
             self.report.parked(idx.why)
             self.report.state(TurnState.PARKED)
-            self._parked = True
+            self.pacing = PARKED
             wait = min(max(idx.until - now, 0.001), retry.park_check_s)
             return Wait(wait, idx.key, retry.ticket)
         assert isinstance(idx, int)
         self.status = None
         self.failure = None
-        self._answer_kept = False
+        self.kept = NOTHING_KEPT
         self._over = None
         self.stats = AttemptStats()
-        choice = "parked" if self._parked else (retry.why or "first")
-        self._parked = False
+        if self.pacing is PARKED:
+            choice = "parked"
+            self.pacing = FREE
+        else:
+            choice = retry.why or "first"
         self.report.attempt_started(retry.attempts, idx, choice)
         self.report.state(TurnState.WAITING)
         if resume is not None:
@@ -445,11 +448,11 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         if self.stream:
             timeout = t.header_timeout_s
         else:
-            timeout = self.profile.nonstream_wait(t.header_timeout_s, t.first_frame_timeout_s)
+            timeout = self._profile.nonstream_wait(t.header_timeout_s, t.first_frame_timeout_s)
         strategy = self.continuation
         if strategy is not None:  # (the transports give one to streamed turns only)
             patch = strategy.body_patch(idx)
-            self._patched = bool(patch)
+            self.request = PATCHED if patch else AS_SENT
             return Open(idx, timeout, patch)
         return Open(idx, timeout)
 
@@ -515,7 +518,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
             self._reading(now, Step.ERROR_BODY)
             return ReadErrorBody()
         self.retry.record_answer(now)  # known good: its pacer's line may move
-        if self._patched and 400 <= status < 500:
+        if self.request is PATCHED and 400 <= status < 500:
             # Maybe a refusal of the patched request (`Strategy.refused`): read it.
             self.failure = Failure(FailureClass.STATUS, f"HTTP {status}", status=status)
             self._reading(now, Step.ERROR_BODY)
@@ -546,7 +549,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
                 TurnState.HOLDING if ledger.state is LedgerState.PENDING else TurnState.STREAMING
             )
             return Stream()
-        if self.headers_out:
+        if self.reply is not NOTHING_SENT:
             # Early SSE headers are out: a final answer must be an in-stream event.
             self._reading(now, Step.FINAL_BODY)
             return FinalInStream()
@@ -563,11 +566,15 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
         return self._moved(before, TurnEvent.ERROR_BODY, self._error_body(now, body))
 
     def _error_body(self, now: float, body: bytes) -> Action:
-        self._answer_kept = True
+        self.kept = ANSWER_KEPT
         failure = self.failure
         if failure is None:  # pragma: no cover - set by answered()
             raise TurnError("error_body() without a retryable answer")
-        if self._patched and failure.status is not None and not is_retryable_status(failure.status):
+        if (
+            self.request is PATCHED
+            and failure.status is not None
+            and not is_retryable_status(failure.status)
+        ):
             return self._patched_refused(now, failure.status, body)
         if body and failure.retry_after_s is None:
             # A wait the body names (Gemini's RetryInfo), obeyed like Retry-After.
@@ -597,164 +604,6 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
             ),
         )
 
-    # -- body ------------------------------------------------------------------------
-    def feed_chunk(self, now: float, chunk: bytes) -> Fed[Sequence[Event]]:
-        """SSE body bytes, through the splitter and the ledger frame by frame:
-        ``released`` the frames to write now (boundaries kept), then ``over``."""
-        if self.step is not _STREAM:
-            self._illegal("feed_chunk")
-        released = self._feed_chunk(now, chunk)
-        over = self._over
-        if over is None:
-            return new_fed(Fed, (released, None))
-        return Fed(released, self._moved(_STREAM, TurnEvent.FEED_CHUNK, over))
-
-    def _feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]:
-        self.last_rx = now
-        splitter = self._splitter
-        assert splitter is not None
-        too_large: EventTooLarge | None = None
-        try:
-            events = splitter.feed(chunk)
-        except EventTooLarge as exc:
-            # The complete events before it still count; then the attempt has failed.
-            events, too_large = exc.events, exc
-        if too_large is not None:
-            out = self._feed_events(now, events)
-            if self._over is None and not self.ended:
-                self._over = self._transport_failed(
-                    now, Failure(FailureClass.MALFORMED, str(too_large))
-                )
-            return out
-        if not events:
-            return NOTHING
-        return self._feed_events(now, events)
-
-    def _feed_events(self, now: float, events: list[Event]) -> Sequence[Event]:
-        if not events:
-            return NOTHING
-        if self._splice is not None:
-            return self._feed_spliced(now, events)
-        ledger = self.attempt_ledger
-        assert ledger is not None
-        if not self.first_frame:
-            for event in events:
-                if not event.is_comment:
-                    self.first_frame = True
-                    break
-        feed = ledger.feed
-        out: list[Event] = []
-        for event in events:
-            released = feed(event)
-            if released:
-                out.extend(released)
-            verdict = ledger.verdict
-            if verdict is not Verdict.CONTINUE:
-                if verdict is Verdict.DONE:
-                    if event.data == "[DONE]":
-                        self._done_seen = True
-                    continue
-                break
-        if ledger.hold_overflowed and not self._overflow_reported:
-            self._overflow_reported = True
-            self.report.hold_overflow(ledger.max_hold_bytes)
-        if out:
-            self._released()
-            if self.continuation is not None:
-                self._record_events(out)
-        if ledger.verdict is Verdict.CUT:  # after the frames before it were recorded
-            out.extend(self._cut_by_error(now, ledger))
-        verdict = ledger.verdict
-        if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
-            self._decide(now)
-        return out
-
-    def feed_frame(self, now: float, event: Event) -> Fed[Sequence[Event]]:
-        """One frame (a WebSocket message): ``released`` the frames to send, then ``over``."""
-        if self.step is not _STREAM:
-            self._illegal("feed_frame")
-        released = self._feed_frame(now, event)
-        over = self._over
-        if over is None:
-            return new_fed(Fed, (released, None))
-        return Fed(released, self._moved(_STREAM, TurnEvent.FEED_FRAME, over))
-
-    def _feed_frame(self, now: float, event: Event) -> Sequence[Event]:
-        self.last_rx = now
-        if not self.first_frame:
-            self.first_frame = True
-        splice = self._splice
-        if splice is not None:
-            try:
-                spliced = splice.splice(event)
-            except JoinBroken as exc:
-                self._over = self._join_broken(now, str(exc))
-                return NOTHING
-            if spliced is None:
-                return NOTHING
-            if not isinstance(spliced, Event):
-                return self._feed_frames(now, spliced)
-            event = spliced
-        ledger = self.attempt_ledger
-        assert ledger is not None
-        released = ledger.feed(event)
-        if ledger.hold_overflowed and not self._overflow_reported:
-            self._overflow_reported = True
-            self.report.hold_overflow(ledger.max_hold_bytes)
-        if released:
-            self._released()
-            if self.continuation is not None:
-                self._record_events(released)
-        verdict = ledger.verdict
-        if verdict is Verdict.REPLAY or verdict is Verdict.FAIL:
-            self._decide(now)
-        return released
-
-    def _feed_frames(self, now: float, events: Sequence[Event]) -> Sequence[Event]:
-        """`feed_frame` for the frames a splicer made of one message, in order."""
-        ledger = self.attempt_ledger
-        assert ledger is not None
-        out: list[Event] = []
-        for event in events:
-            out.extend(ledger.feed(event))
-            if ledger.verdict is Verdict.REPLAY or ledger.verdict is Verdict.FAIL:
-                break
-        if out:
-            self._released()
-            self._record_events(out)
-        if ledger.verdict is Verdict.REPLAY or ledger.verdict is Verdict.FAIL:
-            self._decide(now)
-        return out
-
-    def feed_body(self, now: float, chunk: bytes) -> Fed[bytes]:
-        """Plain body bytes: each chunk is released at once (the first byte commits)."""
-        if self.step is not _PASS_THROUGH:
-            self._illegal("feed_body")
-        self.last_rx = now
-        if not self.first_frame:
-            self.first_frame = True
-        ledger = self.attempt_ledger
-        assert ledger is not None
-        released = ledger.feed(Event(chunk, None, ""))
-        if released:
-            self._released()
-        out = chunk if released else b""
-        over = self._over
-        if over is None:
-            return new_fed(Fed, (out, None))
-        return Fed(out, self._moved(_PASS_THROUGH, TurnEvent.FEED_BODY, over))
-
-    def _released(self) -> None:
-        if not self.headers_out:
-            self.headers_out = True
-            self.report.headers_sent()
-            self.report.state(TurnState.STREAMING)
-
-    def _decide(self, now: float) -> None:
-        """A frame ended the attempt (a replay, or a failure after commit): decided
-        now, by the feed that brought it, so no later event of this attempt is legal."""
-        self._over = self._verdict_action(now, None)
-
     def body_ended(self, now: float) -> Action:
         """The upstream body ended cleanly (EOF)."""
         before = self.step
@@ -777,8 +626,7 @@ class TurnMachine(FastPath, ContinuationHooks, TurnEndings, TurnClock):
 
     def _reading(self, now: float, step: Step) -> None:
         self.step = step
-        self.first_frame = False
-        self.watch = Watch.WATCHING
+        self.watch = FIRST_FRAME
         self._over = None  # this attempt's own decision, once a feed makes one
         self._attempt_t0 = now
         self.last_rx = now

@@ -11,7 +11,17 @@ from unbroken.core.ledger import LedgerState
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.profiles import Profile
 from unbroken.core.turn_fields import TurnFields
-from unbroken.core.turn_table import OVER, READING, Step, Watch
+from unbroken.core.turn_table import (
+    HEADERS_SENT,
+    IDLE,
+    NOTHING_SENT,
+    OVER,
+    QUEUED,
+    READING,
+    STALLED,
+    WATCHING,
+    Step,
+)
 from unbroken.core.turn_types import (
     KEEPALIVE,
     AbortUpstream,
@@ -39,8 +49,8 @@ class TurnClock(TurnFields):
         """The transport sent the response headers (early, or with the first bytes)."""
         if self.step is Step.ERROR:
             self._illegal("headers_sent")
-        if not self.headers_out:
-            self.headers_out = True
+        if self.reply is NOTHING_SENT:
+            self.reply = HEADERS_SENT
             self.report.headers_sent()
         self.last_tx = now
 
@@ -83,7 +93,7 @@ class TurnClock(TurnFields):
         from the start, a stall from the answer or the last frame, a keepalive from
         the last write).  A timer armed no later than this from now is never late for
         a deadline that a later event sets (see `relay.watchdog.Watchdog`)."""
-        t, p = self.timers, self.profile
+        t, p = self.timers, self._profile
         intervals = (
             p.early_headers_s or t.early_headers_s,
             p.keepalive_s or t.keepalive_s,
@@ -97,20 +107,21 @@ class TurnClock(TurnFields):
         if self.step in OVER:
             return None
         t = self.timers
-        p = self.profile
+        p = self._profile
         due: float | None = None
         if self.stream or self.socket:
-            if not self.headers_out:
+            if self.reply is NOTHING_SENT:
                 if p.early_headers and (
                     self.ledger is None or self.ledger.state is LedgerState.PENDING
                 ):
                     due = self.t0 + (p.early_headers_s or t.early_headers_s)
             elif not self.writing and (self.keepalive_event is not None or not self.socket):
                 due = self.last_tx + (p.keepalive_s or t.keepalive_s)
-        if self.step in READING and not self.writing and self.watch is Watch.WATCHING:
+        watch = self.watch
+        if self.step in READING and not self.writing and watch in WATCHING:
             stall = (
                 self.last_rx + t.idle_timeout_s
-                if self.first_frame
+                if watch is IDLE
                 else self._attempt_t0 + t.first_frame_timeout_s
             )
             splice = self._splice
@@ -127,14 +138,15 @@ class TurnClock(TurnFields):
         if self.step in OVER:
             return None
         t = self.timers
-        if self.step in READING and not self.writing and self.watch is Watch.WATCHING:
+        watch = self.watch
+        if self.step in READING and not self.writing and watch in WATCHING:
             due = (
                 self.last_rx + t.idle_timeout_s
-                if self.first_frame
+                if watch is IDLE
                 else self._attempt_t0 + t.first_frame_timeout_s
             )
             if now >= due:
-                self.watch = Watch.STALLED
+                self.watch = STALLED
                 return AbortUpstream(stall_failure())
             splice = self._splice
             if (
@@ -144,11 +156,11 @@ class TurnClock(TurnFields):
             ):
                 # The continuation shows no progress (a response stuck in ``queued``):
                 # give it up (it is cancelled); replayed if nothing was released.
-                self.watch = Watch.QUEUED
+                self.watch = QUEUED
                 return AbortUpstream(queued_failure())
-        p = self.profile
+        p = self._profile
         if self.stream or self.socket:
-            if not self.headers_out:
+            if self.reply is NOTHING_SENT:
                 ledger = self.ledger
                 early = self.t0 + (p.early_headers_s or t.early_headers_s)
                 if (
@@ -158,7 +170,7 @@ class TurnClock(TurnFields):
                 ):
                     # Retries or held frames have lasted long: send SSE headers now so
                     # the client's header timer does not fire; keepalives follow.
-                    self.headers_out = True
+                    self.reply = HEADERS_SENT
                     self.last_tx = now
                     self.report.headers_sent()
                     return SendHeaders(200)

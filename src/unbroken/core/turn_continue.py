@@ -15,7 +15,13 @@ from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn_fast_path import joined
 from unbroken.core.turn_fields import TurnFields, is_testing
-from unbroken.core.turn_table import Step, Watch
+from unbroken.core.turn_table import (
+    AS_SENT,
+    FIRST_FRAME,
+    NOTHING_SENT,
+    QUEUED,
+    Step,
+)
 from unbroken.core.turn_types import (
     Action,
     End,
@@ -101,7 +107,7 @@ class ContinuationHooks(TurnFields):
         ):
             return None
         committed = ledger.state is LedgerState.COMMITTED
-        if self.watch is Watch.QUEUED:
+        if self.watch is QUEUED:
             self._refused(Refusal.QUEUED)  # given up (and cancelled); PENDING: replayed
             return None
         if failure.cls is FailureClass.MALFORMED:
@@ -115,7 +121,7 @@ class ContinuationHooks(TurnFields):
             return None
         phase = Phase.COMMITTED if committed else self._replay_phase(failure)
         self.failure = failure
-        self.watch = Watch.WATCHING
+        self.watch = FIRST_FRAME
         self._splice = None
         self.step = Step.IDLE
         self._resume = plan
@@ -207,12 +213,12 @@ class ContinuationHooks(TurnFields):
         assert strategy is not None
         failure = self.failure
         if strategy.refused(self.retry.current, status, body):
-            self._patched = False
+            self.request = AS_SENT
             self.report.attempt_ended("continuation_refused", Phase.HEADERS, status, self.stats)
             self._refused(Refusal.NOT_RESUMABLE)
             self.step = Step.IDLE
             return self._next_attempt(now)
-        if self.headers_out:
+        if self.reply is not NOTHING_SENT:
             return self._end(
                 Outcome.PASSED_THROUGH_ERROR,
                 End(EndKind.ERROR, self.protocol.final_error_frame(status, body, None)),
@@ -220,7 +226,7 @@ class ContinuationHooks(TurnFields):
         self.failure = failure
         self.step = Step.ENDED
         self.retry.close()
-        self.outcome = Outcome.PASSED_THROUGH_ERROR
+        self._outcome = Outcome.PASSED_THROUGH_ERROR
         self.report.attempt_ended(Outcome.PASSED_THROUGH_ERROR.value, None, status, self.stats)
         self.report.state(TurnState.DONE)
         return GiveUp(GiveUpKind.PASS_THROUGH)
@@ -230,13 +236,13 @@ class ContinuationHooks(TurnFields):
         strategy = self.continuation
         ledger = self.ledger
         if strategy is not None and ledger is not None and self.retry.current >= 0:
-            self.cancels.extend(strategy.abandon(self.retry.current, ledger))
+            self._cancels.extend(strategy.abandon(self.retry.current, ledger))
 
     def take_cancels(self) -> list[Cancel]:
         """The cancel requests named since the last call (the transport sends them)."""
-        out = self.cancels
+        out = self._cancels
         if out:
-            self.cancels = []
+            self._cancels = []
         return out
 
     @property

@@ -13,7 +13,17 @@ from unbroken.core.protocols import BODY, usage_from
 from unbroken.core.turn_clock import queued_failure, stall_failure
 from unbroken.core.turn_continue import strategy_splices
 from unbroken.core.turn_fields import TurnFields, is_testing
-from unbroken.core.turn_table import LEGAL, Step, TurnEvent, Watch
+from unbroken.core.turn_table import (
+    ANSWER_KEPT,
+    FIRST_FRAME,
+    LEGAL,
+    NOTHING_SENT,
+    QUEUED,
+    TERMINATED,
+    WATCHING,
+    Step,
+    TurnEvent,
+)
 from unbroken.core.turn_types import (
     Action,
     End,
@@ -41,7 +51,7 @@ class TurnEndings(TurnFields):
     def _body_ended(self, now: float) -> Action:
         ledger = self.attempt_ledger
         assert ledger is not None
-        if self.watch is not Watch.WATCHING:
+        if self.watch not in WATCHING:
             return self._transport_failed(now, stall_failure())
         if ledger.protocol is BODY:
             ledger.ended()
@@ -67,8 +77,8 @@ class TurnEndings(TurnFields):
         if self.step in _OPENING:
             return self._open_failed(now, failure)
         watch = self.watch
-        if watch is not Watch.WATCHING:
-            failure = queued_failure() if watch is Watch.QUEUED else stall_failure()
+        if watch not in WATCHING:
+            failure = queued_failure() if watch is QUEUED else stall_failure()
         ledger = self.attempt_ledger
         if ledger is None:
             return self._attempt_failed(now, failure, self._replay_phase(failure))
@@ -119,7 +129,7 @@ class TurnEndings(TurnFields):
     def abort_after_commit(self) -> bool:
         """A stream cut after commit ends by aborting the client connection, not with
         the native error event (the profile's ``after_commit_end``; HTTP only)."""
-        return self.profile.after_commit_end is CommitEnd.RESET and not self.socket
+        return self._profile.after_commit_end is CommitEnd.RESET and not self.socket
 
     def _replay_phase(self, failure: Failure) -> Phase:
         if failure.cls is FailureClass.STALL:
@@ -134,7 +144,7 @@ class TurnEndings(TurnFields):
     def _attempt_failed(self, now: float, failure: Failure, phase: Phase) -> Action:
         """An attempt failed before commit: record it, then wait, retry or give up."""
         self.failure = failure
-        self.watch = Watch.WATCHING
+        self.watch = FIRST_FRAME
         self.step = Step.IDLE
         report = self.report
         report.attempt_ended(failure.label, phase, self.status, self.stats)
@@ -167,9 +177,9 @@ class TurnEndings(TurnFields):
 
     def _tail_bytes(self) -> bytes:
         """What the protocol's ending still lacks after its terminal frame."""
-        if self._done_seen or self.protocol.done_marker is None:
+        if self.reply is TERMINATED or self.protocol.done_marker is None:
             return b""
-        self._done_seen = True
+        self.reply = TERMINATED
         return self.protocol.done_marker
 
     def _give_up(self) -> GiveUp:
@@ -179,15 +189,15 @@ class TurnEndings(TurnFields):
             self._abandon()
         self.step = Step.ENDED
         self.retry.close()
-        if self.headers_out:
+        if self.reply is not NOTHING_SENT:
             ledger = self.ledger or Ledger(
                 self.protocol, hold=self.hold, wall_clock=self.wall_clock
             )
             data = ledger.give_up(f"retries exhausted ({reason})")
-            self.outcome = Outcome.ENDED_WITH_ERROR
+            self._outcome = Outcome.ENDED_WITH_ERROR
             return GiveUp(GiveUpKind.IN_STREAM, data)
-        self.outcome = Outcome.PASSED_THROUGH_ERROR
-        if self._answer_kept and failure is not None and failure.status is not None:
+        self._outcome = Outcome.PASSED_THROUGH_ERROR
+        if self.kept is ANSWER_KEPT and failure is not None and failure.status is not None:
             return GiveUp(GiveUpKind.PASS_THROUGH)
         return GiveUp(
             GiveUpKind.BAD_GATEWAY,
@@ -203,7 +213,7 @@ class TurnEndings(TurnFields):
             stats = self.stats
             retry.settle(self.last_rx, usage_from(stats.usage_frames())[0] if stats else None)
         retry.close()
-        self.outcome = outcome
+        self._outcome = outcome
         if outcome.is_ok or outcome is Outcome.PASSED_THROUGH_ERROR:
             ok = outcome.is_ok
             self.report.attempt_ended("ok" if ok else outcome.value, None, self.status, self.stats)
@@ -222,38 +232,42 @@ class TurnEndings(TurnFields):
         A turn whose terminal frame was released is complete, even if the client
         closes a moment later: it stays ``ok``.
         """
-        if self.outcome is None:
+        if self._outcome is None:
             ledger = self.ledger
             if ledger is not None and ledger.state is LedgerState.DONE:
-                self.outcome = self._ok_outcome()
+                self._outcome = self._ok_outcome()
                 self.report.attempt_ended("ok", None, self.status, self.stats)
             else:
-                self.outcome = Outcome.ABORTED_BY_CLIENT
+                self._outcome = Outcome.ABORTED_BY_CLIENT
                 if self.continuation is not None:
                     self._abandon()  # nobody reads the response any more
                 committed = ledger is not None and ledger.state is not LedgerState.PENDING
                 self.report.attempt_ended(
                     Outcome.ABORTED_BY_CLIENT.value,
-                    Phase.COMMITTED if committed or self.headers_out else None,
+                    Phase.COMMITTED if committed or self.reply is not NOTHING_SENT else None,
                     self.status,
                     self.stats,
                 )
         self.step = Step.ENDED
         self.retry.close()
-        return self.outcome
+        return self._outcome
 
     def crashed(self) -> Outcome:
         """A bug in the relay ended the turn."""
-        if self.outcome is None or self.step is not Step.ENDED:
-            self.outcome = Outcome.INTERNAL_ERROR
+        if self._outcome is None or self.step is not Step.ENDED:
+            self._outcome = Outcome.INTERNAL_ERROR
             self.report.attempt_ended(Outcome.INTERNAL_ERROR.value, None, self.status, self.stats)
         self.step = Step.ENDED
         self.retry.close()
-        return self.outcome
+        return self._outcome
 
     def shutdown_error(self) -> bytes:
         """The relay shuts down mid-stream: the native error for a committed stream, or b""."""
         ledger = self.ledger
-        if ledger is None or ledger.state is not LedgerState.COMMITTED or not self.headers_out:
+        if (
+            ledger is None
+            or ledger.state is not LedgerState.COMMITTED
+            or self.reply is NOTHING_SENT
+        ):
             return b""
         return ledger.failed("the relay is shutting down")  # b"" for a reset profile

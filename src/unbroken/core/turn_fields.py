@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, NoReturn
 
 from unbroken.core.attempt import AttemptStats
@@ -19,7 +20,22 @@ from unbroken.core.profiles import Profile
 from unbroken.core.protocols import Protocol
 from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
-from unbroken.core.turn_table import ALLOWED, ENTERS, Step, TurnEvent, Watch
+from unbroken.core.turn_table import (
+    ALLOWED,
+    ENTERS,
+    IDLE,
+    NOTHING_SENT,
+    QUEUED,
+    STALLED,
+    Kept,
+    Overflow,
+    Pacing,
+    Reply,
+    Request,
+    Step,
+    TurnEvent,
+    Watch,
+)
 from unbroken.core.turn_types import (
     Action,
     End,
@@ -31,10 +47,12 @@ from unbroken.core.turn_types import (
     TurnObserver,
 )
 
-__all__ = ["TurnFields", "is_testing", "set_testing", "testing"]
+__all__ = ["TESTING", "TurnFields", "is_testing", "set_testing"]
 
-#: testing mode (`set_testing`); the parts read it as ``turn_fields.testing``
-testing = False
+#: testing mode (`set_testing`): a context variable, not a module global, so a
+#: switch reaches the context that made it (a test, and the tasks it starts from
+#: there) and is undone by the token it returns
+TESTING: ContextVar[bool] = ContextVar("unbroken_testing", default=False)
 
 
 def set_testing(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
@@ -42,62 +60,57 @@ def set_testing(enabled: bool = True) -> contextlib.AbstractContextManager[None]
 
     The machine still computes and reports every wait (logs, journal, /status say
     what would have happened); only the `Wait` it returns is zero, so tests of
-    retry storms and Retry-After run without real waits.  It takes effect at once;
-    used as a context manager (``with set_testing():``), the previous mode is back
-    on exit, as in stamina.
+    retry storms and Retry-After run without real waits.  It takes effect at once,
+    in the current context and the tasks started from it; used as a context manager
+    (``with set_testing():``), the previous mode is back on exit, as in stamina.
     """
-    global testing
-    previous, testing = testing, enabled
-    return _Restore(previous)
+    return _Restore(TESTING.set(enabled))
 
 
 class _Restore(contextlib.AbstractContextManager[None]):
-    def __init__(self, previous: bool) -> None:
-        self.previous = previous
+    def __init__(self, token: Token[bool]) -> None:
+        self.token = token
 
     def __exit__(self, *exc: object) -> None:
-        global testing
-        testing = self.previous
+        TESTING.reset(self.token)
 
 
 def is_testing() -> bool:
-    return testing
+    return TESTING.get()
 
 
 class TurnFields:
     """What one turn's machine knows (see `TurnMachine.__init__` for each field)."""
 
     __slots__ = (
-        "_answer_kept",
         "_attempt_t0",
-        "_done_seen",
+        "_cancels",
+        "_outcome",
         "_over",
-        "_overflow_reported",
-        "_parked",
-        "_patched",
+        "_profile",
         "_resume",
         "_resume_t0",
         "_splice",
         "_splitter",
         "_write_t0",
         "attempt_ledger",
-        "cancels",
         "clock",
         "continuation",
         "failure",
-        "first_frame",
-        "headers_out",
         "hold",
         "keepalive_event",
+        "kept",
         "last_rx",
         "last_tx",
         "ledger",
-        "outcome",
-        "profile",
+        "overflow",
+        "pacing",
         "protocol",
         "queued_s",
         "refusal",
+        "reply",
         "report",
+        "request",
         "retry",
         "socket",
         "stats",
@@ -111,37 +124,35 @@ class TurnFields:
         "writing",
     )
 
-    _answer_kept: bool
     _attempt_t0: float
-    _done_seen: bool
+    _cancels: list[Cancel]
+    _outcome: Outcome | None
+    _profile: Profile
     _over: Action | None
-    _overflow_reported: bool
-    _parked: bool
-    _patched: bool
     _resume: Resume | None
     _resume_t0: float
     _splice: Splicer | None
     _splitter: SSESplitter | None
     _write_t0: float
     attempt_ledger: Ledger | None
-    cancels: list[Cancel]
     clock: Callable[[], float] | None
     wall_clock: Callable[[], float] | None
     continuation: Strategy | None
     failure: Failure | None
-    first_frame: bool
-    headers_out: bool
     hold: Hold
     keepalive_event: bytes | None
+    kept: Kept
     last_rx: float
     last_tx: float
     ledger: Ledger | None
-    outcome: Outcome | None
-    profile: Profile
+    overflow: Overflow
+    pacing: Pacing
     protocol: Protocol
     queued_s: float
     refusal: Refusal | PrefillRefusal | None
+    reply: Reply
     report: TurnObserver
+    request: Request
     retry: RetryState
     socket: bool
     stats: AttemptStats | None
@@ -153,10 +164,37 @@ class TurnFields:
     writing: int
     watch: Watch
 
+    # -- what the machine publishes, read-only -------------------------------------------
+    @property
+    def outcome(self) -> Outcome | None:
+        """The turn's outcome, once it ended (None before)."""
+        return self._outcome
+
+    @property
+    def first_frame(self) -> bool:
+        """The current attempt's first (non-comment) frame arrived, and its stall
+        watch is on the idle timer (`Watch.IDLE`)."""
+        return self.watch is IDLE
+
+    @property
+    def profile(self) -> Profile:
+        """The client's profile (`core.profiles`): its timers and habits."""
+        return self._profile
+
+    @property
+    def has_cancels(self) -> bool:
+        """Cancel requests are waiting to be sent (`take_cancels`)."""
+        return bool(self._cancels)
+
+    @property
+    def headers_out(self) -> bool:
+        """The client has the status line and headers (`Reply`)."""
+        return self.reply is not NOTHING_SENT
+
     @property
     def stalled(self) -> bool:
         """The attempt was aborted for a stall (its read failure is the stall)."""
-        return self.watch is not Watch.WATCHING
+        return self.watch is STALLED or self.watch is QUEUED
 
     # -- the table, run (`turn_table`) ---------------------------------------------------
     def _moved(self, before: Step, event: TurnEvent, action: Action) -> Action:
@@ -185,6 +223,11 @@ class TurnFields:
 
         def _feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]: ...
         def _feed_events(self, now: float, events: list[Event]) -> Sequence[Event]: ...
+        def _feed_spliced(self, now: float, events: list[Event]) -> Sequence[Event]: ...
+        def _record_events(self, events: Sequence[Event]) -> None: ...
+        def _cut_by_error(self, now: float, ledger: Ledger) -> Sequence[Event]: ...
+        def _join_broken(self, now: float, reason: str) -> Action: ...
+        def _transport_failed(self, now: float, failure: Failure) -> Action: ...
         def _next_attempt(self, now: float) -> Action: ...
         def _open_failed(self, now: float, failure: Failure) -> Action: ...
         def _continue(self, now: float, failure: Failure) -> Action | None: ...

@@ -39,12 +39,35 @@ from unbroken.core.turn_types import (
 )
 
 __all__ = [
+    "ANSWER_KEPT",
     "ANY_STEP",
+    "AS_SENT",
     "ENTERS",
+    "FIRST_FRAME",
+    "FREE",
+    "HEADERS_SENT",
+    "IDLE",
     "LEGAL",
+    "NOTHING_KEPT",
+    "NOTHING_SENT",
+    "OVERFLOW_REPORTED",
+    "PARKED",
+    "PATCHED",
+    "QUEUED",
     "ROWS",
+    "STALLED",
+    "SUBSTATES",
+    "TERMINATED",
+    "WATCHING",
+    "WITHIN_BOUND",
+    "Kept",
+    "Overflow",
+    "Pacing",
+    "Reply",
+    "Request",
     "Row",
     "Step",
+    "SubState",
     "TurnEvent",
     "Watch",
     "allowed",
@@ -74,11 +97,140 @@ class Step(enum.Enum):
 class Watch(enum.Enum):
     """The stall watch of the attempt being read (a sub-state of the reading steps)."""
 
-    WATCHING = "watching"  # the stall clock runs (while no write blocks)
+    FIRST_FRAME = "first_frame"  # no frame yet: ``first_frame_timeout_s`` from the body's start
+    IDLE = "idle"  # frames came: ``idle_timeout_s`` from the last byte
     STALLED = "stalled"  # aborted for upstream silence: its read failure is the stall
     QUEUED = "queued"  # aborted: a continuation made no progress within queued_s
 
     __hash__ = object.__hash__
+
+
+#: the watches whose stall clock runs (while no write to the client blocks)
+WATCHING = frozenset({Watch.FIRST_FRAME, Watch.IDLE})
+
+
+class Reply(enum.Enum):
+    """What the client has been sent (the client's side of the turn)."""
+
+    NOTHING = "nothing"  # no status line yet: a failure can still be any answer
+    HEADERS = "headers"  # status and headers are out: a final error is an in-stream event
+    TERMINATED = "terminated"  # the protocol's done marker (``[DONE]``) is out too
+
+    __hash__ = object.__hash__
+
+
+class Request(enum.Enum):
+    """How the current attempt's request went upstream."""
+
+    AS_SENT = "as_sent"  # the client's request, as it sent it
+    PATCHED = "patched"  # with its strategy's body patch (``after_commit = "continue"``)
+
+    __hash__ = object.__hash__
+
+
+class Kept(enum.Enum):
+    """What the current attempt's failure left for a give-up to pass on."""
+
+    NOTHING = "nothing"
+    ANSWER = "answer"  # its retryable answer, status and body, kept by the transport
+
+    __hash__ = object.__hash__
+
+
+class Pacing(enum.Enum):
+    """How the next attempt is reached: straight, or after waiting in its upstream's
+    pacer line (reported as the attempt's choice, "parked")."""
+
+    FREE = "free"
+    PARKED = "parked"
+
+    __hash__ = object.__hash__
+
+
+class Overflow(enum.Enum):
+    """The hold's byte bound (``max_hold_bytes``): whether the ledger's hold overflowed
+    this turn (it then releases what it held) and observers were told, once."""
+
+    WITHIN = "within"
+    REPORTED = "reported"
+
+    __hash__ = object.__hash__
+
+
+# The sub-states' values as plain names, for the machine's hot path: on Python 3.11 an
+# Enum member's lookup (``Reply.NOTHING``) costs about 80 ns, a module global's 7.
+NOTHING_SENT, HEADERS_SENT, TERMINATED = Reply
+AS_SENT, PATCHED = Request
+NOTHING_KEPT, ANSWER_KEPT = Kept
+FREE, PARKED = Pacing
+WITHIN_BOUND, OVERFLOW_REPORTED = Overflow
+FIRST_FRAME, IDLE, STALLED, QUEUED = Watch
+
+
+@dataclass(frozen=True, slots=True)
+class SubState:
+    """One of the machine's sub-states: its field, the question it answers, and how
+    each value is entered (`markdown` renders them for ``docs/gate.md``)."""
+
+    field: str
+    states: type[enum.Enum]
+    entered: Mapping[str, str]
+
+
+#: the machine's state besides its `Step`, one question each (no flag stands for one)
+SUBSTATES: tuple[SubState, ...] = (
+    SubState(
+        "watch",
+        Watch,
+        {
+            "FIRST_FRAME": "an answer's body begins to be read (`Stream`, `PassThrough`, ...)",
+            "IDLE": "a feed brought the attempt's first frame (an SSE comment is none)",
+            "STALLED": "`tick`: the upstream was silent past its stall timer (`AbortUpstream`)",
+            "QUEUED": "`tick`: a continuation made no progress within `queued_s`",
+        },
+    ),
+    SubState(
+        "reply",
+        Reply,
+        {
+            "NOTHING": "the machine's creation",
+            "HEADERS": "`headers_sent`, the first release, or early headers (`SendHeaders`)",
+            "TERMINATED": "the done marker released, or added by the tail's ending",
+        },
+    ),
+    SubState(
+        "request",
+        Request,
+        {
+            "AS_SENT": "an `Open` with no body patch; a refusal of the patch",
+            "PATCHED": "an `Open` with its strategy's body patch",
+        },
+    ),
+    SubState(
+        "kept",
+        Kept,
+        {
+            "NOTHING": "each attempt's start",
+            "ANSWER": "`error_body`: the retryable answer was read and kept",
+        },
+    ),
+    SubState(
+        "pacing",
+        Pacing,
+        {
+            "FREE": "the attempt after a park opens",
+            "PARKED": "`start` or `next_attempt` parked in the pacer's line (`Wait`)",
+        },
+    ),
+    SubState(
+        "overflow",
+        Overflow,
+        {
+            "WITHIN": "the machine's creation",
+            "REPORTED": "a feed after the ledger's hold overflowed (observers told once)",
+        },
+    ),
+)
 
 
 class TurnEvent(enum.Enum):
@@ -333,6 +485,16 @@ def markdown() -> str:
     lines.append("|---|---|")
     for action, step in ENTERS.items():
         lines.append(f"| `{action.__name__}` | {step.name} |")
+    lines.append("")
+    lines.append("| sub-state | question | value | entered by |")
+    lines.append("|---|---|---|---|")
+    for sub in SUBSTATES:
+        question = (sub.states.__doc__ or "").split("\n\n")[0]
+        question = " ".join(question.split())
+        for i, value in enumerate(sub.states):
+            head = f"`{sub.field}`: `{sub.states.__name__}`" if i == 0 else ""
+            what = question if i == 0 else ""
+            lines.append(f"| {head} | {what} | {value.name} | {sub.entered[value.name]} |")
     return "\n".join(lines) + "\n"
 
 

@@ -220,7 +220,7 @@ class _HttpTurn:
             try:
                 action: Action = machine.start(self.loop.time())
                 while True:
-                    if machine.cancels:
+                    if machine.has_cancels:
                         self._send_cancels()
                     match action:
                         case Open():
@@ -264,7 +264,7 @@ class _HttpTurn:
                     content_type="application/json",
                 )
             finally:
-                if machine.cancels:
+                if machine.has_cancels:
                     self._send_cancels()
                 self.watchdog.close()
                 self.upstream.close()

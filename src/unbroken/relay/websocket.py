@@ -472,7 +472,7 @@ class _WsTurn:
                 await self.conn.client.close(code=1011, message=b"internal error")
             return False
         finally:
-            if machine.cancels:
+            if machine.has_cancels:
                 self._send_cancels()
             self.watchdog.close()
             self.http.close()
@@ -484,7 +484,7 @@ class _WsTurn:
         machine, conn = self.machine, self.conn
         action: Action = machine.start(conn.loop.time())
         while True:
-            if machine.cancels:
+            if machine.has_cancels:
                 self._send_cancels()
             match action:
                 case Open():
