@@ -50,14 +50,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests" / "e2e")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # tests/ for e2e.agent_run, ...
 # the unbroken the child processes run (`python -m unbroken`) is this tree's too
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
 )
 
 import aiohttp  # noqa: E402
-from agent_run import (  # noqa: E402
+
+from e2e.agent_run import (  # noqa: E402
     agent_text,
     base_env,
     claude_argv,
@@ -69,8 +70,8 @@ from agent_run import (  # noqa: E402
     run,
     zero_config,
 )
-from clis import INSTALLED, PINNED, ensure_npm_cli  # noqa: E402
-from oc_harness import (  # noqa: E402
+from e2e.clis import INSTALLED, PINNED, ensure_npm_cli  # noqa: E402
+from e2e.oc_harness import (  # noqa: E402
     Sandbox,
     fake_provider,
     run_args,
@@ -78,8 +79,7 @@ from oc_harness import (  # noqa: E402
     turn_requests,
     unbroken_run,
 )
-from oc_scenarios import TEXT  # noqa: E402
-
+from e2e.oc_scenarios import TEXT  # noqa: E402
 from unbroken.config import parse_config  # noqa: E402
 from unbroken.mock import MockProvider, RecordedRequest  # noqa: E402
 

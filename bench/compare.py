@@ -664,8 +664,8 @@ def judge(got: dict[str, Any], ref: dict[str, Any] | None, protocol: str) -> tup
     if p["roles"] > 1 or p["models"] > 1:
         what = "role chunks" if protocol != "messages" else "message_start events"
         return "spliced", (f"{p['roles']} {what}" if p["roles"] > 1 else "model changed")
-    r = parse_stream(ref["body"], protocol) if ref else None
-    if r is not None:
+    if ref:
+        r = parse_stream(ref["body"], protocol)
         if _VOLATILE.sub("", got["body"]) == _VOLATILE.sub("", ref["body"]):
             return "complete", "byte-identical"
         if len(p["text"]) > len(r["text"]) or len(p["args"]) > len(r["args"]):

@@ -130,7 +130,8 @@ def _per_turn(gen: hb.Proc, sut: Counted, spec: dict[str, Any], n: int, c: int) 
     used = sut.dump()
     if r["errors"] or not r["ok"]:
         raise RuntimeError(f"{sut.proc.name}: {r['errors']} errors, last {r['last_error']}")
-    return used / r["ok"]
+    ok: int = r["ok"]
+    return used / ok
 
 
 def main() -> int:

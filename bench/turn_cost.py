@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import pstats
 import shutil
@@ -42,7 +43,8 @@ def _batch(gen: hb.Proc, proc: hb.Proc, url: str, spec: dict[str, Any], n: int, 
     used = hb.cpu_seconds(proc.pid) - before
     if r["errors"]:
         raise RuntimeError(f"{proc.name}: {r['errors']} errors, last {r['last_error']}")
-    return used / r["ok"] * 1e6
+    ok: int = r["ok"]
+    return used / ok * 1e6
 
 
 def _named_tree(value: str) -> tuple[str, Path]:
@@ -68,7 +70,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     spec = hb._spec("chat", {"deltas": args.deltas})
     if args.non_streamed:
         body = dict(hb.PROTOCOLS["chat"]["body"], stream=False)
-        spec["body"] = hb.json.dumps(body)
+        spec["body"] = json.dumps(body)
         spec["headers"] = dict(spec["headers"], accept="application/json")
     return spec
 

@@ -29,8 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.queues import SimpleQueue
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
@@ -112,7 +112,9 @@ async def _raw_load(url: str, concurrency: int, seconds: float) -> int:
     return done
 
 
-def _client(url: str, concurrency: int, seconds: float, out: Any, raw: bool = True) -> None:
+def _client(
+    url: str, concurrency: int, seconds: float, out: SimpleQueue[int], raw: bool = True
+) -> None:
     load = _raw_load if raw else _load
     out.put(asyncio.run(load(url, concurrency, seconds)))
 
@@ -141,7 +143,7 @@ def run_once(mock_url: str, workers: int, args: argparse.Namespace) -> float:
         )
         try:
             ctx = multiprocessing.get_context("spawn")
-            out = ctx.SimpleQueue()
+            out: SimpleQueue[int] = ctx.SimpleQueue()
             per = max(1, args.concurrency // args.clients)
             procs = [
                 ctx.Process(target=_client, args=(url, per, args.seconds, out, not args.aiohttp))
@@ -152,7 +154,7 @@ def run_once(mock_url: str, workers: int, args: argparse.Namespace) -> float:
             total = sum(out.get() for _ in procs)
             for p in procs:
                 p.join()
-            return total / args.seconds
+            return total / float(args.seconds)
         finally:
             relay.terminate()
             relay.wait(30)

@@ -32,6 +32,7 @@ if os.environ.get("MEMPROBE_DIR"):
     _OUT = os.environ["MEMPROBE_DIR"]
     _PERIOD = float(os.environ.get("MEMPROBE_PERIOD", "20"))
     _TRIM = os.environ.get("MEMPROBE_TRIM") == "1"
+    _FIELDS: tuple[str, ...]
     _FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks")
     _FIELDS += ("uordblks", "fordblks", "keepcost")
 
@@ -50,7 +51,8 @@ if os.environ.get("MEMPROBE_DIR"):
     def _store_queue() -> int | None:
         import asyncio.tasks
 
-        for task in list(asyncio.tasks._all_tasks):
+        # every task of every loop (all_tasks() sees only this thread's): private, untyped
+        for task in list(asyncio.tasks._all_tasks):  # type: ignore[attr-defined]
             coro = task.get_coro()
             if getattr(coro, "__name__", "") == "_writer" and coro.cr_frame is not None:
                 return int(coro.cr_frame.f_locals["self"]._queue.qsize())

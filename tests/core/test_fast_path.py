@@ -19,7 +19,8 @@ from unittest import mock
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ledger import (
+
+from core.test_ledger import (
     FATAL_ERROR,
     MALFORMED,
     RETRYABLE_ERROR,
@@ -28,7 +29,6 @@ from test_ledger import (
     chat_frames,
     responses_frames,
 )
-
 from turnfix import Report, Timers
 from unbroken.core.ledger import Hold, Ledger
 from unbroken.core.policy import RetryPolicy, RetryState

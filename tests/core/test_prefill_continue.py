@@ -102,7 +102,10 @@ def chunks_of(data: bytes, rng: random.Random) -> list[bytes]:
 def client_text(raw: bytes, tool: bool = False) -> str:
     """The client's text; its framing checked: one start, delta and stop, blocks in
     order, every delta in its open block, the tool call (if any) once and whole."""
-    names, text, args, starts = [], [], [], []
+    names: list[str | None] = []
+    text: list[str] = []
+    args: list[str] = []
+    starts: list[str] = []
     open_block: tuple[int, str] | None = None
     for e in SSESplitter().feed(raw):
         if e.data is None:

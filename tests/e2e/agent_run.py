@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clis import installed
+from e2e.clis import installed
 
 if TYPE_CHECKING:
     import pytest

@@ -16,19 +16,19 @@ be installed fails the tests that need it, with the reason; nothing is skipped.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import os
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest
-from clis import INSTALLED, PINNED, CliUnavailable, cache_root, ensure_npm_cli, installed
-from oc_harness import kill_leftovers
-from oc_scenarios import SCENARIOS, remove_sandboxes
+
+from e2e.clis import INSTALLED, PINNED, CliUnavailable, cache_root, ensure_npm_cli, installed
+from e2e.oc_scenarios import AFTER, Batch, ScenarioName, scenario_name
+
+if TYPE_CHECKING:
+    from _pytest.capture import CaptureManager  # (pytest does not export its type)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -43,80 +43,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     last = [i for i in items if i.get_closest_marker("run_last")]
     if last:
         items[:] = [i for i in items if not i.get_closest_marker("run_last")] + last
-
-
-#: Seconds after the first e2e test each scenario starts (the longest first).
-START_AFTER_S: dict[str, float] = {
-    "seed": 0.0,
-    "storm": 2.0,
-    "setup_undo": 8.0,
-    "reset_before_output": 14.0,
-    "tool_reset": 20.0,
-    "drop_after_output": 30.0,
-    # these count from the end of the scenario they wait for (AFTER), if it runs
-    "after_commit_openai": 0.0,
-    "after_commit_anthropic": 8.0,
-    "after_commit_tool": 16.0,
-    "after_commit_default": 24.0,
-}
-#: Scenarios that start only once another one (when selected) has ended: the
-#: hot-loop rate drop_after_output measures needs the CPU that OpenCode servers
-#: starting beside it would take.
-AFTER: dict[str, str] = {
-    name: "drop_after_output"
-    for name in (
-        "after_commit_openai",
-        "after_commit_anthropic",
-        "after_commit_tool",
-        "after_commit_default",
-    )
-}
-
-
-class Batch:
-    """A background event loop running the scenarios; results are futures."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="e2e", daemon=True)
-        self.thread.start()
-        self.futures: dict[str, concurrent.futures.Future[Any]] = {}
-
-    def start(self, name: str) -> None:
-        if name not in self.futures:
-            self.futures[name] = asyncio.run_coroutine_threadsafe(self._run(name), self.loop)
-
-    async def _run(self, name: str) -> Any:
-        # Staggered: a dozen OpenCode processes starting at once would starve the
-        # measurements of CPU on a small machine.
-        first = self.futures.get(AFTER.get(name, ""))
-        if first is not None:
-            await asyncio.wait([asyncio.wrap_future(first)])  # its outcome is its test's
-        await asyncio.sleep(START_AFTER_S.get(name, 0.0))
-        return await SCENARIOS[name]()
-
-    def result(self, name: str, timeout: float) -> Any:
-        self.start(name)
-        return self.futures[name].result(timeout)
-
-    def close(self) -> None:
-        for fut in self.futures.values():
-            fut.cancel()  # cancels the task: processes are killed in their finally blocks
-
-        async def drain() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            if tasks:
-                await asyncio.wait(tasks, timeout=15)
-
-        with_timeout = asyncio.run_coroutine_threadsafe(drain(), self.loop)
-        try:
-            with_timeout.result(20)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-            pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        kill_leftovers()
-        remove_sandboxes()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -152,10 +78,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             say(f"unbroken tests: cannot install {cli.spec}; its tests will fail: {exc}")
 
 
-def _printer(config: pytest.Config) -> Any:
+def _printer(config: pytest.Config) -> Callable[[str], None]:
     """Print one line on the terminal, past pytest's output capture."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    capture = config.pluginmanager.get_plugin("capturemanager")
+    reporter: pytest.TerminalReporter | None = config.pluginmanager.get_plugin("terminalreporter")
+    capture: CaptureManager | None = config.pluginmanager.get_plugin("capturemanager")
 
     def say(line: str) -> None:
         with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
@@ -182,12 +108,12 @@ def _clis(request: pytest.FixtureRequest) -> None:
 
 @pytest.fixture(scope="session")
 def scenarios(request: pytest.FixtureRequest) -> Iterator[Batch]:
-    batch = Batch()
-    wanted: list[str] = []
+    wanted: list[ScenarioName] = []
     for item in request.session.items:
         marker = item.get_closest_marker("scenario")
-        if marker is not None and marker.args[0] not in wanted:
-            wanted.append(marker.args[0])
+        if marker is not None and (name := scenario_name(marker.args[0])) not in wanted:
+            wanted.append(name)
+    batch = Batch()
     # The slowest first, so the long ones are under way while the short ones start;
     # a scenario that waits for another (AFTER) after the one it waits for.
     for name in sorted(wanted, key=lambda n: (n != "seed", n in AFTER)):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oc_harness import (
+from e2e.oc_harness import (
     BUILTIN_MODELS,
     Background,
     OpenCodeClient,
@@ -38,7 +38,6 @@ from oc_harness import (
     step_requests,
     unbroken_run,
 )
-
 from unbroken.opencode.resume import SETTLE_S
 
 #: Cuts after output in one turn (the issue's acceptance figure).

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from clis import PINNED, installed
 
+from e2e.clis import PINNED, installed
 from unbroken.mock import MockProvider, RecordedRequest
 
 OPENCODE_VERSION = PINNED["opencode"].version

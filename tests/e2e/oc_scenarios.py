@@ -1,12 +1,14 @@
 """The end-to-end scenarios, each with and (where it proves something) without unbroken.
 
 Each scenario is a coroutine returning plain facts; the tests assert on them.  They
-all run concurrently (see conftest.py), so the suite pays for the slowest only.
+all run concurrently (`Batch`, below; conftest.py's ``scenarios`` fixture starts it), so
+the suite pays for the slowest only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -14,20 +16,21 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypedDict, overload
 
-from oc_after_commit import (
+from e2e.oc_after_commit import (
     ROUTE_TOML,
     AfterCommitRun,
     after_commit_session,
     every_request_cut,
     text_then_bash,
 )
-from oc_harness import (
+from e2e.oc_harness import (
     Background,
     Finished,
     OpenCodeClient,
@@ -35,6 +38,7 @@ from oc_harness import (
     TimedMock,
     fake_provider,
     free_port,
+    kill_leftovers,
     max_per_second,
     opencode,
     run_args,
@@ -42,7 +46,6 @@ from oc_harness import (
     turn_requests,
     unbroken_run,
 )
-
 from unbroken.config import parse_config
 from unbroken.observe.hooks import Hooks, TurnRecord
 from unbroken.relay.server import RelayServer
@@ -262,7 +265,26 @@ class _Turns(Hooks):
         self.ended.append(turn)
 
 
-async def setup_undo() -> dict[str, Any]:
+class SetupUndo(TypedDict):
+    """What `setup_undo` saw, in order."""
+
+    original: bytes  # the project's opencode.json, with a comment
+    first: Finished  # `unbroken opencode setup --project`
+    patched: bytes
+    second: Finished  # the same setup again
+    patched_again: bytes
+    backup: bytes  # opencode.json.unbroken-backup
+    through: Finished  # `opencode run` through the relay
+    turns_via_relay: int
+    undone: Finished  # `unbroken opencode undo --project`
+    restored: bytes
+    backup_left: bool
+    direct: Finished  # `opencode run` after the undo
+    turns_after_undo: int
+    requests: int  # provider requests, both runs
+
+
+async def setup_undo() -> SetupUndo:
     """``unbroken opencode setup --project`` then ``undo`` on a real opencode.json."""
     box = _box("setup")
     async with TimedMock() as mock:
@@ -357,7 +379,15 @@ async def after_commit_tool() -> AfterCommitRun:
     )
 
 
-SCENARIOS: dict[str, Callable[[], Awaitable[Any]]] = {
+#: The scenarios by the kind of result they give (`Batch.result` is typed by these).
+CliScenario = Literal["storm", "reset_before_output", "tool_reset", "drop_after_output"]
+AfterCommitScenario = Literal[
+    "after_commit_openai", "after_commit_anthropic", "after_commit_tool", "after_commit_default"
+]
+ScenarioName = Literal["seed", "setup_undo", CliScenario, AfterCommitScenario]
+Outcome = dict[str, SessionRun] | dict[str, CliRun] | SetupUndo | AfterCommitRun
+
+SCENARIOS: dict[ScenarioName, Callable[[], Awaitable[Outcome]]] = {
     "seed": seed,
     "storm": storm,
     "reset_before_output": reset_before_output,
@@ -369,3 +399,95 @@ SCENARIOS: dict[str, Callable[[], Awaitable[Any]]] = {
     "after_commit_tool": after_commit_tool,
     "after_commit_default": after_commit_default,
 }
+
+
+def scenario_name(value: object) -> ScenarioName:
+    """A ``pytest.mark.scenario`` argument as the scenario it names."""
+    for name in SCENARIOS:
+        if name == value:
+            return name
+    raise LookupError(f"no e2e scenario named {value!r} (oc_scenarios.SCENARIOS)")
+
+
+#: Seconds after the first e2e test each scenario starts (the longest first).
+START_AFTER_S: dict[ScenarioName, float] = {
+    "seed": 0.0,
+    "storm": 2.0,
+    "setup_undo": 8.0,
+    "reset_before_output": 14.0,
+    "tool_reset": 20.0,
+    "drop_after_output": 30.0,
+    # these count from the end of the scenario they wait for (AFTER), if it runs
+    "after_commit_openai": 0.0,
+    "after_commit_anthropic": 8.0,
+    "after_commit_tool": 16.0,
+    "after_commit_default": 24.0,
+}
+#: Scenarios that start only once another one (when selected) has ended: the
+#: hot-loop rate drop_after_output measures needs the CPU that OpenCode servers
+#: starting beside it would take.
+AFTER: dict[ScenarioName, ScenarioName] = {
+    name: "drop_after_output"
+    for name in (
+        "after_commit_openai",
+        "after_commit_anthropic",
+        "after_commit_tool",
+        "after_commit_default",
+    )
+}
+
+
+class Batch:
+    """A background event loop running the scenarios; results are futures."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="e2e", daemon=True)
+        self.thread.start()
+        self.futures: dict[ScenarioName, concurrent.futures.Future[Outcome]] = {}
+
+    def start(self, name: ScenarioName) -> None:
+        if name not in self.futures:
+            self.futures[name] = asyncio.run_coroutine_threadsafe(self._run(name), self.loop)
+
+    async def _run(self, name: ScenarioName) -> Outcome:
+        # Staggered: a dozen OpenCode processes starting at once would starve the
+        # measurements of CPU on a small machine.
+        after = AFTER.get(name)
+        first = self.futures.get(after) if after is not None else None
+        if first is not None:
+            await asyncio.wait([asyncio.wrap_future(first)])  # its outcome is its test's
+        await asyncio.sleep(START_AFTER_S.get(name, 0.0))
+        return await SCENARIOS[name]()
+
+    @overload
+    def result(self, name: Literal["seed"], timeout: float) -> dict[str, SessionRun]: ...
+    @overload
+    def result(self, name: CliScenario, timeout: float) -> dict[str, CliRun]: ...
+    @overload
+    def result(self, name: Literal["setup_undo"], timeout: float) -> SetupUndo: ...
+    @overload
+    def result(self, name: AfterCommitScenario, timeout: float) -> AfterCommitRun: ...
+    def result(self, name: ScenarioName, timeout: float) -> Outcome:
+        """The scenario's result, once it has run (started now if no test started it)."""
+        self.start(name)
+        return self.futures[name].result(timeout)
+
+    def close(self) -> None:
+        for fut in self.futures.values():
+            fut.cancel()  # cancels the task: processes are killed in their finally blocks
+
+        async def drain() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if tasks:
+                await asyncio.wait(tasks, timeout=15)
+
+        with_timeout = asyncio.run_coroutine_threadsafe(drain(), self.loop)
+        try:
+            with_timeout.result(20)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        kill_leftovers()
+        remove_sandboxes()

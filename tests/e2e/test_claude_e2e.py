@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_run import (
+
+from e2e.agent_run import (
     STALL_TIMERS,
     claude_argv,
     claude_env,
@@ -27,7 +28,6 @@ from agent_run import (
     timeline,
     zero_config,
 )
-
 from unbroken.mock import MockProvider
 from unbroken.mock.wire import events_for
 

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from clis import CACHE_ENV, CliUnavailable, cache_root, ensure_npm_cli
+
+from e2e.clis import CACHE_ENV, CliUnavailable, cache_root, ensure_npm_cli
 
 #: Writes the package's bin like npm would (``--prefix DIR ... pkg@ver``), or fails.
 FAKE_NPM = r"""#!{python}

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_run import (
+
+from e2e.agent_run import (
     agent_text,
     codex_argv,
     codex_home,
@@ -28,7 +29,6 @@ from agent_run import (
     timeline,
     zero_config,
 )
-
 from unbroken.mock import MockProvider
 from unbroken.mock.wire import events_for
 

@@ -15,7 +15,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from clis import CACHE_ENV, PINNED
+
+from e2e.clis import CACHE_ENV, PINNED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.run_last, pytest.mark.timeout(1500)]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_run import GEMINI_MODEL, gemini_argv, gemini_env, run, through_unbroken
 
+from e2e.agent_run import GEMINI_MODEL, gemini_argv, gemini_env, run, through_unbroken
 from unbroken.mock import MockProvider
 from unbroken.mock.wire import frames_for
 

@@ -18,10 +18,11 @@ re-prompting between cycles (see test_opencode_e2e.py's seed test).
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import pytest
-from oc_after_commit import CUTS, LEAD_TEXT, LONG_TEXT, TOOL_CUTS, TOOL_DONE, AfterCommitRun
+
+from e2e.oc_after_commit import CUTS, LEAD_TEXT, LONG_TEXT, TOOL_CUTS, TOOL_DONE, AfterCommitRun
+from e2e.oc_scenarios import Batch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cli("opencode"), pytest.mark.timeout(420)]
 
@@ -78,7 +79,7 @@ def _say(run: AfterCommitRun, capsys: pytest.CaptureFixture[str], what: str) -> 
 
 @pytest.mark.scenario("after_commit_openai")
 def test_opencode_responses_twenty_cuts_after_output_finish_without_a_retry(
-    scenarios: Any, capsys: pytest.CaptureFixture[str]
+    scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run: AfterCommitRun = scenarios.result("after_commit_openai", timeout=360)
     _say(run, capsys, "OpenCode's openai provider (Responses)")
@@ -95,7 +96,7 @@ def test_opencode_responses_twenty_cuts_after_output_finish_without_a_retry(
 
 @pytest.mark.scenario("after_commit_default")
 def test_without_the_setting_opencode_sees_every_cut_and_the_session_dies(
-    scenarios: Any, capsys: pytest.CaptureFixture[str]
+    scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The contrast (no unbroken config): each cut after output ends with the native
     retryable error, OpenCode retries the step 5 times, every try is cut, and the
@@ -117,7 +118,7 @@ def test_without_the_setting_opencode_sees_every_cut_and_the_session_dies(
 
 @pytest.mark.scenario("after_commit_anthropic")
 def test_opencode_anthropic_twenty_cuts_after_text_finish_without_a_retry(
-    scenarios: Any, capsys: pytest.CaptureFixture[str]
+    scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run: AfterCommitRun = scenarios.result("after_commit_anthropic", timeout=360)
     _say(run, capsys, "OpenCode's anthropic provider (Messages, text), per route")
@@ -142,7 +143,7 @@ def test_opencode_anthropic_twenty_cuts_after_text_finish_without_a_retry(
 
 @pytest.mark.scenario("after_commit_tool")
 def test_opencode_anthropic_text_cut_before_a_bash_call_runs_it_once(
-    scenarios: Any, capsys: pytest.CaptureFixture[str]
+    scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The step answers text, then a ``bash`` call; the text is cut 5 times.  Each
     continuation brings the rest of the text, then the call, whole: OpenCode runs it

@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
-from oc_harness import OPENCODE_VERSION, Sandbox, opencode, run_to_end
-from oc_scenarios import SEED_FAILURES, TEXT, CliRun, SessionRun
 
 from docsamples import documented_storm_seconds
+from e2e.oc_harness import OPENCODE_VERSION, Sandbox, opencode, run_to_end
+from e2e.oc_scenarios import SEED_FAILURES, TEXT, Batch, CliRun, SessionRun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cli("opencode"), pytest.mark.timeout(420)]
 
@@ -42,7 +41,7 @@ def test_the_pinned_opencode_cli_runs() -> None:
 
 @pytest.mark.scenario("storm")
 def test_503_storm_kills_opencode_alone_but_not_through_unbroken(
-    scenarios: Any, capsys: pytest.CaptureFixture[str]
+    scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs = scenarios.result("storm", timeout=300)
     alone, relayed = runs["without"], runs["with"]
@@ -68,7 +67,7 @@ def test_503_storm_kills_opencode_alone_but_not_through_unbroken(
 
 @pytest.mark.scenario("reset_before_output")
 def test_reset_before_output_completes_without_an_opencode_retry(
-    scenarios: Any, capsys: pytest.CaptureFixture[str]
+    scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs = scenarios.result("reset_before_output", timeout=300)
     alone, relayed = runs["without"], runs["with"]
@@ -91,7 +90,7 @@ def test_reset_before_output_completes_without_an_opencode_retry(
 
 @pytest.mark.scenario("tool_reset")
 def test_reset_mid_tool_arguments_runs_the_tool_exactly_once(
-    scenarios: Any, capsys: pytest.CaptureFixture[str]
+    scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = scenarios.result("tool_reset", timeout=300)["with"]
     lines = run.extra["marker_lines"]
@@ -108,7 +107,7 @@ def test_reset_mid_tool_arguments_runs_the_tool_exactly_once(
 
 @pytest.mark.scenario("drop_after_output")
 def test_drop_after_output_causes_no_hot_reprompt_loop(
-    scenarios: Any, capsys: pytest.CaptureFixture[str]
+    scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs = scenarios.result("drop_after_output", timeout=300)
     alone, relayed = runs["without"], runs["with"]
@@ -130,7 +129,7 @@ def test_drop_after_output_causes_no_hot_reprompt_loop(
 
 @pytest.mark.scenario("setup_undo")
 def test_setup_and_undo_round_trip_a_real_opencode_json(
-    scenarios: Any, capsys: pytest.CaptureFixture[str]
+    scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     r = scenarios.result("setup_undo", timeout=300)
     report(
@@ -158,7 +157,7 @@ def test_setup_and_undo_round_trip_a_real_opencode_json(
 @pytest.mark.run_last
 @pytest.mark.scenario("seed")
 def test_seed_twenty_drops_after_output_kill_opencode_alone_and_resume_recovers(
-    scenarios: Any, capsys: pytest.CaptureFixture[str]
+    scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs: dict[str, SessionRun] = scenarios.result("seed", timeout=400)
     alone, resumed = runs["without"], runs["with"]

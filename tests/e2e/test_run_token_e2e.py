@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from agent_run import (
+
+from e2e.agent_run import (
     agent_text,
     claude_argv,
     claude_env,
@@ -27,8 +28,7 @@ from agent_run import (
     run,
     through_unbroken,
 )
-from oc_harness import Sandbox, fake_provider, opencode_bin, run_args, run_to_end, turn_requests
-
+from e2e.oc_harness import Sandbox, fake_provider, opencode_bin, run_args, run_to_end, turn_requests
 from unbroken.agents.plan import TOKEN_NOTE
 from unbroken.mock import MockProvider
 

@@ -10,16 +10,23 @@ in for that library code.
 from __future__ import annotations
 
 import asyncio
+import types
 
+from redisfix import RedisServer
 from relay.test_health_relay import until
 from relay.test_redis_store import fleet_config
+from unbroken.mock import MockProvider
 from unbroken.relay.server import RelayServer
+from unbroken.relay.store import RedisStore
 
 
-async def test_a_swallowed_cancellation_still_stops_the_writer(redis_server, mock):
+async def test_a_swallowed_cancellation_still_stops_the_writer(
+    redis_server: RedisServer, mock: MockProvider
+) -> None:
     cfg = fleet_config([mock.url], redis_server.url)
     async with RelayServer(cfg) as server:
         store = server.relay.store
+        assert isinstance(store, RedisStore)
         writing = asyncio.Event()
 
         async def swallowing_write(key: str, failed: bool) -> None:
@@ -33,19 +40,22 @@ async def test_a_swallowed_cancellation_still_stops_the_writer(redis_server, moc
         store._queue.put_nowait(("count", ("k", False)))
         store._queue.put_nowait(("count", ("k", True)))
         await asyncio.wait_for(writing.wait(), 5)
-        writer = next(t for t in store._tasks if t.get_coro().__name__ == "_writer")
+        writer = next(t for t in store._tasks if _runs(t, "_writer"))
         writer.cancel()
         await until(writer.done, cap=5)
         assert writer.cancelled()
 
 
-async def test_a_cancellation_swallowed_below_a_read_still_stops_the_reader(redis_server, mock):
+async def test_a_cancellation_swallowed_below_a_read_still_stops_the_reader(
+    redis_server: RedisServer, mock: MockProvider
+) -> None:
     """The same for the reader (`RedisStore._run`): seen as a test run's teardown that
     hung for two minutes in ``_cancel_all_tasks`` on a loaded machine, the reader
     *cancelling* and reading on."""
     cfg = fleet_config([mock.url], redis_server.url)
     async with RelayServer(cfg) as server:
         store = server.relay.store
+        assert isinstance(store, RedisStore)
         reading = asyncio.Event()
 
         async def swallowing_resync(*, budget: float) -> bool:
@@ -57,8 +67,13 @@ async def test_a_cancellation_swallowed_below_a_read_still_stops_the_reader(redi
             return True
 
         store._resync = swallowing_resync  # type: ignore[method-assign]
-        reader = next(t for t in store._tasks if t.get_coro().__name__ == "_run")
+        reader = next(t for t in store._tasks if _runs(t, "_run"))
         await asyncio.wait_for(reading.wait(), 10)
         reader.cancel()
         await until(reader.done, cap=5)
         assert reader.cancelled()
+
+
+def _runs(task: asyncio.Task[None], name: str) -> bool:
+    coro = task.get_coro()
+    return isinstance(coro, types.CoroutineType) and coro.__name__ == name
