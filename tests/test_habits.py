@@ -122,13 +122,6 @@ SHARED_NAMES: dict[str, tuple[set[str], str]] = {
     "plan": (_AGENTS, "each agent's `unbroken run` launch plan (agents/launcher.py)"),
     "register": (_COMMANDS, "each command's argparse set-up (cli.COMMAND_MODULES)"),
     "main": ({"cli.py", "core/turn_table.py"}, "a command-line entry point"),
-    # NOT one meaning, left for now: two enums of why a cut turn is not continued (any
-    # strategy's reasons, prefill's own); core/turn*.py (not to be touched by this
-    # change) imports prefill's as PrefillRefusal: rename the class to that
-    "Refusal": (
-        {"core/continuation.py", "core/protocols/prefill.py"},
-        "to rename: prefill's is PrefillRefusal wherever it is imported",
-    ),
 }
 
 

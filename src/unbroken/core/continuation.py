@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
 
 from unbroken.core.ledger import Ledger
-from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
+from unbroken.core.protocols.prefill import PrefillRefusal
 from unbroken.core.sse import Event
 
 __all__ = [
@@ -164,7 +164,7 @@ class Strategy(TypingProtocol):
         self, upstream: int, ledger: Ledger, timeout_s: float
     ) -> Resume | Refusal | PrefillRefusal:
         """The attempt on ``upstream`` was cut: how to continue it, or why not (a prefill
-        continuation's refusals are `protocols.prefill.Refusal`)."""
+        continuation's refusals are `protocols.prefill.PrefillRefusal`)."""
 
     def body_patch(self, upstream: int) -> tuple[tuple[str, object], ...]:
         """Top-level JSON keys a fresh attempt on ``upstream`` sets in the request body

@@ -30,8 +30,7 @@ from unbroken.core.ledger import Ledger, LedgerState
 from unbroken.core.protocols import anthropic_prefill as anthropic
 from unbroken.core.protocols import chat_prefix as chat
 from unbroken.core.protocols.chat_prefix import ChatPrefix
-from unbroken.core.protocols.prefill import MAX_COMMITTED_BYTES, JoinError
-from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
+from unbroken.core.protocols.prefill import MAX_COMMITTED_BYTES, JoinError, PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
 
 __all__ = ["ANTHROPIC_PREFILL", "PrefillContinue", "PrefillSplicer", "prefill_applies"]

@@ -191,7 +191,7 @@ from unbroken.core.policy import Failure, FailureClass, Park, RetryState, is_ret
 from unbroken.core.profiles import DEFAULT as DEFAULT_PROFILE
 from unbroken.core.profiles import KeepaliveForm, Profile
 from unbroken.core.protocols import BODY, Protocol
-from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
+from unbroken.core.protocols.prefill import PrefillRefusal
 from unbroken.core.ratehead import RateHeaders
 from unbroken.core.sse import SSESplitter
 from unbroken.core.turn_clock import TurnClock, stall_timers

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from unbroken.core.continuation import Cancel, JoinBroken, Refusal, Resume, Strategy
 from unbroken.core.ledger import NOTHING, Ledger, LedgerState, Verdict
 from unbroken.core.policy import Failure, FailureClass, is_retryable_status
-from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
+from unbroken.core.protocols.prefill import PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn_fast_path import joined
 from unbroken.core.turn_fields import TurnFields, is_testing

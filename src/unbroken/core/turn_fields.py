@@ -18,7 +18,7 @@ from unbroken.core.ledger import Hold, Ledger
 from unbroken.core.policy import Failure, RetryState
 from unbroken.core.profiles import Profile
 from unbroken.core.protocols import Protocol
-from unbroken.core.protocols.prefill import Refusal as PrefillRefusal
+from unbroken.core.protocols.prefill import PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn_table import (
     ALLOWED,

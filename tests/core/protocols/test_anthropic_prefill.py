@@ -30,7 +30,7 @@ from unbroken.core.protocols.anthropic_prefill import (
     read_committed,
     request_refusal,
 )
-from unbroken.core.protocols.prefill import Refusal, TextJoin, reconcile
+from unbroken.core.protocols.prefill import PrefillRefusal, TextJoin, reconcile
 from unbroken.core.sse import Event, SSESplitter
 
 ORIG_IN = 1000
@@ -232,9 +232,9 @@ def test_cut_again_and_again_the_client_gets_the_uncut_text(
     client = released_prefix(frames, min(cuts[0], len(frames) - 2))
     for n, cut in enumerate([*cuts[1:], None]):
         committed = read_committed(client)
-        if isinstance(committed, Refusal):
+        if isinstance(committed, PrefillRefusal):
             # Only a tool call or the stop already released refuse a text-only turn.
-            assert committed in (Refusal.TOOL_CALL, Refusal.STOP_RELEASED)
+            assert committed in (PrefillRefusal.TOOL_CALL, PrefillRefusal.STOP_RELEASED)
             return
         assert committed.text == full[: len(committed.text)]
         p = plan_continuation(request, committed)
@@ -266,8 +266,8 @@ def test_a_model_with_its_own_whitespace_at_the_join(
     frames = stream([pieces_of(text, split)])
     client = released_prefix(frames, min(cut, len(frames) - 2))
     committed = read_committed(client)
-    if isinstance(committed, Refusal):
-        assert committed is Refusal.STOP_RELEASED
+    if isinstance(committed, PrefillRefusal):
+        assert committed is PrefillRefusal.STOP_RELEASED
         return
     p = plan_continuation(request, committed)
     assert isinstance(p, Plan)
@@ -296,7 +296,7 @@ def test_the_join_rule_by_example() -> None:
     assert echo.text("lo world") == " world"  # the echoed prefix is dropped
 
 
-def _committed(frames: list[bytes]) -> Committed | Refusal:
+def _committed(frames: list[bytes]) -> Committed | PrefillRefusal:
     return read_committed(b"".join(frames))
 
 
@@ -311,15 +311,18 @@ def test_refusals_read_from_what_was_released() -> None:
             "content_block_start", {"type": "content_block_start", "index": 0, "content_block": cb}
         )
 
-    assert _committed([start, block("tool_use", id="t", name="x", input={})]) is Refusal.TOOL_CALL
-    assert _committed([start, block("thinking", thinking="")]) is Refusal.THINKING
-    assert _committed([start, block("redacted_thinking", data="x")]) is Refusal.THINKING
+    assert (
+        _committed([start, block("tool_use", id="t", name="x", input={})])
+        is PrefillRefusal.TOOL_CALL
+    )
+    assert _committed([start, block("thinking", thinking="")]) is PrefillRefusal.THINKING
+    assert _committed([start, block("redacted_thinking", data="x")]) is PrefillRefusal.THINKING
     assert (
         _committed([start, block("server_tool_use", id="s", name="web_search")])
-        is Refusal.SERVER_TOOL
+        is PrefillRefusal.SERVER_TOOL
     )
-    assert _committed([start, block("web_search_tool_result")]) is Refusal.SERVER_TOOL
-    assert _committed([start, block("mystery")]) is Refusal.OTHER_CONTENT
+    assert _committed([start, block("web_search_tool_result")]) is PrefillRefusal.SERVER_TOOL
+    assert _committed([start, block("mystery")]) is PrefillRefusal.OTHER_CONTENT
     citations = frame(
         "content_block_delta",
         {
@@ -328,13 +331,13 @@ def test_refusals_read_from_what_was_released() -> None:
             "delta": {"type": "citations_delta", "citation": {}},
         },
     )
-    assert _committed([start, block("text", text=""), citations]) is Refusal.OTHER_CONTENT
+    assert _committed([start, block("text", text=""), citations]) is PrefillRefusal.OTHER_CONTENT
     delta = frame(
         "message_delta", {"type": "message_delta", "delta": {}, "usage": {"output_tokens": 1}}
     )
-    assert _committed([start, block("text", text=""), delta]) is Refusal.STOP_RELEASED
-    assert read_committed(b"event: ping\ndata: {nope\n\n") is Refusal.MALFORMED
-    assert read_committed(b"event: content_block_delta\ndata: {") is Refusal.MALFORMED
+    assert _committed([start, block("text", text=""), delta]) is PrefillRefusal.STOP_RELEASED
+    assert read_committed(b"event: ping\ndata: {nope\n\n") is PrefillRefusal.MALFORMED
+    assert read_committed(b"event: content_block_delta\ndata: {") is PrefillRefusal.MALFORMED
     ok = _committed([start, block("text", text="Hi"), b": keepalive\n\n"])
     assert isinstance(ok, Committed)
     assert (ok.text, ok.open_index, ok.next_index) == ("Hi", 0, 1)
@@ -344,25 +347,25 @@ def test_refusals_read_from_what_was_released() -> None:
     ("request_", "refusal"),
     [
         ({"stream": True, "messages": [{"role": "user", "content": "q"}]}, None),
-        ({"messages": [{"role": "user", "content": "q"}]}, Refusal.NOT_STREAMED),
-        ({"stream": True, "messages": []}, Refusal.BAD_REQUEST),
-        ({"stream": True}, Refusal.BAD_REQUEST),
+        ({"messages": [{"role": "user", "content": "q"}]}, PrefillRefusal.NOT_STREAMED),
+        ({"stream": True, "messages": []}, PrefillRefusal.BAD_REQUEST),
+        ({"stream": True}, PrefillRefusal.BAD_REQUEST),
         (
             {
                 "stream": True,
                 "thinking": {"type": "enabled", "budget_tokens": 1024},
                 "messages": [{"role": "user"}],
             },
-            Refusal.THINKING_ENABLED,
+            PrefillRefusal.THINKING_ENABLED,
         ),
         (
             {"stream": True, "thinking": {"type": "adaptive"}, "messages": [{"role": "user"}]},
-            Refusal.THINKING_ENABLED,
+            PrefillRefusal.THINKING_ENABLED,
         ),
         ({"stream": True, "thinking": {"type": "disabled"}, "messages": [{"role": "user"}]}, None),
         (
             {"stream": True, "tool_choice": {"type": "any"}, "messages": [{"role": "user"}]},
-            Refusal.FORCED_TOOL,
+            PrefillRefusal.FORCED_TOOL,
         ),
         (
             {"stream": True, "tool_choice": {"type": "auto"}, "messages": [{"role": "user"}]},
@@ -376,7 +379,7 @@ def test_refusals_read_from_what_was_released() -> None:
                     {"role": "assistant", "content": [{"type": "tool_use"}]},
                 ],
             },
-            Refusal.CLIENT_PREFILL,
+            PrefillRefusal.CLIENT_PREFILL,
         ),
         (
             {
@@ -390,7 +393,7 @@ def test_refusals_read_from_what_was_released() -> None:
         ),
     ],
 )
-def test_request_refusals(request_: dict[str, Any], refusal: Refusal | None) -> None:
+def test_request_refusals(request_: dict[str, Any], refusal: PrefillRefusal | None) -> None:
     assert request_refusal(request_) is refusal
 
 

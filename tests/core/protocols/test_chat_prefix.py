@@ -27,7 +27,7 @@ from unbroken.core.protocols.chat_prefix import (
     read_committed,
     request_refusal,
 )
-from unbroken.core.protocols.prefill import JoinError, Refusal
+from unbroken.core.protocols.prefill import JoinError, PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
 
 
@@ -129,47 +129,51 @@ def test_cut_again_and_again_the_client_gets_the_uncut_text(
     [
         (
             {"tool_calls": [{"index": 0, "id": "x", "function": {"name": "f", "arguments": ""}}]},
-            Refusal.TOOL_CALL,
+            PrefillRefusal.TOOL_CALL,
         ),
-        ({"reasoning_content": "hmm"}, Refusal.THINKING),
-        ({"refusal": "no"}, Refusal.OTHER_CONTENT),
-        ({"audio": {"id": "a"}}, Refusal.OTHER_CONTENT),
+        ({"reasoning_content": "hmm"}, PrefillRefusal.THINKING),
+        ({"refusal": "no"}, PrefillRefusal.OTHER_CONTENT),
+        ({"audio": {"id": "a"}}, PrefillRefusal.OTHER_CONTENT),
     ],
 )
-def test_refusals_read_from_what_was_released(delta: dict[str, Any], refusal: Refusal) -> None:
+def test_refusals_read_from_what_was_released(
+    delta: dict[str, Any], refusal: PrefillRefusal
+) -> None:
     released = chunk({"role": "assistant", "content": "Hi"}) + chunk(delta)
     assert read_committed(released) is refusal
 
 
 def test_refusals_of_the_stream_and_the_request() -> None:
-    assert read_committed(chunk({"content": "x"}, "stop")) is Refusal.STOP_RELEASED
-    assert read_committed(b"data: {nope\n\n") is Refusal.MALFORMED
+    assert read_committed(chunk({"content": "x"}, "stop")) is PrefillRefusal.STOP_RELEASED
+    assert read_committed(b"data: {nope\n\n") is PrefillRefusal.MALFORMED
     two = b'data: {"choices":[{"index":1,"delta":{"content":"x"}}]}\n\n'
-    assert read_committed(two) is Refusal.CHOICES
+    assert read_committed(two) is PrefillRefusal.CHOICES
     ok: dict[str, Any] = {"stream": True, "messages": [{"role": "user", "content": "q"}]}
     assert request_refusal(ok, ChatPrefix.PREFIX) is None
-    assert request_refusal({**ok, "stream": False}, ChatPrefix.PREFIX) is Refusal.NOT_STREAMED
-    assert request_refusal({**ok, "n": 2}, ChatPrefix.PREFIX) is Refusal.CHOICES
+    assert (
+        request_refusal({**ok, "stream": False}, ChatPrefix.PREFIX) is PrefillRefusal.NOT_STREAMED
+    )
+    assert request_refusal({**ok, "n": 2}, ChatPrefix.PREFIX) is PrefillRefusal.CHOICES
     assert request_refusal({**ok, "tool_choice": "required"}, ChatPrefix.PREFIX) is (
-        Refusal.FORCED_TOOL
+        PrefillRefusal.FORCED_TOOL
     )
     assert request_refusal({**ok, "tool_choice": "auto"}, ChatPrefix.PREFIX) is None
     assert (
         request_refusal({**ok, "reasoning_effort": "high"}, ChatPrefix.PREFIX)
-        is Refusal.THINKING_ENABLED
+        is PrefillRefusal.THINKING_ENABLED
     )
     assert (
         request_refusal({**ok, "enable_thinking": True}, ChatPrefix.PARTIAL)
-        is Refusal.THINKING_ENABLED
+        is PrefillRefusal.THINKING_ENABLED
     )
     assert (
         request_refusal({**ok, "thinking": {"type": "enabled"}}, ChatPrefix.PARTIAL)
-        is Refusal.THINKING_ENABLED
+        is PrefillRefusal.THINKING_ENABLED
     )
     own = {"role": "assistant", "content": "{", "partial": True}
     with_own = {**ok, "messages": [*ok["messages"], own]}
     assert request_refusal(with_own, ChatPrefix.PARTIAL) is None
-    assert request_refusal(with_own, ChatPrefix.PREFIX) is Refusal.CLIENT_PREFILL
+    assert request_refusal(with_own, ChatPrefix.PREFIX) is PrefillRefusal.CLIENT_PREFILL
     p = plan_continuation(with_own, Committed('"a": 1 ', "c1", 1), ChatPrefix.PARTIAL)
     assert isinstance(p, Plan)
     assert p.body["messages"][-1] == {"role": "assistant", "content": '{"a": 1', "partial": True}
@@ -192,4 +196,4 @@ def test_an_answer_that_does_not_repeat_the_prefix_breaks_the_join() -> None:
         **request,
         "messages": [*request["messages"], {"role": "assistant", "content": "{", "prefix": True}],
     }
-    assert request_refusal(own, ChatPrefix.PREFIX_ECHO) is Refusal.CLIENT_PREFILL
+    assert request_refusal(own, ChatPrefix.PREFIX_ECHO) is PrefillRefusal.CLIENT_PREFILL

@@ -10,7 +10,7 @@ client has is text, the turn can be finished in place:
 2. `read_committed` reads what the client has from the bytes unbroken released
    (never from what it received): text blocks only, no ``tool_use`` started, no
    ``thinking`` / ``redacted_thinking``, no server-tool block, no
-   ``message_delta`` yet.  Anything else is a typed `Refusal`: the turn ends as
+   ``message_delta`` yet.  Anything else is a typed `PrefillRefusal`: the turn ends as
    today, with the native error (or the profile's reset).
 3. `plan_continuation` builds the continuation request: the original body plus an assistant
    message with the committed text, trailing whitespace trimmed (the client's own
@@ -42,7 +42,7 @@ from typing import Any
 
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.protocols.prefill import (
-    Refusal,
+    PrefillRefusal,
     TextJoin,
     released_events,
     split_trailing_ws,
@@ -59,46 +59,46 @@ __all__ = [
 ]
 
 #: content block types whose start refuses the continuation, and why
-_BLOCK_REFUSALS: dict[str, Refusal] = {
-    "tool_use": Refusal.TOOL_CALL,
-    "thinking": Refusal.THINKING,
-    "redacted_thinking": Refusal.THINKING,
-    "server_tool_use": Refusal.SERVER_TOOL,
-    "mcp_tool_use": Refusal.SERVER_TOOL,
-    "mcp_tool_result": Refusal.SERVER_TOOL,
-    "web_search_tool_result": Refusal.SERVER_TOOL,
-    "web_fetch_tool_result": Refusal.SERVER_TOOL,
-    "code_execution_tool_result": Refusal.SERVER_TOOL,
-    "bash_code_execution_tool_result": Refusal.SERVER_TOOL,
-    "text_editor_code_execution_tool_result": Refusal.SERVER_TOOL,
-    "container_upload": Refusal.SERVER_TOOL,
+_BLOCK_REFUSALS: dict[str, PrefillRefusal] = {
+    "tool_use": PrefillRefusal.TOOL_CALL,
+    "thinking": PrefillRefusal.THINKING,
+    "redacted_thinking": PrefillRefusal.THINKING,
+    "server_tool_use": PrefillRefusal.SERVER_TOOL,
+    "mcp_tool_use": PrefillRefusal.SERVER_TOOL,
+    "mcp_tool_result": PrefillRefusal.SERVER_TOOL,
+    "web_search_tool_result": PrefillRefusal.SERVER_TOOL,
+    "web_fetch_tool_result": PrefillRefusal.SERVER_TOOL,
+    "code_execution_tool_result": PrefillRefusal.SERVER_TOOL,
+    "bash_code_execution_tool_result": PrefillRefusal.SERVER_TOOL,
+    "text_editor_code_execution_tool_result": PrefillRefusal.SERVER_TOOL,
+    "container_upload": PrefillRefusal.SERVER_TOOL,
 }
 #: usage fields that describe the prompt (kept as the original reported them)
 _INPUT_FIELDS = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
 _ANY_THINKING = frozenset({"enabled", "adaptive"})
 
 
-def request_refusal(request: Mapping[str, Any]) -> Refusal | None:
+def request_refusal(request: Mapping[str, Any]) -> PrefillRefusal | None:
     """None when the request allows a prefill continuation, else why not."""
     if request.get("stream") is not True:
-        return Refusal.NOT_STREAMED
+        return PrefillRefusal.NOT_STREAMED
     messages = request.get("messages")
     if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
-        return Refusal.BAD_REQUEST
+        return PrefillRefusal.BAD_REQUEST
     thinking = request.get("thinking")
     if thinking is not None and (
         not isinstance(thinking, dict) or thinking.get("type") in _ANY_THINKING
     ):
         # Prefill is refused with extended thinking (and anything we cannot read is
         # taken as thinking: the provider would refuse the continuation anyway).
-        return Refusal.THINKING_ENABLED
+        return PrefillRefusal.THINKING_ENABLED
     choice = request.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
         # A forced tool call is the provider's own prefill: a text prefill cannot join it.
-        return Refusal.FORCED_TOOL
+        return PrefillRefusal.FORCED_TOOL
     last = messages[-1]
     if last.get("role") == "assistant" and _client_prefill(last.get("content")) is None:
-        return Refusal.CLIENT_PREFILL
+        return PrefillRefusal.CLIENT_PREFILL
     return None
 
 
@@ -137,10 +137,10 @@ class Committed:
     deltas: int = 0
 
 
-def read_committed(released: bytes) -> Committed | Refusal:
+def read_committed(released: bytes) -> Committed | PrefillRefusal:
     """Read the client's stream back from the bytes released to it."""
     events = released_events(released)
-    if isinstance(events, Refusal):
+    if isinstance(events, PrefillRefusal):
         return events
     parts: list[str] = []
     open_index: int | None = None
@@ -154,7 +154,7 @@ def read_committed(released: bytes) -> Committed | Refusal:
             continue  # a comment (keepalive)
         obj = loads_object(event.data)
         if obj is None:
-            return Refusal.MALFORMED
+            return PrefillRefusal.MALFORMED
         if name == "ping":
             continue
         if name == "message_start":
@@ -167,33 +167,33 @@ def read_committed(released: bytes) -> Committed | Refusal:
             block = obj.get("content_block")
             btype = block.get("type") if isinstance(block, dict) else None
             if not isinstance(index, int) or not isinstance(btype, str):
-                return Refusal.MALFORMED
+                return PrefillRefusal.MALFORMED
             if btype != "text":
-                return _BLOCK_REFUSALS.get(btype, Refusal.OTHER_CONTENT)
+                return _BLOCK_REFUSALS.get(btype, PrefillRefusal.OTHER_CONTENT)
             assert isinstance(block, dict)
             text = block.get("text", "")
             if not isinstance(text, str) or block.get("citations"):
-                return Refusal.OTHER_CONTENT
+                return PrefillRefusal.OTHER_CONTENT
             parts.append(text)
             open_index = index
             next_index = max(next_index, index + 1)
         elif name == "content_block_delta":
             delta = obj.get("delta")
             if obj.get("index") != open_index or not isinstance(delta, dict):
-                return Refusal.MALFORMED
+                return PrefillRefusal.MALFORMED
             text = delta.get("text")
             if delta.get("type") != "text_delta" or not isinstance(text, str):
-                return Refusal.OTHER_CONTENT  # citations, or a delta the rule does not know
+                return PrefillRefusal.OTHER_CONTENT  # citations, or a delta the rule does not know
             parts.append(text)
             deltas += 1
         elif name == "content_block_stop":
             if obj.get("index") != open_index:
-                return Refusal.MALFORMED
+                return PrefillRefusal.MALFORMED
             open_index = None
         elif name in ("message_delta", "message_stop"):
-            return Refusal.STOP_RELEASED
+            return PrefillRefusal.STOP_RELEASED
         else:
-            return Refusal.OTHER_CONTENT  # an error, or a frame the rule does not know
+            return PrefillRefusal.OTHER_CONTENT  # an error, or a frame the rule does not know
     return Committed("".join(parts), open_index, next_index, usage, started, deltas)
 
 
@@ -209,7 +209,7 @@ class Plan:
     prefill: str
 
 
-def plan_continuation(request: Mapping[str, Any], committed: Committed) -> Plan | Refusal:
+def plan_continuation(request: Mapping[str, Any], committed: Committed) -> Plan | PrefillRefusal:
     """The continuation request for ``request`` after ``committed`` (or why not)."""
     refusal = request_refusal(request)
     if refusal is not None:

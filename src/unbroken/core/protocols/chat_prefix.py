@@ -37,7 +37,7 @@ from typing import Any
 
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.protocols.prefill import (
-    Refusal,
+    PrefillRefusal,
     TextJoin,
     released_events,
     split_trailing_ws,
@@ -74,16 +74,16 @@ _REASONING = ("reasoning_content", "reasoning", "reasoning_details")
 _QUIET = frozenset({"role"})
 
 
-def request_refusal(request: Mapping[str, Any], mode: ChatPrefix) -> Refusal | None:
+def request_refusal(request: Mapping[str, Any], mode: ChatPrefix) -> PrefillRefusal | None:
     """None when the request allows a prefix continuation, else why not."""
     if request.get("stream") is not True:
-        return Refusal.NOT_STREAMED
+        return PrefillRefusal.NOT_STREAMED
     messages = request.get("messages")
     if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
-        return Refusal.BAD_REQUEST
+        return PrefillRefusal.BAD_REQUEST
     n = request.get("n")
     if n is not None and n != 1:
-        return Refusal.CHOICES
+        return PrefillRefusal.CHOICES
     thinking = request.get("thinking")
     if (
         request.get("enable_thinking") is True
@@ -93,10 +93,10 @@ def request_refusal(request: Mapping[str, Any], mode: ChatPrefix) -> Refusal | N
             and not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
         )
     ):
-        return Refusal.THINKING_ENABLED
+        return PrefillRefusal.THINKING_ENABLED
     choice = request.get("tool_choice")
     if choice == "required" or isinstance(choice, dict):
-        return Refusal.FORCED_TOOL  # a forced call: the answer is no text to continue
+        return PrefillRefusal.FORCED_TOOL  # a forced call: the answer is no text to continue
     last = messages[-1]
     if last.get("role") == "assistant":
         # Only the client's own prefix message of the same mode, with plain text, is
@@ -106,7 +106,7 @@ def request_refusal(request: Mapping[str, Any], mode: ChatPrefix) -> Refusal | N
             or last.get(mode.flag) is not True
             or not isinstance(last.get("content"), str)
         ):
-            return Refusal.CLIENT_PREFILL
+            return PrefillRefusal.CLIENT_PREFILL
     return None
 
 
@@ -122,10 +122,10 @@ class Committed:
     deltas: int = 0
 
 
-def read_committed(released: bytes) -> Committed | Refusal:
+def read_committed(released: bytes) -> Committed | PrefillRefusal:
     """Read the client's stream back from the bytes released to it."""
     events = released_events(released)
-    if isinstance(events, Refusal):
+    if isinstance(events, PrefillRefusal):
         return events
     parts: list[str] = []
     chunk_id: str | None = None
@@ -135,12 +135,12 @@ def read_committed(released: bytes) -> Committed | Refusal:
         if event.data is None:
             continue
         if event.data == "[DONE]":
-            return Refusal.STOP_RELEASED
+            return PrefillRefusal.STOP_RELEASED
         obj = loads_object(event.data)
         if obj is None:
-            return Refusal.MALFORMED
+            return PrefillRefusal.MALFORMED
         if obj.get("error") is not None:
-            return Refusal.OTHER_CONTENT
+            return PrefillRefusal.OTHER_CONTENT
         if chunk_id is None and isinstance(obj.get("id"), str):
             chunk_id = obj["id"]
             c = obj.get("created")
@@ -148,36 +148,36 @@ def read_committed(released: bytes) -> Committed | Refusal:
         choices = obj.get("choices")
         if choices is None or choices == []:
             if obj.get("usage") is not None:
-                return Refusal.STOP_RELEASED  # the usage chunk comes after the finish
+                return PrefillRefusal.STOP_RELEASED  # the usage chunk comes after the finish
             continue
         if not isinstance(choices, list):
-            return Refusal.MALFORMED
+            return PrefillRefusal.MALFORMED
         for choice in choices:
             if not isinstance(choice, dict):
-                return Refusal.MALFORMED
+                return PrefillRefusal.MALFORMED
             if choice.get("index", 0) != 0:
-                return Refusal.CHOICES
+                return PrefillRefusal.CHOICES
             if choice.get("finish_reason") is not None:
-                return Refusal.STOP_RELEASED
+                return PrefillRefusal.STOP_RELEASED
             delta = choice.get("delta")
             if delta is None:
                 continue
             if not isinstance(delta, dict):
-                return Refusal.MALFORMED
+                return PrefillRefusal.MALFORMED
             for key, value in delta.items():
                 if value is None or value == "" or value == [] or key in _QUIET:
                     continue
                 if key == "content":
                     if not isinstance(value, str):
-                        return Refusal.OTHER_CONTENT
+                        return PrefillRefusal.OTHER_CONTENT
                     parts.append(value)
                     deltas += 1
                 elif key in ("tool_calls", "function_call"):
-                    return Refusal.TOOL_CALL
+                    return PrefillRefusal.TOOL_CALL
                 elif key in _REASONING:
-                    return Refusal.THINKING
+                    return PrefillRefusal.THINKING
                 else:
-                    return Refusal.OTHER_CONTENT  # refusal, audio, a field we do not know
+                    return PrefillRefusal.OTHER_CONTENT  # refusal, audio, a field we do not know
     return Committed("".join(parts), chunk_id, created, deltas)
 
 
@@ -194,7 +194,7 @@ class Plan:
 
 def plan_continuation(
     request: Mapping[str, Any], committed: Committed, mode: ChatPrefix
-) -> Plan | Refusal:
+) -> Plan | PrefillRefusal:
     """The continuation request for ``request`` after ``committed`` (or why not)."""
     refusal = request_refusal(request, mode)
     if refusal is not None:

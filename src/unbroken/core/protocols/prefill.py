@@ -5,7 +5,7 @@ text from an assistant prefix (Anthropic Messages: an assistant message last;
 Chat Completions: an assistant message with ``prefix: true`` or ``partial: true``,
 where a provider documents it).  Each protocol's module (`anthropic_prefill`,
 `chat_prefix`) reads what the client has from the bytes unbroken *released* (never
-from what it received), refuses with a typed `Refusal` when the join cannot be
+from what it received), refuses with a typed `PrefillRefusal` when the join cannot be
 proved, builds the continuation request, and splices the continuation's frames
 into the client's stream.  This module holds what they share: the refusals, the
 bound on what is read back, and the text join (`TextJoin`).
@@ -41,7 +41,7 @@ from unbroken.core.sse import Event, EventTooLarge, SSESplitter
 __all__ = [
     "MAX_COMMITTED_BYTES",
     "JoinError",
-    "Refusal",
+    "PrefillRefusal",
     "TextJoin",
     "reconcile",
     "released_events",
@@ -56,7 +56,7 @@ class JoinError(ValueError):
     """A continuation does not continue what the client has (the join is broken)."""
 
 
-class Refusal(enum.StrEnum):
+class PrefillRefusal(enum.StrEnum):
     """Why a turn cut after commit is not continued by prefill (it ends as today)."""
 
     NOT_STREAMED = "not_streamed"  # a non-streamed request: its body has no frames to splice
@@ -137,16 +137,16 @@ class TextJoin:
         return reconcile(self.shown, buf[: len(buf) - len(rest)]) + rest
 
 
-def released_events(released: bytes) -> list[Event] | Refusal:
+def released_events(released: bytes) -> list[Event] | PrefillRefusal:
     """The frames released to the client, read back (bounded): what a continuation is
     built from.  Released bytes always end with a whole frame."""
     if len(released) > MAX_COMMITTED_BYTES:
-        return Refusal.TOO_LARGE
+        return PrefillRefusal.TOO_LARGE
     splitter = SSESplitter(MAX_COMMITTED_BYTES + 1)
     try:
         events = splitter.feed(released)
     except EventTooLarge:
-        return Refusal.TOO_LARGE
+        return PrefillRefusal.TOO_LARGE
     if splitter.pending.strip():
-        return Refusal.MALFORMED
+        return PrefillRefusal.MALFORMED
     return events
