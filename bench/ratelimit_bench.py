@@ -551,9 +551,9 @@ async def main_async(
         )
         if not litellm.exists():
             sys.path.insert(0, str(ROOT / "bench"))
-            import compare  # installs it once, as for bench/compare.py
+            import compare_suts  # installs it once, as for bench/compare.py
 
-            litellm = compare.litellm_venv(litellm.parent.parent)
+            litellm = compare_suts.litellm_venv(litellm.parent.parent)
     work = Path(tempfile.mkdtemp(prefix="rl-bench-"))
     redis = None
     results: list[dict[str, Any]] = []
