@@ -51,7 +51,7 @@ from compare_measure import (
 )
 from compare_report import aggregate, plots, render
 from compare_suts import Suts, litellm_config, litellm_venv, mock_call, refused_port
-from harness import HARNESS_CPU, PY, ROOT, Fleet, log
+from harness import PY, ROOT, Fleet, log, pin_harness, pinning_mode, raise_nofile
 from http_loadgen import loadgen_main
 from reporting import machine_info
 
@@ -60,21 +60,9 @@ from reporting import machine_info
 
 
 def run(prof: Profile, quick: bool, litellm_exe: Path | None) -> dict[str, Any]:
-    ncpu = len(os.sched_getaffinity(0))
-    pinning = "none" if ncpu < 2 else "taskset" if shutil.which("taskset") else "sched_setaffinity"
-    harness = None if pinning == "none" else HARNESS_CPU
-    if harness is not None:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, {harness})
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 4 * max(prof.mem_points) + 1024
-    if soft != resource.RLIM_INFINITY and soft < want:
-        resource.setrlimit(
-            resource.RLIMIT_NOFILE,
-            (want if hard == resource.RLIM_INFINITY else min(want, hard), hard),
-        )
+    pinning = pinning_mode()
+    harness = pin_harness(pinning)
+    raise_nofile(4 * max(prof.mem_points) + 1024)
     machine = machine_info(pinning)
     workdir = Path(tempfile.mkdtemp(prefix="unbroken-compare-"))
     fleet = Fleet(workdir, pinning)

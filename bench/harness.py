@@ -10,7 +10,9 @@ import ctypes
 import json
 import os
 import re
+import resource
 import select
+import shutil
 import signal
 import socket
 import statistics
@@ -254,6 +256,34 @@ def pct(values: Sequence[float], q: float) -> float:
 
 def med(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def pinning_mode() -> str:
+    """How children are pinned: ``taskset``, else ``sched_setaffinity``; ``none`` with fewer
+    than 2 CPUs."""
+    if len(os.sched_getaffinity(0)) < 2:
+        return "none"
+    return "taskset" if shutil.which("taskset") else "sched_setaffinity"
+
+
+def pin_harness(pinning: str) -> int | None:
+    """Keep this orchestrator off the SUT core: on HARNESS_CPU (returned) unless ``none``."""
+    if pinning == "none":
+        return None
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {HARNESS_CPU})  # keep this orchestrator off the SUT core
+    return HARNESS_CPU
+
+
+def raise_nofile(want: int) -> tuple[int, int] | None:
+    """Raise RLIMIT_NOFILE (inherited by the children) to ``want``, or as far as the hard
+    limit allows; (old, new) if it was raised."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return None
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    return soft, new
 
 
 def free_port() -> int:

@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import shutil
 import signal
 import sys
@@ -52,6 +51,7 @@ from harness import cpu_seconds as cpu_seconds
 from harness import log as log
 from harness import med as med
 from harness import pct as pct
+from harness import pin_harness, pinning_mode, raise_nofile
 from harness import rss_kib as rss_kib
 from harness import start_suts as start_suts
 from harness import start_unbroken as start_unbroken
@@ -87,31 +87,19 @@ from reporting import reflow as reflow
 
 
 def run(prof: Profile, quick: bool, argv: Sequence[str]) -> dict[str, Any]:
-    ncpu = len(os.sched_getaffinity(0))
-    if ncpu < 2:
-        pinning = "none"
-    elif shutil.which("taskset"):
-        pinning = "taskset"
-    else:
-        pinning = "sched_setaffinity"
+    pinning = pinning_mode()
     if pinning == "taskset":
         log("taskset found: SUT on CPU 0, mock + load generator on CPU 1")
     elif pinning == "sched_setaffinity":
         log("taskset NOT found: pinning with os.sched_setaffinity instead")
     else:
         log("fewer than 2 CPUs: NOT pinning anything; numbers will be harder to read")
-    harness_cpu = None if pinning == "none" else HARNESS_CPU
-    if harness_cpu is not None:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, {harness_cpu})  # keep this orchestrator off the SUT core
+    harness_cpu = pin_harness(pinning)
 
     # 500 streams x (client socket + upstream socket) per SUT, plus the mock's and client's.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 4 * prof.mem_streams + 1024
-    if soft != resource.RLIM_INFINITY and soft < want:
-        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        log(f"raised RLIMIT_NOFILE {soft} -> {new} (inherited by the children)")
+    raised = raise_nofile(4 * prof.mem_streams + 1024)
+    if raised:
+        log(f"raised RLIMIT_NOFILE {raised[0]} -> {raised[1]} (inherited by the children)")
 
     machine = machine_info(pinning)
     workdir = Path(tempfile.mkdtemp(prefix="unbroken-bench-"))

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
@@ -66,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from compare_suts import LITELLM_VERSION, litellm_venv
-from harness import HARNESS_CPU, Fleet, log
+from harness import Fleet, log, pin_harness, pinning_mode, raise_nofile
 from recovery_report import plots, render, targets, verdict
 from recovery_sut import (
     FULL,
@@ -94,20 +93,9 @@ def run(
     quick: bool,
     keep_logs: bool = False,
 ) -> dict[str, Any]:
-    import resource
-
-    ncpu = len(os.sched_getaffinity(0))
-    pinning = "none" if ncpu < 2 else "taskset" if shutil.which("taskset") else "sched_setaffinity"
-    if pinning != "none":
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, {HARNESS_CPU})
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 8 * prof.turns + 4096
-    if soft != resource.RLIM_INFINITY and soft < want:
-        resource.setrlimit(
-            resource.RLIMIT_NOFILE,
-            (want if hard == resource.RLIM_INFINITY else min(want, hard), hard),
-        )
+    pinning = pinning_mode()
+    pin_harness(pinning)
+    raise_nofile(8 * prof.turns + 4096)
     machine = machine_info(pinning)
     workdir = Path(tempfile.mkdtemp(prefix="unbroken-recovery-"))
     fleet = Fleet(workdir, pinning)
