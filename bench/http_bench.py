@@ -40,24 +40,20 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+# `X as X`: re-exported for the scripts that use this harness as `hb.X` (turn_cost.py,
+# instr_cost.py)
 from harness import HARNESS_CPU as HARNESS_CPU
 from harness import PY as PY
 from harness import ROOT as ROOT
-from harness import SUT_CPU as SUT_CPU
 from harness import Fleet as Fleet
 from harness import Proc as Proc
-from harness import SUTs as SUTs
 from harness import cpu_seconds as cpu_seconds
 from harness import log as log
-from harness import med as med
 from harness import pct as pct
 from harness import pin_harness, pinning_mode, raise_nofile
-from harness import rss_kib as rss_kib
 from harness import start_suts as start_suts
 from harness import start_unbroken as start_unbroken
-from http_loadgen import LoadGen as LoadGen
-from http_loadgen import loadgen_main as loadgen_main
-from http_loadgen import mock_main as mock_main
+from http_loadgen import loadgen_main, mock_main
 from http_measure import (
     BIG_BODY_KIB,
     FULL,
@@ -65,8 +61,6 @@ from http_measure import (
     QUICK,
     TOOL_MARKER,
     Profile,
-    _rss_per_stream,
-    _urls,
     aggregate_cpu,
     aggregate_latency,
     aggregate_memory,
@@ -74,13 +68,14 @@ from http_measure import (
     big_body,
     cpu_rep,
     latency_rep,
+    path_urls,
+    rss_per_stream,
     throughput_rep,
 )
 from http_measure import PROTOCOLS as PROTOCOLS
-from http_measure import _spec as _spec
+from http_measure import mock_spec as mock_spec
 from http_report import print_summary, render_markdown
-from reporting import machine_info as machine_info
-from reporting import reflow as reflow
+from reporting import machine_info
 
 # -------------------------------------------------------------------------------------
 # main
@@ -119,7 +114,7 @@ def run(prof: Profile, quick: bool, argv: Sequence[str]) -> dict[str, Any]:
         log(f"memory: idle and {prof.mem_streams} open streams")
         memory = aggregate_memory(
             [
-                _rss_per_stream(
+                rss_per_stream(
                     fleet, gen, mock.url, f"mem{i}", prof.mem_streams, None, prof.settle_s
                 )
                 for i in range(prof.mem_reps)
@@ -128,16 +123,16 @@ def run(prof: Profile, quick: bool, argv: Sequence[str]) -> dict[str, Any]:
         body = big_body(BIG_BODY_KIB)
         log(f"memory: {prof.big_streams} open streams with a {len(body) // 1024} KiB request body")
         big_memory = aggregate_memory(
-            [_rss_per_stream(fleet, gen, mock.url, "big", prof.big_streams, body, prof.settle_s)]
+            [rss_per_stream(fleet, gen, mock.url, "big", prof.big_streams, body, prof.settle_s)]
         )
 
         ttfc_reps: list[dict[str, Any]] = []
         tool_reps: list[dict[str, Any]] = []
         tp_reps: list[dict[str, dict[str, Any]]] = []
         cpu_reps: list[dict[str, Any]] = []
-        ttfc_spec = _spec("chat", {"deltas": 1, "chunk_delay_ms": 5})
-        tool_spec = _spec("chat", {"reply": "tool", "chunk_delay_ms": 5})
-        tp_spec = _spec("chat", {"deltas": 20})
+        ttfc_spec = mock_spec("chat", {"deltas": 1, "chunk_delay_ms": 5})
+        tool_spec = mock_spec("chat", {"reply": "tool", "chunk_delay_ms": 5})
+        tp_spec = mock_spec("chat", {"deltas": 20})
         ns_spec = {
             "body": json.dumps(dict(PROTOCOLS["chat"]["body"], stream=False)),
             "headers": dict(tp_spec["headers"], accept="application/json"),
@@ -151,7 +146,7 @@ def run(prof: Profile, quick: bool, argv: Sequence[str]) -> dict[str, Any]:
                 f"repetition {rep + 1}/{prof.reps}: fresh bare (pid {suts.bare.pid}) and "
                 f"unbroken (pid {suts.unbroken.pid})"
             )
-            urls = _urls(mock.url, suts, "chat")
+            urls = path_urls(mock.url, suts, "chat")
             for p in PATHS:
                 gen.call(
                     {"op": "batch", "url": urls[p], "n": 16, "concurrency": 4, **tp_spec},

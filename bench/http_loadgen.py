@@ -16,11 +16,6 @@ from typing import Any
 
 from harness import cpu_seconds
 
-# =====================================================================================
-# Load generator (runs in its own process: ``http_bench.py --loadgen``)
-#
-# Line protocol: one JSON command per stdin line, one JSON answer per stdout line.
-
 
 class LoadGen:
     def __init__(self) -> None:

@@ -97,12 +97,12 @@ def _headers(action: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def _spec(protocol: str, action: dict[str, Any]) -> dict[str, Any]:
+def mock_spec(protocol: str, action: dict[str, Any]) -> dict[str, Any]:
     p = PROTOCOLS[protocol]
     return {"body": json.dumps(p["body"]), "headers": _headers(action)}
 
 
-def _urls(mock_url: str, suts: SUTs, protocol: str) -> dict[str, str]:
+def path_urls(mock_url: str, suts: SUTs, protocol: str) -> dict[str, str]:
     path = PROTOCOLS[protocol]["path"]
     return {
         "direct": f"{mock_url}/{path}",
@@ -227,8 +227,8 @@ def cpu_rep(gen: Proc, mock_url: str, suts: SUTs, prof: Profile, rep: int) -> di
     action = {"deltas": prof.cpu_deltas, "chunk_delay_ms": prof.cpu_delay_ms}
     out: dict[str, Any] = {}
     for proto in PROTOCOLS:
-        spec = _spec(proto, action)
-        urls = _urls(mock_url, suts, proto)
+        spec = mock_spec(proto, action)
+        urls = path_urls(mock_url, suts, proto)
         order = suts.items() if rep % 2 == 0 else suts.items()[::-1]
         for name, _proc in order:  # warm-up: first-use imports, pools, caches
             gen.call(
@@ -302,7 +302,7 @@ def big_body(kib: int) -> str:
     return json.dumps({"model": "bench", "stream": True, "messages": msgs})
 
 
-def _rss_per_stream(
+def rss_per_stream(
     fleet: Fleet,
     gen: Proc,
     mock_url: str,
@@ -315,11 +315,11 @@ def _rss_per_stream(
     suts = start_suts(fleet, mock_url, tag)
     out: dict[str, Any] = {}
     try:
-        warm = _spec("chat", {"deltas": 4})
-        slow = _spec("chat", {"deltas": 600, "chunk_delay_ms": 1000})
+        warm = mock_spec("chat", {"deltas": 4})
+        slow = mock_spec("chat", {"deltas": 600, "chunk_delay_ms": 1000})
         if body is not None:
             warm["body"] = slow["body"] = body
-        urls = _urls(mock_url, suts, "chat")
+        urls = path_urls(mock_url, suts, "chat")
         for name, _proc in suts.items():
             gen.call(
                 {"op": "batch", "url": urls[name], "n": 1, "concurrency": 1, **warm}, timeout=30

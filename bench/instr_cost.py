@@ -183,7 +183,7 @@ def main() -> int:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, {hb.HARNESS_CPU})
     also = dict(tc._named_tree(v) for v in args.also)
-    spec = tc._spec(argparse.Namespace(deltas=args.deltas, non_streamed=args.non_streamed))
+    spec = tc.request_spec(argparse.Namespace(deltas=args.deltas, non_streamed=args.non_streamed))
     workdir = Path(tempfile.mkdtemp(prefix="unbroken-instr-"))
     fleet = hb.Fleet(workdir, pinning)
     trees: dict[str, Path | None] = {"bare": None, "unbroken": hb.ROOT, **also}
@@ -197,7 +197,7 @@ def main() -> int:
         gen = fleet.start(
             "loadgen", [hb.PY, me, "--loadgen"], cpu=fleet.harness_cpu, ready=None, pipe_stdio=True
         )
-        long_spec = hb._spec("chat", {"deltas": args.frames, "chunk_delay_ms": FRAME_DELAY_MS})
+        long_spec = hb.mock_spec("chat", {"deltas": args.frames, "chunk_delay_ms": FRAME_DELAY_MS})
         for name, src in trees.items():
             sut = _start(fleet, mock.url, name, src, "" if src is None else args.config_extra)
             _per_turn(gen, sut, spec, args.warmup, args.concurrency)
@@ -207,7 +207,7 @@ def main() -> int:
                 short = _per_turn(
                     gen,
                     sut,
-                    hb._spec("chat", {"deltas": args.deltas, "chunk_delay_ms": FRAME_DELAY_MS}),
+                    hb.mock_spec("chat", {"deltas": args.deltas, "chunk_delay_ms": FRAME_DELAY_MS}),
                     args.long_turns,
                     1,
                 )

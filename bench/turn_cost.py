@@ -66,8 +66,8 @@ def _start_tree(
     )
 
 
-def _spec(args: argparse.Namespace) -> dict[str, Any]:
-    spec = hb._spec("chat", {"deltas": args.deltas})
+def request_spec(args: argparse.Namespace) -> dict[str, Any]:
+    spec = hb.mock_spec("chat", {"deltas": args.deltas})
     if args.non_streamed:
         body = dict(hb.PROTOCOLS["chat"]["body"], stream=False)
         spec["body"] = json.dumps(body)
@@ -141,7 +141,7 @@ def main() -> int:
             os.sched_setaffinity(0, {harness})
     workdir = Path(tempfile.mkdtemp(prefix="unbroken-turncost-"))
     fleet = hb.Fleet(workdir, pinning)
-    spec = _spec(args)
+    spec = request_spec(args)
     also = dict(_named_tree(v) for v in args.also)
     names = ["bare", "unbroken", *also]
     results: dict[str, list[float]] = {name: [] for name in names}
@@ -200,7 +200,7 @@ def main() -> int:
                         "n": args.ttfc,
                         "marker": hb.PROTOCOLS["chat"]["text_marker"],
                         "gap_ms": args.gap_ms,
-                        **hb._spec("chat", {"deltas": 1, "chunk_delay_ms": 5}),
+                        **hb.mock_spec("chat", {"deltas": 1, "chunk_delay_ms": 5}),
                     },
                     timeout=120 + args.ttfc * 3,
                 )
