@@ -163,7 +163,8 @@ def _size(n: int) -> str:
     return f"{n / 1024 / 1024:.1f} MiB"
 
 
-STATE_STYLE = {
+#: the colour of an in-flight turn's state
+INFLIGHT_STATE_STYLE = {
     "waiting": "yellow",
     "parked": "magenta",
     "holding": "cyan",
@@ -339,7 +340,7 @@ class StatusView:
                 [
                     str(t.get("id")),
                     t.get("route", ""),
-                    Text(state, style=STATE_STYLE.get(state, "")),
+                    Text(state, style=INFLIGHT_STATE_STYLE.get(state, "")),
                     str(t.get("attempts", 0)),
                     t.get("upstream", ""),
                     t.get("last_failure") or "-",
