@@ -16,6 +16,8 @@ from unbroken.core.attempt import AttemptStats
 from unbroken.core.continuation import Resume
 from unbroken.core.policy import Failure
 
+#: the keepalive a protocol without its own (`Protocol.keepalive_event`) gets: an SSE
+#: comment, which SSE parsers ignore (Gemini's is `protocols.gemini.BLANK_LINE_KEEPALIVE`)
 KEEPALIVE = b": keepalive\n\n"
 
 
