@@ -95,7 +95,6 @@ SILENT_S = 3.0
 WAITERS_TTL_MS = 3000
 #: the floor is split among at most this many relays (a bound on garbage in Redis)
 MAX_SHARE = 1000
-WARN_EVERY_S = 60.0
 #: a key that outlives this relay's bound is shortened to it (never lengthened)
 SHORTEN = """
 local t = redis.call('PTTL', KEYS[1])
@@ -133,7 +132,7 @@ class HealthStore:
         self.up = True
         #: what shared state may impose on this relay (its own config's bounds)
         self.bounds = bounds or SharedBounds.of(board.settings, 60_000)
-        self._throttle = Throttle(WARN_EVERY_S)
+        self._throttle = Throttle()
         #: garbage ignored, per kind (for tests and /status)
         self.garbage: dict[str, int] = {}
         self.board.listeners.append(self._on_change)
