@@ -12,15 +12,7 @@ from unbroken.core.attempt import AttemptStats
 from unbroken.core.ledger import Hold
 from unbroken.core.policy import Failure, FailureClass, RetryPolicy, RetryState
 from unbroken.core.protocols import CHAT
-from unbroken.core.turn import (
-    Action,
-    Fed,
-    Open,
-    Phase,
-    Stream,
-    TurnMachine,
-    TurnState,
-)
+from unbroken.core.turn import Action, Fed, Open, Phase, Stream, TurnMachine, TurnState
 
 #: the machine's timers with the config's defaults (`[stream]`), any of them overridden
 Timers = StreamSettings

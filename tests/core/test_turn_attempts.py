@@ -13,13 +13,7 @@ import random
 
 import pytest
 
-from turnfix import (
-    REFUSED,
-    RESET,
-    Report,
-    Timers,
-    make,
-)
+from turnfix import REFUSED, RESET, Report, Timers, make
 from unbroken.core.ledger import Hold
 from unbroken.core.policy import Failure, FailureClass, RetryPolicy, RetryState
 from unbroken.core.turn import (

@@ -7,17 +7,7 @@ from `turnfix`.
 
 from __future__ import annotations
 
-from turnfix import (
-    DONE,
-    FINISH,
-    REFUSED,
-    RESET,
-    ROLE,
-    TEXT,
-    make,
-    raw,
-    streaming,
-)
+from turnfix import DONE, FINISH, REFUSED, RESET, ROLE, TEXT, make, raw, streaming
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.turn import (
     KEEPALIVE,

@@ -7,26 +7,9 @@ crash).  The machine and its frames come from `turnfix`.
 
 from __future__ import annotations
 
-from turnfix import (
-    DONE,
-    FINISH,
-    RESET,
-    RETRYABLE,
-    ROLE,
-    TEXT,
-    make,
-    raw,
-    seen,
-    streaming,
-)
+from turnfix import DONE, FINISH, RESET, RETRYABLE, ROLE, TEXT, make, raw, seen, streaming
 from unbroken.core.sse import Event
-from unbroken.core.turn import (
-    End,
-    EndKind,
-    Outcome,
-    Phase,
-    Wait,
-)
+from unbroken.core.turn import End, EndKind, Outcome, Phase, Wait
 
 
 def test_control_frames_are_held_then_released_with_the_first_output() -> None:

@@ -26,14 +26,7 @@ import aiohttp
 import pytest
 from aiohttp import WSMsgType, web
 
-from relay.regressionfix import (
-    CREATE,
-    WS_TERMINALS,
-    end_connections,
-    relay_for,
-    ws_turn,
-    ws_url,
-)
+from relay.regressionfix import CREATE, WS_TERMINALS, end_connections, relay_for, ws_turn, ws_url
 from unbroken.mock import MockProvider, ws_messages_for
 
 # -- 1. WebSocket: a stall after the first frames is caught by idle_timeout_s ---------------
