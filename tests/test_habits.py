@@ -107,9 +107,11 @@ _COMMANDS = {
     "opencode/setup.py",
 }
 
-#: public top-level names defined in more than one module on purpose, with the modules
-#: that define them: one role, one module per implementation, each called through its
-#: module (``anthropic.read_committed``, ``claude.plan``, ``chat.error_frame``)
+#: public top-level names (functions, classes, UPPER_CASE constants) defined in more
+#: than one module on purpose, with the modules that define them: one role, one module
+#: per implementation, each called through its module (``anthropic.read_committed``,
+#: ``claude.plan``, ``chat.error_frame``).  A value two modules share is defined once
+#: and imported, never listed here.
 SHARED_NAMES: dict[str, tuple[set[str], str]] = {
     # prefill continuation's two protocol halves (core/prefill_continue.py calls each)
     "Committed": (_PREFILL, "what the client has, read back from the released bytes"),
@@ -119,6 +121,10 @@ SHARED_NAMES: dict[str, tuple[set[str], str]] = {
     "plan_continuation": (_PREFILL, "builds that request (or refuses)"),
     "FrameSplicer": (_PREFILL, "the continuation's frames as the client's stream goes on"),
     "error_frame": (_PROTOCOLS, "each protocol's retryable error that ends a cut turn"),
+    "EVENTS": (
+        {"core/protocols/anthropic.py", "core/protocols/responses.py"},
+        "each protocol's table of SSE event names to frame kinds (where the name decides)",
+    ),
     "plan": (_AGENTS, "each agent's `unbroken run` launch plan (agents/launcher.py)"),
     "register": (_COMMANDS, "each command's argparse set-up (cli.COMMAND_MODULES)"),
     "main": ({"cli.py", "core/turn_table.py"}, "a command-line entry point"),
@@ -138,14 +144,28 @@ def shared_basenames(root: Path) -> dict[str, set[str]]:
     return {name: where for name, where in seen.items() if len(where) > 1}
 
 
+def public_names(node: ast.stmt) -> list[str]:
+    """The public names a module's top-level statement defines: a function, a class, or
+    an UPPER_CASE constant (``NAME = ...``, ``NAME: T = ...``)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        names = [node.name]
+    elif isinstance(node, ast.Assign):
+        names = [t.id for t in node.targets if isinstance(t, ast.Name) and t.id.isupper()]
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        names = [node.target.id] if node.target.id.isupper() else []
+    else:
+        names = []
+    return [name for name in names if not name.startswith("_")]
+
+
 def shared_names(root: Path) -> dict[str, set[str]]:
-    """Public top-level functions and classes that more than one module defines."""
+    """Public top-level functions, classes and constants that more than one module
+    defines."""
     seen: dict[str, set[str]] = {}
     for path in sorted(root.rglob("*.py")):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-            if isinstance(node, kinds) and not node.name.startswith("_"):
-                seen.setdefault(node.name, set()).add(str(path.relative_to(root)))
+            for name in public_names(node):
+                seen.setdefault(name, set()).add(str(path.relative_to(root)))
     return {name: where for name, where in seen.items() if len(where) > 1}
 
 
@@ -156,8 +176,11 @@ def test_no_two_modules_share_a_file_name() -> None:
 
 
 def test_no_public_name_is_defined_twice_but_the_listed_ones() -> None:
-    """A public function or class name means one thing in the package; the exceptions
-    are one role implemented per protocol, agent or command (`SHARED_NAMES`)."""
+    """A public function, class or constant name means one thing in the package: a
+    value two modules need is defined once and imported, and two different values
+    get names that say which (``HEALTH_KEY_PREFIX``, ``RATE_KEY_PREFIX``); the
+    exceptions are one role implemented per protocol, agent or command
+    (`SHARED_NAMES`)."""
     assert shared_names(SRC) == {name: where for name, (where, _) in SHARED_NAMES.items()}
 
 
@@ -166,6 +189,17 @@ def test_the_name_scans_see_a_clash(tmp_path: Path) -> None:
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "__init__.py").write_text("")
         (tmp_path / folder / "cli.py").write_text(body + "def _own():\n    pass\n")
-    (tmp_path / "c.py").write_text("async def plan():\n    pass\ndef once():\n    pass\n")
+    (tmp_path / "c.py").write_text(
+        "async def plan():\n    pass\ndef once():\n    pass\n"
+        "LIMIT = 1\nTTL: float = 2.0\nA, B = 3, 4\n_OWN = 5\nlog = 6\n"
+    )
+    (tmp_path / "d.py").write_text(
+        "LIMIT: int = 7\nX = TTL = 8.0\n_OWN = 9\nlog = 10\nA, B = 11, 12\n"
+        "def f():\n    LIMIT = 13\n"
+    )
     assert shared_basenames(tmp_path) == {"cli.py": {"a/cli.py", "b/cli.py"}}
-    assert shared_names(tmp_path) == {"plan": {"a/cli.py", "b/cli.py", "c.py"}}
+    assert shared_names(tmp_path) == {
+        "plan": {"a/cli.py", "b/cli.py", "c.py"},
+        "LIMIT": {"c.py", "d.py"},
+        "TTL": {"c.py", "d.py"},
+    }

@@ -45,17 +45,17 @@ import aiohttp
 from unbroken.config import JournalSettings, parse_config
 from unbroken.core.turn import NOT_FAILURES
 from unbroken.demo_gemini import gemini_agent_turn, gemini_storms
-from unbroken.demo_messages import messages_agent_turn, messages_storms
+from unbroken.demo_messages import TEXT_REPLY, TOOL_REPLY, messages_agent_turn, messages_storms
 from unbroken.mock import MockProvider, frames_for
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 from unbroken.relay.server import RelayServer
 
-__all__ = ["PROTOCOLS", "STORMS", "DemoTurn", "register", "run_demo"]
+__all__ = ["DEMO_PROTOCOLS", "STORMS", "DemoTurn", "register", "run_demo"]
 
 MODEL = "mock-coder-1"
 ROUTE = "demo"
 #: the wire protocols the demo's agent can speak (`run_demo`'s ``protocol``)
-PROTOCOLS = ("chat", "gemini", "anthropic")
+DEMO_PROTOCOLS = ("chat", "gemini", "anthropic")
 #: ``--after-commit``: the relay's ``[stream] after_commit`` for the run
 AFTER_COMMIT = ("error", "continue")
 AGENT_RETRIES = 1  # the agent loop retries a failed step once
@@ -73,8 +73,6 @@ TOOLS = [
         },
     }
 ]
-TOOL_REPLY = {"reply": "tool"}
-TEXT_REPLY = {"reply": "text"}
 
 
 @dataclass(frozen=True)
@@ -382,8 +380,8 @@ async def run_demo(
     API's ``streamGenerateContent``) or ``anthropic`` (Messages).  ``after_commit``:
     the relay's ``[stream] after_commit``; ``continue`` finishes a drop after output in
     place (Messages by prefill; Chat by the mock's documented ``prefix`` mode)."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol: expected one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if protocol not in DEMO_PROTOCOLS:
+        raise ValueError(f"protocol: expected one of {', '.join(DEMO_PROTOCOLS)}, got {protocol!r}")
     if after_commit not in AFTER_COMMIT:
         raise ValueError(f"after_commit: expected one of {', '.join(AFTER_COMMIT)}")
     route: dict[str, Any] = {}  # the demo route's keys beside its upstream
@@ -474,7 +472,8 @@ async def run_demo(
 
 
 # -- terminal output -------------------------------------------------------------------------
-STATE_STYLE = {
+#: the colour of a demo turn's state and of its relay turn's (from /status)
+DEMO_STATE_STYLE = {
     "queued": "dim",
     "requesting": "yellow",
     "streaming": "green",
@@ -556,7 +555,7 @@ def render_run(run: DemoRun, width: int | None = None) -> Any:
             str(t.number),
             t.storm,
             step,
-            Text(t.state, style=STATE_STYLE.get(t.state, "")),
+            Text(t.state, style=DEMO_STATE_STYLE.get(t.state, "")),
         ]
         if run.server is not None:
             session = f"demo-session-{t.number}"
@@ -565,7 +564,7 @@ def render_run(run: DemoRun, width: int | None = None) -> Any:
                 row += ["-", "", "", ""]
             else:
                 row += [
-                    Text(r["state"], style=STATE_STYLE.get(r["state"], "")),
+                    Text(r["state"], style=DEMO_STATE_STYLE.get(r["state"], "")),
                     str(r["attempts"]),
                     r["last_failure"] or "",
                     "" if r["next"] is None else f"{'' if compact else 'in '}{r['next']:.1f}s",
@@ -715,7 +714,7 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument(
         "--protocol",
-        choices=PROTOCOLS,
+        choices=DEMO_PROTOCOLS,
         default="chat",
         help="the agent's wire protocol: chat (the openai SDK, Chat Completions), "
         "gemini (the Gemini API's streamGenerateContent) or anthropic (Messages) "

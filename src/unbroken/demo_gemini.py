@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from unbroken.demo_messages import DemoTurnLike
+from unbroken.demo_messages import TEXT_REPLY, TOOL_REPLY, DemoTurnLike
 from unbroken.mock import frames_for
 
 __all__ = [
@@ -40,8 +40,6 @@ GEMINI_TOOLS = [
         ]
     }
 ]
-TOOL_REPLY = {"reply": "tool"}
-TEXT_REPLY = {"reply": "text"}
 
 
 def retry_info_429(retry_after_s: float) -> str:

@@ -17,7 +17,14 @@ import aiohttp
 
 from unbroken.mock import frames_for
 
-__all__ = ["MESSAGES_TOOLS", "MessagesStreamError", "messages_agent_turn", "messages_storms"]
+__all__ = [
+    "MESSAGES_TOOLS",
+    "TEXT_REPLY",
+    "TOOL_REPLY",
+    "MessagesStreamError",
+    "messages_agent_turn",
+    "messages_storms",
+]
 
 MESSAGES_TOOLS = [
     {
@@ -30,9 +37,13 @@ MESSAGES_TOOLS = [
         },
     }
 ]
+#: the mock's reply to a demo turn's two steps, in every demo (`unbroken.demo`,
+#: `unbroken.demo_gemini`): a tool call, then its answer
 TOOL_REPLY = {"reply": "tool"}
-#: a longer answer than the mock's default, so a drop after output leaves text to come
-TEXT_REPLY = {"reply": "text", "text": "Hello from the shell: the command ran, all is well."}
+TEXT_REPLY = {"reply": "text"}
+#: the Messages demo's answer: longer than the mock's default, so a drop after output
+#: leaves text to come
+LONG_TEXT_REPLY = {"reply": "text", "text": "Hello from the shell: the command ran, all is well."}
 
 
 def messages_storms(
@@ -41,13 +52,13 @@ def messages_storms(
     """(name, script) of each kind of turn (Messages frames: 1 ``message_start``, 2 the
     block's start, 3 a ping, then the deltas)."""
     return [
-        ("503 burst", ({"status": 503, "count": 6}, TOOL_REPLY, TEXT_REPLY)),
+        ("503 burst", ({"status": 503, "count": 6}, TOOL_REPLY, LONG_TEXT_REPLY)),
         (
             "429 + Retry-After",
             (
                 {"status": 429, "headers": {"Retry-After": f"{retry_after_s:g}"}},
                 TOOL_REPLY,
-                TEXT_REPLY,
+                LONG_TEXT_REPLY,
             ),
         ),
         (
@@ -55,23 +66,23 @@ def messages_storms(
             (
                 {"fault": "reset", "after_frame": 1, "reply": "tool", "count": 2},
                 TOOL_REPLY,
-                TEXT_REPLY,
+                LONG_TEXT_REPLY,
             ),
         ),
         (
             "reset mid-tool-args",
-            ({"fault": "reset", "after_deltas": 2, "reply": "tool"}, TOOL_REPLY, TEXT_REPLY),
+            ({"fault": "reset", "after_deltas": 2, "reply": "tool"}, TOOL_REPLY, LONG_TEXT_REPLY),
         ),
         (
             "drop after output",
-            (TOOL_REPLY, {**TEXT_REPLY, "fault": "reset", "after_deltas": 3}, TEXT_REPLY),
+            (TOOL_REPLY, {**LONG_TEXT_REPLY, "fault": "reset", "after_deltas": 3}, LONG_TEXT_REPLY),
         ),
         (
             "stall",
             (
                 {"fault": "stall", "after_frame": 1, "seconds": stall_s, "reply": "tool"},
                 TOOL_REPLY,
-                TEXT_REPLY,
+                LONG_TEXT_REPLY,
             ),
         ),
     ]
@@ -163,7 +174,7 @@ async def messages_agent_turn(
         "x-api-key": "demo-no-key-needed",
     }
     url = f"{base_url}/v1/messages"
-    for step, shape in enumerate((TOOL_REPLY, TEXT_REPLY)):
+    for step, shape in enumerate((TOOL_REPLY, LONG_TEXT_REPLY)):
         turn.step = step
         request = {
             "model": model,

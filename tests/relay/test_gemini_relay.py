@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from relayfix import KEY_TOKEN, make_config, start_relay
 from unbroken.config import BUILTIN_ROUTES
-from unbroken.core.protocols.gemini import KEEPALIVE
+from unbroken.core.protocols.gemini import BLANK_LINE_KEEPALIVE
 from unbroken.mock import MockProvider
 from unbroken.mock.testing import read_body
 from unbroken.mock.wire import frames_for
@@ -153,7 +153,8 @@ async def test_early_headers_then_blank_line_keepalives(
         assert status == 200 and err is None
         assert data.endswith(CLEAN)
         lead = data[: -len(CLEAN)]
-        assert lead and lead == KEEPALIVE * (len(lead) // len(KEEPALIVE))  # no SSE comment
+        # blank lines only, no SSE comment
+        assert lead and lead == BLANK_LINE_KEEPALIVE * (len(lead) // len(BLANK_LINE_KEEPALIVE))
     finally:
         await server.stop()
 

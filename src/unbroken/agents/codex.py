@@ -34,6 +34,7 @@ from unbroken.config_values import ConfigError, validate_url
 
 __all__ = ["OPENAI_DEFAULT", "codex_home", "plan", "read_config"]
 
+#: the openai SDKs' and Codex's base URL when none is set (`unbroken run` relays it)
 OPENAI_DEFAULT = "https://api.openai.com/v1"
 #: Codex's default ``stream_idle_timeout_ms``
 IDLE_DEFAULT_MS = 300_000

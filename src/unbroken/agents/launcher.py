@@ -55,8 +55,6 @@ __all__ = ["agent_of", "generic_plan", "plan_for", "print_env", "relay_config", 
 
 log = logging.getLogger("unbroken")
 
-OPENAI_DEFAULT = "https://api.openai.com/v1"
-
 
 def agent_of(command: Sequence[str]) -> str:
     """``codex``, ``claude``, ``gemini`` or ``generic``, from the program's name."""
@@ -78,7 +76,7 @@ def generic_plan(env: Mapping[str, str]) -> Launch:
     routes: dict[str, str] = {}
     out_env: dict[str, str] = {}
     notes: list[str] = []
-    openai = env.get("OPENAI_BASE_URL") or env.get("OPENAI_API_BASE") or OPENAI_DEFAULT
+    openai = env.get("OPENAI_BASE_URL") or env.get("OPENAI_API_BASE") or codex.OPENAI_DEFAULT
     anthropic = env.get("ANTHROPIC_BASE_URL") or claude.ANTHROPIC_DEFAULT
     for name, url, names in (
         ("openai", openai, ("OPENAI_BASE_URL", "OPENAI_API_BASE")),

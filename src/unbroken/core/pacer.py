@@ -39,11 +39,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RAMP_START", "PaceSettings", "Pacer"]
+__all__ = ["GRANT_TTL_S", "RAMP_START", "PaceSettings", "Pacer"]
 
 #: the ramp's first step (tickets), doubled every ``ramp_s``
 RAMP_START = 2.0
-#: a grant nobody claims within this long goes back to the bucket (its turn went away)
+#: a grant nobody claims within this long goes back to the bucket (its turn went away):
+#: a pacer's, and a rate limiter's (`core.ratelimit`), both claimed by `relay.pacing`
 GRANT_TTL_S = 5.0
 #: successes after this many failures in a row are a recovery (delay waits end early)
 RECOVERY_STREAK = 3

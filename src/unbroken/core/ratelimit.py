@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from unbroken.core.pacer import GRANT_TTL_S
 from unbroken.core.ratehead import RateHeaders, Reading
 
 __all__ = [
@@ -66,8 +67,6 @@ __all__ = [
     "max_output_of",
 ]
 
-#: a grant nobody claims within this long goes back (its turn went away)
-GRANT_TTL_S = 5.0
 #: the tokens a request body byte starts at (about four bytes a token)
 DEFAULT_TOKENS_PER_BYTE = 0.25
 #: weight of a new observation in the learned rates and tokens a byte

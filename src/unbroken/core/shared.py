@@ -17,7 +17,7 @@ relay believes of it.  The rules:
   upstream this relay has configured (others are ignored: no state for strangers),
   a known kind, a worker number in range; a datagram is at most ``MAX_DATAGRAM``
   bytes.  Text (a change's reason) is escaped (no control character, so no forged
-  log line) and cut to ``MAX_TEXT`` characters.
+  log line) and cut to ``MAX_SHARED_TEXT`` characters.
 * **Garbage is ignored, never fatal.**  A value that fails a rule is dropped (or
   the key counts as nobody's, or as no count), classified by `Garbage`, and the
   store logs it at most once a minute per kind (`Throttle`; a message about an
@@ -42,10 +42,11 @@ from unbroken.core.health import Change, HealthSettings
 
 __all__ = [
     "CHANGE_KINDS",
+    "LOG_EVERY_S",
     "MAX_COUNT",
     "MAX_DATAGRAM",
     "MAX_REOPENS",
-    "MAX_TEXT",
+    "MAX_SHARED_TEXT",
     "Garbage",
     "KeyReading",
     "Link",
@@ -66,7 +67,7 @@ __all__ = [
 #: a datagram (or a channel message) larger than this is dropped unread
 MAX_DATAGRAM = 4096
 #: a reason (or any text) from shared state is cut to this many characters
-MAX_TEXT = 160
+MAX_SHARED_TEXT = 160
 #: a breaker's re-open count from shared state is clamped to this (open_s doubles
 #: per re-open up to max_open_s, so more means nothing)
 MAX_REOPENS = 30
@@ -77,7 +78,9 @@ MAX_WORKER = 1024
 #: an origin (a relay's random id) is at most this long
 MAX_ORIGIN = 64
 CHANGE_KINDS = frozenset({"open", "close", "cooloff"})
-#: a garbage line per kind at most this often
+#: a repeated log line at most this often: garbage of one kind here (`Throttle`), and
+#: the relay's other warnings that could repeat (a failing observer, a full connection
+#: table, an unwritable journal, Redis garbage)
 LOG_EVERY_S = 60.0
 
 
@@ -131,7 +134,7 @@ def clamp_ttl(ttl_s: object, bound: float) -> tuple[float, bool] | None:
     return ttl, False
 
 
-def escape(text: str, limit: int = MAX_TEXT) -> str:
+def escape(text: str, limit: int = MAX_SHARED_TEXT) -> str:
     """``text`` with every non-printable character escaped (``\\n`` -> ``\\\\n``), cut to
     ``limit`` characters: safe in one log line."""
     if len(text) > limit:

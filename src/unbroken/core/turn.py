@@ -146,7 +146,8 @@ Where the parts live (one class, `TurnMachine`, its fields in `turn_fields`)::
     turn_endings    an attempt's body ending or failing, verdicts (replay, end, the kept
                     answer), retry or give up, the end from outside (client gone, crash)
     turn_types      the actions, `Fed`, `Outcome`, `Phase`, the `TurnObserver` protocol
-    turn_table      the steps (`Step`), the events (`TurnEvent`), the table the code runs
+    turn_table      the steps (`Step`), the sub-states (`SUBSTATES`), the events
+                    (`TurnEvent`), the table the code runs
     turn_feeds      the body's feeds (`feed_chunk`, `feed_frame`, `feed_body`): frames
                     through the ledger, what is released, the decision a frame makes
     turn_fast_path  `feed_verbatim`: runs of plain frames after commit, in one piece
@@ -220,6 +221,7 @@ from unbroken.core.turn_types import (
     KEEPALIVE,
     NOT_FAILURES,
     NOT_UPSTREAM,
+    OUTCOME_NAMES,
     OUTCOMES,
     UPSTREAM_ANSWERED,
     AbortUpstream,
@@ -251,6 +253,7 @@ __all__ = [
     "NOT_FAILURES",
     "NOT_UPSTREAM",
     "OUTCOMES",
+    "OUTCOME_NAMES",
     "PEEL_FRAMES",
     "UPSTREAM_ANSWERED",
     "AbortUpstream",

@@ -16,6 +16,8 @@ from unbroken.core.attempt import AttemptStats
 from unbroken.core.continuation import Resume
 from unbroken.core.policy import Failure
 
+#: the keepalive a protocol without its own (`Protocol.keepalive_event`) gets: an SSE
+#: comment, which SSE parsers ignore (Gemini's is `protocols.gemini.BLANK_LINE_KEEPALIVE`)
 KEEPALIVE = b": keepalive\n\n"
 
 
@@ -49,6 +51,8 @@ class Outcome(enum.StrEnum):
 #: the outcomes reports list even at zero, in order (``internal_error``, a relay bug,
 #: is listed only when it happened)
 OUTCOMES: tuple[Outcome, ...] = tuple(o for o in Outcome if o is not Outcome.INTERNAL_ERROR)
+#: their names, as reports, stats and the journal spell them
+OUTCOME_NAMES: tuple[str, ...] = tuple(o.value for o in OUTCOMES)
 #: attempt reasons that say nothing about the upstream's health
 NOT_UPSTREAM: frozenset[str] = frozenset({Outcome.ABORTED_BY_CLIENT, Outcome.INTERNAL_ERROR})
 #: attempt reasons that mean the upstream answered

@@ -74,10 +74,10 @@ from unbroken.mock.actions import (
 from unbroken.mock.command import load_script, main_mock, serve_mock
 from unbroken.mock.provider import MockProvider, RecordedRequest, RecordedUpgrade
 from unbroken.mock.wire import (
-    ANTHROPIC,
-    CHAT,
-    PROTOCOLS,
-    RESPONSES,
+    ANTHROPIC_NAME,
+    CHAT_NAME,
+    PROTOCOL_NAMES,
+    RESPONSES_NAME,
     encode_sse,
     events_for,
     frames_for,
@@ -88,13 +88,13 @@ from unbroken.mock.wire import (
 
 __all__ = [
     "ACTION_KEYS",
-    "ANTHROPIC",
-    "CHAT",
+    "ANTHROPIC_NAME",
+    "CHAT_NAME",
     "ERROR_KINDS",
     "FAULTS",
-    "PROTOCOLS",
+    "PROTOCOL_NAMES",
     "REPLIES",
-    "RESPONSES",
+    "RESPONSES_NAME",
     "Action",
     "ActionError",
     "MockProvider",

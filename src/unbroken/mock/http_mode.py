@@ -44,7 +44,7 @@ from unbroken.mock.wire.error_replies import (
     kind_error_frame,
     status_error_body,
 )
-from unbroken.mock.wire.frames import ANTHROPIC, GEMINI, RESPONSES
+from unbroken.mock.wire.frames import ANTHROPIC_NAME, GEMINI_NAME, RESPONSES_NAME
 from unbroken.mock.wire.gemini_api import parse_path as parse_gemini_path
 from unbroken.mock.wire.gemini_api import request_view as gemini_request_view
 from unbroken.mock.wire.render import cut_after, halves, protocol_name_for_path, render_reply
@@ -73,7 +73,7 @@ class HttpMode(MockState):
                 status=404,
             )
         if (
-            protocol == RESPONSES
+            protocol == RESPONSES_NAME
             and request.method == "GET"
             and request.headers.get("Upgrade", "").lower() == "websocket"
         ):
@@ -96,7 +96,7 @@ class HttpMode(MockState):
                 problem = "request body must be a JSON object"
         except ValueError as exc:
             problem = f"request body is not valid JSON: {exc}"
-        gemini_call = parse_gemini_path(path) if protocol == GEMINI else None
+        gemini_call = parse_gemini_path(path) if protocol == GEMINI_NAME else None
         if problem is None and gemini_call is not None and isinstance(req_json, dict):
             model, streamed = gemini_call
             if streamed and request.query.get("alt") != "sse":
@@ -114,7 +114,7 @@ class HttpMode(MockState):
                 problem = str(exc)
         previous: str | None = None
         found: bool | None = None
-        if protocol == RESPONSES and isinstance(req_json, dict):
+        if protocol == RESPONSES_NAME and isinstance(req_json, dict):
             previous = _previous_id(req_json)
             found = None if previous is None else previous in self._stored
         if self.record:
@@ -186,7 +186,7 @@ class HttpMode(MockState):
             return web.Response()
 
         reply = MockReply(protocol, action, req_json, canonical_json(req_json))
-        request_id_header = "request-id" if protocol == ANTHROPIC else "x-request-id"
+        request_id_header = "request-id" if protocol == ANTHROPIC_NAME else "x-request-id"
         headers: CIMultiDict[str] = CIMultiDict()
         error_kind = action.error if fault == "error_event" else None
 
@@ -234,7 +234,7 @@ class HttpMode(MockState):
                 status=400, body=previous_not_found_body(unknown_previous), headers=headers
             )
 
-        background = protocol == RESPONSES and req_json.get("background") is True
+        background = protocol == RESPONSES_NAME and req_json.get("background") is True
         if background and (action.refuse_background or req_json.get("store") is False):
             headers["Content-Type"] = JSON_CONTENT_TYPE
             headers[request_id_header] = reply.request_id
@@ -250,7 +250,7 @@ class HttpMode(MockState):
             self.background.put(reply.response_id, reply, rendered.frames)
         status = action.status or 200
         if (
-            protocol == RESPONSES
+            protocol == RESPONSES_NAME
             and req_json.get("store") is not False
             and (
                 fault in (None, "malformed")
@@ -365,7 +365,7 @@ class HttpMode(MockState):
                     headers=CIMultiDict(request.headers),
                     body=body,
                     key=key,
-                    protocol=RESPONSES,
+                    protocol=RESPONSES_NAME,
                     action=action.raw,
                     at=asyncio.get_running_loop().time(),
                 )
@@ -385,7 +385,7 @@ class HttpMode(MockState):
         if action.resume == "bad_request" or request.query.get("stream") != "true":
             return web.Response(
                 status=400,
-                body=_mock_error_body(RESPONSES, "mock: resume with stream=true only"),
+                body=_mock_error_body(RESPONSES_NAME, "mock: resume with stream=true only"),
                 headers=json_headers,
             )
         try:

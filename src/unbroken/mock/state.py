@@ -29,7 +29,7 @@ from unbroken.mock.background_store import (
     BackgroundStore,
 )
 from unbroken.mock.limits import MockLimits
-from unbroken.mock.wire.frames import ANTHROPIC
+from unbroken.mock.wire.frames import ANTHROPIC_NAME
 
 KEY_HEADER: Final = "x-mock-key"
 ACTION_HEADER: Final = "x-mock-action"
@@ -297,7 +297,7 @@ def _previous_id(request: Mapping[str, Any]) -> str | None:
 
 
 def _mock_error_body(protocol: str, message: str) -> bytes:
-    if protocol == ANTHROPIC:
+    if protocol == ANTHROPIC_NAME:
         payload: dict[str, Any] = {
             "type": "error",
             "error": {"type": "invalid_request_error", "message": f"mock: {message}"},

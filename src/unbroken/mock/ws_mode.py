@@ -33,7 +33,7 @@ from unbroken.mock.state import (
     _remember,
 )
 from unbroken.mock.wire.error_replies import status_error_body
-from unbroken.mock.wire.frames import RESPONSES
+from unbroken.mock.wire.frames import RESPONSES_NAME
 from unbroken.mock.wire.render import cut_after
 from unbroken.mock.wire.reply import MockReply, canonical_json
 from unbroken.mock.wire.ws_replies import (
@@ -119,7 +119,7 @@ class WebSocketMode(MockState):
                     else "text/plain; charset=utf-8"
                 )
             else:
-                payload = status_error_body(RESPONSES, upgrade.status)
+                payload = status_error_body(RESPONSES_NAME, upgrade.status)
                 headers["Content-Type"] = JSON_CONTENT_TYPE
             for name, value in upgrade.headers:
                 headers[name] = value
@@ -134,7 +134,7 @@ class WebSocketMode(MockState):
                 note(400)
                 return web.Response(
                     status=400,
-                    body=_mock_error_body(RESPONSES, str(exc)),
+                    body=_mock_error_body(RESPONSES_NAME, str(exc)),
                     content_type=JSON_CONTENT_TYPE,
                 )
         ws = web.WebSocketResponse(
@@ -147,7 +147,7 @@ class WebSocketMode(MockState):
             note(400)
             return web.Response(
                 status=400,
-                body=_mock_error_body(RESPONSES, "invalid WebSocket handshake"),
+                body=_mock_error_body(RESPONSES_NAME, "invalid WebSocket handshake"),
                 content_type=JSON_CONTENT_TYPE,
             )
         self.sockets_accepted += 1
@@ -226,7 +226,7 @@ class WebSocketMode(MockState):
                     headers=CIMultiDict(request.headers),
                     body=body,
                     key=sock.key,
-                    protocol=RESPONSES,
+                    protocol=RESPONSES_NAME,
                     action=action.raw if action is not None else None,
                     socket=sock.number,
                     previous_response_id=previous,
@@ -272,7 +272,7 @@ class WebSocketMode(MockState):
             return True
 
         request_json = ws_request(message)
-        reply = MockReply(RESPONSES, action, request_json, canonical_json(request_json))
+        reply = MockReply(RESPONSES_NAME, action, request_json, canonical_json(request_json))
         events = ws_messages(reply)
         total = len(events)
         k = total if fault is None else cut_after(reply, action, total)

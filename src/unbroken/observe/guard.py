@@ -11,14 +11,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from unbroken.core.shared import LOG_EVERY_S
 from unbroken.observe.hooks import HOOK_NAMES, Hooks, implements
 
 __all__ = ["Guarded"]
 
 log = logging.getLogger("unbroken")
-
-#: at most one log line per observer in this many seconds (after the first)
-LOG_EVERY_S = 60.0
 
 
 class Guarded(Hooks):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.policy import Failure
+from unbroken.core.shared import LOG_EVERY_S
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
 __all__ = ["SCHEMA", "Journal", "default_journal_path", "journal_path"]
@@ -138,10 +139,8 @@ _UPDATE: dict[str, str] = {
 #: rows per multi-row insert (18 columns: 576 parameters, well within SQLite's limit)
 _ROWS_PER_INSERT = 32
 
-#: one log line about an unwritable journal per this many seconds
-WARN_EVERY_S = 60.0
 PRUNE_EVERY_S = 3600.0
-MAX_TEXT = 256  # session ids and paths are cut to this many characters
+MAX_JOURNAL_TEXT = 256  # session ids and paths are cut to this many characters
 
 _Op = tuple[str, Any]
 
@@ -171,7 +170,7 @@ def journal_path(configured: str | None, env: Mapping[str, str] | None = None) -
 
 
 def _cut(text: str | None) -> str | None:
-    return None if text is None else text[:MAX_TEXT]
+    return None if text is None else text[:MAX_JOURNAL_TEXT]
 
 
 @functools.lru_cache(maxsize=16)
@@ -555,7 +554,7 @@ class Journal(Hooks):
 
     def _warn(self, why: str) -> None:
         now = time.monotonic()
-        if self._warned_at is None or now - self._warned_at >= WARN_EVERY_S:
+        if self._warned_at is None or now - self._warned_at >= LOG_EVERY_S:
             self._warned_at = now
             log.warning(
                 "journal %s cannot be written (%s): %d rows dropped so far; "

@@ -19,13 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.config import ConfigError, load_config
-from unbroken.core.turn import NOT_FAILURES
-from unbroken.core.turn import OUTCOMES as _OUTCOMES
+from unbroken.core.turn import NOT_FAILURES, OUTCOME_NAMES
 from unbroken.observe.journal import SCHEMA, journal_path
 
 __all__ = ["compute_stats", "format_stats", "parse_since", "percentile", "register"]
 
-OUTCOMES = tuple(o.value for o in _OUTCOMES)
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 
 
@@ -107,7 +105,7 @@ def compute_stats(
     ).fetchall()
 
     outcome_of: dict[str, str] = {}
-    outcomes: Counter[str] = Counter({o: 0 for o in OUTCOMES})
+    outcomes: Counter[str] = Counter({o: 0 for o in OUTCOME_NAMES})
     retries: list[float] = []
     waits: list[float] = []
     ttfb: list[float] = []
@@ -229,7 +227,7 @@ def format_stats(s: dict[str, Any], *, since: str = "", journal: str = "") -> st
     lines += [head, ""]
     lines.append(f"{'Turns':<26}{s['turns']:>8}")
     for name, n in s["outcomes"].items():
-        if n or name in OUTCOMES[:3]:
+        if n or name in OUTCOME_NAMES[:3]:
             lines.append(f"  {name:<24}{n:>8}")
     rate = s["recovery_rate"]
     if rate is None:

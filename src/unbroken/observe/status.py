@@ -22,15 +22,13 @@ from urllib.parse import urlsplit
 from unbroken import __version__
 from unbroken.core.policy import Failure
 from unbroken.core.redact import REDACTED_PART, redact_url
-from unbroken.core.turn import NOT_FAILURES
-from unbroken.core.turn import OUTCOMES as _OUTCOMES
+from unbroken.core.turn import NOT_FAILURES, OUTCOME_NAMES
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 from unbroken.observe.metrics import held_bytes
 
 __all__ = ["StatusTracker", "fetch_status", "register", "render", "watch"]
 
 DEFAULT_URL = "http://127.0.0.1:4780"
-OUTCOMES = tuple(o.value for o in _OUTCOMES)
 
 
 class StatusTracker(Hooks):
@@ -48,7 +46,7 @@ class StatusTracker(Hooks):
         self.extra = extra
         self.started = time.time()
         self.turns = 0
-        self.outcomes: Counter[str] = Counter({o: 0 for o in OUTCOMES})
+        self.outcomes: Counter[str] = Counter({o: 0 for o in OUTCOME_NAMES})
         self.attempts = 0
         self.failures = 0
         self.failures_by_reason: Counter[str] = Counter()
@@ -163,7 +161,8 @@ def _size(n: int) -> str:
     return f"{n / 1024 / 1024:.1f} MiB"
 
 
-STATE_STYLE = {
+#: the colour of an in-flight turn's state
+INFLIGHT_STATE_STYLE = {
     "waiting": "yellow",
     "parked": "magenta",
     "holding": "cyan",
@@ -339,7 +338,7 @@ class StatusView:
                 [
                     str(t.get("id")),
                     t.get("route", ""),
-                    Text(state, style=STATE_STYLE.get(state, "")),
+                    Text(state, style=INFLIGHT_STATE_STYLE.get(state, "")),
                     str(t.get("attempts", 0)),
                     t.get("upstream", ""),
                     t.get("last_failure") or "-",
@@ -421,7 +420,7 @@ def since_start(totals: dict[str, Any]) -> Any:
     tot.add_column("what")
     tot.add_column("count", justify="right")
     tot.add_row("turns", str(totals.get("turns", 0)))
-    for name in (*OUTCOMES, *(o for o in outcomes if o not in OUTCOMES)):
+    for name in (*OUTCOME_NAMES, *(o for o in outcomes if o not in OUTCOME_NAMES)):
         if outcomes.get(name):
             tot.add_row(f"  {name}", str(outcomes[name]))
     tot.add_row("attempts", str(totals.get("attempts", 0)))

@@ -35,8 +35,10 @@ from urllib.parse import urlsplit
 from unbroken.config import Config
 from unbroken.config_values import normalise_origin
 
-__all__ = ["Access", "Denied", "Target", "parse_target"]
+__all__ = ["TOKEN_HEADER", "Access", "Denied", "Target", "parse_target"]
 
+#: The header that carries the relay's own token (or ``/t/<token>/`` in the path); never
+#: forwarded upstream (`relay.upstream`).
 TOKEN_HEADER = "x-unbroken-token"
 #: One path segment, query and such: RFC 3986 pchar / "/" / "?", with valid escapes.
 _PATH = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*")

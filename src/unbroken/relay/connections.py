@@ -30,6 +30,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from unbroken.core.shared import LOG_EVERY_S
+
 __all__ = [
     "ConnectionStats",
     "GuardedHandler",
@@ -53,7 +55,6 @@ BUSY_RESPONSE = (
     b"Connection: close\r\n"
     b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY
 )
-LOG_EVERY_S = 60.0
 
 
 @dataclass

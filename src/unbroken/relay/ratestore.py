@@ -45,7 +45,8 @@ __all__ = ["RateShare"]
 
 log = logging.getLogger("unbroken")
 
-PREFIX = "unbroken:rl:"
+#: a rate-limit budget's keys in Redis: ``unbroken:rl:<key>|<credential>:<bucket>``
+RATE_KEY_PREFIX = "unbroken:rl:"
 TTL_MS = 120_000
 BUDGET_S = 0.25
 #: head-of-line requests a lease covers at most (more wait for the next one)
@@ -174,7 +175,7 @@ class RateShare:
         return {"shared_buckets": shared, "leases": self.leases}
 
     def _name(self, lim: Limiter, bucket: str) -> str:
-        return f"{PREFIX}{lim.key}|{lim.cred}:{bucket}"
+        return f"{RATE_KEY_PREFIX}{lim.key}|{lim.cred}:{bucket}"
 
     # -- events ------------------------------------------------------------------------
     def _changed(self, key: str) -> None:

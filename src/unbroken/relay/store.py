@@ -84,7 +84,9 @@ __all__ = ["ChannelStore", "HealthStore", "RedisStore", "make_store"]
 log = logging.getLogger("unbroken")
 
 CHANNEL = "unbroken:health"
-PREFIX = "unbroken:"
+#: an upstream's health keys in Redis: ``unbroken:<key>:`` and ``breaker``, ``cooloff``,
+#: ``probe``, ``waiters`` or ``n:<bucket>:ok|fail`` (rate limits: `ratestore.RATE_KEY_PREFIX`)
+HEALTH_KEY_PREFIX = "unbroken:"
 READ_BUDGET_S = 0.05
 #: after a read that ran out of budget, the next one may take this long
 SLOW_BUDGET_S = 0.5
@@ -95,7 +97,6 @@ SILENT_S = 3.0
 WAITERS_TTL_MS = 3000
 #: the floor is split among at most this many relays (a bound on garbage in Redis)
 MAX_SHARE = 1000
-WARN_EVERY_S = 60.0
 #: a key that outlives this relay's bound is shortened to it (never lengthened)
 SHORTEN = """
 local t = redis.call('PTTL', KEYS[1])
@@ -133,7 +134,7 @@ class HealthStore:
         self.up = True
         #: what shared state may impose on this relay (its own config's bounds)
         self.bounds = bounds or SharedBounds.of(board.settings, 60_000)
-        self._throttle = Throttle(WARN_EVERY_S)
+        self._throttle = Throttle()
         #: garbage ignored, per kind (for tests and /status)
         self.garbage: dict[str, int] = {}
         self.board.listeners.append(self._on_change)
@@ -344,7 +345,7 @@ class RedisStore(HealthStore):
                 self._degrade(exc)
 
     async def _write_change(self, change: Change) -> None:
-        k = PREFIX + change.key
+        k = HEALTH_KEY_PREFIX + change.key
         # never longer than this relay's bounds (what it learned was clamped already)
         bound = self.bounds.bound(change.kind, change.reason)
         ttl_ms = max(1, int(min(change.ttl_s, bound) * 1000))
@@ -362,7 +363,7 @@ class RedisStore(HealthStore):
     async def _write_count(self, key: str, failed: bool) -> None:
         window = self.board.settings.window_s
         bucket = int(time.time() // (window / 10))
-        name = f"{PREFIX}{key}:n:{bucket}:{'fail' if failed else 'ok'}"
+        name = f"{HEALTH_KEY_PREFIX}{key}:n:{bucket}:{'fail' if failed else 'ok'}"
         pipe = self.redis.pipeline(transaction=False)
         pipe.incr(name)
         pipe.expire(name, int(window * 2) + 1)
@@ -387,7 +388,8 @@ class RedisStore(HealthStore):
         try:
             async with asyncio.timeout(READ_BUDGET_S * 4):
                 got = await self._probe(
-                    keys=[f"{PREFIX}{key}:probe"], args=[self.origin, max(1, int(ttl_s * 1000))]
+                    keys=[f"{HEALTH_KEY_PREFIX}{key}:probe"],
+                    args=[self.origin, max(1, int(ttl_s * 1000))],
                 )
             # another's lease (never longer than ours: PROBE shortens it) ends at its PTTL
             mine, left_ms = read_count(got[0])[0] == 1, read_count(got[1])[0]
@@ -479,7 +481,7 @@ class RedisStore(HealthStore):
         current = int(time.time() // width)
         pipe = self.redis.pipeline(transaction=False)
         for key in keys:
-            k = PREFIX + key
+            k = HEALTH_KEY_PREFIX + key
             pacer = self.board.pacers.get(key)
             if pacer is not None and pacer.queue:
                 pipe.hset(f"{k}:waiters", self.origin, wall_ms + WAITERS_TTL_MS)
@@ -504,7 +506,7 @@ class RedisStore(HealthStore):
         now = self.clock()
         for i, key in enumerate(keys):
             mark, _, waiters, b_ttl, b_val, c_ttl, c_val, counts = res[i * 8 : (i + 1) * 8]
-            k = PREFIX + key
+            k = HEALTH_KEY_PREFIX + key
             if isinstance(mark, Exception) or isinstance(waiters, Exception):
                 # not a hash (we renew its TTL every second): it would never go away
                 self._ignored(Garbage.WRONG_TYPE, f"{k}:waiters")
@@ -551,7 +553,7 @@ class RedisStore(HealthStore):
         pacer's floor is split among them.  Garbage counts as nobody."""
         n, garbage = fleet_share(waiters, wall_ms, WAITERS_TTL_MS, MAX_SHARE)
         if garbage:
-            self._ignored(Garbage.VALUE, f"{PREFIX}{key}:waiters")
+            self._ignored(Garbage.VALUE, f"{HEALTH_KEY_PREFIX}{key}:waiters")
         pacer = self.board.pacers.get(key)
         if pacer is not None:
             pacer.share = n

@@ -25,12 +25,11 @@ from yarl import URL
 from unbroken.config import CREDENTIAL_HEADERS, Upstream
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.redact import REDACTED_PART
-from unbroken.relay.access import CACHED_TARGET
+from unbroken.relay.access import CACHED_TARGET, TOKEN_HEADER
 
 __all__ = [
     "HOP_BY_HOP",
     "REDACTED",
-    "TOKEN_HEADER",
     "Redactor",
     "UpstreamClient",
     "body_for",
@@ -47,8 +46,6 @@ __all__ = [
     "via_entry",
 ]
 
-#: The header that carries the relay's own token; never forwarded upstream.
-TOKEN_HEADER = "x-unbroken-token"
 #: What a known secret is replaced with in an upstream answer.
 REDACTED = "sk-…REDACTED"
 _REDACTED = REDACTED.encode()

@@ -15,7 +15,7 @@ from unbroken.core.policy import Failure, FailureClass, RetryPolicy, RetryState
 from unbroken.core.profiles import PROFILES, CommitEnd, check_overrides, identify
 from unbroken.core.protocols import GEMINI, GENERIC, Kind, kind_names, protocol_for_path
 from unbroken.core.protocols.gemini import (
-    KEEPALIVE,
+    BLANK_LINE_KEEPALIVE,
     GeminiClassifier,
     error_frame,
     final_error_frame,
@@ -140,7 +140,7 @@ def test_errors_finishes_and_malformed_frames() -> None:
     assert kinds(chunk({"text": ""}, finish="MAX_TOKENS")) == ["TERMINAL_OK"]
     assert kinds(chunk({"text": "x"}, finish="FINISH_REASON_UNSPECIFIED")) == ["OUTPUT"]
     assert kinds(b"event: x\r\ndata: {}\r\n\r\n") == ["UNKNOWN"]
-    assert kinds(KEEPALIVE, b": comment\r\n\r\n") == ["CONTROL", "CONTROL"]
+    assert kinds(BLANK_LINE_KEEPALIVE, b": comment\r\n\r\n") == ["CONTROL", "CONTROL"]
 
 
 def test_two_candidates_end_when_both_have_finished() -> None:
@@ -169,7 +169,7 @@ def feed_all(ledger: Ledger, raw: bytes) -> bytes:
 def test_frames_that_carry_nothing_are_held_and_a_cut_replays() -> None:
     ledger = Ledger(GEMINI)
     usage_only = frame({"usageMetadata": USAGE})
-    assert feed_all(ledger, KEEPALIVE + SIGNATURE + usage_only) == b""
+    assert feed_all(ledger, BLANK_LINE_KEEPALIVE + SIGNATURE + usage_only) == b""
     assert ledger.state is LedgerState.PENDING
     assert ledger.failed("reset") == b"" and ledger.verdict is Verdict.REPLAY
 
@@ -391,8 +391,8 @@ def test_every_gemini_client_gets_blank_line_keepalives(profile: str) -> None:
     m.start(0.0)
     m.open_failed(0.1, Failure(FailureClass.REFUSED, "refused"))
     assert m.tick(5.0) == SendHeaders(200)
-    assert m.keepalive_bytes == KEEPALIVE
-    assert m.tick(7.0) == Keepalive(KEEPALIVE)
+    assert m.keepalive_bytes == BLANK_LINE_KEEPALIVE
+    assert m.tick(7.0) == Keepalive(BLANK_LINE_KEEPALIVE)
 
 
 def test_after_commit_end_is_a_client_setting() -> None:

@@ -193,12 +193,12 @@ ANTHROPIC = Protocol(
     keepalive_event=b'event: ping\ndata: {"type": "ping"}\n\n',
 )
 #: The Gemini API (``:streamGenerateContent?alt=sse``): keepalives are blank lines for
-#: every client (see `gemini.KEEPALIVE`).
+#: every client (see `gemini.BLANK_LINE_KEEPALIVE`).
 GEMINI = Protocol(
     "gemini",
     True,
     gemini.GeminiClassifier,
-    keepalive_event=gemini.KEEPALIVE,
+    keepalive_event=gemini.BLANK_LINE_KEEPALIVE,
     comment_keepalive=False,
 )
 GENERIC = Protocol("generic", False, GenericClassifier)

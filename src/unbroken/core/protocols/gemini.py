@@ -31,7 +31,7 @@ from unbroken.core.protocols.base import Kind, error_is_retryable, loads_object
 from unbroken.core.sse import Event
 
 __all__ = [
-    "KEEPALIVE",
+    "BLANK_LINE_KEEPALIVE",
     "PART_KINDS",
     "GeminiClassifier",
     "error_frame",
@@ -68,7 +68,7 @@ _NOT_FINISHED = (None, "", "FINISH_REASON_UNSPECIFIED")
 #: its buffer, so an SSE comment (``: keepalive``) would stop it from ever parsing
 #: another event; leading whitespace is skipped.  By the SSE rules a blank line
 #: dispatches nothing.
-KEEPALIVE = b"\r\n"
+BLANK_LINE_KEEPALIVE = b"\r\n"
 
 _GEMINI_METHODS = (":streamGenerateContent", ":generateContent", ":countTokens")
 

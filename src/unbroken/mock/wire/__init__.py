@@ -27,12 +27,12 @@ from unbroken.mock.wire.error_replies import (
     status_error_body,
 )
 from unbroken.mock.wire.frames import (
-    ANTHROPIC,
-    CHAT,
+    ANTHROPIC_NAME,
+    CHAT_NAME,
     CREATED,
-    GEMINI,
-    PROTOCOLS,
-    RESPONSES,
+    GEMINI_NAME,
+    PROTOCOL_NAMES,
+    RESPONSES_NAME,
     Event,
     encode_sse,
 )
@@ -54,13 +54,13 @@ from unbroken.mock.wire.ws_replies import (
 )
 
 __all__ = [
-    "ANTHROPIC",
+    "ANTHROPIC_NAME",
     "BODY_GARBAGE",
-    "CHAT",
+    "CHAT_NAME",
     "CREATED",
-    "GEMINI",
-    "PROTOCOLS",
-    "RESPONSES",
+    "GEMINI_NAME",
+    "PROTOCOL_NAMES",
+    "RESPONSES_NAME",
     "WS_GARBAGE",
     "Event",
     "MockReply",

@@ -8,10 +8,10 @@ from typing import Any, Final
 
 import unbroken.mock.wire.gemini_api as _gemini
 from unbroken.mock.wire.frames import (
-    ANTHROPIC,
-    CHAT,
-    GEMINI,
-    RESPONSES,
+    ANTHROPIC_NAME,
+    CHAT_NAME,
+    GEMINI_NAME,
+    RESPONSES_NAME,
     dumps,
     encode_sse,
 )
@@ -102,12 +102,12 @@ def kind_error_frame(
 ) -> bytes:
     """The protocol-native in-stream error frame for ``error`` (an ERROR_KINDS name)."""
     kind = _ERRORS[error]
-    if reply.protocol == GEMINI:
+    if reply.protocol == GEMINI_NAME:
         _status, payload = _gemini.kind_body(error)
         return _gemini.to_crlf(encode_sse(None, payload.decode()))
-    if reply.protocol == CHAT:
+    if reply.protocol == CHAT_NAME:
         return encode_sse(None, {"error": _openai_error(kind)})
-    if reply.protocol == ANTHROPIC:
+    if reply.protocol == ANTHROPIC_NAME:
         return encode_sse("error", _anthropic_error(kind))
     if style == "error":
         return encode_sse(
@@ -132,9 +132,9 @@ def kind_error_frame(
 def kind_error_body(protocol: str, error: str) -> tuple[int, bytes]:
     """HTTP status and JSON body of the non-streamed form of an error kind."""
     kind = _ERRORS[error]
-    if protocol == GEMINI:
+    if protocol == GEMINI_NAME:
         return _gemini.kind_body(error)
-    if protocol == ANTHROPIC:
+    if protocol == ANTHROPIC_NAME:
         return kind.anthropic_status, dumps(_anthropic_error(kind)).encode()
     return kind.openai_status, dumps({"error": _openai_error(kind)}).encode()
 
@@ -188,7 +188,7 @@ _ANTHROPIC_MESSAGES: Final[dict[str, str]] = {
 
 def status_error_body(protocol: str, status: int) -> bytes:
     """Default protocol-shaped JSON error body for an HTTP status."""
-    if protocol == GEMINI:
+    if protocol == GEMINI_NAME:
         return _gemini.status_body(status)
     entry = _STATUS_MESSAGES.get(status)
     if entry is None:
@@ -200,7 +200,7 @@ def status_error_body(protocol: str, status: int) -> bytes:
             "api_error" if server else "invalid_request_error",
         )
     oa_type, message, code, an_type = entry
-    if protocol == ANTHROPIC:
+    if protocol == ANTHROPIC_NAME:
         message = _ANTHROPIC_MESSAGES.get(an_type, message)
         return dumps({"type": "error", "error": {"type": an_type, "message": message}}).encode()
     return dumps(
@@ -209,13 +209,13 @@ def status_error_body(protocol: str, status: int) -> bytes:
 
 
 _GARBAGE: Final[dict[str, bytes]] = {
-    CHAT: b'data: {"choices": [{"delta": {"content": "x"\n\n',
-    RESPONSES: b"event: response.output_text.delta\n"
+    CHAT_NAME: b'data: {"choices": [{"delta": {"content": "x"\n\n',
+    RESPONSES_NAME: b"event: response.output_text.delta\n"
     b'data: {"type": "response.output_text.delta", "delta": "x"\n\n',
-    ANTHROPIC: b"event: content_block_delta\n"
+    ANTHROPIC_NAME: b"event: content_block_delta\n"
     b'data: {"type": "content_block_delta", "index": 0, '
     b'"delta": {"type": "text_delta", "text": "x"\n\n',
-    GEMINI: _gemini.garbage(),
+    GEMINI_NAME: _gemini.garbage(),
 }
 #: Inserted into a non-streamed body; NUL bytes make any JSON invalid.
 BODY_GARBAGE: Final = b"\x00<malformed>\x00"

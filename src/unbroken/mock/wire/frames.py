@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any, Final, TypeAlias
 
-CHAT: Final = "chat"
-RESPONSES: Final = "responses"
-ANTHROPIC: Final = "anthropic"
-GEMINI: Final = "gemini"
-PROTOCOLS: Final[tuple[str, ...]] = (CHAT, RESPONSES, ANTHROPIC, GEMINI)
+#: each protocol's name, as a mock reply and its path say it (the relay's `Protocol`
+#: objects are `unbroken.core.protocols.CHAT` and the like)
+CHAT_NAME: Final = "chat"
+RESPONSES_NAME: Final = "responses"
+ANTHROPIC_NAME: Final = "anthropic"
+GEMINI_NAME: Final = "gemini"
+PROTOCOL_NAMES: Final[tuple[str, ...]] = (CHAT_NAME, RESPONSES_NAME, ANTHROPIC_NAME, GEMINI_NAME)
 
 #: Fixed ``created`` / ``created_at`` timestamp of every reply (determinism).
 CREATED: Final = 1_700_000_000

@@ -19,11 +19,11 @@ import json
 import re
 from typing import Any, Final
 
-from unbroken.mock.wire.frames import _VAL, GEMINI, _Item, _Run
+from unbroken.mock.wire.frames import _VAL, GEMINI_NAME, _Item, _Run
 from unbroken.mock.wire.reply import MockReply
 
 __all__ = [
-    "GEMINI",
+    "GEMINI_NAME",
     "body",
     "error_payload",
     "garbage",

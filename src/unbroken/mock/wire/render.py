@@ -12,11 +12,11 @@ import unbroken.mock.wire.gemini_api as _gemini
 from unbroken.mock.actions import Action
 from unbroken.mock.wire.chat_api import _chat_body, _chat_items
 from unbroken.mock.wire.frames import (
-    ANTHROPIC,
-    CHAT,
-    GEMINI,
-    PROTOCOLS,
-    RESPONSES,
+    ANTHROPIC_NAME,
+    CHAT_NAME,
+    GEMINI_NAME,
+    PROTOCOL_NAMES,
+    RESPONSES_NAME,
     Event,
     _encode_items,
     _expand_events,
@@ -28,9 +28,9 @@ from unbroken.mock.wire.reply import MockReply, ReplyKey, make_reply
 from unbroken.mock.wire.responses_api import _responses_body, _responses_items
 
 _PATH_SUFFIXES: Final = (
-    ("/chat/completions", CHAT),
-    ("/responses", RESPONSES),
-    ("/messages", ANTHROPIC),
+    ("/chat/completions", CHAT_NAME),
+    ("/responses", RESPONSES_NAME),
+    ("/messages", ANTHROPIC_NAME),
 )
 
 
@@ -39,7 +39,7 @@ def protocol_name_for_path(path: str) -> str | None:
     ``/v1beta/models/<model>:streamGenerateContent`` -> gemini)."""
     path = path.rstrip("/")
     if _gemini.parse_path(path) is not None:
-        return GEMINI
+        return GEMINI_NAME
     for suffix, protocol in _PATH_SUFFIXES:
         if path.endswith("/v1" + suffix):
             return protocol
@@ -47,16 +47,16 @@ def protocol_name_for_path(path: str) -> str | None:
 
 
 _ITEMS = {
-    CHAT: _chat_items,
-    RESPONSES: _responses_items,
-    ANTHROPIC: _anthropic_items,
-    GEMINI: _gemini.items,
+    CHAT_NAME: _chat_items,
+    RESPONSES_NAME: _responses_items,
+    ANTHROPIC_NAME: _anthropic_items,
+    GEMINI_NAME: _gemini.items,
 }
 _BODIES = {
-    CHAT: _chat_body,
-    RESPONSES: _responses_body,
-    ANTHROPIC: _anthropic_body,
-    GEMINI: _gemini.body,
+    CHAT_NAME: _chat_body,
+    RESPONSES_NAME: _responses_body,
+    ANTHROPIC_NAME: _anthropic_body,
+    GEMINI_NAME: _gemini.body,
 }
 
 
@@ -85,7 +85,7 @@ def halves(body: bytes) -> tuple[bytes, bytes]:
 def _render(reply: MockReply) -> Rendered:
     if reply.stream:
         frames = tuple(_encode_items(_ITEMS[reply.protocol](reply)))
-        if reply.protocol == GEMINI:
+        if reply.protocol == GEMINI_NAME:
             frames = tuple(_gemini.to_crlf(f) for f in frames)
         body = b"".join(frames)
     else:
@@ -107,8 +107,10 @@ def render_reply(reply: MockReply) -> Rendered:
 
 
 def _check_protocol(protocol: str) -> None:
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"unknown protocol {protocol!r}; expected one of {', '.join(PROTOCOLS)}")
+    if protocol not in PROTOCOL_NAMES:
+        raise ValueError(
+            f"unknown protocol {protocol!r}; expected one of {', '.join(PROTOCOL_NAMES)}"
+        )
 
 
 def frames_for(
@@ -145,7 +147,7 @@ def responses_events(
     action: Mapping[str, Any] | Action | None, request_json: Mapping[str, Any]
 ) -> list[Event]:
     """Responses API events (name, payload) for a reply; reusable by a WebSocket transport."""
-    return events_for(RESPONSES, action, request_json)
+    return events_for(RESPONSES_NAME, action, request_json)
 
 
 def delta_offset(reply: MockReply) -> int:

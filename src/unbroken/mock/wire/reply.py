@@ -12,13 +12,13 @@ from typing import Any
 
 from unbroken.mock.actions import Action, parse_action
 from unbroken.mock.wire.frames import (
-    ANTHROPIC,
-    CHAT,
+    ANTHROPIC_NAME,
+    CHAT_NAME,
     DEFAULT_MODEL,
     DEFAULT_TOOL,
     DEFAULT_TOOL_ARGS,
-    PROTOCOLS,
-    RESPONSES,
+    PROTOCOL_NAMES,
+    RESPONSES_NAME,
     dumps,
 )
 
@@ -102,8 +102,8 @@ class MockReply:
     def __init__(
         self, protocol: str, action: Action, request: Mapping[str, Any], canonical: str
     ) -> None:
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
+        if protocol not in PROTOCOL_NAMES:
+            raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOL_NAMES}")
         self.protocol = protocol
         self.action = action
         self.request = request
@@ -112,7 +112,7 @@ class MockReply:
         self.stream: bool = request.get("stream") is True
         opts = request.get("stream_options")
         self.include_usage: bool = (
-            protocol == CHAT and isinstance(opts, dict) and opts.get("include_usage") is True
+            protocol == CHAT_NAME and isinstance(opts, dict) and opts.get("include_usage") is True
         )
         seed = action.seed or ""
         h = hashlib.blake2b(digest_size=32)
@@ -135,7 +135,7 @@ class MockReply:
         if prefix is None:
             return pieces
         rest = continue_pieces(pieces, prefix)
-        if self.action.prefix_echo and self.protocol == CHAT and rest is not pieces:
+        if self.action.prefix_echo and self.protocol == CHAT_NAME and rest is not pieces:
             return (prefix, *rest)  # Mistral's answer starts with the prefix
         return rest
 
@@ -159,7 +159,7 @@ class MockReply:
             else:
                 args_obj = DEFAULT_TOOL_ARGS[i]
             args = dumps(args_obj)
-            if self.protocol == ANTHROPIC:
+            if self.protocol == ANTHROPIC_NAME:
                 call_id = "toolu_01" + self.ident(f"toolu{i}", 22)
             else:
                 call_id = "call_" + self.ident(f"call{i}", 24)
@@ -190,9 +190,9 @@ class MockReply:
 
     @cached_property
     def message_id(self) -> str:
-        if self.protocol == CHAT:
+        if self.protocol == CHAT_NAME:
             return "chatcmpl-" + self.ident("chat", 29)
-        if self.protocol == RESPONSES:
+        if self.protocol == RESPONSES_NAME:
             return "msg_" + self.ident("msg", 48)
         return "msg_01" + self.ident("msg", 22)
 
@@ -209,7 +209,7 @@ class MockReply:
 
 def prefill_of(protocol: str, request: Mapping[str, Any]) -> str | None:
     """The assistant prefix a request ends with, or None."""
-    if protocol not in (ANTHROPIC, CHAT):
+    if protocol not in (ANTHROPIC_NAME, CHAT_NAME):
         return None
     messages = request.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -217,7 +217,7 @@ def prefill_of(protocol: str, request: Mapping[str, Any]) -> str | None:
     last = messages[-1]
     if not isinstance(last, dict) or last.get("role") != "assistant":
         return None
-    if protocol == CHAT and last.get("prefix") is not True and last.get("partial") is not True:
+    if protocol == CHAT_NAME and last.get("prefix") is not True and last.get("partial") is not True:
         return None
     content = last.get("content")
     if isinstance(content, str):

@@ -10,8 +10,8 @@ from typing import Any, Final
 from unbroken.mock.actions import Action
 from unbroken.mock.wire.error_replies import _ERRORS, kind_error_frame, status_error_body
 from unbroken.mock.wire.frames import (
-    ANTHROPIC,
-    RESPONSES,
+    ANTHROPIC_NAME,
+    RESPONSES_NAME,
     dumps,
 )
 from unbroken.mock.wire.render import render_reply
@@ -46,7 +46,7 @@ def ws_messages(reply: MockReply) -> tuple[bytes, ...]:
     Each is the ``data:`` payload of the matching SSE frame of :func:`render_reply`
     (the last 256 are kept by digest).
     """
-    if reply.protocol != RESPONSES or not reply.stream:
+    if reply.protocol != RESPONSES_NAME or not reply.stream:
         raise ValueError("ws_messages needs a streamed Responses reply")
     return _ws_messages_memo(ReplyKey.of(reply))
 
@@ -63,7 +63,7 @@ def ws_messages_for(
 
     ``message`` may include ``"type"`` (it is dropped); fault keys are ignored.
     """
-    return list(ws_messages(make_reply(RESPONSES, action, ws_request(message))))
+    return list(ws_messages(make_reply(RESPONSES_NAME, action, ws_request(message))))
 
 
 def ws_error(
@@ -108,7 +108,7 @@ def ws_error_kind(error: str, sequence_number: int | None) -> bytes:
 
 def ws_status_error(status: int) -> bytes:
     """The WebSocket error message for an action's HTTP-style ``status``."""
-    error = json.loads(status_error_body(RESPONSES, status))["error"]
+    error = json.loads(status_error_body(RESPONSES_NAME, status))["error"]
     return ws_error(status, error["type"], error["code"], error["message"])
 
 
@@ -156,7 +156,7 @@ def ws_connection_limit() -> bytes:
 
 def connection_limit_body(protocol: str) -> bytes:
     """HTTP 400 body of the ``connection_limit`` fault on a plain HTTP request."""
-    if protocol == ANTHROPIC:
+    if protocol == ANTHROPIC_NAME:
         error = {"type": "invalid_request_error", "message": CONNECTION_LIMIT_MESSAGE}
         return dumps({"type": "error", "error": error}).encode()
     return dumps(
