@@ -13,6 +13,10 @@ from unbroken.mock import MockProvider
 
 pytest_plugins = ("noskip",)
 
+# Helper modules whose asserts check what a test sees: pytest rewrites them as it does a
+# test module's, so a failing check shows its values.
+pytest.register_assert_rewrite("core.ledgerfix", "mock.wsfix", "relay.regressionfix", "turnfix")
+
 
 @pytest.fixture(autouse=True)
 def _state_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,13 +1,18 @@
-"""Test doubles for the turn machine: its timers and a recording `TurnObserver`."""
+"""Test doubles for the turn machine: its timers, a recording `TurnObserver`, and a
+chat-protocol machine with the frames its tests feed it (`make`, `chunk`, `ROLE`, ...)."""
 
 from __future__ import annotations
 
+import json
+import random
 from typing import Any
 
 from unbroken.config import StreamSettings
 from unbroken.core.attempt import AttemptStats
-from unbroken.core.policy import Failure
-from unbroken.core.turn import Phase, TurnState
+from unbroken.core.ledger import Hold
+from unbroken.core.policy import Failure, FailureClass, RetryPolicy, RetryState
+from unbroken.core.protocols import CHAT
+from unbroken.core.turn import Action, Fed, Open, Phase, Stream, TurnMachine, TurnState
 
 #: the machine's timers with the config's defaults (`[stream]`), any of them overridden
 Timers = StreamSettings
@@ -47,3 +52,59 @@ class Report:
 
     def of(self, kind: str) -> list[tuple[Any, ...]]:
         return [c for c in self.calls if c[0] == kind]
+
+
+def make(
+    *,
+    stream: bool = True,
+    upstreams: int = 1,
+    max_attempts: int = 0,
+    delay_ms: int = 100,
+    **timers: Any,
+) -> tuple[TurnMachine, Report]:
+    report = Report()
+    retry = RetryState(
+        RetryPolicy(delay_ms=delay_ms, backoff="fixed", max_attempts=max_attempts),
+        upstreams,
+        rng=random.Random(0),
+    )
+    m = TurnMachine(
+        protocol=CHAT,
+        hold=Hold(),
+        timers=Timers(**timers),
+        retry=retry,
+        stream=stream,
+        now=0.0,
+        report=report,
+    )
+    return m, report
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, id_: str = "c1") -> bytes:
+    obj = {"id": id_, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+ROLE = chunk({"role": "assistant"})
+TEXT = chunk({"content": "hello"})
+FINISH = chunk({}, "stop")
+DONE = b"data: [DONE]\n\n"
+RETRYABLE = b'data: {"error": {"type": "server_error", "message": "boom"}}\n\n'
+RESET = Failure(FailureClass.RESET, "reset")
+REFUSED = Failure(FailureClass.REFUSED, "refused")
+
+
+def raw(fed: Any) -> bytes:
+    """The bytes of what a feed released (its frames')."""
+    events = fed.released if isinstance(fed, Fed) else fed
+    return b"".join(e.raw for e in events)
+
+
+def seen(fed: Fed[Any]) -> tuple[bytes, Action | None]:
+    """A feed's released bytes and its ``over``."""
+    return raw(fed), fed.over
+
+
+def streaming(m: TurnMachine, now: float = 1.0) -> None:
+    assert isinstance(m.start(0.0), Open)
+    assert isinstance(m.answered(now, 200, sse=True), Stream)

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.test_ledger import (
+from core.ledgerfix import (
     FATAL_ERROR,
     MALFORMED,
     RETRYABLE_ERROR,

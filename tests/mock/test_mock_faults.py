@@ -6,12 +6,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
 from unbroken.mock import MockProvider, frames_for
 from unbroken.mock.testing import parse_sse_json, read_body, split_sse
@@ -32,12 +30,6 @@ def request_json(protocol: str, stream: bool = True) -> dict[str, Any]:
     if protocol == "anthropic":
         req["max_tokens"] = 64
     return req
-
-
-@pytest_asyncio.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def post(

@@ -5,12 +5,10 @@ every streamed reply is read back through the core's own Gemini classifier."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
 from unbroken.core.ledger import Ledger, LedgerState, Verdict
 from unbroken.core.protocols import GEMINI, Kind
@@ -24,12 +22,6 @@ STREAM = "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse"
 PLAIN = "/v1beta/models/gemini-2.5-flash:generateContent"
 BODY = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
 VIEW = {**BODY, "model": "gemini-2.5-flash", "stream": True}
-
-
-@pytest_asyncio.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def post(

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
 from unbroken.mock import MockProvider
 from unbroken.mock.actions import ActionError, parse_action
 from unbroken.mock.testing import parse_sse_json, read_body, split_sse
 
 TEXT = "Hello there, general Kenobi."
-
-
-@pytest_asyncio.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def texts(protocol: str, data: bytes) -> list[str]:
