@@ -22,7 +22,7 @@ class AllowOnlyContract(Contract):
 
     def check(self, graph: Any, verbose: bool) -> ContractCheck:
         sources: list[str] = list(self.source_modules)  # type: ignore[call-overload]
-        allowed = set(self.allowed_modules or ())  # type: ignore[call-overload]
+        allowed: set[str] = set(self.allowed_modules or ())  # type: ignore[arg-type]
         modules = set(sources)
         for source in sources:
             modules |= graph.find_descendants(source)

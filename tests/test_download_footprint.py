@@ -1,4 +1,4 @@
-"""tools/test_footprint.py, which gives the README's download figures: it reads npm's
+"""tools/download_footprint.py, which gives the README's download figures: it reads npm's
 cache index and the test cache the way npm and tests/e2e/clis.py lay them out."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from docsamples import ROOT
 
 def _tool() -> ModuleType:
     spec = importlib.util.spec_from_file_location(
-        "test_footprint_tool", ROOT / "tools" / "test_footprint.py"
+        "download_footprint", ROOT / "tools" / "download_footprint.py"
     )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

@@ -12,8 +12,8 @@ Measures, without installing anything:
 - **PyPI** (``--pip``): the wheels ``pip download '.[test]'`` fetches for this
   Python into a temporary directory (this one downloads them, about 90 MB).
 
-    python tools/test_footprint.py           # the npm figures, from the caches
-    python tools/test_footprint.py --pip     # and the PyPI wheels
+    python tools/download_footprint.py           # the npm figures, from the caches
+    python tools/download_footprint.py --pip     # and the PyPI wheels
 
 Sizes are in MB (10^6 bytes) and GB (10^9), as ``du --si`` gives them.  Run the
 test command once first (or ``pytest tests/e2e/test_clis.py``) so that the CLIs
@@ -31,9 +31,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+sys.path.insert(0, str(ROOT / "tests"))
 
-from clis import PINNED, cache_root  # noqa: E402
+from e2e.clis import PINNED, cache_root  # noqa: E402
 
 
 def tarball_sizes(npm_cache: Path) -> dict[str, int]:
