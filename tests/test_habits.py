@@ -146,11 +146,16 @@ def shared_basenames(root: Path) -> dict[str, set[str]]:
 
 def public_names(node: ast.stmt) -> list[str]:
     """The public names a module's top-level statement defines: a function, a class, or
-    an UPPER_CASE constant (``NAME = ...``, ``NAME: T = ...``)."""
+    an UPPER_CASE constant (``NAME = ...``, ``NAME: T = ...``, ``A, B = ...``)."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         names = [node.name]
     elif isinstance(node, ast.Assign):
-        names = [t.id for t in node.targets if isinstance(t, ast.Name) and t.id.isupper()]
+        targets = [
+            e
+            for t in node.targets
+            for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])
+        ]
+        names = [t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper()]
     elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
         names = [node.target.id] if node.target.id.isupper() else []
     else:
@@ -202,4 +207,6 @@ def test_the_name_scans_see_a_clash(tmp_path: Path) -> None:
         "plan": {"a/cli.py", "b/cli.py", "c.py"},
         "LIMIT": {"c.py", "d.py"},
         "TTL": {"c.py", "d.py"},
+        "A": {"c.py", "d.py"},
+        "B": {"c.py", "d.py"},
     }

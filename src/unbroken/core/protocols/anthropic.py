@@ -19,20 +19,20 @@ from unbroken.core.protocols.base import (
 )
 from unbroken.core.sse import Event
 
-C = Kind.CONTROL
+_C = Kind.CONTROL
 
 EVENTS: dict[str, int] = {
-    "message_start": C,
-    "ping": C,
-    "message_delta": C,  # stop_reason + usage: released with the rest, or held while pending
+    "message_start": _C,
+    "ping": _C,
+    "message_delta": _C,  # stop_reason + usage: released with the rest, or held while pending
     "message_stop": Kind.TERMINAL_OK,
 }
 
 # content block type -> (kind of its start frame, kind of its deltas, kind of its stop)
 BLOCKS: dict[str, tuple[int, int, int]] = {
-    "text": (C, Kind.OUTPUT, C),
-    "thinking": (C, Kind.REASONING, C),
-    "redacted_thinking": (Kind.REASONING, Kind.REASONING, C),
+    "text": (_C, Kind.OUTPUT, _C),
+    "thinking": (_C, Kind.REASONING, _C),
+    "redacted_thinking": (Kind.REASONING, Kind.REASONING, _C),
     "tool_use": (Kind.TOOL_START, Kind.TOOL_DELTA, Kind.TOOL_END),
     "server_tool_use": (Kind.TOOL_START, Kind.TOOL_DELTA, Kind.TOOL_END),
     "mcp_tool_use": (Kind.TOOL_START, Kind.TOOL_DELTA, Kind.TOOL_END),
@@ -65,7 +65,7 @@ class AnthropicClassifier:
         name = event.name
         if name is None:
             if event.data is None:
-                return C, self.open_tools
+                return _C, self.open_tools
             return Kind.UNKNOWN, self.open_tools
         if not looks_like_object(event.data):
             return Kind.MALFORMED, self.open_tools

@@ -42,7 +42,7 @@ __all__ = [
     "retry_delay",
 ]
 
-C, OUT, R = Kind.CONTROL, Kind.OUTPUT, Kind.REASONING
+_C, _OUT, _R = Kind.CONTROL, Kind.OUTPUT, Kind.REASONING
 #: a ``functionCall`` part: the call starts and is complete in the same part
 CALL = Kind.TOOL_START | Kind.TOOL_END
 
@@ -52,11 +52,11 @@ CALL = Kind.TOOL_START | Kind.TOOL_END
 #: the client can act on; any other part is UNKNOWN (it commits).
 PART_KINDS: dict[str, int] = {
     "functionCall": CALL,
-    "text": OUT,
-    "executableCode": OUT,  # code the server runs (code execution tool): output
-    "codeExecutionResult": OUT,
-    "inlineData": OUT,
-    "fileData": OUT,
+    "text": _OUT,
+    "executableCode": _OUT,  # code the server runs (code execution tool): output
+    "codeExecutionResult": _OUT,
+    "inlineData": _OUT,
+    "fileData": _OUT,
 }
 #: part fields that carry nothing by themselves
 _SILENT_PART_FIELDS = frozenset({"thought", "thoughtSignature", "partMetadata"})
@@ -102,7 +102,7 @@ class GeminiClassifier:
         data = event.data
         if data is None:
             # A comment or a blank line; an event name without data is no Gemini frame.
-            return (C if event.name is None else Kind.UNKNOWN), 0
+            return (_C if event.name is None else Kind.UNKNOWN), 0
         if event.name is not None:
             return Kind.UNKNOWN, 0
         obj = loads_object(data)
@@ -119,7 +119,7 @@ class GeminiClassifier:
             feedback = obj.get("promptFeedback")
             if isinstance(feedback, dict) and feedback.get("blockReason"):
                 return Kind.TERMINAL_ERROR, 0  # the prompt was blocked: a final answer
-            return C, 0  # usage or metadata only
+            return _C, 0  # usage or metadata only
         if not isinstance(candidates, list):
             return Kind.UNKNOWN, 0
         kinds = 0
@@ -138,7 +138,7 @@ class GeminiClassifier:
                 finished_now = True
         if finished_now and self.finished >= self.seen:
             kinds |= Kind.TERMINAL_OK
-        return kinds or C, 0
+        return kinds or _C, 0
 
 
 def _content(content: Any) -> int:
@@ -169,7 +169,7 @@ def _part(part: Any) -> int:
                 return Kind.UNKNOWN
             if not value:
                 return 0
-            return R if part.get("thought") is True else OUT
+            return _R if part.get("thought") is True else _OUT
         if field == "functionCall" and not (
             isinstance(value, dict) and isinstance(value.get("name"), str)
         ):

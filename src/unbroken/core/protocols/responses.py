@@ -25,27 +25,27 @@ from unbroken.core.protocols.base import (
 )
 from unbroken.core.sse import Event
 
-C, OUT, R = Kind.CONTROL, Kind.OUTPUT, Kind.REASONING
+_C, _OUT, _R = Kind.CONTROL, Kind.OUTPUT, Kind.REASONING
 TD = Kind.TOOL_DELTA
 
 # event name -> kind.  Names not here (and not parsed below) are UNKNOWN.
 EVENTS: dict[str, int] = {
-    "response.created": C,
-    "response.queued": C,
-    "response.in_progress": C,
-    "response.content_part.added": C,
-    "response.reasoning_summary_part.added": C,  # an empty summary part opens
-    "response.output_text.delta": OUT,
-    "response.output_text.done": OUT,
-    "response.output_text.annotation.added": OUT,
-    "response.content_part.done": OUT,
-    "response.refusal.delta": OUT,
-    "response.refusal.done": OUT,
-    "response.reasoning_summary_text.delta": R,
-    "response.reasoning_summary_text.done": R,
-    "response.reasoning_summary_part.done": R,
-    "response.reasoning_text.delta": R,
-    "response.reasoning_text.done": R,
+    "response.created": _C,
+    "response.queued": _C,
+    "response.in_progress": _C,
+    "response.content_part.added": _C,
+    "response.reasoning_summary_part.added": _C,  # an empty summary part opens
+    "response.output_text.delta": _OUT,
+    "response.output_text.done": _OUT,
+    "response.output_text.annotation.added": _OUT,
+    "response.content_part.done": _OUT,
+    "response.refusal.delta": _OUT,
+    "response.refusal.done": _OUT,
+    "response.reasoning_summary_text.delta": _R,
+    "response.reasoning_summary_text.done": _R,
+    "response.reasoning_summary_part.done": _R,
+    "response.reasoning_text.delta": _R,
+    "response.reasoning_text.done": _R,
     "response.function_call_arguments.delta": TD,
     "response.function_call_arguments.done": TD,
     "response.custom_tool_call_input.delta": TD,
@@ -59,7 +59,7 @@ EVENTS: dict[str, int] = {
 PLAIN_EVENT_LINES = frozenset(
     b"event: " + name.encode()
     for name, kind in EVENTS.items()
-    if kind in (C, OUT, R) and name != "response.created"
+    if kind in (_C, _OUT, _R) and name != "response.created"
 )
 
 # Output item types the client executes: held until their output_item.done.
@@ -90,7 +90,7 @@ class ResponsesClassifier:
         name = event.name
         if name is None:
             if event.data is None:
-                return C, len(self.open_items)  # comment keepalive
+                return _C, len(self.open_items)  # comment keepalive
             name = _type_of(event.data)  # WebSocket messages / nameless SSE events
             if name is None:
                 return Kind.MALFORMED, len(self.open_items)
@@ -148,10 +148,10 @@ class ResponsesClassifier:
             return Kind.UNKNOWN, len(self.open_items)  # done without added
         if itype == "reasoning":
             # Its .done repeats the reasoning: thinking, if it carries any text.
-            return (R if not added and _has_reasoning(item) else C), len(self.open_items)
+            return (_R if not added and _has_reasoning(item) else _C), len(self.open_items)
         if itype == "message":
-            return (C if added else OUT), len(self.open_items)
-        return OUT, len(self.open_items)  # server-side tool items and others: commit
+            return (_C if added else _OUT), len(self.open_items)
+        return _OUT, len(self.open_items)  # server-side tool items and others: commit
 
     @staticmethod
     def _error(data: str | None) -> int:
