@@ -386,7 +386,9 @@ def _readme_figures() -> tuple[list[tuple[str, str, str, str]], list[str]]:
 def test_the_readme_has_figures_to_check() -> None:
     defaults, figures = _readme_figures()
     assert len(defaults) >= 3 and len(figures) >= 8, (defaults, figures)
-    assert "16 min 21 s" in figures and "2,484 tests" in figures
+    # the test command's time and count (whatever the last measurement gave)
+    assert any(re.fullmatch(r"\d+ min \d+ s", f) for f in figures), figures
+    assert any(re.fullmatch(r"[\d,]+ tests", f) for f in figures), figures
 
 
 @pytest.mark.parametrize("figure", _readme_figures()[1])
