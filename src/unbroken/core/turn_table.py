@@ -183,7 +183,10 @@ SUBSTATES: tuple[SubState, ...] = (
         "watch",
         Watch,
         {
-            "FIRST_FRAME": "an answer's body begins to be read (`Stream`, `PassThrough`, ...)",
+            "FIRST_FRAME": (
+                "the machine's creation; an answer's body begins to be read (`Stream`, "
+                "`PassThrough`, ...); an attempt's failure (the next one starts afresh)"
+            ),
             "IDLE": "a feed brought the attempt's first frame (an SSE comment is none)",
             "STALLED": "`tick`: the upstream was silent past its stall timer (`AbortUpstream`)",
             "QUEUED": "`tick`: a continuation made no progress within `queued_s`",
