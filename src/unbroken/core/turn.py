@@ -200,7 +200,7 @@ from unbroken.core.turn_continue import ContinuationHooks, strategy_splices
 from unbroken.core.turn_endings import TurnEndings
 from unbroken.core.turn_fast_path import PEEL_FRAMES, FastPath
 from unbroken.core.turn_feeds import TurnFeeds
-from unbroken.core.turn_fields import TESTING, set_testing
+from unbroken.core.turn_fields import is_testing, set_testing
 from unbroken.core.turn_table import (
     ALLOWED,
     ANSWER_KEPT,
@@ -402,7 +402,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         if retry.exhausted():
             return self._give_up()
         resume = self._resume
-        testing = TESTING.get()
+        testing = is_testing()
         if resume is not None:
             idx = retry.next_resume(now, pace=not testing)
         else:

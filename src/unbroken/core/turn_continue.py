@@ -14,7 +14,7 @@ from unbroken.core.policy import Failure, FailureClass, is_retryable_status
 from unbroken.core.protocols.prefill import PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn_fast_path import joined
-from unbroken.core.turn_fields import TurnFields, is_testing
+from unbroken.core.turn_fields import TurnFields
 from unbroken.core.turn_table import (
     AS_SENT,
     FIRST_FRAME,
@@ -32,7 +32,6 @@ from unbroken.core.turn_types import (
     Phase,
     Stream,
     TurnState,
-    Wait,
 )
 
 __all__ = ["ContinuationHooks", "strategy_splices"]
@@ -128,14 +127,10 @@ class ContinuationHooks(TurnFields):
         report = self.report
         report.attempt_ended(failure.label, phase, self.status, self.stats)
         report.continuation("spliced", strategy_splices(strategy), strategy.saved_frames)
-        retry = self.retry
-        wait = retry.resume_delay(failure)
+        wait = self.retry.resume_delay(failure)
         report.attempt_failed(failure, phase, wait)
         report.state(TurnState.WAITING)
-        if wait > 0 and not is_testing():
-            keys = retry.keys
-            return Wait(wait, keys[retry.current] if keys else None)
-        return self._next_attempt(now)
+        return self._wait_or_next(now, wait)
 
     def _refused(self, refusal: Refusal | PrefillRefusal) -> None:
         """The cut is not continued: the turn goes on as without a strategy."""

@@ -160,9 +160,14 @@ class TurnEndings(TurnFields):
             return self._give_up()
         report.attempt_failed(failure, phase, wait)
         report.state(TurnState.WAITING)
+        return self._wait_or_next(now, wait)
+
+    def _wait_or_next(self, now: float, wait: float) -> Action:
+        """After a failed attempt (or a cut to continue): its `Wait`, or the next
+        attempt at once (no wait, or testing mode)."""
         if wait > 0 and not is_testing():
-            keys = retry.keys
-            return Wait(wait, keys[retry.current] if keys else None)
+            keys = self.retry.keys
+            return Wait(wait, keys[self.retry.current] if keys else None)
         return self._next_attempt(now)
 
     def _committed_failure(self, failure: Failure) -> None:

@@ -25,8 +25,6 @@ from unbroken.core.turn_table import (
     ENTERS,
     IDLE,
     NOTHING_SENT,
-    QUEUED,
-    STALLED,
     Kept,
     Overflow,
     Pacing,
@@ -191,11 +189,6 @@ class TurnFields:
         """The client has the status line and headers (`Reply`)."""
         return self.reply is not NOTHING_SENT
 
-    @property
-    def stalled(self) -> bool:
-        """The attempt was aborted for a stall (its read failure is the stall)."""
-        return self.watch is STALLED or self.watch is QUEUED
-
     # -- the table, run (`turn_table`) ---------------------------------------------------
     def _moved(self, before: Step, event: TurnEvent, action: Action) -> Action:
         """The table's transition: the step ``action`` enters (`ENTERS`).  An action
@@ -229,6 +222,7 @@ class TurnFields:
         def _join_broken(self, now: float, reason: str) -> Action: ...
         def _transport_failed(self, now: float, failure: Failure) -> Action: ...
         def _next_attempt(self, now: float) -> Action: ...
+        def _wait_or_next(self, now: float, wait: float) -> Action: ...
         def _open_failed(self, now: float, failure: Failure) -> Action: ...
         def _continue(self, now: float, failure: Failure) -> Action | None: ...
         def _verdict_action(
