@@ -187,10 +187,10 @@ def test_the_quickstart_snippet_passes_the_key() -> None:
 
 def test_the_readme_test_command_is_the_one_ci_runs() -> None:
     setup = section(README, "Set-up")
-    assert "pip install -e '.[test]' && pytest" in setup
+    assert "pip install -e '.[test]' -c constraints.txt && pytest" in setup
     assert "pytest -m 'not e2e'" in setup
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert ci[-1] == "pip install -e '.[test]' && pytest"
+    assert ci[-1] == "pip install -e '.[test]' -c constraints.txt && pytest"
 
 
 # -- names and paths in the docs exist -----------------------------------------------------

@@ -447,7 +447,7 @@ class RedisStore(HealthStore):
         finally:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()
 
     async def _read(self, *, budget: float) -> None:
         """One re-read: an answer keeps (or brings) the store up; silence for
