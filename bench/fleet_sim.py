@@ -239,6 +239,7 @@ class Fleet:
         r.errors_5xx = sum(1 for _, s in sent if s >= 500)
         r.share_429 = r.limited / r.requests if r.requests else 0.0
         seconds = sc.seconds
+        available = max(sc.limit_rps - background_ok / sc.seconds, 1e-9)
         r.goodput = r.ok / (available * seconds) if seconds > 0 else 0.0
         turns = [a.turns for a in self.agents]
         total = sum(turns)
