@@ -65,24 +65,20 @@ class _Bucket:
     limit: float
     level: float
     t: float
-    #: refilled per second (limit / 60 unless quantized)
-    rate: float = 0.0
+    #: seconds an empty bucket takes to fill (60 unless quantized)
+    period: float = 60.0
     #: the share of the refill that traffic the client does not see takes (``shared``)
     drain: float = 0.0
 
-    def __post_init__(self) -> None:
-        if not self.rate:
-            self.rate = self.limit / 60.0
-
     def refill(self, now: float) -> None:
         if now > self.t:
-            net = self.rate * (1.0 - self.drain)
-            self.level = min(self.limit, self.level + (now - self.t) * net)
+            gain = (now - self.t) * self.limit * (1.0 - self.drain) / self.period
+            self.level = min(self.limit, self.level + gain)
             self.t = now
 
     def until(self, level: float) -> float:
         """Seconds until the bucket holds ``level`` at its (the provider's) refill rate."""
-        return max(0.0, (min(level, self.limit) - self.level) / self.rate)
+        return max(0.0, (min(level, self.limit) - self.level) * self.period / self.limit)
 
     def reset_s(self) -> float:
         return self.until(self.limit)
@@ -193,7 +189,7 @@ class MockLimits:
             if self.rpm > 0:
                 requests = _Bucket(self.rpm, self.rpm * f, now, drain=drain)
             else:
-                requests = _Bucket(math.inf, math.inf, now, rate=1.0)
+                requests = _Bucket(math.inf, math.inf, now)
             tokens = output = second = None
             if self.tpm > 0:
                 tokens = _Bucket(self.tpm, self.tpm * f, now, drain=drain)
@@ -203,7 +199,7 @@ class MockLimits:
             if self.behaviour == "quantized" and self.rpm > 0:
                 per_s = self.rpm / 60.0  # 300 a minute enforced as 5 a second
                 cap = max(1.0, per_s)
-                second = _Bucket(cap, cap * f, now, rate=per_s)
+                second = _Bucket(cap, cap * f, now, period=cap / per_s)
             b = self.keys[key] = KeyBudget(requests, tokens, second=second, output=output)
         return b
 
@@ -257,7 +253,7 @@ class MockLimits:
         reset = bucket.reset_s()
         if self.behaviour == "overstated":
             left = min(bucket.limit, math.floor(bucket.level + self.overstate * bucket.limit))
-            reset = max(0.0, (bucket.limit - left) / bucket.rate)
+            reset = max(0.0, (bucket.limit - left) * bucket.period / bucket.limit)
         elif self.behaviour == "reset-next":
             reset = bucket.until(b.cost(bucket))
         elif self.behaviour == "quantized" and bucket is b.requests and b.second is not None:
