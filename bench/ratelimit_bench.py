@@ -4,12 +4,18 @@ A benchmark, not a test: it measures and reports, it asserts nothing.
 
     python bench/ratelimit_bench.py                # the full run; writes docs/ratelimit section
     python bench/ratelimit_bench.py --quick --no-litellm --out /tmp/rl.md --img /tmp/img
+    python bench/ratelimit_bench.py --provider quantized   # one provider of the zoo
+    python bench/ratelimit_bench.py --provider all         # each provider in turn
 
 The mock provider enforces RPM and TPM per key (a continuously refilled bucket each, as
 OpenAI and Anthropic do) and sends OpenAI's ``x-ratelimit-*`` headers, ``429`` with
 ``retry-after`` past the budget.  The key's budget is spent when the run begins (a team
-already at its limit).  50 agents (``--agents``) run 10 turns each (``--turns``), one at
-a time, a streamed Chat Completions request of about 2 KB each, through:
+already at its limit).  ``--provider NAME`` makes the mock play another member of its
+rate-limit zoo (``MockLimits.behaviour``, docs/mock.md: quantized, reset-next,
+no-retry-after, bare, anthropic, tpm, overstated, shared); ``all`` runs each in turn,
+a report section each.  With ``tpm`` each agent's first request is about 39 KB (as
+Codex's is), so the token limit binds.  50 agents (``--agents``) run 10 turns each
+(``--turns``), one at a time, a streamed Chat Completions request of about 2 KB each, through:
 
 * ``direct``: straight to the mock;
 * ``litellm``: the LiteLLM proxy (its own venv, as ``bench/compare.py`` installs it)
@@ -159,7 +165,7 @@ def wait_http(url: str, timeout: float) -> None:
 
 
 # -- the mock, served by this script in a child process ------------------------------------
-async def serve_mock(rpm: float, tpm: float) -> None:
+async def serve_mock(rpm: float, tpm: float, provider: str) -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from unbroken.mock import MockProvider
     from unbroken.mock.limits import MockLimits
@@ -168,7 +174,7 @@ async def serve_mock(rpm: float, tpm: float) -> None:
         port=0,
         record=False,
         default={"chunk_delay_ms": 10},
-        limits=MockLimits(rpm=rpm, tpm=tpm, start=0.0),
+        limits=MockLimits(rpm=rpm, tpm=tpm, start=0.0, behaviour=provider),
     )
     await mock.start()
     print(f"mock on {mock.url}", flush=True)
@@ -176,9 +182,14 @@ async def serve_mock(rpm: float, tpm: float) -> None:
 
 
 # -- agents ------------------------------------------------------------------------------
-def body_for(agent: int, turn: int) -> dict[str, Any]:
+#: the size of Codex's first request, for the ``tpm`` provider
+BIG_FIRST_BYTES = 39_000
+
+
+def body_for(agent: int, turn: int, big_first: bool = False) -> dict[str, Any]:
     rng = random.Random(agent * 1000 + turn)
-    words = " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "omega")) for _ in range(330))
+    n = BIG_FIRST_BYTES // 6 if big_first and turn == 0 else 330
+    words = " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "omega")) for _ in range(n))
     return {
         "model": "bench",
         "stream": True,
@@ -217,7 +228,7 @@ async def one_turn(
 
 
 async def run_agents(
-    urls: list[str], agents: int, turns: int, headers: dict[str, str]
+    urls: list[str], agents: int, turns: int, headers: dict[str, str], big_first: bool = False
 ) -> dict[str, Any]:
     done_at: list[tuple[float, int]] = []  # (time, agent) per completed turn
     latencies: list[float] = []
@@ -234,7 +245,7 @@ async def run_agents(
             h = {**headers, "x-session-id": f"agent-{i}"}
             for turn in range(turns):
                 start = time.monotonic()
-                if await one_turn(http, url, body_for(i, turn), h, rng):
+                if await one_turn(http, url, body_for(i, turn, big_first), h, rng):
                     now = time.monotonic()
                     done_at.append((now, i))
                     latencies.append(now - start)
@@ -340,6 +351,7 @@ async def bench_path(
     name: str,
     *,
     work: Path,
+    provider: str,
     rpm: float,
     tpm: float,
     agents: int,
@@ -349,10 +361,11 @@ async def bench_path(
     redis_url: str | None,
 ) -> dict[str, Any]:
     procs: list[Proc] = []
+    mock_argv = [PY, __file__, "--serve-mock", "--rpm", str(rpm), "--tpm", str(tpm)]
     try:
         mock = Proc(
-            f"mock-{name}",
-            [PY, __file__, "--serve-mock", "--rpm", str(rpm), "--tpm", str(tpm)],
+            f"mock-{provider}-{name}",
+            [*mock_argv, "--provider", provider],
             ready=r"mock on (http://\S+)",
             env={},
             logdir=work,
@@ -416,11 +429,12 @@ async def bench_path(
                     await asyncio.sleep(0.1)
         log(f"{name}: {agents} agents x {turns} turns through {', '.join(urls)}")
         mono_offset = 0.0  # the mock runs on this machine: the same monotonic clock
-        run = await run_agents(urls, agents, turns, headers)
+        run = await run_agents(urls, agents, turns, headers, big_first=provider == "tpm")
         stats = mock_call(f"{mock.url}/_mock/limits")
         out = summarize(name, run, stats["log"], capacity, agents, turns, mono_offset)
+        out["provider"] = provider
         log(
-            f"{name}: 429 {out['share_429']:.1%} of {out['requests']}, goodput "
+            f"{provider} {name}: 429 {out['share_429']:.1%} of {out['requests']}, goodput "
             f"{out['goodput']:.1%}, fairness {out['fairness_half']:.3f}/{out['fairness_end']:.3f}"
             f", p99 {out['p99_s']:.1f}s, given up {out['given_up']}, {out['duration_s']:.1f}s"
         )
@@ -430,7 +444,16 @@ async def bench_path(
             p.stop()
 
 
-def plots(results: list[dict[str, Any]], img: Path) -> str:
+def image_name(provider: str) -> str:
+    return "ratelimit.png" if provider == "textbook" else f"ratelimit-{provider}.png"
+
+
+def heading(provider: str) -> str:
+    base = "## Rate limits: many agents on one key"
+    return base if provider == "textbook" else f"{base}, the {provider} provider"
+
+
+def plots(results: list[dict[str, Any]], img: Path, provider: str) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -465,10 +488,27 @@ def plots(results: list[dict[str, Any]], img: Path) -> str:
     ax.set_title("completed turns over time (s)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = img / "ratelimit.png"
+    path = img / image_name(provider)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name
+
+
+ZOO_NOTES = {
+    "tpm": " Each agent's first request is about 39 KB, as Codex's is.",
+    "shared": " Half of each budget's refill goes to traffic the agents do not see "
+    "(what the limits allow counts only the other half).",
+    "anthropic": " The agents speak Chat Completions; the headers are Anthropic's.",
+}
+
+
+def zoo_sentence(provider: str) -> str:
+    if provider == "textbook":
+        return "and sends OpenAI's `x-ratelimit-*` headers, `429` and `retry-after` past them. "
+    return (
+        f"and enforces and reports them as the `{provider}` provider of its rate-limit zoo "
+        f"does (docs/mock.md, `--provider {provider}`).{ZOO_NOTES.get(provider, '')} "
+    )
 
 
 def render(
@@ -477,17 +517,18 @@ def render(
     capacity: float,
     cost: float,
     img_rel: str,
+    provider: str,
 ) -> str:
     lines = [
-        "## Rate limits: many agents on one key",
+        heading(provider),
         "",
         f"`bench/ratelimit_bench.py` ({'--quick' if args.quick else 'full run'}): "
         f"{args.agents} agents x {args.turns} turns on one provider key that the mock "
         f"limits to {args.rpm:g} requests and {args.tpm:g} tokens a minute (a request costs "
         f"about {cost:.0f} tokens, so the limits allow {capacity:.2f} requests a second), "
         "its budget spent when the run begins. The mock refills both budgets continuously "
-        "and sends OpenAI's `x-ratelimit-*` headers, `429` and `retry-after` past them. "
-        "Each agent retries a 429 like the SDKs: `retry-after`, else exponential backoff, "
+        + zoo_sentence(provider)
+        + "Each agent retries a 429 like the SDKs: `retry-after`, else exponential backoff, "
         f"{MAX_ATTEMPTS} attempts. `unbroken x2` is two relays sharing a real "
         "`redis-server`, the agents alternating between them; `litellm` is the LiteLLM "
         "proxy with the deployment's `rpm`/`tpm` and `usage-based-routing-v2`. Targets: "
@@ -507,7 +548,7 @@ def render(
             f"{r['fairness_half']:.3f} / {r['fairness_end']:.3f} | {r['given_up']} | "
             f"{r['p50_s']:.1f} s / {r['p99_s']:.1f} s |"
         )
-    lines += ["", f"![rate limits]({img_rel}/ratelimit.png)", ""]
+    lines += ["", f"![rate limits]({img_rel}/{image_name(provider)})", ""]
     for r in results:
         if r["path"].startswith("unbroken"):
             ok = (
@@ -531,18 +572,20 @@ def render(
 
 
 async def main_async(
-    args: argparse.Namespace,
+    args: argparse.Namespace, provider: str
 ) -> tuple[list[dict[str, Any]], float, float, Path]:
     sys.path.insert(0, str(ROOT / "src"))
     from unbroken.mock.wire import canonical_json
 
     costs = [
-        max(1, len(canonical_json(body_for(a, t))) // 4)
+        max(1, len(canonical_json(body_for(a, t, provider == "tpm"))) // 4)
         for a in range(args.agents)
         for t in range(args.turns)
     ]
     cost = sum(costs) / len(costs)
     capacity = min(args.rpm / 60.0, args.tpm / 60.0 / cost)
+    if provider == "shared":  # the other half of the key goes to traffic the agents don't see
+        capacity *= 0.5
     litellm: Path | None = None
     if not args.no_litellm:
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -585,6 +628,7 @@ async def main_async(
                 await bench_path(
                     name,
                     work=work,
+                    provider=provider,
                     rpm=args.rpm,
                     tpm=args.tpm,
                     agents=args.agents,
@@ -602,18 +646,21 @@ async def main_async(
 
 def write_report(
     args: argparse.Namespace,
+    provider: str,
     results: list[dict[str, Any]],
     capacity: float,
     cost: float,
     work: Path,
 ) -> None:
     img_rel = os.path.relpath(args.img, Path(args.out).parent)
-    plots(results, Path(args.img))
-    text = render(results, args, capacity, cost, img_rel)
+    plots(results, Path(args.img), provider)
+    text = render(results, args, capacity, cost, img_rel, provider)
     out = Path(args.out)
-    if out.exists() and "## Rate limits: many agents on one key" in out.read_text():
+    own = re.compile(rf"^{re.escape(heading(provider))}$", re.M)
+    found = own.search(out.read_text()) if out.exists() else None
+    if found is not None:
         old = out.read_text()
-        head, _, rest = old.partition("## Rate limits: many agents on one key")
+        head, rest = old[: found.start()], old[found.end() :]
         nxt = re.search(r"^## ", rest, re.M)
         tail = rest[nxt.start() :] if nxt else ""
         out.write_text(head + text + ("\n" + tail if tail else ""))
@@ -625,11 +672,20 @@ def write_report(
         json.dumps([{k: v for k, v in r.items() if k != "series"} for r in results], indent=1)
     )
     print(json.dumps([{k: v for k, v in r.items() if k != "series"} for r in results], indent=1))
-    log(f"wrote {out} and {args.img}/ratelimit.png (logs in {work})")
+    log(f"wrote {out} and {args.img}/{image_name(provider)} (logs in {work})")
 
 
 def main() -> None:
+    sys.path.insert(0, str(ROOT / "src"))
+    from unbroken.mock.limits import BEHAVIOURS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--provider",
+        choices=(*BEHAVIOURS, "all"),
+        default="textbook",
+        help="the mock's rate-limit behaviour (docs/mock.md, rate-limit zoo); all: each",
+    )
     ap.add_argument("--agents", type=int, default=50)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--rpm", type=float, default=900.0)
@@ -642,7 +698,7 @@ def main() -> None:
     ap.add_argument("--serve-mock", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_mock:
-        asyncio.run(serve_mock(args.rpm, args.tpm))
+        asyncio.run(serve_mock(args.rpm, args.tpm, args.provider))
         return
     if args.quick:
         args.agents, args.turns = 10, 4
@@ -652,7 +708,8 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        write_report(args, *asyncio.run(main_async(args)))
+        for provider in BEHAVIOURS if args.provider == "all" else (args.provider,):
+            write_report(args, provider, *asyncio.run(main_async(args, provider)))
     finally:
         for p in reversed(STARTED):
             p.stop()

@@ -63,22 +63,21 @@ def test_a_429_with_retry_after_is_waited_once() -> None:
     assert s.next_upstream(0.0) == 0
     s.record_rate(RateHeaders(requests=Reading(60, 0, 60.0), retry_after_s=2.0), 0.0)
     wait = s.record_failure(Failure(FailureClass.STATUS, "HTTP 429", 429, 2.0), 0.0)
-    assert wait == 2.0  # the Retry-After: a cool-off shared like a breaker's
+    assert wait == 2.0  # the Retry-After (longer than the retry delay): a shared cool-off
     assert b.get(K).cooloff_until == 2.0 and b.rates.get(K, "c").blocked_until == 2.0
-    assert b.pacer(K).fail_streak == 0  # not a pacer failure
-    # when it ends, the retry goes at once: no retry delay, pacer or rate line on top
+    # when it ends, the retry goes at once: a lone turn's retry finds its pacer's token
     assert s.next_upstream(2.0) == 0 and s.retries == 1
     assert b.pacer(K).waited_total == 0 and b.rates.get(K, "c").waited_total == 0
 
 
-def test_a_429_without_retry_after_waits_in_the_rate_line_only() -> None:
+def test_a_429_without_retry_after_waits_the_retry_delay_then_the_rate_line() -> None:
     b = HealthBoard()
     s = state(b)
     assert s.next_upstream(0.0) == 0
     s.record_rate(RateHeaders(requests=Reading(60, 0, 60.0)), 0.0)  # one a second
-    assert s.record_failure(E429, 0.0) == 0.0  # no retry delay
-    assert b.get(K).cooloff_until == 0.0 and b.pacer(K).fail_streak == 0
-    park = s.next_upstream(0.0)
+    assert s.record_failure(E429, 0.0) == 0.25  # never sooner than the retry delay
+    assert b.get(K).cooloff_until == 0.0
+    park = s.next_upstream(0.25)
     assert isinstance(park, Park) and park.why == "ratelimit"
     assert b.pump(K, 0.5)[0] == []
     granted, _ = b.pump(K, 1.0)
@@ -95,7 +94,7 @@ def test_a_429_moves_the_retry_to_another_upstream_at_once() -> None:
 
 
 def test_a_429_with_nothing_learned_halves_the_window() -> None:
-    b = HealthBoard()
+    b = HealthBoard(rate=RateSettings(cold_start=64))
     first = state(b)
     assert first.next_upstream(0.0) == 0
     first.record_rate(RateHeaders(), 0.0)  # answered, no rate headers: nothing to learn
@@ -103,14 +102,15 @@ def test_a_429_with_nothing_learned_halves_the_window() -> None:
     turns = [state(b, f"a{i}") for i in range(8)]
     for t in turns:
         assert t.next_upstream(0.0) == 0
-    turns[0].record_failure(E429, 0.0)  # no header at all: blocked a second, window 8 / 2
+    # no header at all: the retry delay, a window of 8 / 2, and the throttle comes on
+    assert turns[0].record_failure(E429, 0.0) == 0.25
     lim = b.rates.get(K, "c")
-    assert lim.window == 4.0 and lim.blocked_until == 1.0
+    assert lim.window == 4.0 and lim.blocked_until == 0.0 and lim.throttle.enabled
+    assert isinstance(turns[0].next_upstream(0.25), Park)  # 7 still run: the window is full
     for t in turns[1:]:
         t.settle(0.5, None)
         t.close()
-    assert isinstance(turns[0].next_upstream(0.5), Park)
-    granted, _ = b.pump(K, 1.0)
+    granted, _ = b.pump(K, 0.5)  # the throttle (down to 70 % of 180 a second) lets it go
     assert granted == [turns[0].ticket]
 
 

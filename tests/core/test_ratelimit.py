@@ -18,6 +18,8 @@ from unbroken.core.ratelimit import (
 )
 
 K = "r|http://a"
+#: for the tests that are not about the slow start: a ramp too wide to matter
+WIDE = RateSettings(cold_start=100_000)
 
 
 def rpm(limit: float, remaining: float, reset_s: float | None = None) -> RateHeaders:
@@ -63,14 +65,35 @@ def test_a_cold_start_sends_a_few_then_waits_for_the_providers_first_answer() ->
     # a lone agent's own concurrent first requests never wait
     assert all(lim.admit(t, "b", 10.0, 0.0) for t in (2, 3, 4))
     assert [lim.admit(t, "c", 10.0, 0.0) for t in (5, 6, 7)] == [0, 0, 0]
-    assert lim.pump(0.0) == ([], None)  # woken by the answer, not by a timer
+    # woken by the answers, or at the latest when the oldest has waited max_wait_s
+    assert lim.pump(0.0) == ([], 60.0)
     lim.learn(first, RateHeaders(), 0.05)  # its headers: no rate limit said
-    granted, due = lim.pump(0.05)
-    assert granted == [5, 6, 7] and due is None
+    lim.accepted(first, 0.05)  # ... on an answer the provider took: one more may go
+    assert lim.pump(0.05)[0] == [5]
+    for seq in (2, 3):  # a slow start: one more for each answer taken, so it doubles
+        lim.accepted(seq, 0.06)
+    assert lim.pump(0.06)[0] == [6, 7] and lim.ramp == 7.0
+
+
+def test_the_slow_start_ends_past_max_concurrency_or_at_the_first_429() -> None:
+    lim = Limiter(K, "c", RateSettings(cold_start=2, max_concurrency=6))
+    for t in range(4):
+        seq = lim.admit(0, "s", 0.0, float(t))
+        lim.accepted(seq, float(t))
+        lim.accepted(seq, float(t))  # an answer counts once
+        lim.finish(seq, float(t))  # ... and its end does not count it again
+    assert lim.ramp is None  # 2 + 4 reached 6
+    lim = Limiter(K, "c", RateSettings(cold_start=2))
+    lim.limited(lim.admit(0, "s", 0.0, 0.0), None, 0.0, 0.0)
+    assert lim.ramp is None and lim.throttle.enabled
+    # an attempt that ends well with no header event counts as an answer taken
+    lim = Limiter(K, "c", RateSettings(cold_start=2))
+    lim.finish(lim.admit(0, "s", 0.0, 0.0), 0.0, ok=True)
+    assert lim.ramp == 3.0
 
 
 def test_with_no_limit_reported_everything_goes() -> None:
-    lim = answered(Limiter(K, "c", RateSettings()))
+    lim = answered(Limiter(K, "c", WIDE))
     seqs = [lim.admit(0, "s", 100.0, 0.0) for _ in range(1000)]
     assert all(seqs) and len(set(seqs)) == 1000 and lim.waited_total == 0
 
@@ -92,7 +115,7 @@ def test_requests_budget_learned_from_headers_then_turns_wait_for_the_refill() -
 
 
 def test_headers_count_what_was_admitted_after_the_answered_request() -> None:
-    lim = Limiter(K, "c", RateSettings())
+    lim = Limiter(K, "c", WIDE)
     first = lim.admit(0, "s", 0.0, 0.0)
     lim.learn(first, rpm(100, 50, 30.0), 0.0)  # 50 left
     a = lim.admit(0, "s", 0.0, 0.0)
@@ -149,7 +172,7 @@ def test_the_line_is_round_robin_across_sessions_fifo_within_one() -> None:
 
 
 def test_a_busy_session_cannot_starve_the_others() -> None:
-    lim = Limiter(K, "c", RateSettings())
+    lim = Limiter(K, "c", WIDE)
     lim.learn(lim.admit(0, "s", 0.0, 0.0), rpm(60, 0, 60.0), 0.0)  # one a second
     ticket = 0
     for _ in range(20):  # a busy agent queues twenty turns first
@@ -200,7 +223,7 @@ def window(lim: Limiter) -> float | None:
 
 
 def test_aimd_window_halves_on_a_429_once_per_window_and_grows_back() -> None:
-    lim = answered(Limiter(K, "c", RateSettings(decrease=0.5)))
+    lim = answered(Limiter(K, "c", RateSettings(decrease=0.5, cold_start=100_000)))
     seqs = [lim.admit(0, "s", 0.0, 0.0) for _ in range(16)]
     assert lim.window is None
     for s in seqs[:4]:  # four 429s from requests already in flight: one decrease
@@ -209,10 +232,10 @@ def test_aimd_window_halves_on_a_429_once_per_window_and_grows_back() -> None:
     assert window(lim) == 8.0
     # 12 still run: the window is full, the next waits for a finish
     assert lim.admit(100, "s", 0.0, 0.0) == 0
-    assert lim.pump(0.0) == ([], None)
+    assert lim.pump(0.0) == ([], 60.0)  # a finish, or max_wait_s at the latest
     for s in seqs[4:9]:
         lim.finish(s, 0.0)
-    granted, _ = lim.pump(0.0)
+    granted, _ = lim.pump(2.0)  # the window has room, and the throttle (0.9 a second) a token
     assert granted == [100]
     assert 8.0 < (window(lim) or 0.0) < 9.0  # one more per window of answers
     later = lim.admit(0, "s", 0.0, 0.0)
@@ -227,15 +250,16 @@ def test_a_429_blocks_until_retry_after_or_the_learned_refill() -> None:
     assert not lim.peek(0, 0.0, 12.0) and lim.peek(0, 0.0, 12.5)
     s = lim.admit(0, "s", 0.0, 13.0)
     assert lim.limited(s, 1e9, 0.0, 13.0) == 43.0  # clamped
-    # no Retry-After, buckets learned: until the request's cost refills
+    # no Retry-After, the 429's headers say the budget is spent: until it refills
     lim = Limiter(K, "c", RateSettings())
     s = lim.admit(0, "s", 0.0, 0.0)
-    lim.learn(s, rpm(120, 5, 57.5), 0.0)  # 2 a second
+    lim.learn(s, rpm(120, 0, 60.0), 0.0)  # 2 a second
     assert lim.limited(s, None, 0.0, 0.0) == pytest.approx(0.5)
     assert lim.window is None  # explained by the learned budget: no smaller window
-    # nothing learned at all: a second
+    # nothing learned at all: no block (the retry delay and the throttle pace it)
     lim = Limiter(K, "c", RateSettings())
-    assert lim.limited(lim.admit(0, "s", 0.0, 0.0), None, 0.0, 0.0) == 1.0
+    assert lim.limited(lim.admit(0, "s", 0.0, 0.0), None, 0.0, 0.0) == 0.0
+    assert lim.throttle.enabled
 
 
 def test_output_budget_spent_blocks_until_it_refills() -> None:
@@ -244,7 +268,7 @@ def test_output_budget_spent_blocks_until_it_refills() -> None:
     lim.learn(s, RateHeaders(output=Reading(8000, 0, 4.0)), 0.0)
     assert lim.admit(1, "s", 100.0, 0.0) == 0
     _, due = lim.pump(0.0)
-    assert due == pytest.approx(0.0005)  # one token at 2,000 a second
+    assert due == pytest.approx(60 / 8000)  # one token at 8,000 a minute, the most it refills
     granted, _ = lim.pump(1.0)
     assert granted == [1]
 

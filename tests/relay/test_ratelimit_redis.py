@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 import aiohttp
+import redis.asyncio as aioredis
 
 from redisfix import RedisServer
 from relay.test_health_relay import CHAT, PATH, until
@@ -105,3 +106,36 @@ async def test_a_redis_outage_falls_back_to_local_pacing_never_to_blocking(
             return shared(a)
 
         await until(report_and_shared, cap=10)
+
+
+async def test_a_poisoned_fleet_bucket_heals_within_one_lease_and_never_spins(
+    redis_server: RedisServer, mock: MockProvider
+) -> None:
+    # issue 32: `HSET unbroken:rl:<key>|<cred>:requests rate 0 level -100` stopped a key
+    # fleet-wide for good, with ~575 script calls a second while the turns waited
+    mock.limits = MockLimits(rpm=300)  # five a second, full
+    cfg = fleet_config(mock.url, redis_server.url)
+    r = aioredis.from_url(redis_server.url)
+    async with RelayServer(cfg) as a, aiohttp.ClientSession() as http:
+        try:
+            await until(lambda: a.relay.store.status()["state"] == "ok")
+            assert await post(http, a.url, "A") == 200
+            await until(lambda: shared(a))
+            [name] = [k async for k in r.scan_iter(match="unbroken:rl:*:requests")]
+            await r.hset(name, mapping={"rate": "0", "level": "-100"})
+            before = await _script_calls(r)
+            results = await asyncio.wait_for(
+                asyncio.gather(*(post(http, a.url, "A") for _ in range(6))), 20
+            )
+            assert results == [200] * 6
+            calls = await _script_calls(r) - before
+            assert calls < 100, calls  # asked again when the script says, not in a loop
+            fields = await r.hgetall(name)
+            assert float(fields[b"rate"]) > 0  # replaced by a relay's own view of it
+        finally:
+            await r.aclose()
+
+
+async def _script_calls(r: Any) -> int:
+    stats = await r.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k.startswith("cmdstat_eval"))

@@ -239,8 +239,10 @@ class RetryState:
     Every attempt, the first included, also needs the provider's budget for the
     upstream's credential (``creds``; `core.ratelimit`): a turn whose cost is not
     there waits in that limiter's fair line (``Park(why="ratelimit")``).  A 429 is
-    the limiter's to pace: its retry waits in that line only (no retry delay, no
-    pacer, no cool-off), so nothing is waited twice.
+    a retry like any other: it waits at least the retry delay (or its Retry-After)
+    and takes its go from the upstream's pacer, so 429s can never storm; the
+    limiter learns from it (its throttle lowers the admitted rate) and the retry
+    then waits in the limiter's line for what the provider's budget allows.
     """
 
     policy: RetryPolicy
@@ -272,7 +274,6 @@ class RetryState:
     max_output: int = 0
     _adm: tuple[Limiter, int, float] | None = None  # the live admission: (limiter, seq, tokens)
     _rate_line: Limiter | None = None  # the limiter whose line the turn waits in
-    _rate_retry: bool = False  # the last failure was a 429: the limiter paces the retry
     _pace_done: bool = False  # this retry has its pacer's go already
     _order: list[int] | None = None
     _counted: set[int] = field(default_factory=set)  # upstreams this turn has failed on
@@ -310,7 +311,7 @@ class RetryState:
         else:
             start = (order.index(self.current) + 1) % n
         board = self.board
-        paced = pace and not first and board is not None and not self._rate_retry
+        paced = pace and not first and board is not None
         rated = board is not None and pace and bool(self.creds) and board.rates.settings.enabled
         ticket = self.ticket
         if paced and not ticket:
@@ -382,7 +383,7 @@ class RetryState:
             self.why = "rotated"
         self.current = choice
         self.attempts += 1
-        self._rate_retry = self._pace_done = False
+        self._pace_done = False
         return choice
 
     def next_resume(self, now: float, *, pace: bool = True) -> int | Park:
@@ -408,7 +409,7 @@ class RetryState:
                 self.line = None
         self.why = "resume"
         self.attempts += 1
-        self._rate_retry = self._pace_done = False
+        self._pace_done = False
         return idx
 
     def resume_delay(self, failure: Failure) -> float:
@@ -529,7 +530,11 @@ class RetryState:
             self._finish(now if now is not None else 0.0, ok=False)
 
     def record_answer(self, now: float) -> None:
-        """The current upstream answered (headers of a final answer): it is known good."""
+        """The current upstream answered (headers of a final answer): it is known good,
+        and its limiter's throttle learns the provider took the request."""
+        adm = self._adm
+        if adm is not None:
+            adm[0].accepted(adm[1], now)
         board = self.board
         if board is not None and self.keys and self.current >= 0:
             board.answered(self.keys[self.current], now)
@@ -554,18 +559,14 @@ class RetryState:
             lim, seq, tokens = adm
             if limited:
                 # The provider's rate limit: the limiter blocks this key until it says
-                # (Retry-After) or until the learned budget refills.  The retry is the
-                # limiter's: no pacer token, no pacer failure, no retry delay on top.
+                # (Retry-After) or until a budget it reports short refills, and its
+                # throttle lowers the rate it admits.  The retry is a retry: the
+                # retry delay at least, and the pacer's go (below).
                 ra = failure.retry_after_s if self.policy.honor_retry_after else None
                 if ra is not None:
                     ra = self.policy.clamp_retry_after(ra)
                 lim.limited(seq, ra, tokens, now)
-                self._rate_retry = True
             self._finish(now, ok=False)
-        if limited and (failure.retry_after_s is None or not self.policy.honor_retry_after):
-            if board is not None and key is not None:
-                board.success(key, now)  # it answered: a probe passed
-            return 0.0  # the limiter's line is the wait
         if failure.quota:
             self.cooloff_until[self.current] = now + self.quota_cooloff_s
             if board is not None and key is not None:
@@ -587,13 +588,15 @@ class RetryState:
                 board.failure(key, now, failure.label, count=first_here)
             else:  # a 4xx (429, 408, ...) is an answer: the upstream is up (a probe passed)
                 board.success(key, now)
-                if not limited:  # a 429 is the rate limiter's, not a pacer failure
-                    board.pace_failure(key, now)  # but not a success for its pacer
+                board.pace_failure(key, now)  # but not a success for its pacer
         other_free = self._other_free(now)
         if limited and other_free:
             return 0.0  # another upstream (another key's budget): at once
         if failure.cls.reroutes_at_once and other_free:
             return 0.0
+        if limited:  # never sooner than the retry delay, whatever a header says
+            delay = self.policy.base_delay(self.retries, self.rng)
+            return max(delay, ra) if ra is not None else delay
         if ra is not None:
             if other_free:
                 return self.policy.base_delay(self.retries, self.rng)

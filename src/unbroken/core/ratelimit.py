@@ -9,20 +9,25 @@ Each upstream, for each credential (a hash of the key, never the key), has a
 * **Buckets.**  Requests, tokens and output tokens each have a `Bucket`: a limit, a
   level (what is left) and a refill rate.  Providers refill continuously (OpenAI's
   and Anthropic's "reset" is when the budget is full again), so the rate is learned
-  as ``(limit - remaining) / reset``, smoothed; before any reset is seen it is a
-  limit per minute.  A header sets the level to what the provider says is left,
-  less what this relay admitted after the answered request was sent (it is not
-  counted yet).  Between answers the level refills at the rate.
+  as ``(limit - remaining) / reset``, smoothed, and never above the limit a minute
+  (a quantized provider's reset means "until the next request": it would say a
+  rate thousands of times too fast); before any reset is seen it is a limit per
+  minute.  A header sets the level to what the provider says is left, less what
+  this relay admitted after the answered request was sent (it is not counted
+  yet).  Between answers the level refills at the rate.  A level's debt is at
+  most its limit, and an attempt that ends before any answer said what it cost
+  (a reset before headers) gives its estimate back.
 * **Cost.**  A request costs one request and its estimated tokens: the body's
   bytes times the tokens a byte (``0.25`` to start, then learned from the input
   tokens the provider reports, per limiter) plus any ``max_tokens`` it asks for.
   Output tokens are not charged ahead (they are not known); an output budget the
   provider reports spent blocks until its reset.
-* **A cold start is bounded.**  Until the limiter has heard from the provider once
-  (an answer's headers, a 429, an attempt's end), at most ``cold_start`` requests
-  (4) are in flight and the others wait for the first answer: fifty agents starting
-  at once on a key already at its limit cost a few 429s, not fifty, while a lone
-  agent's own first requests (a title and a turn, a sub-agent or two) never wait.
+* **A slow start.**  A new limiter lets ``cold_start`` requests (4) be in flight,
+  and one more for each the provider answers without a 429 (doubling every round
+  trip, as TCP's slow start), until ``max_concurrency`` or the first 429: fifty
+  agents starting at once on a key whose headers overstate what is left cost a few
+  429s, not fifty, while a lone agent's own first requests (a title and a turn, a
+  sub-agent or two) never wait.
 * **Concurrency** adapts (AIMD) for a provider that reports no budget: unbounded
   until the first 429; then a window of half the requests in flight, one more for
   every window of answered requests, and half again on a 429 (at most once per
@@ -32,10 +37,17 @@ Each upstream, for each credential (a hash of the key, never the key), has a
   come first served within a session, so one busy agent cannot starve the others.
   `pump` grants the head as the buckets refill and reserves its cost at once; it
   says when the next grant is due; a grant nobody claims goes back after a while.
-* **A 429 or a Retry-After** blocks the limiter until it says; with no such
-  header, until the learned buckets would have refilled the request's cost.  The
-  429 is the limiter's to pace: the retry does not also wait out the retry delay
-  and the recovery pacer (`core.policy`), so nothing is waited twice.
+* **What the provider does corrects what it says.**  Every 429 goes to the
+  limiter's `AdmissionThrottle` (`core.throttle`): a ceiling on the admitted request rate,
+  off until the first 429, then lowered multiplicatively to what the provider was
+  seen to accept and probed back up along CUBIC's curve.  A Retry-After blocks the
+  limiter until it says; with none, a budget the 429's headers report short of the
+  request's cost is waited until it refills (a budget with room is left as it is).
+  The retry itself is a retry like any other (`core.policy`): at least the retry
+  delay, and the pacer's go.
+* **Bounded.**  No turn waits in the line longer than ``max_wait_s``: a ticket that
+  has waited that long is let go whatever the model says (the provider's answer
+  corrects the model again).
 * **Shared.**  With a fleet store the buckets' levels are the fleet's
   (`Bucket.shared`): they do not refill locally; the store leases budget from the
   fleet's buckets in the background and adds it (`RateBoard.lease`), and turns
@@ -56,6 +68,7 @@ from typing import Any
 
 from unbroken.core.pacer import GRANT_TTL_S
 from unbroken.core.ratehead import RateHeaders, Reading
+from unbroken.core.throttle import AdmissionThrottle
 
 __all__ = [
     "Bucket",
@@ -164,12 +177,15 @@ class Bucket:
         if rem is None:
             return
         if r.reset_s is not None and r.reset_s > 0.001 and rem < self.limit:
+            # A per-minute limit never refills faster than its limit a minute, whatever
+            # a reset says (a quantized provider's reset is "until the next request").
             seen = max((self.limit - rem) / r.reset_s, self.limit / 3600.0)
+            seen = min(seen, self.limit / DEFAULT_WINDOW_S)
             self.rate = (1 - SMOOTH) * self.rate + SMOOTH * seen if self.rate_seen else seen
             self.rate_seen = True
         elif r.reset_s is not None and rem <= 0 and r.reset_s <= 0.001:
             rem = min(self.limit, 1.0)  # spent, and reset now: one may go
-        level = min(self.limit, rem) - uncounted
+        level = max(-self.limit, min(self.limit, rem) - uncounted)  # debt: at most a limit
         self.reported = level
         self.version += 1
         if self.shared:
@@ -189,7 +205,7 @@ class Bucket:
 class FairLine:
     """Waiting tickets: round robin across sessions, first come first served within one."""
 
-    __slots__ = ("_sessions", "costs", "where")
+    __slots__ = ("_sessions", "costs", "since", "where")
 
     def __init__(self) -> None:
         #: session -> its tickets, oldest first; the dict's order is the rotation
@@ -198,6 +214,8 @@ class FairLine:
         self.where: dict[int, str] = {}
         #: ticket -> the tokens it asks for
         self.costs: dict[int, float] = {}
+        #: ticket -> when it began to wait (no wait is longer than ``max_wait_s``)
+        self.since: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self.where)
@@ -215,11 +233,12 @@ class FairLine:
                 if not q:
                     del queues[s]
 
-    def add(self, ticket: int, session: str, cost: float) -> None:
+    def add(self, ticket: int, session: str, cost: float, now: float = 0.0) -> None:
         if ticket in self.where:
             return
         self.where[ticket] = session
         self.costs[ticket] = cost
+        self.since[ticket] = now
         q = self._sessions.get(session)
         if q is None:
             q = self._sessions[session] = deque()
@@ -238,6 +257,7 @@ class FairLine:
             self._sessions[session] = q  # to the end of the rotation
         del self.where[ticket]
         self.costs.pop(ticket, None)
+        self.since.pop(ticket, None)
         return ticket
 
     def remove(self, ticket: int) -> None:
@@ -245,6 +265,7 @@ class FairLine:
         if session is None:
             return
         self.costs.pop(ticket, None)
+        self.since.pop(ticket, None)
         q = self._sessions[session]
         q.remove(ticket)
         if not q:
@@ -253,12 +274,19 @@ class FairLine:
     def sessions(self) -> int:
         return len(self._sessions)
 
+    def overdue(self, now: float, max_wait_s: float) -> int | None:
+        """The longest-waiting ticket once it has waited ``max_wait_s``, else None."""
+        for ticket, since in self.since.items():  # oldest first (insertion order)
+            return ticket if now - since >= max_wait_s else None
+        return None
+
 
 class Limiter:
     """One upstream's budgets for one credential (see the module docstring)."""
 
     __slots__ = (
         "_decrease_seq",
+        "_unanswered",
         "blocked_until",
         "buckets",
         "cred",
@@ -266,10 +294,12 @@ class Limiter:
         "key",
         "limited_total",
         "line",
+        "ramp",
         "running",
         "seen",
         "seq",
         "settings",
+        "throttle",
         "tokens_per_byte",
         "uncounted",
         "waited_total",
@@ -289,14 +319,21 @@ class Limiter:
         self.uncounted: dict[int, float] = {}
         #: admissions in flight: seq -> tokens (until the attempt is over)
         self.running: dict[int, float] = {}
+        #: admissions in flight with no answer yet (accepted or refused)
+        self._unanswered: set[int] = set()
         self.seq = 0
         #: the provider answered once (until then one request goes at a time)
         self.seen = False
         #: the AIMD window (None: unbounded, no 429 seen)
         self.window: float | None = None
+        #: slow start: requests in flight before the provider has accepted many (one
+        #: more for each it accepts; None: past ``max_concurrency``, or a 429 ended it)
+        self.ramp: float | None = float(settings.cold_start)
         self._decrease_seq = 0
         self.blocked_until = 0.0
         self.tokens_per_byte = DEFAULT_TOKENS_PER_BYTE
+        #: the admitted rate the provider's own answers correct (`core.throttle`)
+        self.throttle = AdmissionThrottle()
         self.waited_total = 0  # turns that had to wait in line
         self.limited_total = 0  # 429s answered
 
@@ -317,25 +354,31 @@ class Limiter:
             yield b, 1.0 if b.level < 1.0 else 0.0  # spent output blocks until it refills
 
     def due(self, tokens: float, now: float) -> float:
-        """When a request of ``tokens`` may go (``now``: at once; inf: on a finish)."""
+        """When a request of ``tokens`` may go (``now``: at once; inf: on a finish).
+        A line's ticket that has waited ``max_wait_s`` goes anyway (`pump`)."""
         when = self.blocked_until if self.blocked_until > now else now
         window = self.window
         if window is not None and len(self.running) >= int(window):
             return math.inf
-        if not self.seen and len(self.running) >= self.settings.cold_start:
-            return math.inf  # a cold start: the rest wait for the first answer
+        ramp = self.ramp
+        if ramp is not None and len(self.running) >= int(ramp):
+            return math.inf  # a cold start: the rest wait for the provider's answers
         for bucket, cost in self._costs(tokens):
             if cost > 0:
                 when = max(when, bucket.due(cost, now))
-        return when
+        alone = not self.running and not self.granted and len(self.line) <= 1
+        return max(when, self.throttle.due(now, alone=alone))
 
-    def _spend(self, tokens: float) -> int:
+    def _spend(self, tokens: float, now: float) -> int:
         for bucket, cost in self._costs(tokens):
             if cost > 0 and bucket is not self.buckets.get("output"):
-                bucket.level -= min(cost, bucket.limit)
+                # a debt is at most the limit (estimates of attempts in flight)
+                bucket.level = max(-bucket.limit, bucket.level - min(cost, bucket.limit))
         self.seq += 1
         self.uncounted[self.seq] = tokens
         self.running[self.seq] = tokens
+        self._unanswered.add(self.seq)
+        self.throttle.sent(self.seq, now)
         return self.seq
 
     def _refund(self, seq: int) -> None:
@@ -359,9 +402,9 @@ class Limiter:
         if (head is None or head == ticket) and self.due(tokens, now) <= now:
             if head is not None:
                 line.pop_head()
-            return self._spend(tokens)
+            return self._spend(tokens, now)
         if ticket and ticket not in line:
-            line.add(ticket, session, tokens)
+            line.add(ticket, session, tokens, now)
             self.waited_total += 1
         return 0
 
@@ -402,11 +445,32 @@ class Limiter:
                 )
             bucket.learn(reading, after, now)
 
+    def accepted(self, seq: int, now: float) -> None:
+        """Admission ``seq`` was answered, and not with a 429: the slow start widens
+        (doubling each round trip) and the throttle climbs."""
+        self.seen = True
+        if seq not in self._unanswered:
+            return  # counted already
+        self._unanswered.discard(seq)
+        ramp = self.ramp
+        if ramp is not None:
+            ramp += 1.0
+            self.ramp = ramp if ramp < self.settings.max_concurrency else None
+        self.throttle.accepted(seq, now)
+
     def limited(self, seq: int, retry_after_s: float | None, tokens: float, now: float) -> float:
-        """A 429 for admission ``seq``: block until it may go again; returns that time."""
+        """A 429 for admission ``seq``: block until it may go again; returns that time.
+
+        The provider refused what the model let go: the throttle lowers the admitted
+        rate (once an epoch).  A Retry-After is waited (at most ``max_wait_s``); else a
+        budget the provider's headers (learned first) report short of this request's
+        cost is waited until it refills; else the throttle paces the retry."""
         self.limited_total += 1
         self.seen = True
         self.uncounted.pop(seq, None)
+        self._unanswered.discard(seq)
+        self.throttle.refused(seq, now, self.seq)
+        self.ramp = None  # the throttle paces from here
         running = len(self.running)
         if not self.buckets and seq > self._decrease_seq:
             # A 429 no reported budget explains (a provider that sends no rate-limit
@@ -417,16 +481,15 @@ class Limiter:
         if retry_after_s is not None:
             until = now + min(retry_after_s, self.settings.max_wait_s)
         else:
-            # The provider says a budget is spent (its headers, learned first, say
-            # which): wait until this request's cost has refilled.
+            # Only a budget the provider reports short of this request's cost is
+            # waited for (its headers, learned first, say which); one with room is
+            # not emptied by a 429 that may be another budget's or another limit's.
             due = now
             for bucket, cost in self._costs(tokens):
                 if cost > 0:
-                    bucket.refill(now)
-                    bucket.level = min(bucket.level, 0.0)
                     due = max(due, bucket.due(cost, now))
-            if not math.isfinite(due) or due <= now:
-                due = now + 1.0  # nothing learned: look again in a second
+            if not math.isfinite(due):
+                due = now
             until = min(due, now + self.settings.max_wait_s)
         self.blocked_until = max(self.blocked_until, until)
         return self.blocked_until
@@ -442,11 +505,20 @@ class Limiter:
     ) -> None:
         """The attempt of admission ``seq`` is over (its slot is free; ``ok``: it was
         answered, the window grows); learn from the input tokens reported for it."""
+        if ok and seq in self._unanswered:
+            self.accepted(seq, now)  # an answer no header event told of
+        self._unanswered.discard(seq)
         tokens = self.running.pop(seq, None)
-        self.uncounted.pop(seq, None)
         self.seen = True
         if tokens is None:
+            self.uncounted.pop(seq, None)
             return
+        if self.uncounted.pop(seq, None) is not None and not ok:
+            # It ended before any answer said what it cost (a reset before headers):
+            # its estimate goes back, so attempts that die cannot sink a budget.
+            for bucket, cost in self._costs(tokens):
+                if cost > 0 and bucket is not self.buckets.get("output"):
+                    bucket.level = min(bucket.limit, bucket.level + min(cost, bucket.limit))
         if ok and self.window is not None:
             self.window = min(
                 float(self.settings.max_concurrency), self.window + 1.0 / max(self.window, 1.0)
@@ -465,15 +537,25 @@ class Limiter:
                 self._refund(seq)
         out: list[int] = []
         line = self.line
+        max_wait = self.settings.max_wait_s
         while line:
+            late = line.overdue(now, max_wait)
+            if late is not None:  # no wait is longer than max_wait_s, whatever the model
+                tokens = line.costs[late]
+                line.remove(late)
+                self.granted[late] = (now, self._spend(tokens, now))
+                out.append(late)
+                continue
             head = line.head()
             assert head is not None
             due = self.due(line.costs[head], now)
             if due > now:
+                oldest = min(line.since.values())
+                due = min(due, oldest + max_wait)
                 return out, (due if math.isfinite(due) else None)
             tokens = line.costs[head]
             line.pop_head()
-            self.granted[head] = (now, self._spend(tokens))
+            self.granted[head] = (now, self._spend(tokens, now))
             out.append(head)
         return out, None
 
@@ -489,6 +571,7 @@ class Limiter:
             "tokens_per_byte": round(self.tokens_per_byte, 4),
             "waited_total": self.waited_total,
             "limited_total": self.limited_total,
+            "throttle": self.throttle.view(),
             "shared": any(b.shared for b in self.buckets.values()),
         }
 

@@ -19,6 +19,7 @@ from unbroken.mock.actions import (
     expand_upgrade_actions,
     parse_action,
 )
+from unbroken.mock.limits import BEHAVIOURS, MockLimits
 from unbroken.mock.provider import MockProvider
 
 __all__ = ["ScriptFile", "load_script", "main_mock", "serve_mock"]
@@ -100,13 +101,17 @@ async def serve_mock(
     script_path: str | Path | None = None,
     *,
     stop: asyncio.Event | None = None,
+    limits: MockLimits | None = None,
 ) -> None:
     """Run the mock until ``stop`` is set, SIGINT/SIGTERM, or cancellation.
 
     Prints ``unbroken mock listening on http://HOST:PORT`` once ready.
+    ``limits``: rate limits enforced per key from the start (`mock.limits`).
     """
     script = load_script(script_path) if script_path is not None else None
-    mock = MockProvider(host=host, port=port, default=script.default if script else None)
+    mock = MockProvider(
+        host=host, port=port, default=script.default if script else None, limits=limits
+    )
     if script is not None:
         script.apply(mock)
     stop = stop or asyncio.Event()
@@ -123,6 +128,64 @@ async def serve_mock(
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+
+
+def _limit_options(parser: OneLineParser) -> None:
+    g = parser.add_argument_group(
+        "rate limits", "enforce RPM/TPM per key, as one provider of the zoo (docs/mock.md)"
+    )
+    g.add_argument(
+        "--rate-limits",
+        metavar="BEHAVIOUR",
+        choices=BEHAVIOURS,
+        help=f"enforce rate limits the way this provider does: {', '.join(BEHAVIOURS)} "
+        "(default: no limits unless --rpm or --tpm is given, then textbook)",
+    )
+    g.add_argument("--rpm", type=float, metavar="N", help="requests a minute per key (default 60)")
+    g.add_argument(
+        "--tpm", type=float, metavar="N", help="tokens a minute per key (default 0: none)"
+    )
+    g.add_argument(
+        "--rate-start",
+        type=float,
+        metavar="SHARE",
+        help="share of each budget a new key has left (default 1)",
+    )
+    g.add_argument(
+        "--shared",
+        type=float,
+        metavar="SHARE",
+        help="'shared': share of each budget's refill that unseen traffic takes (default 0.5)",
+    )
+    g.add_argument(
+        "--overstate",
+        type=float,
+        metavar="SHARE",
+        help="'overstated': share of the limit added to the remaining reported (default 0.5)",
+    )
+
+
+def _limits(args: Any) -> MockLimits | None:
+    """The `MockLimits` the rate-limit options ask for (ValueError: a bad value)."""
+    table: dict[str, Any] = {}
+    for opt, key in (
+        ("rpm", "rpm"),
+        ("tpm", "tpm"),
+        ("rate_start", "start"),
+        ("shared", "shared"),
+        ("overstate", "overstate"),
+    ):
+        value = getattr(args, opt)
+        if value is not None:
+            table[key] = value
+    if args.rate_limits is None and not table:
+        return None
+    table["behaviour"] = args.rate_limits or "textbook"
+    try:
+        return MockLimits.from_dict(table)
+    except ValueError as exc:  # name the option, not the table key
+        msg = str(exc).replace("limits.start", "--rate-start").replace("limits.", "--")
+        raise ValueError(msg.replace("--behaviour", "--rate-limits")) from None
 
 
 def main_mock(argv: list[str] | None = None) -> int:
@@ -146,13 +209,15 @@ def main_mock(argv: list[str] | None = None) -> int:
         '"upgrades": [...], "upgrade_queues": {"K": [...]}} (default: none: every request '
         "gets a clean answer until scripted over /_mock/script)",
     )
+    _limit_options(parser)
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:  # --help or a usage error: report the code, don't exit
         return exc.code if isinstance(exc.code, int) else 2
     try:
         args.host = check_host("--host", args.host)
-    except ConfigError as exc:
+        limits = _limits(args)
+    except (ConfigError, ValueError) as exc:
         print(f"unbroken mock: {exc}", file=sys.stderr)
         return 2
     if args.script is not None:
@@ -165,7 +230,7 @@ def main_mock(argv: list[str] | None = None) -> int:
             print(f"unbroken mock: invalid script {args.script}: {exc}", file=sys.stderr)
             return 2
     try:
-        asyncio.run(serve_mock(args.host, args.port, args.script))
+        asyncio.run(serve_mock(args.host, args.port, args.script, limits=limits))
     except KeyboardInterrupt:
         pass
     except OSError as exc:

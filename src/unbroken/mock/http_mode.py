@@ -146,7 +146,7 @@ class HttpMode(MockState):
                 request.headers,
                 max(1, len(canonical_json(req_json)) // 4),
                 max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0,
-                asyncio.get_running_loop().time(),
+                limits.clock() if limits.clock is not None else asyncio.get_running_loop().time(),
             )
             if status == 429:
                 return web.Response(

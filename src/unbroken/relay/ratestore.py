@@ -22,10 +22,14 @@ blocks its key and halves its window), and they are shared again with the next
 report once the store is back.  A turn never waits on Redis itself.
 
 What Redis holds is checked like the rest of the shared state (`unbroken.core.shared`):
-a bucket whose fields are not finite numbers (or a key of another type) counts as
-unknown, so the next report overwrites it; a level is kept within ``[-limit, limit]``
-and a bucket's time never ahead of Redis's own clock; a lease is at most what was
-asked and its wait at most ``MAX_RETRY_S``.  An error answer from Redis is garbage,
+a bucket whose fields are not finite numbers (or a key of another type), whose rate
+is not above zero, whose level is outside ``[-limit, limit]``, or whose limit or rate
+is more than four times off this relay's own view of the budget is garbage: the
+lease answers so, the relay logs it (once a minute) and teaches the bucket again,
+and the report replaces it, so one bad write heals within one lease, fleet-wide.  A
+bucket's time is never ahead of Redis's own clock; a lease is at most what was asked,
+and a relay asks again no sooner than ``MIN_RETRY_S`` and no later than
+``MAX_RETRY_S`` (the script says when).  An error answer from Redis is garbage,
 logged once a minute, never an outage.
 """
 
@@ -53,6 +57,8 @@ BUDGET_S = 0.25
 MAX_LEASE = 16
 #: a fleet that has nothing left is asked again after at most this long
 MAX_RETRY_S = 1.0
+#: ... and after at least this long (never a busy loop of script calls while turns wait)
+MIN_RETRY_S = 0.05
 
 _NOW = """
 local t = redis.call('TIME')
@@ -62,29 +68,36 @@ local function num(x)
   if v == nil or v ~= v or v == math.huge or v == -math.huge then return nil end
   return v
 end
--- a bucket's fields, validated: nil when it is not one of ours (unknown: taught again)
-local function bucket(k)
+-- a bucket's fields, validated against this relay's own view of it (its limit and
+-- rate): nil when it is not one of ours, or garbage (taught again, replaced)
+local function bucket(k, mylimit, myrate)
   if redis.call('TYPE', k).ok ~= 'hash' then return nil end
   local h = redis.call('HMGET', k, 'limit', 'rate', 'level', 't')
   local limit, rate, level, at = num(h[1]), num(h[2]), num(h[3]), num(h[4])
-  if not (limit and rate and level and at) or limit <= 0 or rate < 0 then return nil end
+  if not (limit and rate and level and at) or limit <= 0 or rate <= 0 then return nil end
+  if level > limit or level < -limit then return nil end
+  if limit > 4 * mylimit or limit * 4 < mylimit then return nil end
+  if rate > 4 * myrate or rate * 4 < myrate then return nil end
   at = math.min(at, now)
-  return limit, rate, math.max(-limit, math.min(limit, level)), at
+  return limit, rate, level, at
 end
 """
 
-#: KEYS: the buckets; ARGV: most requests wanted, each bucket's cost per request, ttl ms.
-#: Returns {granted requests, seconds until one more is there} ({-1, 0}: unknown bucket;
-#: {-2, 0}: a key there that is not a valid bucket, taught again like an unknown one).
+#: KEYS: the buckets; ARGV: most requests wanted, then per bucket its cost per request,
+#: this relay's limit and its rate, then the ttl ms.  Returns {granted requests, seconds
+#: until one more is there} ({-1, 0}: unknown bucket; {-2, 0}: a key there that is not a
+#: valid bucket, or one this relay's own view calls garbage: taught again, replaced).
 TAKE = (
     _NOW
     + """
 local n = tonumber(ARGV[1])
 local ttl = tonumber(ARGV[#ARGV])
+local nk = #KEYS
 local state = {}
 local wait = 0
 for i, k in ipairs(KEYS) do
-  local limit, rate, old, at = bucket(k)
+  local limit, rate, old, at = bucket(k, tonumber(ARGV[1 + nk + i]),
+    tonumber(ARGV[1 + 2 * nk + i]))
   if not limit then return {redis.call('EXISTS', k) == 1 and -2 or -1, '0'} end
   local level = math.min(limit, old + (now - at) * rate)
   local cost = math.min(tonumber(ARGV[i + 1]), limit)
@@ -111,7 +124,7 @@ LEARN = (
     + """
 local k = KEYS[1]
 local limit, rate, value = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local olimit, orate, olevel, at = bucket(k)
+local olimit, orate, olevel, at = bucket(k, limit, rate)
 local level = value
 local replaced = 0
 if olimit then
@@ -278,9 +291,12 @@ class RateShare:
             return
         tokens = lim.line.costs.get(head, 0.0)
         costs = [1.0 if n == "requests" else tokens for n in names]
+        limits = [lim.buckets[n].limit for n in names]
+        rates = [max(lim.buckets[n].rate, 1e-9) for n in names]
         want = min(len(lim.line), MAX_LEASE)
         got, wait = await self._take(
-            keys=[self._name(lim, n) for n in names], args=[want, *costs, TTL_MS]
+            keys=[self._name(lim, n) for n in names],
+            args=[want, *costs, *limits, *rates, TTL_MS],
         )
         if got == -2 and self.on_garbage is not None:
             self.on_garbage(Garbage.VALUE)
@@ -299,7 +315,7 @@ class RateShare:
             if poke is not None:
                 poke(lim.key)
         if lim.line and (got < want or got == 0):
-            self._again_in(lim, min(max(wait, 0.001), MAX_RETRY_S) if not got else 0.0)
+            self._again_in(lim, min(max(wait, MIN_RETRY_S), MAX_RETRY_S) if not got else 0.0)
 
     def _again_in(self, lim: Limiter, delay: float) -> None:
         """Ask again for ``lim`` after ``delay`` (the fleet's next refill)."""

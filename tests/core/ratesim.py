@@ -1,0 +1,191 @@
+"""A small virtual-clock fleet against a model provider, for the rate-limit tests:
+``agents`` run streamed turns back to back through one relay's `HealthBoard`, each
+turn a real `RetryState` (pacer, limiter, throttle, retry delay), woken the way the
+transport wakes it (at its `Park`'s time, or when the board's pump grants its ticket).
+bench/fleet_sim.py is the full simulator; this one is small enough for a unit test."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from unbroken.core.health import HealthBoard
+from unbroken.core.policy import Failure, FailureClass, Park, RetryPolicy, RetryState
+from unbroken.core.ratehead import RateHeaders, Reading
+from unbroken.core.ratelimit import RateSettings
+
+K = "r|http://a"
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: RateHeaders
+    retry_after_s: float | None = None
+
+
+@dataclass
+class Quantized:
+    """Reports ``per_s * 60`` a minute, enforces ``per_s`` in each whole second; its
+    reset says when the next request may go; 429s carry no Retry-After."""
+
+    per_s: int = 5
+    sent: list[float] = field(default_factory=list)
+    used: Counter[int] = field(default_factory=Counter)
+
+    def __call__(self, now: float) -> Answer:
+        self.sent.append(now)
+        second = math.floor(now)
+        limit = self.per_s * 60
+        minute = sum(1 for t in self.sent[-limit * 2 :] if now - t < 60.0)
+        ok = self.used[second] < self.per_s
+        if ok:
+            self.used[second] += 1
+        full = self.used[second] >= self.per_s
+        reset = (second + 1 - now) if full else 0.0
+        remaining = max(0, limit - minute)
+        h = RateHeaders(requests=Reading(float(limit), float(remaining), reset))
+        return Answer(200 if ok else 429, h)
+
+
+@dataclass
+class Bare:
+    """A textbook bucket (``per_s`` a second, ``burst`` deep) that says nothing:
+    no rate-limit headers, bare 429s."""
+
+    per_s: float = 5.0
+    burst: float = 5.0
+    level: float = 5.0
+    t: float = 0.0
+    sent: list[float] = field(default_factory=list)
+
+    def __call__(self, now: float) -> Answer:
+        self.sent.append(now)
+        self.level = min(self.burst, self.level + (now - self.t) * self.per_s)
+        self.t = now
+        if self.level >= 1.0:
+            self.level -= 1.0
+            return Answer(200, RateHeaders())
+        return Answer(429, RateHeaders())
+
+
+@dataclass
+class Result:
+    ok: int
+    limited: int
+    turns: int
+    max_per_s: int  # most requests sent in any whole second
+    longest_wait_s: float
+
+    @property
+    def share_429(self) -> float:
+        return self.limited / max(1, self.ok + self.limited)
+
+
+def run(
+    provider: Callable[[float], Answer],
+    *,
+    agents: int = 40,
+    seconds: float = 60.0,
+    header_s: float = 0.05,
+    stream_s: float = 0.5,
+    settings: RateSettings | None = None,
+) -> Result:
+    board = HealthBoard(rate=settings or RateSettings())
+    queue: list[tuple[float, int, Callable[[float], None]]] = []
+    order = itertools.count()
+    parked: dict[int, Callable[[float], None]] = {}  # ticket -> its wake-up
+    stats = {"ok": 0, "limited": 0, "turns": 0}
+    sends: Counter[int] = Counter()
+    longest = [0.0]
+
+    def at(t: float, fn: Callable[[float], None]) -> None:
+        heapq.heappush(queue, (t, next(order), fn))
+
+    def agent(i: int) -> None:
+        state = RetryState(
+            RetryPolicy(), 1, board=board, keys=[K], sticky=f"a{i}", creds=["c"], body_bytes=2000
+        )
+        gen = [0]
+        waiting_since = [0.0]
+
+        def attempt(now: float) -> None:
+            gen[0] += 1
+            got = state.next_upstream(now)
+            if isinstance(got, Park):
+                mine = gen[0]
+
+                def wake(t: float) -> None:
+                    if gen[0] == mine:
+                        attempt(t)
+
+                parked[state.ticket] = wake
+                at(got.until, wake)
+                return
+            parked.pop(state.ticket, None)
+            longest[0] = max(longest[0], now - waiting_since[0])
+            sends[math.floor(now)] += 1
+            answer = provider(now)
+            at(now + header_s, lambda t: answered(t, answer))
+
+        def answered(now: float, answer: Answer) -> None:
+            state.record_rate(answer.headers, now)
+            if answer.status == 200:
+                stats["ok"] += 1
+                state.record_answer(now)
+                at(now + stream_s, done)
+                return
+            stats["limited"] += 1
+            failure = Failure(
+                FailureClass.STATUS, "HTTP 429", status=429, retry_after_s=answer.retry_after_s
+            )
+            wait = state.record_failure(failure, now)
+            waiting_since[0] = now + wait
+            at(now + wait, attempt)
+
+        def done(now: float) -> None:
+            state.settle(now, None)
+            state.close(now)
+            stats["turns"] += 1
+            if now < seconds:
+                agent_turn(now)
+
+        def agent_turn(now: float) -> None:
+            nonlocal state
+            state = RetryState(
+                RetryPolicy(),
+                1,
+                board=board,
+                keys=[K],
+                sticky=f"a{i}",
+                creds=["c"],
+                body_bytes=2000,
+            )
+            gen[0] += 1
+            waiting_since[0] = now
+            attempt(now)
+
+        at(0.0, agent_turn)
+
+    for i in range(agents):
+        agent(i)
+    pump_at = [math.inf]
+    while queue:
+        now, _, fn = heapq.heappop(queue)
+        if now > seconds + 120.0:
+            break
+        fn(now)
+        granted, due = board.pump(K, now)
+        for ticket in granted:
+            wake = parked.pop(ticket, None)
+            if wake is not None:
+                at(now, wake)
+        if (due is not None and due < pump_at[0]) or pump_at[0] <= now:
+            pump_at[0] = due if due is not None else math.inf
+            if due is not None:
+                at(due, lambda t: None)
+    return Result(stats["ok"], stats["limited"], stats["turns"], max(sends.values()), longest[0])

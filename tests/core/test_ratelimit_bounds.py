@@ -1,0 +1,99 @@
+"""Issue 32's bounds (core/ratelimit.py): whatever a header says, no wait is longer than
+``max_wait_s``, a budget's debt is at most its limit, an attempt that died before its
+headers gives its estimate back, and a 429 empties only the budget it is about."""
+
+from __future__ import annotations
+
+import math
+
+from unbroken.core.ratehead import RateHeaders, Reading, parse_rate_headers
+from unbroken.core.ratelimit import Limiter, RateSettings
+
+K = "r|http://a"
+
+
+def wait_of(lim: Limiter, ticket: int, tokens: float, now: float) -> float:
+    """How long ``ticket`` waits in ``lim``'s line, pumping as the relay does."""
+    if lim.admit(ticket, "s", tokens, now):
+        return 0.0
+    t = now
+    for _ in range(10_000):
+        granted, due = lim.pump(t)
+        if ticket in granted:
+            return t - now
+        assert due is not None and math.isfinite(due), "nothing would ever wake it"
+        t = max(due, t + 1e-6)
+    raise AssertionError("never granted")
+
+
+def test_attempts_that_die_before_their_headers_give_their_estimate_back() -> None:
+    # a cold start: four large requests go before any budget is known; the first one's
+    # answer reports the token budget, the other three are reset before their headers
+    lim = Limiter(K, "c", RateSettings(max_wait_s=5.0))
+    seqs = [lim.admit(0, f"a{i}", 30_000.0, 0.0) for i in range(4)]
+    assert all(seqs)
+    lim.learn(seqs[0], RateHeaders(tokens=Reading(10_000, 9_000, 60.0)), 0.1)
+    assert lim.buckets["tokens"].level >= -10_000  # a debt is at most the limit
+    lim.finish(seqs[0], 0.1)
+    for s in seqs[1:]:
+        lim.finish(s, 0.2, ok=False)  # a reset before headers: the estimate goes back
+    assert lim.buckets["tokens"].level >= 9_000  # the debt went with them
+    assert lim.admit(0, "b", 100.0, 0.3) > 0  # nothing to wait for
+
+
+def test_a_report_with_many_uncounted_admissions_cannot_sink_a_budget_past_its_limit() -> None:
+    lim = Limiter(K, "c", RateSettings())
+    seqs = [lim.admit(0, f"a{i}", 50_000.0, 0.0) for i in range(4)]
+    lim.learn(seqs[0], RateHeaders(tokens=Reading(20_000, 100, 6.0)), 0.0)
+    assert lim.buckets["tokens"].level >= -20_000
+
+
+def test_no_wait_in_the_line_is_longer_than_max_wait_s() -> None:
+    # a limit with no reset: the per-minute guess would wait 60 s for a spent budget
+    lim = Limiter(K, "c", RateSettings(max_wait_s=5.0))
+    s = lim.admit(0, "s", 0.0, 0.0)
+    lim.learn(s, RateHeaders(requests=Reading(1000, 0, None)), 0.0)
+    lim.finish(s, 0.0)
+    assert wait_of(lim, 1, 0.0, 0.0) <= 5.0 + 1e-6
+    # a token budget far below what a request asks, learned with no reset
+    lim = Limiter(K, "c", RateSettings(max_wait_s=5.0))
+    s = lim.admit(0, "s", 0.0, 0.0)
+    lim.learn(s, RateHeaders(tokens=Reading(9_000_000, 0, None)), 0.0)
+    lim.finish(s, 0.0)
+    assert wait_of(lim, 1, 9_000_000.0, 0.0) <= 5.0 + 1e-6
+
+
+def test_retry_after_nan_is_ignored_and_the_wait_stays_bounded() -> None:
+    h = parse_rate_headers(
+        {
+            "retry-after": "NaN",
+            "x-ratelimit-limit-tokens": "10000",
+            "x-ratelimit-remaining-tokens": "0",
+        },
+        now_wall=0.0,
+        max_wait_s=5.0,
+    )
+    assert h.retry_after_s is None and h.problems
+    lim = Limiter(K, "c", RateSettings(max_wait_s=5.0))
+    s = lim.admit(0, "s", 10_000.0, 0.0)
+    lim.learn(s, h, 0.0)
+    until = lim.limited(s, h.retry_after_s, 10_000.0, 0.0)
+    lim.finish(s, 0.0, ok=False)
+    assert until <= 5.0  # not a whole minute's refill of the token budget
+    assert wait_of(lim, 1, 10_000.0, 0.0) <= 5.0 + 1e-6
+
+
+def test_a_429_without_retry_after_waits_for_the_budget_it_is_about_not_for_every_one() -> None:
+    # Codex's 39 KB first request: requests spent (reset in 3 s), tokens 99 % left
+    lim = Limiter(K, "c", RateSettings())
+    tokens = lim.estimate(39_000)
+    s = lim.admit(0, "s", tokens, 0.0)
+    h = RateHeaders(
+        requests=Reading(500, 0, 3.0), tokens=Reading(200_000, 198_000, 0.6), retry_after_s=None
+    )
+    lim.learn(s, h, 0.0)
+    until = lim.limited(s, None, tokens, 0.0)
+    lim.finish(s, 0.0, ok=False)
+    assert until <= 3.0 + 1e-9  # the requests budget's reset, not the tokens' refill
+    assert lim.buckets["tokens"].level > 190_000  # a budget with room is not emptied
+    assert wait_of(lim, 1, tokens, 0.0) <= 3.0 + 1e-6
