@@ -24,7 +24,7 @@ from unbroken.core.health import Breaker, Change, HealthBoard, HealthSettings
 from unbroken.core.pacer import PaceSettings
 from unbroken.core.ratelimit import Limiter, RateSettings
 from unbroken.core.shared import lease_grant
-from unbroken.relay.ratestore import BUDGET_S, MAX_LEASE, MAX_RETRY_S, TTL_MS
+from unbroken.relay.ratestore import BUDGET_S, MAX_LEASE, MAX_RETRY_S, MIN_RETRY_S, TTL_MS
 from unbroken.relay.store import RESYNC_S, WAITERS_TTL_MS
 
 if TYPE_CHECKING:
@@ -290,10 +290,11 @@ class SimRelay:
             return
         tokens = lim.line.costs.get(head, 0.0)
         costs = [1.0 if n == "requests" else tokens for n in names]
+        views = [(lim.buckets[n].limit, max(lim.buckets[n].rate, 1e-9)) for n in names]
         want = min(len(lim.line), MAX_LEASE)
         yield from self._op(t0)
         raw_got, raw_wait = store.take(
-            [self._name(lim, n) for n in names], want, costs, TTL_MS, self.loop.now
+            [self._name(lim, n) for n in names], want, costs, views, TTL_MS, self.loop.now
         )
         yield store.rtt() / 2
         got, wait = lease_grant(raw_got, raw_wait, want, MAX_RETRY_S)
@@ -311,7 +312,7 @@ class SimRelay:
             if poke is not None:
                 poke(lim.key)
         if lim.line and (got < want or got == 0):
-            self._again_in(lim, min(max(wait, 0.001), MAX_RETRY_S) if not got else 0.0)
+            self._again_in(lim, min(max(wait, MIN_RETRY_S), MAX_RETRY_S) if not got else 0.0)
 
     def _again_in(self, lim: Limiter, delay: float) -> None:
         key = id(lim)

@@ -285,7 +285,11 @@ class SimStore:
         self.ops += 1
 
     # -- ratestore.TAKE / LEARN ------------------------------------------------------------
-    def _bucket(self, name: str, now: float) -> tuple[float, float, float, float] | None:
+    def _bucket(
+        self, name: str, now: float, mylimit: float, myrate: float
+    ) -> tuple[float, float, float, float] | None:
+        """A bucket's fields, validated against the asking relay's own view (its limit
+        and rate): None when there is none, or it is garbage."""
         b = self.buckets.get(name)
         if b is None:
             return None
@@ -293,19 +297,30 @@ class SimStore:
             del self.buckets[name]
             return None
         limit, rate, level, at = b[0], b[1], b[2], b[3]
-        if not all(math.isfinite(x) for x in (limit, rate, level, at)) or limit <= 0 or rate < 0:
+        if not all(math.isfinite(x) for x in (limit, rate, level, at)) or limit <= 0 or rate <= 0:
             return None
-        return limit, rate, max(-limit, min(limit, level)), min(at, now)
+        if level > limit or level < -limit:
+            return None
+        if limit > 4 * mylimit or limit * 4 < mylimit or rate > 4 * myrate or rate * 4 < myrate:
+            return None
+        return limit, rate, level, min(at, now)
 
     def take(
-        self, names: Sequence[str], want: int, costs: Sequence[float], ttl_ms: int, now: float
+        self,
+        names: Sequence[str],
+        want: int,
+        costs: Sequence[float],
+        views: Sequence[tuple[float, float]],
+        ttl_ms: int,
+        now: float,
     ) -> tuple[int, str]:
-        """``TAKE``: refill the fleet's buckets, take ``want`` requests' worth at most."""
+        """``TAKE``: refill the fleet's buckets, take ``want`` requests' worth at most
+        (``views``: the relay's own (limit, rate) of each bucket)."""
         n = want
         wait = 0.0
         state: list[tuple[float, float]] = []
-        for name, c in zip(names, costs, strict=True):
-            got = self._bucket(name, now)
+        for name, c, (mylimit, myrate) in zip(names, costs, views, strict=True):
+            got = self._bucket(name, now, mylimit, myrate)
             if got is None:
                 return (-2 if name in self.buckets else -1), "0"
             limit, rate, old, at = got
@@ -327,7 +342,7 @@ class SimStore:
         self, name: str, limit: float, rate: float, value: float, ttl_ms: int, now: float
     ) -> int:
         """``LEARN``: the fleet's level is lowered to a provider's report (never raised)."""
-        old = self._bucket(name, now)
+        old = self._bucket(name, now, limit, rate)
         level = value
         replaced = 0
         if old is not None:
@@ -339,7 +354,7 @@ class SimStore:
         return replaced
 
     def poison(self, now: float) -> None:
-        """The issue's one write: every rate bucket's rate 0, level -100 (it renews)."""
+        """The issue's one write (``HSET ... rate 0 level -100``) on every rate bucket."""
         for b in self.buckets.values():
             b[1], b[2] = 0.0, -100.0
             b[4] = max(b[4], now + 120.0)
