@@ -7,6 +7,7 @@ shares, and a run is the same for the same seed.
 
 from __future__ import annotations
 
+import random
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import fleet_sim
 from fleet_sim import Result, Scenario, run
-from fleet_sim_world import OUTAGES, PROVIDERS
+from fleet_sim_world import OUTAGES, PROVIDERS, SimStore
 
 
 def tiny(**kw: Any) -> Scenario:
@@ -66,3 +67,29 @@ def test_bad_input_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> No
     assert fleet_sim.main(["--agents", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "agents" in err
+
+
+def test_the_cli_writes_the_table_and_a_plot(tmp_path: Path) -> None:
+    out = tmp_path / "fleet.md"
+    argv = ["--agents", "5", "--relays", "2", "--seconds", "5", "--outage", "brownout"]
+    argv += ["--outage-start", "1", "--outage-s", "2", "--out", str(out), "--plot", str(tmp_path)]
+    assert fleet_sim.main(argv) == 0
+    table = out.read_text().splitlines()
+    assert len(table) == 3 and "brownout: 5 agents, 2 relay(s), redis" in table[2]
+    assert len(list(tmp_path.glob("fleet-*.png"))) == 1
+
+
+def test_the_store_keeps_the_scripts_semantics() -> None:
+    store = SimStore(random.Random(0))
+    name, view = "unbroken:rl:k|c:requests", (300.0, 5.0)
+    assert store.take([name], 4, [1.0], [view], 120_000, 0.0) == (-1, "0")  # unknown: teach it
+    assert store.learn(name, 300.0, 5.0, 2.0, 120_000, 0.0) == 0
+    assert store.take([name], 4, [1.0], [view], 120_000, 0.0)[0] == 2  # what is there
+    got, wait = store.take([name], 4, [1.0], [view], 120_000, 0.5)
+    assert got == 2 and float(wait) == 0.0  # refilled 2.5 in 0.5 s: 2 whole requests
+    store.learn(name, 300.0, 5.0, 100.0, 120_000, 0.5)
+    assert store.buckets[name][2] < 1.0  # a report lowers the level, never raises it
+    store.poison(1.0)  # rate 0, level -100: garbage to the relay's view, taught again
+    assert store.take([name], 4, [1.0], [view], 120_000, 1.0) == (-2, "0")
+    assert store.learn(name, 300.0, 5.0, 3.0, 120_000, 1.0) == 1
+    assert store.take([name], 4, [1.0], [view], 120_000, 1.0)[0] == 3
