@@ -128,6 +128,8 @@ class Result:
     p99_turn_s: float = 0.0
     events: int = 0
     wall_s: float = 0.0
+    #: this process's CPU seconds for the run (the machine's load aside)
+    cpu_s: float = 0.0
     #: per second of the run: requests sent, answered 429, answered ok
     per_second: list[tuple[int, int, int]] = field(default_factory=list)
 
@@ -143,7 +145,7 @@ class Result:
             "recovery s": rec,
             "store ops/turn": f"{self.store_ops_per_turn:.1f}",
             "turns": str(self.turns),
-            "sim s/wall s": f"{self.scenario.seconds:g}/{self.wall_s:.1f}",
+            "sim s/CPU s": f"{self.scenario.seconds:g}/{self.cpu_s:.1f}",
         }
 
 
@@ -180,6 +182,7 @@ class Fleet:
         self.body = sse_body(self.provider.prompt_tokens)
         self.agents = [Agent(self, i, self.relays[i % sc.relays]) for i in range(sc.agents)]
         self.turn_ids = 0
+        self.store_ops = 0
         self.open_turns = 0
         self.given_up = 0
         self.longest_wait = 0.0
@@ -211,7 +214,7 @@ class Fleet:
         self.loop.call_later(self._out_rng.expovariate(rate), self._background)
 
     def run(self) -> Result:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         sc = self.scenario
         loop = self.loop
         for a in self.agents:
@@ -223,13 +226,16 @@ class Fleet:
             loop.call_at(sc.poison_at_s, lambda: store.poison(loop.now))
         loop.run(sc.seconds)
         provider_ok_bg = self.provider.background_ok
+        self.store_ops = self.store.ops if self.store is not None else 0
         end = sc.seconds
         while self.open_turns and end < sc.seconds + DRAIN_S:  # let open turns finish
             end += 1.0
             loop.run(end)
-        return self._result(provider_ok_bg, time.perf_counter() - t0)
+        r = self._result(provider_ok_bg)
+        r.wall_s, r.cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        return r
 
-    def _result(self, background_ok: int, wall_s: float) -> Result:
+    def _result(self, background_ok: int) -> Result:
         sc = self.scenario
         r = Result(sc)
         sent = [(t, s) for t, s in self.sent if t < sc.seconds]
@@ -263,7 +269,7 @@ class Fleet:
             r.recovery_s = _recovery(
                 [t for t, s in sent if s == 200], self.outage.end_s, 0.8 * available
             )
-        r.store_ops = self.store.ops if self.store is not None else 0
+        r.store_ops = self.store_ops  # at the run's end (not the open turns' drain)
         r.turns = len(self.turn_times)
         r.store_ops_per_turn = r.store_ops / r.turns if r.turns else 0.0
         r.turns_given_up = self.given_up
@@ -273,7 +279,6 @@ class Fleet:
             r.p50_turn_s = times[len(times) // 2]
             r.p99_turn_s = times[min(len(times) - 1, int(len(times) * 0.99))]
         r.events = self.loop.events
-        r.wall_s = wall_s
         return r
 
 
@@ -417,7 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         res = run(sc)
         results.append(res)
         print(
-            f"[fleet_sim] {sc.label}: {res.turns} turns, {res.events} events, {res.wall_s:.1f} s",
+            f"[fleet_sim] {sc.label}: {res.turns} turns, {res.events} events, "
+            f"{res.wall_s:.1f} s ({res.cpu_s:.1f} s CPU)",
             file=sys.stderr,
             flush=True,
         )

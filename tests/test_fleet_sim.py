@@ -29,6 +29,7 @@ def tiny(**kw: Any) -> Scenario:
 def same(r: Result) -> dict[str, Any]:
     out = asdict(r)
     out.pop("wall_s")
+    out.pop("cpu_s")
     return out
 
 
