@@ -308,3 +308,5 @@ async def test_a_quantized_provider_is_not_stormed_through_the_relay(
         [u] = [u for u in up["upstreams"] if u["route"] == "mock"]
         throttle = u["ratelimits"][0]["throttle"]
         assert throttle["on"] == (sent.count(429) > 0)
+        metrics = await (await http.get(server.url + "/metrics")).text()
+        assert ("unbroken_ratelimit_throttle_per_s{" in metrics) == throttle["on"]
