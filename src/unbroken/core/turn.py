@@ -446,10 +446,11 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         self.attempt_ledger = None
         self._splice = None
         t = self.timers
-        # A non-streamed answer arrives only once generated: allow it as long as the
+        # Headers as long as the client itself waits for them (when known); a
+        # non-streamed answer arrives only once generated: allow it as long as the
         # client waits for it (when known), else the first-frame time.
         if self.stream:
-            timeout = t.header_timeout_s
+            timeout = self._profile.header_timeout(t.header_timeout_s)
         else:
             timeout = self._profile.nonstream_wait(t.header_timeout_s, t.first_frame_timeout_s)
         strategy = self.continuation
