@@ -12,10 +12,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from agents.test_profiles import ANTHROPIC, CLAUDE, MESSAGES, machine
+from agents.test_profiles import CLAUDE, MESSAGES, machine
 from relayfix import start_relay
 from unbroken.config import parse_config
 from unbroken.core.profiles import PROFILES
+from unbroken.core.protocols import ANTHROPIC
 from unbroken.core.turn_types import Open
 
 
