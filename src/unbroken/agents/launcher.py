@@ -102,7 +102,7 @@ def generic_plan(env: Mapping[str, str]) -> Launch:
 def plan_for(command: Sequence[str], env: Mapping[str, str]) -> Launch:
     agent = agent_of(command)
     if agent == "codex":
-        return codex.plan(env)
+        return codex.plan(env, command[1:])
     if agent == "claude":
         return claude.plan(env)
     if agent == "gemini":
@@ -167,9 +167,8 @@ def print_env(
     for key, value in launch.resolved_env(relay).items():
         if FILES not in launch.env[key]:  # a file `run` writes: shown below instead
             out.write(f"export {key}={quote(value)}\n")
-    args = launch.resolved_args(relay)
-    if args:
-        out.write(" ".join(quote(a) for a in [command[0], *args, *command[1:]]) + "\n")
+    if launch.args:
+        out.write(" ".join(quote(a) for a in launch.argv(command, relay)) + "\n")
     for table, values in launch.clients.items():
         out.write(
             f"# optional, for this agent's timers: [clients.{table}] "
@@ -233,7 +232,7 @@ async def run_agent(
             for name, text in launch.files.items():
                 (Path(files.name) / name).write_text(text, encoding="utf-8")
         child_env = {**env, **launch.resolved_env(relay, files.name if files else "")}
-        argv = [command[0], *launch.resolved_args(relay), *command[1:]]
+        argv = launch.argv(command, relay)
         if ready is not None:
             ready(relay)
         return await run_child(argv, env=child_env, cwd=cwd)

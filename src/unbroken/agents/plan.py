@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from unbroken.config import Route
@@ -40,6 +40,9 @@ class Launch:
     env: Mapping[str, str] = field(default_factory=dict)
     #: arguments inserted right after the program name; `RELAY` as in ``env``
     args: tuple[str, ...] = ()
+    #: the user's own arguments as the agent gets them (None: as given); a flag that
+    #: the relay's own arguments replace is left out
+    user_args: tuple[str, ...] | None = None
     #: ``[clients.<name>]`` overrides for this run (the agent's own timers, read from
     #: its config), merged over the user's
     clients: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
@@ -54,6 +57,12 @@ class Launch:
 
     def resolved_args(self, relay: str) -> list[str]:
         return [a.replace(RELAY, relay) for a in self.args]
+
+    def argv(self, command: Sequence[str], relay: str) -> list[str]:
+        """The agent's whole command line: the program, the relay's arguments, then the
+        user's (less any the relay's replace)."""
+        rest = self.user_args if self.user_args is not None else tuple(command[1:])
+        return [command[0], *self.resolved_args(relay), *rest]
 
 
 def route_name(wanted: str, taken: set[str]) -> str:
