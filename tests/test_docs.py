@@ -193,6 +193,36 @@ def test_the_readme_test_command_is_the_one_ci_runs() -> None:
     assert ci[-1] == "pip install -e '.[test]' -c constraints.txt && pytest"
 
 
+def test_the_readme_test_commands_print_the_pass_fail_count(tmp_path: Path) -> None:
+    """Issue 35: pyproject's ``addopts = "-q"`` plus a ``-q`` on the command line is
+    ``-qq``, which hides pytest's summary line (``2501 passed in ...``): a run said
+    nothing of how many tests passed or failed.  Each of the README's test commands,
+    with the project's pytest settings, prints it."""
+    import shlex
+    import subprocess
+    import sys
+
+    setup = section(README, "Set-up")
+    commands = [m.group(1) for m in re.finditer(r"&& (pytest[^#\n]*)", setup)]
+    commands += re.findall(r"`(pytest [^`]*)`", setup)
+    assert len(commands) >= 2, commands
+    (tmp_path / "test_one.py").write_text("def test_one() -> None:\n    pass\n")
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[0] == "pytest", command
+        settings = ["-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path)]
+        done = subprocess.run(
+            [sys.executable, "-m", *argv, *settings, "-p", "no:cacheprovider", "test_one.py"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert re.search(r"^=* ?1 passed\b", done.stdout, re.M), (command, done.stdout)
+
+
 # -- names and paths in the docs exist -----------------------------------------------------
 #: paths the docs quote from other projects' source trees
 FOREIGN = ("src/chat/", "src/openai-", "tests/Fixtures/", "docs/api-reference/", "docs/guides/")
