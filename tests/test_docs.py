@@ -9,6 +9,7 @@ found in a docs section that names the command that measures it.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import re
 import tomllib
@@ -183,6 +184,57 @@ def test_the_quickstart_snippet_passes_the_key() -> None:
     assert 'api_key=os.environ["OPENAI_API_KEY"]' in snippet
     assert 'api_key=os.environ["ANTHROPIC_API_KEY"]' in snippet
     compile(snippet, "docs/configuration.md Quickstart", "exec")
+
+
+def test_the_quickstart_mock_recipe_runs_when_pasted(tmp_path: Path) -> None:
+    """Issue 35: the offline recipe ran ``unbroken serve`` in the foreground before its
+    curls, so pasted into a terminal it blocked there.  Now it runs the mock and the
+    relay in the background, waits for both, and stops them: run as one script (on
+    free ports), it ends by itself, and the client got one clean stream."""
+    import os
+    import signal
+    import socket
+    import subprocess
+
+    text = section(CONFIGURATION, "Quickstart")
+    recipe = code_blocks(text[text.index("Try it offline") :], "sh")[0]
+    assert "unbroken serve" in recipe and "kill $RELAY $MOCK" in recipe
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+            return port
+
+    mock_port, relay_port = free_port(), free_port()
+    script = (
+        recipe.replace("4781", str(mock_port))
+        .replace("4780", str(relay_port))
+        .replace("/tmp/unbroken.toml", str(tmp_path / "unbroken.toml"))
+    )
+    assert script.count(str(relay_port)) >= 3  # the serve, the wait, the request
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
+    env |= {"HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        # the pipes close when the script and both servers it started have ended
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    assert out.rstrip().endswith("data: [DONE]"), out
+    assert '"finish_reason":"stop"' in out
+    assert err.count("WARNING retry route=mock") == 4, err  # "the relay logs four retries"
+    assert "outcome=recovered" in err
 
 
 def test_the_readme_test_command_is_the_one_ci_runs() -> None:
