@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from unbroken.agents import claude, codex, gemini_cli
-from unbroken.agents.child import log_to, run_child, setup_run_logging
+from unbroken.agents.child import cannot_start, log_to, run_child, setup_run_logging
 from unbroken.agents.plan import (
     FILES,
     RELAY,
@@ -272,6 +272,9 @@ def run_cmd(
     if print_only:
         print_env(command, base, env)
         return 0
+    problem = cannot_start(command[0], env)
+    if problem is not None:
+        return problem
     base = dataclasses.replace(base, grace_s=min(base.grace_s, 2.0))
     agent = agent_of(command)
     log_file = log_to(log_path, _interactive(command, agent), env)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from unbroken.agents.child import log_to, run_child, setup_run_logging
+from unbroken.agents.child import cannot_start, log_to, run_child, setup_run_logging
 from unbroken.agents.plan import relay_base, token_note
 from unbroken.config import Config, ConfigError, load_config
 from unbroken.opencode.discovery import (
@@ -394,6 +394,9 @@ def _run_cmd(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"unbroken: invalid config: {exc}", file=sys.stderr)
         return 2
+    problem = cannot_start(command[0], env)
+    if problem is not None:
+        return problem
     base = dataclasses.replace(base, grace_s=min(base.grace_s, 2.0))
     parsed = parse_opencode_args(command[1:])
     interactive = parsed.subcommand is None and sys.stdout.isatty()
@@ -413,9 +416,12 @@ def _run_cmd(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p_run = sub.add_parser(
         "run",
-        help="run an agent (OpenCode, Codex, Claude Code, any command) through a private relay",
+        help="run an agent (OpenCode, Codex, Claude Code, Gemini CLI, any command) through a "
+        "private relay",
         description="Launch an agent through a private relay: `unbroken run -- opencode|codex|"
-        "claude|<command> [args...]`. No unbroken config needed.",
+        "claude|gemini|<command> [args...]`. No unbroken config needed. A command that "
+        "cannot be run is one line and exit 127 (not found) or 126 (not executable), "
+        "before anything starts.",
     )
     p_run.add_argument(
         "--config",
