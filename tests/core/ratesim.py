@@ -74,6 +74,44 @@ class Bare:
 
 
 @dataclass
+class Textbook:
+    """A per-minute bucket (``per_s`` a second, a minute's worth deep) with truthful
+    headers; ``overstate``: the share of the limit added to what it reports left;
+    ``drain``: the share of the refill another consumer takes (the relay never sees
+    it); ``retry_after``: 429s carry one (whole seconds, rounded up)."""
+
+    per_s: float = 5.0
+    start: float = 0.0  # the share of the bucket left when the run begins
+    overstate: float = 0.0
+    drain: float = 0.0
+    retry_after: bool = True
+    level: float = -1.0
+    t: float = 0.0
+    sent: list[float] = field(default_factory=list)
+
+    def __call__(self, now: float) -> Answer:
+        self.sent.append(now)
+        limit = self.per_s * 60
+        if self.level < 0:
+            self.level = limit * self.start
+        self.level = min(limit, self.level + (now - self.t) * self.per_s * (1 - self.drain))
+        self.t = now
+        ok = self.level >= 1.0
+        if ok:
+            self.level -= 1.0
+        said = min(limit, self.level + self.overstate * limit)
+        h = RateHeaders(
+            requests=Reading(limit, math.floor(said), (limit - said) / self.per_s),
+            retry_after_s=None,
+        )
+        if ok:
+            return Answer(200, h)
+        wait = math.ceil((1.0 - self.level) / (self.per_s * (1 - self.drain)))
+        ra = float(wait) if self.retry_after else None
+        return Answer(429, h, ra)
+
+
+@dataclass
 class Result:
     ok: int
     limited: int

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from unbroken.core.ratehead import RateHeaders, Reading, parse_rate_headers
 from unbroken.core.ratelimit import Limiter, RateSettings
 
@@ -97,3 +99,22 @@ def test_a_429_without_retry_after_waits_for_the_budget_it_is_about_not_for_ever
     assert until <= 3.0 + 1e-9  # the requests budget's reset, not the tokens' refill
     assert lim.buckets["tokens"].level > 190_000  # a budget with room is not emptied
     assert wait_of(lim, 1, tokens, 0.0) <= 3.0 + 1e-6
+
+
+def test_a_429_nothing_explains_waits_for_a_reset_under_a_second_and_only_that() -> None:
+    # quantized: 295 of 300 a minute left, refused, "the next one may go in 400 ms"
+    lim = Limiter(K, "c", RateSettings())
+    s = lim.admit(0, "s", 0.0, 0.0)
+    lim.learn(s, RateHeaders(requests=Reading(300, 295, 0.4)), 0.0)
+    assert lim.limited(s, None, 0.0, 0.0) == pytest.approx(0.4)
+    # a long reset on a budget with room is not "the next request": no block at all
+    lim = Limiter(K, "c", RateSettings())
+    s = lim.admit(0, "s", 0.0, 0.0)
+    lim.learn(s, RateHeaders(requests=Reading(300, 295, 30.0)), 0.0)
+    assert lim.limited(s, None, 0.0, 0.0) == 0.0
+    # another answer's hint is not this 429's
+    lim = Limiter(K, "c", RateSettings())
+    a, b = lim.admit(0, "s", 0.0, 0.0), lim.admit(0, "s", 0.0, 0.0)
+    lim.learn(a, RateHeaders(requests=Reading(300, 295, 0.4)), 0.0)
+    lim.learn(b, RateHeaders(), 0.0)
+    assert lim.limited(b, None, 0.0, 0.0) == 0.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.ratesim import Bare, Quantized, run
+from core.ratesim import Bare, Quantized, Textbook, run
 from unbroken.core.throttle import BETA, CLIMB_S, MIN_RATE, AdmissionThrottle
 
 
@@ -103,3 +103,24 @@ def test_a_lone_agent_never_waits_on_any_of_it() -> None:
     for provider in (Quantized(per_s=5), Bare(per_s=5.0, burst=5.0)):
         r = run(provider, agents=1, seconds=60.0)
         assert r.limited == 0 and r.longest_wait_s == 0.0, r
+
+
+@pytest.mark.parametrize(
+    ("provider", "capacity"),
+    [
+        (Textbook(start=0.0), 5.0),  # truthful headers, the key spent at first
+        (Textbook(start=0.0, retry_after=False), 5.0),
+        (Textbook(start=0.0, overstate=0.5), 5.0),  # says half a limit more is left
+        (Textbook(start=0.0, overstate=0.5, retry_after=False), 5.0),
+        (Textbook(start=0.0, drain=0.5), 2.5),  # half the refill goes to traffic unseen
+    ],
+    ids=["textbook", "no-retry-after", "overstated", "overstated-no-retry-after", "shared"],
+)
+def test_the_zoos_other_providers_are_not_stormed_either(
+    provider: Textbook, capacity: float
+) -> None:
+    r = run(provider, agents=40, seconds=120.0)
+    assert r.share_429 <= 0.05, r
+    assert r.ok / 120.0 >= 0.9 * capacity, r
+    assert r.max_per_s <= 2 * 5, r
+    assert r.longest_wait_s <= 60.0, r  # max_wait_s

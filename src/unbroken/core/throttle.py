@@ -50,8 +50,9 @@ CLIMB_S = 4.0
 MIN_RATE = 0.05
 #: the highest admitted rate the curve may reach (a sanity bound, not a target)
 MAX_RATE = 100_000.0
-#: a burst's requests count as sent over at least this long
-MIN_EPOCH_S = 0.05
+#: an epoch's requests count as sent over at least this long (a burst of four in a
+#: millisecond is not a rate of four thousand a second)
+MIN_EPOCH_S = 1.0
 #: the bucket holds this many seconds of the rate (at least one request)
 BURST_S = 1.0
 #: a 429 is measured against the answers accepted in the last this many seconds too
