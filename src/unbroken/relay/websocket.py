@@ -542,9 +542,8 @@ class _WsTurn:
                 now = conn.loop.time()
                 if not conn.fallback.refused(now, exc.status):
                     # One refusal is no verdict (a 503 now): a failed attempt, retried.
-                    failure = Failure(
-                        FailureClass.STATUS, f"upgrade refused: HTTP {exc.status}", status=exc.status
-                    )
+                    reason = f"upgrade refused: HTTP {exc.status}"
+                    failure = Failure(FailureClass.STATUS, reason, status=exc.status)
                     return self.machine.open_failed(now, failure)
                 # The upstream refuses WebSocket: serve this turn over HTTP now.
                 self._log_fallback(str(exc))
