@@ -94,12 +94,21 @@ ACTION_KEYS: Final = frozenset(
         # Responses background mode (`mock.background_store`)
         "refuse_background",
         "resume",
+        # the response id a Responses reply names (a hostile upstream's: "../x")
+        "response_id",
         # Chat prefix continuation: the answer starts with the prefix (Mistral's)
         "prefix_echo",
     }
 )
 #: ``resume``: how a background resume (``GET .../responses/{id}?stream=true``) is answered
-RESUME_FAULTS: Final = ("not_found", "bad_request", "other_id", "backwards", "queued")
+RESUME_FAULTS: Final = (
+    "not_found",
+    "bad_request",
+    "other_id",
+    "other_response",
+    "backwards",
+    "queued",
+)
 
 #: Keys allowed in a WebSocket upgrade action (``script_upgrades``).
 UPGRADE_KEYS: Final = frozenset({"status", "headers", "body", "fault", "delay_ms", "rst", "count"})
@@ -145,6 +154,8 @@ class Action:
     refuse_background: bool = False
     #: the answer to a background resume (`RESUME_FAULTS`); None: the events after N
     resume: str | None = None
+    #: the response id a Responses reply names instead of its own (any string)
+    response_id: str | None = None
 
     @property
     def is_error_status(self) -> bool:
@@ -331,6 +342,10 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
         kw["refuse_background"] = get("refuse_background")
     if "resume" in data and get("resume") is not None:
         kw["resume"] = _choice(get("resume"), _where(where, "resume"), RESUME_FAULTS)
+    if "response_id" in data:
+        if not isinstance(get("response_id"), str) or not get("response_id"):
+            raise ActionError(f"{_where(where, 'response_id')}: expected a non-empty string")
+        kw["response_id"] = get("response_id")
 
     status = kw.get("status")
     if fault == "error_event" and status is not None and not 200 <= status < 300:
@@ -351,6 +366,8 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
     ]
     if kw.get("prefix_echo"):  # it shapes the reply too (only when set: ids stay as they were)
         shape.append("prefix_echo")
+    if kw.get("response_id"):  # so does a response id of the script's
+        shape.append({"response_id": kw["response_id"]})
     kw["shape_key"] = json.dumps(shape, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return Action(raw=dict(data), **kw)
 

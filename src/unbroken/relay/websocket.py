@@ -543,8 +543,8 @@ class _WsTurn:
                 if not conn.fallback.refused(now, exc.status):
                     # One refusal is no verdict (a 503 now): a failed attempt, retried.
                     reason = f"upgrade refused: HTTP {exc.status}"
-                    failure = Failure(FailureClass.STATUS, reason, status=exc.status)
-                    return self.machine.open_failed(now, failure)
+                    refused = Failure(FailureClass.STATUS, reason, status=exc.status)
+                    return self.machine.open_failed(now, refused)
                 # The upstream refuses WebSocket: serve this turn over HTTP now.
                 self._log_fallback(str(exc))
                 return await self._over_http(action, up)

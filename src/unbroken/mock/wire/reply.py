@@ -198,7 +198,7 @@ class MockReply:
 
     @cached_property
     def response_id(self) -> str:
-        return "resp_" + self.ident("resp", 48)
+        return self.action.response_id or "resp_" + self.ident("resp", 48)
 
 
 # ---------------------------------------------------------------------------

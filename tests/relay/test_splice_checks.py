@@ -1,0 +1,153 @@
+"""Issue 33 item 4 over real sockets, with the mock's faults: every spliced byte checked.
+
+Each test fails on the code before issue 33: a resume naming another response was
+caught only at its ``response.completed`` (after its text and a complete tool call
+were released), a 400 refusing background mode in other words ended every turn, and
+the upstream's response id went into the resume GET and the cancel POST unchecked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from relay.test_health_relay import until
+from relayfix import Recorder, make_config, start_relay
+from unbroken.core.sse import SSESplitter
+from unbroken.mock import MockProvider
+from unbroken.relay.server import RelayServer
+
+PATH = "v1/responses"
+BODY: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "store": False}
+TEXT = "The quick brown fox jumps over the lazy dog, twice over."
+STREAM = {"first_frame_timeout_s": 2, "idle_timeout_s": 2, "keepalive_s": 30}
+#: frames before the first text delta (background mode): created, queued, in_progress,
+#: item added, part added
+FIRST_DELTA = 6
+TOOL = {"reply": "tool", "tool_name": "exec_command", "tool_args": {"cmd": "echo ran"}}
+
+Relay = tuple[RelayServer, Recorder]
+
+
+@pytest.fixture
+async def relay(mock: MockProvider) -> AsyncIterator[Relay]:
+    cfg = make_config([{"url": mock.url}], stream={**STREAM, "after_commit": "continue"})
+    server, rec = await start_relay(cfg)
+    yield server, rec
+    await server.stop()
+
+
+async def _post(url: str, body: dict[str, Any] | None = None) -> bytes:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body or BODY) as r:
+        assert r.status == 200, await r.read()
+        return await r.read()
+
+
+def _events(raw: bytes) -> list[dict[str, Any]]:
+    return [json.loads(e.data or "") for e in SSESplitter().feed(raw) if e.data]
+
+
+async def test_a_resume_naming_another_response_releases_nothing_of_it(
+    mock: MockProvider, relay: Relay
+) -> None:
+    """The resume keeps the sequence numbers and item ids but names another response
+    (only its ``response.completed`` says so): the client gets the text before the cut
+    once, then the native error; no text of the resume, no second copy of anything."""
+    server, rec = relay
+    k = FIRST_DELTA + 2
+    mock.script([{"text": TEXT, "fault": "reset", "after_frame": k}, {"resume": "other_response"}])
+    got = _events(await _post(f"{server.url}/mock/{PATH}"))
+    deltas = [e for e in got if e["type"] == "response.output_text.delta"]
+    assert len(deltas) == k - FIRST_DELTA + 1  # those released before the cut, once
+    assert [e["type"] for e in got[-2:]] == ["error", "response.failed"]
+    assert not any(e["type"] == "response.completed" for e in got)
+    turn = (await rec.wait_turns(1))[0]
+    assert turn.outcome == "ended_with_error" and turn.continuation == "refused_join"
+    await until(lambda: bool(mock.background.cancels), cap=10)
+
+
+async def test_a_resume_of_another_response_never_completes_a_held_tool_call(
+    mock: MockProvider, relay: Relay
+) -> None:
+    """Cut in the middle of a tool call's arguments (held: nothing released), then a
+    resume of another response that would complete the call: refused before the call
+    is released, and the turn replayed (nothing was released): one call, the one of
+    the response that completes.  Before, the other response's call was released,
+    then its ``response.completed`` ended the turn with an error: a tool run for a
+    response the client never gets."""
+    server, _ = relay
+    mock.script([{**TOOL, "fault": "reset", "after_frame": 5}, {"resume": "other_response"}])
+    got = _events(await _post(f"{server.url}/mock/{PATH}"))
+    types = [e["type"] for e in got]
+    assert types.count("response.output_item.done") == 1
+    assert types.count("response.completed") == 1 and "error" not in types
+    done = next(e for e in got if e["type"] == "response.completed")["response"]["id"]
+    assert all(e["response"]["id"] == done for e in got if "response" in e)
+    assert [q.method for q in mock.requests if not q.path.endswith("/cancel")] == [
+        "POST",
+        "GET",
+        "POST",
+    ]
+
+
+@pytest.mark.parametrize("rid", ["..", "resp_..", "a#frag", "resp_%2F..", "x?y=1"])
+async def test_a_response_id_that_is_no_plain_token_is_never_put_in_a_url(
+    mock: MockProvider, relay: Relay, rid: str
+) -> None:
+    """The upstream names a response id that would change the URL it goes into (a
+    parent path, a fragment, an encoded slash): no resume GET, no cancel POST; the cut
+    ends as without continuation (the native error)."""
+    server, rec = relay
+    mock.script([{"text": TEXT, "response_id": rid, "fault": "reset", "after_frame": 8}])
+    raw = await _post(f"{server.url}/mock/{PATH}")
+    assert _events(raw)[-1]["type"] == "response.failed"
+    turn = (await rec.wait_turns(1))[0]
+    assert turn.continuation == "refused_no_handle"
+    assert [(q.method, q.path) for q in mock.requests] == [("POST", f"/{PATH}")]
+    assert mock.background.cancels == []
+
+
+async def test_a_400_refusing_background_in_other_words_is_learnt(
+    mock: MockProvider, relay: Relay
+) -> None:
+    """A 400 that names neither ``background`` nor ``store`` (a proxy's "Unsupported
+    parameter."): the turn asks once more as the client sent it, that succeeds, so the
+    400 was a refusal of background mode: remembered, and the next turn goes as the
+    client sent it at once.  Before, every turn ended with that 400."""
+    server, rec = relay
+    refusal = {
+        "status": 400,
+        "body": '{"error":{"message":"Unsupported parameter.","type":'
+        '"invalid_request_error","param":null,"code":null}}',
+    }
+    mock.script([refusal, {"text": TEXT}, {"text": TEXT}])
+    for _ in range(2):
+        got = _events(await _post(f"{server.url}/mock/{PATH}"))
+        assert got[-1]["type"] == "response.completed"
+    sent = [q.json() for q in mock.requests]
+    assert sent[0]["background"] is True
+    assert sent[1] == BODY and sent[2] == BODY  # the client's request, as it sent it
+    turns = await rec.wait_turns(2)
+    assert [t.outcome for t in turns] == ["ok", "ok"]
+    assert turns[0].continuation == "refused_not_resumable"
+
+
+async def test_a_400_to_the_clients_own_request_is_the_providers_answer(
+    mock: MockProvider, relay: Relay
+) -> None:
+    """The same 400 again without background mode: the provider's answer to the
+    client's request reaches it as it is; nothing is remembered (the next turn is a
+    background one again)."""
+    server, _ = relay
+    bad = {"status": 400, "body": '{"error":{"message":"bad model","param":"model"}}'}
+    mock.script([bad, bad, {"text": TEXT}])
+    async with aiohttp.ClientSession() as s, s.post(f"{server.url}/mock/{PATH}", json=BODY) as r:
+        assert r.status == 400
+        assert b"bad model" in await r.read()
+    await _post(f"{server.url}/mock/{PATH}")
+    sent = [q.json() for q in mock.requests]
+    assert "background" not in sent[1] and sent[2]["background"] is True
