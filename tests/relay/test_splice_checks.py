@@ -151,3 +151,64 @@ async def test_a_400_to_the_clients_own_request_is_the_providers_answer(
     await _post(f"{server.url}/mock/{PATH}")
     sent = [q.json() for q in mock.requests]
     assert "background" not in sent[1] and sent[2]["background"] is True
+
+
+MESSAGES = "v1/messages"
+ECHO_TEXT = "The quick brown fox jumps over the lazy dog, and then naps.  Twice over!"
+ECHO_BODY: dict[str, Any] = {
+    "model": "claude-mock",
+    "max_tokens": 256,
+    "stream": True,
+    "messages": [{"role": "user", "content": "tell me"}],
+}
+
+
+def _shown_text(raw: bytes) -> str:
+    out = []
+    for e in SSESplitter().feed(raw):
+        if e.name == "content_block_delta" and e.data:
+            out.append(json.loads(e.data)["delta"].get("text", ""))
+    return "".join(out)
+
+
+@pytest.mark.parametrize(
+    "echo",
+    [{"prefix_echo": True}, {"echo_tail": 3}, {"echo_tail": 9}],
+    ids=["whole_prefill", "partial_word", "two_words"],
+)
+async def test_an_anthropic_continuation_that_echoes_the_prefill_is_refused(
+    mock: MockProvider, relay: Relay, echo: dict[str, Any]
+) -> None:
+    """The continuation repeats the prefill (or its last word or two) before going on:
+    never shown twice; the turn ends with Anthropic's native retryable error and the
+    client has a prefix of the text, once.  Before, the client saw the text twice."""
+    server, rec = relay
+    mock.script(
+        [
+            {"text": ECHO_TEXT, "deltas": 12, "fault": "reset", "after_deltas": 3},
+            {"text": ECHO_TEXT, "deltas": 12, **echo},
+        ]
+    )
+    raw = await _post(f"{server.url}/mock/{MESSAGES}", ECHO_BODY)
+    shown = _shown_text(raw)
+    assert ECHO_TEXT.startswith(shown) and shown  # a prefix, nothing twice
+    names = [e.name for e in SSESplitter().feed(raw)]
+    assert names[-1] == "error" and "message_stop" not in names
+    assert b"overloaded_error" in raw or b"api_error" in raw
+    turn = (await rec.wait_turns(1))[0]
+    assert turn.outcome == "ended_with_error" and turn.continuation == "refused_join"
+
+
+async def test_an_anthropic_continuation_of_a_word_is_spliced(
+    mock: MockProvider, relay: Relay
+) -> None:
+    """Guard: a continuation that goes on inside the word (no repeat) is spliced."""
+    server, _ = relay
+    mock.script(
+        [
+            {"text": ECHO_TEXT, "deltas": 12, "fault": "reset", "after_deltas": 3},
+            {"text": ECHO_TEXT, "deltas": 12},
+        ]
+    )
+    raw = await _post(f"{server.url}/mock/{MESSAGES}", ECHO_BODY)
+    assert _shown_text(raw) == ECHO_TEXT

@@ -98,6 +98,8 @@ ACTION_KEYS: Final = frozenset(
         "response_id",
         # Chat prefix continuation: the answer starts with the prefix (Mistral's)
         "prefix_echo",
+        # a prefill continuation repeats the prefix's last N characters first
+        "echo_tail",
     }
 )
 #: ``resume``: how a background resume (``GET .../responses/{id}?stream=true``) is answered
@@ -149,6 +151,9 @@ class Action:
     code: int | None = None
     #: a Chat prefix continuation answers with the prefix first, as Mistral's does
     prefix_echo: bool = False
+    #: a prefill continuation starts with the prefix's last N characters (a provider
+    #: that repeats the end of what it was given)
+    echo_tail: int = 0
     shape_key: str = ""
     #: Responses background mode: a ``background: true`` request gets a 400 naming it
     refuse_background: bool = False
@@ -329,6 +334,8 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
         if not isinstance(get("prefix_echo"), bool):
             raise ActionError(f"{_where(where, 'prefix_echo')}: expected true or false")
         kw["prefix_echo"] = get("prefix_echo")
+    if "echo_tail" in data:
+        kw["echo_tail"] = _int(get("echo_tail"), _where(where, "echo_tail"), lo=1)
     if "code" in data:
         if fault not in CODE_FAULTS:
             raise ActionError(
@@ -366,6 +373,8 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
     ]
     if kw.get("prefix_echo"):  # it shapes the reply too (only when set: ids stay as they were)
         shape.append("prefix_echo")
+    if kw.get("echo_tail"):
+        shape.append({"echo_tail": kw["echo_tail"]})
     if kw.get("response_id"):  # so does a response id of the script's
         shape.append({"response_id": kw["response_id"]})
     kw["shape_key"] = json.dumps(shape, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
