@@ -212,3 +212,37 @@ async def test_an_anthropic_continuation_of_a_word_is_spliced(
     )
     raw = await _post(f"{server.url}/mock/{MESSAGES}", ECHO_BODY)
     assert _shown_text(raw) == ECHO_TEXT
+
+
+async def test_a_chat_prefix_continuation_that_echoes_the_prefix_is_refused(
+    mock: MockProvider,
+) -> None:
+    """The same join check for a Chat route's documented prefix mode (DeepSeek's
+    ``prefix: true``): a continuation that starts with the end of the prefix again is
+    refused with the native error, never shown twice."""
+    import dataclasses
+
+    cfg = make_config([{"url": mock.url}], stream={**STREAM, "after_commit": "continue"})
+    routes = {n: dataclasses.replace(r, chat_prefix="prefix") for n, r in cfg.routes.items()}
+    server, rec = await start_relay(dataclasses.replace(cfg, routes=routes))
+    try:
+        mock.script(
+            [
+                {"text": ECHO_TEXT, "deltas": 12, "fault": "reset", "after_deltas": 3},
+                {"text": ECHO_TEXT, "deltas": 12, "echo_tail": 3},
+            ]
+        )
+        body = {"model": "deepseek-mock", "stream": True, "messages": ECHO_BODY["messages"]}
+        raw = await _post(f"{server.url}/mock/v1/chat/completions", body)
+        text = "".join(
+            (c["delta"].get("content") or "")
+            for e in SSESplitter().feed(raw)
+            if e.data and e.data != "[DONE]"
+            for c in json.loads(e.data).get("choices") or []
+        )
+        assert ECHO_TEXT.startswith(text) and text
+        assert b"[DONE]" not in raw
+        turn = (await rec.wait_turns(1))[0]
+        assert turn.continuation == "refused_join"
+    finally:
+        await server.stop()

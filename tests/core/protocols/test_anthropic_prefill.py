@@ -174,7 +174,7 @@ def repeats(prefill: str, rest: str) -> bool:
     ``prefill`` (`prefill.echo_tails`): refused, the model's words or an echo alike."""
     tails = echo_tails(prefill)
     return any(rest.startswith(t) for t in tails) or (
-        bool(rest) and any(t.startswith(rest) for t in tails)
+        bool(rest.strip()) and any(t.startswith(rest) for t in tails)
     )
 
 

@@ -198,7 +198,7 @@ class TextJoin:
         self.done = True
         if self._echo:
             raise JoinError("the answer ended before it repeated the prefix")
-        if buf and self._tails:
+        if buf.strip() and self._tails:
             # (held: the start of a repeat the continuation did not finish)
             raise JoinError("the continuation's text ends inside a repeat of the client's")
         rest = buf.lstrip()
