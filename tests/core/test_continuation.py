@@ -352,6 +352,8 @@ def test_feeding_a_resume_before_its_answer_is_illegal() -> None:
 def test_the_splicer_passes_comments_and_errors() -> None:
     s = SequenceSplicer(RID, 3, "item_0")
     comment = Event(b": keepalive\n\n", None, None)
+    assert s.splice(comment) is None  # (held: nothing named the response yet)
+    s.verified = True
     assert s.splice(comment) is comment
     err = Event(b"x", "error", json.dumps({"type": "error", "code": "server_error"}))
     assert s.splice(err) is err
@@ -441,6 +443,19 @@ def test_a_cut_while_the_resume_is_unverified_resumes_from_the_same_cursor() -> 
         over = m.body_ended(1.0)
     assert isinstance(over, End) and over.kind is EndKind.CLEAN
     assert m.outcome is Outcome.RESUMED
+
+
+def test_a_keepalive_comment_while_holding_keeps_the_cursor() -> None:
+    """A comment in a resume that has named no response yet is not fed: the next
+    resume still knows where to continue from."""
+    m, _, _, frames = _cut_turn()
+    assert isinstance(m.answered(0.4, 200, sse=True), Stream)
+    released, over = m.feed_verbatim(0.5, frames[6] + b": keepalive\n\n")
+    assert released == b"" and over is None
+    action = m.transport_failed(0.6, RESET)
+    if isinstance(action, Wait):
+        action = m.next_attempt(0.7)
+    assert isinstance(action, Resume) and action.query.endswith("starting_after=5")
 
 
 def test_held_frames_are_bounded() -> None:

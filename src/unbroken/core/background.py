@@ -142,7 +142,9 @@ class SequenceSplicer:
     def splice(self, event: Event) -> Event | list[Event] | None:
         data = event.data
         if data is None:
-            return event  # a comment: the ledger ignores it
+            # A comment: the ledger ignores it; while holding, it is not fed either (a
+            # fed frame without a number would hide the cursor from the next resume).
+            return event if self.verified else None
         obj = loads_object(data)
         if obj is None:
             raise JoinBroken("a continuation frame is not a JSON object")
