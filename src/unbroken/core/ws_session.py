@@ -86,6 +86,8 @@ class Fallback:
     cooldown_s: float
     #: monotonic time until which turns go over HTTP
     until: float = 0.0
+    #: transient refusals of the upgrade since the last socket that opened
+    refusals: int = 0
 
     def active(self, now: float) -> bool:
         """Turns go over HTTP now."""
@@ -95,9 +97,6 @@ class Fallback:
         """This attempt goes over HTTP: the fallback is on, or it needs a body patch
         (a resumable turn: no background mode over WebSocket)."""
         return body_patch or now < self.until
-
-    #: transient refusals of the upgrade since the last socket that opened
-    refusals: int = 0
 
     def start(self, now: float) -> None:
         """The upstream refused WebSocket: HTTP for the cool-down from now."""
@@ -282,6 +281,13 @@ class TurnResponses:
         """A new attempt over HTTP (the fallback): the request, self-contained."""
         self.socket = None
         return self.session.history.request_for(self.create, None)
+
+    def warmup_answer(self, response_id: str, created_at: int) -> tuple[bytes, bytes] | None:
+        """Over HTTP: the relay's own answer when this turn is a warm-up (never POSTed:
+        `warmup_messages`, naming ``response_id``), else None (the request goes)."""
+        if not is_warmup(self.create):
+            return None
+        return warmup_messages(self.create, response_id, created_at)
 
     def is_other(self, text: str, data: bytes) -> bool:
         """An upstream message that is a lifecycle event of another response (a late

@@ -75,9 +75,7 @@ from unbroken.core.ws_session import (
     Fallback,
     SessionResponses,
     handshake_failure,
-    is_warmup,
     refusal_is_verdict,
-    warmup_messages,
 )
 from unbroken.observe.hooks import TurnRecord
 from unbroken.observe.report import HooksObserver
@@ -213,8 +211,8 @@ class _Connection:
         #: the latest ``x-codex-turn-state`` an upstream handshake answered with: sent
         #: on every later upstream socket of this connection, as Codex itself would
         self.turn_state: str | None = None
-        #: the refusal of the socket `_open_first` tried: `connect` answers it once
-        #: a verdict on the upgrade before the client was accepted (`_open_first`)
+        #: the refusal of the socket `_open_first` tried (a verdict on the upgrade):
+        #: `connect` answers it once
         self.first_refused: _Refused | None = None
         self._flush_scheduled = False
         #: permessage-deflate on the upstream hop when the client offered it (each hop
@@ -664,8 +662,9 @@ class _WsTurn:
         """Serve this turn over ``POST /v1/responses`` SSE, with the HTTP transport's code."""
         conn = self.conn
         request = self.responses.over_http()
-        if is_warmup(request):
-            return self._answer_warmup(request)
+        local = self.responses.warmup_answer(f"resp_{secrets.token_hex(16)}", int(time.time()))
+        if local is not None:
+            return self._answer_warmup(local)
         body = {k: v for k, v in request.items() if k != "type"}
         body["stream"] = True
         body.update(action.body_patch)  # background mode (`core.continuation`)
@@ -679,18 +678,17 @@ class _WsTurn:
             action, "POST", url, headers, json.dumps(body).encode(), key=up.api_key
         )
 
-    def _answer_warmup(self, request: dict[str, Any]) -> Action:
-        """A warm-up (``generate: false``) never goes over HTTP: the relay answers it as
-        OpenAI answers it on a socket (`core.ws_session.warmup_messages`), through the
-        turn's machine like an upstream's frames, so it is journaled and its response
-        recorded in the history (the next turn chaining from it is sent whole)."""
+    def _answer_warmup(self, messages: Sequence[bytes]) -> Action:
+        """A warm-up (``generate: false``) never goes over HTTP: the relay's own answer
+        (`core.ws_session.TurnResponses.warmup_answer`) goes through the turn's machine
+        like an upstream's frames, so it is journaled and its response recorded in the
+        history (the next turn chaining from it is sent whole)."""
         conn, machine = self.conn, self.machine
         now = conn.loop.time()
         answer = machine.answered(now, 200, sse=True)
         if type(answer) is not Stream:  # pragma: no cover - a 200 stream always streams
             return answer
-        rid = f"resp_{secrets.token_hex(16)}"
-        for data in warmup_messages(request, rid, int(time.time())):
+        for data in messages:
             text = data.decode()
             released, over = machine.feed_frame(now, Event(data, None, text))
             self._send(released, over, sse=False)
