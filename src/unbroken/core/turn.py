@@ -522,6 +522,9 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
             self._reading(now, Step.ERROR_BODY)
             return ReadErrorBody()
         self.retry.record_answer(now)  # known good: its pacer's line may move
+        strategy = self.continuation
+        if strategy is not None and status < 300 and self.request is AS_SENT:
+            strategy.answered(self.retry.current, status)  # (a refusal, confirmed)
         if self.request is PATCHED and 400 <= status < 500:
             # Maybe a refusal of the patched request (`Strategy.refused`): read it.
             self.failure = Failure(FailureClass.STATUS, f"HTTP {status}", status=status)

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -70,7 +71,12 @@ from unbroken.core.turn import (
     TurnMachine,
     Wait,
 )
-from unbroken.core.ws_session import Fallback, SessionResponses, handshake_failure
+from unbroken.core.ws_session import (
+    Fallback,
+    SessionResponses,
+    handshake_failure,
+    refusal_is_verdict,
+)
 from unbroken.observe.hooks import TurnRecord
 from unbroken.observe.report import HooksObserver
 from unbroken.relay.errors import classify_exception
@@ -130,7 +136,11 @@ def is_websocket_request(request: web.Request) -> bool:
 
 
 class _Refused(Exception):
-    """The upstream refused the WebSocket upgrade."""
+    """The upstream refused the WebSocket upgrade (answered ``status``)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 async def handle_websocket(
@@ -201,7 +211,8 @@ class _Connection:
         #: the latest ``x-codex-turn-state`` an upstream handshake answered with: sent
         #: on every later upstream socket of this connection, as Codex itself would
         self.turn_state: str | None = None
-        #: the refusal of the socket `_open_first` tried: `connect` answers it once
+        #: the refusal of the socket `_open_first` tried (a verdict on the upgrade):
+        #: `connect` answers it once
         self.first_refused: _Refused | None = None
         self._flush_scheduled = False
         #: permessage-deflate on the upstream hop when the client offered it (each hop
@@ -253,7 +264,16 @@ class _Connection:
             async with asyncio.timeout(FIRST_SOCKET_WAIT_S):
                 ws = await self.connect(self.route.upstreams[0], 0)
         except _Refused as exc:
-            self.first_refused = exc  # the first turn falls back to HTTP with it
+            if refusal_is_verdict(exc.status):
+                self.first_refused = exc  # the first turn falls back to HTTP with it
+                return
+            self.fallback.refused(self.loop.time(), exc.status)  # one is no verdict
+            log.info(
+                "websocket route=%s: %s before the handshake (transient: the first "
+                "turn tries again); accepting the client without its headers",
+                self.route.name,
+                exc,
+            )
             return
         except Exception as exc:
             log.info(
@@ -337,7 +357,8 @@ class _Connection:
                     decode_text=False,
                 )
         except aiohttp.WSServerHandshakeError as exc:
-            raise _Refused(f"upgrade refused: HTTP {exc.status}") from exc
+            raise _Refused(f"upgrade refused: HTTP {exc.status}", exc.status) from exc
+        self.fallback.opened()
         self.upstream = ws
         self.upstream_idx = idx
         self.socket_gen += 1
@@ -516,8 +537,14 @@ class _WsTurn:
             try:
                 ws = await conn.connect(up, action.upstream)
             except _Refused as exc:
+                now = conn.loop.time()
+                if not conn.fallback.refused(now, exc.status):
+                    # One refusal is no verdict (a 503 now): a failed attempt, retried.
+                    reason = f"upgrade refused: HTTP {exc.status}"
+                    refused = Failure(FailureClass.STATUS, reason, status=exc.status)
+                    return self.machine.open_failed(now, refused)
                 # The upstream refuses WebSocket: serve this turn over HTTP now.
-                self._start_fallback(str(exc))
+                self._log_fallback(str(exc))
                 return await self._over_http(action, up)
             except Exception as exc:
                 failure = classify_exception(exc)
@@ -526,11 +553,6 @@ class _WsTurn:
                 failure = handshake_failure(failure, timed_out=isinstance(exc, TimeoutError))
                 return self.machine.open_failed(conn.loop.time(), failure)
         return await self._over_websocket(ws, key=up.api_key)
-
-    def _start_fallback(self, reason: str) -> None:
-        conn = self.conn
-        conn.fallback.start(conn.loop.time())
-        self._log_fallback(reason)
 
     def _log_fallback(self, reason: str) -> None:
         conn = self.conn
@@ -640,6 +662,9 @@ class _WsTurn:
         """Serve this turn over ``POST /v1/responses`` SSE, with the HTTP transport's code."""
         conn = self.conn
         request = self.responses.over_http()
+        local = self.responses.warmup_answer(f"resp_{secrets.token_hex(16)}", int(time.time()))
+        if local is not None:
+            return self._answer_warmup(local)
         body = {k: v for k, v in request.items() if k != "type"}
         body["stream"] = True
         body.update(action.body_patch)  # background mode (`core.continuation`)
@@ -652,6 +677,24 @@ class _WsTurn:
         return await self.http.run(
             action, "POST", url, headers, json.dumps(body).encode(), key=up.api_key
         )
+
+    def _answer_warmup(self, messages: Sequence[bytes]) -> Action:
+        """A warm-up (``generate: false``) never goes over HTTP: the relay's own answer
+        (`core.ws_session.TurnResponses.warmup_answer`) goes through the turn's machine
+        like an upstream's frames, so it is journaled and its response recorded in the
+        history (the next turn chaining from it is sent whole)."""
+        conn, machine = self.conn, self.machine
+        now = conn.loop.time()
+        answer = machine.answered(now, 200, sse=True)
+        if type(answer) is not Stream:  # pragma: no cover - a 200 stream always streams
+            return answer
+        for data in messages:
+            text = data.decode()
+            released, over = machine.feed_frame(now, Event(data, None, text))
+            self._send(released, over, sse=False)
+            if over is not None:
+                return over
+        return machine.body_ended(now)
 
     async def _resume(self, action: Resume) -> Action:
         """A continuation of the cut HTTP attempt, over HTTP: its frames go to the client
