@@ -22,8 +22,13 @@ The breaker (the defaults are `HealthSettings`'):
 * **open** → **half-open** once ``open_s`` has passed (``open_s`` doubles with every
   re-open, up to ``max_open_s``); while open, no turn sends it traffic;
 * **half-open**: one probe goes through; success closes the breaker, failure re-opens it.
-  A probe that never reports (its client went away) frees the probe slot after
-  ``probe_timeout_s``.
+  With a fleet, the probe is leased (`ProbeGate`): the holder gives its lease back
+  (`ProbeRelease`) the moment it has no probe out (its record leaves half-open by its
+  own verdict or another's, or its probe's client went away), and the others ask
+  again every ``max_open_s`` rather than waiting out the lease, so recovery with
+  workers is as quick as with one.  A lease whose holder never gives it back (a
+  crash) is taken over when its holder is gone or after ``probe_timeout_s``
+  (`probe_lease_stale`).
 
 The breaker is the retry pacer's slow mode (`unbroken.core.pacer`): the board keeps
 each upstream's `Pacer`, and the turns waiting on an upstream wait in its line
@@ -61,7 +66,9 @@ __all__ = [
     "HealthSettings",
     "PaceListener",
     "ProbeGate",
+    "ProbeRelease",
     "UpstreamHealth",
+    "probe_lease_stale",
     "upstream_key",
 ]
 
@@ -129,6 +136,16 @@ PaceListener = Callable[[str, bool], None]
 #: False (another one does), or None (not known yet: look again shortly)
 ProbeGate = Callable[[str, float], bool | None]
 
+#: the lease the gate granted is given back: ``release(key)`` (no probe of ours is out)
+ProbeRelease = Callable[[str], None]
+
+
+def probe_lease_stale(age_s: float, ttl_s: float, *, holder_alive: bool) -> bool:
+    """May another instance's probe lease be taken over?  Yes when its holder is gone
+    (a crash: it can never give it back), or it is older than ``ttl_s`` (a holder that
+    never reported), or dated further ahead than that (a clock that jumped)."""
+    return not holder_alive or age_s > ttl_s or age_s < -ttl_s
+
 
 @dataclass(slots=True)
 class UpstreamHealth:
@@ -140,6 +157,8 @@ class UpstreamHealth:
     cooloff_until: float = 0.0
     cooloff_reason: str = ""
     probe_until: float = 0.0  # a probe is out (here or elsewhere) until then
+    #: this instance holds the fleet's probe lease (given back when no probe is out)
+    probe_held: bool = False
     #: when the breaker last closed: the failures counted before are the outage's
     closed_at: float = float("-inf")
     #: bucket number -> [ok, failed]
@@ -183,6 +202,8 @@ class HealthBoard:
         self.records: dict[str, UpstreamHealth] = {}
         self.listeners: list[Callable[[Change], None]] = []
         self.probe_gate = probe_gate
+        #: told when this instance gives its probe lease back (the gate's transport)
+        self.probe_release: ProbeRelease | None = None
         self.pace = pace or PaceSettings()
         #: each upstream's retry pacer (`core.pacer`), made on first use
         self.pacers: dict[str, Pacer] = {}
@@ -359,8 +380,33 @@ class HealthBoard:
         if mine is None:  # the fleet has not answered yet
             rec.probe_until = now + 0.05
             return False
-        rec.probe_until = now + ttl
-        return mine
+        if mine:
+            rec.probe_until = now + ttl
+            rec.probe_held = gate is not None
+            return True
+        # Another instance probes.  It gives the lease back as soon as it has no probe
+        # out, and shares its verdict at once: look again as often as a half-open
+        # breaker probes, not once the lease runs out (issue 36).
+        rec.probe_until = now + min(ttl, max(self.settings.max_open_s, 0.05))
+        return False
+
+    def _give_back(self, rec: UpstreamHealth) -> None:
+        """No probe of ours is out any more: the fleet's probe lease goes back."""
+        if rec.probe_held:
+            rec.probe_held = False
+            release = self.probe_release
+            if release is not None:
+                release(rec.key)
+
+    def probe_abandoned(self, key: str, now: float) -> None:
+        """An attempt ended with no verdict (its client went away): a probe it was
+        frees the slot and the fleet's lease at once."""
+        rec = self.records.get(key)
+        if rec is not None and rec.probe_held:
+            self._give_back(rec)
+            if rec.state is Breaker.HALF_OPEN:
+                rec.probe_until = 0.0
+                self._poke(key)
 
     # -- outcomes ---------------------------------------------------------------------------
     def success(self, key: str, now: float) -> None:
@@ -377,6 +423,7 @@ class HealthBoard:
         rec.reopens = 0
         rec.probe_until = 0.0
         rec.open_until = 0.0
+        self._give_back(rec)
         # The probe passed: the failures in the window were the outage's.  Kept, the
         # first failure after it would reopen the breaker on a stale rate.
         rec.buckets.clear()
@@ -444,6 +491,7 @@ class HealthBoard:
         rec.state = Breaker.OPEN
         rec.open_until = now + ttl
         rec.probe_until = 0.0
+        self._give_back(rec)
         self._emit(Change(rec.key, "open", ttl, reason, rec.reopens, old=old))
 
     def cooloff(self, key: str, now: float, seconds: float, reason: str) -> None:
@@ -476,6 +524,7 @@ class HealthBoard:
                 rec.open_until = until
                 rec.reopens = max(rec.reopens, change.reopens)
                 rec.probe_until = 0.0
+                self._give_back(rec)  # another's verdict: our probe, if out, is moot
                 self._emit(remote)
         elif change.kind == "close" and rec.state is not Breaker.CLOSED:
             rec.state = Breaker.CLOSED
@@ -484,6 +533,7 @@ class HealthBoard:
             rec.consecutive_failures = 0
             rec.buckets.clear()
             rec.closed_at = now
+            self._give_back(rec)
             p = self.pacers.get(rec.key)
             if p is not None:
                 p.start_ramp(now)  # another instance's probe passed: release the line
@@ -543,6 +593,7 @@ class AttemptAccounting:
         """Count the end of turn ``turn``'s attempt on upstream ``key``.  Returns what
         the fleet's counters hear: True a failure, False a success, None nothing."""
         if reason == "aborted_by_client":
+            self.board.probe_abandoned(key, now)
             return None
         answered = reason in ("ok", "passed_through_error")
         if answered:
