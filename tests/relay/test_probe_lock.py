@@ -10,7 +10,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from unbroken.core.health import Breaker, HealthBoard
+from unbroken.core.health import Breaker, Change, HealthBoard
 from unbroken.relay.store import ChannelStore
 
 KEY = "mock|http://127.0.0.1:1"
@@ -38,7 +38,7 @@ def test_a_probe_overtaken_by_a_siblings_open_releases_its_lock(tmp_path: Path) 
     before B's news arrives, takes the lock and probes; B's "open" arrives; A's probe fails
     on a breaker already open.  Old code: A's lock stayed for ``probe_timeout_s`` (30 s)
     and neither worker probed again."""
-    a, sa, b, sb = _pair(tmp_path)
+    a, _, b, _ = _pair(tmp_path)
     t = 100.0
     _open_both(a, b, t)
     t += 1.0  # both half-open
@@ -52,9 +52,7 @@ def test_a_probe_overtaken_by_a_siblings_open_releases_its_lock(tmp_path: Path) 
     assert a.take(KEY, t) or b.take(KEY, t)
 
 
-def _open_change(board: HealthBoard, now: float):  # type: ignore[no-untyped-def]
-    from unbroken.core.health import Change
-
+def _open_change(board: HealthBoard, now: float) -> Change:
     rec = board.get(KEY)
     return Change(KEY, "open", rec.open_until - now, "probe failed", rec.reopens)
 

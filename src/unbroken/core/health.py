@@ -59,6 +59,7 @@ from unbroken.core.pacer import Pacer, PaceSettings
 from unbroken.core.ratelimit import RateBoard, RateSettings
 
 __all__ = [
+    "QUOTA_LOOK_AGAIN_S",
     "AttemptAccounting",
     "Breaker",
     "Change",
@@ -74,6 +75,11 @@ __all__ = [
 
 #: buckets per failure-rate window
 BUCKETS = 10
+#: a spent quota keeps its upstream out at most this long (``quota_cooloff_s`` is cut
+#: to it): then the provider is looked at again, so a paid bill is noticed within a
+#: minute.  A turn with no other upstream never waits for a quota: it goes to the
+#: provider and ends with its answer (`HealthBoard.quota_until`).
+QUOTA_LOOK_AGAIN_S = 60.0
 
 
 class Breaker(enum.StrEnum):
@@ -98,7 +104,8 @@ class HealthSettings:
     min_window_attempts: int = 20
     open_s: float = 0.25
     max_open_s: float = 0.5
-    quota_cooloff_s: float = 3600.0
+    #: a spent quota keeps the upstream out this long (at most `QUOTA_LOOK_AGAIN_S`)
+    quota_cooloff_s: float = 30.0
     probe_timeout_s: float = 30.0
     #: a parked turn is woken when the pacer grants it a go; it also looks again at
     #: least this often (a fallback: a change another instance did not publish)
@@ -408,6 +415,42 @@ class HealthBoard:
                 rec.probe_until = 0.0
                 self._poke(key)
 
+    def quota_until(self, key: str, now: float) -> float:
+        """When ``key``'s quota cool-off ends, if a spent quota is all that keeps it out
+        (else 0.0).  A turn that has no other upstream goes there anyway: the
+        provider's answer ends it at once (a quota error, or an answer: the bill was
+        paid), rather than waiting."""
+        rec = self.records.get(key)
+        if rec is None:
+            return 0.0
+        self._refresh(rec, now)
+        if (
+            rec.state is Breaker.CLOSED
+            and rec.cooloff_until > now
+            and rec.cooloff_reason == "quota"
+        ):
+            return rec.cooloff_until
+        return 0.0
+
+    def wait_reason(self, key: str, now: float) -> str:
+        """Why turns wait in ``key``'s line, for the logs: the longest block there."""
+        rec = self.records.get(key)
+        if rec is None:
+            return "retry pacing"
+        self._refresh(rec, now)
+        parts = []
+        if rec.state is Breaker.OPEN:
+            parts.append("breaker open")
+        elif rec.state is Breaker.HALF_OPEN:
+            parts.append(
+                "breaker half-open, probe out" if rec.probe_until > now else "breaker half-open"
+            )
+        if rec.cooloff_until > now:
+            parts.append(
+                f"{rec.cooloff_reason or 'cooloff'} cool-off, {rec.cooloff_until - now:.1f}s left"
+            )
+        return ", ".join(parts) or "retry pacing"
+
     # -- outcomes ---------------------------------------------------------------------------
     def success(self, key: str, now: float) -> None:
         """An attempt got an answer (any status but a failure one)."""
@@ -495,7 +538,10 @@ class HealthBoard:
         self._emit(Change(rec.key, "open", ttl, reason, rec.reopens, old=old))
 
     def cooloff(self, key: str, now: float, seconds: float, reason: str) -> None:
-        """The upstream asked to be left alone (Retry-After), or its quota is spent."""
+        """The upstream asked to be left alone (Retry-After), or its quota is spent
+        (for at most `QUOTA_LOOK_AGAIN_S`: then it is looked at again)."""
+        if reason == "quota":
+            seconds = min(seconds, QUOTA_LOOK_AGAIN_S)
         rec = self.get(key)
         until = now + seconds
         if until <= rec.cooloff_until:

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 
-from unbroken.core.health import HealthBoard
+from unbroken.core.health import QUOTA_LOOK_AGAIN_S, HealthBoard
 from unbroken.core.pacer import PaceSettings
 from unbroken.core.ratehead import RateHeaders
 from unbroken.core.ratelimit import Limiter
@@ -325,11 +325,16 @@ class RetryState:
         rate_in: tuple[int, Limiter, float] | None = None  # the first whose budget is spent
         lim: Limiter | None = None
         tokens = 0.0
+        quota_at, held = -1, False  # an upstream kept out by a quota only; any other block
         for k in range(n):
             idx = order[(start + k) % n]
             until = self._blocked(idx, now)
             if until > 0.0:
                 skipped = True
+                if board is not None and self._quota_only(board, idx, now):
+                    quota_at = idx if quota_at < 0 else quota_at
+                else:
+                    held = True
                 if until < soonest:
                     soonest, blocked_at = until, idx
                     why = self._why_blocked(idx, now)
@@ -364,6 +369,8 @@ class RetryState:
                     self._admitted(board, key, lim, tokens, now)
             choice = idx
             break
+        if choice < 0 and quota_at >= 0 and not held and in_line < 0 and rate_in is None:
+            choice = quota_at  # only spent quotas: the provider answers now (issue 36)
         if choice < 0:
             if board is not None:
                 if in_line < 0 and rate_in is not None:
@@ -534,6 +541,11 @@ class RetryState:
         if board is not None and self.keys and self.current >= 0:
             board.answered(self.keys[self.current], now)
 
+    def _quota_only(self, board: HealthBoard, i: int, now: float) -> bool:
+        """Kept out by a spent quota only (the route's own cool-off is that quota's)."""
+        until = board.quota_until(self.keys[i], now)
+        return until > 0.0 and self.cooloff_until.get(i, 0.0) <= until
+
     def _why_blocked(self, i: int, now: float) -> str:
         board = self.board
         if board is not None:
@@ -566,8 +578,8 @@ class RetryState:
             if board is not None and key is not None:
                 board.success(key, now)  # it answered: a probe passed
             return 0.0  # the limiter's line is the wait
-        if failure.quota:
-            self.cooloff_until[self.current] = now + self.quota_cooloff_s
+        if failure.quota:  # looked at again within a minute (a paid bill)
+            self.cooloff_until[self.current] = now + min(self.quota_cooloff_s, QUOTA_LOOK_AGAIN_S)
             if board is not None and key is not None:
                 board.success(key, now)  # it answered; the cool-off keeps turns away
                 board.cooloff(key, now, self.quota_cooloff_s, "quota")
