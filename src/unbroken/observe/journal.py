@@ -389,9 +389,7 @@ class Journal(Hooks):
                 batch.append(item)
             if q and not stopping:
                 self._wake.set()  # more to do: no need to wait out the window
-            if batch or (
-                self._owed and time.monotonic() - self._owed_tried_at >= OWED_RETRY_S
-            ):
+            if batch or (self._owed and time.monotonic() - self._owed_tried_at >= OWED_RETRY_S):
                 self._write(batch)
             self._maintain()
             for wake in waiters:
