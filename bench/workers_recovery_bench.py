@@ -87,8 +87,12 @@ async def one_run(mock: MockProvider, args: argparse.Namespace, workdir: Path) -
         conn = aiohttp.TCPConnector(limit=0, force_close=True)
         timeout = aiohttp.ClientTimeout(total=args.outage + TAIL_S + 30)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
-            ok, _, err = await turn(http, chat, -1)  # warm: every import, the pools
-            if not ok:
+            for _ in range(3):  # warm: every import, the pools
+                ok, _, err = await turn(http, chat, -1)
+                if ok:
+                    break
+                print(f"warm-up turn failed: {err}", flush=True)
+            else:
                 raise RuntimeError(f"the warm-up turn failed: {err}")
             mock.set_default({"status": 503})
             tasks = [asyncio.ensure_future(turn(http, chat, i)) for i in range(args.turns)]
