@@ -10,8 +10,10 @@ import hashlib
 import os
 from pathlib import Path
 
+from redisfix import RedisServer
+from relay.test_health_relay import until
 from unbroken.core.health import Breaker, Change, HealthBoard
-from unbroken.relay.store import ChannelStore
+from unbroken.relay.store import ChannelStore, RedisStore
 
 KEY = "mock|http://127.0.0.1:1"
 
@@ -86,3 +88,37 @@ def test_a_lock_whose_holder_is_dead_is_taken_over(tmp_path: Path) -> None:
     b.failure(KEY, t + 1.0, "connect")  # B's probe failed: B's lease goes (not another's)
     assert lock.exists()
     assert not b.take(KEY, t + 2.0)
+
+
+async def test_a_redis_probe_lease_is_given_back_when_a_peers_open_overtakes_it(
+    redis_server: RedisServer,
+) -> None:
+    """The same race through Redis: the lease key goes at once (only while it is ours)."""
+    board = HealthBoard()
+    store = RedisStore(board, redis_server.url)
+    await store.start()
+    try:
+        await until(lambda: store.up, cap=10)
+        t = 100.0
+        for _ in range(board.settings.failures_to_open):
+            board.failure(KEY, t, "connect")
+        t += 1.0
+        assert board.take(KEY, t) is False  # asked Redis: not known yet
+        await until(lambda: KEY in store._probes, cap=5)
+        assert board.take(KEY, t + 0.1)  # ours
+        name = f"unbroken:{KEY}:probe"
+        assert await store.redis.get(name) == store.origin.encode()
+        board.apply(Change(KEY, "open", 0.5, "peer", 1), t + 0.1)  # a peer's probe failed
+        await until(lambda: _gone(store, name), cap=5)
+        # a lease that is another's is left alone
+        await store.redis.set(name, "someone-else", px=30_000)
+        board.records[KEY].probe_held = True
+        board.apply(Change(KEY, "close"), t + 0.2)
+        await until(lambda: not store._side, cap=5)  # the release ran
+        assert await store.redis.get(name) == b"someone-else"
+    finally:
+        await store.close()
+
+
+async def _gone(store: RedisStore, name: str) -> bool:
+    return not await store.redis.exists(name)
