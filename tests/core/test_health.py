@@ -392,3 +392,22 @@ def test_a_line_says_why_it_waits() -> None:
         b.failure(K, 1.0, "503")
     assert b.wait_reason(K, 1.0).startswith("breaker open, quota cool-off")
     assert b.quota_until(K, 1.0) == 0.0  # a breaker keeps it out too: turns wait
+
+
+def test_a_probe_whose_turn_ends_without_a_verdict_frees_the_slot_at_once() -> None:
+    """Issue 36: the slot (and a fleet's lease) was held for probe_timeout_s (30 s)."""
+    b, _ = board()
+    for _ in range(5):
+        b.failure(K, 0.0, "503")
+    released: list[str] = []
+    b.probe_release = released.append
+    state = RetryState(RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K])
+    assert state.next_upstream(1.0) == 0  # the probe
+    assert b.blocked_until(K, 1.0) > 20  # its lease
+    state.close()  # the client went away before any answer
+    assert released == [K] and b.blocked_until(K, 1.0) == 0.0
+    other = RetryState(RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K])
+    assert other.next_upstream(1.0) == 0  # the next turn probes now
+    other.record_failure(Failure(FailureClass.STATUS, "HTTP 503", status=503), 1.1)
+    other.close()
+    assert released == [K, K]  # its verdict gave the lease back; close added nothing

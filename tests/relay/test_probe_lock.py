@@ -69,7 +69,7 @@ def test_a_sibling_looks_again_soon_not_when_the_lease_runs_out(tmp_path: Path) 
     assert a.take(KEY, t)
     assert not b.take(KEY, t)
     assert b.blocked_until(KEY, t) <= t + b.settings.max_open_s
-    a.probe_abandoned(KEY, t)  # A's probe's client went away: no verdict
+    a.probe_abandoned(KEY)  # A's probe's turn ended with no verdict (its client left)
     assert _locks(tmp_path) == []
     assert b.take(KEY, t + b.settings.max_open_s)  # B probes now
 

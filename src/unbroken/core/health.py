@@ -24,7 +24,7 @@ The breaker (the defaults are `HealthSettings`'):
 * **half-open**: one probe goes through; success closes the breaker, failure re-opens it.
   With a fleet, the probe is leased (`ProbeGate`): the holder gives its lease back
   (`ProbeRelease`) the moment it has no probe out (its record leaves half-open by its
-  own verdict or another's, or its probe's client went away), and the others ask
+  own verdict or another's, or the probe's turn ended without one), and the others ask
   again every ``max_open_s`` rather than waiting out the lease, so recovery with
   workers is as quick as with one.  A lease whose holder never gives it back (a
   crash) is taken over when its holder is gone or after ``probe_timeout_s``
@@ -164,7 +164,8 @@ class UpstreamHealth:
     cooloff_until: float = 0.0
     cooloff_reason: str = ""
     probe_until: float = 0.0  # a probe is out (here or elsewhere) until then
-    #: this instance holds the fleet's probe lease (given back when no probe is out)
+    #: this instance sent the probe and holds its lease, the fleet's with a probe gate
+    #: (given back as soon as no probe is out)
     probe_held: bool = False
     #: when the breaker last closed: the failures counted before are the outage's
     closed_at: float = float("-inf")
@@ -389,7 +390,7 @@ class HealthBoard:
             return False
         if mine:
             rec.probe_until = now + ttl
-            rec.probe_held = gate is not None
+            rec.probe_held = True
             return True
         # Another instance probes.  It gives the lease back as soon as it has no probe
         # out, and shares its verdict at once: look again as often as a half-open
@@ -405,9 +406,16 @@ class HealthBoard:
             if release is not None:
                 release(rec.key)
 
-    def probe_abandoned(self, key: str, now: float) -> None:
-        """An attempt ended with no verdict (its client went away): a probe it was
-        frees the slot and the fleet's lease at once."""
+    def holds_probe(self, key: str) -> bool:
+        """This instance holds the probe lease for ``key`` (one turn's attempt: while
+        it is out, `take` lets no other local turn through)."""
+        rec = self.records.get(key)
+        return rec is not None and rec.probe_held
+
+    def probe_abandoned(self, key: str) -> None:
+        """The turn whose attempt held the probe ended without a verdict (its client
+        went away, its attempts ran out, the relay stopped): the slot and the fleet's
+        lease are free at once."""
         rec = self.records.get(key)
         if rec is not None and rec.probe_held:
             self._give_back(rec)
@@ -639,7 +647,6 @@ class AttemptAccounting:
         """Count the end of turn ``turn``'s attempt on upstream ``key``.  Returns what
         the fleet's counters hear: True a failure, False a success, None nothing."""
         if reason == "aborted_by_client":
-            self.board.probe_abandoned(key, now)
             return None
         answered = reason in ("ok", "passed_through_error")
         if answered:

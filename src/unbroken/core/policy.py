@@ -275,6 +275,8 @@ class RetryState:
     _rate_retry: bool = False  # the last failure was a 429: the limiter paces the retry
     _pace_done: bool = False  # this retry has its pacer's go already
     _order: list[int] | None = None
+    #: the upstream whose fleet probe lease this turn's attempt holds, until a verdict
+    _probe: str | None = None
     _counted: set[int] = field(default_factory=set)  # upstreams this turn has failed on
 
     def exhausted(self) -> bool:
@@ -363,6 +365,8 @@ class RetryState:
                     if probe_until < soonest:
                         soonest, why, blocked_at = probe_until, "probe", idx
                     continue
+                if board.holds_probe(key):
+                    self._probe = key  # given back by a verdict, or when the turn ends
                 if pace_it:
                     board.admit(key, ticket, now)  # peek said yes: spends the token
                 if rated and lim is not None:
@@ -522,8 +526,12 @@ class RetryState:
         return Park(soonest, why, key)
 
     def close(self, now: float | None = None) -> None:
-        """The turn is over: it leaves any line it waits in, and ends its admission."""
+        """The turn is over: it leaves any line it waits in, and ends its admission (and
+        a probe lease its attempt held with no verdict)."""
         board = self.board
+        if self._probe is not None and board is not None:
+            board.probe_abandoned(self._probe)
+            self._probe = None
         if self.line is not None and board is not None:
             board.withdraw(self.line, self.ticket)
             self.line = None
@@ -537,6 +545,7 @@ class RetryState:
 
     def record_answer(self, now: float) -> None:
         """The current upstream answered (headers of a final answer): it is known good."""
+        self._probe = None  # a verdict: the board gives the lease back
         board = self.board
         if board is not None and self.keys and self.current >= 0:
             board.answered(self.keys[self.current], now)
@@ -558,6 +567,7 @@ class RetryState:
         """Note a failure of the current upstream; return the wait (s) before the next try."""
         self.retries += 1
         self.quota_wall = False
+        self._probe = None  # a verdict: the board gives the lease back
         board = self.board
         key = self.keys[self.current] if board is not None and self.keys else None
         adm = self._adm
