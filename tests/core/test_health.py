@@ -411,3 +411,24 @@ def test_a_probe_whose_turn_ends_without_a_verdict_frees_the_slot_at_once() -> N
     other.record_failure(Failure(FailureClass.STATUS, "HTTP 503", status=503), 1.1)
     other.close()
     assert released == [K, K]  # its verdict gave the lease back; close added nothing
+
+
+def test_a_turn_with_only_quota_spent_upstreams_asks_the_provider_instead_of_parking() -> None:
+    """Issue 36: one 402 parked every later turn for quota_cooloff_s."""
+    b, _ = board()
+    cooloffs: dict[int, float] = {}  # the relay's per-route cool-offs, shared by its turns
+    first = RetryState(
+        RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K], cooloff_until=cooloffs
+    )
+    assert first.next_upstream(0.0) == 0
+    first.record_failure(Failure(FailureClass.STATUS, "HTTP 402", status=402), 0.0)
+    assert first.quota_wall  # it ends with the provider's answer
+    later = RetryState(
+        RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K], cooloff_until=cooloffs
+    )
+    assert later.next_upstream(1.0) == 0 and later.why == "first"  # not a Park
+    b.cooloff(K, 1.0, 100.0, "retry_after")  # a Retry-After is waited out, as before
+    again = RetryState(
+        RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K], cooloff_until=cooloffs
+    )
+    assert isinstance(again.next_upstream(2.0), Park)

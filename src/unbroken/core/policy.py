@@ -374,7 +374,9 @@ class RetryState:
             choice = idx
             break
         if choice < 0 and quota_at >= 0 and not held and in_line < 0 and rate_in is None:
-            choice = quota_at  # only spent quotas: the provider answers now (issue 36)
+            # Only spent quotas: the provider answers now, rather than the turn waiting
+            # for a cool-off (issue 36); its quota answer ends the turn (`quota_wall`).
+            choice, skipped = quota_at, False
         if choice < 0:
             if board is not None:
                 if in_line < 0 and rate_in is not None:
