@@ -137,6 +137,8 @@ class RelayState:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.idle = asyncio.Event()  # set while no request is running
         self.idle.set()
+        #: set to cut a drain's grace period short (a second signal)
+        self.cut = asyncio.Event()
         #: route -> upstream index -> monotonic time until which it asked to be left alone
         self.cooloffs: dict[str, dict[int, float]] = {}
         self._facts: dict[str, tuple[Route, tuple[str, ...], bool]] = {}
@@ -338,12 +340,17 @@ class RelayState:
         return _Running(self)
 
     async def drain(self, grace_s: float) -> int:
-        """Wait up to ``grace_s`` for running requests; cancel the rest.  Returns that count."""
+        """Wait up to ``grace_s`` (or until `cut` is set) for running requests; cancel
+        the rest, and wait for them to end (their ends are reported: the journal
+        records them).  Returns that count."""
+        waits = [asyncio.ensure_future(self.idle.wait()), asyncio.ensure_future(self.cut.wait())]
         try:
-            await asyncio.wait_for(self.idle.wait(), grace_s)
+            await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if self.idle.is_set():
             return 0
-        except TimeoutError:
-            pass
         left = list(self.tasks)
         for task in left:
             task.cancel()

@@ -50,7 +50,7 @@ from unbroken.relay.siblings import (
 from unbroken.relay.upstream import looped, redact
 from unbroken.relay.websocket import handle_websocket, is_websocket_request
 
-__all__ = ["RelayServer", "build_app", "serve", "tune_gc"]
+__all__ = ["CUT_SHORT_S", "RelayServer", "build_app", "finish_cut_short", "serve", "tune_gc"]
 
 log = logging.getLogger("unbroken")
 
@@ -480,6 +480,12 @@ class RelayServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}"
 
+    def cut_short(self) -> None:
+        """A second signal: `stop` waits no longer for in-flight turns.  They are cut
+        (each ends with its protocol's error, and is journaled as ended), then the
+        relay closes as usual."""
+        self.relay.cut.set()
+
     async def stop(self) -> None:
         """Stop accepting, let in-flight turns finish within the grace period, close."""
         try:
@@ -514,6 +520,23 @@ def _rss_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+#: after a second signal, the shutdown (cutting the turns, closing the journal) gets
+#: this long before it is cancelled
+CUT_SHORT_S = 10.0
+
+
+async def finish_cut_short(server: RelayServer, cleanup: asyncio.Future[None]) -> None:
+    """A second signal during ``server.stop()`` (``cleanup``): cut the in-flight turns
+    now, and let the shutdown finish so their ends reach the journal (issue 36); a
+    shutdown that still hangs after `CUT_SHORT_S` is cancelled."""
+    server.cut_short()
+    done, _ = await asyncio.wait({cleanup}, timeout=CUT_SHORT_S)
+    if not done:
+        cleanup.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await cleanup
 
 
 #: the cyclic collector's first threshold in a serving process (CPython's default: 700)
@@ -576,8 +599,6 @@ async def serve(
         forced.cancel()
         if not cleanup.done():
             log.info("second signal: not waiting for in-flight turns")
-            cleanup.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await cleanup
+            await finish_cut_short(server, cleanup)
     # The signal handlers stay until the loop closes: a late signal is harmless.
     return 0
