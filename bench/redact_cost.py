@@ -36,7 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from unbroken.relay.upstream import Redactor, redacted_chunks
+from unbroken.core.redact import Redactor
+from unbroken.relay.upstream import redacted_chunks
 
 KEY = "sk-proj-" + "x" * 156  # an OpenAI project key is ~164 characters
 
