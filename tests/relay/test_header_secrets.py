@@ -124,9 +124,7 @@ async def test_secrets_echoed_in_response_headers_are_redacted(
     try:
         async with (
             aiohttp.ClientSession(headers=KEY_AUTH) as s,
-            s.post(
-                f"{server.url}/mock/v1/chat/completions", json={**CHAT, "stream": stream}
-            ) as r,
+            s.post(f"{server.url}/mock/v1/chat/completions", json={**CHAT, "stream": stream}) as r,
         ):
             body = await r.read()
             assert r.status == upstream.status
