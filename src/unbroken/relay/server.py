@@ -458,6 +458,9 @@ class RelayServer:
             raise ValueError(problem)
         install_log_filter()
         install_accept_log_limiter(asyncio.get_running_loop())
+        stored = self.relay.store_override_warning()
+        if stored is not None:
+            log.warning("%s", stored)
         if self.journal is not None:
             self.journal.start()
             log.info("journal: %s", self.journal.path)

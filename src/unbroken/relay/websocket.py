@@ -673,7 +673,9 @@ class _WsTurn:
             return self._answer_warmup(local)
         body = {k: v for k, v in request.items() if k != "type"}
         body["stream"] = True
-        body.update(action.body_patch)  # background mode (`core.continuation`)
+        if action.body_patch:  # background mode (`core.continuation`)
+            body.update(action.body_patch)
+            conn.relay.stored_by_continue(conn.route)
         headers = conn.headers_for(up)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "text/event-stream"
