@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDictProxy
 
 from relayfix import KEY_AUTH, KEY_TOKEN, make_config, start_relay
 from unbroken.core.redact import REDACTED_PART
@@ -102,8 +103,7 @@ async def upstream(request: pytest.FixtureRequest) -> AsyncIterator[_Upstream]:
         yield u
 
 
-def _assert_clean(headers: object) -> None:
-    assert isinstance(headers, aiohttp.typedefs.CIMultiDictProxy)
+def _assert_clean(headers: CIMultiDictProxy[str]) -> None:
     for name in ECHOED:
         value = headers.get(name)
         assert value is not None, name  # the header is kept, its secrets are not
