@@ -6,7 +6,7 @@ an ``x-unbroken-token`` header from its environment (Claude Code's
 ``ANTHROPIC_CUSTOM_HEADERS``, Gemini CLI's ``GEMINI_CLI_CUSTOM_HEADERS``, a Codex
 custom provider's ``env_http_headers``, an OpenCode provider's ``options.headers``),
 never in its base URLs, which a process may put on a command line other users can
-read; ``test_*_sends_the_header_the_plan_sets`` runs each binary straight at the mock
+read; ``test_*_sends_the_header_*`` runs each binary straight at the mock
 with what the plan sets and checks the header arrives.
 ``tests/agents/test_run_token.py`` checks that a process without the token, another
 Unix user's included, gets 401.
@@ -37,6 +37,7 @@ from e2e.oc_harness import Sandbox, fake_provider, opencode_bin, run_args, run_t
 from unbroken.agents import claude, codex, gemini_cli
 from unbroken.agents.plan import TOKEN_NOTE, Launch, TokenWay
 from unbroken.mock import MockProvider
+from unbroken.opencode.discovery import content_with_relay
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -178,3 +179,22 @@ async def test_gemini_cli_sends_the_header_the_plan_sets(
     assert r.stdout.strip() == TEXT
     assert _tokens(mock) == [TOKEN]
     assert mock.requests[0].headers.get("x-team") == "a"
+
+
+@pytest.mark.cli("opencode")
+async def test_opencode_sends_the_header_the_launcher_sets(
+    tmp_path: Path, mock: MockProvider
+) -> None:
+    box = Sandbox(tmp_path / "box")
+    box.write_global_config(fake_provider(mock.url + "/v1"))
+    content = content_with_relay(None, {"fake": mock.url + "/v1"}, {"x-unbroken-token": TOKEN})
+    finished = await run_to_end(
+        [str(opencode_bin()), *run_args()],
+        box,
+        limit_s=120,
+        extra_env={"OPENCODE_CONFIG_CONTENT": content},
+    )
+    assert finished.code == 0, finished.stderr[-3000:]
+    assert finished.stdout.strip().endswith(TEXT)
+    turns = turn_requests(mock)
+    assert len(turns) == 1 and turns[0].headers.get("x-unbroken-token") == TOKEN
