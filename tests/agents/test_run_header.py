@@ -53,6 +53,11 @@ def test_gemini_cli_gets_the_token_in_its_custom_headers() -> None:
     assert env["GOOGLE_GEMINI_BASE_URL"] == f"{RELAY}/gemini"
     assert env["GEMINI_CLI_CUSTOM_HEADERS"] == f"x-a: 1, x-unbroken-token: {TOKEN}"
     assert "GEMINI_CLI_CUSTOM_HEADERS" not in launch.resolved_env(RELAY, "/run")
+    # Google login sends these headers to Code Assist (not relayed): never the token
+    for google in ({"GOOGLE_GENAI_USE_GCA": "true"}, {"CLOUD_SHELL": "true"}):
+        login = gemini_cli.plan(google)
+        assert "GEMINI_CLI_CUSTOM_HEADERS" not in login.resolved_env(RELAY, "/run", TOKEN)
+        assert login.token_way(TOKEN) is TokenWay.URL
 
 
 def test_codex_custom_providers_get_the_token_from_a_variable(tmp_path: Path) -> None:

@@ -143,14 +143,21 @@ def plan(env: Mapping[str, str]) -> Launch:
             out_env["GEMINI_CLI_SYSTEM_DEFAULTS_PATH"] = os.path.join(FILES, SYSTEM_DEFAULTS)
             notes.append(f"gemini: keeping its auth choice ({auth}) with the base URL set")
     # The token, when the relay has one, in a header (comma-separated ``Name: value``
-    # entries, the user's own kept; read from Gemini CLI 0.61, for API-key and Vertex
-    # auth alike), not in the base URL.
-    token = header_list(env.get("GEMINI_CLI_CUSTOM_HEADERS"), f"{TOKEN_HEADER}: {TOKEN}", ", ")
+    # entries, the user's own kept; read from Gemini CLI 0.61), not in the base URL.
+    # Gemini CLI sends these headers with every model request: for Google login and
+    # compute credentials to Code Assist, which is not relayed, so not for those (the
+    # token would go to Google; it stays in the base URL they do not use).
+    token_env: dict[str, str] = {}
+    if auth not in ("oauth-personal", "compute-default-credentials"):
+        own_headers = env.get("GEMINI_CLI_CUSTOM_HEADERS")
+        token_env["GEMINI_CLI_CUSTOM_HEADERS"] = header_list(
+            own_headers, f"{TOKEN_HEADER}: {TOKEN}", ", "
+        )
     return Launch(
         "gemini",
         routes=routes,
         env=out_env,
         files=files,
         notes=tuple(notes),
-        token_env={"GEMINI_CLI_CUSTOM_HEADERS": token},
+        token_env=token_env,
     )
