@@ -45,6 +45,10 @@ def test_claude_code_gets_the_token_in_its_custom_headers() -> None:
     assert "ANTHROPIC_CUSTOM_HEADERS" not in launch.resolved_env(RELAY)
     alone = claude.plan({}).resolved_env(RELAY, token=TOKEN)
     assert alone["ANTHROPIC_CUSTOM_HEADERS"] == f"x-unbroken-token: {TOKEN}"
+    # on Bedrock (and the like) its custom headers go to AWS: never the token
+    bedrock = claude.plan({"CLAUDE_CODE_USE_BEDROCK": "1"})
+    assert "ANTHROPIC_CUSTOM_HEADERS" not in bedrock.resolved_env(RELAY, token=TOKEN)
+    assert claude.plan({"CLAUDE_CODE_USE_VERTEX": "0"}).token_way(TOKEN) is TokenWay.HEADER
 
 
 def test_gemini_cli_gets_the_token_in_its_custom_headers() -> None:

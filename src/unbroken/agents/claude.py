@@ -24,7 +24,7 @@ from unbroken.agents.plan import RELAY, TOKEN, Launch, header_list
 from unbroken.config_values import ConfigError, validate_url
 from unbroken.relay.access import TOKEN_HEADER
 
-__all__ = ["ANTHROPIC_DEFAULT", "client_timers", "custom_headers", "plan"]
+__all__ = ["ANTHROPIC_DEFAULT", "ELSEWHERE", "client_timers", "custom_headers", "elsewhere", "plan"]
 
 ANTHROPIC_DEFAULT = "https://api.anthropic.com"
 
@@ -44,7 +44,30 @@ def plan(env: Mapping[str, str]) -> Launch:
         env={"ANTHROPIC_BASE_URL": f"{RELAY}/anthropic"},
         clients={"claude-code": timers} if timers else {},
         notes=(note,),
-        token_env={"ANTHROPIC_CUSTOM_HEADERS": custom_headers(env)},
+        # Its custom headers go to whichever provider it uses: not to Bedrock, Vertex...
+        token_env={} if elsewhere(env) else {"ANTHROPIC_CUSTOM_HEADERS": custom_headers(env)},
+    )
+
+
+#: the variables that send Claude Code (2.1.328) to a provider other than
+#: ``ANTHROPIC_BASE_URL`` (each with a base URL of its own, which is not relayed)
+ELSEWHERE = (
+    "CLAUDE_CODE_USE_BEDROCK",
+    "CLAUDE_CODE_USE_VERTEX",
+    "CLAUDE_CODE_USE_FOUNDRY",
+    "CLAUDE_CODE_USE_ANTHROPIC_AWS",
+    "CLAUDE_CODE_USE_ANTHROPIC_GOOGLE_CLOUD",
+    "CLAUDE_CODE_USE_MANTLE",
+    "CLAUDE_CODE_USE_GATEWAY",
+)
+
+
+def elsewhere(env: Mapping[str, str]) -> bool:
+    """Whether Claude Code talks to another provider than ``ANTHROPIC_BASE_URL``: then
+    its ``ANTHROPIC_CUSTOM_HEADERS`` go there, and must not carry the relay's token."""
+    return any(
+        (env.get(name) or "").strip().lower() not in ("", "0", "false", "no", "off")
+        for name in ELSEWHERE
     )
 
 
