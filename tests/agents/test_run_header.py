@@ -184,3 +184,30 @@ async def test_run_gives_claude_code_the_token_in_a_header_not_its_base_url(
     # the key went upstream for the request with the header only; the token never did
     assert [r.headers.get("Authorization") for r in mock.requests] == [f"Bearer {KEY}"]
     assert "x-unbroken-token" not in {h.lower() for h in mock.requests[0].headers}
+
+
+def test_print_env_gives_the_header_way_and_never_prints_the_users_headers() -> None:
+    """``--print-env`` for `unbroken serve` with a token: Claude Code's token goes in its
+    header variable as a shell expansion, and the user's own lines of that variable (a
+    gateway's credentials, say) are kept by expansion too, never printed."""
+    import io
+    import subprocess
+
+    from unbroken.agents.launcher import print_env
+    from unbroken.config import parse_config
+
+    own = "Authorization: Bearer gw-secret-0123456789\nx-b: 2"
+    base = parse_config({}, env={"UNBROKEN_TOKEN": TOKEN})
+    out = io.StringIO()
+    print_env(["claude"], base, {"ANTHROPIC_CUSTOM_HEADERS": own}, out=out)
+    text = out.getvalue()
+    assert "gw-secret" not in text and TOKEN not in text and "/t/" not in text
+    exports = [ln for ln in text.splitlines() if ln.startswith("export ")]
+    shell = subprocess.run(
+        ["bash", "-c", "\n".join([*exports, 'printf %s "$ANTHROPIC_CUSTOM_HEADERS"'])],
+        env={**os.environ, "ANTHROPIC_CUSTOM_HEADERS": own, "UNBROKEN_TOKEN": TOKEN},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert shell.stdout == f"{own}\nx-unbroken-token: {TOKEN}"

@@ -139,7 +139,10 @@ def print_env(
 ) -> None:
     """What `run` would set, pointed at ``unbroken serve`` (the config's host and port)."""
     out = out or sys.stdout
-    launch = plan_for(command, env)
+    # The user's own header variables stay theirs: printed as a shell expansion, never
+    # their value (a gateway's credentials may be in them).
+    own = {v: f"UNBROKEN-OWN-{v}-MARK" for v in _HEADER_VARS if (env.get(v) or "").strip()}
+    launch = plan_for(command, {**env, **own})
     host = base.host or "127.0.0.1"
     shown = f"[{host}]" if ":" in host else host
     plain = f"http://{shown}:{base.port}"
@@ -155,14 +158,27 @@ def print_env(
     mark = _TOKEN_MARK if header else None
     relay = f"{plain}/t/{_TOKEN_MARK}" if ref and not header else plain
 
+    marks = {m: "${" + v + "}" for v, m in own.items()}
+    if ref is not None:
+        marks[_TOKEN_MARK] = ref
+
     def quote(value: str) -> str:
         quoted = shlex.quote(value)
-        if ref is None or _TOKEN_MARK not in quoted:
+        present = [(m, r) for m, r in marks.items() if m in quoted]
+        if not present:
             return quoted
         if quoted[0] != "'":
-            return quoted.replace(_TOKEN_MARK, f'"{ref}"')
-        out = quoted.replace(_TOKEN_MARK, f"'\"{ref}\"'")
-        return out[:-2] if quoted.endswith(f"{_TOKEN_MARK}'") else out  # no '' at the end
+            for m, r in present:
+                quoted = quoted.replace(m, f'"{r}"')
+            return quoted
+        out = quoted
+        for m, r in present:
+            out = out.replace(m, f"'\"{r}\"'")
+        if any(quoted.startswith(f"'{m}") for m, _ in present):
+            out = out[2:]  # no '' at the start
+        if any(quoted.endswith(f"{m}'") for m, _ in present):
+            out = out[:-2]  # nor at the end
+        return out.replace("\n", "'$'\\n''")  # one line (bash, zsh: $'\n')
 
     missing = [
         n
@@ -196,6 +212,8 @@ def print_env(
 
 #: stands for the token in `print_env`'s URLs until they are quoted for the shell
 _TOKEN_MARK = "UNBROKEN-TOKEN-MARK"
+#: the agents' header variables `print_env` may add the token to (the user's own kept)
+_HEADER_VARS = ("ANTHROPIC_CUSTOM_HEADERS", "GEMINI_CLI_CUSTOM_HEADERS")
 
 
 def _token_ref(base: Config, launch: Launch, env: Mapping[str, str]) -> str | None:
