@@ -24,6 +24,7 @@ from aiohttp import web
 
 from unbroken import __version__
 from unbroken.config import Config, Route, bind_problem
+from unbroken.core.redact import redact
 from unbroken.observe.guard import Guarded
 from unbroken.observe.hooks import Hooks, LogHooks, MultiHooks
 from unbroken.observe.journal import Journal, journal_path
@@ -47,7 +48,7 @@ from unbroken.relay.siblings import (
     stop_signals,
     write_worker_status,
 )
-from unbroken.relay.upstream import looped, redact
+from unbroken.relay.upstream import looped
 from unbroken.relay.websocket import handle_websocket, is_websocket_request
 
 __all__ = ["CUT_SHORT_S", "RelayServer", "build_app", "finish_cut_short", "serve", "tune_gc"]
@@ -457,6 +458,9 @@ class RelayServer:
             raise ValueError(problem)
         install_log_filter()
         install_accept_log_limiter(asyncio.get_running_loop())
+        stored = self.relay.store_override_warning()
+        if stored is not None:
+            log.warning("%s", stored)
         if self.journal is not None:
             self.journal.start()
             log.info("journal: %s", self.journal.path)
