@@ -76,3 +76,35 @@ def test_a_command_imports_only_its_own_module() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "['unbroken.opencode.run']"
+
+
+def test_the_mock_and_run_help_name_every_protocol_and_agent(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 35: `unbroken mock --help` and `unbroken run --help` left out Gemini."""
+    from unbroken.agents.launcher import agent_of
+    from unbroken.mock.wire import PROTOCOL_NAMES
+
+    shown = {
+        "chat": "Chat Completions",
+        "responses": "Responses",
+        "anthropic": "Anthropic Messages",
+        "gemini": "streamGenerateContent",
+    }
+    assert set(shown) == set(PROTOCOL_NAMES)  # a new protocol must be named here too
+    assert main(["mock", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for name in shown.values():
+        assert name in text, name
+    agents = {"opencode": "OpenCode", "codex": "Codex", "claude": "Claude Code"}
+    agents["gemini"] = "Gemini CLI"
+    assert {agent_of([a]) for a in agents} == {"generic", "codex", "claude", "gemini"}
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "opencode|codex|claude|gemini|<command>" in text.replace("-- ", "--")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in agents.values():
+        assert name in text, name

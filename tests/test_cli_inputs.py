@@ -80,6 +80,7 @@ CASES: list[tuple[list[str], str]] = [
     (["mock", "--script", "latin1.toml"], "latin1.toml"),
     (["stats", "--since", "soon"], "--since"),
     (["stats", "--config", "latin1.toml"], "UTF-8"),
+    (["stats", "--journal", "missing.sqlite3"], "missing.sqlite3"),
     (["status", "--interval", "-1"], "--interval"),
     (["status", "--interval", "nan"], "--interval"),
     (["resume", "--opencode", "notaurl"], "--opencode"),
@@ -88,6 +89,7 @@ CASES: list[tuple[list[str], str]] = [
     (["demo", "--turns", "0"], "--turns"),
     (["demo", "--turns", "many"], "--turns"),
     (["demo", "--protocol", "responses"], "--protocol"),
+    (["demo", "--protocol", "gemini", "--after-commit", "continue"], "--after-commit"),
     (["run"], "opencode"),
     (["run", "--"], "opencode"),
     (["run", "--config", "missing.toml", "--", "opencode"], "--config"),
@@ -160,3 +162,66 @@ def test_weak_token_in_env_is_refused_without_echo(
     code, _, err = _run(["serve", "--host", "0.0.0.0"], capsys)
     assert code == 2 and "UNBROKEN_TOKEN" in err and "weak token!" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("command", "code", "why"),
+    [
+        ("nonexistent-binary-35", 127, "command not found"),
+        ("./nonexistent-35", 127, "no such file"),
+        ("latin1.toml", 126, "not an executable file"),  # found (a path), not executable
+        ("./", 126, "not an executable file"),  # a directory
+    ],
+)
+async def test_run_a_command_that_cannot_start_is_one_line_before_anything_starts(
+    command: str, code: int, why: str, files: Path
+) -> None:
+    """Issue 35: `unbroken run -- nonexistent-binary` started the relay, logged three INFO
+    lines, then failed with 127.  Now it is one line before anything starts, with the
+    shell's codes for a command it cannot run (127 not found, 126 not executable), as
+    `env` and `timeout` give them: an agent's wrapper script can tell them from 2."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
+    argv = ["run", "--", "./latin1.toml" if command == "latin1.toml" else command, "--x"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "unbroken",
+        *argv,
+        cwd=files,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == code
+    assert out == b""
+    assert err.decode() == f"unbroken run: cannot start {argv[2]}: {why}\n"
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(files: Path, unbuffered: bool) -> None:
+    """Issue 35: `unbroken stats --json | head -c 1` printed "Broken pipe" and exited 2
+    (bad input); with a short output Python said "Exception ignored ... BrokenPipeError"
+    at exit (status 120).  Now nothing on stderr and 141, the status the shell shows
+    for a Unix tool that SIGPIPE ends (`seq 100000 | head -1`)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
+    env["XDG_STATE_HOME"] = str(files / "state")  # no journal: the report of no turns
+    if unbuffered:  # the write fails inside the command, not at the last flush
+        env["PYTHONUNBUFFERED"] = "1"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "unbroken", "stats", "--json"],
+            cwd=files,
+            env=env,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, b"")

@@ -3,6 +3,7 @@ samples of both in docs/, checked against a real run."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sqlite3
@@ -48,6 +49,7 @@ def test_demo_json_command(demo_run: tuple[dict[str, Any], Path]) -> None:
     # every fault before commit was absorbed; the drops after output reached the client
     assert summary["failures_absorbed"] >= 22  # a slow CI machine may add a stall or two
     assert summary["failures_after_commit"] == summary["client_errors"] == 2
+    assert summary["client_gave_up"] == 0
     assert summary["direct_completed"] < summary["turns"]
     assert summary["direct_client_errors"] > summary["client_errors"]
     assert summary["seconds"] + summary["direct_seconds"] < 60
@@ -73,42 +75,80 @@ async def test_fast_storm_and_its_journal(tmp_path: Path) -> None:
     assert len(turns) == 6  # one agent session per turn
 
 
-async def test_the_gemini_storm_through_the_relay_and_without_it(tmp_path: Path) -> None:
-    """`--protocol gemini`: the same agent turns over the Gemini API, each under one of the
-    Gemini API's storms; through the relay every one completes, straight at the mock a
-    third are lost."""
-    path = tmp_path / "gemini.sqlite3"
-    summary = await run_demo(
-        turns=6, retry_after_s=0.6, stall_s=10, journal=str(path), protocol="gemini"
+@pytest.fixture(scope="module")
+def gemini_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """One real `unbroken demo --protocol gemini --json --journal FILE`, with the CLI's
+    defaults: its summary and its journal."""
+    journal = tmp_path_factory.mktemp("gemini") / "journal.sqlite3"
+    command = ["demo", "--protocol", "gemini", "--json", "--journal", str(journal)]
+    done = subprocess.run(
+        [sys.executable, "-m", "unbroken", *command],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
     )
-    assert summary["protocol"] == "gemini"
-    assert summary["completed"] == 6 and summary["lost"] == 0
+    assert done.returncode == 0, done.stderr
+    summary: dict[str, Any] = json.loads(done.stdout)
+    return summary, journal
+
+
+def test_the_gemini_storm_through_the_relay_and_without_it(
+    gemini_run: tuple[dict[str, Any], Path],
+) -> None:
+    """`--protocol gemini` with the CLI's defaults: the same agent turns over the Gemini
+    API, each under one of the Gemini API's storms; through the relay every one
+    completes, straight at the mock a third are lost.  Every fault is accounted for:
+    absorbed, or a drop after output (issue 35: a turn parked behind the 429s for 3 s,
+    then stalled, got no headers for 5 s and its client gave up before the relay's stall
+    timer fired: 24 faults = 21 absorbed + 2 drops, the third error `aborted_by_client`)."""
+    summary, path = gemini_run
+    assert summary["protocol"] == "gemini" and summary["turns"] == 12
+    assert summary["completed"] == 12 and summary["lost"] == 0
     assert summary["duplicates"] == 0 and summary["corrupted"] == 0
-    assert summary["faults_injected"] == sum(s.faults for s in storms(protocol="gemini")) == 12
+    assert summary["faults_injected"] == 2 * sum(s.faults for s in storms(protocol="gemini"))
+    assert summary["faults_injected"] == 24
+    # (a slow machine may add a stall)
+    assert summary["failures_absorbed"] + summary["failures_after_commit"] >= 24
+    # the in-stream RPC error before output is replayed like a reset, and both stalls
+    # were the relay's to absorb
     absorbed = summary["absorbed_by_reason"]
-    # the in-stream RPC error before output is replayed like a reset (a slow machine may
-    # add a stall)
     assert {k: absorbed[k] for k in ("503", "server_disconnected", "429", "stream_error")} == {
-        "503": 6,
-        "server_disconnected": 2,
-        "429": 1,
-        "stream_error": 1,
+        "503": 12,
+        "server_disconnected": 4,
+        "429": 2,
+        "stream_error": 2,
     }
-    assert absorbed["stall"] >= 1
-    # the drop after output reached the client (as the native error event), nothing else
-    assert summary["failures_after_commit"] == summary["client_errors"] == 1
-    # straight at the mock: the 503 burst and the resets lose their turns
-    assert (summary["direct_completed"], summary["direct_lost"]) == (4, 2)
-    assert summary["direct_client_errors"] == 8 and summary["direct_duplicates"] == 0
+    assert absorbed["stall"] >= 2
+    # the drops after output reached the client (as the native error event), nothing else
+    assert summary["failures_after_commit"] == summary["client_errors"] == 2
+    assert summary["client_gave_up"] == 0
+    # straight at the mock: the 503 bursts and the resets lose their turns
+    assert (summary["direct_completed"], summary["direct_lost"]) == (8, 4)
+    assert summary["direct_client_errors"] == 16 and summary["direct_duplicates"] == 0
 
     db = sqlite3.connect(path)
     turns = db.execute("SELECT protocol, client, stream, outcome FROM turns").fetchall()
-    assert len(turns) == 13  # 6 x 2 steps, plus the step retried after the drop
+    assert len(turns) == 26  # 12 x 2 steps, plus the steps retried after the drops
     assert {t[:3] for t in turns} == {("gemini", "unknown", 1)}
-    assert Counter(t[3] for t in turns) == {"ok": 7, "recovered": 5, "ended_with_error": 1}
-    # the 429's RetryInfo.retryDelay (0.6 s) was obeyed, not the demo's 200 ms delay
-    ((wait,),) = db.execute("SELECT wait_s FROM attempts WHERE status = 429").fetchall()
-    assert wait >= 0.6
+    assert Counter(t[3] for t in turns) == {"ok": 14, "recovered": 10, "ended_with_error": 2}
+    gave_up = "SELECT count(*) FROM attempts WHERE reason = 'aborted_by_client'"
+    assert db.execute(gave_up).fetchone() == (0,)
+    # the 429s' RetryInfo.retryDelay (1 s) was obeyed, not the demo's 200 ms delay
+    waits = db.execute("SELECT wait_s FROM attempts WHERE status = 429").fetchall()
+    assert len(waits) == 2 and min(w for (w,) in waits) >= 1.0
+
+
+def test_gemini_refuses_after_commit_continue(capsys: pytest.CaptureFixture[str]) -> None:
+    """The Gemini API has no continuation: ``--after-commit continue`` with it did nothing
+    (issue 35); now it is one line and exit 2, before anything starts."""
+    args = ["demo", "--protocol", "gemini", "--after-commit", "continue"]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "Gemini API has no way to continue" in err
+    with pytest.raises(ValueError, match="needs --protocol chat or anthropic"):
+        asyncio.run(run_demo(turns=1, direct=False, protocol="gemini", after_commit="continue"))
 
 
 def test_the_gemini_demo_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -282,3 +322,104 @@ def test_the_live_table_keeps_each_turn_on_one_line_at_80_columns(
         (row,) = [line for line in lines if line.strip(" │").startswith(f"{t.number} ")]
         assert t.storm in row and "requesting" in row and "waiting" in row  # whole
         assert "12" in row.split(t.storm, 1)[1]
+
+
+@pytest.mark.parametrize("protocol", ["chat", "gemini"])
+def test_at_80_columns_the_live_tables_headers_are_whole(protocol: str) -> None:
+    """Issue 35: at 80 columns the compact columns added up to 83, so rich squeezed the
+    last ones and the header read ``abs e…``; now every header is whole with the
+    widest values in every column."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from unbroken.demo import _COMPACT, _Absorbed
+    from unbroken.observe.hooks import TurnRecord
+
+    kinds = storms(protocol=protocol)
+    turns = _turns(len(kinds), kinds, "x")
+    inflight = []
+    for t in turns:
+        t.state, t.step, t.errors = "requesting", 1, 12  # the widest client state and step
+        info = TurnRecord(route="r", path="p", protocol="chat", stream=True)
+        info.session_id, info.state, info.attempts = f"demo-session-{t.number}", "waiting", 123
+        info.last_failure, info.next_retry_at = "server_disconnected", time.time() + 123.4
+        inflight.append(info)
+    absorbed = _Absorbed()
+    for t in turns:
+        absorbed.by_session[f"demo-session-{t.number}"] = 123
+    server = SimpleNamespace(relay=SimpleNamespace(inflight=inflight))
+    run = DemoRun("Through unbroken", turns, server, absorbed)  # type: ignore[arg-type]
+    buf = io.StringIO()
+    console = Console(file=buf, width=80, force_terminal=True, color_system=None)
+    console.print(render_run(run, console.width))
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    (header,) = [line for line in lines if line.split()[:1] == ["#"]]
+    assert header.split() == [h for h, _ in _COMPACT.values()]
+    assert "…" not in header
+    for t in turns:
+        (row,) = [line for line in lines if line.split()[:1] == [str(t.number)]]
+        assert "answer" in row and "requesting" in row and "waiting" in row
+        assert row.split()[-3:] == ["123s", "123", "12"]  # next try, absorbed, errors
+
+
+@pytest.mark.parametrize("protocol", ["chat", "gemini", "anthropic"])
+def test_at_80_columns_the_summary_breaks_only_between_words(protocol: str) -> None:
+    """Issue 35: the summary was printed unwrapped (soft_wrap), with lines of 81 to 92
+    columns, so an 80-column terminal broke them mid-word (``stream_err`` / ``or``)."""
+    import io
+
+    from rich.console import Console
+
+    summary: dict[str, Any] = {
+        "protocol": protocol,
+        "turns": 12,
+        "completed": 12,
+        "faults_injected": 24,
+        "failures_absorbed": 21,
+        "absorbed_by_reason": {
+            "503": 12,
+            "server_disconnected": 4,
+            "429": 2,
+            "stream_error": 2,
+            "stall": 1,
+        },
+        "continued": 1,
+        "client_errors": 3,
+        "failures_after_commit": 2,
+        "client_gave_up": 1,
+        "duplicates": 0,
+        "wasted_tokens_est": 0,
+        "seconds": 5.0,
+        "direct_completed": 8,
+        "direct_lost": 4,
+        "direct_client_errors": 16,
+        "direct_seconds": 5.0,
+    }
+    wide = format_summary(summary, width=10_000)
+    buf = io.StringIO()
+    console = Console(file=buf, width=80, force_terminal=True, color_system=None)
+    console.print(format_summary(summary, console.width), highlight=False, soft_wrap=True)
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert buf.getvalue().split() == wide.split()  # the same words, none cut
+    # a value that goes on is under its first line's value; a count stays with its name
+    assert "                        stream_error ×2, stall ×1)" in lines
+    assert "client gave up        1 attempt(s)" in buf.getvalue()
+
+
+def test_every_relay_state_is_explained_in_the_demo_doc() -> None:
+    """The live table's relay column shows `/status`'s turn states; ``parked`` was
+    missing from docs/demo.md (issue 35)."""
+    from unbroken.core.turn_types import TurnState
+    from unbroken.demo import DEMO_STATE_STYLE
+
+    text = DEMO_DOC.read_text()
+    explained = text[text.index("What the numbers mean:") :]
+    for state in TurnState:
+        if state is TurnState.DONE:  # a done turn is no longer in flight
+            continue
+        assert f"`{state.value}`" in explained, state
+        assert state.value in DEMO_STATE_STYLE, state

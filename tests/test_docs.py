@@ -9,6 +9,7 @@ found in a docs section that names the command that measures it.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import re
 import tomllib
@@ -185,12 +186,93 @@ def test_the_quickstart_snippet_passes_the_key() -> None:
     compile(snippet, "docs/configuration.md Quickstart", "exec")
 
 
+def test_the_quickstart_mock_recipe_runs_when_pasted(tmp_path: Path) -> None:
+    """Issue 35: the offline recipe ran ``unbroken serve`` in the foreground before its
+    curls, so pasted into a terminal it blocked there.  Now it runs the mock and the
+    relay in the background, waits for both, and stops them: run as one script (on
+    free ports), it ends by itself, and the client got one clean stream."""
+    import os
+    import signal
+    import socket
+    import subprocess
+
+    text = section(CONFIGURATION, "Quickstart")
+    recipe = code_blocks(text[text.index("Try it offline") :], "sh")[0]
+    assert "unbroken serve" in recipe and "kill $RELAY $MOCK" in recipe
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+            return port
+
+    mock_port, relay_port = free_port(), free_port()
+    script = (
+        recipe.replace("4781", str(mock_port))
+        .replace("4780", str(relay_port))
+        .replace("/tmp/unbroken.toml", str(tmp_path / "unbroken.toml"))
+    )
+    assert script.count(str(relay_port)) >= 3  # the serve, the wait, the request
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
+    env |= {"HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        # the pipes close when the script and both servers it started have ended
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    assert out.rstrip().endswith("data: [DONE]"), out
+    assert '"finish_reason":"stop"' in out
+    assert err.count("WARNING retry route=mock") == 4, err  # "the relay logs four retries"
+    assert "outcome=recovered" in err
+
+
 def test_the_readme_test_command_is_the_one_ci_runs() -> None:
     setup = section(README, "Set-up")
     assert "pip install -e '.[test]' -c constraints.txt && pytest" in setup
     assert "pytest -m 'not e2e'" in setup
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert ci[-1] == "pip install -e '.[test]' -c constraints.txt && pytest"
+
+
+def test_the_readme_test_commands_print_the_pass_fail_count(tmp_path: Path) -> None:
+    """Issue 35: pyproject's ``addopts = "-q"`` plus a ``-q`` on the command line is
+    ``-qq``, which hides pytest's summary line (``2501 passed in ...``): a run said
+    nothing of how many tests passed or failed.  Each of the README's test commands,
+    with the project's pytest settings, prints it."""
+    import shlex
+    import subprocess
+    import sys
+
+    setup = section(README, "Set-up")
+    commands = [m.group(1) for m in re.finditer(r"&& (pytest[^#\n]*)", setup)]
+    commands += re.findall(r"`(pytest [^`]*)`", setup)
+    assert len(commands) >= 2, commands
+    (tmp_path / "test_one.py").write_text("def test_one() -> None:\n    pass\n")
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[0] == "pytest", command
+        settings = ["-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path)]
+        done = subprocess.run(
+            [sys.executable, "-m", *argv, *settings, "-p", "no:cacheprovider", "test_one.py"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert re.search(r"^=* ?1 passed\b", done.stdout, re.M), (command, done.stdout)
 
 
 # -- names and paths in the docs exist -----------------------------------------------------

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +28,7 @@ from unbroken.cmdline import one_line as _one_line
 from unbroken.config import ConfigError, bind_problem, load_config
 from unbroken.config_values import check_host, port_number
 
-__all__ = ["OneLineParser", "main", "port_number", "setup_logging"]
+__all__ = ["BROKEN_PIPE_EXIT", "OneLineParser", "main", "port_number", "setup_logging"]
 
 
 #: Feature modules whose ``register(subparsers)`` adds commands.
@@ -79,7 +81,9 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             key_token, created = load_or_create(path)
         except (TokenFileError, OSError) as exc:
-            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            detail: object = exc
+            if isinstance(exc, OSError):  # (`load_or_create` names the path itself)
+                detail = f"token file {path}: {exc.strerror or type(exc).__name__}"
             print(f"unbroken: {_one_line(detail)} (or set UNBROKEN_TOKEN)", file=sys.stderr)
             return 2
         config = dataclasses.replace(config, key_token=key_token)
@@ -154,7 +158,30 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+#: the exit status when the reader of stdout went away (``unbroken stats --json | head -c
+#: 1``): a Unix tool that SIGPIPE ends shows 128 + 13 in the shell
+BROKEN_PIPE_EXIT = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit code.  If stdout's reader went away, stop quietly with
+    `BROKEN_PIPE_EXIT`, as ``cat`` or ``git log`` do, not with an error and not with
+    Python's "Exception ignored" on the interpreter's last flush."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a broken pipe shows here when the output was short
+    except BrokenPipeError:
+        # The recipe of Python's signal docs: stdout points at devnull from here on, so
+        # the interpreter's own flush at exit has nowhere to fail.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "mock":
         from unbroken.mock.command import main_mock
@@ -163,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser(argv[0] if argv else None).parse_args(argv)
     try:
         result: int = args.func(args)
+    except BrokenPipeError:
+        raise  # not bad input: `main` ends quietly
     except (ValueError, OSError, UnicodeError) as exc:
         # Bad input that a command did not catch itself: one line, never a traceback.
         name = getattr(args, "command", None) or "unbroken"

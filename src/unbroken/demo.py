@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import sys
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -43,7 +44,7 @@ from typing import Any
 import aiohttp
 
 from unbroken.config import JournalSettings, parse_config
-from unbroken.core.turn import NOT_FAILURES
+from unbroken.core.turn import NOT_FAILURES, Outcome
 from unbroken.demo_gemini import gemini_agent_turn, gemini_storms
 from unbroken.demo_messages import TEXT_REPLY, TOOL_REPLY, messages_agent_turn, messages_storms
 from unbroken.mock import MockProvider, frames_for
@@ -58,6 +59,13 @@ ROUTE = "demo"
 DEMO_PROTOCOLS = ("chat", "gemini", "anthropic")
 #: ``--after-commit``: the relay's ``[stream] after_commit`` for the run
 AFTER_COMMIT = ("error", "continue")
+#: the protocols whose cut answer the relay can continue in place (``continue``): the
+#: Gemini API documents no model-role continuation, so a Gemini cut always ends in error
+CONTINUE_PROTOCOLS = ("chat", "anthropic")
+NO_GEMINI_CONTINUE = (
+    "--after-commit continue needs --protocol chat or anthropic: the Gemini API has no "
+    "way to continue a cut answer, so its drops after output always end in an error"
+)
 AGENT_RETRIES = 1  # the agent loop retries a failed step once
 TOOLS = [
     {
@@ -161,12 +169,15 @@ class _Absorbed(Hooks):
         self.after: Counter[str] = Counter()
         self.by_session: Counter[str] = Counter()  # absorbed, per agent session
         self.continued = 0  # cuts after output finished in place (after_commit = continue)
+        self.gave_up = 0  # attempts the client abandoned (its own timeout) before they ended
 
     def continuation(self, turn: TurnRecord, result: str) -> None:
         if result == "spliced":
             self.continued += 1
 
     def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
+        if attempt.reason == Outcome.ABORTED_BY_CLIENT:
+            self.gave_up += 1
         if attempt.reason in NOT_FAILURES:
             return
         if attempt.phase == "committed":
@@ -384,6 +395,8 @@ async def run_demo(
         raise ValueError(f"protocol: expected one of {', '.join(DEMO_PROTOCOLS)}, got {protocol!r}")
     if after_commit not in AFTER_COMMIT:
         raise ValueError(f"after_commit: expected one of {', '.join(AFTER_COMMIT)}")
+    if after_commit == "continue" and protocol not in CONTINUE_PROTOCOLS:
+        raise ValueError(NO_GEMINI_CONTINUE)
     route: dict[str, Any] = {}  # the demo route's keys beside its upstream
     if after_commit == "continue":
         route["after_commit"] = "continue"
@@ -397,13 +410,18 @@ async def run_demo(
                 # breaker, so the turns do not pay for each other's faults (one mock
                 # upstream takes all twelve storms; with breakers on it would open and
                 # park every turn, and an exponential backoff would outgrow the client's
-                # 5 s read timeout).
+                # 5 s read timeout).  The stream timers are scaled to that timeout: early
+                # headers (then keepalives) come well before it, as the default 20 s come
+                # before an SDK's 600 s.  With the default 20 s, a turn parked behind a
+                # 429 for 3 s and then stalled waited 5 s for its headers: the client gave
+                # up before the relay's 2 s stall timer fired (journaled aborted_by_client).
                 "retry": {"delay_ms": 200, "backoff": "fixed", "verbose": False},
                 "health": {"breakers": False},
                 "stream": {
                     "first_frame_timeout_s": 2.0,
                     "idle_timeout_s": 1.0,
                     "keepalive_s": 2.0,
+                    "early_headers_s": 1.0,
                 },
                 "routes": {ROUTE: {**route, "upstreams": [{"url": mock.url}]}},
             },
@@ -448,6 +466,7 @@ async def run_demo(
         "absorbed_by_reason": dict(absorbed.before.most_common()),
         "after_commit_by_reason": dict(absorbed.after.most_common()),
         "client_errors": sum(t.errors for t in relay_turns),
+        "client_gave_up": absorbed.gave_up,
         "duplicates": sum(t.duplicates for t in relay_turns),
         "corrupted": sum(t.corrupted for t in relay_turns),
         "retries": totals["retries"],
@@ -482,13 +501,15 @@ DEMO_STATE_STYLE = {
     "LOST": "bold red",
     "waiting": "yellow",
     "holding": "cyan",
+    "parked": "magenta",
 }
 
 
-#: below this many columns, the live table is drawn compact, to fit 80: no rules, short
-#: headers, each turn on one line (a long storm or failure name ends in an ellipsis)
+#: below this many columns, the live table is drawn compact, to fit 80: no rules and no
+#: edges, short headers, each turn on one line (a long failure name ends in an ellipsis)
 COMPACT_BELOW = 120
-#: each column's compact header and width
+#: each column's compact header and width: with the nine spaces between them they add
+#: up to 80 (a wider sum made rich squeeze the last columns, their headers cut to ``e…``)
 _COMPACT: dict[str, tuple[str, int]] = {
     "turn": ("#", 2),
     "storm": ("storm", 20),
@@ -496,8 +517,8 @@ _COMPACT: dict[str, tuple[str, int]] = {
     "client": ("client", 10),
     "relay": ("relay", 9),
     "attempt": ("try", 3),
-    "last failure": ("failure", 12),
-    "next try": ("next", 6),
+    "last failure": ("failure", 10),
+    "next try": ("next", 5),
     "absorbed": ("abs", 3),
     "errors seen": ("err", 3),
 }
@@ -528,8 +549,9 @@ def render_run(run: DemoRun, width: int | None = None) -> Any:
         title_justify="left",
         expand=False,
     )
-    if compact:  # no rules between columns, one space between them
+    if compact:  # no rules between columns, one space between them, no edges
         table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0)
+        table.show_edge = False
 
     def column(name: str, justify: Any = "left") -> None:
         if not compact:
@@ -567,7 +589,7 @@ def render_run(run: DemoRun, width: int | None = None) -> Any:
                     Text(r["state"], style=DEMO_STATE_STYLE.get(r["state"], "")),
                     str(r["attempts"]),
                     r["last_failure"] or "",
-                    "" if r["next"] is None else f"{'' if compact else 'in '}{r['next']:.1f}s",
+                    _next_try(r["next"], compact),
                 ]
             hidden = run.absorbed.by_session[session] if run.absorbed is not None else 0
             row.append(Text(str(hidden), style="cyan" if hidden else "dim"))
@@ -577,11 +599,41 @@ def render_run(run: DemoRun, width: int | None = None) -> Any:
     return table
 
 
+def _next_try(seconds: float | None, compact: bool) -> str:
+    """The wait before a turn's next try: ``in 2.5s``, or in 5 columns ``2.5s``/``125s``."""
+    if seconds is None:
+        return ""
+    if not compact:
+        return f"in {seconds:.1f}s"
+    return f"{seconds:.1f}s" if seconds < 99.95 else f"{min(seconds, 9999):.0f}s"
+
+
 def _counts(d: dict[str, int]) -> str:
     return ", ".join(f"{k} ×{v}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]))
 
 
-def format_summary(s: dict[str, Any]) -> str:
+#: the summary's label column: a value that wraps goes on below its first character
+_LABEL = 24
+
+
+def _wrap(line: str, width: int) -> list[str]:
+    """One summary line in ``width`` columns, broken between words only: a labelled line
+    goes on under its value, any other under its own first word."""
+    if len(line) <= width:
+        return [line]
+    indent = _LABEL if line.startswith("  ") and line[_LABEL - 1 : _LABEL] == " " else 0
+    wrapped = textwrap.wrap(
+        line.replace(" ×", "\0×"),  # a count stays with its name
+        width=max(width, indent + 20),
+        subsequent_indent=" " * indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+    return [part.replace("\0", " ") for part in wrapped]
+
+
+def format_summary(s: dict[str, Any], width: int = 80) -> str:
+    """The summary, each line within ``width`` columns (broken between words)."""
     n = s["turns"]
     lines = [
         f"Through unbroken ({s['seconds']:.1f} s)",
@@ -598,14 +650,18 @@ def format_summary(s: dict[str, Any]) -> str:
         )
     if s["client_errors"]:
         after = s["failures_after_commit"]
-        lines += [
+        lines.append(
             f"  what the client saw   {s['client_errors']} error(s); {after} from drops after "
-            "output had streamed,",
-            "                        which unbroken never replays: it ends them with a native,",
-            "                        retryable error event (the agent retried the step)",
-        ]
+            "output, which unbroken never replays: it ends them with a native, retryable "
+            "error (the agent retried the step)"
+        )
     else:
         lines.append("  what the client saw   clean streams, nothing else")
+    if s.get("client_gave_up"):
+        lines.append(
+            f"  client gave up        {s['client_gave_up']} attempt(s): its own read timeout "
+            "fired before the relay's stall timer, so those faults reached it"
+        )
     lines.append(f"  duplicated frames     {s['duplicates']}")
     lines.append(f"  wasted tokens (est.)  {s['wasted_tokens_est']}")
     if s["direct_completed"] is not None:
@@ -616,26 +672,23 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  what the client saw   {s['direct_client_errors']} errors",
         ]
     if s.get("protocol") == "anthropic":
-        lines += [
-            "",
-            "Client: a Messages client (POST /v1/messages, streamed) with no retries of its",
-            "own and a short read timeout, in an agent loop that retries a failed step once;",
-            "a turn is lost when a step fails twice.",
-        ]
+        client = (
+            "Client: a Messages client (POST /v1/messages, streamed) with no retries of its "
+            "own and a short read timeout"
+        )
     elif s.get("protocol") == "gemini":
-        lines += [
-            "",
-            "Client: a Gemini API client (streamGenerateContent?alt=sse) with no retries of",
-            "its own and a short read timeout, in an agent loop that retries a failed step",
-            "once; a turn is lost when a step fails twice.",
-        ]
+        client = (
+            "Client: a Gemini API client (streamGenerateContent?alt=sse) with no retries of "
+            "its own and a short read timeout"
+        )
     else:
-        lines += [
-            "",
-            "Client: openai SDK defaults (2 retries) and a short read timeout, in an agent loop",
-            "that retries a failed step once; a turn is lost when a step fails twice.",
-        ]
-    return "\n".join(lines)
+        client = "Client: openai SDK defaults (2 retries) and a short read timeout"
+    lines += [
+        "",
+        f"{client}, in an agent loop that retries a failed step once; a turn is lost when a "
+        "step fails twice.",
+    ]
+    return "\n".join(wrapped for line in lines for wrapped in _wrap(line, width))
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -651,6 +704,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _run_demo_command(args: argparse.Namespace) -> int:
     if args.turns < 1:
         print("unbroken demo: --turns must be at least 1", file=sys.stderr)
+        return 2
+    if args.after_commit == "continue" and args.protocol not in CONTINUE_PROTOCOLS:
+        print(f"unbroken demo: {NO_GEMINI_CONTINUE}", file=sys.stderr)
         return 2
     from rich.console import Console
     from rich.live import Live
@@ -699,7 +755,9 @@ def _run_demo_command(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         console.print()
-        console.print(format_summary(summary), highlight=False, soft_wrap=True)
+        console.print(
+            format_summary(summary, min(console.width, 80)), highlight=False, soft_wrap=True
+        )
     ok = summary["completed"] == summary["turns"] and summary["duplicates"] == 0
     return 0 if ok else 1
 
@@ -725,7 +783,8 @@ def register(sub: Any) -> None:
         choices=AFTER_COMMIT,
         default="error",
         help="the relay's [stream] after_commit: continue finishes a drop after output in "
-        "place, with no error (Messages by prefill, Chat by a prefix mode) "
+        "place, with no error (Messages by prefill, Chat by a prefix mode; the Gemini "
+        "API has no continuation) "
         "(default: %(default)s)",
     )
     p.add_argument(

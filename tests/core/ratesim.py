@@ -74,6 +74,44 @@ class Bare:
 
 
 @dataclass
+class Textbook:
+    """A per-minute bucket (``per_s`` a second, a minute's worth deep) with truthful
+    headers; ``overstate``: the share of the limit added to what it reports left;
+    ``drain``: the share of the refill another consumer takes (the relay never sees
+    it); ``retry_after``: 429s carry one (whole seconds, rounded up)."""
+
+    per_s: float = 5.0
+    start: float = 0.0  # the share of the bucket left when the run begins
+    overstate: float = 0.0
+    drain: float = 0.0
+    retry_after: bool = True
+    level: float = -1.0
+    t: float = 0.0
+    sent: list[float] = field(default_factory=list)
+
+    def __call__(self, now: float) -> Answer:
+        self.sent.append(now)
+        limit = self.per_s * 60
+        if self.level < 0:
+            self.level = limit * self.start
+        self.level = min(limit, self.level + (now - self.t) * self.per_s * (1 - self.drain))
+        self.t = now
+        ok = self.level >= 1.0
+        if ok:
+            self.level -= 1.0
+        said = min(limit, self.level + self.overstate * limit)
+        h = RateHeaders(
+            requests=Reading(limit, math.floor(said), (limit - said) / self.per_s),
+            retry_after_s=None,
+        )
+        if ok:
+            return Answer(200, h)
+        wait = math.ceil((1.0 - self.level) / (self.per_s * (1 - self.drain)))
+        ra = float(wait) if self.retry_after else None
+        return Answer(429, h, ra)
+
+
+@dataclass
 class Result:
     ok: int
     limited: int
@@ -94,11 +132,16 @@ def run(
     header_s: float = 0.05,
     stream_s: float = 0.5,
     settings: RateSettings | None = None,
+    relays: int = 1,
 ) -> Result:
-    board = HealthBoard(rate=settings or RateSettings())
+    """``relays`` relays that share nothing but the provider (``serve --workers`` with
+    no store, or relays with no Redis), agents alternating between them."""
+    boards = [HealthBoard(rate=settings or RateSettings()) for _ in range(relays)]
     queue: list[tuple[float, int, Callable[[float], None]]] = []
     order = itertools.count()
-    parked: dict[int, Callable[[float], None]] = {}  # ticket -> its wake-up
+    #: (relay, ticket) -> its wake-up
+    parked: dict[tuple[int, int], Callable[[float], None]] = {}
+    pumps: set[tuple[int, float]] = set()  # (relay, when) a pump is due
     stats = {"ok": 0, "limited": 0, "turns": 0}
     sends: Counter[int] = Counter()
     longest = [0.0]
@@ -107,6 +150,7 @@ def run(
         heapq.heappush(queue, (t, next(order), fn))
 
     def agent(i: int) -> None:
+        board = boards[i % relays]
         state = RetryState(
             RetryPolicy(), 1, board=board, keys=[K], sticky=f"a{i}", creds=["c"], body_bytes=2000
         )
@@ -123,10 +167,10 @@ def run(
                     if gen[0] == mine:
                         attempt(t)
 
-                parked[state.ticket] = wake
+                parked[(i % relays, state.ticket)] = wake
                 at(got.until, wake)
                 return
-            parked.pop(state.ticket, None)
+            parked.pop((i % relays, state.ticket), None)
             longest[0] = max(longest[0], now - waiting_since[0])
             sends[math.floor(now)] += 1
             answer = provider(now)
@@ -173,19 +217,19 @@ def run(
 
     for i in range(agents):
         agent(i)
-    pump_at = [math.inf]
     while queue:
         now, _, fn = heapq.heappop(queue)
         if now > seconds + 120.0:
             break
         fn(now)
-        granted, due = board.pump(K, now)
-        for ticket in granted:
-            wake = parked.pop(ticket, None)
-            if wake is not None:
-                at(now, wake)
-        if (due is not None and due < pump_at[0]) or pump_at[0] <= now:
-            pump_at[0] = due if due is not None else math.inf
-            if due is not None:
+        for n, board in enumerate(boards):
+            pumps.discard((n, now))
+            granted, due = board.pump(K, now)
+            for ticket in granted:
+                wake = parked.pop((n, ticket), None)
+                if wake is not None:
+                    at(now, wake)
+            if due is not None and due > now and (n, due) not in pumps:
+                pumps.add((n, due))
                 at(due, lambda t: None)
     return Result(stats["ok"], stats["limited"], stats["turns"], max(sends.values()), longest[0])

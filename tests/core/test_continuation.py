@@ -27,9 +27,9 @@ from unbroken.core.turn import (
     AbortUpstream,
     End,
     EndKind,
-    GiveUp,
     Open,
     Outcome,
+    PassThrough,
     Stream,
     TurnError,
     TurnMachine,
@@ -310,12 +310,37 @@ def test_a_refusal_of_background_mode_is_remembered_and_the_turn_retried() -> No
 
 
 def test_another_4xx_to_a_background_request_is_the_providers_answer() -> None:
-    m, _, _ = make()
+    """Issue 33: a 400 that names neither ``background`` nor ``store`` may still refuse
+    background mode: the turn asks once more as the client sent it; a 400 again is
+    the provider's answer (passed through) and nothing is remembered."""
+    memory = ContinuationMemory()
+    m, _, _ = make(memory)
     m.start(0.0)
     m.answered(0.1, 400, sse=False)
     action = m.error_body(0.1, b'{"error": {"message": "bad model"}}')
-    assert isinstance(action, GiveUp)
-    assert m.outcome is Outcome.PASSED_THROUGH_ERROR
+    if isinstance(action, Wait):
+        action = m.next_attempt(0.2)
+    assert isinstance(action, Open) and action.body_patch == ()
+    assert isinstance(m.answered(0.3, 400, sse=False), PassThrough)  # as without a relay
+    assert not memory.refused("responses_background", "r|u")
+
+
+def test_a_400_in_other_words_is_a_refusal_when_the_plain_request_succeeds() -> None:
+    """Issue 33: "Unsupported parameter." (no ``param``) to the background request, then
+    a 200 to the client's own request: the 400 was the refusal, remembered, and later
+    turns go as the client sent them."""
+    memory = ContinuationMemory()
+    m, _, _ = make(memory)
+    m.start(0.0)
+    m.answered(0.1, 400, sse=False)
+    action = m.error_body(0.1, b'{"error": {"message": "Unsupported parameter.", "param": null}}')
+    if isinstance(action, Wait):
+        action = m.next_attempt(0.2)
+    assert isinstance(action, Open) and action.body_patch == ()
+    assert isinstance(m.answered(0.3, 200, sse=True), Stream)
+    assert memory.refused("responses_background", "r|u")
+    m2, _, _ = make(memory)
+    assert m2.start(0.0) == Open(0, Timers().header_timeout_s)
 
 
 def test_feeding_a_resume_before_its_answer_is_illegal() -> None:
@@ -327,6 +352,8 @@ def test_feeding_a_resume_before_its_answer_is_illegal() -> None:
 def test_the_splicer_passes_comments_and_errors() -> None:
     s = SequenceSplicer(RID, 3, "item_0")
     comment = Event(b": keepalive\n\n", None, None)
+    assert s.splice(comment) is None  # (held: nothing named the response yet)
+    s.verified = True
     assert s.splice(comment) is comment
     err = Event(b"x", "error", json.dumps({"type": "error", "code": "server_error"}))
     assert s.splice(err) is err
@@ -381,3 +408,81 @@ def test_what_counts_as_a_refusal_of_background_mode(
     from unbroken.core.background import refuses_background
 
     assert refuses_background(status, body) is refused
+
+
+def test_a_resume_naming_another_response_releases_nothing_of_it() -> None:
+    """Issue 33: the resume keeps numbers and item ids but is another response, named
+    only by its ``response.completed``: nothing of it (text, a complete tool call) is
+    released before that frame refuses the splice."""
+    m, _, _, frames = _cut_turn()
+    assert isinstance(m.answered(0.4, 200, sse=True), Stream)
+    other = b"".join(frames[6:]).replace(RID.encode(), b"resp_other")
+    released, over = m.feed_verbatim(0.5, other)
+    assert released is not None
+    assert b"output_text.delta" not in released and b"output_item.done" not in released
+    assert isinstance(over, End) and over.kind is EndKind.ERROR
+    assert m.refusal is Refusal.JOIN
+
+
+def test_a_cut_while_the_resume_is_unverified_resumes_from_the_same_cursor() -> None:
+    """Held frames are never fed: a cut before a frame named the response resumes
+    after the last number fed, and the held frames come again (nothing lost, nothing
+    doubled)."""
+    m, _, _, frames = _cut_turn()
+    assert isinstance(m.answered(0.4, 200, sse=True), Stream)
+    released, over = m.feed_verbatim(0.5, b"".join(frames[6:8]))
+    assert released == b"" and over is None  # held: no frame named the response yet
+    action = m.transport_failed(0.6, RESET)
+    if isinstance(action, Wait):
+        action = m.next_attempt(0.7)
+    assert isinstance(action, Resume) and action.query.endswith("starting_after=5")
+    assert isinstance(m.answered(0.8, 200, sse=True), Stream)
+    released, over = m.feed_verbatim(0.9, b"".join(frames[6:]))
+    assert released == b"".join(frames[6:])  # all of it, once verified by its end
+    if over is None:
+        over = m.body_ended(1.0)
+    assert isinstance(over, End) and over.kind is EndKind.CLEAN
+    assert m.outcome is Outcome.RESUMED
+
+
+def test_a_keepalive_comment_while_holding_keeps_the_cursor() -> None:
+    """A comment in a resume that has named no response yet is not fed: the next
+    resume still knows where to continue from."""
+    m, _, _, frames = _cut_turn()
+    assert isinstance(m.answered(0.4, 200, sse=True), Stream)
+    released, over = m.feed_verbatim(0.5, frames[6] + b": keepalive\n\n")
+    assert released == b"" and over is None
+    action = m.transport_failed(0.6, RESET)
+    if isinstance(action, Wait):
+        action = m.next_attempt(0.7)
+    assert isinstance(action, Resume) and action.query.endswith("starting_after=5")
+
+
+def test_held_frames_are_bounded() -> None:
+    s = SequenceSplicer(RID, 5, "item_0", max_held_bytes=200)
+    delta = sse("response.output_text.delta", 6, item_id="item_0", delta="x" * 50)
+    assert s.splice(Event(delta, None, delta.split(b"data: ")[1].decode())) is None
+    big = sse("response.output_text.delta", 7, item_id="item_0", delta="x" * 200)
+    with pytest.raises(JoinBroken):
+        s.splice(Event(big, None, big.split(b"data: ")[1].decode()))
+
+
+@pytest.mark.parametrize(
+    "rid", ["..", "resp_..", "a#frag", "resp_%2F..", "a/b", "r?x", "", "x" * 200]
+)
+def test_a_response_id_that_is_no_plain_token_is_never_put_in_a_url(rid: str) -> None:
+    """Issue 33: the upstream's response id goes into the resume GET and the cancel POST
+    only if it is a plain token; else the cut is not continued (no handle)."""
+    frames = [
+        f.replace(RID.encode(), json.dumps(rid)[1:-1].encode())
+        for f in responses_stream([("text", 4)])
+    ]
+    m, _, _ = make()
+    m.start(0.0)
+    m.answered(0.0, 200, sse=True)
+    for f in frames[:6]:
+        m.feed_verbatim(0.1, f)
+    action = m.transport_failed(0.2, RESET)
+    assert isinstance(action, End) and action.kind is EndKind.ERROR
+    assert m.refusal is Refusal.NO_HANDLE
+    assert m.take_cancels() == []

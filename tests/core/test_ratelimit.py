@@ -75,7 +75,7 @@ def test_a_cold_start_sends_a_few_then_waits_for_the_providers_first_answer() ->
     assert lim.pump(0.06)[0] == [6, 7] and lim.ramp == 7.0
 
 
-def test_the_slow_start_ends_past_max_concurrency_or_at_the_first_429() -> None:
+def test_the_slow_start_ends_past_max_concurrency_and_a_429_halves_it() -> None:
     lim = Limiter(K, "c", RateSettings(cold_start=2, max_concurrency=6))
     for t in range(4):
         seq = lim.admit(0, "s", 0.0, float(t))
@@ -83,9 +83,12 @@ def test_the_slow_start_ends_past_max_concurrency_or_at_the_first_429() -> None:
         lim.accepted(seq, float(t))  # an answer counts once
         lim.finish(seq, float(t))  # ... and its end does not count it again
     assert lim.ramp is None  # 2 + 4 reached 6
-    lim = Limiter(K, "c", RateSettings(cold_start=2))
-    lim.limited(lim.admit(0, "s", 0.0, 0.0), None, 0.0, 0.0)
-    assert lim.ramp is None and lim.throttle.enabled
+    lim = Limiter(K, "c", RateSettings(cold_start=8))
+    seqs = [lim.admit(0, "s", 0.0, 0.0) for _ in range(6)]
+    lim.limited(seqs[0], None, 0.0, 0.0)
+    assert lim.ramp == 3.0 and lim.throttle.enabled  # half of the six in flight
+    lim.limited(seqs[1], None, 0.0, 0.0)  # the same epoch: once
+    assert lim.ramp == 3.0
     # an attempt that ends well with no header event counts as an answer taken
     lim = Limiter(K, "c", RateSettings(cold_start=2))
     lim.finish(lim.admit(0, "s", 0.0, 0.0), 0.0, ok=True)

@@ -12,6 +12,9 @@ from unbroken.core.ws_session import (
     History,
     SessionResponses,
     handshake_failure,
+    is_warmup,
+    refusal_is_verdict,
+    warmup_messages,
 )
 
 
@@ -134,3 +137,39 @@ def test_a_handshake_with_no_answer_in_time_is_a_header_timeout() -> None:
     assert handshake_failure(reset, timed_out=False) is reset
     timed = handshake_failure(reset, timed_out=True)
     assert timed.cls is FailureClass.HEADER_TIMEOUT
+
+
+def test_one_transient_refusal_is_no_verdict() -> None:
+    """Issue 33: a 503 on the upgrade is a failed attempt; three in a row, or one
+    verdict (404, 426, a 200 without the upgrade), start the fallback."""
+    fallback = Fallback(cooldown_s=60.0)
+    assert not fallback.refused(0.0, 503) and not fallback.active(0.0)
+    fallback.opened()  # a socket opened: the count starts again
+    assert not fallback.refused(1.0, 503) and not fallback.refused(1.0, 429)
+    assert fallback.refused(1.0, 502) and fallback.active(2.0)
+    fallback = Fallback(cooldown_s=60.0)
+    assert fallback.refused(0.0, 426) and fallback.active(1.0)
+    for status in (404, 405, 400, 200, 501):
+        assert refusal_is_verdict(status)
+    for status in (408, 429, 500, 502, 503, 504):
+        assert not refusal_is_verdict(status)
+
+
+def test_warmup_answer_names_one_response_with_no_output() -> None:
+    create = {"type": "response.create", "model": "m", "input": "hi", "generate": False}
+    assert is_warmup(create) and not is_warmup({**create, "generate": True})
+    assert not is_warmup({"type": "response.create", "model": "m"})
+    created, completed = (json.loads(m) for m in warmup_messages(create, "resp_x", 7))
+    assert created["type"] == "response.created"
+    assert created["response"]["id"] == completed["response"]["id"] == "resp_x"
+    assert completed["type"] == "response.completed"
+    assert completed["response"]["status"] == "completed"
+    assert completed["response"]["output"] == []
+    assert completed["response"]["usage"]["total_tokens"] == 0
+    # recorded, the warm-up is what the next turn chaining from it is rebuilt from
+    session = SessionResponses()
+    session.history.record(create, completed["response"], None)
+    nxt = {"type": "response.create", "model": "m", "input": [], "previous_response_id": "resp_x"}
+    rebuilt = session.history.request_for(nxt, None)
+    assert "previous_response_id" not in rebuilt
+    assert rebuilt["input"] == [{"role": "user", "content": "hi"}]

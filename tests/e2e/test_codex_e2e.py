@@ -19,6 +19,7 @@ import pytest
 
 from e2e.agent_run import (
     agent_text,
+    base_env,
     codex_argv,
     codex_home,
     reconnects,
@@ -403,7 +404,8 @@ async def test_websocket_codex_keeps_its_socket_through_cuts_resumed_over_http(
     text = " ".join(f"word{i}" for i in range(40))
     cut = {"text": text, "deltas": 40, "fault": "reset", "after_frame": 7}
     mock.set_default({"text": text, "deltas": 40})
-    mock.script([{}, cut] + [{"fault": "reset", "after_frame": 3}] * 4)
+    # (the warm-up is answered by the relay: never POSTed, it takes no action; issue 33)
+    mock.script([cut] + [{"fault": "reset", "after_frame": 3}] * 4)
     r = await run(through_unbroken(cfg, codex_argv(tmp_path, "say hi")), env, tmp_path / "project")
     assert r.code == 0, r.stderr[-3000:]
     assert agent_text(r) == text
@@ -415,3 +417,54 @@ async def test_websocket_codex_keeps_its_socket_through_cuts_resumed_over_http(
     finally:
         conn.close()
     assert ("responses-ws", "resumed", 5) in rows
+
+
+def _builtin_openai_home(root: Path, mock_url: str) -> dict[str, str]:
+    """A CODEX_HOME for Codex's built-in ``openai`` provider (no custom provider), at the
+    mock through ``openai_base_url``: the provider a user gets, over WebSocket."""
+    home, codex = root / "home", root / "codex"
+    for d in (home, codex, root / "project"):
+        d.mkdir(parents=True, exist_ok=True)
+    (codex / "config.toml").write_text(
+        "\n".join(
+            [
+                'model = "fake-model"',
+                'approval_policy = "never"',
+                'sandbox_mode = "danger-full-access"',
+                f'openai_base_url = "{mock_url}/v1"',
+                "",
+            ]
+        )
+    )
+    env = base_env(home)
+    env["CODEX_HOME"] = str(codex)
+    env["OPENAI_API_KEY"] = "sk-fake"
+    return env
+
+
+async def test_builtin_provider_websocket_warmup_in_continue_mode_is_no_generation(
+    tmp_path: Path, mock: MockProvider
+) -> None:
+    """Issue 33 item 1: Codex's built-in ``openai`` provider goes over WebSocket and warms
+    its socket with ``response.create`` + ``generate: false``.  In continue mode the
+    relay serves the socket's turns over HTTP (background mode): the warm-up is
+    answered by the relay, never POSTed (a provider that ignores ``generate`` generated
+    the scripted tool call for it, which then never ran).  One generation per turn,
+    the tool runs once, Codex never reconnects."""
+    env = _builtin_openai_home(tmp_path, mock.url)
+    cfg = relay_config(tmp_path / "unbroken.toml", tmp_path / "journal.sqlite3")
+    cfg.write_text(cfg.read_text().replace("[stream]\n", '[stream]\nafter_commit = "continue"\n'))
+    mock.script([_tool("echo ran >> marker.txt")])
+    r = await run(
+        through_unbroken(cfg, codex_argv(tmp_path, "run the tool")), env, tmp_path / "project"
+    )
+    assert r.code == 0, r.stderr[-3000:]
+    assert not reconnects(r), r.stdout[-3000:]
+    assert (tmp_path / "project" / "marker.txt").read_text() == "ran\n"
+    assert [u.status for u in mock.upgrades] in ([], [101])  # (the first socket, unused)
+    posts = [q for q in mock.requests if q.method == "POST"]
+    assert len(posts) == 2  # the call, then the answer after its output: no warm-up
+    for q in posts:
+        sent = q.json()
+        assert "generate" not in sent and sent["background"] is True
+    assert not [q for q in mock.requests if q.method == "WS"]

@@ -256,8 +256,13 @@ def test_stats_finds_the_journal_through_the_config(
     conf.write_text(f"[journal]\npath = {json.dumps(str(path))}\n")
     assert main(["stats", "--config", str(conf), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["turns"] == 10
-    assert main(["stats", "--journal", str(tmp_path / "none.sqlite3")]) == 1
-    assert "no journal at" in capsys.readouterr().err  # a journal named, and not there
+    # a journal named, and not there: bad command-line input, one line and exit 2 (it
+    # was 1, issue 35)
+    for missing in (tmp_path / "none.sqlite3", Path("/nonexistent"), tmp_path):
+        assert main(["stats", "--journal", str(missing)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"unbroken stats: no journal at {missing}\n"
+        assert captured.out == ""
 
 
 def test_stats_before_the_first_turn_says_there_are_none_yet_and_where_they_go(

@@ -287,3 +287,27 @@ def test_a_credential_is_the_injected_key_else_the_clients_header_else_its_key_p
         route, upstreams=tuple(dataclasses.replace(u, api_key="sk-own") for u in route.upstreams)
     )
     assert io.creds_for(keyed, {}, "key=AIza-q") == (credential_hash("sk-own"),)
+
+
+async def test_a_quantized_provider_is_not_stormed_through_the_relay(
+    mock: MockProvider, http: aiohttp.ClientSession
+) -> None:
+    # issue 32: it reports 600 a minute and enforces 10 a second, with no Retry-After;
+    # before, a 429 was waited until the learned rate "refilled" one request (under a
+    # millisecond) with no retry delay and no pacer: thousands of requests a second
+    mock.limits = MockLimits(rpm=600, behaviour="quantized")
+    cfg = config([mock.url], retry={"delay_ms": 250, "max_delay_ms": 30_000})
+    async with RelayServer(cfg) as server:
+        results = await asyncio.gather(*(chat(http, server.url) for _ in range(30)))
+        assert all(status == 200 and b"[DONE]" in body for status, body in results)
+        sent = statuses(mock)
+        assert sent.count(200) == 30
+        # the first second's (4 to 5 measured), and a probe: not one for every turn
+        assert sent.count(429) <= 8, f"{sent.count(429)} 429s for 30 turns"
+        # what the provider refused shows in /status: the throttle is on, at its rate
+        up = await (await http.get(server.url + "/status")).json()
+        [u] = [u for u in up["upstreams"] if u["route"] == "mock"]
+        throttle = u["ratelimits"][0]["throttle"]
+        assert throttle["on"] == (sent.count(429) > 0)
+        metrics = await (await http.get(server.url + "/metrics")).text()
+        assert ("unbroken_ratelimit_throttle_per_s{" in metrics) == throttle["on"]

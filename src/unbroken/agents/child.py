@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -16,7 +18,7 @@ from typing import Protocol
 
 from unbroken.cmdline import setup_logging
 
-__all__ = ["Helper", "log_to", "run_child", "setup_run_logging"]
+__all__ = ["Helper", "cannot_start", "log_to", "run_child", "setup_run_logging"]
 
 
 class Helper(Protocol):
@@ -29,6 +31,26 @@ def _exit_code(code: int | None) -> int:
     if code is None:
         return 1
     return 128 - code if code < 0 else code
+
+
+def cannot_start(name: str, env: Mapping[str, str]) -> int | None:
+    """None if the command ``name`` can be run; else says why on one line and returns
+    the exit code a shell gives it (127: not found, 126: not executable), as `env` and
+    `timeout` do.  Checked before the relay starts: a typo was three log lines, then
+    the error."""
+    why = None
+    if os.sep in name:
+        path = Path(name)
+        if not path.exists():
+            code, why = 127, "no such file"
+        elif path.is_dir() or not os.access(path, os.X_OK):
+            code, why = 126, "not an executable file"
+    elif shutil.which(name, path=env.get("PATH", os.defpath)) is None:
+        code, why = 127, "command not found"
+    if why is None:
+        return None
+    print(f"unbroken run: cannot start {name}: {why}", file=sys.stderr)
+    return code
 
 
 def log_to(path: str | None, interactive: bool, env: Mapping[str, str]) -> Path | None:
@@ -48,7 +70,7 @@ def setup_run_logging(log_file: Path | None) -> None:
     if log_file is None:
         setup_logging()
         return
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # the token's, too
     handler = logging.FileHandler(log_file, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root = logging.getLogger()

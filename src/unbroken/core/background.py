@@ -10,20 +10,30 @@ after sequence number N.  Nothing is sampled twice, nothing is paid twice.
 * a fresh attempt sets ``background`` and ``store`` in the request (the only
   rewrite of a request, and only with ``after_commit = "continue"``), unless the
   upstream refused background mode before (`ContinuationMemory`); a final 4xx
-  that names ``background`` or ``store`` is such a refusal;
+  that names ``background`` or ``store`` is such a refusal, and so is a 400/422 in
+  other words when the same request without them then succeeds (the turn asks once
+  more as the client sent it: a wording is no proof, a structure is).  **A
+  client's ``store: false`` becomes ``store: true``**: the provider keeps the
+  response (OpenAI: 30 days by default).  The relay says so where it is decided: a
+  warning at start-up for the routes that may do it (`store_override_routes`,
+  `STORE_OVERRIDE`) and once per route when it first does (`store_override_note`);
 * after a cut it continues from the response id the ledger's classifier saw in
   ``response.created`` and the last sequence number *fed to the ledger* (held
   frames included: they stay held, so nothing is skipped and nothing repeats);
 * `SequenceSplicer` checks the join: the first event is number N+1, numbers
-  strictly increase, and every lifecycle event names the same response;
+  strictly increase, and every lifecycle event names the same response; nothing
+  of a resumed stream is released before a frame of it names that response;
+* the response id goes into URLs only if it is a plain token (`RESPONSE_ID`);
 * a response given up (a replay, a refusal, a broken join, the client gone) is
   cancelled (``POST {base}/responses/{id}/cancel``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from unbroken.core.continuation import Cancel, JoinBroken, Refusal, Resume
 from unbroken.core.ledger import Ledger
@@ -32,16 +42,24 @@ from unbroken.core.sse import Event
 
 __all__ = [
     "MECHANISM",
+    "RESPONSE_ID",
+    "STORE_OVERRIDE",
     "BackgroundResume",
     "SequenceSplicer",
     "background_patch_applies",
     "refuses_background",
+    "store_override_note",
+    "store_override_routes",
 ]
 
 MECHANISM = "responses_background"
 
+#: a response id that may go into a URL path: OpenAI's are ``resp_`` and hex
+RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 #: lifecycle events that say the response waits or runs, and nothing more
 _WAITING = frozenset({"response.queued", "response.in_progress"})
+#: a final answer to the background request that may refuse it in other words
+_MAYBE_REFUSALS = frozenset({400, 422})
 #: a 4xx whose error names one of these as its ``param`` refuses background mode
 _REFUSAL_PARAMS = frozenset({"background", "store"})
 
@@ -85,21 +103,56 @@ class SequenceSplicer:
     Output items follow each other in a response: a frame that names an item
     (``item_id``, or the item of ``output_item.done``) names the one open at the
     cut until ``output_item.added`` opens the next, so the deltas of another
-    response are refused at once, not at its ``response.completed``."""
+    response are refused at once, not at its ``response.completed``.
 
-    __slots__ = ("_first", "item", "last", "progressed", "response_id")
+    Item ids and numbers may match another response's (a proxy that serves the wrong
+    stored response): the resumed stream is *held* until its first frame that names
+    a response (``response.completed`` at the latest) names this one; a frame that
+    names another refuses the splice before anything of it was released.  Held
+    frames are never fed: a cut while holding resumes from the same cursor (the
+    held frames come again), and more than ``max_held_bytes`` held is a broken join.
+    """
 
-    def __init__(self, response_id: str, after: int, item: str | None = None) -> None:
+    __slots__ = (
+        "_first",
+        "fed_item",
+        "held",
+        "held_bytes",
+        "item",
+        "last",
+        "max_held_bytes",
+        "progressed",
+        "response_id",
+        "verified",
+    )
+
+    def __init__(
+        self,
+        response_id: str,
+        after: int,
+        item: str | None = None,
+        *,
+        max_held_bytes: int = 8 * 1024 * 1024,
+    ) -> None:
         self.response_id = response_id
         self.last = after
         self.item = item
+        #: the open item as of the last frame fed to the ledger (the next cursor's)
+        self.fed_item = item
         self._first = True
         self.progressed = False
+        #: a frame of this stream named this response: what follows is fed at once
+        self.verified = False
+        self.held: list[Event] = []
+        self.held_bytes = 0
+        self.max_held_bytes = max_held_bytes
 
-    def splice(self, event: Event) -> Event | None:
+    def splice(self, event: Event) -> Event | list[Event] | None:
         data = event.data
         if data is None:
-            return event  # a comment: the ledger ignores it
+            # A comment: the ledger ignores it; while holding, it is not fed either (a
+            # fed frame without a number would hide the cursor from the next resume).
+            return event if self.verified else None
         obj = loads_object(data)
         if obj is None:
             raise JoinBroken("a continuation frame is not a JSON object")
@@ -107,6 +160,7 @@ class SequenceSplicer:
         if not isinstance(etype, str) and event.name is not None:
             etype = event.name
         if etype == "error":
+            self._drop_held()  # never vouched for: the provider's error ends the turn
             return event  # the provider's own error: the ledger ends the turn with it
         seq = obj.get("sequence_number")
         if type(seq) is not int:
@@ -120,6 +174,7 @@ class SequenceSplicer:
             rid = resp.get("id")
             if rid != self.response_id:
                 raise JoinBroken("the continuation is another response")
+            self.verified = True
         item = _item_of(obj)
         if item is not None:
             if etype == "response.output_item.added" or self.item is None:
@@ -130,7 +185,23 @@ class SequenceSplicer:
         self.last = seq
         if etype not in _WAITING:
             self.progressed = True
+        if not self.verified:
+            self.held.append(event)
+            self.held_bytes += len(event.raw)
+            if self.held_bytes > self.max_held_bytes:
+                raise JoinBroken(
+                    f"no frame of the continuation named its response within "
+                    f"{self.max_held_bytes} bytes"
+                )
+            return None
+        self.fed_item = self.item
+        if self.held:
+            out, self.held, self.held_bytes = [*self.held, event], [], 0
+            return out
         return event
+
+    def _drop_held(self) -> None:
+        self.held, self.held_bytes = [], 0
 
 
 class BackgroundResume:
@@ -150,6 +221,8 @@ class BackgroundResume:
         "_resumable",
         "_saved",
         "_splicer",
+        "_suspects",
+        "_unpatched",
         "last_seq",
         "max_splices",
         "path",
@@ -178,6 +251,10 @@ class BackgroundResume:
         self._saved = 0
         self._counted: object = None  # the attempt whose output frames are counted saved
         self._splicer: SequenceSplicer | None = None
+        #: upstreams this turn asks as the client sent them (after a refusal)
+        self._unpatched: set[int] = set()
+        #: upstreams whose 400 to the background request may have been a refusal
+        self._suspects: set[int] = set()
 
     def released(self, data: bytes) -> None:
         """Not asked for (``wants_released`` is False)."""
@@ -189,18 +266,34 @@ class BackgroundResume:
     # -- fresh attempts --------------------------------------------------------------
     def body_patch(self, upstream: int) -> tuple[tuple[str, object], ...]:
         self.last_seq = None
-        if self._memory.refused(MECHANISM, self._key(upstream)):
+        if upstream in self._unpatched or self._memory.refused(MECHANISM, self._key(upstream)):
             self._resumable.discard(upstream)
             return ()
         self._resumable.add(upstream)
         return (("background", True), ("store", True))
 
     def refused(self, upstream: int, status: int, body: bytes) -> bool:
-        if upstream not in self._resumable or not refuses_background(status, body):
+        """A final 4xx to the background request: one that names background mode is
+        its refusal (remembered); any other 400/422 may be one in other words, so the
+        turn asks once more as the client sent it (nothing was released) and
+        `answered` remembers it if that succeeds; a 400 again is the provider's
+        answer to the client's own request."""
+        if upstream not in self._resumable or self.last_seq is not None:
+            return False  # (not the background request: a resume's answer)
+        if refuses_background(status, body):
+            self._memory.remember(MECHANISM, self._key(upstream))
+        elif status in _MAYBE_REFUSALS and upstream not in self._unpatched:
+            self._suspects.add(upstream)
+        else:
             return False
-        self._memory.remember(MECHANISM, self._key(upstream))
+        self._unpatched.add(upstream)
         self._resumable.discard(upstream)
         return True
+
+    def answered(self, upstream: int, status: int) -> None:
+        if upstream in self._suspects and 200 <= status < 300:
+            self._suspects.discard(upstream)
+            self._memory.remember(MECHANISM, self._key(upstream))
 
     # -- cuts ------------------------------------------------------------------------
     def plan(self, upstream: int, ledger: Ledger, timeout_s: float) -> Resume | Refusal:
@@ -219,13 +312,13 @@ class BackgroundResume:
         item = _last_item(ledger)
         previous = self._splicer
         if item is None and previous is not None and previous.response_id == rid:
-            item = previous.item
+            item = previous.fed_item
         self.splices += 1
         if ledger.stats is not self._counted:  # once per cut attempt
             self._counted = ledger.stats
             self._saved += ledger.stats.output_frames
         self.last_seq = seq
-        self._splicer = SequenceSplicer(rid, seq, item)
+        self._splicer = SequenceSplicer(rid, seq, item, max_held_bytes=ledger.max_hold_bytes)
         return Resume(
             upstream,
             "GET",
@@ -283,9 +376,12 @@ def _last_item(ledger: Ledger) -> str | None:
 
 
 def _response_id(ledger: Ledger) -> str | None:
+    """The response id the upstream named, if it is one that may go into a URL path
+    (`RESPONSE_ID`): checked as strictly as a client's path, since it goes into the
+    resume GET and the cancel POST (``..``, ``#frag``, ``%2F..`` never do)."""
     snapshot = getattr(ledger.classifier, "snapshot", None)
     rid = snapshot.get("id") if isinstance(snapshot, dict) else None
-    return rid if isinstance(rid, str) and rid and "/" not in rid and "?" not in rid else None
+    return rid if isinstance(rid, str) and RESPONSE_ID.fullmatch(rid) else None
 
 
 def _last_seq(ledger: Ledger) -> int | None:
@@ -304,4 +400,42 @@ def background_patch_applies(parsed: dict[str, Any] | None) -> bool:
     request that did not ask for background mode itself."""
     return (
         parsed is not None and parsed.get("stream") is True and parsed.get("background") is not True
+    )
+
+
+# -- what it costs the client's privacy ---------------------------------------------------
+
+#: what continue mode does to a client's privacy choice (`BackgroundResume.body_patch`)
+STORE_OVERRIDE = (
+    "OpenAI Responses requests are sent in background mode with store: true, overriding "
+    "a client's store: false: the provider keeps each response (OpenAI: 30 days by default)"
+)
+#: upstream hosts (and their subdomains) that serve no OpenAI Responses API
+_NOT_RESPONSES = ("anthropic.com", "googleapis.com")
+
+
+def store_override_routes(continued: Mapping[str, Iterable[str]]) -> list[str]:
+    """Of the routes with ``after_commit = "continue"`` (route name -> its upstream
+    URLs), those that may send a Responses request in background mode: all but the
+    routes whose every upstream is a provider with no Responses API (Anthropic,
+    Google).  Sorted: one start-up warning names them."""
+    out = []
+    for name, urls in continued.items():
+        hosts = [(urlsplit(u).hostname or "") for u in urls]
+        if not hosts or not all(_no_responses(h) for h in hosts):
+            out.append(name)
+    return sorted(out)
+
+
+def _no_responses(host: str) -> bool:
+    return any(host == d or host.endswith(f".{d}") for d in _NOT_RESPONSES)
+
+
+def store_override_note(route: str) -> str:
+    """The log line of the first turn on ``route`` that continue mode sends in
+    background mode (once per route)."""
+    return (
+        f"route {route}: after_commit = continue sent a Responses request with "
+        f"background: true, store: true (a client's store: false is overridden): the "
+        "provider keeps the response (OpenAI: 30 days by default); said once per route"
     )

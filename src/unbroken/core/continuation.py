@@ -27,7 +27,10 @@ that nobody will read are named by `Strategy.abandon` as `Cancel` requests the
 transport sends (best effort) when the turn is over or gives the response up.
 
 `ContinuationMemory` remembers, per upstream, that it refused the mechanism (a
-backend or proxy that rejects ``background``): later turns to it end as today.
+backend or proxy that rejects ``background``): later turns to it end as today.  A
+refusal is known by its wording (an error naming ``background``), or structurally: a
+400/422 to the patched request is retried once as the client sent it, and if that
+succeeds the 400 was the refusal (`Strategy.answered`).
 """
 
 from __future__ import annotations
@@ -159,6 +162,10 @@ class Strategy(TypingProtocol):
     def refused(self, upstream: int, status: int, body: bytes) -> bool:
         """A final 4xx answer to a rewritten request: whether it refuses the mechanism
         (then remembered; the turn retries with the client's request)."""
+
+    def answered(self, upstream: int, status: int) -> None:
+        """A fresh attempt on ``upstream`` that went as the client sent it was answered
+        2xx (after a 4xx to the patched request: that 4xx refused the mechanism)."""
 
     def plan(
         self, upstream: int, ledger: Ledger, timeout_s: float

@@ -140,6 +140,9 @@ class PrefillContinue:
     def body_patch(self, upstream: int) -> tuple[tuple[str, object], ...]:
         return ()
 
+    def answered(self, upstream: int, status: int) -> None:
+        """Nothing to learn: fresh attempts go as the client sent them."""
+
     def refused(self, upstream: int, status: int, body: bytes) -> bool:
         """A final answer to a continuation: remembered for the upstream and model."""
         if status not in _REFUSING:

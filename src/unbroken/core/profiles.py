@@ -114,8 +114,22 @@ class Profile:
     #: the client's own timers, as measured (None: unknown).  How long it waits for
     #: the next event of a stream before it gives up on it
     client_idle_timeout_s: float | None = None
+    #: how long it waits for the response headers of a streamed request
+    client_header_timeout_s: float | None = None
     #: how long it waits for a non-streamed answer before it gives up on it
     client_nonstream_wait_s: float | None = None
+
+    def header_timeout(self, header_s: float) -> float:
+        """How long an attempt of a streamed request waits for the upstream's headers,
+        from ``[stream] header_timeout_s``: the client's own header wait where it is
+        known.  A client that gets no early headers waits on its own timer: the relay
+        waits as long (a shorter wait cuts answers the client would have taken, and
+        asks again).  A client whose timer early headers disarm would have given up
+        and asked again at its own time: the relay asks again no later."""
+        client = self.client_header_timeout_s
+        if client is None:
+            return header_s
+        return min(header_s, client) if self.early_headers else client
 
     def stall_timeouts(self, first_frame_s: float, idle_s: float) -> tuple[float, float]:
         """The relay's first-frame and idle timeouts for this client, from the
@@ -153,22 +167,25 @@ PROFILES: dict[str, Profile] = {
         "codex", early_headers=False, keepalive=KeepaliveForm.EVENT, client_idle_timeout_s=300.0
     ),
     # Claude Code 2.1.328: 300 s for the next stream event (CLAUDE_STREAM_IDLE_TIMEOUT_MS
-    # raises it, never below 300 s) and for a non-streamed answer (API_TIMEOUT_MS).
+    # raises it, never below 300 s) and for a non-streamed answer (API_TIMEOUT_MS); it
+    # abandons a streamed request with no response headers after 360 s (measured).
     "claude-code": Profile(
         "claude-code",
         early_headers=False,
         keepalive=KeepaliveForm.EVENT,
         after_commit_end=CommitEnd.RESET,
         client_idle_timeout_s=300.0,
+        client_header_timeout_s=360.0,
         client_nonstream_wait_s=300.0,
     ),
-    # Gemini CLI 0.61.0: about 60 s for response headers (early headers serve it),
-    # about 300 s for the next stream event.
+    # Gemini CLI 0.61.0: about 60 s for response headers (early headers disarm it: the
+    # relay asks again by then), about 300 s for the next stream event.
     "gemini-cli": Profile(
         "gemini-cli",
         keepalive=KeepaliveForm.EVENT,
         after_commit_end=CommitEnd.RESET,
         client_idle_timeout_s=300.0,
+        client_header_timeout_s=60.0,
     ),
     "opencode": Profile("opencode"),
     "openai-sdk": Profile("openai-sdk"),
@@ -188,6 +205,7 @@ CLIENT_KEYS: dict[str, tuple[type, ...]] = {
     "idle_timeout_s": (int, float),
     "after_commit_end": (str,),
     "client_idle_timeout_s": (int, float),
+    "client_header_timeout_s": (int, float),
     "client_nonstream_wait_s": (int, float),
 }
 

@@ -24,10 +24,16 @@ Each upstream, for each credential (a hash of the key, never the key), has a
   provider reports spent blocks until its reset.
 * **A slow start.**  A new limiter lets ``cold_start`` requests (4) be in flight,
   and one more for each the provider answers without a 429 (doubling every round
-  trip, as TCP's slow start), until ``max_concurrency`` or the first 429: fifty
+  trip, as TCP's slow start), until ``max_concurrency``; a 429 halves it: fifty
   agents starting at once on a key whose headers overstate what is left cost a few
   429s, not fifty, while a lone agent's own first requests (a title and a turn, a
   sub-agent or two) never wait.
+* **A second's share.**  Once the provider reports a requests limit, a crowd (more
+  than one request in flight or waiting) is let go at most a second's share of it
+  at once (at least ``cold_start``), then at the limit a minute: a per-minute limit
+  may be enforced per second ("quantized", as OpenAI documents), and a burst of a
+  whole minute's budget into it is a burst of 429s.  A request alone never waits
+  on it.
 * **Concurrency** adapts (AIMD) for a provider that reports no budget: unbounded
   until the first 429; then a window of half the requests in flight, one more for
   every window of answered requests, and half again on a 429 (at most once per
@@ -86,6 +92,9 @@ DEFAULT_TOKENS_PER_BYTE = 0.25
 SMOOTH = 0.3
 #: a limit's window before a reset is seen (limits are per minute)
 DEFAULT_WINDOW_S = 60.0
+#: a reset this short on a 429 that no budget explains is "until the next request may
+#: go" (a quantized limit's): the key waits for it
+NEXT_HINT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +295,8 @@ class Limiter:
 
     __slots__ = (
         "_decrease_seq",
+        "_next_hint",
+        "_second",
         "_unanswered",
         "blocked_until",
         "buckets",
@@ -321,6 +332,11 @@ class Limiter:
         self.running: dict[int, float] = {}
         #: admissions in flight with no answer yet (accepted or refused)
         self._unanswered: set[int] = set()
+        #: (seq, seconds): the shortest reset under ``NEXT_HINT_S`` an answer reported
+        self._next_hint: tuple[int, float] = (0, 0.0)
+        #: (tokens, when): the per-second share of a reported per-minute requests limit,
+        #: as a bucket (a per-minute limit may be enforced per second: "quantized")
+        self._second: tuple[float, float] | None = None
         self.seq = 0
         #: the provider answered once (until then one request goes at a time)
         self.seen = False
@@ -367,7 +383,30 @@ class Limiter:
             if cost > 0:
                 when = max(when, bucket.due(cost, now))
         alone = not self.running and not self.granted and len(self.line) <= 1
+        if not alone:
+            when = max(when, self._second_due(now))
         return max(when, self.throttle.due(now, alone=alone))
+
+    def _second_share(self) -> tuple[float, float] | None:
+        """(rate, burst) of the requests limit's one-second share, once one is reported:
+        a burst of a second's worth (at least ``cold_start``), then the limit a minute."""
+        b = self.buckets.get("requests")
+        if b is None:
+            return None
+        rate = b.limit / DEFAULT_WINDOW_S
+        return rate, max(float(self.settings.cold_start), rate)
+
+    def _second_due(self, now: float) -> float:
+        share = self._second_share()
+        if share is None:
+            return now
+        rate, burst = share
+        if self._second is None:  # first reported now: what is in flight went this second
+            self._second = (burst - len(self.running), now)
+        tokens, t = self._second
+        tokens = min(burst, tokens + (now - t) * rate)
+        self._second = (tokens, now)
+        return now if tokens >= 1.0 - 1e-9 else now + (1.0 - tokens) / rate
 
     def _spend(self, tokens: float, now: float) -> int:
         for bucket, cost in self._costs(tokens):
@@ -379,6 +418,10 @@ class Limiter:
         self.running[self.seq] = tokens
         self._unanswered.add(self.seq)
         self.throttle.sent(self.seq, now)
+        if self._second_share() is not None:
+            self._second_due(now)  # refilled to now
+            tokens, _ = self._second or (0.0, now)
+            self._second = (max(tokens - 1.0, -1.0), now)
         return self.seq
 
     def _refund(self, seq: int) -> None:
@@ -431,9 +474,13 @@ class Limiter:
         """An answer's headers for admission ``seq`` (0: not admitted here)."""
         self.seen = True
         self.uncounted.pop(seq, None)
+        hint = 0.0
         for name, reading in (("requests", h.requests), ("tokens", h.tokens), ("output", h.output)):
             if reading is None or (reading.limit is None and name not in self.buckets):
                 continue
+            r = reading.reset_s
+            if r is not None and 0.0 < r <= NEXT_HINT_S and (hint == 0.0 or r < hint):
+                hint = r
             bucket = self.buckets.get(name)
             if bucket is None:
                 assert reading.limit is not None
@@ -444,6 +491,7 @@ class Limiter:
                     (1.0 if name == "requests" else t) for s, t in self.uncounted.items() if s > seq
                 )
             bucket.learn(reading, after, now)
+        self._next_hint = (seq, hint)
 
     def accepted(self, seq: int, now: float) -> None:
         """Admission ``seq`` was answered, and not with a 429: the slow start widens
@@ -464,13 +512,17 @@ class Limiter:
         The provider refused what the model let go: the throttle lowers the admitted
         rate (once an epoch).  A Retry-After is waited (at most ``max_wait_s``); else a
         budget the provider's headers (learned first) report short of this request's
-        cost is waited until it refills; else the throttle paces the retry."""
+        cost is waited until it refills; else a reset under ``NEXT_HINT_S`` that the
+        429's headers report ("until the next request"); else the throttle paces the
+        retry."""
         self.limited_total += 1
         self.seen = True
         self.uncounted.pop(seq, None)
         self._unanswered.discard(seq)
-        self.throttle.refused(seq, now, self.seq)
-        self.ramp = None  # the throttle paces from here
+        if self.throttle.refused(seq, now, self.seq) and self.ramp is not None:
+            # fewer in flight (halved, as TCP's slow start on a loss), still growing by
+            # one for each answer taken: a block's end does not let the whole line go
+            self.ramp = max(1.0, min(self.ramp, float(len(self.running))) / 2.0)
         running = len(self.running)
         if not self.buckets and seq > self._decrease_seq:
             # A 429 no reported budget explains (a provider that sends no rate-limit
@@ -490,6 +542,11 @@ class Limiter:
                     due = max(due, bucket.due(cost, now))
             if not math.isfinite(due):
                 due = now
+            hint_seq, hint = self._next_hint
+            if due <= now and hint_seq == seq and hint > 0.0:
+                # No budget explains it, and its own headers say the next request may
+                # go in under a second (a per-minute limit enforced per second)
+                due = now + hint
             until = min(due, now + self.settings.max_wait_s)
         self.blocked_until = max(self.blocked_until, until)
         return self.blocked_until

@@ -43,15 +43,16 @@ from typing import Any
 __all__ = ["BETA", "CLIMB_S", "MAX_RATE", "MIN_RATE", "AdmissionThrottle"]
 
 #: the share of the accepted rate kept after a 429 (CUBIC's and botocore's beta)
-BETA = 0.9
+BETA = 0.95
 #: seconds to climb back to the refused rate after a decrease (CUBIC's K)
-CLIMB_S = 4.0
+CLIMB_S = 8.0
 #: the lowest admitted rate, requests a second (one every 20 s at the very worst)
 MIN_RATE = 0.05
 #: the highest admitted rate the curve may reach (a sanity bound, not a target)
 MAX_RATE = 100_000.0
-#: a burst's requests count as sent over at least this long
-MIN_EPOCH_S = 0.05
+#: an epoch's requests count as sent over at least this long (a burst of four in a
+#: millisecond is not a rate of four thousand a second)
+MIN_EPOCH_S = 1.0
 #: the bucket holds this many seconds of the rate (at least one request)
 BURST_S = 1.0
 #: a 429 is measured against the answers accepted in the last this many seconds too

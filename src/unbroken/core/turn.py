@@ -446,10 +446,11 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         self.attempt_ledger = None
         self._splice = None
         t = self.timers
-        # A non-streamed answer arrives only once generated: allow it as long as the
+        # Headers as long as the client itself waits for them (when known); a
+        # non-streamed answer arrives only once generated: allow it as long as the
         # client waits for it (when known), else the first-frame time.
         if self.stream:
-            timeout = t.header_timeout_s
+            timeout = self._profile.header_timeout(t.header_timeout_s)
         else:
             timeout = self._profile.nonstream_wait(t.header_timeout_s, t.first_frame_timeout_s)
         strategy = self.continuation
@@ -521,6 +522,9 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
             self._reading(now, Step.ERROR_BODY)
             return ReadErrorBody()
         self.retry.record_answer(now)  # known good: its pacer's line may move
+        strategy = self.continuation
+        if strategy is not None and status < 300 and self.request is AS_SENT:
+            strategy.answered(self.retry.current, status)  # (a refusal, confirmed)
         if self.request is PATCHED and 400 <= status < 500:
             # Maybe a refusal of the patched request (`Strategy.refused`): read it.
             self.failure = Failure(FailureClass.STATUS, f"HTTP {status}", status=status)

@@ -2,10 +2,21 @@
 
 `relay.websocket` carries these decisions out; it decides nothing itself.
 
-* **The HTTP fallback** (`Fallback`): an upstream that refuses the WebSocket upgrade,
-  or answers ``websocket_connection_limit_reached``, is served over
-  ``POST /v1/responses`` for ``[websocket] fallback_cooldown_s``; so is an attempt
-  that asks for a body patch (background mode exists over HTTP only).
+* **The HTTP fallback** (`Fallback`): an upstream that refuses the WebSocket upgrade
+  for good (a verdict such as 404 or 426, or `REFUSALS_BEFORE_FALLBACK` refusals in a
+  row: one transient 503 is a retryable failure, not a verdict), or answers
+  ``websocket_connection_limit_reached``, is served over ``POST /v1/responses`` for
+  ``[websocket] fallback_cooldown_s``; so is an attempt that asks for a body patch
+  (background mode exists over HTTP only).
+* **The warm-up** (`is_warmup`, `warmup_messages`): a ``response.create`` with
+  ``generate: false`` (Codex sends one to warm a socket) asks for no output.  On an
+  upstream socket it goes as it is; served over HTTP (a continuation, the fallback) it
+  is never POSTed (HTTP has no ``generate``: a provider would generate, store and bill
+  a whole answer, or refuse it with a 400).  The relay answers it itself, as OpenAI
+  answers it on a socket: ``response.created`` then ``response.completed`` with an
+  empty output and zero usage, naming a response id of its own; the history records
+  it, so the next turn that chains from it (``previous_response_id``) is sent
+  self-contained.
 * **Response history** (`History`): with ``store: false``, ``previous_response_id``
   points at state held only by the upstream socket that produced it.  The history
   records, per client connection, the input and output items of every completed
@@ -22,6 +33,7 @@ Time is passed in (``now``: the loop's monotonic clock).
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,16 +44,31 @@ from unbroken.core.protocols.base import loads_object
 from unbroken.core.protocols.responses import error_code_of, lifecycle_of
 
 __all__ = [
+    "REFUSALS_BEFORE_FALLBACK",
     "WS_LIMIT_CODE",
     "Fallback",
     "History",
     "SessionResponses",
     "TurnResponses",
     "handshake_failure",
+    "is_warmup",
+    "refusal_is_verdict",
+    "warmup_messages",
 ]
 
 #: the upstream's error code that means "serve this over HTTP for a while"
 WS_LIMIT_CODE = "websocket_connection_limit_reached"
+#: transient refusals of the upgrade in a row (503, 429, ...) that start the fallback
+REFUSALS_BEFORE_FALLBACK = 3
+
+
+def refusal_is_verdict(status: int) -> bool:
+    """Whether a refused upgrade answered ``status`` says the upstream has no WebSocket
+    (404, 405, 426, a 200 without the upgrade, ...) rather than that it failed just now
+    (408, 429, a 5xx other than 501/505: the same answers that are retried over HTTP)."""
+    if status in (408, 425, 429):
+        return False
+    return not (500 <= status < 600 and status not in (501, 505))
 
 
 def handshake_failure(failure: Failure, *, timed_out: bool) -> Failure:
@@ -59,6 +86,8 @@ class Fallback:
     cooldown_s: float
     #: monotonic time until which turns go over HTTP
     until: float = 0.0
+    #: transient refusals of the upgrade since the last socket that opened
+    refusals: int = 0
 
     def active(self, now: float) -> bool:
         """Turns go over HTTP now."""
@@ -72,6 +101,21 @@ class Fallback:
     def start(self, now: float) -> None:
         """The upstream refused WebSocket: HTTP for the cool-down from now."""
         self.until = now + self.cooldown_s
+        self.refusals = 0
+
+    def refused(self, now: float, status: int) -> bool:
+        """The upstream refused the upgrade with ``status``: True when that starts the
+        fallback (a verdict, or the `REFUSALS_BEFORE_FALLBACK`-th refusal in a row);
+        False: a transient failure of this attempt, retried like any other."""
+        self.refusals += 1
+        if refusal_is_verdict(status) or self.refusals >= REFUSALS_BEFORE_FALLBACK:
+            self.start(now)
+            return True
+        return False
+
+    def opened(self) -> None:
+        """An upstream socket opened: earlier transient refusals are forgotten."""
+        self.refusals = 0
 
     def after_attempt(self, now: float, text: str, *, turn_ended: bool) -> bool:
         """An upstream socket's attempt ended on the message ``text``: True when that
@@ -80,6 +124,46 @@ class Fallback:
             return False
         self.start(now)
         return True
+
+
+def is_warmup(create: dict[str, Any]) -> bool:
+    """A ``response.create`` that asks for no output (``generate: false``)."""
+    return create.get("generate") is False
+
+
+def warmup_messages(
+    create: dict[str, Any], response_id: str, created_at: int
+) -> tuple[bytes, bytes]:
+    """The relay's own answer to a warm-up served over HTTP, as OpenAI answers one on a
+    socket: ``response.created`` (in progress) then ``response.completed`` (empty output,
+    zero usage), both naming ``response_id``.  ``created_at``: Unix seconds."""
+    response: dict[str, Any] = {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": "in_progress",
+        "model": create.get("model"),
+        "output": [],
+        "previous_response_id": create.get("previous_response_id"),
+        "usage": None,
+    }
+    created = {"type": "response.created", "sequence_number": 0, "response": response}
+    done = {
+        **response,
+        "status": "completed",
+        "usage": {
+            "input_tokens": 0,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": 0,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 0,
+        },
+    }
+    completed = {"type": "response.completed", "sequence_number": 1, "response": done}
+    return (
+        json.dumps(created, separators=(",", ":")).encode(),
+        json.dumps(completed, separators=(",", ":")).encode(),
+    )
 
 
 def _as_items(value: Any) -> list[Any]:
@@ -197,6 +281,13 @@ class TurnResponses:
         """A new attempt over HTTP (the fallback): the request, self-contained."""
         self.socket = None
         return self.session.history.request_for(self.create, None)
+
+    def warmup_answer(self, response_id: str, created_at: int) -> tuple[bytes, bytes] | None:
+        """Over HTTP: the relay's own answer when this turn is a warm-up (never POSTed:
+        `warmup_messages`, naming ``response_id``), else None (the request goes)."""
+        if not is_warmup(self.create):
+            return None
+        return warmup_messages(self.create, response_id, created_at)
 
     def is_other(self, text: str, data: bytes) -> bool:
         """An upstream message that is a lifecycle event of another response (a late

@@ -1,9 +1,10 @@
 """Deterministic, fault-injecting fake LLM provider for tests, benchmarks and chaos-testing.
 
 Serves OpenAI Chat Completions (``POST .../v1/chat/completions``), OpenAI
-Responses (``POST .../v1/responses``) and Anthropic Messages
-(``POST .../v1/messages``), streamed (``"stream": true`` -> SSE) or not, in the
-real wire formats. Quick start::
+Responses (``POST .../v1/responses``), Anthropic Messages
+(``POST .../v1/messages``), streamed (``"stream": true`` -> SSE) or not, and the
+Gemini API (``POST .../v1beta/models/<model>:streamGenerateContent?alt=sse`` or
+``:generateContent``), in the real wire formats. Quick start::
 
     async with MockProvider() as mock:          # 127.0.0.1, ephemeral port
         mock.script([{"status": 503}, {"fault": "reset", "after_frame": 3}])

@@ -94,12 +94,23 @@ ACTION_KEYS: Final = frozenset(
         # Responses background mode (`mock.background_store`)
         "refuse_background",
         "resume",
+        # the response id a Responses reply names (a hostile upstream's: "../x")
+        "response_id",
         # Chat prefix continuation: the answer starts with the prefix (Mistral's)
         "prefix_echo",
+        # a prefill continuation repeats the prefix's last N characters first
+        "echo_tail",
     }
 )
 #: ``resume``: how a background resume (``GET .../responses/{id}?stream=true``) is answered
-RESUME_FAULTS: Final = ("not_found", "bad_request", "other_id", "backwards", "queued")
+RESUME_FAULTS: Final = (
+    "not_found",
+    "bad_request",
+    "other_id",
+    "other_response",
+    "backwards",
+    "queued",
+)
 
 #: Keys allowed in a WebSocket upgrade action (``script_upgrades``).
 UPGRADE_KEYS: Final = frozenset({"status", "headers", "body", "fault", "delay_ms", "rst", "count"})
@@ -140,11 +151,16 @@ class Action:
     code: int | None = None
     #: a Chat prefix continuation answers with the prefix first, as Mistral's does
     prefix_echo: bool = False
+    #: a prefill continuation starts with the prefix's last N characters (a provider
+    #: that repeats the end of what it was given)
+    echo_tail: int = 0
     shape_key: str = ""
     #: Responses background mode: a ``background: true`` request gets a 400 naming it
     refuse_background: bool = False
     #: the answer to a background resume (`RESUME_FAULTS`); None: the events after N
     resume: str | None = None
+    #: the response id a Responses reply names instead of its own (any string)
+    response_id: str | None = None
 
     @property
     def is_error_status(self) -> bool:
@@ -318,6 +334,8 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
         if not isinstance(get("prefix_echo"), bool):
             raise ActionError(f"{_where(where, 'prefix_echo')}: expected true or false")
         kw["prefix_echo"] = get("prefix_echo")
+    if "echo_tail" in data:
+        kw["echo_tail"] = _int(get("echo_tail"), _where(where, "echo_tail"), lo=1)
     if "code" in data:
         if fault not in CODE_FAULTS:
             raise ActionError(
@@ -331,6 +349,10 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
         kw["refuse_background"] = get("refuse_background")
     if "resume" in data and get("resume") is not None:
         kw["resume"] = _choice(get("resume"), _where(where, "resume"), RESUME_FAULTS)
+    if "response_id" in data:
+        if not isinstance(get("response_id"), str) or not get("response_id"):
+            raise ActionError(f"{_where(where, 'response_id')}: expected a non-empty string")
+        kw["response_id"] = get("response_id")
 
     status = kw.get("status")
     if fault == "error_event" and status is not None and not 200 <= status < 300:
@@ -351,6 +373,10 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
     ]
     if kw.get("prefix_echo"):  # it shapes the reply too (only when set: ids stay as they were)
         shape.append("prefix_echo")
+    if kw.get("echo_tail"):
+        shape.append({"echo_tail": kw["echo_tail"]})
+    if kw.get("response_id"):  # so does a response id of the script's
+        shape.append({"response_id": kw["response_id"]})
     kw["shape_key"] = json.dumps(shape, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return Action(raw=dict(data), **kw)
 

@@ -14,7 +14,8 @@ response "keeps running" whatever happens to the connection.  Then
 Fault knobs (action keys): ``refuse_background: true`` answers the creating
 request with a 400 naming ``background``; ``resume`` answers a resume with
 ``not_found`` (404), ``bad_request`` (400), ``other_id`` (the events of another
-response), ``backwards`` (from sequence number N, one event again) or ``queued``
+response), ``other_response`` (the same events, sequence numbers and item ids, naming
+another response id), ``backwards`` (from sequence number N, one event again) or ``queued``
 (headers, then silence: a response stuck in ``queued``).
 """
 
@@ -90,6 +91,9 @@ def resume_frames(stored: Stored, after: int, action: Action) -> tuple[bytes, ..
     start = max(after + 1, 0)
     if action.resume == "backwards":
         return frames[max(after, 0) :]
+    if action.resume == "other_response":
+        rid = stored.reply.response_id.encode()
+        return tuple(f.replace(rid, rid + b"x") for f in frames[start:])
     if action.resume == "other_id":
         reply = stored.reply
         other = MockReply(

@@ -193,7 +193,8 @@ def main_mock(argv: list[str] | None = None) -> int:
     parser = OneLineParser(
         prog="unbroken mock",
         description="Run a deterministic, fault-injecting fake LLM provider "
-        "(OpenAI Chat Completions, OpenAI Responses, Anthropic Messages).",
+        "(OpenAI Chat Completions, OpenAI Responses over HTTP and WebSocket, Anthropic "
+        "Messages, the Gemini API's generateContent and streamGenerateContent).",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument(

@@ -134,6 +134,11 @@ def _rate_metrics(upstreams: list[dict[str, Any]]) -> Iterator[Metric]:
         "The adaptive concurrency window after 429s (absent while unbounded).",
         labels=labels,
     )
+    throttle = GaugeMetricFamily(
+        "unbroken_ratelimit_throttle_per_s",
+        "The request rate the provider's 429s allow the key (absent until a 429).",
+        labels=labels,
+    )
     waited = CounterMetricFamily(
         "unbroken_ratelimit_waited",
         "Turns that waited at the relay for the key's rate limit.",
@@ -151,9 +156,12 @@ def _rate_metrics(upstreams: list[dict[str, Any]]) -> Iterator[Metric]:
             waiting.add_metric(ls, float(rl.get("waiting", 0)))
             if rl.get("window") is not None:
                 window.add_metric(ls, float(rl["window"]))
+            per_s = (rl.get("throttle") or {}).get("per_s")
+            if per_s is not None:
+                throttle.add_metric(ls, float(per_s))
             waited.add_metric(ls, float(rl.get("waited_total", 0)))
             limited.add_metric(ls, float(rl.get("limited_total", 0)))
-    yield from (limit, left, waiting, window, waited, limited)
+    yield from (limit, left, waiting, window, throttle, waited, limited)
 
 
 def _fleet_metrics(fleet: dict[str, Any]) -> Iterator[Metric]:

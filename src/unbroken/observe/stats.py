@@ -356,7 +356,7 @@ def _stats(args: argparse.Namespace) -> int:
         path = Path(args.journal)
         if not path.is_file():
             print(f"unbroken stats: no journal at {path}", file=sys.stderr)
-            return 1
+            return 2  # bad input: the file named on the command line is not there
     else:
         try:
             config = load_config(args.config)

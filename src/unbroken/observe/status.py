@@ -405,10 +405,12 @@ def _up_text(u: dict[str, Any], now: float) -> Any:
 
 
 def _failed_text(u: dict[str, Any]) -> str:
-    """Failed attempts, and the failure rate over the breaker's window when there is one."""
-    rate = float(u.get("failure_rate") or 0.0)
-    failed = str(u.get("failed", 0))
-    return f"{failed} ({100 * rate:.0f}%)" if rate else failed
+    """Failed attempts since start, and their share of the attempts in the ``ok`` and
+    ``failed`` columns beside it.  (It showed the breaker's ``failure_rate``, over its
+    30 s window, beside the counts since start: "44 (50%)" where 44 of 46 had failed.)"""
+    failed = int(u.get("failed") or 0)
+    total = failed + int(u.get("ok") or 0)
+    return f"{failed} ({100 * failed / total:.0f}%)" if failed and total else str(failed)
 
 
 def since_start(totals: dict[str, Any]) -> Any:

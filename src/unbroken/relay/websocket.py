@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ from unbroken.core.continuation import DEFAULT_QUEUED_S, AfterCommit, Resume
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.protocols import RESPONSES
 from unbroken.core.protocols.base import loads_object
+from unbroken.core.redact import redact, redacted_headers
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn import (
     AbortUpstream,
@@ -70,13 +72,18 @@ from unbroken.core.turn import (
     TurnMachine,
     Wait,
 )
-from unbroken.core.ws_session import Fallback, SessionResponses, handshake_failure
+from unbroken.core.ws_session import (
+    Fallback,
+    SessionResponses,
+    handshake_failure,
+    refusal_is_verdict,
+)
 from unbroken.observe.hooks import TurnRecord
 from unbroken.observe.report import HooksObserver
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.http_attempt import HttpAttempt
 from unbroken.relay.relay_state import RelayState, session_id_of, sticky_key
-from unbroken.relay.upstream import raw_query, redact, request_headers, upstream_url
+from unbroken.relay.upstream import raw_query, request_headers, upstream_url
 from unbroken.relay.watchdog import Watchdog
 from unbroken.relay.wslinger import ClientSocket
 
@@ -113,16 +120,21 @@ HANDSHAKE_PREFIXES = ("x-ratelimit-", "x-codex-")
 FIRST_SOCKET_WAIT_S = 10.0
 
 
-def handshake_headers(ws: aiohttp.ClientWebSocketResponse[Any]) -> list[tuple[str, str]]:
-    """The upstream handshake response headers worth copying to the client."""
+def handshake_headers(
+    ws: aiohttp.ClientWebSocketResponse[Any], secrets: Sequence[str] = ()
+) -> list[tuple[str, str]]:
+    """The upstream handshake response headers worth copying to the client, with
+    any of ``secrets`` (the relay's keys and token) they echo redacted
+    (`core.redact.redacted_headers`)."""
     response = getattr(ws, "_response", None)  # aiohttp keeps the handshake response here
     if response is None:
         return []
-    return [
+    kept = [
         (name, value)
         for name, value in response.headers.items()
         if name.lower() in HANDSHAKE_HEADERS or name.lower().startswith(HANDSHAKE_PREFIXES)
     ]
+    return (redacted_headers(kept, secrets) or kept) if secrets else kept
 
 
 def is_websocket_request(request: web.Request) -> bool:
@@ -130,7 +142,11 @@ def is_websocket_request(request: web.Request) -> bool:
 
 
 class _Refused(Exception):
-    """The upstream refused the WebSocket upgrade."""
+    """The upstream refused the WebSocket upgrade (answered ``status``)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 async def handle_websocket(
@@ -201,7 +217,8 @@ class _Connection:
         #: the latest ``x-codex-turn-state`` an upstream handshake answered with: sent
         #: on every later upstream socket of this connection, as Codex itself would
         self.turn_state: str | None = None
-        #: the refusal of the socket `_open_first` tried: `connect` answers it once
+        #: the refusal of the socket `_open_first` tried (a verdict on the upgrade):
+        #: `connect` answers it once
         self.first_refused: _Refused | None = None
         self._flush_scheduled = False
         #: permessage-deflate on the upstream hop when the client offered it (each hop
@@ -253,7 +270,16 @@ class _Connection:
             async with asyncio.timeout(FIRST_SOCKET_WAIT_S):
                 ws = await self.connect(self.route.upstreams[0], 0)
         except _Refused as exc:
-            self.first_refused = exc  # the first turn falls back to HTTP with it
+            if refusal_is_verdict(exc.status):
+                self.first_refused = exc  # the first turn falls back to HTTP with it
+                return
+            self.fallback.refused(self.loop.time(), exc.status)  # one is no verdict
+            log.info(
+                "websocket route=%s: %s before the handshake (transient: the first "
+                "turn tries again); accepting the client without its headers",
+                self.route.name,
+                exc,
+            )
             return
         except Exception as exc:
             log.info(
@@ -264,7 +290,7 @@ class _Connection:
             )
             await self.drop_upstream()
             return
-        for name, value in handshake_headers(ws):
+        for name, value in handshake_headers(ws, self.relay.secrets):
             self.client.headers[name] = value
 
     async def _from_client(self, text: str) -> bool:
@@ -337,7 +363,8 @@ class _Connection:
                     decode_text=False,
                 )
         except aiohttp.WSServerHandshakeError as exc:
-            raise _Refused(f"upgrade refused: HTTP {exc.status}") from exc
+            raise _Refused(f"upgrade refused: HTTP {exc.status}", exc.status) from exc
+        self.fallback.opened()
         self.upstream = ws
         self.upstream_idx = idx
         self.socket_gen += 1
@@ -516,8 +543,14 @@ class _WsTurn:
             try:
                 ws = await conn.connect(up, action.upstream)
             except _Refused as exc:
+                now = conn.loop.time()
+                if not conn.fallback.refused(now, exc.status):
+                    # One refusal is no verdict (a 503 now): a failed attempt, retried.
+                    reason = f"upgrade refused: HTTP {exc.status}"
+                    refused = Failure(FailureClass.STATUS, reason, status=exc.status)
+                    return self.machine.open_failed(now, refused)
                 # The upstream refuses WebSocket: serve this turn over HTTP now.
-                self._start_fallback(str(exc))
+                self._log_fallback(str(exc))
                 return await self._over_http(action, up)
             except Exception as exc:
                 failure = classify_exception(exc)
@@ -526,11 +559,6 @@ class _WsTurn:
                 failure = handshake_failure(failure, timed_out=isinstance(exc, TimeoutError))
                 return self.machine.open_failed(conn.loop.time(), failure)
         return await self._over_websocket(ws, key=up.api_key)
-
-    def _start_fallback(self, reason: str) -> None:
-        conn = self.conn
-        conn.fallback.start(conn.loop.time())
-        self._log_fallback(reason)
 
     def _log_fallback(self, reason: str) -> None:
         conn = self.conn
@@ -640,9 +668,14 @@ class _WsTurn:
         """Serve this turn over ``POST /v1/responses`` SSE, with the HTTP transport's code."""
         conn = self.conn
         request = self.responses.over_http()
+        local = self.responses.warmup_answer(f"resp_{secrets.token_hex(16)}", int(time.time()))
+        if local is not None:
+            return self._answer_warmup(local)
         body = {k: v for k, v in request.items() if k != "type"}
         body["stream"] = True
-        body.update(action.body_patch)  # background mode (`core.continuation`)
+        if action.body_patch:  # background mode (`core.continuation`)
+            body.update(action.body_patch)
+            conn.relay.stored_by_continue(conn.route)
         headers = conn.headers_for(up)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "text/event-stream"
@@ -652,6 +685,24 @@ class _WsTurn:
         return await self.http.run(
             action, "POST", url, headers, json.dumps(body).encode(), key=up.api_key
         )
+
+    def _answer_warmup(self, messages: Sequence[bytes]) -> Action:
+        """A warm-up (``generate: false``) never goes over HTTP: the relay's own answer
+        (`core.ws_session.TurnResponses.warmup_answer`) goes through the turn's machine
+        like an upstream's frames, so it is journaled and its response recorded in the
+        history (the next turn chaining from it is sent whole)."""
+        conn, machine = self.conn, self.machine
+        now = conn.loop.time()
+        answer = machine.answered(now, 200, sse=True)
+        if type(answer) is not Stream:  # pragma: no cover - a 200 stream always streams
+            return answer
+        for data in messages:
+            text = data.decode()
+            released, over = machine.feed_frame(now, Event(data, None, text))
+            self._send(released, over, sse=False)
+            if over is not None:
+                return over
+        return machine.body_ended(now)
 
     async def _resume(self, action: Resume) -> Action:
         """A continuation of the cut HTTP attempt, over HTTP: its frames go to the client

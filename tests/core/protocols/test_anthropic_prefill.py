@@ -30,7 +30,13 @@ from unbroken.core.protocols.anthropic_prefill import (
     read_committed,
     request_refusal,
 )
-from unbroken.core.protocols.prefill import PrefillRefusal, TextJoin, reconcile
+from unbroken.core.protocols.prefill import (
+    JoinError,
+    PrefillRefusal,
+    TextJoin,
+    echo_tails,
+    reconcile,
+)
 from unbroken.core.sse import Event, SSESplitter
 
 ORIG_IN = 1000
@@ -163,6 +169,15 @@ def client_view(raw: bytes) -> dict[str, Any]:
     return {"text": "".join(text), "usage": usage, "tools": tools}
 
 
+def repeats(prefill: str, rest: str) -> bool:
+    """Whether a continuation whose (first block's) text is ``rest`` repeats the end of
+    ``prefill`` (`prefill.echo_tails`): refused, the model's words or an echo alike."""
+    tails = echo_tails(prefill)
+    return any(rest.startswith(t) for t in tails) or (
+        bool(rest.strip()) and any(t.startswith(rest) for t in tails)
+    )
+
+
 def released_prefix(frames: list[bytes], cut: int) -> bytes:
     """What the ledger releases of ``frames`` when the stream is cut after ``cut`` of them."""
     ledger = Ledger(ANTHROPIC)
@@ -244,7 +259,15 @@ def test_cut_again_and_again_the_client_gets_the_uncut_text(
         if p.prefill:
             assert last == {"role": "assistant", "content": p.prefill}
         cont = continue_exactly(p, full, client_prefill, split[n:] or [1], tool)
-        client += splice(p, cont, cut if cut is None else min(cut, len(cont) - 2))
+        rest = (client_prefill + full)[len(p.prefill) :]
+        try:
+            client += splice(p, cont, cut if cut is None else min(cut, len(cont) - 2))
+        except JoinError:
+            # A continuation that starts with the end of the prefill again: refused, as
+            # an echo would be (never shown twice); the client has a prefix of the text.
+            assert repeats(p.prefill, rest)
+            return
+        assert cut is not None or not repeats(p.prefill, rest)
     view = client_view(client)
     assert view["text"] == full
     assert view["tools"] == (1 if tool else 0)
@@ -421,3 +444,34 @@ def test_the_plan_extends_a_client_prefill_and_trims_whitespace() -> None:
     assert isinstance(only_ws, Plan)
     assert (only_ws.prefill, only_ws.shown_ws) == ("", "  ")
     assert only_ws.body["messages"] == [{"role": "user"}]  # nothing to prefill: no message
+
+
+@pytest.mark.parametrize(
+    ("prefill", "pieces", "refused"),
+    [
+        ("Hello wor", ["wo", "rld"], True),  # the partial word again
+        ("Hello wor", [" wor", "ld"], True),  # with the space before it
+        ("Hello wor", ["Hello", " world"], True),  # the whole prefill
+        ("Hello wor", ["l", "d!"], False),  # the word goes on
+        ("Hello world.", [" How", " are"], False),  # a new sentence
+        ("I said no", [" no"], True),  # the model's own repeat: refused all the same
+        ("Hello wor", ["w"], True),  # ends inside a repeat: no guess either
+    ],
+)
+def test_a_continuation_repeating_the_prefill_is_refused(
+    prefill: str, pieces: list[str], refused: bool
+) -> None:
+    """Issue 33: an echo of the prefill's end is never shown twice (refused, not
+    stripped: an echo and the model's own words cannot be told apart)."""
+    join = TextJoin("", tail=prefill)
+    out = []
+    try:
+        for piece in pieces:
+            out.append(join.text(piece))
+        out.append(join.flush())
+    except JoinError:
+        assert refused
+        assert not "".join(out)  # nothing of it was let through
+        return
+    assert not refused
+    assert "".join(out) == "".join(pieces)

@@ -19,8 +19,10 @@ client has is text, the turn can be finished in place:
    ``message_start`` and the first ``content_block_start`` of text are absorbed,
    its deltas continue the client's open block with the client's index (later
    blocks renumbered after the client's), the join's whitespace follows
-   `prefill.TextJoin`'s rule, usage is merged (input as the original reported it,
-   output: the committed text's tokens plus the continuation's), and the
+   `prefill.TextJoin`'s rule (and a continuation that repeats the end of the
+   prefill, an echo, is refused: never shown twice), usage is merged (input as
+   the original reported it, output: the committed text's tokens plus the
+   continuation's), and the
    continuation's own ``message_delta`` and ``message_stop`` end the turn: exactly
    one of each reaches the client.
 
@@ -279,7 +281,7 @@ class FrameSplicer:
 
     def __init__(self, plan: Plan) -> None:
         self.committed = plan.committed
-        self._join = TextJoin(plan.shown_ws)
+        self._join = TextJoin(plan.shown_ws, tail=plan.prefill)
         self._block: int | None = None  # the continuation's open block (its own index)
         self._joined = False  # the first block was seen (the join is placed)
         self._merged = False  # the first block continues the client's open block

@@ -230,7 +230,7 @@ class FrameSplicer:
     def __init__(self, plan: Plan, mode: ChatPrefix) -> None:
         self.committed = plan.committed
         echo = plan.full_prefix if mode is ChatPrefix.PREFIX_ECHO else ""
-        self._join = TextJoin(plan.shown_ws, echo=echo)
+        self._join = TextJoin(plan.shown_ws, echo=echo, tail=plan.full_prefix)
 
     def feed(self, event: Event) -> list[Event]:
         """The client's chunks for one of the continuation's; raises `JoinError` when

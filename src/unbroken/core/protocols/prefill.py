@@ -30,6 +30,19 @@ With an *echo* (``echo``: the prefix sent, for a provider whose answer starts wi
 the prefix), the answer must begin with exactly that prefix, which is dropped
 first; an answer that does not raises `JoinError` (never a guess: the turn then
 ends with the native error).
+
+An unwanted echo (``tail``: the text the continuation continues) is refused, never
+guessed away: a continuation whose text begins, glued to the client's, with the
+whole prefill or with its end from a word's start, with or without the whitespace
+before that word (``Hello wor`` continued by ``world``, `` wor…`` or ``Hello
+world``), would show that text twice.  Whether it is an echo or the model's own
+words cannot be proved, so the splice is refused (`JoinError`: the native,
+retryable error), not stripped.  The continuation's text is held while it may
+still be such a repeat (at most the prefill's length, usually a few characters); a
+continuation that starts with anything else is no repeat.  A legitimate
+continuation refused this way (``no`` then `` no``) costs the native retryable
+error, never a duplicate.  The candidates (`echo_tails`) are the whole prefill and
+its suffixes from its last `TAIL_WORDS` word starts.
 """
 
 from __future__ import annotations
@@ -40,9 +53,11 @@ from unbroken.core.sse import Event, EventTooLarge, SSESplitter
 
 __all__ = [
     "MAX_COMMITTED_BYTES",
+    "TAIL_WORDS",
     "JoinError",
     "PrefillRefusal",
     "TextJoin",
+    "echo_tails",
     "reconcile",
     "released_events",
     "split_trailing_ws",
@@ -50,6 +65,8 @@ __all__ = [
 
 #: Released bytes read back to build a continuation, at most (beyond: refused)
 MAX_COMMITTED_BYTES = 8 * 1024 * 1024
+#: word starts from the prefill's end whose suffix, repeated, is an unwanted echo
+TAIL_WORDS = 64
 
 
 class JoinError(ValueError):
@@ -91,19 +108,64 @@ def reconcile(shown: str, leading: str) -> str:
     return leading[n:]
 
 
+def echo_tails(prefill: str) -> tuple[str, ...]:
+    """The texts whose repeat at the join is an unwanted echo: the whole prefill and
+    its suffixes from its last `TAIL_WORDS` word starts, each with and without the
+    whitespace before it (longest first).  A continuation whose text starts with one
+    of them, or is a start of one and ends there, is refused."""
+    if not prefill:
+        return ()
+    starts: list[int] = []
+    words = 0
+    i = len(prefill) - 1
+    while i >= 0 and words < TAIL_WORDS:
+        if not prefill[i].isspace() and (i == 0 or prefill[i - 1].isspace()):
+            words += 1
+            starts.append(i)
+            j = i
+            while j > 0 and prefill[j - 1].isspace():
+                j -= 1
+            if j < i:
+                starts.append(j)
+        i -= 1
+    tails = [prefill[k:] for k in sorted(set(starts))]
+    if not tails or tails[0] != prefill:
+        tails.insert(0, prefill)
+    return tuple(tails)
+
+
 class TextJoin:
     """The text at the join, piece by piece: `text` returns what to send now (maybe
     ""); `flush` decides with what is held when no more text comes at the join."""
 
-    __slots__ = ("_buf", "_echo", "done", "shown")
+    __slots__ = ("_buf", "_echo", "_tails", "done", "shown")
 
-    def __init__(self, shown: str, echo: str = "") -> None:
+    def __init__(self, shown: str, echo: str = "", tail: str = "") -> None:
         #: the trailing whitespace the client has already seen
         self.shown = shown
         self._echo = echo
+        #: what a repeat of is an unwanted echo (checked until ruled out)
+        self._tails = echo_tails(tail)
         self._buf = ""
         #: the join is decided: text passes as it is
         self.done = False
+
+    def _repeat(self, buf: str) -> bool:
+        """Whether ``buf`` may still be a repeat of the prefill's end (hold it); raises
+        `JoinError` when it is one."""
+        if not self._tails:
+            return False
+        if not buf:
+            return True
+        may = False
+        for tail in self._tails:
+            if buf.startswith(tail):
+                raise JoinError("the continuation repeats the end of the text the client has")
+            if tail.startswith(buf):
+                may = True
+        if not may:
+            self._tails = ()  # ruled out: no repeat
+        return may
 
     def text(self, piece: str) -> str:
         if self.done:
@@ -118,6 +180,9 @@ class TextJoin:
                 raise JoinError("the answer does not begin with the prefix it must repeat")
             buf = buf[len(echo) :]
             self._echo = ""
+        if self._repeat(buf):
+            self._buf = buf
+            return ""  # maybe the prefill's end again: held until decided
         rest = buf.lstrip()
         if not rest:
             self._buf = buf
@@ -133,6 +198,9 @@ class TextJoin:
         self.done = True
         if self._echo:
             raise JoinError("the answer ended before it repeated the prefix")
+        if buf.strip() and self._tails:
+            # (held: the start of a repeat the continuation did not finish)
+            raise JoinError("the continuation's text ends inside a repeat of the client's")
         rest = buf.lstrip()
         return reconcile(self.shown, buf[: len(buf) - len(rest)]) + rest
 

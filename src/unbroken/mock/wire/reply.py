@@ -135,8 +135,10 @@ class MockReply:
         if prefix is None:
             return pieces
         rest = continue_pieces(pieces, prefix)
-        if self.action.prefix_echo and self.protocol == CHAT_NAME and rest is not pieces:
+        if self.action.prefix_echo and rest is not pieces:
             return (prefix, *rest)  # Mistral's answer starts with the prefix
+        if self.action.echo_tail and rest is not pieces and prefix:
+            return (prefix[-self.action.echo_tail :], *rest)  # the end of it, again
         return rest
 
     @cached_property
@@ -198,7 +200,7 @@ class MockReply:
 
     @cached_property
     def response_id(self) -> str:
-        return "resp_" + self.ident("resp", 48)
+        return self.action.response_id or "resp_" + self.ident("resp", 48)
 
 
 # ---------------------------------------------------------------------------
