@@ -65,6 +65,9 @@ class Scenario:
     seed: int = 1
     #: the provider's true limit, requests a second
     limit_rps: float = 5.0
+    #: the share of the provider's budget left when the run begins (0: spent, a team
+    #: already at its limit, as bench/ratelimit_bench.py starts)
+    start_share: float = 0.0
     #: the store's round trip (mean), and windows (start, end) it is down
     store_latency_s: float = 0.001
     store_down: tuple[tuple[float, float], ...] = ()
@@ -94,6 +97,8 @@ class Scenario:
             raise ValueError(f"outage: expected one of {', '.join(OUTAGES)}")
         if not (self.seconds > 0 and self.limit_rps > 0 and self.store_latency_s >= 0):
             raise ValueError("seconds, limit_rps: expected > 0; store_latency_s >= 0")
+        if not 0.0 <= self.start_share <= 1.0:
+            raise ValueError("start_share: expected a share in [0, 1]")
 
     @property
     def label(self) -> str:
@@ -158,7 +163,10 @@ class Fleet:
         self.rng = random.Random(sc.seed)
         self.loop = Loop()
         self.provider = ProviderModel(
-            sc.provider, limit_rps=sc.limit_rps, rng=random.Random(self.rng.random())
+            sc.provider,
+            limit_rps=sc.limit_rps,
+            rng=random.Random(self.rng.random()),
+            start_share=sc.start_share,
         )
         self.outage = Outage(sc.outage, sc.outage_start_s, sc.outage_s)
         self.store: SimStore | None = None
@@ -343,6 +351,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=d.limit_rps,
         help="the provider's true limit, requests a second",
     )
+    p.add_argument(
+        "--start-share",
+        type=float,
+        default=d.start_share,
+        help="the share of the provider's budget left at the start (0: spent)",
+    )
     p.add_argument("--store-latency-ms", type=float, default=d.store_latency_s * 1000)
     p.add_argument(
         "--store-down",
@@ -400,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds=args.seconds,
         seed=args.seed,
         limit_rps=args.limit_rps,
+        start_share=args.start_share,
         store_latency_s=args.store_latency_ms / 1000,
         store_down=tuple(args.store_down),
         poison_at_s=args.poison_at,
