@@ -19,13 +19,13 @@ with the semantics of the relay's Redis scripts, a latency and fault windows.
 Time is a heap of events at virtual times: a run is deterministic for its seed.
 
 Reported per scenario: the share of upstream requests answered 429; goodput (ok
-requests against what the provider's true limit leaves the fleet over the run, an
-outage included, plus what its budget held at the start); Jain's fairness over the
-agents' completed turns; the most requests sent in any 1-second window against the
-limit; the longest wait (a turn waiting at the relay between attempts, or before
-its first); requests into an outage (answered 503); the recovery time (the outage's
-end to the first second with 80 % of the limit answered); and store round trips a
-completed turn.
+requests a second against what the provider's true limit leaves the fleet, over the
+run, an outage included; above 100 %: budget the provider held at the start or
+banked during an outage was used too); Jain's fairness over the agents' completed turns; the most
+requests sent in any 1-second window against the limit; the longest wait (a turn
+waiting at the relay between attempts, or before its first); requests into an
+outage (answered 503); the recovery time (the outage's end to the first second with
+80 % of the limit answered); and store round trips a completed turn.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ class Fleet:
         r.share_429 = r.limited / r.requests if r.requests else 0.0
         seconds = sc.seconds
         available = max(sc.limit_rps - background_ok / sc.seconds, 1e-9)
-        r.goodput = r.ok / (available * seconds + self.provider.initial)
+        r.goodput = r.ok / (available * seconds) if seconds > 0 else 0.0
         turns = [a.turns for a in self.agents]
         total = sum(turns)
         squares = sum(x * x for x in turns)

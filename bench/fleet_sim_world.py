@@ -153,10 +153,6 @@ class ProviderModel:
             self.requests.level = self.requests.cap * start_share
             tpm = self.per_minute * self.prompt_tokens
             self.tokens = TrueBucket(tpm, tpm / 60.0, tpm * start_share)
-        #: requests the budget held when the run began (goodput counts them available)
-        self.initial = self.requests.level
-        if self.tokens is not None:
-            self.initial = min(self.initial, self.tokens.level / self.prompt_tokens)
         #: ok request times of the last minute (the quantized providers' "remaining")
         self._minute: deque[float] = deque()
         self.ok = 0
