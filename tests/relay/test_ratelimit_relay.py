@@ -290,11 +290,12 @@ def test_a_credential_is_the_injected_key_else_the_clients_header_else_its_key_p
 
 
 async def test_a_quantized_provider_is_not_stormed_through_the_relay(
-    mock: MockProvider, http: aiohttp.ClientSession
+    mock: MockProvider, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
     # issue 32: it reports 600 a minute and enforces 10 a second, with no Retry-After;
     # before, a 429 was waited until the learned rate "refilled" one request (under a
     # millisecond) with no retry delay and no pacer: thousands of requests a second
+    caplog.set_level(logging.INFO, logger="unbroken")
     mock.limits = MockLimits(rpm=600, behaviour="quantized")
     cfg = config([mock.url], retry={"delay_ms": 250, "max_delay_ms": 30_000})
     async with RelayServer(cfg) as server:
@@ -311,3 +312,7 @@ async def test_a_quantized_provider_is_not_stormed_through_the_relay(
         assert throttle["on"] == (sent.count(429) > 0)
         metrics = await (await http.get(server.url + "/metrics")).text()
         assert ("unbroken_ratelimit_throttle_per_s{" in metrics) == throttle["on"]
+    # the wait is in the log: one line when the line forms, with why; one when it clears
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pacing")]
+    assert any("wait in line (rate limit (key " in line for line in lines), lines
+    assert any("line cleared" in line for line in lines), lines
