@@ -33,7 +33,7 @@ from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.protocols.prefill import MAX_COMMITTED_BYTES, JoinError, PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
 
-__all__ = ["ANTHROPIC_PREFILL", "PrefillContinue", "PrefillSplicer", "prefill_applies"]
+__all__ = ["ANTHROPIC_PREFILL", "PrefillContinue", "PrefillSplicer", "prefill_refusal"]
 
 #: the mechanism's name for Anthropic Messages (metrics, `ContinuationMemory`)
 ANTHROPIC_PREFILL = "anthropic_prefill"
@@ -41,13 +41,15 @@ ANTHROPIC_PREFILL = "anthropic_prefill"
 _REFUSING = frozenset({400, 422})
 
 
-def prefill_applies(request: dict[str, Any] | None, mode: ChatPrefix | None) -> bool:
-    """Whether a turn's request can ever be continued by prefill (checked once)."""
+def prefill_refusal(
+    request: dict[str, Any] | None, mode: ChatPrefix | None
+) -> PrefillRefusal | None:
+    """Why a turn's request can never be continued by prefill (checked once), or None."""
     if request is None:
-        return False
+        return PrefillRefusal.BAD_REQUEST
     if mode is None:
-        return anthropic.request_refusal(request) is None
-    return chat.request_refusal(request, mode) is None
+        return anthropic.request_refusal(request)
+    return chat.request_refusal(request, mode)
 
 
 class PrefillSplicer:

@@ -321,6 +321,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         socket: bool = False,
         continuation: Strategy | None = None,
         queued_s: float = DEFAULT_QUEUED_S,
+        refusal: Refusal | PrefillRefusal | None = None,
     ) -> None:
         self.protocol = protocol
         #: ``after_commit = "continue"``: the protocol's way to finish a cut turn in
@@ -330,8 +331,11 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         self.queued_s = queued_s
         #: requests that free what nobody will read (the transport sends them)
         self._cancels: list[Cancel] = []
-        #: why the last cut was not continued (None: it was, or none was asked)
-        self.refusal: Refusal | PrefillRefusal | None = None
+        #: why the last cut was not continued (None: it was, or none was asked); given:
+        #: continue mode is on but cannot cover this turn (no ``continuation``)
+        self.refusal: Refusal | PrefillRefusal | None = refusal
+        if refusal is not None:
+            report.uncovered(f"refused_{refusal.value}")
         #: the client's profile (`core.profiles`): early headers, keepalive form and
         #: interval, the non-streamed wait
         self._profile = profile = profile or DEFAULT_PROFILE
