@@ -35,6 +35,7 @@ from unbroken.core.policy import RetryState
 from unbroken.core.prefill_continue import PrefillContinue, prefill_refusal
 from unbroken.core.profiles import Profile, identify, profile_named
 from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
+from unbroken.core.protocols.anthropic_continue import AnthropicContinue
 from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.protocols.prefill import PrefillRefusal
 from unbroken.core.shared import SharedBounds
@@ -242,7 +243,8 @@ class RelayState:
             # A continuation by prefill: built from the parsed request (a gzip body is
             # sent decoded), so the parsed body is kept for the turn.
             mode = ChatPrefix(route.chat_prefix) if route.chat_prefix and protocol is CHAT else None
-            refusal = prefill_refusal(parsed, mode)
+            asks = AnthropicContinue(route.anthropic_continue or AnthropicContinue.PREFILL)
+            refusal = prefill_refusal(parsed, mode, asks)
             if refusal is not None or parsed is None:
                 return refusal or PrefillRefusal.BAD_REQUEST
             return PrefillContinue(
@@ -252,6 +254,7 @@ class RelayState:
                 memory=self.continuations,
                 max_splices=stream.max_splices,
                 mode=mode,
+                anthropic_mode=asks,
             )
         if protocol is not RESPONSES or headers.get("content-encoding"):
             return Refusal.UNSUPPORTED
