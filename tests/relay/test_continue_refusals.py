@@ -150,3 +150,22 @@ async def test_each_reason_is_logged_once_per_route(
         "tool_call": 1,
         "not_resumable": 1,
     }
+
+
+async def test_a_chat_route_without_chat_prefix_says_so(
+    mock: MockProvider, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Chat Completions has no continuation of its own: a continue route without
+    ``chat_prefix`` covers none of its turns, and says it once (``no_option``)."""
+    caplog.set_level(logging.WARNING, logger="unbroken")
+    server, rec = await _relay(mock, tmp_path / "journal.sqlite3")
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        for _ in range(2):
+            await _post(f"{server.url}/mock/v1/chat/completions", body)
+        turns = await rec.wait_turns(2)
+    finally:
+        await server.stop()
+    assert [t.continuation for t in turns] == ["refused_no_option"] * 2
+    lines = _refusal_lines(caplog)
+    assert len(lines) == 1 and "reason=no_option" in lines[0] and "chat_prefix" in lines[0]

@@ -248,3 +248,42 @@ def test_anything_but_a_clean_continuation_is_refused(
     assert results[-1] == "refused_join"
     assert text.startswith(shown_text(raw))
     assert b"event: error" in raw and b"message_stop" not in raw
+
+
+@pytest.mark.parametrize("open_block", [True, False])
+def test_a_tool_call_before_the_anchor_breaks_the_join(open_block: bool) -> None:
+    """The answer opens with a tool call (no text, so no anchor): refused, whether the
+    client's text block was still open at the cut or closed."""
+    from unbroken.core.protocols.anthropic_prefill import FrameSplicer
+    from unbroken.core.protocols.prefill import JoinError
+    from unbroken.core.sse import Event
+
+    committed = Committed("Hello there, general", 0 if open_block else None, 1)
+    plan = plan_user_message(REQUEST, committed)
+    assert not isinstance(plan, PrefillRefusal)
+    splicer = FrameSplicer(plan)
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 9}}}
+    assert splicer.feed(Event(b"", "message_start", json.dumps(start))) == []
+    call = {"type": "tool_use", "id": "t", "name": "bash", "input": {}}
+    block = {"type": "content_block_start", "index": 0, "content_block": call}
+    with pytest.raises(JoinError):
+        splicer.feed(Event(b"", "content_block_start", json.dumps(block)))
+
+
+def test_a_turn_continue_mode_cannot_cover_is_recorded_when_it_starts() -> None:
+    """The machine is told why (``refusal``): the observer records it at once."""
+    from turnfix import Report
+
+    report = Report()
+    retry = RetryState(RetryPolicy(delay_ms=1, backoff="fixed"), 1, rng=random.Random(0))
+    TurnMachine(
+        protocol=ANTHROPIC,
+        hold=Hold(),
+        timers=Timers(),
+        retry=retry,
+        stream=True,
+        now=0.0,
+        report=report,
+        refusal=PrefillRefusal.THINKING_ENABLED,
+    )
+    assert report.of("uncovered") == [("uncovered", "refused_thinking_enabled")]
