@@ -102,6 +102,9 @@ told every byte released (`Strategy.released`).  A `Refusal` (typed), or a join
 that breaks, ends the turn exactly as without a strategy (before commit: a replay).
 At most ``max_splices`` continuations a turn; a continuation with no progress within
 ``queued_s`` is given up.  Responses nobody will read are named in ``cancels``.
+A turn continue mode cannot cover at all (its request enables thinking, forces a
+tool, ...) has no strategy but a ``refusal``: the observer records it when the
+machine is made (`TurnObserver.uncovered`), so that refusal is never silent.
 
 Legality and transitions: one table, `turn_table.ROWS`, that the code runs (as h11's
 ``_state.py`` does).  Each row is a (step, event) pair and the actions the event may
