@@ -302,7 +302,8 @@ async def test_a_quantized_provider_is_not_stormed_through_the_relay(
         assert all(status == 200 and b"[DONE]" in body for status, body in results)
         sent = statuses(mock)
         assert sent.count(200) == 30
-        assert sent.count(429) <= 12, f"{sent.count(429)} 429s for 30 turns"
+        # the first second's (4 to 5 measured), and a probe: not one for every turn
+        assert sent.count(429) <= 8, f"{sent.count(429)} 429s for 30 turns"
         # what the provider refused shows in /status: the throttle is on, at its rate
         up = await (await http.get(server.url + "/status")).json()
         [u] = [u for u in up["upstreams"] if u["route"] == "mock"]

@@ -11,6 +11,10 @@ loses at most the last batch window (a quarter second) of rows.
 A journal that cannot be written (read-only directory, disk full, corrupt
 file) logs a warning (at most once a minute), drops those rows and tries again
 with the next batch: the relay never waits for it and never fails because of it.
+The ends of turns whose start row is already written are kept (up to
+`MAX_OWED_ENDS`) and written when the journal is writable again, so a full disk
+leaves no phantom "unfinished" turn; that moment is logged once, with what was
+dropped meanwhile.
 
 See docs/observability.md for the schema.
 """
@@ -143,6 +147,11 @@ _UPDATE: dict[str, str] = {
 _ROWS_PER_INSERT = 32
 
 PRUNE_EVERY_S = 3600.0
+#: turn ends kept while the journal cannot be written (their start rows are there:
+#: dropped, they would show as unfinished turns); beyond this they are dropped too
+MAX_OWED_ENDS = 50_000
+#: while only owed ends wait, a journal that cannot be written is tried this often
+OWED_RETRY_S = 1.0
 MAX_JOURNAL_TEXT = 256  # session ids and paths are cut to this many characters
 
 _Op = tuple[str, Any]
@@ -254,6 +263,11 @@ class Journal(Hooks):
         self._closed = False
         #: rows (operations) that could not be written, or were refused when the queue was full
         self.dropped = 0
+        #: turn ends (``turn_end`` update rows) that failed to be written, to write later
+        self._owed: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._owed_tried_at = 0.0
+        #: rows dropped when the journal last became unwritable (for the "writable again" line)
+        self._dropped_before: int | None = None
         #: the last write succeeded (None: nothing written yet)
         self.healthy: bool | None = None
         self.last_error: str | None = None
@@ -381,7 +395,7 @@ class Journal(Hooks):
                 batch.append(item)
             if q and not stopping:
                 self._wake.set()  # more to do: no need to wait out the window
-            if batch:
+            if batch or (self._owed and time.monotonic() - self._owed_tried_at >= OWED_RETRY_S):
                 self._write(batch)
             self._maintain()
             for wake in waiters:
@@ -409,11 +423,17 @@ class Journal(Hooks):
 
     def _write(self, batch: list[_Op]) -> None:
         conn = self._conn
+        statements: list[tuple[str, list[tuple[Any, ...]]]] = []
+        owed = list(self._owed)
+        self._owed_tried_at = time.monotonic()
         try:
+            statements = self._statements(batch)
+            if owed:  # ends that failed before: their rows were written before them
+                statements.append(("turn_end", owed))
             if conn is None:
                 conn = self._conn = self._open()
             try:
-                for kind, rows in self._statements(batch):
+                for kind, rows in statements:
                     update = _UPDATE.get(kind)
                     if update is not None:
                         conn.executemany(update, rows)
@@ -436,13 +456,31 @@ class Journal(Hooks):
                     pass
                 raise
         except Exception as exc:  # sqlite3.Error, OSError, or a bug: never kill the writer
-            self.dropped += len(batch)
+            # A turn's end whose start row is written is kept for later (else the turn
+            # shows as unfinished for good); the rest of the batch is dropped.
+            ends = [rows for kind, rows in statements if kind == "turn_end" and rows is not owed]
+            keep = [row for rows in ends for row in rows]
+            room = max(0, MAX_OWED_ENDS - len(self._owed))
+            self._owed.extend(keep[:room])
+            self.dropped += len(batch) - min(len(keep), room)
+            if self._dropped_before is None:
+                self._dropped_before = self.dropped - len(batch) + min(len(keep), room)
             self.healthy = False
             self.last_error = f"{type(exc).__name__}: {exc}"
             self._close_conn()
             self._warn(self.last_error)
             return
+        for _ in owed:
+            self._owed.popleft()
         self.healthy = True
+        if self._dropped_before is not None:
+            log.warning(
+                "journal %s is writable again: %d rows dropped while it was not%s",
+                self.path,
+                self.dropped - self._dropped_before,
+                f", {len(owed)} turn ends written late" if owed else "",
+            )
+            self._dropped_before = None
 
     def _statements(self, batch: list[_Op]) -> list[tuple[str, list[tuple[Any, ...]]]]:
         """A batch as (kind, rows) in the order to write: an insert or update each.

@@ -303,6 +303,7 @@ class _HttpTurn:
         url = upstream_url(up, self.rest, query)
         if action.body_patch:
             body = patched_body(body, action.body_patch)
+            self.relay.stored_by_continue(self.route)
         return self.upstream.run(action, req.method, url, headers, body, key=up.api_key)
 
     def _resume(self, action: Resume) -> Awaitable[Action]:

@@ -124,13 +124,12 @@ class Waker:
         if line is None:
             if waiting:
                 self._lines[key] = (now, granted)
-                rec = self.board.records.get(key)
                 log.warning(
-                    "pacing route=%s upstream=%s: %d turn(s) wait in line (breaker %s)",
+                    "pacing route=%s upstream=%s: %d turn(s) wait in line (%s)",
                     route,
                     upstream,
                     waiting,
-                    rec.state.value if rec else "closed",
+                    self.board.wait_reason(key, now),
                 )
         elif waiting:
             self._lines[key] = (line[0], line[1] + granted)

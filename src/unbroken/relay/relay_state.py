@@ -21,7 +21,13 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from unbroken.config import Config, Route, Upstream
-from unbroken.core.background import BackgroundResume, background_patch_applies
+from unbroken.core.background import (
+    STORE_OVERRIDE,
+    BackgroundResume,
+    background_patch_applies,
+    store_override_note,
+    store_override_routes,
+)
 from unbroken.core.continuation import (
     AfterCommit,
     Cancel,
@@ -135,6 +141,8 @@ class RelayState:
         for keys in self._keys.values():
             for key in keys:
                 self.board.get(key)
+        #: the routes whose store: true (continue mode) the log has said
+        self._stored_noted: set[str] = set()
         self.hooks: Hooks = MultiHooks(_HealthHook(self), hooks or Hooks())
         self.client = client or UpstreamClient(connect_timeout_s=config.stream.connect_timeout_s)
         self.rng = rng or random.Random()
@@ -145,6 +153,8 @@ class RelayState:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.idle = asyncio.Event()  # set while no request is running
         self.idle.set()
+        #: set to cut a drain's grace period short (a second signal)
+        self.cut = asyncio.Event()
         #: route -> upstream index -> monotonic time until which it asked to be left alone
         self.cooloffs: dict[str, dict[int, float]] = {}
         self._facts: dict[str, tuple[Route, tuple[str, ...], bool]] = {}
@@ -264,6 +274,27 @@ class RelayState:
             return Refusal.UNSUPPORTED  # (background mode asked by the client itself)
         return self.background_resume(route, rest)
 
+    def store_override_warning(self) -> str | None:
+        """The start-up warning for the routes whose continue mode may store a client's
+        Responses at the provider (`core.background.store_override_routes`), or None."""
+        stream = self.config.stream
+        continued = {
+            name: [u.url for u in r.upstreams]
+            for name, r in self.config.routes.items()
+            if stream.after_commit_for(r) == AfterCommit.CONTINUE
+        }
+        names = store_override_routes(continued)
+        if not names:
+            return None
+        return f"after_commit = continue on route(s) {', '.join(names)}: {STORE_OVERRIDE}"
+
+    def stored_by_continue(self, route: Route) -> None:
+        """A turn on ``route`` goes in background mode (``store: true``): said in the
+        log the first time per route (`core.background.store_override_note`)."""
+        if route.name not in self._stored_noted:
+            self._stored_noted.add(route.name)
+            log.warning("%s", store_override_note(route.name))
+
     def background_resume(self, route: Route, rest: str) -> BackgroundResume:
         """The Responses background-mode strategy of one turn on ``route``."""
         keys = self._keys.get(route.name) or _route_keys(route)
@@ -358,12 +389,17 @@ class RelayState:
         return _Running(self)
 
     async def drain(self, grace_s: float) -> int:
-        """Wait up to ``grace_s`` for running requests; cancel the rest.  Returns that count."""
+        """Wait up to ``grace_s`` (or until `cut` is set) for running requests; cancel
+        the rest, and wait for them to end (their ends are reported: the journal
+        records them).  Returns that count."""
+        waits = [asyncio.ensure_future(self.idle.wait()), asyncio.ensure_future(self.cut.wait())]
         try:
-            await asyncio.wait_for(self.idle.wait(), grace_s)
+            await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if self.idle.is_set():
             return 0
-        except TimeoutError:
-            pass
         left = list(self.tasks)
         for task in left:
             task.cancel()
