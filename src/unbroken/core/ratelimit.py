@@ -616,6 +616,25 @@ class Limiter:
             out.append(head)
         return out, None
 
+    def wait_reason(self, now: float) -> str:
+        """Why this line waits, for the logs."""
+        why: list[str] = []
+        if self.ramp is not None and len(self.running) >= int(self.ramp):
+            why.append(f"slow start, {len(self.running)} in flight")
+        share = self._second_share()
+        if share is not None and self._second_due(now) > now:
+            why.append(f"a second's share, {share[0]:.3g}/s")
+        for name, b in self.buckets.items():
+            b.refill(now)
+            if b.level < 1.0:
+                why.append(f"{name} spent, {b.rate:.3g}/s")
+        if self.blocked_until > now:
+            why.append(f"blocked {self.blocked_until - now:.1f}s")
+        if self.throttle.enabled:
+            why.append(f"{self.throttle.rate:.3g}/s after the provider's 429s")
+        head = f"rate limit (key {self.cred})"
+        return f"{head}: {', '.join(why)}" if why else head
+
     def view(self, now: float) -> dict[str, Any]:
         return {
             "credential": self.cred,
@@ -685,3 +704,13 @@ class RateBoard:
     def view(self, key: str, now: float) -> list[dict[str, Any]]:
         by = self.limiters.get(key)
         return [lim.view(now) for lim in by.values()] if by else []
+
+    def in_line(self, key: str) -> int:
+        """Turns waiting in ``key``'s rate lines."""
+        by = self.limiters.get(key)
+        return sum(len(lim.line) for lim in by.values()) if by else 0
+
+    def wait_reason(self, key: str, now: float) -> str | None:
+        """Why turns wait in ``key``'s rate lines, for the logs (None: none do)."""
+        by = self.limiters.get(key) or {}
+        return "; ".join(lim.wait_reason(now) for lim in by.values() if lim.line) or None
