@@ -115,6 +115,9 @@ class SimReport:
     def continuation(self, result: str, splices: int, saved_frames: int) -> None:
         pass
 
+    def uncovered(self, result: str) -> None:
+        pass
+
 
 class Agent:
     """One agent: streamed turns back to back through its relay."""
