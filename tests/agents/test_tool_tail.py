@@ -72,38 +72,49 @@ def test_responses_call_waits_for_response_completed() -> None:
 
 def _parallel(protocol: Protocol, name: str, start_name: str, end_name: str) -> None:
     events = _events(name, {"reply": "tools"})
-    starts = [i for i, e in enumerate(events) if _name(e) == start_name]
     ends = [i for i, e in enumerate(events) if _name(e) == end_name]
     ledger = Ledger(protocol, hold=TAIL)
+    out = _feed(ledger, events[: ends[-1] + 1])
+    # the first call waits for the second, and both for the message's end: a cut after
+    # the second call's end (or in it) replays, so the first was never seen either
+    assert not any(out)
+    ledger.failed("reset")
+    assert ledger.verdict is Verdict.REPLAY
+    ledger.start_attempt()
     out = _feed(ledger, events)
-    released_at = [i for i, frames in enumerate(out) if frames]
-    # the first call goes out when the second begins (it waited only for that); the
-    # turn is committed then, and the second call goes out at its end, as without
-    # tool_tail
-    assert released_at[:2] == [starts[-1], ends[-1]]
+    assert [i for i, frames in enumerate(out) if frames] == [len(events) - 1]
     assert ledger.state is LedgerState.DONE
     assert [raw for frames in out for raw in frames] == [e.raw for e in events]
 
 
-def test_parallel_calls_are_not_held_for_each_other() -> None:
+def test_parallel_calls_wait_for_the_end_of_the_message_together() -> None:
     _parallel(ANTHROPIC, "anthropic", "content_block_start", "content_block_stop")
     _parallel(RESPONSES, "responses", "response.output_item.added", "response.output_item.done")
 
 
-def test_text_before_the_call_commits_as_before() -> None:
-    """Once output reached the client, tool_tail changes nothing (no replay is possible)."""
-    events = _events("anthropic", {"reply": "tool"})
-    start = next(i for i, e in enumerate(events) if _name(e) == "content_block_start")
-    [text] = SSESplitter().feed(
-        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
-        b'"delta":{"type":"text_delta","text":"hi"}}\n\n'
-    )
-    ledger = Ledger(ANTHROPIC, hold=TAIL)
-    _feed(ledger, events[:start])
-    assert ledger.feed(text)
+def test_after_text_a_complete_call_is_held_and_a_cut_drops_it() -> None:
+    """Text before the call committed the turn: no replay is possible, but the complete
+    call still waits for the message's end, and a cut in that gap drops it with the
+    native error (the client, which retries, never saw a call the model is asked for
+    again); without tool_tail the call was released at its end (issue 33: OpenCode ran
+    it, then retried the step and ran the model's second call too)."""
+    events = _events("anthropic", {"reply": "text_tool", "text": "Let me run it."})
     stop = max(i for i, e in enumerate(events) if _name(e) == "content_block_stop")
-    out = _feed(ledger, events[start : stop + 1])
-    assert out[-1]  # the call is released at its end, as without tool_tail
+    plain = Ledger(ANTHROPIC)
+    assert _feed(plain, events[: stop + 1])[stop]  # released at its end
+    ledger = Ledger(ANTHROPIC, hold=TAIL)
+    out = _feed(ledger, events[: stop + 2])
+    assert ledger.state is LedgerState.COMMITTED  # the text went out
+    released = b"".join(raw for frames in out for raw in frames)
+    assert b"tool_use" not in released and b"text_delta" in released
+    error = ledger.failed("reset")
+    assert ledger.verdict is Verdict.FAIL and b"overloaded_error" in error
+    assert b"tool_use" not in error
+    # uncut, the call goes out with the message's end
+    ledger = Ledger(ANTHROPIC, hold=TAIL)
+    out = _feed(ledger, events)
+    assert [raw for frames in out for raw in frames] == [e.raw for e in events]
+    assert any(b'"type":"tool_use"' in raw for raw in out[-1])
 
 
 def test_config_accepts_tool_tail() -> None:
@@ -147,9 +158,9 @@ UNKNOWN_UA = {"User-Agent": "curl/8.5.0"}
 END = {"responses": b"event: response.output_item.done\n", "anthropic": b"event: content_block_stop\n"}
 
 
-def _cut_after_call(protocol: str, end_name: str) -> dict[str, Any]:
+def _cut_after_call(protocol: str, end_name: str, reply: str = "tool") -> dict[str, Any]:
     """A tool call, whole, then a reset before the end of the message."""
-    tool = {"reply": "tool", "tool_name": "bash", "tool_args": {"command": "echo hi"}}
+    tool = {"reply": reply, "tool_name": "bash", "tool_args": {"command": "echo hi"}}
     names = [name for name, _ in events_for(protocol, tool, BODY)]
     end = max(i for i, name in enumerate(names) if name == end_name)
     return {**tool, "fault": "reset", "after_frame": end + 1}
@@ -162,6 +173,7 @@ async def _turn(
     *,
     clients: dict[str, Any] | None = None,
     stream: dict[str, Any] | None = None,
+    reply: str = "tool",
 ) -> tuple[bytes, int]:
     """One streamed turn through a relay whose upstream cuts the first answer right after
     its complete tool call; returns what the client got and how many requests went up."""
@@ -170,7 +182,7 @@ async def _turn(
         "anthropic": ("content_block_stop", "mock/v1/messages"),
     }[protocol]
     mock.reset()
-    cut = _cut_after_call(protocol, end_name)
+    cut = _cut_after_call(protocol, end_name, reply)
     mock.script([cut, {k: v for k, v in cut.items() if k not in ("fault", "after_frame")}])
     cfg = parse_config(
         {
@@ -247,3 +259,17 @@ async def test_stream_hold_adds_the_tail_for_every_client(mock: Any) -> None:
         mock, "responses", UNKNOWN_UA, stream={"hold": ["control", "tool_calls", "tool_tail"]}
     )
     assert requests == 2 and b"event: response.completed" in body
+
+
+@pytest.mark.parametrize("headers", [OPENCODE_UA, CODEX_UA], ids=["opencode", "codex"])
+async def test_after_text_a_cut_right_after_the_call_drops_it_with_the_error(
+    mock: Any, headers: dict[str, str]
+) -> None:
+    """Text, then a complete call, then the cut: the text committed the turn, so the
+    relay ends it with the native error, but the call was still held and is dropped:
+    the client, which retries the step, never ran it (before issue 33 OpenCode ran it,
+    then ran the model's call of the retried step: bash twice)."""
+    body, requests = await _turn(mock, "anthropic", headers, reply="text_tool")
+    assert requests == 1
+    assert b"text_delta" in body and b"overloaded_error" in body
+    assert b'"type":"tool_use"' not in body
