@@ -13,9 +13,9 @@ import pytest
 from relayfix import start_relay
 from unbroken.config import parse_config
 from unbroken.core.ledger import Hold, Ledger, LedgerState, Verdict
+from unbroken.core.profiles import check_overrides, profile_named
 from unbroken.core.protocols import ANTHROPIC, RESPONSES, Protocol
 from unbroken.core.sse import Event, SSESplitter
-from unbroken.core.profiles import check_overrides, profile_named
 from unbroken.mock.wire import events_for, frames_for
 
 TAIL = Hold(("control", "tool_calls", "tool_tail"))
@@ -155,7 +155,10 @@ UNKNOWN_UA = {"User-Agent": "curl/8.5.0"}
 
 
 #: the frame that ends a tool call
-END = {"responses": b"event: response.output_item.done\n", "anthropic": b"event: content_block_stop\n"}
+END = {
+    "responses": b"event: response.output_item.done\n",
+    "anthropic": b"event: content_block_stop\n",
+}
 
 
 def _cut_after_call(protocol: str, end_name: str, reply: str = "tool") -> dict[str, Any]:

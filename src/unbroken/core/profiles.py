@@ -50,6 +50,14 @@ follow them (`Profile.stall_timeouts`, `Profile.nonstream_wait`).
   keep today's conservative defaults: SSE comments, early headers after
   ``[stream] early_headers_s``, the native error event after commit.
 
+Codex and OpenCode start a tool as soon as its call is complete, and retry the
+step after the error that ends a cut stream: a cut between the call's end and
+its message's end made the model call the tool again, and it ran twice (Codex
+5 of 5 runs, OpenCode 7 of 10, measured with the real binaries).  Their profiles
+add the hold rule ``tool_tail`` (``Profile.tool_tail``): the complete call waits
+for its message's end, so such a cut is replayed, or after text drops the call
+with the error; once in 20 of 20 runs each (docs/gate.md, "tool_tail").
+
 A profile is chosen from the request's ``User-Agent`` and a few headers
 (`identify`); ``[clients.<name>]`` config sections override its fields
 (`profile_for`).  The turn machine reads the chosen `Profile`.
@@ -177,8 +185,8 @@ PROFILES: dict[str, Profile] = {
     # Codex 0.169: stream_idle_timeout_ms = 300000 by default (`agents.codex` reads
     # the user's); it makes no non-streamed requests of its own.
     # It starts a tool at the call's ``response.output_item.done`` and, after a cut
-    # before ``response.completed``, retries the turn: the model's call ran twice in 4
-    # of 4 runs (HTTP) without ``tool_tail``, once in 20 of 20 with it.
+    # before ``response.completed``, retries the turn: the model's call ran twice in 5
+    # of 5 runs (HTTP and WebSocket each) without ``tool_tail``, once in 20 of 20 with it.
     "codex": Profile(
         "codex",
         early_headers=False,
