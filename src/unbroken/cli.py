@@ -81,7 +81,9 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             key_token, created = load_or_create(path)
         except (TokenFileError, OSError) as exc:
-            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            detail: object = exc
+            if isinstance(exc, OSError):  # (`load_or_create` names the path itself)
+                detail = f"token file {path}: {exc.strerror or type(exc).__name__}"
             print(f"unbroken: {_one_line(detail)} (or set UNBROKEN_TOKEN)", file=sys.stderr)
             return 2
         config = dataclasses.replace(config, key_token=key_token)

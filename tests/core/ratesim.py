@@ -132,11 +132,16 @@ def run(
     header_s: float = 0.05,
     stream_s: float = 0.5,
     settings: RateSettings | None = None,
+    relays: int = 1,
 ) -> Result:
-    board = HealthBoard(rate=settings or RateSettings())
+    """``relays`` relays that share nothing but the provider (``serve --workers`` with
+    no store, or relays with no Redis), agents alternating between them."""
+    boards = [HealthBoard(rate=settings or RateSettings()) for _ in range(relays)]
     queue: list[tuple[float, int, Callable[[float], None]]] = []
     order = itertools.count()
-    parked: dict[int, Callable[[float], None]] = {}  # ticket -> its wake-up
+    #: (relay, ticket) -> its wake-up
+    parked: dict[tuple[int, int], Callable[[float], None]] = {}
+    pumps: set[tuple[int, float]] = set()  # (relay, when) a pump is due
     stats = {"ok": 0, "limited": 0, "turns": 0}
     sends: Counter[int] = Counter()
     longest = [0.0]
@@ -145,6 +150,7 @@ def run(
         heapq.heappush(queue, (t, next(order), fn))
 
     def agent(i: int) -> None:
+        board = boards[i % relays]
         state = RetryState(
             RetryPolicy(), 1, board=board, keys=[K], sticky=f"a{i}", creds=["c"], body_bytes=2000
         )
@@ -161,10 +167,10 @@ def run(
                     if gen[0] == mine:
                         attempt(t)
 
-                parked[state.ticket] = wake
+                parked[(i % relays, state.ticket)] = wake
                 at(got.until, wake)
                 return
-            parked.pop(state.ticket, None)
+            parked.pop((i % relays, state.ticket), None)
             longest[0] = max(longest[0], now - waiting_since[0])
             sends[math.floor(now)] += 1
             answer = provider(now)
@@ -211,19 +217,19 @@ def run(
 
     for i in range(agents):
         agent(i)
-    pump_at = [math.inf]
     while queue:
         now, _, fn = heapq.heappop(queue)
         if now > seconds + 120.0:
             break
         fn(now)
-        granted, due = board.pump(K, now)
-        for ticket in granted:
-            wake = parked.pop(ticket, None)
-            if wake is not None:
-                at(now, wake)
-        if (due is not None and due < pump_at[0]) or pump_at[0] <= now:
-            pump_at[0] = due if due is not None else math.inf
-            if due is not None:
+        for n, board in enumerate(boards):
+            pumps.discard((n, now))
+            granted, due = board.pump(K, now)
+            for ticket in granted:
+                wake = parked.pop((n, ticket), None)
+                if wake is not None:
+                    at(now, wake)
+            if due is not None and due > now and (n, due) not in pumps:
+                pumps.add((n, due))
                 at(due, lambda t: None)
     return Result(stats["ok"], stats["limited"], stats["turns"], max(sends.values()), longest[0])

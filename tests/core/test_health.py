@@ -5,7 +5,14 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from unbroken.core.health import AttemptAccounting, Breaker, Change, HealthBoard, HealthSettings
+from unbroken.core.health import (
+    QUOTA_LOOK_AGAIN_S,
+    AttemptAccounting,
+    Breaker,
+    Change,
+    HealthBoard,
+    HealthSettings,
+)
 from unbroken.core.policy import (
     Failure,
     FailureClass,
@@ -132,7 +139,9 @@ def test_probe_gate_pending_then_lost() -> None:
     assert b.take(K, 1.0) is False  # the fleet has not answered
     assert b.blocked_until(K, 1.0) == 1.05
     assert b.take(K, 1.05) is False  # another instance probes
-    assert b.blocked_until(K, 1.1) > 30
+    # it gives the lease back when it has no probe out: look again in max_open_s, not
+    # when its lease (probe_timeout_s) runs out (issue 36)
+    assert b.blocked_until(K, 1.1) == 1.05 + b.settings.max_open_s
 
 
 def test_remote_changes_apply_and_are_marked_remote() -> None:
@@ -169,7 +178,7 @@ def test_an_open_upstream_is_skipped_while_another_is_healthy() -> None:
         assert state.why == "breaker_skip"
 
 
-def test_quota_cools_off_for_an_hour_and_reroutes() -> None:
+def test_quota_cools_off_for_a_minute_at_most_and_reroutes() -> None:
     b, seen = board()
     state = RetryState(
         RetryPolicy(), 2, rng=random.Random(0), board=b, keys=KEYS[:2], quota_cooloff_s=3600.0
@@ -177,7 +186,8 @@ def test_quota_cools_off_for_an_hour_and_reroutes() -> None:
     assert state.next_upstream(0.0) == 0
     wait = state.record_failure(Failure(FailureClass.STATUS, "HTTP 402", status=402), 0.0)
     assert wait == 0.0 and not state.quota_wall
-    assert b.blocked_until(KEYS[0], 0.0) == 3600.0 and seen[-1].reason == "quota"
+    # looked at again within a minute, whatever quota_cooloff_s says (issue 36)
+    assert b.blocked_until(KEYS[0], 0.0) == QUOTA_LOOK_AGAIN_S and seen[-1].reason == "quota"
     assert state.next_upstream(0.0) == 1
     state.record_failure(Failure(FailureClass.STATUS, "quota: insufficient_quota", status=429), 1)
     assert state.quota_wall  # no upstream left: the turn ends with the provider's answer
@@ -369,3 +379,56 @@ def test_accounting_tells_the_fleet_one_failure_per_turn_and_upstream() -> None:
     # a 4xx that is not passed through counts nowhere; the breaker is the machine's
     assert acc.attempt_ended(3.0, 3, "k", reason="429", phase="headers", status=429) is None
     assert b.get("k").consecutive_failures == 0  # failures before commit: the machine's
+
+
+def test_a_line_says_why_it_waits() -> None:
+    """Issue 36: the "wait in line" log said "(breaker closed)" for a quota cool-off."""
+    b, _ = board()
+    assert b.wait_reason(K, 0.0) == "retry pacing"
+    b.cooloff(K, 0.0, 3600.0, "quota")
+    assert b.wait_reason(K, 0.0) == "quota cool-off, 60.0s left"
+    assert b.quota_until(K, 0.0) == QUOTA_LOOK_AGAIN_S
+    for _ in range(5):
+        b.failure(K, 1.0, "503")
+    assert b.wait_reason(K, 1.0).startswith("breaker open, quota cool-off")
+    assert b.quota_until(K, 1.0) == 0.0  # a breaker keeps it out too: turns wait
+
+
+def test_a_probe_whose_turn_ends_without_a_verdict_frees_the_slot_at_once() -> None:
+    """Issue 36: the slot (and a fleet's lease) was held for probe_timeout_s (30 s)."""
+    b, _ = board()
+    for _ in range(5):
+        b.failure(K, 0.0, "503")
+    released: list[str] = []
+    b.probe_release = released.append
+    state = RetryState(RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K])
+    assert state.next_upstream(1.0) == 0  # the probe
+    assert b.blocked_until(K, 1.0) > 20  # its lease
+    state.close()  # the client went away before any answer
+    assert released == [K] and b.blocked_until(K, 1.0) == 0.0
+    other = RetryState(RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K])
+    assert other.next_upstream(1.0) == 0  # the next turn probes now
+    other.record_failure(Failure(FailureClass.STATUS, "HTTP 503", status=503), 1.1)
+    other.close()
+    assert released == [K, K]  # its verdict gave the lease back; close added nothing
+
+
+def test_a_turn_with_only_quota_spent_upstreams_asks_the_provider_instead_of_parking() -> None:
+    """Issue 36: one 402 parked every later turn for quota_cooloff_s."""
+    b, _ = board()
+    cooloffs: dict[int, float] = {}  # the relay's per-route cool-offs, shared by its turns
+    first = RetryState(
+        RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K], cooloff_until=cooloffs
+    )
+    assert first.next_upstream(0.0) == 0
+    first.record_failure(Failure(FailureClass.STATUS, "HTTP 402", status=402), 0.0)
+    assert first.quota_wall  # it ends with the provider's answer
+    later = RetryState(
+        RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K], cooloff_until=cooloffs
+    )
+    assert later.next_upstream(1.0) == 0 and later.why == "first"  # not a Park
+    b.cooloff(K, 1.0, 100.0, "retry_after")  # a Retry-After is waited out, as before
+    again = RetryState(
+        RetryPolicy(), 1, rng=random.Random(0), board=b, keys=[K], cooloff_until=cooloffs
+    )
+    assert isinstance(again.next_upstream(2.0), Park)

@@ -118,3 +118,25 @@ def test_a_429_nothing_explains_waits_for_a_reset_under_a_second_and_only_that()
     lim.learn(a, RateHeaders(requests=Reading(300, 295, 0.4)), 0.0)
     lim.learn(b, RateHeaders(), 0.0)
     assert lim.limited(b, None, 0.0, 0.0) == 0.0
+
+
+def test_a_crowd_gets_a_seconds_share_of_a_per_minute_limit_at_once_a_lone_request_always() -> None:
+    # 300 a minute reported, 295 left: a quantized provider takes 5 in any one second
+    lim = Limiter(K, "c", RateSettings(cold_start=4, max_concurrency=4))
+    first = lim.admit(0, "s", 0.0, 0.0)
+    lim.learn(first, RateHeaders(requests=Reading(300, 295, 1.0)), 0.0)
+    lim.finish(first, 0.0)  # taken: the slow start is past max_concurrency, out of the way
+    assert lim.ramp is None
+    went = [lim.admit(t, f"a{t}", 0.0, 0.0) for t in range(1, 21)]
+    assert sum(1 for s in went if s) == 4  # the second's 5, less the one just sent
+    granted, due = lim.pump(0.0)
+    assert granted == [] and due == pytest.approx(0.2)  # then 5 a second
+    assert lim.pump(0.2)[0] == [5]
+    # a request alone is never held by it
+    lone = Limiter(K, "c", RateSettings())
+    for t in range(10):
+        seq = lone.admit(0, "s", 0.0, t * 0.01)
+        assert seq
+        if t == 0:
+            lone.learn(seq, RateHeaders(requests=Reading(60, 59, 1.0)), 0.0)
+        lone.finish(seq, t * 0.01)

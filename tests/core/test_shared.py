@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from unbroken.core.health import Change, HealthSettings
+from unbroken.core.health import QUOTA_LOOK_AGAIN_S, Change, HealthSettings
 from unbroken.core.shared import (
     MAX_COUNT,
     MAX_DATAGRAM,
@@ -143,10 +143,22 @@ def test_a_cooloff_key_is_bounded_by_its_reason() -> None:
     assert r.change == Change(KEY, "cooloff", 60.0, "retry_after") and r.shorten_ms == 60_000
     r = read_cooloff(KEY, 10**12, b"quota", B)
     assert r.change is not None and r.change.ttl_s == 3600.0
-    r = read_cooloff(KEY, 5000, b"\xff\n", B)  # not text: a cool-off all the same
-    assert r.change == Change(KEY, "cooloff", 5.0, "cooloff") and r.garbage is Garbage.VALUE
-    r = read_cooloff(KEY, 5000, b"a\nb", B)
-    assert r.change is not None and r.change.reason == "a\\nb"
+    # issue 36: a value no relay writes is garbage, believed by none (it parked the fleet)
+    for value in (b"\xff\n", b"a\nb", b"<anything>", b"", b"QUOTA", 7):
+        r = read_cooloff(KEY, 5000, value, B)
+        assert (r.change, r.garbage) == (None, Garbage.VALUE), value
+
+
+def test_a_cooloff_message_with_an_unknown_reason_is_rejected() -> None:
+    got = parse_message(msg(kind="cooloff", k=KEY, ttl=5.0, r="<anything>"), B, KNOWN)
+    assert got == Rejected(Garbage.MESSAGE)
+    got = parse_message(msg(kind="cooloff", k=KEY, ttl=5.0, r="retry_after"), B, KNOWN)
+    assert isinstance(got, Message) and got.change == Change(KEY, "cooloff", 5.0, "retry_after")
+
+
+def test_a_quota_cooloff_is_bounded_by_the_look_again_interval() -> None:
+    b = SharedBounds.of(HealthSettings(quota_cooloff_s=3600), 60_000)
+    assert b.bound("cooloff", "quota") == QUOTA_LOOK_AGAIN_S
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,11 @@ provider whose headers are wrong: issue 32's storm, replayed on a virtual clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from core.ratesim import Bare, Quantized, Textbook, run
+from core.ratesim import Answer, Bare, Quantized, Textbook, run
 from unbroken.core.throttle import BETA, CLIMB_S, MIN_RATE, AdmissionThrottle
 
 
@@ -124,3 +126,18 @@ def test_the_zoos_other_providers_are_not_stormed_either(
     assert r.ok / 120.0 >= 0.9 * capacity, r
     assert r.max_per_s <= 2 * 5, r
     assert r.longest_wait_s <= 60.0, r  # max_wait_s
+
+
+@pytest.mark.parametrize("name", ["textbook", "overstated", "quantized", "bare"])
+def test_two_relays_that_share_nothing_stay_under_five_percent(name: str) -> None:
+    """``serve --workers 2`` with no store: two throttles, each correcting itself on the
+    429s its own requests collect, against one provider."""
+    providers: dict[str, Callable[[float], Answer]] = {
+        "textbook": Textbook(start=0.0),
+        "overstated": Textbook(start=0.0, overstate=0.5),
+        "quantized": Quantized(per_s=5),
+        "bare": Bare(per_s=5.0, burst=5.0),
+    }
+    r = run(providers[name], agents=40, seconds=120.0, relays=2)
+    assert r.share_429 <= 0.05, r
+    assert r.ok / 120.0 >= 0.85 * 5, r

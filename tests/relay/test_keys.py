@@ -27,8 +27,8 @@ from aiohttp import web
 
 from relayfix import KEY_AUTH, KEY_TOKEN, make_config, start_relay
 from unbroken.config import parse_config
+from unbroken.core.redact import REDACTED, Redactor, redact
 from unbroken.mock import MockProvider
-from unbroken.relay.upstream import REDACTED, Redactor, redact
 
 KEY = "sk-injected-key-0123456789abcdef"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -210,10 +210,14 @@ async def test_status_url_with_a_token_never_prints_it(mock: MockProvider) -> No
         assert TOKEN not in run.stdout + run.stderr
 
 
+HEADERS = "CUSTOM_HEADERS"
+
+
 async def test_print_env_honours_the_token(mock: MockProvider, tmp_path: Path) -> None:
     """Review: ``unbroken run --print-env`` ignored ``UNBROKEN_TOKEN``: the printed base
-    URLs got 401 from a relay with a token.  They carry it now, as a shell expansion
-    (the value itself is never printed)."""
+    URLs got 401 from a relay with a token.  Claude Code gets it now in its header
+    variable (issue 33: not in a base URL a tool could put on its command line), as a
+    shell expansion (the value itself is never printed)."""
     port = free_port()
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[server]\nport = {port}\n[routes.anthropic]\nupstreams = ["{mock.url}"]\n')
@@ -226,14 +230,20 @@ async def test_print_env_honours_the_token(mock: MockProvider, tmp_path: Path) -
     exports = "\n".join(ln for ln in printed.stdout.splitlines() if ln.startswith("export "))
     shell = await asyncio.to_thread(
         subprocess.run,
-        ["bash", "-c", f'{exports}\nprintf %s "$ANTHROPIC_BASE_URL"'],
+        [
+            "bash",
+            "-c",
+            f'{exports}\nprintf "%s\\0%s" "$ANTHROPIC_BASE_URL" "$ANTHROPIC_CUSTOM_HEADERS"',
+        ],
         capture_output=True,
         text=True,
         env={**os.environ, "UNBROKEN_TOKEN": TOKEN},
         check=True,
     )
-    base = shell.stdout
-    assert base == f"http://127.0.0.1:{port}/t/{TOKEN}/anthropic"
+    base, custom = shell.stdout.split("\0")
+    assert base == f"http://127.0.0.1:{port}/anthropic"
+    assert custom == f"x-unbroken-token: {TOKEN}"
+    name, _, value = custom.partition(": ")
     relay = parse_config(
         {"routes": {"anthropic": {"upstreams": [mock.url]}}}, env={"UNBROKEN_TOKEN": TOKEN}
     )
@@ -242,7 +252,9 @@ async def test_print_env_honours_the_token(mock: MockProvider, tmp_path: Path) -
         body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
         async with (
             aiohttp.ClientSession() as s,
-            s.post(f"{base}/v1/messages", json=body, headers={"x-api-key": "sk-own"}) as r,
+            s.post(
+                f"{base}/v1/messages", json=body, headers={"x-api-key": "sk-own", name: value}
+            ) as r,
         ):
             assert r.status == 200
             await r.read()
@@ -271,7 +283,14 @@ def test_print_env_reads_serves_token_file_for_a_keyed_route(tmp_path: Path) -> 
     out = io.StringIO()
     print_env(["claude"], base, {"XDG_STATE_HOME": str(tmp_path)}, out=out)
     path = tmp_path / "unbroken" / "token"
-    assert f'/t/"$(cat {path})"/anthropic' in out.getvalue()
+    # in Claude Code's header variable (issue 33), not in its base URL
+    assert f"export ANTHROPIC_CUSTOM_HEADERS='x-unbroken-token: '\"$(cat {path})\"\n" in (
+        out.getvalue()
+    )
+    assert "/t/" not in out.getvalue()
+    out = io.StringIO()
+    print_env(["python"], base, {"XDG_STATE_HOME": str(tmp_path)}, out=out)
+    assert f'/t/"$(cat {path})"/anthropic' in out.getvalue()  # no header setting: the URL
     out = io.StringIO()
     print_env(["claude"], parse_config({}, env={}), {"XDG_STATE_HOME": str(tmp_path)}, out=out)
     assert "/t/" not in out.getvalue()  # nothing keyed, no token: the plain URL

@@ -38,15 +38,21 @@ class Relay:
 
 
 async def start_relay(
-    tmp_path: Path, upstream: str, workers: int, *, ignore_hup: bool = False
+    tmp_path: Path,
+    upstream: str,
+    workers: int,
+    *,
+    ignore_hup: bool = False,
+    tmpdir: Path | None = None,
 ) -> Relay:
     cfg = tmp_path / "relay.toml"
     cfg.write_text(
         "[server]\ngrace_s = 20\n[retry]\ndelay_ms = 5\n[journal]\nenabled = false\n"
         f'[routes.mock]\nupstreams = [{{ url = "{upstream}" }}]\n'
     )
-    tmpdir = tmp_path / "tmp"  # the supervisor's runtime directory is made here
-    tmpdir.mkdir()
+    if tmpdir is None:  # the supervisor's runtime directory is made here
+        tmpdir = tmp_path / "tmp"
+        tmpdir.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
     env["TMPDIR"] = str(tmpdir)
     argv = [sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"]
@@ -64,7 +70,10 @@ async def start_relay(
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
     m = re.search(r"http://127\.0\.0\.1:\d+", line)
-    assert m, line
+    if not m:
+        assert proc.stderr is not None
+        err = (await asyncio.wait_for(proc.stderr.read(), 10)).decode(errors="replace")
+        raise AssertionError(f"no URL in {line!r}: {err[-2000:]}")
     return Relay(proc, m.group(0), tmpdir)
 
 

@@ -14,13 +14,11 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from unbroken.config import Upstream
+from unbroken.core.redact import REDACTED, Redactor, redact
 from unbroken.relay.upstream import (
-    REDACTED,
-    Redactor,
     body_for,
     decoded_body,
     parse_body,
-    redact,
     request_headers,
     response_headers,
     upstream_url,

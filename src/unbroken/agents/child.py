@@ -70,7 +70,7 @@ def setup_run_logging(log_file: Path | None) -> None:
     if log_file is None:
         setup_logging()
         return
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # the token's, too
     handler = logging.FileHandler(log_file, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root = logging.getLogger()

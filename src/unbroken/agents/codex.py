@@ -9,7 +9,12 @@ Measured with the real Codex 0.169.0:
 * the built-in ``openai`` provider ignores ``OPENAI_BASE_URL`` and refuses a
   ``model_providers.openai`` table ("Built-in providers cannot be overridden"); it
   honours the top-level ``openai_base_url`` key, so it gets ``-c openai_base_url=...``;
-* ``-c`` flags before the subcommand (``codex -c ... exec ...``) reach it.
+* ``-c`` flags before the subcommand (``codex -c ... exec ...``) reach it;
+* a custom provider sends the headers of its ``env_http_headers`` table (header ->
+  the variable that holds its value): when the private relay has a token, each gets
+  ``x-unbroken-token`` from ``UNBROKEN_RUN_TOKEN`` (only the variable's name is on
+  the command line).  The built-in ``openai`` provider takes no headers: its base
+  URL, on the command line, carries no token.
 
 What the user's own command line says counts as Codex counts it: ``-c key=value``
 (``--config``; a dotted path, the value TOML or else a string) over ``-p NAME``
@@ -39,8 +44,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from unbroken.agents.plan import RELAY, Launch, route_name, split_version
+from unbroken.agents.plan import RELAY, RUN_TOKEN_ENV, TOKEN, Launch, route_name, split_version
 from unbroken.config_values import ConfigError, validate_url
+from unbroken.relay.access import TOKEN_HEADER
 
 __all__ = ["OPENAI_DEFAULT", "CommandLine", "codex_home", "command_line", "plan", "read_config"]
 
@@ -191,6 +197,7 @@ def plan(env: Mapping[str, str], argv: Sequence[str] = ()) -> Launch:
     config, notes = effective_config(env, cli)
     routes: dict[str, str] = {}
     args: list[str] = []
+    token_args: list[str] = []
     taken: set[str] = set()
     active = config.get("model_provider")
     active = active if isinstance(active, str) else "openai"
@@ -225,6 +232,9 @@ def plan(env: Mapping[str, str], argv: Sequence[str] = ()) -> Launch:
             routes[name], version = split_version(url)
             key = f"model_providers.{pid}.base_url"
             args += ["-c", f"{key}={_toml_string(f'{RELAY}/{name}{version}')}"]
+            # the token's header, from a variable: only its name is on the command line
+            header = f"model_providers.{pid}.env_http_headers.{TOKEN_HEADER}"
+            token_args += ["-c", f"{header}={_toml_string(RUN_TOKEN_ENV)}"]
             idle = table.get("stream_idle_timeout_ms")
             if pid == active and isinstance(idle, int | float) and not isinstance(idle, bool):
                 idle_ms = float(idle)
@@ -251,4 +261,6 @@ def plan(env: Mapping[str, str], argv: Sequence[str] = ()) -> Launch:
         clients=clients,
         notes=tuple(notes),
         user_args=user_args,
+        token_env={RUN_TOKEN_ENV: TOKEN} if token_args else {},
+        token_args=tuple(token_args),
     )

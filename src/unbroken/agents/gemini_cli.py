@@ -33,8 +33,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from unbroken.agents.plan import FILES, RELAY, Launch
+from unbroken.agents.plan import FILES, RELAY, TOKEN, Launch, header_list
 from unbroken.config_values import ConfigError, validate_url
+from unbroken.relay.access import TOKEN_HEADER
 
 __all__ = ["GEMINI_DEFAULT", "SYSTEM_DEFAULTS", "auth_from_env", "plan"]
 
@@ -141,4 +142,22 @@ def plan(env: Mapping[str, str]) -> Launch:
             files[SYSTEM_DEFAULTS] = text
             out_env["GEMINI_CLI_SYSTEM_DEFAULTS_PATH"] = os.path.join(FILES, SYSTEM_DEFAULTS)
             notes.append(f"gemini: keeping its auth choice ({auth}) with the base URL set")
-    return Launch("gemini", routes=routes, env=out_env, files=files, notes=tuple(notes))
+    # The token, when the relay has one, in a header (comma-separated ``Name: value``
+    # entries, the user's own kept; read from Gemini CLI 0.61), not in the base URL.
+    # Gemini CLI sends these headers with every model request: for Google login and
+    # compute credentials to Code Assist, which is not relayed, so not for those (the
+    # token would go to Google; it stays in the base URL they do not use).
+    token_env: dict[str, str] = {}
+    if auth not in ("oauth-personal", "compute-default-credentials"):
+        own_headers = env.get("GEMINI_CLI_CUSTOM_HEADERS")
+        token_env["GEMINI_CLI_CUSTOM_HEADERS"] = header_list(
+            own_headers, f"{TOKEN_HEADER}: {TOKEN}", ", "
+        )
+    return Launch(
+        "gemini",
+        routes=routes,
+        env=out_env,
+        files=files,
+        notes=tuple(notes),
+        token_env=token_env,
+    )

@@ -36,6 +36,7 @@ from unbroken.agents.plan import (
     FILES,
     RELAY,
     Launch,
+    TokenWay,
     private_token,
     relay_base,
     split_version,
@@ -138,21 +139,46 @@ def print_env(
 ) -> None:
     """What `run` would set, pointed at ``unbroken serve`` (the config's host and port)."""
     out = out or sys.stdout
-    launch = plan_for(command, env)
+    # The user's own header variables stay theirs: printed as a shell expansion, never
+    # their value (a gateway's credentials may be in them).
+    own = {v: f"UNBROKEN-OWN-{v}-MARK" for v in _HEADER_VARS if (env.get(v) or "").strip()}
+    launch = plan_for(command, {**env, **own})
     host = base.host or "127.0.0.1"
     shown = f"[{host}]" if ":" in host else host
     plain = f"http://{shown}:{base.port}"
     out.write(f"# unbroken run -- {command[0]}: point it at unbroken serve ({plain})\n")
     # The relay's token, when it needs one, as a shell expansion (never its value):
     # the variable it is read from, or the file `unbroken serve` keeps it in.
+    # An agent whose base URLs are all in its environment and that has a header setting
+    # gets it in a header, as `run` gives it; otherwise in the base URLs (Codex: on its
+    # command line, the one way its built-in openai provider can send it).
     ref = _token_ref(base, launch, env)
-    relay = f"{plain}/t/{_TOKEN_MARK}" if ref else plain
+    in_args = any(RELAY in a for a in launch.args)
+    header = ref is not None and not in_args and launch.token_way(_TOKEN_MARK) is TokenWay.HEADER
+    mark = _TOKEN_MARK if header else None
+    relay = f"{plain}/t/{_TOKEN_MARK}" if ref and not header else plain
+
+    marks = {m: "${" + v + "}" for v, m in own.items()}
+    if ref is not None:
+        marks[_TOKEN_MARK] = ref
 
     def quote(value: str) -> str:
         quoted = shlex.quote(value)
-        if ref is None or _TOKEN_MARK not in quoted:
+        present = [(m, r) for m, r in marks.items() if m in quoted]
+        if not present:
             return quoted
-        return quoted.replace(_TOKEN_MARK, f"'\"{ref}\"'" if quoted[0] == "'" else f'"{ref}"')
+        if quoted[0] != "'":
+            for m, r in present:
+                quoted = quoted.replace(m, f'"{r}"')
+            return quoted
+        out = quoted
+        for m, r in present:
+            out = out.replace(m, f"'\"{r}\"'")
+        if any(quoted.startswith(f"'{m}") for m, _ in present):
+            out = out[2:]  # no '' at the start
+        if any(quoted.endswith(f"{m}'") for m, _ in present):
+            out = out[:-2]  # nor at the end
+        return out.replace("\n", "'$'\\n''")  # one line (bash, zsh: $'\n')
 
     missing = [
         n
@@ -164,11 +190,11 @@ def print_env(
         for name in missing:
             url = launch.routes[name]
             out.write(f'#   [routes.{name}]\n#   upstreams = [{{ url = "{url}" }}]\n')
-    for key, value in launch.resolved_env(relay).items():
-        if FILES not in launch.env[key]:  # a file `run` writes: shown below instead
+    for key, value in launch.resolved_env(relay, token=mark).items():
+        if FILES not in launch.env.get(key, ""):  # a file `run` writes: shown below instead
             out.write(f"export {key}={quote(value)}\n")
     if launch.args:
-        out.write(" ".join(quote(a) for a in launch.argv(command, relay)) + "\n")
+        out.write(" ".join(quote(a) for a in launch.argv(command, relay, mark)) + "\n")
     for table, values in launch.clients.items():
         out.write(
             f"# optional, for this agent's timers: [clients.{table}] "
@@ -186,6 +212,8 @@ def print_env(
 
 #: stands for the token in `print_env`'s URLs until they are quoted for the shell
 _TOKEN_MARK = "UNBROKEN-TOKEN-MARK"
+#: the agents' header variables `print_env` may add the token to (the user's own kept)
+_HEADER_VARS = ("ANTHROPIC_CUSTOM_HEADERS", "GEMINI_CLI_CUSTOM_HEADERS")
 
 
 def _token_ref(base: Config, launch: Launch, env: Mapping[str, str]) -> str | None:
@@ -219,20 +247,23 @@ async def run_agent(
     files = tempfile.TemporaryDirectory(prefix="unbroken-run-") if launch.files else None
     try:
         token = server.config.key_token
-        # A base URL passed in the agent's arguments (Codex's -c) is on its command line,
-        # which other users can read (/proc/<pid>/cmdline): no token there.
-        in_url = token is not None and not any(RELAY in a for a in launch.args)
-        relay = relay_base(server.url, token if in_url else None)
+        # A base URL is readable by other users wherever a process puts it on its command
+        # line (/proc/<pid>/cmdline): the agent's own (Codex's -c), or a tool it runs.  So
+        # the token goes in a header where the agent has a setting for one, in the base
+        # URLs (its environment) where not, and nowhere when they are on its command line.
+        way = launch.token_way(token)
+        relay = relay_base(server.url, token if way is TokenWay.URL else None)
         for note in launch.notes:
             log.info("%s", note)
         log.info("run: relay on %s", server.url)  # never the token
         if token is not None:
-            log.info("run: %s", token_note(in_url))
+            log.info("run: %s", token_note(way))
         if files is not None:
             for name, text in launch.files.items():
                 (Path(files.name) / name).write_text(text, encoding="utf-8")
-        child_env = {**env, **launch.resolved_env(relay, files.name if files else "")}
-        argv = launch.argv(command, relay)
+        own = launch.resolved_env(relay, files.name if files else "", token)
+        child_env = {**env, **own}
+        argv = launch.argv(command, relay, token)
         if ready is not None:
             ready(relay)
         return await run_child(argv, env=child_env, cwd=cwd)

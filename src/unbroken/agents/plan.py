@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -12,8 +13,12 @@ from unbroken.config import Route
 __all__ = [
     "FILES",
     "RELAY",
+    "RUN_TOKEN_ENV",
+    "TOKEN",
     "TOKEN_NOTE",
     "Launch",
+    "TokenWay",
+    "header_list",
     "private_token",
     "relay_base",
     "route_name",
@@ -25,6 +30,26 @@ __all__ = [
 RELAY = "{relay}"
 #: stands for the run's private directory, where `Launch.files` are written
 FILES = "{files}"
+#: stands for the private relay's token in `Launch.token_env` values
+TOKEN = "{token}"
+#: the variable that holds the token for an agent that names a header's variable
+#: (Codex's ``env_http_headers``): only the name goes on its command line
+RUN_TOKEN_ENV = "UNBROKEN_RUN_TOKEN"
+
+
+class TokenWay(enum.StrEnum):
+    """How the launched agent gets its private relay's token (a route injects a key)."""
+
+    #: an ``x-unbroken-token`` header set from its environment (`Launch.token_env`):
+    #: its base URLs carry no token, so a process that puts one on its command line
+    #: (readable by other users in /proc/<pid>/cmdline) shows none
+    HEADER = "header"
+    #: the ``/t/<token>`` prefix of its base URLs, in its environment (an agent with no
+    #: header setting: the openai/anthropic SDKs and the tools built on them)
+    URL = "url"
+    #: none: its base URLs are on its command line and it has no header setting
+    NONE = "none"
+
 
 _RESERVED = frozenset({"t", "healthz", "status", "metrics"})
 
@@ -51,18 +76,46 @@ class Launch:
     #: file name -> text, written into a private directory for the run (`FILES` in an
     #: ``env`` value is its path); the directory is removed when the agent exits
     files: Mapping[str, str] = field(default_factory=dict)
+    #: with a token (a route injects a key), the environment variables that make the
+    #: agent send it as ``x-unbroken-token`` (`TOKEN` in a value), set over ``env``;
+    #: empty: the agent has no such setting
+    token_env: Mapping[str, str] = field(default_factory=dict)
+    #: with a token, arguments after ``args`` that make the agent send the header
+    #: (they may name a variable of ``token_env``, never hold the token)
+    token_args: tuple[str, ...] = ()
 
-    def resolved_env(self, relay: str, files: str = FILES) -> dict[str, str]:
-        return {k: v.replace(RELAY, relay).replace(FILES, files) for k, v in self.env.items()}
+    def token_way(self, token: str | None) -> TokenWay:
+        """How the agent gets ``token`` (None: there is none to give)."""
+        if token is None:
+            return TokenWay.NONE
+        if self.token_env:
+            return TokenWay.HEADER
+        if any(RELAY in a for a in self.args):
+            return TokenWay.NONE  # a base URL on its command line: no token there
+        return TokenWay.URL
 
-    def resolved_args(self, relay: str) -> list[str]:
-        return [a.replace(RELAY, relay) for a in self.args]
+    def resolved_env(
+        self, relay: str, files: str = FILES, token: str | None = None
+    ) -> dict[str, str]:
+        """``env`` filled in; with a ``token`` given by header, ``token_env`` too."""
+        out = {k: v.replace(RELAY, relay).replace(FILES, files) for k, v in self.env.items()}
+        if token is not None and self.token_way(token) is TokenWay.HEADER:
+            out.update({k: v.replace(TOKEN, token) for k, v in self.token_env.items()})
+        return out
 
-    def argv(self, command: Sequence[str], relay: str) -> list[str]:
-        """The agent's whole command line: the program, the relay's arguments, then the
-        user's (less any the relay's replace)."""
+    def resolved_args(self, relay: str, token: str | None = None) -> list[str]:
+        """``args`` filled in; with a ``token`` given by header, ``token_args`` after."""
+        out = [a.replace(RELAY, relay) for a in self.args]
+        if token is not None and self.token_way(token) is TokenWay.HEADER:
+            out += self.token_args
+        return out
+
+    def argv(self, command: Sequence[str], relay: str, token: str | None = None) -> list[str]:
+        """The agent's whole command line: the program, the relay's arguments (with a
+        ``token`` given by header, `token_args` too), then the user's (less any the
+        relay's replace)."""
         rest = self.user_args if self.user_args is not None else tuple(command[1:])
-        return [command[0], *self.resolved_args(relay), *rest]
+        return [command[0], *self.resolved_args(relay, token), *rest]
 
 
 def route_name(wanted: str, taken: set[str]) -> str:
@@ -93,14 +146,26 @@ def split_version(url: str) -> tuple[str, str]:
 TOKEN_NOTE = "a route injects a key: it answers only requests with this run's own token"
 
 
-def token_note(in_url: bool) -> str:
-    """`TOKEN_NOTE`, and who has the token (never the token itself)."""
-    if in_url:
+def token_note(way: TokenWay) -> str:
+    """`TOKEN_NOTE`, and who has the token and how (never the token itself)."""
+    if way is TokenWay.HEADER:
+        return (
+            f"{TOKEN_NOTE} (in the agent's x-unbroken-token header, set from its "
+            "environment; its base URLs carry none); other processes get 401 there"
+        )
+    if way is TokenWay.URL:
         return f"{TOKEN_NOTE} (in the agent's base URLs); other processes get 401 there"
     return (
         f"{TOKEN_NOTE}, which no one is given: the agent's base URLs are on its command "
         "line, which other users can read, and it does not use that route"
     )
+
+
+def header_list(existing: str | None, line: str, sep: str) -> str:
+    """A header variable's value (``Name: value`` entries joined by ``sep``) with
+    ``line`` added after the user's own entries."""
+    own = (existing or "").strip()
+    return f"{own}{sep}{line}" if own else line
 
 
 def private_token(routes: Mapping[str, Route]) -> str | None:

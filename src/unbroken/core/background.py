@@ -12,7 +12,11 @@ after sequence number N.  Nothing is sampled twice, nothing is paid twice.
   upstream refused background mode before (`ContinuationMemory`); a final 4xx
   that names ``background`` or ``store`` is such a refusal, and so is a 400/422 in
   other words when the same request without them then succeeds (the turn asks once
-  more as the client sent it: a wording is no proof, a structure is);
+  more as the client sent it: a wording is no proof, a structure is).  **A
+  client's ``store: false`` becomes ``store: true``**: the provider keeps the
+  response (OpenAI: 30 days by default).  The relay says so where it is decided: a
+  warning at start-up for the routes that may do it (`store_override_routes`,
+  `STORE_OVERRIDE`) and once per route when it first does (`store_override_note`);
 * after a cut it continues from the response id the ledger's classifier saw in
   ``response.created`` and the last sequence number *fed to the ledger* (held
   frames included: they stay held, so nothing is skipped and nothing repeats);
@@ -27,8 +31,9 @@ after sequence number N.  Nothing is sampled twice, nothing is paid twice.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from unbroken.core.continuation import Cancel, JoinBroken, Refusal, Resume
 from unbroken.core.ledger import Ledger
@@ -38,10 +43,13 @@ from unbroken.core.sse import Event
 __all__ = [
     "MECHANISM",
     "RESPONSE_ID",
+    "STORE_OVERRIDE",
     "BackgroundResume",
     "SequenceSplicer",
     "background_patch_applies",
     "refuses_background",
+    "store_override_note",
+    "store_override_routes",
 ]
 
 MECHANISM = "responses_background"
@@ -392,4 +400,42 @@ def background_patch_applies(parsed: dict[str, Any] | None) -> bool:
     request that did not ask for background mode itself."""
     return (
         parsed is not None and parsed.get("stream") is True and parsed.get("background") is not True
+    )
+
+
+# -- what it costs the client's privacy ---------------------------------------------------
+
+#: what continue mode does to a client's privacy choice (`BackgroundResume.body_patch`)
+STORE_OVERRIDE = (
+    "OpenAI Responses requests are sent in background mode with store: true, overriding "
+    "a client's store: false: the provider keeps each response (OpenAI: 30 days by default)"
+)
+#: upstream hosts (and their subdomains) that serve no OpenAI Responses API
+_NOT_RESPONSES = ("anthropic.com", "googleapis.com")
+
+
+def store_override_routes(continued: Mapping[str, Iterable[str]]) -> list[str]:
+    """Of the routes with ``after_commit = "continue"`` (route name -> its upstream
+    URLs), those that may send a Responses request in background mode: all but the
+    routes whose every upstream is a provider with no Responses API (Anthropic,
+    Google).  Sorted: one start-up warning names them."""
+    out = []
+    for name, urls in continued.items():
+        hosts = [(urlsplit(u).hostname or "") for u in urls]
+        if not hosts or not all(_no_responses(h) for h in hosts):
+            out.append(name)
+    return sorted(out)
+
+
+def _no_responses(host: str) -> bool:
+    return any(host == d or host.endswith(f".{d}") for d in _NOT_RESPONSES)
+
+
+def store_override_note(route: str) -> str:
+    """The log line of the first turn on ``route`` that continue mode sends in
+    background mode (once per route)."""
+    return (
+        f"route {route}: after_commit = continue sent a Responses request with "
+        f"background: true, store: true (a client's store: false is overridden): the "
+        "provider keeps the response (OpenAI: 30 days by default); said once per route"
     )

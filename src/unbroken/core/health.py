@@ -22,8 +22,13 @@ The breaker (the defaults are `HealthSettings`'):
 * **open** → **half-open** once ``open_s`` has passed (``open_s`` doubles with every
   re-open, up to ``max_open_s``); while open, no turn sends it traffic;
 * **half-open**: one probe goes through; success closes the breaker, failure re-opens it.
-  A probe that never reports (its client went away) frees the probe slot after
-  ``probe_timeout_s``.
+  With a fleet, the probe is leased (`ProbeGate`): the holder gives its lease back
+  (`ProbeRelease`) the moment it has no probe out (its record leaves half-open by its
+  own verdict or another's, or the probe's turn ended without one), and the others ask
+  again every ``max_open_s`` rather than waiting out the lease, so recovery with
+  workers is as quick as with one.  A lease whose holder never gives it back (a
+  crash) is taken over when its holder is gone or after ``probe_timeout_s``
+  (`probe_lease_stale`).
 
 The breaker is the retry pacer's slow mode (`unbroken.core.pacer`): the board keeps
 each upstream's `Pacer`, and the turns waiting on an upstream wait in its line
@@ -54,6 +59,7 @@ from unbroken.core.pacer import Pacer, PaceSettings
 from unbroken.core.ratelimit import RateBoard, RateSettings
 
 __all__ = [
+    "QUOTA_LOOK_AGAIN_S",
     "AttemptAccounting",
     "Breaker",
     "Change",
@@ -61,12 +67,19 @@ __all__ = [
     "HealthSettings",
     "PaceListener",
     "ProbeGate",
+    "ProbeRelease",
     "UpstreamHealth",
+    "probe_lease_stale",
     "upstream_key",
 ]
 
 #: buckets per failure-rate window
 BUCKETS = 10
+#: a spent quota keeps its upstream out at most this long (``quota_cooloff_s`` is cut
+#: to it): then the provider is looked at again, so a paid bill is noticed within a
+#: minute.  A turn with no other upstream never waits for a quota: it goes to the
+#: provider and ends with its answer (`HealthBoard.quota_until`).
+QUOTA_LOOK_AGAIN_S = 60.0
 
 
 class Breaker(enum.StrEnum):
@@ -91,7 +104,8 @@ class HealthSettings:
     min_window_attempts: int = 20
     open_s: float = 0.25
     max_open_s: float = 0.5
-    quota_cooloff_s: float = 3600.0
+    #: a spent quota keeps the upstream out this long (at most `QUOTA_LOOK_AGAIN_S`)
+    quota_cooloff_s: float = 30.0
     probe_timeout_s: float = 30.0
     #: a parked turn is woken when the pacer grants it a go; it also looks again at
     #: least this often (a fallback: a change another instance did not publish)
@@ -129,6 +143,16 @@ PaceListener = Callable[[str, bool], None]
 #: False (another one does), or None (not known yet: look again shortly)
 ProbeGate = Callable[[str, float], bool | None]
 
+#: the lease the gate granted is given back: ``release(key)`` (no probe of ours is out)
+ProbeRelease = Callable[[str], None]
+
+
+def probe_lease_stale(age_s: float, ttl_s: float, *, holder_alive: bool) -> bool:
+    """May another instance's probe lease be taken over?  Yes when its holder is gone
+    (a crash: it can never give it back), or it is older than ``ttl_s`` (a holder that
+    never reported), or dated further ahead than that (a clock that jumped)."""
+    return not holder_alive or age_s > ttl_s or age_s < -ttl_s
+
 
 @dataclass(slots=True)
 class UpstreamHealth:
@@ -140,6 +164,9 @@ class UpstreamHealth:
     cooloff_until: float = 0.0
     cooloff_reason: str = ""
     probe_until: float = 0.0  # a probe is out (here or elsewhere) until then
+    #: this instance sent the probe and holds its lease, the fleet's with a probe gate
+    #: (given back as soon as no probe is out)
+    probe_held: bool = False
     #: when the breaker last closed: the failures counted before are the outage's
     closed_at: float = float("-inf")
     #: bucket number -> [ok, failed]
@@ -183,6 +210,8 @@ class HealthBoard:
         self.records: dict[str, UpstreamHealth] = {}
         self.listeners: list[Callable[[Change], None]] = []
         self.probe_gate = probe_gate
+        #: told when this instance gives its probe lease back (the gate's transport)
+        self.probe_release: ProbeRelease | None = None
         self.pace = pace or PaceSettings()
         #: each upstream's retry pacer (`core.pacer`), made on first use
         self.pacers: dict[str, Pacer] = {}
@@ -359,8 +388,82 @@ class HealthBoard:
         if mine is None:  # the fleet has not answered yet
             rec.probe_until = now + 0.05
             return False
-        rec.probe_until = now + ttl
-        return mine
+        if mine:
+            rec.probe_until = now + ttl
+            rec.probe_held = True
+            return True
+        # Another instance probes.  It gives the lease back as soon as it has no probe
+        # out, and shares its verdict at once: look again as often as a half-open
+        # breaker probes, not once the lease runs out (issue 36).
+        rec.probe_until = now + min(ttl, max(self.settings.max_open_s, 0.05))
+        return False
+
+    def _give_back(self, rec: UpstreamHealth) -> None:
+        """No probe of ours is out any more: the fleet's probe lease goes back."""
+        if rec.probe_held:
+            rec.probe_held = False
+            release = self.probe_release
+            if release is not None:
+                release(rec.key)
+
+    def holds_probe(self, key: str) -> bool:
+        """This instance holds the probe lease for ``key`` (one turn's attempt: while
+        it is out, `take` lets no other local turn through)."""
+        rec = self.records.get(key)
+        return rec is not None and rec.probe_held
+
+    def probe_abandoned(self, key: str) -> None:
+        """The turn whose attempt held the probe ended without a verdict (its client
+        went away, its attempts ran out, the relay stopped): the slot and the fleet's
+        lease are free at once."""
+        rec = self.records.get(key)
+        if rec is not None and rec.probe_held:
+            self._give_back(rec)
+            if rec.state is Breaker.HALF_OPEN:
+                rec.probe_until = 0.0
+                self._poke(key)
+
+    def quota_until(self, key: str, now: float) -> float:
+        """When ``key``'s quota cool-off ends, if a spent quota is all that keeps it out
+        (else 0.0).  A turn that has no other upstream goes there anyway: the
+        provider's answer ends it at once (a quota error, or an answer: the bill was
+        paid), rather than waiting."""
+        rec = self.records.get(key)
+        if rec is None:
+            return 0.0
+        self._refresh(rec, now)
+        if (
+            rec.state is Breaker.CLOSED
+            and rec.cooloff_until > now
+            and rec.cooloff_reason == "quota"
+        ):
+            return rec.cooloff_until
+        return 0.0
+
+    def in_line(self, key: str) -> int:
+        """Turns waiting for ``key``: in its pacer's line and its rate lines."""
+        p = self.pacers.get(key)
+        return (len(p.queue) if p is not None else 0) + self.rates.in_line(key)
+
+    def wait_reason(self, key: str, now: float) -> str:
+        """Why turns wait in ``key``'s line, for the logs: the longest block there."""
+        rate = self.rates.wait_reason(key, now)
+        rec = self.records.get(key)
+        if rec is None:
+            return rate or "retry pacing"
+        self._refresh(rec, now)
+        parts = [rate] if rate else []
+        if rec.state is Breaker.OPEN:
+            parts.append("breaker open")
+        elif rec.state is Breaker.HALF_OPEN:
+            parts.append(
+                "breaker half-open, probe out" if rec.probe_until > now else "breaker half-open"
+            )
+        if rec.cooloff_until > now:
+            parts.append(
+                f"{rec.cooloff_reason or 'cooloff'} cool-off, {rec.cooloff_until - now:.1f}s left"
+            )
+        return ", ".join(parts) or "retry pacing"
 
     # -- outcomes ---------------------------------------------------------------------------
     def success(self, key: str, now: float) -> None:
@@ -377,6 +480,7 @@ class HealthBoard:
         rec.reopens = 0
         rec.probe_until = 0.0
         rec.open_until = 0.0
+        self._give_back(rec)
         # The probe passed: the failures in the window were the outage's.  Kept, the
         # first failure after it would reopen the breaker on a stale rate.
         rec.buckets.clear()
@@ -444,10 +548,14 @@ class HealthBoard:
         rec.state = Breaker.OPEN
         rec.open_until = now + ttl
         rec.probe_until = 0.0
+        self._give_back(rec)
         self._emit(Change(rec.key, "open", ttl, reason, rec.reopens, old=old))
 
     def cooloff(self, key: str, now: float, seconds: float, reason: str) -> None:
-        """The upstream asked to be left alone (Retry-After), or its quota is spent."""
+        """The upstream asked to be left alone (Retry-After), or its quota is spent
+        (for at most `QUOTA_LOOK_AGAIN_S`: then it is looked at again)."""
+        if reason == "quota":
+            seconds = min(seconds, QUOTA_LOOK_AGAIN_S)
         rec = self.get(key)
         until = now + seconds
         if until <= rec.cooloff_until:
@@ -476,6 +584,7 @@ class HealthBoard:
                 rec.open_until = until
                 rec.reopens = max(rec.reopens, change.reopens)
                 rec.probe_until = 0.0
+                self._give_back(rec)  # another's verdict: our probe, if out, is moot
                 self._emit(remote)
         elif change.kind == "close" and rec.state is not Breaker.CLOSED:
             rec.state = Breaker.CLOSED
@@ -484,6 +593,7 @@ class HealthBoard:
             rec.consecutive_failures = 0
             rec.buckets.clear()
             rec.closed_at = now
+            self._give_back(rec)
             p = self.pacers.get(rec.key)
             if p is not None:
                 p.start_ramp(now)  # another instance's probe passed: release the line

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 
-from unbroken.core.health import HealthBoard
+from unbroken.core.health import QUOTA_LOOK_AGAIN_S, HealthBoard
 from unbroken.core.pacer import PaceSettings
 from unbroken.core.ratehead import RateHeaders
 from unbroken.core.ratelimit import Limiter
@@ -276,6 +276,8 @@ class RetryState:
     _rate_line: Limiter | None = None  # the limiter whose line the turn waits in
     _pace_done: bool = False  # this retry has its pacer's go already
     _order: list[int] | None = None
+    #: the upstream whose fleet probe lease this turn's attempt holds, until a verdict
+    _probe: str | None = None
     _counted: set[int] = field(default_factory=set)  # upstreams this turn has failed on
 
     def exhausted(self) -> bool:
@@ -326,11 +328,16 @@ class RetryState:
         rate_in: tuple[int, Limiter, float] | None = None  # the first whose budget is spent
         lim: Limiter | None = None
         tokens = 0.0
+        quota_at, held = -1, False  # an upstream kept out by a quota only; any other block
         for k in range(n):
             idx = order[(start + k) % n]
             until = self._blocked(idx, now)
             if until > 0.0:
                 skipped = True
+                if board is not None and self._quota_only(board, idx, now):
+                    quota_at = idx if quota_at < 0 else quota_at
+                else:
+                    held = True
                 if until < soonest:
                     soonest, blocked_at = until, idx
                     why = self._why_blocked(idx, now)
@@ -359,12 +366,18 @@ class RetryState:
                     if probe_until < soonest:
                         soonest, why, blocked_at = probe_until, "probe", idx
                     continue
+                if board.holds_probe(key):
+                    self._probe = key  # given back by a verdict, or when the turn ends
                 if pace_it:
                     board.admit(key, ticket, now)  # peek said yes: spends the token
                 if rated and lim is not None:
                     self._admitted(board, key, lim, tokens, now)
             choice = idx
             break
+        if choice < 0 and quota_at >= 0 and not held and in_line < 0 and rate_in is None:
+            # Only spent quotas: the provider answers now, rather than the turn waiting
+            # for a cool-off (issue 36); its quota answer ends the turn (`quota_wall`).
+            choice, skipped = quota_at, False
         if choice < 0:
             if board is not None:
                 if in_line < 0 and rate_in is not None:
@@ -516,8 +529,12 @@ class RetryState:
         return Park(soonest, why, key)
 
     def close(self, now: float | None = None) -> None:
-        """The turn is over: it leaves any line it waits in, and ends its admission."""
+        """The turn is over: it leaves any line it waits in, and ends its admission (and
+        a probe lease its attempt held with no verdict)."""
         board = self.board
+        if self._probe is not None and board is not None:
+            board.probe_abandoned(self._probe)
+            self._probe = None
         if self.line is not None and board is not None:
             board.withdraw(self.line, self.ticket)
             self.line = None
@@ -532,12 +549,18 @@ class RetryState:
     def record_answer(self, now: float) -> None:
         """The current upstream answered (headers of a final answer): it is known good,
         and its limiter's throttle learns the provider took the request."""
+        self._probe = None  # a verdict: the board gives the lease back
         adm = self._adm
         if adm is not None:
             adm[0].accepted(adm[1], now)
         board = self.board
         if board is not None and self.keys and self.current >= 0:
             board.answered(self.keys[self.current], now)
+
+    def _quota_only(self, board: HealthBoard, i: int, now: float) -> bool:
+        """Kept out by a spent quota only (the route's own cool-off is that quota's)."""
+        until = board.quota_until(self.keys[i], now)
+        return until > 0.0 and self.cooloff_until.get(i, 0.0) <= until
 
     def _why_blocked(self, i: int, now: float) -> str:
         board = self.board
@@ -551,6 +574,7 @@ class RetryState:
         """Note a failure of the current upstream; return the wait (s) before the next try."""
         self.retries += 1
         self.quota_wall = False
+        self._probe = None  # a verdict: the board gives the lease back
         board = self.board
         key = self.keys[self.current] if board is not None and self.keys else None
         adm = self._adm
@@ -567,8 +591,8 @@ class RetryState:
                     ra = self.policy.clamp_retry_after(ra)
                 lim.limited(seq, ra, tokens, now)
             self._finish(now, ok=False)
-        if failure.quota:
-            self.cooloff_until[self.current] = now + self.quota_cooloff_s
+        if failure.quota:  # looked at again within a minute (a paid bill)
+            self.cooloff_until[self.current] = now + min(self.quota_cooloff_s, QUOTA_LOOK_AGAIN_S)
             if board is not None and key is not None:
                 board.success(key, now)  # it answered; the cool-off keeps turns away
                 board.cooloff(key, now, self.quota_cooloff_s, "quota")

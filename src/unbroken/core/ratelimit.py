@@ -28,6 +28,12 @@ Each upstream, for each credential (a hash of the key, never the key), has a
   agents starting at once on a key whose headers overstate what is left cost a few
   429s, not fifty, while a lone agent's own first requests (a title and a turn, a
   sub-agent or two) never wait.
+* **A second's share.**  Once the provider reports a requests limit, a crowd (more
+  than one request in flight or waiting) is let go at most a second's share of it
+  at once (at least ``cold_start``), then at the limit a minute: a per-minute limit
+  may be enforced per second ("quantized", as OpenAI documents), and a burst of a
+  whole minute's budget into it is a burst of 429s.  A request alone never waits
+  on it.
 * **Concurrency** adapts (AIMD) for a provider that reports no budget: unbounded
   until the first 429; then a window of half the requests in flight, one more for
   every window of answered requests, and half again on a 429 (at most once per
@@ -290,6 +296,7 @@ class Limiter:
     __slots__ = (
         "_decrease_seq",
         "_next_hint",
+        "_second",
         "_unanswered",
         "blocked_until",
         "buckets",
@@ -327,6 +334,9 @@ class Limiter:
         self._unanswered: set[int] = set()
         #: (seq, seconds): the shortest reset under ``NEXT_HINT_S`` an answer reported
         self._next_hint: tuple[int, float] = (0, 0.0)
+        #: (tokens, when): the per-second share of a reported per-minute requests limit,
+        #: as a bucket (a per-minute limit may be enforced per second: "quantized")
+        self._second: tuple[float, float] | None = None
         self.seq = 0
         #: the provider answered once (until then one request goes at a time)
         self.seen = False
@@ -373,7 +383,30 @@ class Limiter:
             if cost > 0:
                 when = max(when, bucket.due(cost, now))
         alone = not self.running and not self.granted and len(self.line) <= 1
+        if not alone:
+            when = max(when, self._second_due(now))
         return max(when, self.throttle.due(now, alone=alone))
+
+    def _second_share(self) -> tuple[float, float] | None:
+        """(rate, burst) of the requests limit's one-second share, once one is reported:
+        a burst of a second's worth (at least ``cold_start``), then the limit a minute."""
+        b = self.buckets.get("requests")
+        if b is None:
+            return None
+        rate = b.limit / DEFAULT_WINDOW_S
+        return rate, max(float(self.settings.cold_start), rate)
+
+    def _second_due(self, now: float) -> float:
+        share = self._second_share()
+        if share is None:
+            return now
+        rate, burst = share
+        if self._second is None:  # first reported now: what is in flight went this second
+            self._second = (burst - len(self.running), now)
+        tokens, t = self._second
+        tokens = min(burst, tokens + (now - t) * rate)
+        self._second = (tokens, now)
+        return now if tokens >= 1.0 - 1e-9 else now + (1.0 - tokens) / rate
 
     def _spend(self, tokens: float, now: float) -> int:
         for bucket, cost in self._costs(tokens):
@@ -385,6 +418,10 @@ class Limiter:
         self.running[self.seq] = tokens
         self._unanswered.add(self.seq)
         self.throttle.sent(self.seq, now)
+        if self._second_share() is not None:
+            self._second_due(now)  # refilled to now
+            tokens, _ = self._second or (0.0, now)
+            self._second = (max(tokens - 1.0, -1.0), now)
         return self.seq
 
     def _refund(self, seq: int) -> None:
@@ -579,6 +616,25 @@ class Limiter:
             out.append(head)
         return out, None
 
+    def wait_reason(self, now: float) -> str:
+        """Why this line waits, for the logs."""
+        why: list[str] = []
+        if self.ramp is not None and len(self.running) >= int(self.ramp):
+            why.append(f"slow start, {len(self.running)} in flight")
+        share = self._second_share()
+        if share is not None and self._second_due(now) > now:
+            why.append(f"a second's share, {share[0]:.3g}/s")
+        for name, b in self.buckets.items():
+            b.refill(now)
+            if b.level < 1.0:
+                why.append(f"{name} spent, {b.rate:.3g}/s")
+        if self.blocked_until > now:
+            why.append(f"blocked {self.blocked_until - now:.1f}s")
+        if self.throttle.enabled:
+            why.append(f"{self.throttle.rate:.3g}/s after the provider's 429s")
+        head = f"rate limit (key {self.cred})"
+        return f"{head}: {', '.join(why)}" if why else head
+
     def view(self, now: float) -> dict[str, Any]:
         return {
             "credential": self.cred,
@@ -648,3 +704,13 @@ class RateBoard:
     def view(self, key: str, now: float) -> list[dict[str, Any]]:
         by = self.limiters.get(key)
         return [lim.view(now) for lim in by.values()] if by else []
+
+    def in_line(self, key: str) -> int:
+        """Turns waiting in ``key``'s rate lines."""
+        by = self.limiters.get(key)
+        return sum(len(lim.line) for lim in by.values()) if by else 0
+
+    def wait_reason(self, key: str, now: float) -> str | None:
+        """Why turns wait in ``key``'s rate lines, for the logs (None: none do)."""
+        by = self.limiters.get(key) or {}
+        return "; ".join(lim.wait_reason(now) for lim in by.values() if lim.line) or None

@@ -7,8 +7,10 @@ datagram as the relay's user, can put anything there; this module decides what a
 relay believes of it.  The rules:
 
 * **Bounded by the local config.**  An open breaker lasts at most ``max_open_s``; a
-  cool-off at most ``max_retry_after_ms`` (``quota_cooloff_s`` for a spent quota),
-  whatever a key's TTL or a message's ``ttl`` says (`SharedBounds`).  A Redis key
+  cool-off at most ``max_retry_after_ms`` (``quota_cooloff_s`` for a spent quota, at
+  most `unbroken.core.health.QUOTA_LOOK_AGAIN_S`), whatever a key's TTL or a message's
+  ``ttl`` says (`SharedBounds`).  A cool-off's reason is one a relay writes
+  (`COOLOFF_REASONS`); any other value is garbage, and no cool-off.  A Redis key
   that outlives the bound is clamped here and shortened in Redis by the store
   (`KeyReading.shorten_ms`), so it dies with the breaker it opened.
 * **Validated.**  TTLs are finite, non-negative numbers (JSON's ``NaN`` and
@@ -38,10 +40,11 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.core.health import Change, HealthSettings
+from unbroken.core.health import QUOTA_LOOK_AGAIN_S, Change, HealthSettings
 
 __all__ = [
     "CHANGE_KINDS",
+    "COOLOFF_REASONS",
     "LOG_EVERY_S",
     "MAX_COUNT",
     "MAX_DATAGRAM",
@@ -78,6 +81,8 @@ MAX_WORKER = 1024
 #: an origin (a relay's random id) is at most this long
 MAX_ORIGIN = 64
 CHANGE_KINDS = frozenset({"open", "close", "cooloff"})
+#: the reasons a cool-off can have (`HealthBoard.cooloff`); any other is garbage
+COOLOFF_REASONS = frozenset({"retry_after", "quota"})
 #: a repeated log line at most this often: garbage of one kind here (`Throttle`), and
 #: the relay's other warnings that could repeat (a failing observer, a full connection
 #: table, an unwritable journal, Redis garbage)
@@ -102,14 +107,14 @@ class SharedBounds:
 
     max_open_s: float = 0.5
     max_retry_after_s: float = 60.0
-    quota_cooloff_s: float = 3600.0
+    quota_cooloff_s: float = 30.0
 
     @classmethod
     def of(cls, health: HealthSettings, max_retry_after_ms: int) -> SharedBounds:
         return cls(
             max_open_s=health.max_open_s,
             max_retry_after_s=max_retry_after_ms / 1000.0,
-            quota_cooloff_s=health.quota_cooloff_s,
+            quota_cooloff_s=min(health.quota_cooloff_s, QUOTA_LOOK_AGAIN_S),
         )
 
     def bound(self, kind: str, reason: str = "") -> float:
@@ -199,6 +204,8 @@ def parse_message(
         return Rejected(Garbage.MESSAGE)
     if key not in known:
         return Rejected(Garbage.UNKNOWN_KEY)
+    if kind == "cooloff" and reason not in COOLOFF_REASONS:
+        return Rejected(Garbage.MESSAGE)
     reason = escape(reason)
     ttl, clamped = 0.0, False
     if kind != "close":
@@ -269,9 +276,10 @@ def read_cooloff(key: str, pttl: object, value: object, bounds: SharedBounds) ->
         return KeyReading()
     if isinstance(value, BaseException):
         return KeyReading(garbage=Garbage.WRONG_TYPE)
-    text = _text(value)
-    garbage = None if text is not None else Garbage.VALUE
-    reason = escape(text or "cooloff")
+    reason = _text(value)
+    if reason not in COOLOFF_REASONS:  # not a cool-off any relay writes: believed by none
+        return KeyReading(garbage=Garbage.VALUE)
+    garbage = None
     bound = bounds.bound("cooloff", reason)
     shorten = None
     if ttl > bound:

@@ -43,9 +43,9 @@ from typing import Any
 __all__ = ["BETA", "CLIMB_S", "MAX_RATE", "MIN_RATE", "AdmissionThrottle"]
 
 #: the share of the accepted rate kept after a 429 (CUBIC's and botocore's beta)
-BETA = 0.9
+BETA = 0.95
 #: seconds to climb back to the refused rate after a decrease (CUBIC's K)
-CLIMB_S = 4.0
+CLIMB_S = 8.0
 #: the lowest admitted rate, requests a second (one every 20 s at the very worst)
 MIN_RATE = 0.05
 #: the highest admitted rate the curve may reach (a sanity bound, not a target)

@@ -11,6 +11,10 @@ loses at most the last batch window (a quarter second) of rows.
 A journal that cannot be written (read-only directory, disk full, corrupt
 file) logs a warning (at most once a minute), drops those rows and tries again
 with the next batch: the relay never waits for it and never fails because of it.
+The ends of turns whose start row is already written are kept (up to
+`MAX_OWED_ENDS`) and written when the journal is writable again, so a full disk
+leaves no phantom "unfinished" turn; that moment is logged once, with what was
+dropped meanwhile.
 
 See docs/observability.md for the schema.
 """
@@ -34,13 +38,13 @@ from unbroken.core.policy import Failure
 from unbroken.core.shared import LOG_EVERY_S
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
-__all__ = ["SCHEMA", "Journal", "default_journal_path", "journal_path"]
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "Journal", "default_journal_path", "journal_path"]
 
 log = logging.getLogger("unbroken")
 
 #: 2: turns.client; 3: attempts.choice, upstream_events; 4: turns.queued_s;
-#: 5: turns.splices, turns.saved_tokens (continuations, issue 23)
-SCHEMA_VERSION = 5
+#: 5: turns.splices, turns.saved_tokens (continuations, issue 23); 6: turns.continuation
+SCHEMA_VERSION = 6
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
     uid          TEXT PRIMARY KEY,   -- '<run>:<turn id>'
@@ -66,7 +70,10 @@ CREATE TABLE IF NOT EXISTS turns (
     wait_s       REAL NOT NULL DEFAULT 0, -- total time really waited between attempts
     queued_s     REAL NOT NULL DEFAULT 0, -- time waited at the relay for the rate limit
     splices      INTEGER NOT NULL DEFAULT 0, -- continuations after cuts (outcome resumed)
-    saved_tokens INTEGER NOT NULL DEFAULT 0  -- output frames (~ tokens) a redo would resample
+    saved_tokens INTEGER NOT NULL DEFAULT 0, -- output frames (~ tokens) a redo would resample
+    continuation TEXT                -- continue mode's last word on the turn: spliced, or
+                                     -- refused_<reason> (thinking_enabled, tool_call, ...);
+                                     -- NULL: continue mode off, or nothing to say
 );
 CREATE INDEX IF NOT EXISTS turns_started ON turns (started);
 CREATE TABLE IF NOT EXISTS attempts (
@@ -113,8 +120,8 @@ _INSERT: dict[str, tuple[str, str]] = {
     "turn": (
         "INSERT OR REPLACE INTO turns (uid, run, turn_id, route, path, protocol, stream,"
         " session_id, client, started, ended, outcome, attempts, upstream, last_failure,"
-        " first_byte_s, wait_s, queued_s, splices, saved_tokens) VALUES ",
-        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " first_byte_s, wait_s, queued_s, splices, saved_tokens, continuation) VALUES ",
+        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     ),
     "attempt": (
         "INSERT OR REPLACE INTO attempts (turn_uid, number, upstream, started, ended, status,"
@@ -131,15 +138,20 @@ _INSERT: dict[str, tuple[str, str]] = {
 _UPDATE: dict[str, str] = {
     "turn_end": (
         "UPDATE turns SET ended = ?, outcome = ?, attempts = ?, upstream = ?, last_failure = ?,"
-        " first_byte_s = ?, wait_s = ?, queued_s = ?, splices = ?, saved_tokens = ?"
-        " WHERE uid = ?"
+        " first_byte_s = ?, wait_s = ?, queued_s = ?, splices = ?, saved_tokens = ?,"
+        " continuation = ? WHERE uid = ?"
     ),
     "wait": "UPDATE attempts SET wait_s = ? WHERE turn_uid = ? AND number = ?",
 }
-#: rows per multi-row insert (18 columns: 576 parameters, well within SQLite's limit)
+#: rows per multi-row insert (at most 21 columns: 672 parameters, within SQLite's 999)
 _ROWS_PER_INSERT = 32
 
 PRUNE_EVERY_S = 3600.0
+#: turn ends kept while the journal cannot be written (their start rows are there:
+#: dropped, they would show as unfinished turns); beyond this they are dropped too
+MAX_OWED_ENDS = 50_000
+#: while only owed ends wait, a journal that cannot be written is tried this often
+OWED_RETRY_S = 1.0
 MAX_JOURNAL_TEXT = 256  # session ids and paths are cut to this many characters
 
 _Op = tuple[str, Any]
@@ -196,6 +208,7 @@ def _turn_end(turn: TurnRecord, wait_s: float) -> tuple[Any, ...]:
         turn.queued_s,
         turn.splices,
         turn.saved_tokens,
+        _cut(turn.continuation),
     )
 
 
@@ -209,6 +222,8 @@ def _migrate(conn: sqlite3.Connection) -> None:
     if "splices" not in columns:  # versions 1 to 4
         conn.execute("ALTER TABLE turns ADD COLUMN splices INTEGER NOT NULL DEFAULT 0")
         conn.execute("ALTER TABLE turns ADD COLUMN saved_tokens INTEGER NOT NULL DEFAULT 0")
+    if "continuation" not in columns:  # versions 1 to 5
+        conn.execute("ALTER TABLE turns ADD COLUMN continuation TEXT")
     columns = {row[1] for row in conn.execute("PRAGMA table_info(attempts)")}
     if "choice" not in columns:  # version 2 (upstream_events comes with SCHEMA)
         conn.execute("ALTER TABLE attempts ADD COLUMN choice TEXT")
@@ -248,6 +263,11 @@ class Journal(Hooks):
         self._closed = False
         #: rows (operations) that could not be written, or were refused when the queue was full
         self.dropped = 0
+        #: turn ends (``turn_end`` update rows) that failed to be written, to write later
+        self._owed: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._owed_tried_at = 0.0
+        #: rows dropped when the journal last became unwritable (for the "writable again" line)
+        self._dropped_before: int | None = None
         #: the last write succeeded (None: nothing written yet)
         self.healthy: bool | None = None
         self.last_error: str | None = None
@@ -375,7 +395,7 @@ class Journal(Hooks):
                 batch.append(item)
             if q and not stopping:
                 self._wake.set()  # more to do: no need to wait out the window
-            if batch:
+            if batch or (self._owed and time.monotonic() - self._owed_tried_at >= OWED_RETRY_S):
                 self._write(batch)
             self._maintain()
             for wake in waiters:
@@ -403,11 +423,17 @@ class Journal(Hooks):
 
     def _write(self, batch: list[_Op]) -> None:
         conn = self._conn
+        statements: list[tuple[str, list[tuple[Any, ...]]]] = []
+        owed = list(self._owed)
+        self._owed_tried_at = time.monotonic()
         try:
+            statements = self._statements(batch)
+            if owed:  # ends that failed before: their rows were written before them
+                statements.append(("turn_end", owed))
             if conn is None:
                 conn = self._conn = self._open()
             try:
-                for kind, rows in self._statements(batch):
+                for kind, rows in statements:
                     update = _UPDATE.get(kind)
                     if update is not None:
                         conn.executemany(update, rows)
@@ -430,13 +456,31 @@ class Journal(Hooks):
                     pass
                 raise
         except Exception as exc:  # sqlite3.Error, OSError, or a bug: never kill the writer
-            self.dropped += len(batch)
+            # A turn's end whose start row is written is kept for later (else the turn
+            # shows as unfinished for good); the rest of the batch is dropped.
+            ends = [rows for kind, rows in statements if kind == "turn_end" and rows is not owed]
+            keep = [row for rows in ends for row in rows]
+            room = max(0, MAX_OWED_ENDS - len(self._owed))
+            self._owed.extend(keep[:room])
+            self.dropped += len(batch) - min(len(keep), room)
+            if self._dropped_before is None:
+                self._dropped_before = self.dropped - len(batch) + min(len(keep), room)
             self.healthy = False
             self.last_error = f"{type(exc).__name__}: {exc}"
             self._close_conn()
             self._warn(self.last_error)
             return
+        for _ in owed:
+            self._owed.popleft()
         self.healthy = True
+        if self._dropped_before is not None:
+            log.warning(
+                "journal %s is writable again: %d rows dropped while it was not%s",
+                self.path,
+                self.dropped - self._dropped_before,
+                f", {len(owed)} turn ends written late" if owed else "",
+            )
+            self._dropped_before = None
 
     def _statements(self, batch: list[_Op]) -> list[tuple[str, list[tuple[Any, ...]]]]:
         """A batch as (kind, rows) in the order to write: an insert or update each.
@@ -475,6 +519,7 @@ class Journal(Hooks):
                     0.0,
                     0,
                     0,
+                    None,
                 ]
             elif kind == "turn_end":
                 t, wait_s = item

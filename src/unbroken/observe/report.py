@@ -189,6 +189,9 @@ class HooksObserver:
         info.splices, info.saved_tokens, info.continuation = splices, saved_frames, result
         self.hooks.continuation(info, result)
 
+    def uncovered(self, result: str) -> None:
+        self.info.continuation = result  # (no hook call: the turn's end carries it)
+
     def headers_sent(self) -> None:
         if self.info.first_byte_at is None:
             self.info.first_byte_at = self.wall()

@@ -347,8 +347,12 @@ def opencode_relay_config(
     return config, names
 
 
-def content_with_relay(existing: str | None, base_urls: Mapping[str, str]) -> str:
-    """``OPENCODE_CONFIG_CONTENT``: the user's own (if any) with each ``baseURL`` replaced."""
+def content_with_relay(
+    existing: str | None, base_urls: Mapping[str, str], headers: Mapping[str, str] | None = None
+) -> str:
+    """``OPENCODE_CONFIG_CONTENT``: the user's own (if any) with each ``baseURL`` replaced,
+    and ``headers`` added to each relayed provider's ``options.headers`` (the relay's
+    token: in a header, not in the base URL)."""
     data: dict[str, Any] = {}
     if existing:
         try:
@@ -357,7 +361,11 @@ def content_with_relay(existing: str | None, base_urls: Mapping[str, str]) -> st
                 data = parsed
         except jsonc.JsoncError:
             pass
-    patch = {"provider": {pid: {"options": {"baseURL": url}} for pid, url in base_urls.items()}}
+    options: dict[str, dict[str, Any]] = {
+        pid: {"baseURL": url, **({"headers": dict(headers)} if headers else {})}
+        for pid, url in base_urls.items()
+    }
+    patch = {"provider": {pid: {"options": o} for pid, o in options.items()}}
     return json.dumps(merge(data, patch), separators=(",", ":"))
 
 

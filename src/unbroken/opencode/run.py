@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Final, TextIO
 
 from unbroken.agents.child import cannot_start, log_to, run_child, setup_run_logging
-from unbroken.agents.plan import relay_base, token_note
+from unbroken.agents.plan import TokenWay, token_note
 from unbroken.config import Config, ConfigError, load_config
 from unbroken.opencode.discovery import (
     content_with_relay,
@@ -35,6 +35,7 @@ from unbroken.opencode.discovery import (
     route_for,
     route_name,
 )
+from unbroken.relay.access import TOKEN_HEADER
 
 __all__ = ["OpenCodeArgs", "parse_opencode_args", "register", "run_opencode", "server_args"]
 
@@ -215,8 +216,11 @@ async def run_opencode(
     server = RelayServer(config)
     await server.start()
     try:
-        relay = relay_base(server.url, server.config.key_token)  # in OpenCode's environment
-        base_urls = {pid: f"{relay}/{name}" for pid, name in names.items()}
+        # The token, if any, in a header of each provider (``options.headers``), not in
+        # the base URLs: a tool that puts one on its command line shows no token.
+        token = server.config.key_token
+        base_urls = {pid: f"{server.url}/{name}" for pid, name in names.items()}
+        headers = {TOKEN_HEADER: token} if token is not None else None
         argv = list(command)
         watch: str | None = None
         why = "disabled (--no-resume)"
@@ -226,14 +230,14 @@ async def run_opencode(
         relayed = ", ".join(f"{pid} -> {server.url}/{n}" for pid, n in names.items()) or "none"
         log.info("opencode: relay on %s; providers: %s", server.url, relayed)
         if server.config.key_token is not None:
-            log.info("opencode: %s", token_note(True))
+            log.info("opencode: %s", token_note(TokenWay.HEADER))
         if watch is None:
             log.info("opencode: auto-resume off: %s", why)
         if ready is not None:
             ready(server.url)
         return await run_child(
             argv,
-            env=_child_env(env, cwd, base_urls),
+            env=_child_env(env, cwd, base_urls, headers),
             cwd=cwd,
             beside=None if watch is None else lambda proc: _follow(watch, env, proc),
         )
@@ -303,12 +307,17 @@ def _relay_for(
     return opencode_relay_config(base, [p for p in providers if p.url is not None])
 
 
-def _child_env(env: Mapping[str, str], cwd: Path, base_urls: Mapping[str, str]) -> dict[str, str]:
+def _child_env(
+    env: Mapping[str, str],
+    cwd: Path,
+    base_urls: Mapping[str, str],
+    headers: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     child_env = dict(env)
     child_env["PWD"] = str(cwd)  # OpenCode takes its directory from PWD, not the cwd
     if base_urls:
         child_env["OPENCODE_CONFIG_CONTENT"] = content_with_relay(
-            env.get("OPENCODE_CONFIG_CONTENT"), base_urls
+            env.get("OPENCODE_CONFIG_CONTENT"), base_urls, headers
         )
     return child_env
 

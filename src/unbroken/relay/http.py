@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
@@ -170,6 +171,12 @@ class _HttpTurn:
             body_bytes=len(body),
             max_output=max_output_of(parsed),
         )
+        # (a non-streamed turn needs none: nothing is released before its body is whole)
+        strategy = (
+            relay.continuation_for(route, self.protocol, rest, parsed, request.headers)
+            if stream
+            else None
+        )
         self.machine = TurnMachine(
             protocol=self.protocol,
             hold=relay.hold_for(self.profile),
@@ -181,11 +188,8 @@ class _HttpTurn:
             clock=self.loop.time,
             wall_clock=time.time,
             profile=self.profile,
-            continuation=(
-                relay.continuation_for(route, self.protocol, rest, parsed, request.headers)
-                if stream
-                else None
-            ),
+            continuation=None if isinstance(strategy, enum.Enum) else strategy,
+            refusal=strategy if isinstance(strategy, enum.Enum) else None,
             queued_s=self.cfg.stream.resume_queued_s if stream else DEFAULT_QUEUED_S,
         )
         info.held = self.machine.held_bytes
@@ -299,6 +303,7 @@ class _HttpTurn:
         url = upstream_url(up, self.rest, query)
         if action.body_patch:
             body = patched_body(body, action.body_patch)
+            self.relay.stored_by_continue(self.route)
         return self.upstream.run(action, req.method, url, headers, body, key=up.api_key)
 
     def _resume(self, action: Resume) -> Awaitable[Action]:

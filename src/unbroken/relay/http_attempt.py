@@ -17,6 +17,7 @@ from yarl import URL
 from unbroken.core.continuation import Resume
 from unbroken.core.policy import Failure, FailureClass, RetryState, parse_retry_after
 from unbroken.core.ratehead import parse_rate_headers
+from unbroken.core.redact import Redactor, redact
 from unbroken.core.sse import Event
 from unbroken.core.turn import (
     Action,
@@ -32,13 +33,7 @@ from unbroken.core.turn import (
 )
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.relay_state import RelayState
-from unbroken.relay.upstream import (
-    Redactor,
-    UpstreamClient,
-    redact,
-    redacted_chunks,
-    response_headers,
-)
+from unbroken.relay.upstream import UpstreamClient, redacted_chunks, response_headers
 from unbroken.relay.watchdog import Watchdog
 
 __all__ = ["MAX_ERROR_BODY", "ClientGone", "HttpAttempt", "Sink", "abort_response"]
@@ -207,7 +202,8 @@ class HttpAttempt:
         if final:
             rid = resp.headers.get("request-id") or resp.headers.get("x-request-id")
             return machine.final_body(self.loop.time(), resp.status, data, rid)
-        self.sink.keep_answer(resp.status, response_headers(resp.headers, keep_length=False), data)
+        headers = response_headers(resp.headers, keep_length=False, secrets=self.secrets)
+        self.sink.keep_answer(resp.status, headers, data)
         return machine.error_body(self.loop.time(), data)
 
     async def _read_bounded(self, resp: aiohttp.ClientResponse) -> bytes:
@@ -230,7 +226,8 @@ class HttpAttempt:
         redacted before the machine sees it (across chunk boundaries)."""
         machine = self.machine
         sink = self.sink
-        sink.answer(resp.status, response_headers(resp.headers, keep_length=False))
+        secrets = self.secrets if key is None else (*self.secrets, key)
+        sink.answer(resp.status, response_headers(resp.headers, keep_length=False, secrets=secrets))
         verbatim = sink.verbatim
         feed_verbatim, feed = machine.feed_verbatim, machine.feed_chunk
         loop_time = self.loop.time
@@ -277,7 +274,9 @@ class HttpAttempt:
         else:
             redactor = Redactor((key,)) if key is not None else None
         keep_length = "content-length" in resp.headers and redactor is None
-        self.sink.answer(resp.status, response_headers(resp.headers, keep_length=keep_length))
+        secrets = self.secrets if key is None else (*self.secrets, key)
+        headers = response_headers(resp.headers, keep_length=keep_length, secrets=secrets)
+        self.sink.answer(resp.status, headers)
         loop_time = self.loop.time
         try:
             async for chunk in resp.content.iter_any():

@@ -117,20 +117,18 @@ class Waker:
 
     def _log_line(self, key: str, now: float, granted: int) -> None:
         """One line when an upstream's line forms, one when it clears (not per turn)."""
-        pacer = self.board.pacers.get(key)
-        waiting = len(pacer.queue) if pacer is not None else 0
+        waiting = self.board.in_line(key)
         line = self._lines.get(key)
         route, _, upstream = key.partition("|")
         if line is None:
             if waiting:
                 self._lines[key] = (now, granted)
-                rec = self.board.records.get(key)
                 log.warning(
-                    "pacing route=%s upstream=%s: %d turn(s) wait in line (breaker %s)",
+                    "pacing route=%s upstream=%s: %d turn(s) wait in line (%s)",
                     route,
                     upstream,
                     waiting,
-                    rec.state.value if rec else "closed",
+                    self.board.wait_reason(key, now),
                 )
         elif waiting:
             self._lines[key] = (line[0], line[1] + granted)

@@ -21,15 +21,29 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from unbroken.config import Config, Route, Upstream
-from unbroken.core.background import BackgroundResume, background_patch_applies
-from unbroken.core.continuation import AfterCommit, Cancel, ContinuationMemory, Strategy
+from unbroken.core.background import (
+    STORE_OVERRIDE,
+    BackgroundResume,
+    background_patch_applies,
+    store_override_note,
+    store_override_routes,
+)
+from unbroken.core.continuation import (
+    AfterCommit,
+    Cancel,
+    ContinuationMemory,
+    Refusal,
+    Strategy,
+)
 from unbroken.core.health import AttemptAccounting, Change, HealthBoard, upstream_key
 from unbroken.core.ledger import Hold
 from unbroken.core.policy import RetryState
-from unbroken.core.prefill_continue import PrefillContinue, prefill_applies
+from unbroken.core.prefill_continue import PrefillContinue, prefill_refusal
 from unbroken.core.profiles import Profile, identify, profile_named
 from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
+from unbroken.core.protocols.anthropic_continue import AnthropicContinue
 from unbroken.core.protocols.chat_prefix import ChatPrefix
+from unbroken.core.protocols.prefill import PrefillRefusal
 from unbroken.core.shared import SharedBounds
 from unbroken.core.turn import TurnMachine
 from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnRecord
@@ -127,6 +141,8 @@ class RelayState:
         for keys in self._keys.values():
             for key in keys:
                 self.board.get(key)
+        #: the routes whose store: true (continue mode) the log has said
+        self._stored_noted: set[str] = set()
         self.hooks: Hooks = MultiHooks(_HealthHook(self), hooks or Hooks())
         self.client = client or UpstreamClient(connect_timeout_s=config.stream.connect_timeout_s)
         self.rng = rng or random.Random()
@@ -139,6 +155,8 @@ class RelayState:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.idle = asyncio.Event()  # set while no request is running
         self.idle.set()
+        #: set to cut a drain's grace period short (a second signal)
+        self.cut = asyncio.Event()
         #: route -> upstream index -> monotonic time until which it asked to be left alone
         self.cooloffs: dict[str, dict[int, float]] = {}
         self._facts: dict[str, tuple[Route, tuple[str, ...], bool]] = {}
@@ -227,18 +245,27 @@ class RelayState:
         rest: str,
         parsed: dict[str, Any] | None,
         headers: Any,
-    ) -> Strategy | None:
-        """The turn's continuation strategy (``after_commit = "continue"``), or None:
-        OpenAI Responses over HTTP, a streamed plain-JSON request (`core.background`)."""
+    ) -> Strategy | Refusal | PrefillRefusal | None:
+        """A streamed turn's continuation strategy (``after_commit = "continue"``); None:
+        continue mode is off for the route; a refusal: it is on, but no strategy can
+        cover this turn (why: the machine records it, the log says it once per route).
+
+        OpenAI Responses over HTTP, a streamed plain-JSON request: background mode
+        (`core.background`); Anthropic Messages, and Chat with a route's
+        ``chat_prefix``: a prefill (`core.prefill_continue`)."""
         stream = self.config.stream
         if stream.after_commit_for(route) != AfterCommit.CONTINUE:
             return None
-        if protocol is ANTHROPIC or (protocol is CHAT and route.chat_prefix is not None):
+        if protocol is CHAT and route.chat_prefix is None:
+            return PrefillRefusal.NO_OPTION
+        if protocol is ANTHROPIC or protocol is CHAT:
             # A continuation by prefill: built from the parsed request (a gzip body is
             # sent decoded), so the parsed body is kept for the turn.
             mode = ChatPrefix(route.chat_prefix) if route.chat_prefix and protocol is CHAT else None
-            if parsed is None or not prefill_applies(parsed, mode):
-                return None
+            asks = AnthropicContinue(route.anthropic_continue or AnthropicContinue.PREFILL)
+            refusal = prefill_refusal(parsed, mode, asks)
+            if refusal is not None or parsed is None:
+                return refusal or PrefillRefusal.BAD_REQUEST
             return PrefillContinue(
                 path=rest,
                 request=parsed,
@@ -246,12 +273,36 @@ class RelayState:
                 memory=self.continuations,
                 max_splices=stream.max_splices,
                 mode=mode,
+                anthropic_mode=asks,
             )
         if protocol is not RESPONSES or headers.get("content-encoding"):
-            return None
+            return Refusal.UNSUPPORTED
+        if parsed is None:
+            return PrefillRefusal.BAD_REQUEST
         if not background_patch_applies(parsed):
-            return None
+            return Refusal.UNSUPPORTED  # (background mode asked by the client itself)
         return self.background_resume(route, rest)
+
+    def store_override_warning(self) -> str | None:
+        """The start-up warning for the routes whose continue mode may store a client's
+        Responses at the provider (`core.background.store_override_routes`), or None."""
+        stream = self.config.stream
+        continued = {
+            name: [u.url for u in r.upstreams]
+            for name, r in self.config.routes.items()
+            if stream.after_commit_for(r) == AfterCommit.CONTINUE
+        }
+        names = store_override_routes(continued)
+        if not names:
+            return None
+        return f"after_commit = continue on route(s) {', '.join(names)}: {STORE_OVERRIDE}"
+
+    def stored_by_continue(self, route: Route) -> None:
+        """A turn on ``route`` goes in background mode (``store: true``): said in the
+        log the first time per route (`core.background.store_override_note`)."""
+        if route.name not in self._stored_noted:
+            self._stored_noted.add(route.name)
+            log.warning("%s", store_override_note(route.name))
 
     def background_resume(self, route: Route, rest: str) -> BackgroundResume:
         """The Responses background-mode strategy of one turn on ``route``."""
@@ -347,12 +398,17 @@ class RelayState:
         return _Running(self)
 
     async def drain(self, grace_s: float) -> int:
-        """Wait up to ``grace_s`` for running requests; cancel the rest.  Returns that count."""
+        """Wait up to ``grace_s`` (or until `cut` is set) for running requests; cancel
+        the rest, and wait for them to end (their ends are reported: the journal
+        records them).  Returns that count."""
+        waits = [asyncio.ensure_future(self.idle.wait()), asyncio.ensure_future(self.cut.wait())]
         try:
-            await asyncio.wait_for(self.idle.wait(), grace_s)
+            await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if self.idle.is_set():
             return 0
-        except TimeoutError:
-            pass
         left = list(self.tasks)
         for task in left:
             task.cancel()

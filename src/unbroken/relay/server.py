@@ -24,6 +24,7 @@ from aiohttp import web
 
 from unbroken import __version__
 from unbroken.config import Config, Route, bind_problem
+from unbroken.core.redact import redact
 from unbroken.observe.guard import Guarded
 from unbroken.observe.hooks import Hooks, LogHooks, MultiHooks
 from unbroken.observe.journal import Journal, journal_path
@@ -47,10 +48,10 @@ from unbroken.relay.siblings import (
     stop_signals,
     write_worker_status,
 )
-from unbroken.relay.upstream import looped, redact
+from unbroken.relay.upstream import looped
 from unbroken.relay.websocket import handle_websocket, is_websocket_request
 
-__all__ = ["RelayServer", "build_app", "serve", "tune_gc"]
+__all__ = ["CUT_SHORT_S", "RelayServer", "build_app", "finish_cut_short", "serve", "tune_gc"]
 
 log = logging.getLogger("unbroken")
 
@@ -457,6 +458,9 @@ class RelayServer:
             raise ValueError(problem)
         install_log_filter()
         install_accept_log_limiter(asyncio.get_running_loop())
+        stored = self.relay.store_override_warning()
+        if stored is not None:
+            log.warning("%s", stored)
         if self.journal is not None:
             self.journal.start()
             log.info("journal: %s", self.journal.path)
@@ -479,6 +483,12 @@ class RelayServer:
         self.app[GATE_KEY].access = Access(self.config, self.port)
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}"
+
+    def cut_short(self) -> None:
+        """A second signal: `stop` waits no longer for in-flight turns.  They are cut
+        (each ends with its protocol's error, and is journaled as ended), then the
+        relay closes as usual."""
+        self.relay.cut.set()
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight turns finish within the grace period, close."""
@@ -514,6 +524,23 @@ def _rss_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+#: after a second signal, the shutdown (cutting the turns, closing the journal) gets
+#: this long before it is cancelled
+CUT_SHORT_S = 10.0
+
+
+async def finish_cut_short(server: RelayServer, cleanup: asyncio.Future[None]) -> None:
+    """A second signal during ``server.stop()`` (``cleanup``): cut the in-flight turns
+    now, and let the shutdown finish so their ends reach the journal (issue 36); a
+    shutdown that still hangs after `CUT_SHORT_S` is cancelled."""
+    server.cut_short()
+    done, _ = await asyncio.wait({cleanup}, timeout=CUT_SHORT_S)
+    if not done:
+        cleanup.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await cleanup
 
 
 #: the cyclic collector's first threshold in a serving process (CPython's default: 700)
@@ -576,8 +603,6 @@ async def serve(
         forced.cancel()
         if not cleanup.done():
             log.info("second signal: not waiting for in-flight turns")
-            cleanup.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await cleanup
+            await finish_cut_short(server, cleanup)
     # The signal handlers stay until the loop closes: a late signal is harmless.
     return 0

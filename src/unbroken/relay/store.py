@@ -38,8 +38,11 @@ applies theirs to the local board:
   configured.  Each worker binds a Unix datagram socket in the supervisor's runtime
   directory and sends every change to its siblings' sockets (no broker, nothing to
   start, a dead sibling costs one failed ``sendto``); the half-open probe is owned by
-  whoever creates ``probe-<hash>`` there first (``O_CREAT|O_EXCL``, expiring like
-  ``PX``).  A worker that (re)starts asks its siblings for their state.  A datagram
+  whoever creates ``probe-<hash>`` there first (``O_CREAT|O_EXCL``; it holds the
+  owner's pid and origin).  The owner removes it the moment the core gives the lease
+  back (`unbroken.core.health.ProbeRelease`); a lock whose owner is dead or that is
+  older than ``probe_timeout_s`` is taken over (`unbroken.core.health.probe_lease_stale`
+  decides).  A worker that (re)starts asks its siblings for their state.  A datagram
   is at most 4 KiB and schema-checked like a Redis message (`unbroken.core.shared`).
 """
 
@@ -59,7 +62,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unbroken.core.health import Breaker, Change, HealthBoard
+from unbroken.core.health import Breaker, Change, HealthBoard, probe_lease_stale
 from unbroken.core.redact import redact_url
 from unbroken.core.shared import (
     MAX_DATAGRAM,
@@ -113,6 +116,11 @@ if t == -1 or t > tonumber(ARGV[2]) then
   t = tonumber(ARGV[2])
 end
 return {0, math.max(t, 0)}
+"""
+#: the probe lease given back: deleted only while it is still ours
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 
@@ -256,6 +264,7 @@ class RedisStore(HealthStore):
         )
         self._shorten = self.redis.register_script(SHORTEN)
         self._probe = self.redis.register_script(PROBE)
+        self._release = self.redis.register_script(RELEASE)
         self.link = Link(SILENT_S)
         self.up = False
         self._subscribed = False
@@ -268,6 +277,7 @@ class RedisStore(HealthStore):
         self._side: set[asyncio.Future[None]] = set()
         self.fleet: dict[str, tuple[int, int]] = {}  # key -> (ok, failed) over the window
         self.board.probe_gate = self._probe_gate
+        self.board.probe_release = self._probe_release
         #: the providers' rate-limit budgets, one per key across the fleet (leases)
         self.rates: RateShare | None = None
         if board.rates.settings.enabled:
@@ -383,6 +393,13 @@ class RedisStore(HealthStore):
             self._side.add(task)
             task.add_done_callback(self._side.discard)
         return None
+
+    def _probe_release(self, key: str) -> None:
+        self._probes.pop(key, None)
+        if self.up:
+            self._spawn_write(
+                self._release(keys=[f"{HEALTH_KEY_PREFIX}{key}:probe"], args=[self.origin])
+            )
 
     async def _ask_probe(self, key: str, ttl_s: float) -> None:
         try:
@@ -598,6 +615,9 @@ class ChannelStore(HealthStore):
         self.path = self.dir / f"w{worker}.sock"
         self.sock: socket.socket | None = None
         self.board.probe_gate = self._probe_gate
+        self.board.probe_release = self._probe_release
+        #: what this worker writes in the probe locks it owns
+        self._lock_mark = f"{os.getpid()} {self.origin}\n".encode()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -630,9 +650,6 @@ class ChannelStore(HealthStore):
     def publish(self, change: Change) -> None:
         if change.kind == "half_open":
             return
-        if change.kind in ("open", "close"):
-            with contextlib.suppress(FileNotFoundError):
-                self._probe_path(change.key).unlink()
         self._send(self._encode(change))
 
     def _send(self, data: bytes, to: str | None = None) -> None:
@@ -675,11 +692,12 @@ class ChannelStore(HealthStore):
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
             except FileExistsError:
-                try:
-                    age = time.time() - path.stat().st_mtime
-                except FileNotFoundError:
-                    continue
-                if age > ttl_s:  # the owner's lease ran out
+                holder = self._lock_holder(path)
+                if holder is None:
+                    continue  # gone meanwhile: try again
+                age, mark = holder
+                mine = mark == self._lock_mark  # a lease the core lost track of
+                if mine or probe_lease_stale(age, ttl_s, holder_alive=_pid_alive(mark)):
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()
                     continue
@@ -688,9 +706,51 @@ class ChannelStore(HealthStore):
                 if exc.errno in (errno.EACCES, errno.ENOENT):
                     return True
                 raise
-            os.close(fd)
+            try:
+                os.write(fd, self._lock_mark)
+            finally:
+                os.close(fd)
             return True
         return False
+
+    def _probe_release(self, key: str) -> None:
+        """The core gave the lease back: the lock goes, if it is still ours."""
+        path = self._probe_path(key)
+        holder = self._lock_holder(path)
+        if holder is not None and holder[1] == self._lock_mark:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    @staticmethod
+    def _lock_holder(path: Path) -> tuple[float, bytes] | None:
+        """A probe lock's age (s) and content; None when there is none."""
+        try:
+            with open(path, "rb") as f:
+                mark = f.read(128)
+                age = time.time() - os.fstat(f.fileno()).st_mtime
+        except FileNotFoundError:
+            return None
+        except OSError:  # pragma: no cover - a broken runtime dir: as old as can be
+            return float("inf"), b""
+        return age, mark
+
+
+def _pid_alive(mark: bytes) -> bool:
+    """Is the process whose pid a probe lock names alive?  A lock being written (empty)
+    or garbage counts as alive: only its age can free it then."""
+    try:
+        pid = int(mark.split(maxsplit=1)[0])
+    except (ValueError, IndexError):
+        return True
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): alive
+        return True
+    return True
 
 
 def make_store(

@@ -14,7 +14,7 @@ import hashlib
 import json
 import secrets
 import zlib
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -24,20 +24,17 @@ from yarl import URL
 
 from unbroken.config import CREDENTIAL_HEADERS, Upstream
 from unbroken.core.protocols.base import loads_object
-from unbroken.core.redact import REDACTED_PART
+from unbroken.core.redact import REDACTED_PART, Redactor, redacted_headers
 from unbroken.relay.access import CACHED_TARGET, TOKEN_HEADER
 
 __all__ = [
     "HOP_BY_HOP",
-    "REDACTED",
-    "Redactor",
     "UpstreamClient",
     "body_for",
     "decoded_body",
     "looped",
     "parse_body",
     "raw_query",
-    "redact",
     "redacted_chunks",
     "request_headers",
     "response_headers",
@@ -45,12 +42,6 @@ __all__ = [
     "upstream_url",
     "via_entry",
 ]
-
-#: What a known secret is replaced with in an upstream answer.
-REDACTED = "sk-…REDACTED"
-_REDACTED = REDACTED.encode()
-#: Secrets shorter than this are not searched for (they would match ordinary text).
-MIN_SECRET = 8
 
 
 def via_entry(seed: str | None = None) -> str:
@@ -155,11 +146,15 @@ def request_headers(
 _CRED = frozenset(CREDENTIAL_HEADERS)
 
 
-def response_headers(upstream_headers: Mapping[str, str], *, keep_length: bool) -> CIMultiDict[str]:
+def response_headers(
+    upstream_headers: Mapping[str, str], *, keep_length: bool, secrets: Sequence[str] = ()
+) -> CIMultiDict[str]:
     """Headers for the client response: hop-by-hop and CORS dropped; length only when asked.
 
     The upstream's ``Access-Control-*`` headers never reach the client: a browser
-    must not be told by the provider that it may read the relay's answers.
+    must not be told by the provider that it may read the relay's answers.  Nor does
+    any of ``secrets`` (the relay's keys and token) an upstream echoes in a header
+    value, whatever the status (`core.redact.redacted_headers` decides).
     """
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in upstream_headers.items():
@@ -169,6 +164,10 @@ def response_headers(upstream_headers: Mapping[str, str], *, keep_length: bool) 
         if low.startswith("access-control-"):
             continue
         out.add(k, v)
+    if secrets:
+        clean = redacted_headers(out.items(), secrets)
+        if clean is not None:
+            return CIMultiDict(clean)
     return out
 
 
@@ -315,94 +314,6 @@ def raw_query(request: web.BaseRequest) -> str:
 
 
 # -- secrets ----------------------------------------------------------------------------
-
-
-def _needles(secrets: Iterable[str]) -> list[bytes]:
-    found = {s.encode() for s in secrets if s and len(s) >= MIN_SECRET}
-    return sorted(found, key=len, reverse=True)  # a longer secret containing a shorter first
-
-
-def redact(body: bytes, secrets: Iterable[str]) -> bytes:
-    """``body`` with every known secret (injected keys, the token) replaced by
-    ``sk-…REDACTED``.  Pure; ``config.secrets()`` lists the secrets."""
-    for needle in _needles(secrets):
-        if needle in body:
-            body = body.replace(needle, _REDACTED)
-    return body
-
-
-class Redactor:
-    """`redact` for a body that arrives in chunks (a secret may straddle two).
-
-    ``feed`` returns what can be sent now; it holds back only the end of the data
-    that could be the start of a secret (the longest suffix that is a prefix of
-    one), until the next chunk or ``flush``: an SSE chunk that ends its event with a
-    blank line is sent whole.  With no secret it returns every chunk unchanged.
-    """
-
-    __slots__ = ("_bytes", "_needles", "_tail")
-
-    def __init__(self, secrets: Iterable[str]) -> None:
-        self._needles = _needles(secrets)
-        #: every byte value of every secret: data that ends in another byte (an SSE
-        #: chunk ends in a newline) cannot end with the start of one
-        self._bytes = frozenset(b for n in self._needles for b in n)
-        self._tail = b""
-
-    @property
-    def active(self) -> bool:
-        """Whether it may change the bytes (then a Content-Length cannot be kept)."""
-        return bool(self._needles)
-
-    def feed(self, chunk: bytes) -> bytes:
-        if not self._needles:
-            return chunk
-        data = self._tail + chunk if self._tail else chunk
-        cut = self._cut(data) if data and data[-1] in self._bytes else len(data)
-        if cut < len(data):
-            self._tail = data[cut:]
-            data = data[:cut]
-        else:
-            self._tail = b""
-        for needle in self._needles:
-            if needle in data:
-                data = data.replace(needle, _REDACTED)
-        return data
-
-    def _cut(self, data: bytes) -> int:
-        """Where what may be sent now ends: before the longest end of ``data`` that could
-        begin a secret, and before any secret that would straddle that point."""
-        n = len(data)
-        cut = n
-        for needle in self._needles:  # the longest end that is the start of a secret
-            # A candidate of 3 bytes or more starts with the secret's first 3 (rare in
-            # text: one search); one of 1 or 2 bytes is the very end of the data.
-            head = needle[:3]
-            i = data.find(head, max(0, n - len(needle) + 1))
-            while 0 <= i < cut:
-                if needle.startswith(data[i:]):
-                    cut = i
-                    break
-                i = data.find(head, i + 1)
-            if cut > n - 2 and data.endswith(needle[:2]):
-                cut = n - 2
-            elif cut > n - 1 and data.endswith(needle[:1]):
-                cut = n - 1
-        moved = cut < n
-        while moved:  # a whole secret across the cut: hold it back whole
-            moved = False
-            for needle in self._needles:
-                i = data.find(needle, max(0, cut - len(needle) + 1))
-                if 0 <= i < cut:
-                    cut, moved = i, True
-        return cut
-
-    def flush(self) -> bytes:
-        tail, self._tail = self._tail, b""
-        for needle in self._needles:
-            if needle in tail:
-                tail = tail.replace(needle, _REDACTED)
-        return tail
 
 
 async def redacted_chunks(chunks: AsyncIterator[bytes], redactor: Redactor) -> AsyncIterator[bytes]:

@@ -51,6 +51,7 @@ from unbroken.core.continuation import DEFAULT_QUEUED_S, AfterCommit, Resume
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.protocols import RESPONSES
 from unbroken.core.protocols.base import loads_object
+from unbroken.core.redact import redact, redacted_headers
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn import (
     AbortUpstream,
@@ -82,7 +83,7 @@ from unbroken.observe.report import HooksObserver
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.http_attempt import HttpAttempt
 from unbroken.relay.relay_state import RelayState, session_id_of, sticky_key
-from unbroken.relay.upstream import raw_query, redact, request_headers, upstream_url
+from unbroken.relay.upstream import raw_query, request_headers, upstream_url
 from unbroken.relay.watchdog import Watchdog
 from unbroken.relay.wslinger import ClientSocket
 
@@ -119,16 +120,21 @@ HANDSHAKE_PREFIXES = ("x-ratelimit-", "x-codex-")
 FIRST_SOCKET_WAIT_S = 10.0
 
 
-def handshake_headers(ws: aiohttp.ClientWebSocketResponse[Any]) -> list[tuple[str, str]]:
-    """The upstream handshake response headers worth copying to the client."""
+def handshake_headers(
+    ws: aiohttp.ClientWebSocketResponse[Any], secrets: Sequence[str] = ()
+) -> list[tuple[str, str]]:
+    """The upstream handshake response headers worth copying to the client, with
+    any of ``secrets`` (the relay's keys and token) they echo redacted
+    (`core.redact.redacted_headers`)."""
     response = getattr(ws, "_response", None)  # aiohttp keeps the handshake response here
     if response is None:
         return []
-    return [
+    kept = [
         (name, value)
         for name, value in response.headers.items()
         if name.lower() in HANDSHAKE_HEADERS or name.lower().startswith(HANDSHAKE_PREFIXES)
     ]
+    return (redacted_headers(kept, secrets) or kept) if secrets else kept
 
 
 def is_websocket_request(request: web.Request) -> bool:
@@ -284,7 +290,7 @@ class _Connection:
             )
             await self.drop_upstream()
             return
-        for name, value in handshake_headers(ws):
+        for name, value in handshake_headers(ws, self.relay.secrets):
             self.client.headers[name] = value
 
     async def _from_client(self, text: str) -> bool:
@@ -667,7 +673,9 @@ class _WsTurn:
             return self._answer_warmup(local)
         body = {k: v for k, v in request.items() if k != "type"}
         body["stream"] = True
-        body.update(action.body_patch)  # background mode (`core.continuation`)
+        if action.body_patch:  # background mode (`core.continuation`)
+            body.update(action.body_patch)
+            conn.relay.stored_by_continue(conn.route)
         headers = conn.headers_for(up)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "text/event-stream"

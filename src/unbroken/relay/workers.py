@@ -22,6 +22,10 @@
   Unix datagrams between siblings, probe ownership by exclusive file creation).  The
   same directory holds each worker's ``/status`` summary (``status-<id>.json``,
   rewritten every second), so whichever worker answers ``/status`` shows them all.
+  The directory (``$TMPDIR/unbroken-workers-<random>``, its supervisor's pid in
+  ``supervisor.pid``) is removed when the supervisor exits; one left by a supervisor
+  killed with SIGKILL is removed by the next supervisor that starts
+  (`clean_stale_runtime_dirs`: only this user's, only those whose supervisor is gone).
 """
 
 from __future__ import annotations
@@ -34,22 +38,94 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from unbroken.config import Config
-from unbroken.relay.server import RelayServer, tune_gc
+from unbroken.relay.server import RelayServer, finish_cut_short, tune_gc
 from unbroken.relay.siblings import WorkerSpec, stop_signals
 
-__all__ = ["serve_workers"]
+__all__ = ["OWNER_FILE", "RUNTIME_PREFIX", "clean_stale_runtime_dirs", "serve_workers"]
 
 log = logging.getLogger("unbroken")
 
 STATUS_EVERY_S = 1.0
 #: sent by the supervisor to its workers on a second signal: stop waiting for turns
 FORCE_SIGNAL = signal.SIGUSR1
+#: the supervisor's runtime directory: ``<prefix><random>`` in the temp dir (its Unix
+#: sockets' paths must stay short: a pid in the name could push them over 108 bytes)
+RUNTIME_PREFIX = "unbroken-workers-"
+#: in the runtime directory: the supervisor's pid
+OWNER_FILE = "supervisor.pid"
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: someone's process is there
+        return False
+    return False
+
+
+def _owner(path: str) -> int | None:
+    """The pid in a runtime directory's `OWNER_FILE` (None: none, or garbage)."""
+    try:
+        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 32)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        pid = int(text.strip())
+    except ValueError:
+        return None
+    return pid if pid > 0 else None
+
+
+def clean_stale_runtime_dirs(tmp: str | os.PathLike[str] | None = None) -> list[str]:
+    """Remove the runtime directories that supervisors killed with SIGKILL left in the
+    temp directory: only this user's real directories (no symlink) whose
+    `OWNER_FILE` names a pid that is gone (a reused pid keeps its directory: a live
+    process there may be a supervisor; a directory without the file is left alone,
+    as nobody can tell whose it is).  Returns the paths removed."""
+    base = Path(tmp if tmp is not None else tempfile.gettempdir())
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for entry in entries:
+        if not entry.name.startswith(RUNTIME_PREFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            continue
+        pid = _owner(entry.path)
+        if pid is None or pid == os.getpid() or not _pid_gone(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    if removed:
+        log.info(
+            "removed %d runtime dir(s) left by supervisors that were killed: %s",
+            len(removed),
+            ", ".join(removed),
+        )
+    return removed
 
 
 def _reserve_port(host: str, port: int) -> socket.socket:
@@ -69,7 +145,9 @@ def serve_workers(config: Config, n: int, *, ready: Callable[[str], None] | None
     holder = _reserve_port(host, config.port)
     port = holder.getsockname()[1]
     cfg = dataclasses.replace(config, host=host, port=port)
-    runtime = tempfile.mkdtemp(prefix="unbroken-workers-")
+    clean_stale_runtime_dirs()
+    runtime = tempfile.mkdtemp(prefix=RUNTIME_PREFIX)
+    Path(runtime, OWNER_FILE).write_text(f"{os.getpid()}\n")
     # Imported here: a relay without --workers never needs it (about 0.4 MiB resident).
     import multiprocessing
     import multiprocessing.connection
@@ -215,7 +293,5 @@ async def _worker_serve(config: Config, spec: WorkerSpec, ready: Callable[[], No
         await asyncio.wait({cleanup, forced}, return_when=asyncio.FIRST_COMPLETED)
         forced.cancel()
         if not cleanup.done():
-            cleanup.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await cleanup
+            await finish_cut_short(server, cleanup)
     return 0
