@@ -179,7 +179,7 @@ class _HttpTurn:
         )
         self.machine = TurnMachine(
             protocol=self.protocol,
-            hold=relay.hold,
+            hold=relay.hold_for(self.profile),
             timers=self.cfg.stream,
             retry=retry,
             stream=stream,

@@ -146,7 +146,9 @@ class RelayState:
         self.hooks: Hooks = MultiHooks(_HealthHook(self), hooks or Hooks())
         self.client = client or UpstreamClient(connect_timeout_s=config.stream.connect_timeout_s)
         self.rng = rng or random.Random()
-        self.hold = Hold(config.stream.hold)
+        #: the hold rules per client profile (``[stream] hold``, with the profile's
+        #: ``tool_tail``), built once per profile
+        self._holds: dict[str, Hold] = {}
         self.inflight: set[TurnRecord] = set()
         #: the tasks running client requests (turns, WebSocket connections): cancelled
         #: when the grace period of a shutdown runs out
@@ -174,6 +176,13 @@ class RelayState:
         if profile is None:
             profile = self._profiles[name] = profile_named(name, self.config.clients)
         return profile
+
+    def hold_for(self, profile: Profile) -> Hold:
+        """The hold rules for a turn of this client (`Profile.hold_names`)."""
+        hold = self._holds.get(profile.name)
+        if hold is None:
+            hold = self._holds[profile.name] = Hold(profile.hold_names(self.config.stream.hold))
+        return hold
 
     def min_interval(self, machine: TurnMachine) -> float:
         """``machine.min_interval``, cached per client profile: every turn of this

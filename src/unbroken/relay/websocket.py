@@ -454,7 +454,7 @@ class _WsTurn:
         resumes = stream.after_commit_for(conn.route) == AfterCommit.CONTINUE
         self.machine = TurnMachine(
             protocol=RESPONSES,
-            hold=relay.hold,
+            hold=relay.hold_for(profile),
             timers=conn.cfg.stream,
             retry=retry,
             stream=False,  # the client socket is open already: no early headers
