@@ -37,6 +37,7 @@ Time is a monotonic ``now`` in seconds, passed in.  Nothing here does I/O.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any
 
@@ -113,7 +114,7 @@ class AdmissionThrottle:
         c = self.w_max * (1.0 - BETA) / CLIMB_S**3
         cubic = self.w_max + c * (t - CLIMB_S) ** 3
         if self._probing:
-            return max(cubic, BETA * self.w_max * 2.0 ** min(t / PROBE_DOUBLE_S, 40.0))
+            return max(cubic, BETA * self.w_max * math.pow(2.0, min(t / PROBE_DOUBLE_S, 40.0)))
         return cubic
 
     def _refill(self, now: float) -> None:
