@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from browserfix import chromium_binary
 from redisfix import RedisServer
 from unbroken.mock import MockProvider
 
@@ -49,3 +50,9 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """A headless-capable Chromium (`browserfix`): found, or installed with apt-get as root."""
+    return chromium_binary()

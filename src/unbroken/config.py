@@ -80,7 +80,7 @@ CREDENTIAL_HEADERS: tuple[str, ...] = ("authorization", "x-api-key", "api-key", 
 #: A route name: one plain path segment.
 _ROUTE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 #: Route names the relay itself answers on (``/t/<token>/...``, ``/healthz``, ...).
-RESERVED_ROUTES = frozenset({"t", "healthz", "status", "metrics"})
+RESERVED_ROUTES = frozenset({"t", "healthz", "status", "metrics", "ui"})
 _TOKEN = re.compile(r"[A-Za-z0-9._~-]{16,512}")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token
 

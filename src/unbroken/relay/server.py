@@ -2,7 +2,7 @@
 
 Every request is dispatched here from its raw request-target
 (`unbroken.relay.access`): checked (400 / 421 / 403 / 401), then routed to
-``/healthz``, an extra endpoint (``/status``, ``/metrics``) or a relay route,
+``/healthz``, an extra endpoint (``/status``, ``/metrics``, ``/ui``) or a relay route,
 whose rest of path and query go upstream still percent-encoded.  Bodies are
 read as received (never decompressed), up to ``max_body_mb``.
 """
@@ -25,6 +25,7 @@ from aiohttp import web
 from unbroken import __version__
 from unbroken.config import Config, Route, bind_problem
 from unbroken.core.redact import redact
+from unbroken.observe import webview
 from unbroken.observe.guard import Guarded
 from unbroken.observe.hooks import Hooks, LogHooks, MultiHooks
 from unbroken.observe.journal import Journal, journal_path
@@ -152,7 +153,7 @@ def _not_found(relay: RelayState, path: str) -> web.Response:
                 "code": "unknown_route",
             },
             "routes": _route_list(relay),
-            "endpoints": ["/healthz", "/status", "/metrics"],
+            "endpoints": ["/healthz", "/status", "/metrics", "/ui"],
         },
     )
 
@@ -336,7 +337,8 @@ class RelayServer:
         if hooks is not None:
             self.hooks.add(hooks)
         self.app = build_app(
-            self.relay, {"/status": self._get_status, "/metrics": self._get_metrics}
+            self.relay,
+            {"/status": self._get_status, "/metrics": self._get_metrics, "/ui": self._get_ui},
         )
         self._status_task: asyncio.Task[None] | None = None
 
@@ -447,6 +449,11 @@ class RelayServer:
                 for v in views
             ]
         return _json(200, data)
+
+    async def _get_ui(self, request: web.Request) -> web.Response:
+        """The web view (`observe.webview`): it reads /status, with the same authorisation."""
+        body, headers = webview.page()
+        return web.Response(body=body, headers=headers)
 
     async def _get_metrics(self, request: web.Request) -> web.Response:
         body = self.metrics.expose()
