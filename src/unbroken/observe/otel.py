@@ -259,7 +259,11 @@ class OtelHooks(Hooks):
         assert turn.ended is not None
         attempts = turn.attempt_log
         replayed = any(a.wait_s is not None and a.phase != "committed" for a in attempts[:-1])
-        parked = sorted({a.parked_for for a in attempts if a.parked_for})
+        # (the turn's own ``parked_for`` too: a turn can end while it waits in a line)
+        reasons = {a.parked_for for a in attempts if a.parked_for}
+        if turn.parked_for:
+            reasons.add(turn.parked_for)
+        parked = sorted(reasons)
         attrs = {**common, **_turn_facts(turn)}
         attrs["unbroken.replayed"] = replayed
         attrs["unbroken.continued"] = turn.splices > 0
