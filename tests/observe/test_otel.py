@@ -170,7 +170,7 @@ async def test_a_retried_parked_and_continued_turn_shows_every_attempt(
     spans = receiver.spans
     assert receiver.content_types == {"application/x-protobuf"}
     [(resource, root)] = [(r, s) for r, s in spans if not s.parent_span_id]
-    assert resource["service.name"] == "unbroken"
+    assert resource["service.name"] == "unbroken" and resource["service.instance.id"]
     assert root.name == "chat gpt-test"
     assert root.kind == Span.SpanKind.SPAN_KIND_CLIENT
     a = attrs(root.attributes)

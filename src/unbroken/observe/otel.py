@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -137,10 +138,19 @@ def _providers(
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    named = (env.get("OTEL_SERVICE_NAME") or "").strip() or "service.name=" in (
-        env.get("OTEL_RESOURCE_ATTRIBUTES") or ""
-    )
-    resource = Resource.create({} if named else {"service.name": "unbroken"})
+    from unbroken import __version__
+
+    given = env.get("OTEL_RESOURCE_ATTRIBUTES") or ""
+    # Each process is an instance of its own (``serve --workers N``: a backend tells
+    # the workers' series apart); the variables win over these defaults.
+    ours: dict[str, str] = {}
+    if "service.version=" not in given:
+        ours["service.version"] = __version__
+    if not ((env.get("OTEL_SERVICE_NAME") or "").strip() or "service.name=" in given):
+        ours["service.name"] = "unbroken"
+    if "service.instance.id=" not in given:
+        ours["service.instance.id"] = str(uuid.uuid4())
+    resource = Resource.create(ours)
     tracer_provider = meter_provider = None
     if traces:
         tracer_provider = TracerProvider(resource=resource)
