@@ -354,3 +354,21 @@ def test_without_the_extra_one_warning_and_the_relay_runs_on(
     assert otel_from_env(cfg, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9"}) is None
     [line] = [r.getMessage() for r in caplog.records if "OpenTelemetry" in r.getMessage()]
     assert "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set" in line and ".[otel]" in line
+
+
+def test_time_to_first_chunk_is_never_early_headers() -> None:
+    from unbroken.observe.hooks import AttemptInfo, TurnRecord
+    from unbroken.observe.otel import _first_chunk_s
+
+    turn = TurnRecord(route="r", path="p", protocol="chat", stream=True, started=100.0)
+    failed = AttemptInfo(number=1, upstream="u", started=100.0, ended=100.5)
+    answered = AttemptInfo(number=2, upstream="u", started=130.0, ended=131.0, frames_released=3)
+    turn.attempt_log = [failed, answered]
+    turn.first_byte_at = 120.0  # early headers, during the wait before attempt 2
+    assert _first_chunk_s(turn) == 30.0
+    turn.first_byte_at = 130.4  # headers with the first frame
+    assert _first_chunk_s(turn) == pytest.approx(30.4)
+    answered.frames_released = 0  # no frame reached the client: no first chunk
+    assert _first_chunk_s(turn) is None
+    answered.frames_released, turn.stream = 3, False  # not streamed
+    assert _first_chunk_s(turn) is None

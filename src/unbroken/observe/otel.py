@@ -365,8 +365,9 @@ class OtelHooks(Hooks):
             inst.tokens.record(usage_in, {**common, "gen_ai.token.type": "input"})
         if usage_out is not None:
             inst.tokens.record(usage_out, {**common, "gen_ai.token.type": "output"})
-        if turn.stream and turn.first_byte_at is not None:
-            inst.first_chunk.record(max(0.0, turn.first_byte_at - turn.started), common)
+        first_chunk = _first_chunk_s(turn)
+        if first_chunk is not None:
+            inst.first_chunk.record(first_chunk, common)
 
     # -- the relay's life --------------------------------------------------------------------
     async def aclose(self, timeout_s: float = 5.0) -> None:
@@ -437,6 +438,20 @@ def _turn_facts(turn: TurnRecord) -> dict[str, Any]:
     if turn.first_byte_at is not None:
         attrs["unbroken.first_byte_s"] = max(0.0, turn.first_byte_at - turn.started)
     return attrs
+
+
+def _first_chunk_s(turn: TurnRecord) -> float | None:
+    """Seconds from a streamed turn's request to its first chunk to the client: when
+    the relay sent its first bytes, or, if those were early headers sent before the
+    attempt that released the first frames began, that attempt's start (a lower
+    bound; early headers come only after ``early_headers_s``, 20 s by default).
+    None for a turn that sent no frame."""
+    if not turn.stream or turn.first_byte_at is None:
+        return None
+    releasing = next((a for a in turn.attempt_log if a.frames_released), None)
+    if releasing is None:
+        return None
+    return max(0.0, max(turn.first_byte_at, releasing.started) - turn.started)
 
 
 def _error_type(turn: TurnRecord) -> str | None:
