@@ -297,6 +297,12 @@ def test_off_unless_an_endpoint_is_named() -> None:
     assert otel_from_env(cfg, both_off) is None
     hooks = otel_from_env(cfg, {**on, "OTEL_METRICS_EXPORTER": "none"})
     assert hooks is not None and hooks.tracer is not None and hooks.instruments is None
+    assert hooks.described == "traces over OTLP/HTTP to http://127.0.0.1:9"
+    hooks.shutdown()
+    one = {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "https://u:secret@127.0.0.1:9/v1/metrics"}
+    hooks = otel_from_env(cfg, one)
+    assert hooks is not None and hooks.tracer is None and hooks.instruments is not None
+    assert hooks.described == "metrics over OTLP/HTTP to https://127.0.0.1:9"
     hooks.shutdown()
 
 

@@ -123,7 +123,26 @@ def otel_from_env(config: Config, env: Mapping[str, str] | None = None) -> OtelH
             e.name,
         )
         return None
-    return OtelHooks(config, tracer_provider, meter_provider)
+    hooks = OtelHooks(config, tracer_provider, meter_provider)
+    signals = [name for name, on in (("traces", traces), ("metrics", metrics)) if on]
+    ends = {_where(env.get(f"OTEL_EXPORTER_OTLP_{s.upper()}_ENDPOINT") or "") for s in signals}
+    hooks.described = f"{' and '.join(signals)} over OTLP/HTTP to " + ", ".join(
+        sorted(end or _where(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "") for end in ends)
+    )
+    return hooks
+
+
+def _where(url: str) -> str:
+    """An endpoint as a log may show it: scheme, host and port (no credentials, path)."""
+    try:
+        parts = urlsplit(url.strip())
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return "?"
+    if not host:
+        return ""
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}" + (f":{port}" if port else "")
 
 
 def _providers(
@@ -197,6 +216,8 @@ class OtelHooks(Hooks):
         from unbroken import __version__
 
         self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
+        #: what is exported where, for the relay's start-up line
+        self.described = "OpenTelemetry"
         #: (route, upstream name) -> (server.address, server.port)
         self._servers: dict[tuple[str, str], tuple[str, int]] = {}
         for route in config.routes.values():

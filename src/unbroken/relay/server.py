@@ -467,6 +467,8 @@ class RelayServer:
         if self.journal is not None:
             self.journal.start()
             log.info("journal: %s", self.journal.path)
+        if self.otel is not None:
+            log.info("OpenTelemetry: %s", self.otel.described)
         await self.relay.store.start()
         await self.runner.setup()
         site = web.TCPSite(
