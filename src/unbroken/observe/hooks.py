@@ -54,6 +54,14 @@ class AttemptInfo:
     output_tokens: int | None = None
     #: output frames this attempt generated (about one token each): the waste of a replay
     est_output_tokens: int = 0
+    #: the model the answer named (its first frame or body), "" when none
+    response_model: str = ""
+    #: why the turn waited in an upstream's line before this attempt (``parked_for``)
+    parked_for: str | None = None
+    #: seconds of that wait spent on the provider's rate limit (part of ``queued_s``)
+    queued_s: float = 0.0
+    #: the wait planned after this attempt failed, before the next; None: none followed
+    wait_s: float | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -67,6 +75,8 @@ class TurnRecord:
     session_id: str | None = None
     #: the client profile the turn runs with (`core.profiles`): codex, claude-code, ...
     client: str = ""
+    #: the model the request names ("" when none): `core.protocols.model_asked`
+    model: str = ""
     id: int = field(default_factory=lambda: next(_ids))
     started: float = field(default_factory=time.time)
     attempts: int = 0

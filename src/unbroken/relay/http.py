@@ -26,7 +26,7 @@ from multidict import CIMultiDict
 
 from unbroken.config import Route
 from unbroken.core.continuation import DEFAULT_QUEUED_S, Resume
-from unbroken.core.protocols import GEMINI, Protocol, protocol_for_path
+from unbroken.core.protocols import GEMINI, Protocol, model_asked, protocol_for_path
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.protocols.gemini import is_stream_path
 from unbroken.core.ratelimit import max_output_of
@@ -161,6 +161,7 @@ class _HttpTurn:
             stream=stream,
             session_id=session_id_of(request.headers, parsed),
             client=self.profile.name,
+            model=model_asked(parsed, rest),
         )
         self.report = HooksObserver(info, relay.hooks, names, relay.inflight)
         self.loop = asyncio.get_running_loop()

@@ -30,6 +30,7 @@ from unbroken.observe.guard import Guarded
 from unbroken.observe.hooks import Hooks, LogHooks, MultiHooks
 from unbroken.observe.journal import Journal, journal_path
 from unbroken.observe.metrics import CONTENT_TYPE_LATEST, Metrics
+from unbroken.observe.otel import OtelHooks, otel_from_env
 from unbroken.observe.outcomes import Health
 from unbroken.observe.status import StatusTracker
 from unbroken.relay.access import Access, Denied, Target, parse_target
@@ -331,7 +332,9 @@ class RelayServer:
         inflight = self.relay.inflight.copy
         self.metrics = Metrics(inflight, self.health.snapshot, fleet=self._fleet)
         self.status = StatusTracker(inflight, self.health.snapshot, extra=self._status_extra)
-        for observer in (self.status, self.metrics, self.journal):
+        #: OpenTelemetry, when the OTEL_EXPORTER_OTLP_* variables ask for it (`observe.otel`)
+        self.otel: OtelHooks | None = otel_from_env(config)
+        for observer in (self.status, self.metrics, self.journal, self.otel):
             if observer is not None:
                 self.hooks.add(Guarded(observer))
         if hooks is not None:
@@ -471,6 +474,8 @@ class RelayServer:
         if self.journal is not None:
             self.journal.start()
             log.info("journal: %s", self.journal.path)
+        if self.otel is not None:
+            log.info("OpenTelemetry: %s", self.otel.described)
         await self.relay.store.start()
         await self.runner.setup()
         site = web.TCPSite(
@@ -509,6 +514,8 @@ class RelayServer:
         finally:
             if self.journal is not None:
                 await self.journal.aclose()
+            if self.otel is not None:
+                await self.otel.aclose()
 
     async def __aenter__(self) -> RelayServer:
         await self.start()
