@@ -91,11 +91,22 @@ def test_text_before_the_call_commits_as_before() -> None:
         b'"delta":{"type":"text_delta","text":"hi"}}\n\n'
     )
     ledger = Ledger(ANTHROPIC, hold=TAIL)
-    _feed(ledger, events[:start])
-    assert ledger.feed(text)
+    assert _feed(ledger, events[:start]) == [[]] * start  # message_start: held
+    # the text commits the turn, releasing what was held before it with it
+    assert [e.raw for e in ledger.feed(text)] == [e.raw for e in events[:start]] + [text.raw]
+    assert ledger.state is LedgerState.COMMITTED
     stop = max(i for i, e in enumerate(events) if _name(e) == "content_block_stop")
-    out = _feed(ledger, events[start : stop + 1])
-    assert out[-1]  # the call is released at its end, as without tool_tail
+    call = events[start : stop + 1]
+    # the call is released whole at its end, as without tool_tail: not held for the tail
+    assert _feed(ledger, call) == [[]] * (len(call) - 1) + [[e.raw for e in call]]
+    # and the tail after it goes out frame by frame
+    tail = events[stop + 1 :]
+    assert _feed(ledger, tail) == [[e.raw] for e in tail]
+    assert ledger.state is LedgerState.DONE
+    # frame for frame what a ledger without tool_tail releases
+    plain = Ledger(ANTHROPIC, hold=Hold(("control", "tool_calls")))
+    sequence = [*events[:start], text, *call, *tail]
+    assert _feed(plain, sequence) == _feed(Ledger(ANTHROPIC, hold=TAIL), sequence)
 
 
 def test_config_accepts_tool_tail() -> None:
