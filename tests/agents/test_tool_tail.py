@@ -94,7 +94,7 @@ def test_text_before_the_call_commits_as_before() -> None:
     assert _feed(ledger, events[:start]) == [[]] * start  # message_start: held
     # the text commits the turn, releasing what was held before it with it
     assert [e.raw for e in ledger.feed(text)] == [e.raw for e in events[:start]] + [text.raw]
-    assert ledger.state is LedgerState.COMMITTED
+    assert [ledger.state] == [LedgerState.COMMITTED]  # (a list: mypy keeps it unnarrowed)
     stop = max(i for i, e in enumerate(events) if _name(e) == "content_block_stop")
     call = events[start : stop + 1]
     # the call is released whole at its end, as without tool_tail: not held for the tail

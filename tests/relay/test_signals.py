@@ -90,6 +90,10 @@ async def test_a_relay_that_does_not_start_fails_the_helper_with_its_stderr(
     assert "exit 2" in message and "ftp://nowhere" in message, message
 
 
+def gone(path: str) -> bool:
+    return not os.path.lexists(path)
+
+
 def alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie awaiting its parent's wait counts as gone)."""
     try:
@@ -154,6 +158,10 @@ async def signal_and_check(
         assert code == 0, f"exit {code}: {err[-2000:]}"
         assert "Traceback" not in err, err[-2000:]
         assert not list(relay.tmpdir.glob("unbroken-workers-*")), "runtime dir left behind"
+        if workers > 1:  # wherever it was (a long TMPDIR puts it under /tmp): gone
+            runtime = re.search(r"runtime dir (\S+?)\)", err)
+            assert runtime, err[-2000:]
+            assert gone(runtime.group(1)), "runtime dir left behind"
     finally:
         for pid in [relay.proc.pid, *pids]:
             if alive(pid):

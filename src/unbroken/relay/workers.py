@@ -22,6 +22,9 @@
   Unix datagrams between siblings, probe ownership by exclusive file creation).  The
   same directory holds each worker's ``/status`` summary (``status-<id>.json``,
   rewritten every second), so whichever worker answers ``/status`` shows them all.
+  It is made in the temporary directory (``TMPDIR``), or under ``/tmp`` when a
+  worker's socket path there would be longer than a Unix socket can bind
+  (`store.SUN_PATH_MAX`, 107 bytes): a long ``TMPDIR`` costs nothing but a log line.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Any
 from unbroken.config import Config
 from unbroken.relay.server import RelayServer, tune_gc
 from unbroken.relay.siblings import WorkerSpec, stop_signals
+from unbroken.relay.store import SUN_PATH_MAX, channel_socket
 
 __all__ = ["serve_workers"]
 
@@ -50,6 +54,9 @@ log = logging.getLogger("unbroken")
 STATUS_EVERY_S = 1.0
 #: sent by the supervisor to its workers on a second signal: stop waiting for turns
 FORCE_SIGNAL = signal.SIGUSR1
+RUNTIME_PREFIX = "unbroken-workers-"
+#: where the runtime directory goes when ``TMPDIR`` is too long for the sockets
+SHORT_TMP = "/tmp"
 
 
 def _reserve_port(host: str, port: int) -> socket.socket:
@@ -61,6 +68,26 @@ def _reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def make_runtime_dir(workers: int) -> str:
+    """The supervisor's runtime directory (mode 0700): in the temporary directory, or
+    under `SHORT_TMP` when the last worker's socket path would not fit a Unix socket
+    address there (``bind`` would fail with "AF_UNIX path too long")."""
+    runtime = tempfile.mkdtemp(prefix=RUNTIME_PREFIX)
+    longest = len(os.fsencode(channel_socket(runtime, workers - 1)))
+    if longest <= SUN_PATH_MAX:
+        return runtime
+    os.rmdir(runtime)
+    short = tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=SHORT_TMP)
+    log.info(
+        "the temporary directory is too long for the workers' sockets (%d bytes, at most %d):"
+        " the runtime dir goes under %s",
+        longest,
+        SUN_PATH_MAX,
+        SHORT_TMP,
+    )
+    return short
+
+
 def serve_workers(config: Config, n: int, *, ready: Callable[[str], None] | None = None) -> int:
     """Run ``n`` workers until SIGTERM/SIGINT; restart any that die.  Returns 0."""
     if not hasattr(socket, "SO_REUSEPORT"):  # pragma: no cover - not Linux/BSD
@@ -69,7 +96,7 @@ def serve_workers(config: Config, n: int, *, ready: Callable[[str], None] | None
     holder = _reserve_port(host, config.port)
     port = holder.getsockname()[1]
     cfg = dataclasses.replace(config, host=host, port=port)
-    runtime = tempfile.mkdtemp(prefix="unbroken-workers-")
+    runtime = make_runtime_dir(n)
     # Imported here: a relay without --workers never needs it (about 0.4 MiB resident).
     import multiprocessing
     import multiprocessing.connection
