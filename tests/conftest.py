@@ -9,8 +9,8 @@ take the test cache's file lock).  The tests of a fixture wider than one test sh
 it, so they run on one worker: `SHARED` names their files, `GroupScheduling` keeps
 each group together (xdist's own ``--dist loadgroup`` cannot: it renames node ids,
 which pytest 9 no longer allows), and a session whose tests use such a fixture from a
-file not in `SHARED` stops at collection.  The groups and the long tier go out first,
-so no worker is left with a long test at the end.
+file not in `SHARED` stops at collection.  The e2e tests and the long tier go out
+first (`_rank`), so no worker is left with a long test at the end.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ SHARED: dict[str, str] = {
     "tests/e2e/test_opencode_e2e.py": "opencode-scenarios",  # `scenarios`: one batch
     "tests/e2e/test_opencode_after_commit_e2e.py": "opencode-scenarios",
 }
-#: the long tier, sent out first (the groups go first anyway: largest first)
-FIRST = ("e2e", "slow")
 
 
 def group_of(nodeid: str) -> str | None:
@@ -51,9 +49,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
+    config.option.loadscopereorder = False  # in the order `_rank` gave, not largest first
+
     class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]  # (xdist is untyped)
-        """One work unit per test, but one per group for a `SHARED` file's tests
-        (units go out largest first: the groups, then the tests in collection order)."""
+        """One work unit per test, but one per group for a `SHARED` file's tests, in
+        the order of the collection (`_rank`)."""
 
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid) or nodeid
@@ -63,8 +63,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Check that every test sharing a wider fixture is in a `SHARED` group and, on
-    xdist workers, put the long tier first (a stable sort: the e2e tests ``run_last``
-    stay last among them, the rest keep their order).  Runs after the e2e conftest's."""
+    xdist workers, order the tests by `_rank` (a stable sort: the e2e tests
+    ``run_last`` stay last among them, the rest keep their order).  Runs after the
+    e2e conftest's."""
     for item in items:
         wide = _wider_fixture(item)
         if wide is not None and group_of(item.nodeid) is None:
@@ -73,7 +74,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 "to SHARED in tests/conftest.py, so its tests run on one xdist worker"
             )
     if hasattr(config, "workerinput"):
-        items.sort(key=lambda i: not any(i.get_closest_marker(m) for m in FIRST))
+        items.sort(key=_rank)
+
+
+def _rank(item: pytest.Item) -> int:
+    """The order the tests go out to the workers: the e2e scenario batch (it waits out
+    OpenCode's backoff on its worker), the other e2e tests, the long tier, then the
+    rest in file order.  Long tests first, so none is left running alone at the end;
+    the timing-sensitive demo runs with the rest, after the load of the first two."""
+    if item.get_closest_marker("e2e"):
+        return 0 if group_of(item.nodeid) else 1
+    return 2 if item.get_closest_marker("slow") else 3
 
 
 def _wider_fixture(item: pytest.Item) -> tuple[str, str] | None:
