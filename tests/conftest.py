@@ -27,6 +27,10 @@ from unbroken.mock import MockProvider
 
 pytest_plugins = ("noskip",)
 
+# Helper modules whose asserts check what a test sees: pytest rewrites them as it does a
+# test module's, so a failing check shows its values.
+pytest.register_assert_rewrite("core.ledgerfix", "mock.wsfix", "relay.regressionfix", "turnfix")
+
 #: Files whose tests share a fixture set up once for the module or the session, and
 #: the worker group each runs in.
 SHARED: dict[str, str] = {

@@ -14,8 +14,9 @@ on one pytest-xdist worker, and sends them out first.
 The CLIs come from `clis.ensure_npm_cli`: once the selection is known, the session
 installs every CLI the selected tests ask for (``pytest.mark.cli("opencode")``) into
 the test cache, once per machine, printing a line while it does (each xdist worker
-asks; the cache's file lock lets one install while the others wait for it).  A CLI that cannot
-be installed fails the tests that need it, with the reason; nothing is skipped.
+asks; the cache's file lock lets one install while the others wait for it).  A CLI
+that cannot be installed fails the tests that need it, with the reason; nothing is
+skipped.
 ``UNBROKEN_OPENCODE_BIN`` (``UNBROKEN_<BIN>_BIN``) uses an installed binary instead.
 """
 
