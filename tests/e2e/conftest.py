@@ -6,7 +6,8 @@ cycles.  So the first e2e test starts every selected scenario at once in a
 background event loop, each test waits only for its own, and the long verification
 (marked ``run_last``) is moved to the end of the session (on xdist workers, to the
 end of the e2e tests, which go first: tests/conftest.py): the rest of the suite runs
-while OpenCode sits in its backoff.
+while OpenCode sits in its backoff.  OpenCode alone (the baselines) is recorded in
+oc_scenarios.py and run only with ``UNBROKEN_E2E_ALONE=1``.
 
 The scenario tests share that batch (a session fixture): tests/conftest.py keeps them
 on one pytest-xdist worker, and sends them out first.
