@@ -87,7 +87,14 @@ from unbroken.core.shared import (
 )
 from unbroken.relay.ratestore import RateShare
 
-__all__ = ["ChannelStore", "HealthStore", "RedisStore", "make_store"]
+__all__ = [
+    "SUN_PATH_MAX",
+    "ChannelStore",
+    "HealthStore",
+    "RedisStore",
+    "channel_socket",
+    "make_store",
+]
 
 log = logging.getLogger("unbroken")
 
@@ -105,6 +112,9 @@ SILENT_S = 3.0
 WAITERS_TTL_MS = 3000
 #: the floor is split among at most this many relays (a bound on garbage in Redis)
 MAX_SHARE = 1000
+#: the longest path a Unix socket can bind: ``sun_path`` holds 108 bytes on Linux, the
+#: NUL included (the supervisor picks a runtime directory where every worker's fits)
+SUN_PATH_MAX = 107
 #: a key that outlives this relay's bound is shortened to it (never lengthened)
 SHORTEN = """
 local t = redis.call('PTTL', KEYS[1])
@@ -617,7 +627,7 @@ class ChannelStore(HealthStore):
         super().__init__(board, clock=clock, bounds=bounds)
         self.dir = Path(directory)
         self.worker = worker
-        self.path = self.dir / f"w{worker}.sock"
+        self.path = channel_socket(self.dir, worker)
         self.sock: socket.socket | None = None
         self.board.probe_gate = self._probe_gate
         self.board.probe_release = self._probe_release
@@ -695,7 +705,7 @@ class ChannelStore(HealthStore):
             if msg is not None and msg.kind == "waiting":
                 self._mark(msg)
             elif msg is not None and msg.worker is not None:  # a sibling's hello
-                peer = str(self.dir / f"w{msg.worker}.sock")
+                peer = str(channel_socket(self.dir, msg.worker))
                 for change in self._local_changes():
                     self._send(self._encode(change), to=peer)
 
@@ -819,6 +829,11 @@ def _pid_alive(mark: bytes) -> bool:
     except OSError:  # another user's process (EPERM): alive
         return True
     return True
+
+
+def channel_socket(directory: str | os.PathLike[str], worker: int) -> Path:
+    """Worker ``worker``'s datagram socket in the runtime directory."""
+    return Path(directory) / f"w{worker}.sock"
 
 
 def make_store(
