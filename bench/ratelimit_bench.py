@@ -458,6 +458,8 @@ async def bench_path(
                 await sampler
         final = [limiter_views(mock_call(f"{b}/status")) for b in bases]
         stats = mock_call(f"{mock.url}/_mock/limits")
+        log_name = f"mock-log-{provider}-{name.replace(' ', '')}.json"
+        (work / log_name).write_text(json.dumps([[t - run["t0"], s] for t, s in stats["log"]]))
         for p in reversed(relays):  # the journals are complete once the relays stopped
             p.stop()
         out = summarize(name, run, stats["log"], capacity, rpm / 60.0, agents, turns)

@@ -132,6 +132,8 @@ def summarize(
         "peak_per_s": fixed,
         "peak_sliding": sliding,
         "peak_ok_per_s": ok_fixed,
+        #: how many agents had completed 0, 1, 2, ... turns when half were done
+        "half_counts": {str(n): half.count(n) for n in sorted(set(half))},
         "series": [t - t0 for t, _ in ordered],
     }
 
@@ -148,8 +150,10 @@ def met(r: dict[str, Any]) -> list[str]:
     if r["peak_per_s"] > TARGETS["peak"] * r["limit_per_s"]:
         miss.append(f"{r['peak_per_s']} requests in one second")
     waits = r.get("waits")
-    if waits and max(waits["queued_s"], waits["wait_s"]) > MAX_WAIT_S:
-        miss.append(f"a wait of {max(waits['queued_s'], waits['wait_s']):.1f} s")
+    if waits and waits["wait_s"] > MAX_WAIT_S:
+        miss.append(f"a wait of {waits['wait_s']:.1f} s between attempts")
+    if waits and waits["queued_s"] > MAX_WAIT_S:  # each wait in line is bounded, not the sum
+        miss.append(f"a turn queued {waits['queued_s']:.1f} s in all")
     if r["given_up"]:
         miss.append(f"{r['given_up']} turns given up")
     return miss
@@ -303,7 +307,10 @@ def render(
     lines += [
         "",
         "Fairness is Jain's index over the agents' completed turns when half of all turns "
-        "are done (at the end every agent that gave nothing up has all of its turns). "
+        "are done (at the end every agent that gave nothing up has all of its turns); "
+        "with an odd number of turns half the agents can have one more than the others, "
+        "so the best possible is below 1 (0.962 at 5 turns), and 0.95 allows about one "
+        "agent a turn away from its share. "
         "Goodput counts the requests answered 200 over the run's duration, against what "
         "the limits allow over it. The most requests in a second counts every upstream "
         "request (429s too) in each second of the run, and in any one-second window. The "
