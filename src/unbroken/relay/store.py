@@ -34,21 +34,8 @@ applies theirs to the local board:
   Everything read (TTLs, values, counts, marks, messages) is validated and clamped
   to this relay's own bounds by `unbroken.core.shared`: a key that outlives them is
   shortened, garbage is logged once a minute per kind and never degrades the store.
-* `ChannelStore`: what ``unbroken serve --workers N`` uses when no Redis is
-  configured.  Each worker binds a Unix datagram socket in the supervisor's runtime
-  directory and sends every change to its siblings' sockets (no broker, nothing to
-  start, a dead sibling costs one failed ``sendto``); the half-open probe is owned by
-  whoever creates ``probe-<hash>`` there first (``O_CREAT|O_EXCL``; it holds the
-  owner's pid and origin).  The owner removes it the moment the core gives the lease
-  back (`unbroken.core.health.ProbeRelease`); a lock whose owner is dead or that is
-  older than ``probe_timeout_s`` is taken over (`unbroken.core.health.probe_lease_stale`
-  decides).  A worker that (re)starts asks its siblings for their state.  Every second
-  a worker with turns in an upstream's line tells its siblings so (a ``waiting`` mark
-  that lasts ``WAITERS_TTL_MS`` unless renewed, withdrawn when its line empties), and
-  each worker splits the pacer's floor among the workers with live marks, as Redis
-  splits it among relays: a dead upstream gets one floor from all the workers, not
-  one from each.  A datagram is at most 4 KiB and schema-checked like a Redis
-  message (`unbroken.core.shared`).
+* `ChannelStore` (`unbroken.relay.channel_store`): what ``unbroken serve --workers
+  N`` uses when no Redis is configured; its docstring says how.
 """
 
 from __future__ import annotations
