@@ -140,3 +140,22 @@ def test_a_crowd_gets_a_seconds_share_of_a_per_minute_limit_at_once_a_lone_reque
         if t == 0:
             lone.learn(seq, RateHeaders(requests=Reading(60, 59, 1.0)), 0.0)
         lone.finish(seq, t * 0.01)
+
+
+def test_sporadic_429s_with_retry_after_do_not_spiral_the_throttle_down() -> None:
+    # a provider that reports no budget answers one request in 200 with a 429 and a
+    # Retry-After (the soak's fault mix): it is waited, and the admitted rate holds
+    lim = Limiter(K, "c", RateSettings(cold_start=100_000))
+    t = 0.0
+    for n in range(1, 2001):
+        t += 0.01  # 100 requests a second, each answered at once
+        seq = lim.admit(0, f"a{n % 200}", 0.0, t)
+        assert seq, f"request {n} held at {t:.2f} s: {lim.throttle.view()}"
+        if n % 200 == 0:
+            lim.limited(seq, 1.0, 0.0, t)
+            lim.finish(seq, t, ok=False)
+            t += 1.0  # the Retry-After
+        else:
+            lim.accepted(seq, t)
+            lim.finish(seq, t)
+    assert not lim.throttle.enabled

@@ -533,10 +533,12 @@ class Limiter:
         hint_seq, hint = self._next_hint
         hinted = hint_seq == seq and hint > 0.0
         # A 429 is proof the model is wrong when the model let the request go (a budget
-        # was known then), or when nothing the provider reports explains it (no budget
-        # short, no "next request in under a second"); one that meets a key already
-        # spent before anything was known is not.
-        explained = budget_due > now or hinted
+        # was known then), or when nothing the provider says explains it (no budget
+        # short, no "next request in under a second", no Retry-After); one that meets a
+        # key already spent before anything was known is not, nor a provider's own
+        # "come back in N s" to a relay that knows no budget (a sporadic 429 with a
+        # Retry-After must not spiral the throttle down: it is waited, as it says).
+        explained = budget_due > now or hinted or retry_after_s is not None
         if (
             (modeled or not explained)
             and self.throttle.refused(seq, now, self.seq)
