@@ -283,11 +283,16 @@ class FairLine:
     def sessions(self) -> int:
         return len(self._sessions)
 
+    def oldest(self) -> tuple[int, float] | None:
+        """The longest-waiting ticket and since when (``since`` keeps arrival order)."""
+        for item in self.since.items():
+            return item
+        return None
+
     def overdue(self, now: float, max_wait_s: float) -> int | None:
         """The longest-waiting ticket once it has waited ``max_wait_s``, else None."""
-        for ticket, since in self.since.items():  # oldest first (insertion order)
-            return ticket if now - since >= max_wait_s else None
-        return None
+        first = self.oldest()
+        return first[0] if first is not None and now - first[1] >= max_wait_s else None
 
 
 class Limiter:
@@ -626,8 +631,9 @@ class Limiter:
             assert head is not None
             due = self.due(line.costs[head], now)
             if due > now:
-                oldest = min(line.since.values())
-                due = min(due, oldest + max_wait)
+                first = line.oldest()
+                if first is not None:  # (a line with a head has one)
+                    due = min(due, first[1] + max_wait)
                 return out, (due if math.isfinite(due) else None)
             tokens = line.costs[head]
             line.pop_head()
