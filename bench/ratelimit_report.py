@@ -23,7 +23,7 @@ from typing import Any
 #: an agent gives a turn up after this many attempts
 MAX_ATTEMPTS = 10
 TARGETS = {"share_429": 0.05, "goodput": 0.90, "fairness": 0.95, "peak": 2.0}
-#: the relay's default ``[ratelimit] max_wait_s`` (`core.ratelimit.RateSettings`)
+#: the relay's default ``[ratelimit] max_wait_s`` (`core.admission.ratelimit.RateSettings`)
 MAX_WAIT_S = 60.0
 PATH_NOTES = {
     "unbroken": "one relay",
