@@ -125,8 +125,7 @@ def test_an_action_the_table_does_not_list_is_refused(monkeypatch: pytest.Monkey
     # table to take anything out of).
     rows = dict(turn_table.ALLOWED)
     rows[Step.NEW, TurnEvent.START] = frozenset({Wait})
-    monkeypatch.setattr(turn_mod, "ALLOWED", rows)
-    monkeypatch.setattr(machine_mod, "ALLOWED", rows)  # (start checks it inline)
+    monkeypatch.setattr(turn_mod, "ALLOWED", rows)  # (`TurnFields._moved`: every event's)
     m = _machine()
     with pytest.raises(TurnError, match="not in the table"):
         m.start(0.0)

@@ -116,12 +116,22 @@ it raises `TurnError` and the machine goes to ERROR, where every event raises ag
 except the end from outside (``client_gone``, ``crashed``, so that the transport can
 clean up) and the clock (``deadline``, ``tick``: None).  Nothing is released after an
 illegal event, and the ledger is left as it was.  An action a row does not list is
-refused the same way (a bug in the machine).  ``docs/gate.md``'s table is generated
-from the rows (``python -m unbroken.core.turn.turn_table --markdown``); so is this one::
+refused the same way (a bug in the machine).  Only the table moves the step: one
+method writes it (`TurnFields._moved`, the event's row, or a move no row makes:
+`turn_table.Outside`, the creation, the end from outside, an illegal event); the inner
+helpers return actions, and the machine stays in the event's step until the event
+returns (a continuation that fails to open is decided in RESUMING, by its rows).
+Sub-states are written only through checked setters (``_set_watch``, ``_set_reply``,
+...), which refuse a value in a step the table says cannot enter it
+(`turn_table.ENTERED_IN`) the same way.  The events that branch most (``answered``,
+``transport_failed``, ``body_ended``) run ordered lists of (condition, outcome) guards
+(`turn_guards.GUARDS`): the first guard that holds, and does not decline, decides.
+``docs/gate.md``'s tables (rows, sub-states, guards) are generated from that data
+(``python -m unbroken.core.turn.turn_table --markdown``); so is this one::
 
     step          entered by                         legal events
     NEW           the machine's creation             start
-    IDLE          Wait, start, a cut continued       next_attempt
+    IDLE          Wait                               next_attempt
     CONNECTING    Open                               open_failed, answered, transport_failed
     RESUMING      Resume                             open_failed, answered, transport_failed
     STREAM        Stream                             feed_chunk, feed_verbatim, feed_frame,
@@ -151,12 +161,15 @@ Where the parts live (one class, `TurnMachine`, its fields in `turn_fields`)::
     turn_types      the actions, `Fed`, `Outcome`, `Phase`, the `TurnObserver` protocol
     turn_table      the steps (`Step`), the sub-states (`SUBSTATES`), the events
                     (`TurnEvent`), the table the code runs
+    turn_guards     the ordered guards of ``answered``, ``transport_failed``,
+                    ``body_ended`` (the methods they name live in the parts)
     turn_feeds      the body's feeds (`feed_chunk`, `feed_frame`, `feed_body`): frames
                     through the ledger, what is released, the decision a frame makes
     turn_fast_path  `feed_verbatim`: runs of plain frames after commit, in one piece
     turn_continue   the continuation hooks (`core.turn.continuation`): plan, answer, join
     turn_clock      `deadline`, `tick`, the write notifications, the stall timers
-    turn_fields     the fields every part shares, the table's checks; `set_testing`
+    turn_fields     the fields every part shares, the table's checks (the one writer
+                    of the step, the sub-states' checked setters); `set_testing`
 
 State enums, one question each.  The machine's state is its `Step` and its
 sub-states, no flags (`turn_table.SUBSTATES` lists them and what enters each value;
@@ -207,11 +220,10 @@ from unbroken.core.turn.turn_endings import TurnEndings
 from unbroken.core.turn.turn_fast_path import PEEL_FRAMES, FastPath
 from unbroken.core.turn.turn_feeds import TurnFeeds
 from unbroken.core.turn.turn_fields import is_testing, set_testing
+from unbroken.core.turn.turn_guards import guards_of
 from unbroken.core.turn.turn_table import (
-    ALLOWED,
     ANSWER_KEPT,
     AS_SENT,
-    ENTERS,
     FIRST_FRAME,
     FREE,
     LEGAL,
@@ -220,6 +232,7 @@ from unbroken.core.turn.turn_table import (
     PARKED,
     PATCHED,
     WITHIN_BOUND,
+    Outside,
     Step,
     TurnEvent,
 )
@@ -365,25 +378,26 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         self.clock = clock  # for the ledger's hold time only
         self.wall_clock = wall_clock  # Unix time, for the ledger's dated error events
         self.t0 = now
-        self.step = Step.NEW
+        self._moved(Step.NEW, Outside.CREATED)  # (the one writer of the step)
         self._outcome: Outcome | None = None
         self.failure: Failure | None = None
         self.status: int | None = None  # the current attempt's upstream status
         self.ledger: Ledger | None = None  # the SSE ledger: one per turn, across attempts
         self.attempt_ledger: Ledger | None = None  # the ledger this attempt's body went through
         self.stats: AttemptStats | None = None
-        #: the sub-states besides the step (`turn_table.SUBSTATES`: one question each)
-        self.reply = NOTHING_SENT  # what the client has been sent
+        #: the sub-states besides the step (`turn_table.SUBSTATES`: one question each),
+        #: each written through its checked setter
+        self._set_reply(NOTHING_SENT)  # what the client has been sent
         self.writing = 0  # writes to the client in progress (a keepalive may overlap one)
         self._write_t0 = now  # when the writes in progress began
-        self.watch = FIRST_FRAME  # the read attempt's stall watch
+        self._set_watch(FIRST_FRAME)  # the read attempt's stall watch
         self.last_rx = now
         self.last_tx = now
         self._attempt_t0 = now
-        self.kept = NOTHING_KEPT  # what the attempt's failure left for a give-up
-        self.overflow = WITHIN_BOUND  # the hold's bound, and its one report
-        self.pacing = FREE  # whether the next attempt waited in a pacer's line
-        self.request = AS_SENT  # how the attempt's request went upstream
+        self._set_kept(NOTHING_KEPT)  # what the attempt's failure left for a give-up
+        self._set_overflow(WITHIN_BOUND)  # the hold's bound, and its one report
+        self._set_pacing(FREE)  # whether the next attempt waited in a pacer's line
+        self._set_request(AS_SENT)  # how the attempt's request went upstream
         self._over: Action | None = None
         self._splitter: SSESplitter | None = None
         self._resume: Resume | None = None  # the continuation the next attempt opens
@@ -395,13 +409,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         before = self.step
         if before not in _START_IN:  # the table's legality (inline: no call)
             self._illegal("start")
-        self.step = Step.IDLE  # (where the next attempt is chosen)
-        action = self._next_attempt(now)
-        kind = type(action)
-        if kind not in ALLOWED[before, TurnEvent.START]:  # (`_moved`, inline: every turn)
-            self._moved(before, TurnEvent.START, action)  # raises
-        self.step = ENTERS[kind]
-        return action
+        return self._moved(before, TurnEvent.START, self._next_attempt(now))
 
     def next_attempt(self, now: float) -> Action:
         """After `start` or a `Wait`: open the next attempt, or give up."""
@@ -432,18 +440,18 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
             # (early headers, keepalives) meanwhile.
             self.report.parked(idx.why)
             self.report.state(TurnState.PARKED)
-            self.pacing = PARKED
+            self._set_pacing(PARKED)
             wait = min(max(idx.until - now, 0.001), retry.park_check_s)
             return Wait(wait, idx.key, retry.ticket)
         assert isinstance(idx, int)
         self.status = None
         self.failure = None
-        self.kept = NOTHING_KEPT
+        self._set_kept(NOTHING_KEPT)
         self._over = None
         self.stats = AttemptStats()
         if self.pacing is PARKED:
             choice = "parked"
-            self.pacing = FREE
+            self._set_pacing(FREE)
         else:
             choice = retry.why or "first"
         self.report.attempt_started(retry.attempts, idx, choice)
@@ -451,11 +459,9 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         if resume is not None:
             # The continuation of the cut attempt: the turn's ledger goes on with it.
             self._resume = None
-            self.step = Step.RESUMING
             self.attempt_ledger = self.ledger
             self._resume_t0 = now
             return resume
-        self.step = Step.CONNECTING
         self.attempt_ledger = None
         self._splice = None
         t = self.timers
@@ -469,7 +475,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         strategy = self.continuation
         if strategy is not None:  # (the transports give one to streamed turns only)
             patch = strategy.body_patch(idx)
-            self.request = PATCHED if patch else AS_SENT
+            self._set_request(PATCHED if patch else AS_SENT)
             return Open(idx, timeout, patch)
         return Open(idx, timeout)
 
@@ -500,18 +506,13 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         before = self.step
         if before not in _ANSWERED_IN:  # the table's legality (inline: no call)
             self._illegal("answered")
-        action = self._answered(now, status, sse=sse, retry_after_s=retry_after_s, rate=rate)
-        kind = type(action)
-        if kind not in ALLOWED[before, TurnEvent.ANSWERED]:  # (`_moved`, inline: every turn)
-            self._moved(before, TurnEvent.ANSWERED, action)  # raises
-        self.step = ENTERS[kind]
-        return action
+        action = self._answered(now, status, sse, retry_after_s, rate)
+        return self._moved(before, TurnEvent.ANSWERED, action)
 
     def _answered(
         self,
         now: float,
         status: int,
-        *,
         sse: bool,
         retry_after_s: float | None,
         rate: RateHeaders | None,
@@ -519,61 +520,107 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         self.status = status
         if rate is not None:
             self.retry.record_rate(rate, now)
-        if self.step is Step.RESUMING:
-            return self._resume_answered(now, status, sse=sse, retry_after_s=retry_after_s)
-        if status < 200:
-            # 1xx (a 101 to a plain request, say) is no answer for the client.
-            return self._attempt_failed(
-                now,
-                Failure(FailureClass.STATUS, f"HTTP {status}", status=status),
-                Phase.HEADERS,
-            )
-        if is_retryable_status(status):
-            self.failure = Failure(
-                FailureClass.STATUS, f"HTTP {status}", status=status, retry_after_s=retry_after_s
-            )
-            self._reading(now, Step.ERROR_BODY)
-            return ReadErrorBody()
-        self.retry.record_answer(now)  # known good: its pacer's line may move
+        for when, then in _ANSWERED:  # `turn_guards.GUARDS`, in order
+            if when(self, status, sse):
+                action = then(self, now, status, sse, retry_after_s)
+                if action is not None:
+                    return action
+        raise AssertionError("answered(): no guard decided")  # pragma: no cover - ALWAYS
+
+    # -- `answered`'s guards (`turn_guards.GUARDS`: their order, and what each means) ----
+    def _resuming(self, status: int, sse: bool) -> bool:
+        return self.step is Step.RESUMING
+
+    def _informational(self, status: int, sse: bool) -> bool:
+        return status < 200
+
+    def _retryable_answer(self, status: int, sse: bool) -> bool:
+        return is_retryable_status(status)
+
+    def _patched_4xx(self, status: int, sse: bool) -> bool:
+        # Maybe a refusal of the patched request (`Strategy.refused`): read it.
+        return self.request is PATCHED and 400 <= status < 500
+
+    def _sse_2xx(self, status: int, sse: bool) -> bool:
+        return status < 300 and sse
+
+    def _early_headers_out(self, status: int, sse: bool) -> bool:
+        # Early SSE headers are out: a final answer must be an in-stream event.
+        return self.reply is not NOTHING_SENT
+
+    def _answer_1xx(
+        self, now: float, status: int, sse: bool, retry_after_s: float | None
+    ) -> Action:
+        # 1xx (a 101 to a plain request, say) is no answer for the client.
+        return self._attempt_failed(
+            now, Failure(FailureClass.STATUS, f"HTTP {status}", status=status), Phase.HEADERS
+        )
+
+    def _read_retryable(
+        self, now: float, status: int, sse: bool, retry_after_s: float | None
+    ) -> Action:
+        self.failure = Failure(
+            FailureClass.STATUS, f"HTTP {status}", status=status, retry_after_s=retry_after_s
+        )
+        self._reading(now)
+        return ReadErrorBody()
+
+    def _known_good(self, now: float, status: int) -> None:
+        """A final answer (no retry): its pacer's line may move, and a strategy hears
+        that its unpatched request was answered (a refusal, confirmed)."""
+        self.retry.record_answer(now)
         strategy = self.continuation
         if strategy is not None and status < 300 and self.request is AS_SENT:
-            strategy.answered(self.retry.current, status)  # (a refusal, confirmed)
-        if self.request is PATCHED and 400 <= status < 500:
-            # Maybe a refusal of the patched request (`Strategy.refused`): read it.
-            self.failure = Failure(FailureClass.STATUS, f"HTTP {status}", status=status)
-            self._reading(now, Step.ERROR_BODY)
-            return ReadErrorBody()
-        if status < 300 and sse:
-            ledger = self.ledger
-            if ledger is None:
-                ledger = self.ledger = Ledger(
-                    self.protocol,
-                    hold=self.hold,
-                    max_hold_bytes=self.timers.max_hold_bytes,
-                    clock=self.clock,
-                    wall_clock=self.wall_clock,
-                    error_after_commit=not self.abort_after_commit,
-                )
-                ledger.stats = self.stats or AttemptStats()
-            else:
-                ledger.start_attempt(self.stats)
-            strategy = self.continuation
-            # (HTTP only: a socket's frames are fed one by one, with no such check)
-            ledger.errors_cut = (
-                strategy is not None and strategy.continues_errors and not self.socket
+            strategy.answered(self.retry.current, status)
+
+    def _read_refusal(
+        self, now: float, status: int, sse: bool, retry_after_s: float | None
+    ) -> Action:
+        self._known_good(now, status)
+        self.failure = Failure(FailureClass.STATUS, f"HTTP {status}", status=status)
+        self._reading(now)
+        return ReadErrorBody()
+
+    def _stream_answer(
+        self, now: float, status: int, sse: bool, retry_after_s: float | None
+    ) -> Action:
+        self._known_good(now, status)
+        ledger = self.ledger
+        if ledger is None:
+            ledger = self.ledger = Ledger(
+                self.protocol,
+                hold=self.hold,
+                max_hold_bytes=self.timers.max_hold_bytes,
+                clock=self.clock,
+                wall_clock=self.wall_clock,
+                error_after_commit=not self.abort_after_commit,
             )
-            self.attempt_ledger = ledger
-            self._splitter = SSESplitter(self.timers.max_event_bytes)
-            self._reading(now, Step.STREAM)
-            self.report.state(
-                TurnState.HOLDING if ledger.state is LedgerState.PENDING else TurnState.STREAMING
-            )
-            return Stream()
-        if self.reply is not NOTHING_SENT:
-            # Early SSE headers are out: a final answer must be an in-stream event.
-            self._reading(now, Step.FINAL_BODY)
-            return FinalInStream()
-        self._reading(now, Step.PASS_THROUGH)
+            ledger.stats = self.stats or AttemptStats()
+        else:
+            ledger.start_attempt(self.stats)
+        strategy = self.continuation
+        # (HTTP only: a socket's frames are fed one by one, with no such check)
+        ledger.errors_cut = strategy is not None and strategy.continues_errors and not self.socket
+        self.attempt_ledger = ledger
+        self._splitter = SSESplitter(self.timers.max_event_bytes)
+        self._reading(now)
+        self.report.state(
+            TurnState.HOLDING if ledger.state is LedgerState.PENDING else TurnState.STREAMING
+        )
+        return Stream()
+
+    def _final_in_stream(
+        self, now: float, status: int, sse: bool, retry_after_s: float | None
+    ) -> Action:
+        self._known_good(now, status)
+        self._reading(now)
+        return FinalInStream()
+
+    def _pass_through(
+        self, now: float, status: int, sse: bool, retry_after_s: float | None
+    ) -> Action:
+        self._known_good(now, status)
+        self._reading(now)
         ledger = self.attempt_ledger = Ledger(BODY, hold=_NO_HOLD)
         ledger.stats = self.stats or AttemptStats()
         return PassThrough()
@@ -586,7 +633,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         return self._moved(before, TurnEvent.ERROR_BODY, self._error_body(now, body))
 
     def _error_body(self, now: float, body: bytes) -> Action:
-        self.kept = ANSWER_KEPT
+        self._set_kept(ANSWER_KEPT)
         failure = self.failure
         if failure is None:  # pragma: no cover - set by answered()
             raise TurnError("error_body() without a retryable answer")
@@ -629,12 +676,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         before = self.step
         if before not in _BODY_ENDED_IN:  # the table's legality (inline: no call)
             self._illegal("body_ended")
-        action = self._body_ended(now)
-        kind = type(action)
-        if kind not in ALLOWED[before, TurnEvent.BODY_ENDED]:  # (`_moved`, inline: every turn)
-            self._moved(before, TurnEvent.BODY_ENDED, action)  # raises
-        self.step = ENTERS[kind]
-        return action
+        return self._moved(before, TurnEvent.BODY_ENDED, self._body_ended(now))
 
     def transport_failed(self, now: float, failure: Failure) -> Action:
         """Reading the upstream failed (or the connection was aborted for a stall)."""
@@ -644,9 +686,26 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         action = self._transport_failed(now, failure)
         return self._moved(before, TurnEvent.TRANSPORT_FAILED, action)
 
-    def _reading(self, now: float, step: Step) -> None:
-        self.step = step
-        self.watch = FIRST_FRAME
+    def _transport_failed(self, now: float, failure: Failure) -> Action:
+        for when, then in _TRANSPORT_FAILED:  # `turn_guards.GUARDS`, in order
+            if when(self):
+                action = then(self, now, failure)
+                if action is not None:
+                    return action
+        raise AssertionError("transport_failed(): no guard decided")  # pragma: no cover
+
+    def _body_ended(self, now: float) -> Action:
+        assert self.attempt_ledger is not None
+        for when, then in _BODY_ENDED:  # `turn_guards.GUARDS`, in order
+            if when(self):
+                action = then(self, now)
+                if action is not None:
+                    return action
+        raise AssertionError("body_ended(): no guard decided")  # pragma: no cover
+
+    def _reading(self, now: float) -> None:
+        """An answer's body begins to be read (the event's action names how)."""
+        self._set_watch(FIRST_FRAME)
         self._over = None  # this attempt's own decision, once a feed makes one
         self._attempt_t0 = now
         self.last_rx = now
@@ -666,3 +725,17 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         end of body: its transport then calls `body_ended` itself."""
         ledger = self.attempt_ledger
         return ledger is not None and ledger.state is LedgerState.DONE
+
+
+def _run(event: TurnEvent) -> tuple[tuple[Callable[..., bool], Callable[..., Action | None]], ...]:
+    """``event``'s guards (`turn_guards.GUARDS`) as the machine runs them: each guard's
+    two methods, in order."""
+    return tuple(
+        (getattr(TurnMachine, g.when), getattr(TurnMachine, g.then))
+        for g in guards_of(event.value).guards
+    )
+
+
+_ANSWERED = _run(TurnEvent.ANSWERED)
+_TRANSPORT_FAILED = _run(TurnEvent.TRANSPORT_FAILED)
+_BODY_ENDED = _run(TurnEvent.BODY_ENDED)

@@ -50,7 +50,7 @@ class TurnClock(TurnFields):
         if self.step is Step.ERROR:
             self._illegal("headers_sent")
         if self.reply is NOTHING_SENT:
-            self.reply = HEADERS_SENT
+            self._set_reply(HEADERS_SENT)
             self.report.headers_sent()
         self.last_tx = now
 
@@ -146,7 +146,7 @@ class TurnClock(TurnFields):
                 else self._attempt_t0 + t.first_frame_timeout_s
             )
             if now >= due:
-                self.watch = STALLED
+                self._set_watch(STALLED)
                 return AbortUpstream(stall_failure())
             splice = self._splice
             if (
@@ -156,7 +156,7 @@ class TurnClock(TurnFields):
             ):
                 # The continuation shows no progress (a response stuck in ``queued``):
                 # give it up (it is cancelled); replayed if nothing was released.
-                self.watch = QUEUED
+                self._set_watch(QUEUED)
                 return AbortUpstream(queued_failure())
         p = self._profile
         if self.stream or self.socket:
@@ -170,7 +170,7 @@ class TurnClock(TurnFields):
                 ):
                     # Retries or held frames have lasted long: send SSE headers now so
                     # the client's header timer does not fire; keepalives follow.
-                    self.reply = HEADERS_SENT
+                    self._set_reply(HEADERS_SENT)
                     self.last_tx = now
                     self.report.headers_sent()
                     return SendHeaders(200)

@@ -18,7 +18,6 @@ from unbroken.core.turn.turn_table import (
     FIRST_FRAME,
     NOTHING_SENT,
     QUEUED,
-    Step,
 )
 from unbroken.core.turn.turn_types import (
     Action,
@@ -87,9 +86,9 @@ class ContinuationHooks(TurnFields):
         try:
             released = self._feed_events(now, joined) if joined else NOTHING
         finally:
-            if self._over is None and not self.ended:
+            if self._over is None:
                 self._splice = splice_off
-        if broken is not None and self._over is None and not self.ended:
+        if broken is not None and self._over is None:
             self._over = self._join_broken(now, broken)
         return released
 
@@ -120,9 +119,8 @@ class ContinuationHooks(TurnFields):
             return None
         phase = Phase.COMMITTED if committed else self._replay_phase(failure)
         self.failure = failure
-        self.watch = FIRST_FRAME
+        self._set_watch(FIRST_FRAME)
         self._splice = None
-        self.step = Step.IDLE
         self._resume = plan
         report = self.report
         report.attempt_ended(failure.label, phase, self.status, self.stats)
@@ -142,7 +140,7 @@ class ContinuationHooks(TurnFields):
             )
 
     def _resume_answered(
-        self, now: float, status: int, *, sse: bool, retry_after_s: float | None
+        self, now: float, status: int, sse: bool, retry_after_s: float | None
     ) -> Action:
         """The continuation's answer: its stream goes on through the join check into
         the turn's ledger; a retryable status is another cut; any other answer (404,
@@ -159,7 +157,7 @@ class ContinuationHooks(TurnFields):
             self.attempt_ledger = ledger
             self._splice = strategy.splicer()
             self._splitter = SSESplitter(self.timers.max_event_bytes)
-            self._reading(now, Step.STREAM)
+            self._reading(now)
             self._resume_t0 = now
             self.report.state(
                 TurnState.HOLDING if ledger.state is LedgerState.PENDING else TurnState.STREAMING
@@ -182,8 +180,9 @@ class ContinuationHooks(TurnFields):
 
     def _continuation_failed(self, now: float, failure: Failure) -> Action:
         """Opening a continuation failed (connect, headers, a retryable status): the
-        response still runs, so another continuation may follow (bounded)."""
-        self.step = Step.STREAM  # the cut attempt's ledger decides, as for any cut
+        response still runs, so another continuation may follow (bounded); else the
+        cut attempt's ledger decides, as for any cut (the RESUMING rows of the table:
+        the machine stays in RESUMING until the action moves it)."""
         action = self._continue(now, failure)
         if action is not None:
             return action
@@ -201,8 +200,6 @@ class ContinuationHooks(TurnFields):
         ledger = self.ledger
         assert ledger is not None
         self.attempt_ledger = ledger
-        if self.step is Step.RESUMING:
-            self.step = Step.STREAM
         return self._verdict_action(now, failure, ledger.failed(failure.reason))
 
     def _patched_refused(self, now: float, status: int, body: bytes) -> Action:
@@ -213,10 +210,9 @@ class ContinuationHooks(TurnFields):
         assert strategy is not None
         failure = self.failure
         if strategy.refused(self.retry.current, status, body):
-            self.request = AS_SENT
+            self._set_request(AS_SENT)
             self.report.attempt_ended("continuation_refused", Phase.HEADERS, status, self.stats)
             self._refused(Refusal.NOT_RESUMABLE)
-            self.step = Step.IDLE
             return self._next_attempt(now)
         if self.reply is not NOTHING_SENT:
             return self._end(
@@ -224,7 +220,6 @@ class ContinuationHooks(TurnFields):
                 End(EndKind.ERROR, self.protocol.final_error_frame(status, body, None)),
             )
         self.failure = failure
-        self.step = Step.ENDED
         self.retry.close()
         self._outcome = Outcome.PASSED_THROUGH_ERROR
         self.report.attempt_ended(Outcome.PASSED_THROUGH_ERROR.value, None, status, self.stats)

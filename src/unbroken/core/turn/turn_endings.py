@@ -20,6 +20,7 @@ from unbroken.core.turn.turn_table import (
     QUEUED,
     TERMINATED,
     WATCHING,
+    Outside,
     Step,
     TurnEvent,
 )
@@ -47,50 +48,82 @@ class TurnEndings(TurnFields):
 
     __slots__ = ()
 
-    # -- an attempt's body ends or fails ------------------------------------------------
-    def _body_ended(self, now: float) -> Action:
+    # -- the guards of `transport_failed` and `body_ended` (`turn_guards.GUARDS`) --------
+    # (`TurnMachine` runs each list in order; ``when`` holds, ``then`` decides or declines)
+    def _opening(self) -> bool:
+        return self.step in _OPENING
+
+    def _unread(self) -> bool:
+        return self.attempt_ledger is None
+
+    def _terminal_out(self) -> bool:
+        ledger = self.attempt_ledger
+        return ledger is not None and ledger.state is LedgerState.DONE
+
+    def _continuable(self) -> bool:
+        return self.continuation is not None and self.step is Step.STREAM
+
+    def _read_failure(self, failure: Failure) -> Failure:
+        """A read failure of an attempt aborted by the clock is named by its watch."""
+        watch = self.watch
+        if watch in WATCHING:
+            return failure
+        return queued_failure() if watch is QUEUED else stall_failure()
+
+    def _unread_failed(self, now: float, failure: Failure) -> Action:
+        failure = self._read_failure(failure)
+        return self._attempt_failed(now, failure, self._replay_phase(failure))
+
+    def _tail_cut(self, now: float, failure: Failure) -> Action:
+        # The turn is complete: finish the protocol's ending, record the cut.
+        self._record_tail_cut(self._read_failure(failure))
+        return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+
+    def _continue_cut(self, now: float, failure: Failure) -> Action | None:
+        return self._continue(now, self._read_failure(failure))
+
+    def _cut(self, now: float, failure: Failure) -> Action:
+        failure = self._read_failure(failure)
         ledger = self.attempt_ledger
         assert ledger is not None
-        if self.watch not in WATCHING:
-            return self._transport_failed(now, stall_failure())
-        if ledger.protocol is BODY:
-            ledger.ended()
-            outcome = (
-                self._ok_outcome() if (self.status or 0) < 400 else (Outcome.PASSED_THROUGH_ERROR)
-            )
-            return self._end(outcome, End(EndKind.CLEAN))
-        if ledger.state is LedgerState.DONE:
-            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
-        if self.continuation is not None and ledger.protocol.has_terminal:
-            cut = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
-            action = self._continue(now, cut)
-            if action is not None:
-                return action
+        return self._verdict_action(now, failure, ledger.failed(failure.reason))
+
+    def _unwatched(self) -> bool:
+        return self.watch not in WATCHING
+
+    def _plain_body(self) -> bool:
+        ledger = self.attempt_ledger
+        return ledger is not None and ledger.protocol is BODY
+
+    def _terminal_missing(self) -> bool:
+        ledger = self.attempt_ledger
+        return self.continuation is not None and ledger is not None and ledger.protocol.has_terminal
+
+    def _stalled_end(self, now: float) -> Action:
+        return self._transport_failed(now, stall_failure())
+
+    def _plain_end(self, now: float) -> Action:
+        ledger = self.attempt_ledger
+        assert ledger is not None
+        ledger.ended()
+        outcome = self._ok_outcome() if (self.status or 0) < 400 else Outcome.PASSED_THROUGH_ERROR
+        return self._end(outcome, End(EndKind.CLEAN))
+
+    def _clean_end(self, now: float) -> Action:
+        return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+
+    def _continue_truncated(self, now: float) -> Action | None:
+        cut = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
+        return self._continue(now, cut)
+
+    def _judged_end(self, now: float) -> Action:
+        ledger = self.attempt_ledger
+        assert ledger is not None
         pending = self._splitter.pending if self._splitter is not None else b""
         out = ledger.ended(pending)
         if ledger.verdict is Verdict.DONE:  # generic SSE: a clean end is its success
             return self._end(self._ok_outcome(), End(EndKind.CLEAN))
         failure = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
-        return self._verdict_action(now, failure, out)
-
-    def _transport_failed(self, now: float, failure: Failure) -> Action:
-        if self.step in _OPENING:
-            return self._open_failed(now, failure)
-        watch = self.watch
-        if watch not in WATCHING:
-            failure = queued_failure() if watch is QUEUED else stall_failure()
-        ledger = self.attempt_ledger
-        if ledger is None:
-            return self._attempt_failed(now, failure, self._replay_phase(failure))
-        if ledger.state is LedgerState.DONE:
-            # The turn is complete: finish the protocol's ending, record the cut.
-            self._record_tail_cut(failure)
-            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
-        if self.continuation is not None and self.step is Step.STREAM:
-            action = self._continue(now, failure)
-            if action is not None:
-                return action
-        out = ledger.failed(failure.reason)
         return self._verdict_action(now, failure, out)
 
     # -- verdicts -----------------------------------------------------------------------
@@ -144,8 +177,7 @@ class TurnEndings(TurnFields):
     def _attempt_failed(self, now: float, failure: Failure, phase: Phase) -> Action:
         """An attempt failed before commit: record it, then wait, retry or give up."""
         self.failure = failure
-        self.watch = FIRST_FRAME
-        self.step = Step.IDLE
+        self._set_watch(FIRST_FRAME)
         report = self.report
         report.attempt_ended(failure.label, phase, self.status, self.stats)
         retry = self.retry
@@ -184,7 +216,7 @@ class TurnEndings(TurnFields):
         """What the protocol's ending still lacks after its terminal frame."""
         if self.reply is TERMINATED or self.protocol.done_marker is None:
             return b""
-        self.reply = TERMINATED
+        self._set_reply(TERMINATED)
         return self.protocol.done_marker
 
     def _give_up(self) -> GiveUp:
@@ -192,7 +224,6 @@ class TurnEndings(TurnFields):
         reason = failure.reason if failure else "retries exhausted"
         if self.continuation is not None:
             self._abandon()
-        self.step = Step.ENDED
         self.retry.close()
         if self.reply is not NOTHING_SENT:
             ledger = self.ledger or Ledger(
@@ -212,7 +243,6 @@ class TurnEndings(TurnFields):
     def _end(self, outcome: Outcome, action: End) -> End:
         if self.continuation is not None and not outcome.is_ok:
             self._abandon()
-        self.step = Step.ENDED
         retry = self.retry
         if retry.admitted:  # the rate limiter learns what the request cost
             stats = self.stats
@@ -253,7 +283,7 @@ class TurnEndings(TurnFields):
                     self.status,
                     self.stats,
                 )
-        self.step = Step.ENDED
+        self._moved(self.step, Outside.CLIENT_GONE)
         self.retry.close()
         return self._outcome
 
@@ -262,7 +292,7 @@ class TurnEndings(TurnFields):
         if self._outcome is None or self.step is not Step.ENDED:
             self._outcome = Outcome.INTERNAL_ERROR
             self.report.attempt_ended(Outcome.INTERNAL_ERROR.value, None, self.status, self.stats)
-        self.step = Step.ENDED
+        self._moved(self.step, Outside.CRASHED)
         self.retry.close()
         return self._outcome
 

@@ -66,7 +66,7 @@ class TurnFeeds(TurnFields):
             events, too_large = exc.events, exc
         if too_large is not None:
             out = self._feed_events(now, events)
-            if self._over is None and not self.ended:
+            if self._over is None:
                 self._over = self._transport_failed(
                     now, Failure(FailureClass.MALFORMED, str(too_large))
                 )
@@ -85,7 +85,7 @@ class TurnFeeds(TurnFields):
         if self.watch is FIRST_FRAME:
             for event in events:
                 if not event.is_comment:
-                    self.watch = IDLE
+                    self._set_watch(IDLE)
                     break
         feed = ledger.feed
         out: list[Event] = []
@@ -108,7 +108,7 @@ class TurnFeeds(TurnFields):
             if self.continuation is not None:
                 self._record_events(out)
         if done_marker:
-            self.reply = TERMINATED
+            self._set_reply(TERMINATED)
         if ledger.verdict is Verdict.CUT:  # after the frames before it were recorded
             out.extend(self._cut_by_error(now, ledger))
         verdict = ledger.verdict
@@ -129,7 +129,7 @@ class TurnFeeds(TurnFields):
     def _feed_frame(self, now: float, event: Event) -> Sequence[Event]:
         self.last_rx = now
         if self.watch is FIRST_FRAME:
-            self.watch = IDLE
+            self._set_watch(IDLE)
         splice = self._splice
         if splice is not None:
             try:
@@ -178,7 +178,7 @@ class TurnFeeds(TurnFields):
             self._illegal("feed_body")
         self.last_rx = now
         if self.watch is FIRST_FRAME:
-            self.watch = IDLE
+            self._set_watch(IDLE)
         ledger = self.attempt_ledger
         assert ledger is not None
         released = ledger.feed(Event(chunk, None, ""))
@@ -192,13 +192,13 @@ class TurnFeeds(TurnFields):
 
     def _released(self) -> None:
         if self.reply is NOTHING_SENT:
-            self.reply = HEADERS_SENT
+            self._set_reply(HEADERS_SENT)
             self.report.headers_sent()
             self.report.state(TurnState.STREAMING)
 
     def _overflowed(self, ledger: Ledger) -> None:
         """The ledger's hold went over its bound (it released what it held): told once."""
-        self.overflow = OVERFLOW_REPORTED
+        self._set_overflow(OVERFLOW_REPORTED)
         self.report.hold_overflow(ledger.max_hold_bytes)
 
     def _decide(self, now: float) -> None:

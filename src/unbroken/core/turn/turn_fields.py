@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeVar, overload
 
 from unbroken.core.admission.policy import Failure, RetryState
 from unbroken.core.profiles import Profile
@@ -19,10 +19,13 @@ from unbroken.core.turn.continuation import Cancel, Refusal, Resume, Splicer, St
 from unbroken.core.turn.ledger import Hold, Ledger
 from unbroken.core.turn.turn_table import (
     ALLOWED,
+    ENTERED_IN,
     ENTERS,
     IDLE,
     NOTHING_SENT,
+    OUTSIDE,
     Kept,
+    Outside,
     Overflow,
     Pacing,
     Reply,
@@ -46,6 +49,9 @@ from unbroken.core.wire.protocols.prefill import PrefillRefusal
 from unbroken.core.wire.sse import Event, SSESplitter
 
 __all__ = ["TESTING", "TurnFields", "is_testing", "set_testing"]
+
+_A = TypeVar("_A", bound=Action)
+_ERROR = Step.ERROR
 
 #: testing mode (`set_testing`): a context variable, not a module global, so a
 #: switch reaches the context that made it (a test, and the tasks it starts from
@@ -190,27 +196,88 @@ class TurnFields:
         return self.reply is not NOTHING_SENT
 
     # -- the table, run (`turn_table`) ---------------------------------------------------
-    def _moved(self, before: Step, event: TurnEvent, action: Action) -> Action:
-        """The table's transition: the step ``action`` enters (`ENTERS`).  An action
-        the table does not list for (``before``, ``event``) is a bug in the machine:
-        refused, like an illegal event."""
-        kind = type(action)
-        if kind not in ALLOWED[before, event]:
-            self.step = Step.ERROR
+    @overload
+    def _moved(self, before: Step, event: TurnEvent, action: _A) -> _A: ...
+    @overload
+    def _moved(self, before: Step, event: Outside, action: None = None) -> None: ...
+    def _moved(
+        self, before: Step, event: TurnEvent | Outside, action: Action | None = None
+    ) -> Action | None:
+        """The table's transition, and the one place that writes `step`.
+
+        An event's action moves the machine by its row: to the step the action
+        enters (`ENTERS`).  An action the table does not list for (``before``,
+        ``event``) is a bug in the machine: refused, like an illegal event (ERROR,
+        and `TurnError`).  A move no row makes (`Outside`: the machine's creation,
+        the end from outside, an illegal event) enters the step `OUTSIDE` names.
+        Inner helpers never move the step: they return the action, and the event
+        brings it here."""
+        if isinstance(event, Outside):
+            step = OUTSIDE[event]
+        else:
+            kind = type(action)
+            step = ENTERS[kind] if kind in ALLOWED[before, event] else _ERROR
+        self.step = step
+        if step is _ERROR and action is not None:
             raise TurnError(
-                f"{event.value}() in step {before.value} gave {kind.__name__}: not in the table"
+                f"{event.value}() in step {before.value} gave {type(action).__name__}: "
+                "not in the table"
             )
-        self.step = ENTERS[kind]
         return action
 
     def _illegal(self, event: str) -> NoReturn:
         """Refuse an event the current step does not accept: a transport bug.  The
         machine goes to ERROR, where every event but the end from outside raises."""
         step = self.step
-        self.step = Step.ERROR
+        self._moved(step, Outside.ILLEGAL)
         if step is Step.ERROR:
             raise TurnError(f"{event}() after an illegal event")
         raise TurnError(f"{event}() is illegal in step {step.value}")
+
+    # -- the sub-states' checked setters (`turn_table.ENTERED_IN`) ------------------------
+    def _set_watch(self, value: Watch) -> None:
+        if self.step not in ENTERED_IN[value]:
+            self._refuse("watch", value)
+        self.watch = value
+
+    def _set_reply(self, value: Reply) -> None:
+        if self.step not in ENTERED_IN[value]:
+            self._refuse("reply", value)
+        self.reply = value
+
+    def _set_request(self, value: Request) -> None:
+        if self.step not in ENTERED_IN[value]:
+            self._refuse("request", value)
+        self.request = value
+
+    def _set_kept(self, value: Kept) -> None:
+        if self.step not in ENTERED_IN[value]:
+            self._refuse("kept", value)
+        self.kept = value
+
+    def _set_pacing(self, value: Pacing) -> None:
+        if self.step not in ENTERED_IN[value]:
+            self._refuse("pacing", value)
+        self.pacing = value
+
+    def _set_overflow(self, value: Overflow) -> None:
+        if self.step not in ENTERED_IN[value]:
+            self._refuse("overflow", value)
+        self.overflow = value
+
+    def _refuse(
+        self, field: str, value: Watch | Reply | Request | Kept | Pacing | Overflow
+    ) -> NoReturn:
+        """A sub-state value the table says cannot be entered in the current step (its
+        `SubState.by`): a bug in the machine, refused like an action its row does not
+        list (ERROR, and `TurnError`)."""
+        step = self.step
+        self._moved(step, Outside.ILLEGAL)
+        raise TurnError(f"{field} {value.name} entered in step {step.value}: not in the table")
+
+    def _always(self, *_: object) -> bool:
+        """The last guard's condition (`turn_guards.ALWAYS`): it holds always."""
+        return True
 
     if TYPE_CHECKING:  # one part's calls on another (defined in `turn.TurnMachine`)
 
@@ -230,7 +297,7 @@ class TurnFields:
         ) -> Action: ...
         def _attempt_failed(self, now: float, failure: Failure, phase: Phase) -> Action: ...
         def _replay_phase(self, failure: Failure) -> Phase: ...
-        def _reading(self, now: float, step: Step) -> None: ...
+        def _reading(self, now: float) -> None: ...
         def _end(self, outcome: Outcome, action: End) -> End: ...
         def _released(self) -> None: ...
         def _abandon(self) -> None: ...

@@ -12,7 +12,14 @@ return in that step, and what it means.  The machine runs the table:
   (`ENTERS`: ``Open`` enters CONNECTING, ``Wait`` IDLE, ``End`` ENDED, ...); a
   feed that returns no action stays where it is.  An action the row does not list
   is refused like an illegal event (a bug in the machine, caught by the property
-  test), so the table is complete by construction.
+  test), so the table is complete by construction.  One method of the machine
+  writes the step (`TurnFields._moved`): a row's transition, or a move no row
+  makes (`Outside`: the creation, the end from outside, an illegal event);
+* **sub-states**: each value says what enters it (`SUBSTATES`), in the table's
+  terms (`ENTERED_IN`: the steps where that may happen); the machine writes a
+  sub-state only through its checked setter, which refuses a value anywhere else;
+* **guards**: the events that branch most run an ordered list of (condition,
+  outcome) guards (`unbroken.core.turn.turn_guards`), shown with the table.
 
 `markdown()` renders the table for ``docs/gate.md``; ``python -m
 unbroken.core.turn.turn_table --markdown`` prints it, and a test fails when the doc
@@ -27,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from unbroken.core.turn.continuation import Resume
+from unbroken.core.turn.turn_guards import ALWAYS, GUARDS
 from unbroken.core.turn.turn_types import (
     End,
     FinalInStream,
@@ -42,6 +50,7 @@ __all__ = [
     "ANSWER_KEPT",
     "ANY_STEP",
     "AS_SENT",
+    "ENTERED_IN",
     "ENTERS",
     "FIRST_FRAME",
     "FREE",
@@ -50,6 +59,7 @@ __all__ = [
     "LEGAL",
     "NOTHING_KEPT",
     "NOTHING_SENT",
+    "OUTSIDE",
     "OVERFLOW_REPORTED",
     "PARKED",
     "PATCHED",
@@ -60,7 +70,9 @@ __all__ = [
     "TERMINATED",
     "WATCHING",
     "WITHIN_BOUND",
+    "Enterer",
     "Kept",
+    "Outside",
     "Overflow",
     "Pacing",
     "Reply",
@@ -167,75 +179,6 @@ WITHIN_BOUND, OVERFLOW_REPORTED = Overflow
 FIRST_FRAME, IDLE, STALLED, QUEUED = Watch
 
 
-@dataclass(frozen=True, slots=True)
-class SubState:
-    """One of the machine's sub-states: its field, the question it answers, and how
-    each value is entered (`markdown` renders them for ``docs/gate.md``)."""
-
-    field: str
-    states: type[enum.Enum]
-    entered: Mapping[str, str]
-
-
-#: the machine's state besides its `Step`, one question each (no flag stands for one)
-SUBSTATES: tuple[SubState, ...] = (
-    SubState(
-        "watch",
-        Watch,
-        {
-            "FIRST_FRAME": (
-                "the machine's creation; an answer's body begins to be read (`Stream`, "
-                "`PassThrough`, ...); an attempt's failure (the next one starts afresh)"
-            ),
-            "IDLE": "a feed brought the attempt's first frame (an SSE comment is none)",
-            "STALLED": "`tick`: the upstream was silent past its stall timer (`AbortUpstream`)",
-            "QUEUED": "`tick`: a continuation made no progress within `queued_s`",
-        },
-    ),
-    SubState(
-        "reply",
-        Reply,
-        {
-            "NOTHING": "the machine's creation",
-            "HEADERS": "`headers_sent`, the first release, or early headers (`SendHeaders`)",
-            "TERMINATED": "the done marker released, or added by the tail's ending",
-        },
-    ),
-    SubState(
-        "request",
-        Request,
-        {
-            "AS_SENT": "an `Open` with no body patch; a refusal of the patch",
-            "PATCHED": "an `Open` with its strategy's body patch",
-        },
-    ),
-    SubState(
-        "kept",
-        Kept,
-        {
-            "NOTHING": "each attempt's start",
-            "ANSWER": "`error_body`: the retryable answer was read and kept",
-        },
-    ),
-    SubState(
-        "pacing",
-        Pacing,
-        {
-            "FREE": "the attempt after a park opens",
-            "PARKED": "`start` or `next_attempt` parked in the pacer's line (`Wait`)",
-        },
-    ),
-    SubState(
-        "overflow",
-        Overflow,
-        {
-            "WITHIN": "the machine's creation",
-            "REPORTED": "a feed after the ledger's hold overflowed (observers told once)",
-        },
-    ),
-)
-
-
 class TurnEvent(enum.Enum):
     """The events, named as the machine's methods."""
 
@@ -332,8 +275,8 @@ ROWS: tuple[Row, ...] = (
         Step.RESUMING,
         TurnEvent.OPEN_FAILED,
         (*_CONTINUE, Open, End),
-        "another cut: another `Resume` (bounded by `max_splices`), else as "
-        "`transport_failed` in STREAM",
+        "another cut: another `Resume` (bounded by `max_splices`), else the cut "
+        "attempt's ledger decides here, as `transport_failed` in STREAM would",
     ),
     Row(
         Step.RESUMING,
@@ -418,6 +361,144 @@ READING: frozenset[Step] = frozenset(
 #: where the clock has nothing to say
 OVER: frozenset[Step] = frozenset({Step.ENDED, Step.ERROR})
 
+#: a sub-state value's enterer: an event (in the steps where it is legal, `LEGAL`), an
+#: action (in the steps whose rows may return it), a step, or steps named outright (the
+#: machine's creation, the clock, the write notifications: no row of theirs)
+Enterer = TurnEvent | type | Step | frozenset[Step]
+
+#: the steps where the write notifications (and the clock's early headers) may come
+_NOT_ERROR: frozenset[Step] = frozenset(Step) - {Step.ERROR}
+#: the machine's creation (`Outside.CREATED`)
+_CREATION = Step.NEW
+_FEEDS = (TurnEvent.FEED_CHUNK, TurnEvent.FEED_VERBATIM, TurnEvent.FEED_FRAME)
+
+
+@dataclass(frozen=True, slots=True)
+class SubState:
+    """One of the machine's sub-states: its field, the question it answers, how each
+    value is entered (``entered``, for the reader) and by what (``by``, in the table's
+    terms: its checked setter refuses the value in any other step, `ENTERED_IN`).
+    `markdown` renders them for ``docs/gate.md``."""
+
+    field: str
+    states: type[enum.Enum]
+    entered: Mapping[str, str]
+    by: Mapping[str, tuple[Enterer, ...]]
+
+
+#: the machine's state besides its `Step`, one question each (no flag stands for one)
+SUBSTATES: tuple[SubState, ...] = (
+    SubState(
+        "watch",
+        Watch,
+        {
+            "FIRST_FRAME": (
+                "the machine's creation; an answer's body begins to be read (`Stream`, "
+                "`PassThrough`, ...); an attempt's failure (the next one starts afresh)"
+            ),
+            "IDLE": "a feed brought the attempt's first frame (an SSE comment is none)",
+            "STALLED": "`tick`: the upstream was silent past its stall timer (`AbortUpstream`)",
+            "QUEUED": "`tick`: a continuation made no progress within `queued_s`",
+        },
+        {
+            "FIRST_FRAME": (
+                _CREATION,
+                Stream,
+                PassThrough,
+                ReadErrorBody,
+                FinalInStream,
+                *_RETRY,
+                Resume,
+            ),
+            "IDLE": (*_FEEDS, TurnEvent.FEED_BODY),
+            "STALLED": (READING,),
+            "QUEUED": (READING,),
+        },
+    ),
+    SubState(
+        "reply",
+        Reply,
+        {
+            "NOTHING": "the machine's creation",
+            "HEADERS": "`headers_sent`, the first release, or early headers (`SendHeaders`)",
+            "TERMINATED": "the done marker released, or added by the tail's ending",
+        },
+        {
+            "NOTHING": (_CREATION,),
+            "HEADERS": (_NOT_ERROR,),
+            "TERMINATED": (*_FEEDS, End),
+        },
+    ),
+    SubState(
+        "request",
+        Request,
+        {
+            "AS_SENT": "an `Open` with no body patch; a refusal of the patch",
+            "PATCHED": "an `Open` with its strategy's body patch",
+        },
+        {
+            "AS_SENT": (_CREATION, Open, TurnEvent.ERROR_BODY),
+            "PATCHED": (Open,),
+        },
+    ),
+    SubState(
+        "kept",
+        Kept,
+        {
+            "NOTHING": "each attempt's start",
+            "ANSWER": "`error_body`: the retryable answer was read and kept",
+        },
+        {
+            "NOTHING": (_CREATION, Open, Resume),
+            "ANSWER": (TurnEvent.ERROR_BODY,),
+        },
+    ),
+    SubState(
+        "pacing",
+        Pacing,
+        {
+            "FREE": "the attempt after a park opens",
+            "PARKED": "`start` or `next_attempt` parked in the pacer's line (`Wait`)",
+        },
+        {
+            "FREE": (_CREATION, Open, Resume),
+            "PARKED": (Wait,),
+        },
+    ),
+    SubState(
+        "overflow",
+        Overflow,
+        {
+            "WITHIN": "the machine's creation",
+            "REPORTED": "a feed after the ledger's hold overflowed (observers told once)",
+        },
+        {
+            "WITHIN": (_CREATION,),
+            "REPORTED": _FEEDS,
+        },
+    ),
+)
+
+
+def _steps(by: Enterer) -> frozenset[Step]:
+    if isinstance(by, TurnEvent):
+        return LEGAL[by]
+    if isinstance(by, Step):
+        return frozenset({by})
+    if isinstance(by, frozenset):
+        return by
+    return frozenset(r.step for r in ROWS if by in r.actions)
+
+
+#: each sub-state value -> the steps where it may be entered (its setter refuses it
+#: anywhere else: a bug in the machine, refused like an action its row does not list)
+ENTERED_IN: Mapping[enum.Enum, frozenset[Step]] = {
+    sub.states[name]: frozenset().union(*[_steps(b) for b in by])
+    for sub in SUBSTATES
+    for name, by in sub.by.items()
+}
+
+
 #: the events legal in every step (the end from outside, the clock) and, but in
 #: ERROR, the write notifications; none of them moves the machine but to ENDED
 ANY_STEP: tuple[tuple[str, str, str], ...] = (
@@ -452,6 +533,27 @@ ANY_STEP: tuple[tuple[str, str, str], ...] = (
         "ERROR",
     ),
 )
+
+
+class Outside(enum.Enum):
+    """The moves no row makes: the machine's creation and the events of every step
+    that move it (`ANY_STEP`).  `OUTSIDE` names the step each enters."""
+
+    CREATED = "created"
+    CLIENT_GONE = "client_gone"
+    CRASHED = "crashed"
+    ILLEGAL = "illegal"  # an event with no row, or a result the table does not list
+
+    __hash__ = object.__hash__
+
+
+#: the step each move from outside the rows enters, from any step
+OUTSIDE: Mapping[Outside, Step] = {
+    Outside.CREATED: Step.NEW,
+    Outside.CLIENT_GONE: Step.ENDED,
+    Outside.CRASHED: Step.ENDED,
+    Outside.ILLEGAL: Step.ERROR,
+}
 
 
 def allowed(step: Step, event: TurnEvent) -> frozenset[type | None] | None:
@@ -489,22 +591,44 @@ def markdown() -> str:
     for action, step in ENTERS.items():
         lines.append(f"| `{action.__name__}` | {step.name} |")
     lines.append("")
-    lines.append("| sub-state | question | value | entered by |")
-    lines.append("|---|---|---|---|")
+    lines.append(
+        "| sub-state | question | value | entered by | in steps (its setter refuses others) |"
+    )
+    lines.append("|---|---|---|---|---|")
     for sub in SUBSTATES:
         question = (sub.states.__doc__ or "").split("\n\n")[0]
         question = " ".join(question.split())
         for i, value in enumerate(sub.states):
             head = f"`{sub.field}`: `{sub.states.__name__}`" if i == 0 else ""
             what = question if i == 0 else ""
-            lines.append(f"| {head} | {what} | {value.name} | {sub.entered[value.name]} |")
+            steps = _step_names(ENTERED_IN[value])
+            lines.append(
+                f"| {head} | {what} | {value.name} | {sub.entered[value.name]} | {steps} |"
+            )
+    for guards in GUARDS:
+        lines.append("")
+        first = f" ({guards.first} first)" if guards.first else ""
+        lines.append(
+            f"`{guards.event}`{first}: the first guard that holds, and does not decline, decides"
+        )
+        lines.append("")
+        lines.append("| # | when | then |")
+        lines.append("|---|---|---|")
+        for i, g in enumerate(guards.guards, 1):
+            when = g.condition if g.when == ALWAYS else f"{g.condition} (`{g.when}`)"
+            lines.append(f"| {i} | {when} | {g.outcome} (`{g.then}`) |")
     return "\n".join(lines) + "\n"
 
 
-#: what enters the steps no action enters
+def _step_names(steps: frozenset[Step]) -> str:
+    if steps == _NOT_ERROR:
+        return "all but ERROR"
+    return ", ".join(s.name for s in Step if s in steps)
+
+
+#: what enters the steps no action enters (`OUTSIDE`)
 _ENTERED_ALSO: Mapping[Step, str] = {
     Step.NEW: "the machine's creation",
-    Step.IDLE: "start, a cut continued",
     Step.ENDED: "the end from outside",
     Step.ERROR: "an illegal event",
 }
