@@ -41,7 +41,6 @@ from unbroken.core.wire.redact import redact_url
 
 __all__ = [
     "BUILTIN_ROUTES",
-    "CREDENTIAL_HEADERS",
     "TOKEN_ENV",
     "Config",
     "ConfigError",
@@ -78,9 +77,6 @@ ENV_OVERRIDES: tuple[tuple[str, str, str], ...] = (
 
 #: The token clients must send (``x-unbroken-token``) when ``[server] token_env`` is unset.
 TOKEN_ENV = "UNBROKEN_TOKEN"
-#: Headers that carry a provider key: on a route that injects its own key, the client's
-#: values of all of them are removed (plus any an upstream entry lists in ``key_headers``).
-CREDENTIAL_HEADERS: tuple[str, ...] = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
 #: A route name: one plain path segment.
 _ROUTE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 #: Route names the relay itself answers on (``/t/<token>/...``, ``/healthz``, ...).

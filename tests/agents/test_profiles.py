@@ -44,9 +44,9 @@ from unbroken.core.turn.machine import (
     TurnMachine,
     Wait,
 )
+from unbroken.core.wire.client_request import session_id_of
 from unbroken.core.wire.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
 from unbroken.core.wire.sse import SSESplitter
-from unbroken.relay.relay_state import session_id_of
 
 
 def machine(

@@ -47,14 +47,14 @@ from unbroken.core.turn.machine import (
     TurnMachine,
     Wait,
 )
+from unbroken.core.wire.client_request import is_streamed, session_id_of, sticky_key
 from unbroken.core.wire.protocols import GEMINI, Protocol, model_asked, protocol_for_path
 from unbroken.core.wire.protocols.base import loads_object
-from unbroken.core.wire.protocols.gemini import is_stream_path
 from unbroken.core.wire.sse import Event
 from unbroken.observe.hooks import TurnRecord
 from unbroken.observe.report import HooksObserver
 from unbroken.relay.http_attempt import ClientGone, HttpAttempt
-from unbroken.relay.relay_state import RelayState, continuation_headers, session_id_of, sticky_key
+from unbroken.relay.relay_state import RelayState, continuation_headers
 from unbroken.relay.upstream import (
     body_for,
     parse_body,
@@ -141,14 +141,8 @@ class _HttpTurn:
         # A gzip body (Claude Code can send one) is decoded as a copy to read it; the
         # bytes forwarded stay the ones received.
         parsed = parse_body(body, request.headers, self.cfg.max_body_bytes)
-        if self.protocol is GEMINI:
-            # The method says it (``:streamGenerateContent``); the answer is SSE only
-            # with ``alt=sse`` (else a JSON array, relayed as a plain body).
-            stream = is_stream_path(rest) and "alt=sse" in raw_query(request).split("&")
-        elif parsed is not None:
-            stream = parsed.get("stream") is True
-        else:
-            stream = "text/event-stream" in request.headers.get("accept", "")
+        query = raw_query(request)
+        stream = is_streamed(self.protocol, rest, query, parsed, request.headers)
         names, renames = relay.route_facts(route)
         # Keep the parsed body only if an upstream renames models: a late-session
         # agent body is hundreds of KiB, and its parsed form is larger still.
@@ -168,15 +162,12 @@ class _HttpTurn:
         retry = relay.retry_state(
             route,
             sticky_key(request.headers, parsed),
-            creds=relay.limits.creds_for(route, request.headers, raw_query(request)),
+            creds=relay.limits.creds_for(route, request.headers, query),
             body_bytes=len(body),
             max_output=max_output_of(parsed),
         )
-        # (a non-streamed turn needs none: nothing is released before its body is whole)
-        strategy = (
-            relay.continuation_for(route, self.protocol, rest, parsed, request.headers)
-            if stream
-            else None
+        strategy = relay.continuation_for(
+            route, self.protocol, rest, parsed, request.headers, streamed=stream
         )
         self.machine = TurnMachine(
             protocol=self.protocol,

@@ -29,7 +29,7 @@ from unbroken.core.turn.machine import (
     TurnMachine,
     Wait,
 )
-from unbroken.core.wire.redact import Redactor, redact
+from unbroken.core.wire.redact import AnswerRedaction, Redactor, redact
 from unbroken.core.wire.sse import Event
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.relay_state import RelayState
@@ -184,13 +184,15 @@ class HttpAttempt:
             self.watchdog.arm()
             match answer:
                 case Stream():
-                    return await self._stream(resp, key)
+                    return await self._stream(resp, AnswerRedaction(self.secrets, key))
                 case PassThrough():
-                    return await self._pass_through(resp, key)
+                    return await self._pass_through(resp, AnswerRedaction(self.secrets, key))
                 case ReadErrorBody():
-                    return await self._error_body(resp, final=False)
+                    return await self._error_body(resp, AnswerRedaction(self.secrets, key))
                 case FinalInStream():
-                    return await self._error_body(resp, final=True)
+                    return await self._error_body(
+                        resp, AnswerRedaction(self.secrets, key), final=True
+                    )
                 case Open() | Resume() | Wait() | End() | GiveUp():
                     return answer  # a 1xx: the machine already decided what follows
                 case _:
@@ -199,22 +201,24 @@ class HttpAttempt:
             self.reading = None
             resp.close()
 
-    async def _error_body(self, resp: aiohttp.ClientResponse, *, final: bool) -> Action:
+    async def _error_body(
+        self, resp: aiohttp.ClientResponse, secrets: AnswerRedaction, *, final: bool = False
+    ) -> Action:
         """A retryable answer's body (kept, in case it is the last answer), or a final
         answer's after early headers (re-sent in the stream)."""
         machine = self.machine
         try:
-            data = await self._read_bounded(resp)
+            data = await self._read_bounded(resp, secrets.whole)
         except Exception as exc:
             return machine.transport_failed(self.loop.time(), _classify(exc))
         if final:
             rid = resp.headers.get("request-id") or resp.headers.get("x-request-id")
             return machine.final_body(self.loop.time(), resp.status, data, rid)
-        headers = response_headers(resp.headers, keep_length=False, secrets=self.secrets)
+        headers = response_headers(resp.headers, keep_length=False, secrets=secrets.headers)
         self.sink.keep_answer(resp.status, headers, data)
         return machine.error_body(self.loop.time(), data)
 
-    async def _read_bounded(self, resp: aiohttp.ClientResponse) -> bytes:
+    async def _read_bounded(self, resp: aiohttp.ClientResponse, secrets: tuple[str, ...]) -> bytes:
         chunks: list[bytes] = []
         size = 0
         # (The stall clock of an answer's body is the first-frame one: the whole
@@ -226,24 +230,25 @@ class HttpAttempt:
         if self.aborted:  # cut by the machine's stall deadline, not ended by the upstream
             raise TimeoutError("stalled")
         data = b"".join(chunks)[:MAX_ERROR_BODY]
-        return redact(data, self.secrets) if self.secrets else data
+        return redact(data, secrets) if secrets else data
 
-    async def _stream(self, resp: aiohttp.ClientResponse, key: str | None) -> Action:
-        """Read an SSE body through the machine; release what it releases.  ``key``: the
-        relay's key went with the request: echoed anywhere in the stream, it is
-        redacted before the machine sees it (across chunk boundaries)."""
+    async def _stream(self, resp: aiohttp.ClientResponse, secrets: AnswerRedaction) -> Action:
+        """Read an SSE body through the machine; release what it releases.  What
+        ``secrets`` says the body is redacted of (the relay's key the request carried)
+        is redacted before the machine sees it (across chunk boundaries)."""
         machine = self.machine
         sink = self.sink
-        secrets = self.secrets if key is None else (*self.secrets, key)
-        sink.answer(resp.status, response_headers(resp.headers, keep_length=False, secrets=secrets))
+        headers = response_headers(resp.headers, keep_length=False, secrets=secrets.headers)
+        sink.answer(resp.status, headers)
         verbatim = sink.verbatim
         feed_verbatim, feed = machine.feed_verbatim, machine.feed_chunk
         loop_time = self.loop.time
         release, write = sink.release, sink.release_body
         rearm_on_first_frame = True
         chunks: AsyncIterator[bytes] = resp.content.iter_any()
-        if key is not None:
-            chunks = redacted_chunks(chunks, Redactor((key,)))
+        redacted = secrets.body(resp.status)
+        if redacted:
+            chunks = redacted_chunks(chunks, Redactor(redacted))
         try:
             async for chunk in chunks:
                 now = loop_time()
@@ -269,21 +274,15 @@ class HttpAttempt:
             return machine.transport_failed(loop_time(), _classify(exc))
         return machine.body_ended(loop_time())
 
-    async def _pass_through(self, resp: aiohttp.ClientResponse, key: str | None) -> Action:
+    async def _pass_through(self, resp: aiohttp.ClientResponse, secrets: AnswerRedaction) -> Action:
         """Forward a non-SSE body as it arrives; the first byte out commits."""
         machine = self.machine
-        # An error answer may echo a secret, and any answer to a request that carried the
-        # relay's key may echo that key: it is redacted on its way through (the length
-        # may change, so it goes out chunked).  Other bodies pass as they are.
-        # (The upstream knows only the key it was sent: a success is searched for that
-        # one, an error for every secret, as before.)
-        if self.secrets and resp.status >= 400:
-            redactor: Redactor | None = Redactor(self.secrets)
-        else:
-            redactor = Redactor((key,)) if key is not None else None
+        # A body ``secrets`` says may echo a secret is redacted on its way through (the
+        # length may change, so it goes out chunked).  Other bodies pass as they are.
+        redacted = secrets.body(resp.status)
+        redactor = Redactor(redacted) if redacted else None
         keep_length = "content-length" in resp.headers and redactor is None
-        secrets = self.secrets if key is None else (*self.secrets, key)
-        headers = response_headers(resp.headers, keep_length=keep_length, secrets=secrets)
+        headers = response_headers(resp.headers, keep_length=keep_length, secrets=secrets.headers)
         self.sink.answer(resp.status, headers)
         loop_time = self.loop.time
         try:

@@ -15,10 +15,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from unbroken.config import CREDENTIAL_HEADERS, Route
+from unbroken.config import Route
 from unbroken.core.admission.health import HealthBoard
 from unbroken.core.admission.ratelimit import credential_hash
 from unbroken.core.turn.machine import Wait
+from unbroken.core.wire.client_request import credentials_of
 
 __all__ = ["RateLimitIO", "Waker"]
 
@@ -166,25 +167,14 @@ class RateLimitIO:
         self.warned: set[tuple[str, str]] = set()
 
     def creds_for(self, route: Route, headers: Any, query: str = "") -> tuple[str, ...]:
-        """Each upstream's credential: the injected key, else the client's own (its
-        credential header, else a Gemini API ``key=`` in the raw ``query``)."""
+        """Each upstream's credential (`core.wire.client_request.credentials_of`), as
+        its hash; cached for a route whose every upstream injects its own key."""
         known = self._routes.get(route.name)
         if known is not None and len(known) == len(route.upstreams):
             return known
-        client = ""
-        for name in CREDENTIAL_HEADERS:
-            value = headers.get(name)
-            if value:
-                client = value
-                break
-        if not client and "key=" in query:
-            for part in query.split("&"):
-                name, _, value = part.partition("=")
-                if name == "key" and value:
-                    client = value
-                    break
-        out = tuple(self._hash(u.api_key or client) for u in route.upstreams)
-        if all(u.api_key for u in route.upstreams):
+        injected = [u.api_key for u in route.upstreams]
+        out = tuple(map(self._hash, credentials_of(injected, headers, query)))
+        if all(injected):
             self._routes[route.name] = out
         return out
 

@@ -1,6 +1,5 @@
 """The state every turn shares: `RelayState` (config, outbound client, hooks, upstream
-health and cool-offs, the running tasks for a graceful shutdown), and the request
-keys a turn is journaled and made sticky by.
+health and cool-offs, the running tasks for a graceful shutdown).
 
 Both transports (`relay.http`, `relay.websocket`) run their turns against one
 `RelayState`.  Each attempt's end reaches the health accounting
@@ -28,7 +27,6 @@ from unbroken.core.profiles import Profile, identify, profile_named
 from unbroken.core.turn.background import (
     STORE_OVERRIDE,
     BackgroundResume,
-    background_patch_applies,
     store_override_note,
     store_override_routes,
 )
@@ -39,12 +37,10 @@ from unbroken.core.turn.continuation import (
     Refusal,
     Strategy,
 )
+from unbroken.core.turn.continuation_choice import continuation_for, continuation_over_socket
 from unbroken.core.turn.ledger import Hold
 from unbroken.core.turn.machine import TurnMachine
-from unbroken.core.turn.prefill_continue import PrefillContinue, prefill_refusal
-from unbroken.core.wire.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
-from unbroken.core.wire.protocols.anthropic_continue import AnthropicContinue
-from unbroken.core.wire.protocols.chat_prefix import ChatPrefix
+from unbroken.core.wire.protocols import Protocol
 from unbroken.core.wire.protocols.prefill import PrefillRefusal
 from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnRecord
 from unbroken.relay.pacing import RateLimitIO, Waker
@@ -58,42 +54,9 @@ from unbroken.relay.upstream import (
     via_entry,
 )
 
-__all__ = ["RelayState", "continuation_headers", "session_id_of", "sticky_key"]
+__all__ = ["RelayState", "continuation_headers"]
 
 log = logging.getLogger("unbroken")
-
-
-#: the request headers that name a client session, in order of preference
-SESSION_HEADERS = ("x-session-id", "x-session-affinity", "session-id", "x-claude-code-session-id")
-
-
-def session_id_of(headers: Any, body: dict[str, Any] | None = None) -> str | None:
-    """The client's session key, for the journal: ``x-session-id``,
-    ``x-session-affinity`` (OpenCode), ``session-id`` (Codex),
-    ``x-claude-code-session-id`` (Claude Code), else the body's ``prompt_cache_key``."""
-    return _session_key(headers, body, SESSION_HEADERS)
-
-
-_STICKY_HEADERS = (*SESSION_HEADERS, "thread-id")  # Codex sends thread-id too
-
-
-def sticky_key(headers: Any, body: dict[str, Any] | None = None) -> str | None:
-    """A turn's session key for stickiness: a session header (or Codex's
-    ``thread-id``), else the parsed body's ``prompt_cache_key``."""
-    return _session_key(headers, body, _STICKY_HEADERS)
-
-
-def _session_key(headers: Any, body: dict[str, Any] | None, names: tuple[str, ...]) -> str | None:
-    """The first of the ``names`` headers set, else the body's ``prompt_cache_key``."""
-    for name in names:
-        value = headers.get(name)
-        if value:
-            return str(value)
-    if body is not None:
-        key = body.get("prompt_cache_key")
-        if isinstance(key, str) and key:
-            return key
-    return None
 
 
 class RelayState:
@@ -245,43 +208,36 @@ class RelayState:
         rest: str,
         parsed: dict[str, Any] | None,
         headers: Any,
+        *,
+        streamed: bool,
     ) -> Strategy | Refusal | PrefillRefusal | None:
-        """A streamed turn's continuation strategy (``after_commit = "continue"``); None:
-        continue mode is off for the route; a refusal: it is on, but no strategy can
-        cover this turn (why: the machine records it, the log says it once per route).
+        """An HTTP turn's continuation strategy, or why none, or None
+        (`core.turn.continuation_choice.continuation_for` decides), with the
+        route's settings and this relay's memory of refusals."""
+        return continuation_for(
+            self.config.stream.after_commit_for(route),
+            protocol,
+            rest,
+            parsed,
+            streamed=streamed,
+            content_encoding=headers.get("content-encoding"),
+            chat_prefix=route.chat_prefix,
+            anthropic_continue=route.anthropic_continue,
+            keys=self._keys.get(route.name) or _route_keys(route),
+            memory=self.continuations,
+            max_splices=self.config.stream.max_splices,
+        )
 
-        OpenAI Responses over HTTP, a streamed plain-JSON request: background mode
-        (`core.turn.background`); Anthropic Messages, and Chat with a route's
-        ``chat_prefix``: a prefill (`core.turn.prefill_continue`)."""
-        stream = self.config.stream
-        if stream.after_commit_for(route) != AfterCommit.CONTINUE:
-            return None
-        if protocol is CHAT and route.chat_prefix is None:
-            return PrefillRefusal.NO_OPTION
-        if protocol is ANTHROPIC or protocol is CHAT:
-            # A continuation by prefill: built from the parsed request (a gzip body is
-            # sent decoded), so the parsed body is kept for the turn.
-            mode = ChatPrefix(route.chat_prefix) if route.chat_prefix and protocol is CHAT else None
-            asks = AnthropicContinue(route.anthropic_continue or AnthropicContinue.PREFILL)
-            refusal = prefill_refusal(parsed, mode, asks)
-            if refusal is not None or parsed is None:
-                return refusal or PrefillRefusal.BAD_REQUEST
-            return PrefillContinue(
-                path=rest,
-                request=parsed,
-                keys=self._keys.get(route.name) or _route_keys(route),
-                memory=self.continuations,
-                max_splices=stream.max_splices,
-                mode=mode,
-                anthropic_mode=asks,
-            )
-        if protocol is not RESPONSES or headers.get("content-encoding"):
-            return Refusal.UNSUPPORTED
-        if parsed is None:
-            return PrefillRefusal.BAD_REQUEST
-        if not background_patch_applies(parsed):
-            return Refusal.UNSUPPORTED  # (background mode asked by the client itself)
-        return self.background_resume(route, rest)
+    def socket_continuation(self, route: Route, rest: str) -> BackgroundResume | None:
+        """A WebSocket turn's continuation strategy, or None
+        (`core.turn.continuation_choice.continuation_over_socket` decides)."""
+        return continuation_over_socket(
+            self.config.stream.after_commit_for(route),
+            rest,
+            keys=self._keys.get(route.name) or _route_keys(route),
+            memory=self.continuations,
+            max_splices=self.config.stream.max_splices,
+        )
 
     def store_override_warning(self) -> str | None:
         """The start-up warning for the routes whose continue mode may store a client's
@@ -303,16 +259,6 @@ class RelayState:
         if route.name not in self._stored_noted:
             self._stored_noted.add(route.name)
             log.warning("%s", store_override_note(route.name))
-
-    def background_resume(self, route: Route, rest: str) -> BackgroundResume:
-        """The Responses background-mode strategy of one turn on ``route``."""
-        keys = self._keys.get(route.name) or _route_keys(route)
-        return BackgroundResume(
-            path=rest,
-            keys=keys,
-            memory=self.continuations,
-            max_splices=self.config.stream.max_splices,
-        )
 
     def send_cancels(
         self,

@@ -22,7 +22,8 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from unbroken.config import CREDENTIAL_HEADERS, Upstream
+from unbroken.config import Upstream
+from unbroken.core.wire.client_request import CREDENTIAL_HEADERS
 from unbroken.core.wire.protocols.base import loads_object
 from unbroken.core.wire.redact import REDACTED_PART, Redactor, redacted_headers
 from unbroken.relay.access import CACHED_TARGET, TOKEN_HEADER

@@ -20,9 +20,11 @@ held only by the upstream socket that produced it.  `core.turn.ws_session.Histor
 records, per client connection, the input and output items of every completed turn,
 so a turn replayed on a new socket (or over HTTP) is sent self-contained.
 
-Every decision here is the core's: the turn's (`core.turn`), and the session's
-(`core.turn.ws_session`: the HTTP fallback, the response history, which events are late,
-the handshake timeout).  This module carries them out.
+Every decision here is the core's: the turn's (`core.turn`: a socket's answer is
+`TurnMachine.socket_answered`), the session's (`core.turn.ws_session`: the HTTP
+fallback, the response history, which events are late, the handshake timeout, the
+relay's own errors as messages), and what a message is redacted of
+(`core.wire.redact.AnswerRedaction`).  This module carries them out.
 
 WebSocket to HTTP fallback: an upstream that refuses the upgrade, or answers
 ``websocket_connection_limit_reached``, is served over ``POST /v1/responses`` with
@@ -48,12 +50,11 @@ from multidict import CIMultiDict
 
 from unbroken.config import Route, Upstream
 from unbroken.core.admission.policy import Failure, FailureClass
-from unbroken.core.turn.continuation import DEFAULT_QUEUED_S, AfterCommit, Resume
+from unbroken.core.turn.continuation import DEFAULT_QUEUED_S, Resume
 from unbroken.core.turn.machine import (
     AbortUpstream,
     Action,
     End,
-    EndKind,
     FinalInStream,
     GiveUp,
     Keepalive,
@@ -71,18 +72,21 @@ from unbroken.core.turn.machine import (
 from unbroken.core.turn.ws_session import (
     Fallback,
     SessionResponses,
+    error_messages,
     handshake_failure,
+    is_own_error,
     refusal_is_verdict,
 )
+from unbroken.core.wire.client_request import session_id_of, sticky_key
 from unbroken.core.wire.protocols import RESPONSES, model_asked
 from unbroken.core.wire.protocols.base import loads_object
-from unbroken.core.wire.redact import redact, redacted_headers
+from unbroken.core.wire.redact import AnswerRedaction, redacted_headers
 from unbroken.core.wire.sse import Event, SSESplitter
 from unbroken.observe.hooks import TurnRecord
 from unbroken.observe.report import HooksObserver
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.http_attempt import HttpAttempt
-from unbroken.relay.relay_state import RelayState, session_id_of, sticky_key
+from unbroken.relay.relay_state import RelayState
 from unbroken.relay.upstream import raw_query, request_headers, upstream_url
 from unbroken.relay.watchdog import Watchdog
 from unbroken.relay.wslinger import ClientSocket
@@ -169,19 +173,6 @@ def as_messages(events: Sequence[Event], *, sse: bool) -> list[bytes]:
     if sse:
         return [e.data.encode() for e in events if e.data is not None]
     return [e.raw for e in events]
-
-
-def ws_error_messages(error_bytes: bytes) -> list[bytes]:
-    """Our own native SSE error events, re-shaped as WebSocket messages."""
-    out: list[bytes] = []
-    for event in SSESplitter().feed(error_bytes):
-        if event.data is None:
-            continue
-        obj = json.loads(event.data)
-        if obj.get("type") == "error":
-            obj["status"] = 500  # the WebSocket error shape carries the status
-        out.append(json.dumps(obj, separators=(",", ":")).encode())
-    return out
 
 
 class _Connection:
@@ -452,7 +443,7 @@ class _WsTurn:
         # Background mode is not supported over WebSocket: with a continuation the turn
         # goes over HTTP (`_over_http`), resumed over HTTP after a cut, while the client
         # keeps its socket.
-        resumes = stream.after_commit_for(conn.route) == AfterCommit.CONTINUE
+        strategy = relay.socket_continuation(conn.route, conn.rest)
         self.machine = TurnMachine(
             protocol=RESPONSES,
             hold=relay.hold_for(profile),
@@ -465,8 +456,8 @@ class _WsTurn:
             wall_clock=time.time,
             profile=profile,
             socket=True,  # keepalives, for a profile that wants them, are messages
-            continuation=relay.background_resume(conn.route, conn.rest) if resumes else None,
-            queued_s=stream.resume_queued_s if resumes else DEFAULT_QUEUED_S,
+            continuation=strategy,
+            queued_s=stream.resume_queued_s if strategy is not None else DEFAULT_QUEUED_S,
         )
         # Whatever happens now reaches the client in-stream, as on an HTTP stream
         # whose headers went out.
@@ -525,7 +516,7 @@ class _WsTurn:
                     action = machine.next_attempt(conn.loop.time())
                 case End() | GiveUp():
                     if action.data:
-                        conn.send(ws_error_messages(action.data))
+                        conn.send(error_messages(action.data))
                     return
                 case Stream() | PassThrough() | ReadErrorBody() | FinalInStream():
                     # (answers to `answered`, carried out by the attempt)
@@ -602,13 +593,12 @@ class _WsTurn:
         except Exception as exc:
             failure = classify_exception(exc) or Failure(FailureClass.RESET, "send failed")
             return machine.open_failed(conn.loop.time(), failure)
-        answer = machine.answered(conn.loop.time(), 200, sse=True)
-        if type(answer) is not Stream:  # pragma: no cover - a 200 stream always streams
+        answer = machine.socket_answered(conn.loop.time())
+        if type(answer) is not Stream:  # pragma: no cover - a socket's answer always streams
             return answer
         self.reading_ws = ws
         self.watchdog.arm()
-        secrets = self.relay.secrets
-        needle = key.encode() if key is not None else None
+        redacted = AnswerRedaction(self.relay.secrets, key).message
         loop_time = conn.loop.time
         rearm = True
         try:
@@ -619,12 +609,7 @@ class _WsTurn:
                     label = f"websocket closed ({code})" if code else "websocket error"
                     return machine.transport_failed(loop_time(), Failure(FailureClass.RESET, label))
                 data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
-                # An error may echo a secret; any message on a socket the relay's key
-                # opened may echo that key (a message is whole: no straddling).
-                if secrets and data.find(b'"error"') >= 0:  # (not `in`: `core.wire.sse.CR`)
-                    data = redact(data, secrets)
-                elif needle is not None and needle in data:
-                    data = redact(data, (key or "",))
+                data = redacted(data)
                 text = data.decode("utf-8", "replace")
                 if self.responses.is_other(text, data):
                     # Another response's event (a late reply to a cancel, say): the
@@ -652,9 +637,8 @@ class _WsTurn:
         """Send what the machine released to the client, as messages."""
         if not released:
             return
-        if type(over) is End and over.kind is EndKind.ERROR and not over.data:
-            # an in-stream error after output: the released frame is our native error
-            self.conn.send(ws_error_messages(b"".join([e.raw for e in released])))
+        if is_own_error(over):
+            self.conn.send(error_messages(b"".join([e.raw for e in released])))
             return
         self.conn.send(as_messages(released, sse=sse))
         if self.responses.completed:
@@ -694,8 +678,8 @@ class _WsTurn:
         history (the next turn chaining from it is sent whole)."""
         conn, machine = self.conn, self.machine
         now = conn.loop.time()
-        answer = machine.answered(now, 200, sse=True)
-        if type(answer) is not Stream:  # pragma: no cover - a 200 stream always streams
+        answer = machine.socket_answered(now)
+        if type(answer) is not Stream:  # pragma: no cover - a socket's answer always streams
             return answer
         for data in messages:
             text = data.decode()

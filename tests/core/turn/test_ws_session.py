@@ -6,16 +6,20 @@ import json
 from typing import Any
 
 from unbroken.core.admission.policy import Failure, FailureClass
+from unbroken.core.turn.machine import End, EndKind, GiveUp, GiveUpKind, Open, Stream
 from unbroken.core.turn.ws_session import (
     WS_LIMIT_CODE,
     Fallback,
     History,
     SessionResponses,
+    error_messages,
     handshake_failure,
+    is_own_error,
     is_warmup,
     refusal_is_verdict,
     warmup_messages,
 )
+from unbroken.core.wire.protocols.responses import error_frame
 
 
 def _resp(rid: str, text: str) -> dict[str, Any]:
@@ -173,3 +177,28 @@ def test_warmup_answer_names_one_response_with_no_output() -> None:
     rebuilt = session.history.request_for(nxt, None)
     assert "previous_response_id" not in rebuilt
     assert rebuilt["input"] == [{"role": "user", "content": "hi"}]
+
+
+def test_the_relays_own_error_is_the_released_frame_of_an_error_end_with_no_data() -> None:
+    assert is_own_error(End(EndKind.ERROR))  # released through the ledger
+    assert not is_own_error(End(EndKind.ERROR, b"event: error\ndata: {}\n\n"))  # its own
+    assert not is_own_error(End(EndKind.CLEAN))
+    assert not is_own_error(End(EndKind.ABORT))
+    assert not is_own_error(GiveUp(GiveUpKind.IN_STREAM))
+    assert not is_own_error(Stream())
+    assert not is_own_error(Open(0, 1.0))
+    assert not is_own_error(None)
+
+
+def test_the_relays_own_error_goes_as_messages_its_error_with_status_500() -> None:
+    sse = error_frame("upstream cut", snapshot={"id": "resp_1"}, sequence_number=4, now=1.0)
+    error, failed = (json.loads(m) for m in error_messages(b": keepalive\n\n" + sse))
+    assert error["type"] == "error" and error["status"] == 500
+    assert error["code"] == "upstream_unavailable" and error["message"] == "upstream cut"
+    assert error["sequence_number"] == 4
+    assert failed["type"] == "response.failed" and "status" not in failed
+    assert failed["response"]["id"] == "resp_1" and failed["response"]["status"] == "failed"
+    assert error_messages(b"") == []
+    # Compact JSON, one message per event with data.
+    (only,) = error_messages(b'event: error\ndata: {"type": "error", "message": "x"}\n\n')
+    assert only == b'{"type":"error","message":"x","status":500}'

@@ -22,6 +22,8 @@ Events in (method calls, each given ``now``, a monotonic time in seconds)::
                                  continuation a cut asked for)
     open_failed(failure)         connecting or waiting for headers failed
     answered(status, sse, ...)   the upstream's status line and headers arrived
+    socket_answered()            a socket took the request (no status line): `answered`
+                                 with a 200 stream
     error_body(body)             a retryable answer's (bounded) body was read
     final_body(status, body)     a final non-SSE answer after early headers was read
     feed_chunk(chunk)            body bytes of a streamed answer (SSE), frame by frame
@@ -508,6 +510,12 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
             self._illegal("answered")
         action = self._answered(now, status, sse, retry_after_s, rate)
         return self._moved(before, TurnEvent.ANSWERED, action)
+
+    def socket_answered(self, now: float) -> Action:
+        """A socket took the request: a WebSocket upstream's (its messages follow), or
+        the relay's own answer to a warm-up.  A socket has no status line: its answer
+        is a stream's, as a 200 ``text/event-stream`` is (`answered`)."""
+        return self.answered(now, 200, sse=True)
 
     def _answered(
         self,

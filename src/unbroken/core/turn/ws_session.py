@@ -27,6 +27,10 @@
   ledger.
 * **The handshake timeout** (`handshake_failure`): no upgrade answer in time is a
   header timeout, as no response headers in time is for HTTP.
+* **The relay's own errors** (`is_own_error`, `error_messages`): the native error the
+  machine ends a turn with is an SSE ``error`` event (HTTP's form); on a socket each
+  event goes as a message, and an ``error`` carries its ``status`` (500), as in the
+  WebSocket error shape.
 
 Time is passed in (``now``: the loop's monotonic clock).
 """
@@ -40,8 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.core.admission.policy import Failure, FailureClass
+from unbroken.core.turn.turn_types import Action, End, EndKind
 from unbroken.core.wire.protocols.base import loads_object
 from unbroken.core.wire.protocols.responses import error_code_of, lifecycle_of
+from unbroken.core.wire.sse import SSESplitter
 
 __all__ = [
     "REFUSALS_BEFORE_FALLBACK",
@@ -50,7 +56,9 @@ __all__ = [
     "History",
     "SessionResponses",
     "TurnResponses",
+    "error_messages",
     "handshake_failure",
+    "is_own_error",
     "is_warmup",
     "refusal_is_verdict",
     "warmup_messages",
@@ -77,6 +85,29 @@ def handshake_failure(failure: Failure, *, timed_out: bool) -> Failure:
     if timed_out:
         return Failure(FailureClass.HEADER_TIMEOUT, "no handshake in time")
     return failure
+
+
+def is_own_error(over: Action | None) -> bool:
+    """Whether the frames released with ``over`` (the action that ends the attempt)
+    are the relay's own native error, not the upstream's: an in-stream error after
+    output, released through the ledger (an `End` of kind ERROR with no data of its
+    own)."""
+    return type(over) is End and over.kind is EndKind.ERROR and not over.data
+
+
+def error_messages(error_bytes: bytes) -> list[bytes]:
+    """The relay's own native error (SSE events, HTTP's form) as WebSocket messages:
+    each event's data, and an ``error`` event carries ``"status": 500`` (the
+    WebSocket error shape has one)."""
+    out: list[bytes] = []
+    for event in SSESplitter().feed(error_bytes):
+        if event.data is None:
+            continue
+        obj = json.loads(event.data)
+        if obj.get("type") == "error":
+            obj["status"] = 500  # the WebSocket error shape carries the status
+        out.append(json.dumps(obj, separators=(",", ":")).encode())
+    return out
 
 
 @dataclass(slots=True)

@@ -15,8 +15,9 @@ The secrets the relay itself holds (the keys it injects, its token: ``Config.sec
 never reach a client in what an upstream answers, whatever the upstream echoes:
 
 * a body: `redact` (whole) and `Redactor` (as it streams, a secret may straddle two
-  chunks) replace each with `REDACTED`; the transports apply them to error bodies
-  (every secret) and to any body of a request that carried a key (that key);
+  chunks) replace each with `REDACTED`; `AnswerRedaction` says which secrets, per
+  answer: an error's body is redacted of every secret, any other body of a request
+  that carried a key of that key;
 * the headers: `redacted_headers` replaces each secret in any header value
   (``Location``, ``Set-Cookie``, ``WWW-Authenticate``, ``x-*``: headers are small,
   so every secret is looked for in every header of every answer, whatever its
@@ -33,6 +34,7 @@ __all__ = [
     "REDACTED",
     "REDACTED_PART",
     "SECRET_PARAMS",
+    "AnswerRedaction",
     "Redactor",
     "redact",
     "redact_url",
@@ -210,3 +212,53 @@ def redacted_headers(
             pairs[i] = (name, clean)
             changed = True
     return pairs if changed else None
+
+
+class AnswerRedaction:
+    """Which of the relay's secrets one attempt's answer is redacted of.
+
+    ``secrets``: every secret the relay holds (the keys it injects, its token:
+    ``Config.secrets``); ``key``: the relay's key the request carried, or None.
+
+    * `headers`: every secret, and the key, in any answer's headers, whatever the
+      status (`redacted_headers`);
+    * `body`: an error's body (a status of 400 or more) may quote back any secret
+      (a bad key, say): every one (the key when the relay holds none); any other
+      body, only the key the request carried (the upstream knows no other), or
+      nothing (then a ``Content-Length`` is kept);
+    * `whole`: a body the relay reads whole (a retryable error's, kept in case it is
+      the last answer; a final answer re-sent in a stream whose headers are out),
+      whatever its status: as an error's;
+    * `message`: a whole message on a socket (no secret straddles two): as an
+      error's if it names ``"error"``, else as any other body.
+    """
+
+    __slots__ = ("_needle", "error", "headers", "other")
+
+    def __init__(self, secrets: tuple[str, ...], key: str | None) -> None:
+        #: the secrets an answer's headers are redacted of
+        self.headers: tuple[str, ...] = secrets if key is None else (*secrets, key)
+        #: the secrets a body that is not an error's is redacted of
+        self.other: tuple[str, ...] = () if key is None else (key,)
+        #: the secrets an error's body is redacted of
+        self.error: tuple[str, ...] = secrets or self.other
+        self._needle = None if key is None else key.encode()
+
+    def body(self, status: int) -> tuple[str, ...]:
+        """The secrets the body of an answer with ``status`` is redacted of (empty:
+        none; it passes as it is)."""
+        return self.error if status >= 400 else self.other
+
+    @property
+    def whole(self) -> tuple[str, ...]:
+        """The secrets a body read whole is redacted of, whatever its status."""
+        return self.error
+
+    def message(self, data: bytes) -> bytes:
+        """A whole message (a WebSocket's), redacted."""
+        if self.error and data.find(b'"error"') >= 0:  # (not `in`: `core.wire.sse.CR`)
+            return redact(data, self.error)
+        needle = self._needle
+        if needle is not None and needle in data:
+            return redact(data, self.other)
+        return data
