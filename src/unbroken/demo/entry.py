@@ -115,9 +115,9 @@ def register(sub: Any) -> None:
         "--protocol",
         choices=DEMO_PROTOCOLS,
         default="chat",
-        help="the agent's wire protocol: chat (the openai SDK, Chat Completions), "
-        "gemini (the Gemini API's streamGenerateContent) or anthropic (Messages) "
-        "(default: %(default)s)",
+        help="the agent's wire protocol: chat (the openai SDK, Chat Completions; "
+        "pip install 'unbroken[demo]'), gemini (the Gemini API's streamGenerateContent) "
+        "or anthropic (Messages), both with no SDK (default: %(default)s)",
     )
     p.add_argument(
         "--after-commit",
