@@ -31,7 +31,7 @@ pytest_plugins = ("noskip",)
 # Helper modules whose asserts check what a test sees: pytest rewrites them as it does a
 # test module's, so a failing check shows its values.
 pytest.register_assert_rewrite(
-    "core.turn.ledgerfix", "mock.wsfix", "relay.regressionfix", "turnfix"
+    "core.turn.ledgerfix", "mock.wsfix", "relay.regressionfix", "servefix", "turnfix"
 )
 
 #: Files whose tests share a fixture set up once for the module or the session, and

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -14,15 +12,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from servefix import clean_env, serve_subprocess
 from unbroken.mock import MockProvider
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
-    env.update(extra)
-    return env
 
 
 async def _run(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
@@ -39,43 +32,6 @@ async def _run(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     return proc.returncode or 0, out.decode(), err.decode()
 
 
-class Served:
-    """A `unbroken serve` subprocess; its URL comes from the ready line."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, url: str, view: str) -> None:
-        self.proc, self.url = proc, url
-        #: the line after the ready line: where the web view is
-        self.view = view
-
-    @classmethod
-    async def start(cls, config: Path, env: dict[str, str]) -> Served:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "unbroken",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            "0",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-        )
-        assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        m = re.search(r"(http://\S+)", line)
-        assert m, line
-        view = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        return cls(proc, m.group(1), view)
-
-    async def stop(self, *, signal_it: bool = True) -> tuple[int, str]:
-        if signal_it and self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(self.proc.communicate(), 60)
-        return self.proc.returncode or 0, err.decode()
-
-
 @pytest.mark.parametrize(
     ("toml", "key"),
     [
@@ -89,7 +45,7 @@ class Served:
 async def test_invalid_config_exits_2_naming_the_key(tmp_path: Path, toml: str, key: str) -> None:
     cfg = tmp_path / "unbroken.toml"
     cfg.write_text(toml)
-    code, out, err = await _run(["serve", "--config", str(cfg), "--port", "0"], _env())
+    code, out, err = await _run(["serve", "--config", str(cfg), "--port", "0"], clean_env())
     assert code == 2
     assert key in err
     assert "relaying on" not in out  # nothing started
@@ -98,12 +54,12 @@ async def test_invalid_config_exits_2_naming_the_key(tmp_path: Path, toml: str, 
 async def test_config_from_env_var_and_port_flag(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text("[retry]\nmax_attempts = 'x'\n")
-    code, _, err = await _run(["serve", "--port", "0"], _env(UNBROKEN_CONFIG=str(cfg)))
+    code, _, err = await _run(["serve", "--port", "0"], clean_env(UNBROKEN_CONFIG=str(cfg)))
     assert code == 2 and "retry.max_attempts" in err
 
 
 async def test_env_alias_invalid_value_is_named() -> None:
-    code, _, err = await _run(["serve", "--port", "0"], _env(OPENCODE_RETRY_DELAY_MS="soon"))
+    code, _, err = await _run(["serve", "--port", "0"], clean_env(OPENCODE_RETRY_DELAY_MS="soon"))
     assert code == 2 and "OPENCODE_RETRY_DELAY_MS" in err
 
 
@@ -117,18 +73,19 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(
         f'{{ url = "{mock.url}", api_key_env = "KEY2" }}]\n'
     )
     # the alias sets the delay; the UNBROKEN_ name wins for verbosity
-    env = _env(
+    env = dict(
         KEY2=canary + "-cfg",
         OPENCODE_RETRY_DELAY_MS="7",
         OPENCODE_RETRY_VERBOSE="false",
         UNBROKEN_RETRY_VERBOSE="true",
         XDG_STATE_HOME=str(tmp_path / "state"),
     )
-    served = await Served.start(cfg, env)
+    served = await serve_subprocess(cfg, env=env)
+    view = await served.line()  # the line after the ready line: where the web view is
     # the route injects a key: it needs the token serve keeps for its owner
     token = (tmp_path / "state" / "unbroken" / "token").read_text().strip()
     # that token guards the keyed route only: the web view is open, like /status
-    assert served.view == f"web view: {served.url}/ui\n"
+    assert view == f"web view: {served.url}/ui\n"
     try:
         mock.script([{"status": 503}, {"fault": "close_before_headers"}, {"status": 429}])
         async with (
@@ -144,7 +101,7 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(
         async with aiohttp.ClientSession() as s, s.get(f"{served.url}/healthz") as r:
             assert (await r.json())["status"] == "ok"
     finally:
-        code, err = await served.stop()
+        code, err = await served.stop(within_s=60)
     assert code == 0
     retries = [ln for ln in err.splitlines() if "retry route=mock" in ln]
     assert len(retries) == 3
@@ -163,24 +120,24 @@ async def test_serve_names_the_web_view_without_printing_the_token(
     token = "ui-serve-token-0123456789abcdef"
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n')
-    env = _env(UNBROKEN_TOKEN=token, XDG_STATE_HOME=str(tmp_path / "state"))
-    served = await Served.start(cfg, env)
+    env = {"UNBROKEN_TOKEN": token, "XDG_STATE_HOME": str(tmp_path / "state")}
+    served = await serve_subprocess(cfg, env=env)
     try:
-        assert served.view == f"web view: {served.url}/t/<token>/ui\n"
+        assert await served.line() == f"web view: {served.url}/t/<token>/ui\n"
         async with aiohttp.ClientSession() as s:
             async with s.get(f"{served.url}/ui") as r:
                 assert r.status == 401
             async with s.get(f"{served.url}/t/{token}/ui") as r:
                 assert r.status == 200 and r.content_type == "text/html"
     finally:
-        code, err = await served.stop()
+        code, err = await served.stop(within_s=60)
     assert code == 0 and token not in err
 
 
 async def test_sigterm_lets_inflight_stream_finish(mock: MockProvider, tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n')
-    served = await Served.start(cfg, _env())
+    served = await serve_subprocess(cfg)
     try:
         action = json.dumps({"deltas": 20, "chunk_delay_ms": 50})
         async with (
@@ -198,7 +155,7 @@ async def test_sigterm_lets_inflight_stream_finish(mock: MockProvider, tmp_path:
         body = first + rest
         assert body.rstrip().endswith(b"data: [DONE]")
     finally:
-        code, _ = await served.stop(signal_it=False)
+        code, _ = await served.exited(60)
     assert code == 0
 
 
@@ -207,7 +164,7 @@ async def test_second_signal_cuts_the_grace_period_short(
 ) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n')
-    served = await Served.start(cfg, _env())
+    served = await serve_subprocess(cfg)
     try:
         action = json.dumps({"deltas": 5, "fault": "stall", "after_frame": 2, "seconds": 600})
         async with (
@@ -221,17 +178,12 @@ async def test_second_signal_cuts_the_grace_period_short(
             assert r.status == 200  # headers are out only once output was released
             served.proc.send_signal(signal.SIGTERM)
             # the same signal twice in a row may coalesce: wait until the first is handled
-            assert served.proc.stderr is not None
-            seen = b""
-            while b"shutting down" not in seen:
-                line = await asyncio.wait_for(served.proc.stderr.readline(), 30)
-                assert line, "the relay exited before the second signal"
-                seen += line
+            await served.err_line("shutting down", 30)
             served.proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(aiohttp.ClientError):
                 await asyncio.wait_for(r.read(), 30)
     finally:
-        code, err = await served.stop(signal_it=False)
+        code, err = await served.exited(60)
     assert code == 0
     assert "second signal" in err
 
@@ -241,7 +193,7 @@ async def test_grace_period_cuts_a_stalled_stream(mock: MockProvider, tmp_path: 
     cfg.write_text(
         f'[server]\ngrace_s = 0.5\n[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n'
     )
-    served = await Served.start(cfg, _env())
+    served = await serve_subprocess(cfg)
     try:
         action = json.dumps({"deltas": 5, "fault": "stall", "after_frame": 3, "seconds": 600})
         async with (
@@ -257,7 +209,7 @@ async def test_grace_period_cuts_a_stalled_stream(mock: MockProvider, tmp_path: 
             served.proc.send_signal(signal.SIGTERM)
             rest = await asyncio.wait_for(r.read(), 30)
     finally:
-        code, err = await served.stop(signal_it=False)
+        code, err = await served.exited(60)
     assert code == 0
     assert "grace period over: 1 request(s) cut short" in err
     # the cut stream ends with the native, retryable error, never a clean end
@@ -266,5 +218,5 @@ async def test_grace_period_cuts_a_stalled_stream(mock: MockProvider, tmp_path: 
 
 
 async def test_python_m_help() -> None:
-    code, out, _ = await _run(["--help"], _env())
+    code, out, _ = await _run(["--help"], clean_env())
     assert code == 0 and "serve" in out

@@ -18,7 +18,8 @@ import pytest
 
 from docsamples import DOCS, block_after, counted_names, lines_in_order, numbers_out
 from unbroken.cli import main
-from unbroken.demo import DemoRun, _turns, format_summary, render_run, run_demo, storms
+from unbroken.demo import DemoRun, format_summary, render_run, run_demo, storms
+from unbroken.demo.runner import _Absorbed, _turns
 from unbroken.observe.stats import compute_stats, format_stats
 
 
@@ -212,8 +213,58 @@ def test_demo_text_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Straight against the mock" not in out
 
 
+#: ``python -m unbroken ARGS`` with ``import openai`` failing, as where the ``demo`` extra
+#: is not installed
+WITHOUT_OPENAI = (
+    "import runpy, sys; sys.modules['openai'] = None; sys.argv = ['unbroken', *sys.argv[1:]]; "
+    "runpy.run_module('unbroken', run_name='__main__')"
+)
+
+
+def test_without_the_openai_sdk_the_demo_says_how_to_get_it() -> None:
+    """The openai SDK is the ``demo`` extra, no longer a dependency of the relay: without
+    it ``unbroken demo`` is one line naming the extra and exit code 2, before anything
+    starts (it was an ImportError's traceback once the relay had started), and the
+    protocols whose clients are plain aiohttp still run."""
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_OPENAI, "demo"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("unbroken demo: the openai SDK is not installed"), line
+    assert "pip install 'unbroken[demo]'" in line and "pip install -e '.[demo]'" in line
+    args = ["demo", "--protocol", "gemini", "--turns", "1", "--no-direct", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_OPENAI, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["completed"] == 1
+
+
+def test_the_relay_does_not_depend_on_the_openai_sdk() -> None:
+    """Only the demo's default agent uses the SDK: it is the ``demo`` extra (and the
+    test extra's, for the SDK tests), never a dependency of ``pip install -e .``."""
+    import tomllib
+
+    project = tomllib.loads((DOCS.parent / "pyproject.toml").read_text())["project"]
+    named = [re.split(r"[<>=!~; \[]", r, maxsplit=1)[0] for r in project["dependencies"]]
+    assert "openai" not in named
+    extras = project["optional-dependencies"]
+    assert any(r.startswith("openai") for r in extras["demo"])
+    assert any(r.startswith("openai") for r in extras["test"])
+
+
 # -- the samples in docs/ ---------------------------------------------------------------------
-DEMO_MARKER = "$ pip install -e . && unbroken demo"
+DEMO_MARKER = "$ pip install -e '.[demo]' && unbroken demo"
 DEMO_DOC = DOCS / "demo.md"
 
 
@@ -296,7 +347,6 @@ def test_the_live_table_keeps_each_turn_on_one_line_at_80_columns(
 
     from rich.console import Console
 
-    from unbroken.demo import _Absorbed
     from unbroken.observe.hooks import TurnRecord
 
     kinds = storms(protocol=protocol)
@@ -334,7 +384,7 @@ def test_at_80_columns_the_live_tables_headers_are_whole(protocol: str) -> None:
 
     from rich.console import Console
 
-    from unbroken.demo import _COMPACT, _Absorbed
+    from unbroken.demo.output import _COMPACT
     from unbroken.observe.hooks import TurnRecord
 
     kinds = storms(protocol=protocol)

@@ -99,7 +99,7 @@ _PREFILL = {"core/wire/protocols/anthropic_prefill.py", "core/wire/protocols/cha
 _PROTOCOLS = {f"core/wire/protocols/{p}.py" for p in ("anthropic", "chat", "gemini", "responses")}
 _AGENTS = {f"agents/{a}.py" for a in ("claude", "codex", "gemini_cli")}
 _COMMANDS = {
-    "demo.py",
+    "demo/entry.py",
     "observe/stats.py",
     "observe/status.py",
     "opencode/resume.py",

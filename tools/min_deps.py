@@ -2,8 +2,8 @@
 """Check that every lower bound in pyproject.toml is real.
 
 Creates a fresh virtual environment, installs unbroken with each runtime
-dependency pinned to its lower bound (``aiohttp>=3.10`` -> ``aiohttp==3.10``)
-and everything else resolved as pip resolves it for a new user today (the
+dependency (and the ``demo`` extra's) pinned to its lower bound (``aiohttp>=3.10`` ->
+``aiohttp==3.10``) and everything else resolved as pip resolves it for a new user today (the
 newest versions allowed: that is how ``openai==1.40`` met httpx 0.28), then
 runs ``unbroken demo --json``, imports every module, prints every ``--help``,
 draws the status view and runs a short demo in text mode.  With ``--tests`` it
@@ -48,13 +48,18 @@ def lowest(requirement: str) -> str:
     return requirement
 
 
+#: the extras whose commands the runtime checks run (the ``demo`` extra's openai SDK:
+#: ``unbroken demo --json``)
+RUNTIME_EXTRAS = ("demo",)
+
+
 def pins(extra: str | None = None) -> list[str]:
-    """The lower bounds as exact pins; the extra's own pin of a package wins (the test
-    extra pins the SDK versions its tests were written against)."""
+    """The lower bounds as exact pins, with `RUNTIME_EXTRAS`' too; the extra's own pin of
+    a package wins (the test extra pins the SDK versions its tests were written against)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = list(project["dependencies"])
-    if extra is not None:
-        reqs += project["optional-dependencies"][extra]
+    for name in (*RUNTIME_EXTRAS, *([extra] if extra is not None else [])):
+        reqs += project["optional-dependencies"][name]
     out: dict[str, str] = {}
     for r in reqs:
         out[_name(r)] = lowest(r)

@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import logging
 import sqlite3
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import aiohttp
 import pytest
 
 from relayfix import KEY_AUTH, Recorder, make_config, start_relay
+from servefix import serve_subprocess
 from unbroken.config import ConfigError, JournalSettings, parse_config
 from unbroken.core.admission.policy import Failure, FailureClass
 from unbroken.mock import MockProvider
@@ -414,21 +414,9 @@ def test_journal_config_table_type() -> None:
 async def test_serve_exits_2_on_a_bad_journal_key(tmp_path: Path) -> None:
     conf = tmp_path / "u.toml"
     conf.write_text("[journal]\nretention_days = 'two weeks'\n")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "unbroken",
-        "serve",
-        "--config",
-        str(conf),
-        "--port",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 2
-    assert "journal.retention_days" in err.decode()
+    code, err = await (await serve_subprocess(conf, listen=False)).exited(60)
+    assert code == 2
+    assert "journal.retention_days" in err
 
 
 def test_default_path_follows_xdg_state_home(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import pytest
 from aiohttp import web
 
 from relayfix import KEY_AUTH, KEY_TOKEN, make_config, start_relay
+from servefix import Served, serve_subprocess
 from unbroken.config import parse_config
 from unbroken.core.wire.redact import REDACTED, Redactor, redact
 from unbroken.mock import MockProvider
@@ -59,42 +60,9 @@ def _curl(url: str, *headers: str) -> list[str]:
     return [*argv, "--data", json.dumps(CHAT)]
 
 
-class _Serve:
+async def _serve(config: Path, state: Path, **env: str) -> Served:
     """`unbroken serve` in a subprocess, its owner's state directory in ``state``."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
-        self.proc, self.url = proc, url
-
-    @classmethod
-    async def start(cls, config: Path, state: Path, **env: str) -> _Serve:
-        full = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
-        full.update(XDG_STATE_HOME=str(state), **env)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "unbroken",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            "0",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=full,
-        )
-        assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        m = re.search(r"(http://\S+)", line)
-        if m is None:
-            _, err = await proc.communicate()
-            raise AssertionError(f"no ready line: {line!r} {err.decode()!r}")
-        return cls(proc, m.group(1))
-
-    async def stop(self) -> str:
-        if self.proc.returncode is None:
-            self.proc.terminate()
-        _, err = await asyncio.wait_for(self.proc.communicate(), 30)
-        return err.decode()
+    return await serve_subprocess(config, env={"XDG_STATE_HOME": str(state), **env})
 
 
 def _two_routes(tmp_path: Path, url: str) -> Path:
@@ -113,7 +81,7 @@ async def test_a_local_stranger_cannot_spend_the_key(mock: MockProvider, tmp_pat
     """Review: with no token (the loopback default), ``setpriv --reuid=nobody curl
     .../route/...`` got the upstream to see the injected key."""
     state = tmp_path / "state"
-    served = await _Serve.start(_two_routes(tmp_path, mock.url), state, KEYED_KEY=KEY)
+    served = await _serve(_two_routes(tmp_path, mock.url), state, KEYED_KEY=KEY)
     token_file = state / "unbroken" / "token"
     try:
         # the stranger: no token, so 401 (JSON), and the provider sees nothing
@@ -147,7 +115,7 @@ async def test_a_local_stranger_cannot_spend_the_key(mock: MockProvider, tmp_pat
             assert mock.requests[-1].headers["Authorization"] == f"Bearer {KEY}"
         assert len(mock.requests) == 3
     finally:
-        err = await served.stop()
+        _, err = await served.stop()
     # the log says where the token is, never the token or the key
     assert str(token_file) in err and "created" in err
     assert token not in err and KEY not in err
@@ -156,16 +124,16 @@ async def test_a_local_stranger_cannot_spend_the_key(mock: MockProvider, tmp_pat
 async def test_the_token_file_is_kept_across_starts(mock: MockProvider, tmp_path: Path) -> None:
     state = tmp_path / "state"
     cfg = _two_routes(tmp_path, mock.url)
-    first = await _Serve.start(cfg, state, KEYED_KEY=KEY)
-    err = await first.stop()
+    first = await _serve(cfg, state, KEYED_KEY=KEY)
+    await first.stop()
     token = (state / "unbroken" / "token").read_text()
-    second = await _Serve.start(cfg, state, KEYED_KEY=KEY)
-    err = await second.stop()
+    second = await _serve(cfg, state, KEYED_KEY=KEY)
+    _, err = await second.stop()
     assert "(kept, mode 0600)" in err
     assert (state / "unbroken" / "token").read_text() == token
     # a configured token is used instead, and no file is made
     other = tmp_path / "other"
-    third = await _Serve.start(cfg, other, KEYED_KEY=KEY, UNBROKEN_TOKEN="t" * 24)
+    third = await _serve(cfg, other, KEYED_KEY=KEY, UNBROKEN_TOKEN="t" * 24)
     await third.stop()
     assert not (other / "unbroken" / "token").exists()
 
@@ -178,24 +146,11 @@ async def test_a_token_file_others_can_read_stops_serve_with_one_line(
     path.parent.mkdir(parents=True)
     path.write_text("x" * 32 + "\n")
     path.chmod(0o644)
-    full = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
-    full.update(XDG_STATE_HOME=str(state), KEYED_KEY=KEY)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "unbroken",
-        "serve",
-        "--config",
-        str(_two_routes(tmp_path, mock.url)),
-        "--port",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=full,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), 30)
-    lines = err.decode().strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, lines
+    env = {"XDG_STATE_HOME": str(state), "KEYED_KEY": KEY}
+    served = await serve_subprocess(_two_routes(tmp_path, mock.url), env=env, listen=False)
+    code, err = await served.exited()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
     assert "readable by others" in lines[0] and "x" * 32 not in lines[0]
 
 

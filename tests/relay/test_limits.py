@@ -7,8 +7,6 @@ import asyncio
 import errno
 import json
 import logging
-import os
-import re
 import resource
 import sys
 import time
@@ -19,6 +17,7 @@ import aiohttp
 import pytest
 
 from relayfix import make_config, start_relay
+from servefix import serve_subprocess
 from unbroken.mock import MockProvider
 from unbroken.relay.connections import GuardedServer, install_accept_log_limiter
 from unbroken.relay.server import RelayServer
@@ -196,27 +195,9 @@ async def test_slowloris_with_a_low_fd_limit_does_not_starve_clients(
         "[server]\nheader_read_timeout_s = 1\n"
         f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n'
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
-    env["XDG_STATE_HOME"] = str(tmp_path)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "unbroken",
-        "serve",
-        "--config",
-        str(cfg),
-        "--port",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        preexec_fn=_low_fd_limit,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-    assert m, line
-    port = int(m.group(1))
+    env = {"XDG_STATE_HOME": str(tmp_path)}
+    served = await serve_subprocess(cfg, env=env, preexec_fn=_low_fd_limit)
+    port = served.port
     silent: list[asyncio.StreamWriter] = []
     try:
         for _ in range(150):
@@ -248,9 +229,7 @@ async def test_slowloris_with_a_low_fd_limit_does_not_starve_clients(
     finally:
         for w in silent:
             w.close()
-        proc.terminate()
-        _, err = await asyncio.wait_for(proc.communicate(), 30)
-    text = err.decode()
+        _, text = await served.stop()
     assert "Traceback" not in text
     assert text.count("accept() failed") <= 1
     assert "max_connections lowered" in text  # the cap fits the fd limit

@@ -14,14 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import re
-import signal
 import sys
 from pathlib import Path
 
 import aiohttp
 
+from servefix import serve_subprocess
 from unbroken.mock import MockProvider
 from unbroken.relay.logfilter import SafeLogFilter
 
@@ -86,27 +85,9 @@ async def test_canary_key_appears_nowhere(mock: MockProvider, tmp_path: Path) ->
         f'{{ url = "{mock.url}", api_key_env = "INJ" }}]\n'
         "[retry]\ndelay_ms = 5\nverbose = true\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
-    env.update(XDG_STATE_HOME=str(tmp_path / "state"), INJ=INJECTED, UNBROKEN_TOKEN=TOKEN)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "unbroken",
-        "serve",
-        "--config",
-        str(cfg),
-        "--port",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
-    assert proc.stdout is not None
-    ready = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    m = re.search(r"http://127\.0\.0\.1:(\d+)", ready)
-    assert m, ready
-    port = int(m.group(1))
-    base = f"http://127.0.0.1:{port}"
+    env = {"XDG_STATE_HOME": str(tmp_path / "state"), "INJ": INJECTED, "UNBROKEN_TOKEN": TOKEN}
+    served = await serve_subprocess(cfg, env=env)
+    port, base = served.port, served.url
     ok = {"x-unbroken-token": TOKEN}
     try:
         for data in _malformed(port):
@@ -154,9 +135,8 @@ async def test_canary_key_appears_nowhere(mock: MockProvider, tmp_path: Path) ->
             async with s.get(f"{base}/metrics", headers=ok) as r:
                 metrics = await r.text()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-    logs = ready + out.decode() + err.decode()
+        _, err = await served.stop(within_s=60)
+    logs = served.ready + served.out + err
     journal = b"".join(p.read_bytes() for p in (tmp_path / "state").rglob("*") if p.is_file())
     stats = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -170,7 +150,7 @@ async def test_canary_key_appears_nowhere(mock: MockProvider, tmp_path: Path) ->
         str(next((tmp_path / "state").rglob("journal.sqlite3"))),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=env,
+        env=served.env,
     )
     stats_out, stats_err = await asyncio.wait_for(stats.communicate(), 60)
     assert stats.returncode == 0, stats_err
@@ -279,27 +259,15 @@ def test_malformed_requests_are_one_line_a_minute_and_real_errors_stay() -> None
 async def test_a_flood_of_malformed_requests_is_not_a_flood_of_log_lines(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text('[routes.mock]\nupstreams = [{ url = "http://127.0.0.1:9" }]\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
-    env.update(XDG_STATE_HOME=str(tmp_path / "state"))
-    proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
-    assert proc.stdout is not None
-    ready = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    m = re.search(r"http://127\.0\.0\.1:(\d+)", ready)
-    assert m, ready
-    port = int(m.group(1))
+    served = await serve_subprocess(cfg, env={"XDG_STATE_HOME": str(tmp_path / "state")})
+    port = served.port
     try:
         for i in range(60):
             await _send_raw(port, [b"GARBAGE\x01\r\n\r\n", b"GET / HTTP/1.1\r\nBad\r\n\r\n"][i % 2])
         async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/healthz") as r:
             assert r.status == 200  # served on
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(proc.communicate(), 60)
-    lines = [line for line in err.decode().splitlines() if "aiohttp" in line]
+        _, err = await served.stop(within_s=60)
+    lines = [line for line in err.splitlines() if "aiohttp" in line]
     assert len(lines) == 1, lines
     assert "WARNING" in lines[0] and "malformed request" in lines[0]

@@ -4,7 +4,6 @@ directories, only those whose supervisor is gone."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from relay.test_health_relay import until
-from relay.test_signals import alive, start_relay
+from relay.test_signals import alive, start_relay, tmpdir_of
 from unbroken.mock import MockProvider
 from unbroken.relay.workers import OWNER_FILE, RUNTIME_PREFIX, clean_stale_runtime_dirs
 
@@ -24,7 +23,7 @@ async def test_a_killed_supervisors_runtime_dir_is_removed_by_the_next(
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     relay = await start_relay(tmp_path / "a", mock.url, workers=2)
-    tmpdir = relay.tmpdir
+    tmpdir = tmpdir_of(relay)
     pids: set[int] = set()
 
     async def both_workers() -> bool:
@@ -52,8 +51,7 @@ async def test_a_killed_supervisors_runtime_dir_is_removed_by_the_next(
         assert live.exists() and old.exists()
         assert len(list(tmpdir.glob(f"{RUNTIME_PREFIX}*"))) == 3  # and relay2's own
     finally:
-        relay2.proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(relay2.proc.wait(), 30)
+        await relay2.stop()
 
 
 def _runtime(base: Path, name: str, pid: int | None) -> Path:

@@ -10,11 +10,8 @@ for good.  Real ``unbroken serve`` processes, one and two workers.
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import signal
 import sqlite3
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -22,6 +19,7 @@ import pytest
 
 from relay.test_health_relay import CHAT, PATH, until
 from relay.test_signals import alive
+from servefix import serve_subprocess
 from unbroken.mock import MockProvider
 
 LONG = {"deltas": 200, "chunk_delay_ms": 100, "count": 100}  # 20 s streams
@@ -39,30 +37,14 @@ async def test_turns_cut_by_a_second_sigterm_are_journaled_as_ended(
         f'[server]\ngrace_s = 60\n[journal]\npath = "{journal}"\n'
         f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n'
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
-    env["TMPDIR"] = str(tmp_path)
-    argv = [sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"]
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
+    served = await serve_subprocess(
+        cfg,
         *(["--workers", str(workers)] if workers > 1 else []),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
+        env={"TMPDIR": str(tmp_path)},
     )
-    assert proc.stdout is not None and proc.stderr is not None
-    err: list[str] = []
-
-    async def read_err() -> None:
-        assert proc.stderr is not None
-        async for line in proc.stderr:
-            err.append(line.decode(errors="replace"))
-
-    reader = asyncio.ensure_future(read_err())
+    proc, err = served.proc, served.err
     try:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        m = re.search(r"http://127\.0\.0\.1:\d+", line)
-        assert m, line
-        url = m.group(0)
+        url = served.url
         mock.script([LONG])
         conn = aiohttp.TCPConnector(force_close=True, limit=0)
         async with aiohttp.ClientSession(connector=conn) as http:
@@ -77,15 +59,12 @@ async def test_turns_cut_by_a_second_sigterm_are_journaled_as_ended(
             await until(lambda: sum("shutting down" in e for e in err) >= workers, cap=20)
             proc.send_signal(signal.SIGTERM)
             bodies = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 30)
-        code = await asyncio.wait_for(proc.wait(), 30)
-        await asyncio.wait_for(reader, 10)
-        assert code == 0, "".join(err)[-2000:]
+        code, text = await served.exited()
+        assert code == 0, text[-2000:]
         assert not any(isinstance(b, bytes) and b"[DONE]" in b for b in bodies)  # all cut
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        reader.cancel()
+        served.kill()
+        await served.exited()
     db = sqlite3.connect(journal)
     try:
         rows = db.execute("SELECT outcome FROM turns").fetchall()

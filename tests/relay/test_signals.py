@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,19 +24,10 @@ import aiohttp
 import pytest
 
 from relay.test_health_relay import CHAT, PATH, until
+from servefix import Served, serve_subprocess
 from unbroken.mock import MockProvider
 
 STREAM = {"deltas": 30, "chunk_delay_ms": 100, "count": 100}  # ~3 s streams
-
-
-class Relay:
-    def __init__(self, proc: asyncio.subprocess.Process, url: str, tmpdir: Path) -> None:
-        self.proc, self.url, self.tmpdir = proc, url, tmpdir
-
-    async def status(self) -> dict[str, Any]:
-        conn = aiohttp.TCPConnector(force_close=True)
-        async with aiohttp.ClientSession(connector=conn) as s, s.get(self.url + "/status") as r:
-            return await r.json()  # type: ignore[no-any-return]
 
 
 def short_tmpdir() -> Path:
@@ -57,7 +46,9 @@ async def start_relay(
     *,
     ignore_hup: bool = False,
     tmpdir: Path | None = None,
-) -> Relay:
+) -> Served:
+    """The relay in its own process group, as a shell job is, its runtime directory made
+    in ``tmpdir`` (by default a short one of its own: `tmpdir_of`)."""
     cfg = tmp_path / "relay.toml"
     cfg.write_text(
         "[server]\ngrace_s = 20\n[retry]\ndelay_ms = 5\n[journal]\nenabled = false\n"
@@ -65,35 +56,18 @@ async def start_relay(
     )
     if tmpdir is None:  # the supervisor's runtime directory is made here
         tmpdir = short_tmpdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
-    env["TMPDIR"] = str(tmpdir)
-    argv = [sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"]
-    if workers > 1:
-        argv += ["--workers", str(workers)]
-    if ignore_hup:
-        argv = ["nohup", *argv]
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        start_new_session=True,  # its own process group, as a shell job has
+    return await serve_subprocess(
+        cfg,
+        *(["--workers", str(workers)] if workers > 1 else []),
+        env={"TMPDIR": str(tmpdir)},
+        prefix=["nohup"] if ignore_hup else [],
+        new_session=True,
     )
-    assert proc.stdout is not None and proc.stderr is not None
-    try:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    except TimeoutError:
-        line = ""
-    m = re.search(r"http://127\.0\.0\.1:\d+", line)
-    if m is None:  # it died or hangs: say why, with what it wrote on stderr
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        err = (await asyncio.wait_for(proc.stderr.read(), 10)).decode(errors="replace")
-        code = await asyncio.wait_for(proc.wait(), 10)
-        said = f"exit {code}, stdout {line!r}"
-        pytest.fail(f"the relay did not say its URL ({said}); stderr:\n{err[-4000:]}", False)
-    return Relay(proc, m.group(0), tmpdir)
+
+
+def tmpdir_of(relay: Served) -> Path:
+    """Where the relay makes its runtime directory (its ``TMPDIR``)."""
+    return Path(relay.env["TMPDIR"])
 
 
 async def test_a_relay_that_does_not_start_fails_the_helper_with_its_stderr(
@@ -121,7 +95,7 @@ def alive(pid: int) -> bool:
 
 
 async def streams_in_flight(
-    relay: Relay, http: aiohttp.ClientSession, workers: int
+    relay: Served, http: aiohttp.ClientSession, workers: int
 ) -> tuple[list[asyncio.Future[bytes]], set[int]]:
     """Streams open on every worker; returns them and the worker pids."""
 
@@ -150,7 +124,7 @@ async def streams_in_flight(
 
 
 async def signal_and_check(
-    relay: Relay, mock: MockProvider, workers: int, sig: int, *, group: bool
+    relay: Served, mock: MockProvider, workers: int, sig: int, *, group: bool
 ) -> None:
     mock.script([STREAM])
     conn = aiohttp.TCPConnector(force_close=True, limit=0)
@@ -165,16 +139,14 @@ async def signal_and_check(
             bodies = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 30)
         cut = [b for b in bodies if not (isinstance(b, bytes) and b"[DONE]" in b)]
         assert not cut, f"{len(cut)} of {len(bodies)} streams cut: {cut[:2]}"
-        code = await asyncio.wait_for(relay.proc.wait(), 30)
+        code, err = await relay.exited()
         try:
             await until(lambda: not any(alive(p) for p in pids), cap=10)
         except AssertionError:
             raise AssertionError(f"orphaned workers: {[p for p in pids if alive(p)]}") from None
-        assert relay.proc.stderr is not None
-        err = (await asyncio.wait_for(relay.proc.stderr.read(), 10)).decode()
         assert code == 0, f"exit {code}: {err[-2000:]}"
         assert "Traceback" not in err, err[-2000:]
-        assert not list(relay.tmpdir.glob("unbroken-workers-*")), "runtime dir left behind"
+        assert not list(tmpdir_of(relay).glob("unbroken-workers-*")), "runtime dir left behind"
         if workers > 1:  # wherever it was (a long TMPDIR puts it under /tmp): gone
             runtime = re.search(r"runtime dir (\S+?)\)", err)
             assert runtime, err[-2000:]
@@ -221,9 +193,8 @@ async def test_nohup_keeps_serving_after_sighup(
                     assert r.status == 200 and b"[DONE]" in await r.read()
         assert relay.proc.returncode is None
     finally:
-        relay.proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(relay.proc.communicate(), 30)
-    assert relay.proc.returncode == 0
+        code, _ = await relay.stop()
+    assert code == 0
 
 
 @pytest.mark.timeout(60)
@@ -247,7 +218,7 @@ async def test_workers_of_a_killed_supervisor_drain_and_exit(
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        await relay.proc.wait()
+        await relay.exited()
 
 
 @pytest.mark.timeout(90)
@@ -294,10 +265,9 @@ async def test_what_a_worker_crash_costs(tmp_path: Path, mock: MockProvider) -> 
 
             await until(restarted, cap=20)
     finally:
-        relay.proc.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(relay.proc.communicate(), 30)
-    assert relay.proc.returncode == 0
-    assert re.search(rb"worker 0 \(pid \d+\) exited with code -9: restarting", err), err
+        code, err = await relay.stop()
+    assert code == 0
+    assert re.search(r"worker 0 \(pid \d+\) exited with code -9: restarting", err), err
 
 
 @pytest.mark.timeout(90)
@@ -307,7 +277,6 @@ async def test_sigterm_while_a_crashed_worker_waits_to_restart(
     """A signal during the restart pause: the worker is not started again behind the
     supervisor's back (it was, and the supervisor waited for it forever)."""
     relay = await start_relay(tmp_path, mock.url, workers=2)
-    assert relay.proc.stderr is not None
     pids: set[int] = set()
     data: dict[str, Any] = {}
 
@@ -321,16 +290,12 @@ async def test_sigterm_while_a_crashed_worker_waits_to_restart(
             [victim] = [w["pid"] for w in data["workers"] if w["id"] == 0]
             pids.add(victim)
             os.kill(victim, signal.SIGKILL)
-            while True:  # the supervisor says it will restart it, then pauses
-                line = await asyncio.wait_for(relay.proc.stderr.readline(), 20)
-                assert line, "the supervisor's stderr ended"
-                if b"restarting in" in line:
-                    break
+            # the supervisor says it will restart it, then pauses
+            await relay.err_line("restarting in", 20)
         relay.proc.send_signal(signal.SIGTERM)  # during the 0.2 s pause
         code = await asyncio.wait_for(relay.proc.wait(), 30)
         assert code == 0
-        assert not list(relay.tmpdir.glob("unbroken-workers-*"))
+        assert not list(tmpdir_of(relay).glob("unbroken-workers-*"))
     finally:
-        if relay.proc.returncode is None:
-            relay.proc.kill()
-            await relay.proc.wait()
+        relay.kill()
+        await relay.exited()

@@ -9,14 +9,13 @@ blocks.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import stat
-import sys
 from pathlib import Path
 
 import pytest
 
+from servefix import serve_subprocess
 from unbroken.relay.tokenfile import TokenFileError, load_or_create
 
 NOBODY = 65534
@@ -34,29 +33,10 @@ def _config(tmp_path: Path) -> Path:
 async def _serve(tmp_path: Path, state: Path) -> tuple[int, list[str]]:
     """`unbroken serve` with a keyed route: its exit code and stderr lines (it must
     exit: a hang is killed after 30 s and fails the test)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
-    env.update(XDG_STATE_HOME=str(state), KEYED_KEY="sk-keyed-0123456789abcdef")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "unbroken",
-        "serve",
-        "--config",
-        str(_config(tmp_path)),
-        "--port",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
-    try:
-        _, err = await asyncio.wait_for(proc.communicate(), 30)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise AssertionError("unbroken serve hung on the token path") from None
-    assert proc.returncode is not None
-    return proc.returncode, err.decode().strip().splitlines()
+    env = {"XDG_STATE_HOME": str(state), "KEYED_KEY": "sk-keyed-0123456789abcdef"}
+    served = await serve_subprocess(_config(tmp_path), env=env, listen=False)
+    code, err = await served.exited(30)  # (a hang fails the test)
+    return code, err.strip().splitlines()
 
 
 @pytest.mark.parametrize("what", ["fifo", "directory", "dir_0777"])

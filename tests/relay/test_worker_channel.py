@@ -9,20 +9,16 @@ and a ``\\n`` in a field cannot forge a log line.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
-import signal
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from relay.test_health_relay import until
 from relay.test_workers import mock2  # a fixture
+from servefix import Served, serve_subprocess
 from unbroken.mock import MockProvider
 from unbroken.relay.store import SUN_PATH_MAX, channel_socket
 from unbroken.relay.workers import SHORT_TMP
@@ -31,20 +27,14 @@ __all__ = ["mock2"]
 
 
 class Fleet:
-    def __init__(self, proc: asyncio.subprocess.Process, url: str, runtime: Path) -> None:
-        self.proc, self.url, self.runtime = proc, url, runtime
-        self.err: list[str] = []
-        self.reader = asyncio.ensure_future(self._read())
+    """``serve --workers 2`` and its runtime directory (read from its log)."""
 
-    async def _read(self) -> None:
-        assert self.proc.stderr is not None
-        async for line in self.proc.stderr:
-            self.err.append(line.decode(errors="replace"))
+    def __init__(self, served: Served) -> None:
+        self.served, self.url, self.err = served, served.url, served.err
+        self.runtime = Path("/nonexistent")
 
     async def status(self) -> dict[str, Any]:
-        conn = aiohttp.TCPConnector(force_close=True)
-        async with aiohttp.ClientSession(connector=conn) as s, s.get(self.url + "/status") as r:
-            return await r.json()  # type: ignore[no-any-return]
+        return await self.served.status()
 
     def send(self, data: bytes) -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
@@ -52,12 +42,8 @@ class Fleet:
                 s.sendto(data, str(self.runtime / f"w{w}.sock"))
 
     async def stop(self) -> int:
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(self.proc.wait(), 30)
-        await asyncio.wait_for(self.reader, 5)
-        assert self.proc.returncode is not None
-        return self.proc.returncode
+        code, _ = await self.served.stop()
+        return code
 
 
 async def start(tmp_path: Path, upstreams: list[str], *, tmpdir: Path | None = None) -> Fleet:
@@ -68,24 +54,8 @@ async def start(tmp_path: Path, upstreams: list[str], *, tmpdir: Path | None = N
         "[health]\nquota_cooloff_s = 30\n"
         f"[routes.mock]\nupstreams = [{ups}]\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
-    if tmpdir is not None:
-        env["TMPDIR"] = str(tmpdir)
-    proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "unbroken", "serve", "--config", str(cfg)),
-        *("--port", "0", "--workers", "2"),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    m = re.search(r"http://127\.0\.0\.1:\d+", line)
-    if m is None:  # it never listened: its stderr says why
-        proc.kill()
-        err = (await asyncio.wait_for(proc.stderr.read(), 10)).decode(errors="replace")
-        raise AssertionError(f"no URL on stdout ({line!r}); stderr:\n{err[-3000:]}")
-    fleet = Fleet(proc, m.group(0), Path("/nonexistent"))
+    env = {"TMPDIR": str(tmpdir)} if tmpdir is not None else {}
+    fleet = Fleet(await serve_subprocess(cfg, "--workers", "2", env=env))
 
     def runtime() -> bool:
         for e in fleet.err:

@@ -9,58 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest_asyncio
 
 from relay.test_health_relay import CHAT, PATH, until
+from servefix import Served, serve_subprocess
 from unbroken.mock import MockProvider
 
 
-class Fleet:
-    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
-        self.proc, self.url = proc, url
-
-    async def status(self) -> dict[str, Any]:
-        conn = aiohttp.TCPConnector(force_close=True)
-        async with aiohttp.ClientSession(connector=conn) as s, s.get(self.url + "/status") as r:
-            return await r.json()  # type: ignore[no-any-return]
-
-
-async def start_fleet(tmp_path: Path, upstreams: list[str], workers: int = 2) -> Fleet:
+async def start_fleet(tmp_path: Path, upstreams: list[str], workers: int = 2) -> Served:
     cfg = tmp_path / "fleet.toml"
     ups = ", ".join(f'{{ url = "{u}" }}' for u in upstreams)
     cfg.write_text(
         "[server]\ngrace_s = 20\n[retry]\ndelay_ms = 5\n[journal]\nenabled = false\n"
         f"[routes.mock]\nupstreams = [{ups}]\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "unbroken",
-        "serve",
-        "--config",
-        str(cfg),
-        "--port",
-        "0",
-        "--workers",
-        str(workers),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    m = re.search(r"http://127\.0\.0\.1:\d+", line)
-    assert m, line
-    return Fleet(proc, m.group(0))
+    return await serve_subprocess(cfg, "--workers", str(workers))
 
 
 @pytest_asyncio.fixture
@@ -69,12 +37,9 @@ async def mock2() -> AsyncIterator[MockProvider]:
         yield provider
 
 
-async def stop(fleet: Fleet) -> int:
-    if fleet.proc.returncode is None:
-        fleet.proc.send_signal(signal.SIGTERM)
-    await asyncio.wait_for(fleet.proc.communicate(), 30)
-    assert fleet.proc.returncode is not None
-    return fleet.proc.returncode
+async def stop(fleet: Served) -> int:
+    code, _ = await fleet.stop()
+    return code
 
 
 async def test_both_workers_answer_and_a_killed_worker_is_restarted(
@@ -166,6 +131,6 @@ async def test_health_learned_by_one_worker_steers_the_other(
         assert await stop(fleet) == 0
 
 
-async def _both_up(fleet: Fleet) -> bool:
+async def _both_up(fleet: Served) -> bool:
     data = await fleet.status()
     return len(data.get("workers", [])) == 2
