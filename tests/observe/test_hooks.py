@@ -72,7 +72,7 @@ def test_a_nested_fan_out_is_flattened_and_follows_changes_to_the_inner_list() -
     outer.turn_started(TURN)
     assert all(
         m.__self__ is not inner
-        for m in (outer._bound or {})["turn_started"]
+        for m, _ in (outer._bound or {})["turn_started"]
         if hasattr(m, "__self__")
     )
     inner.add(Seen("c", log))  # a change inside: the outer re-binds

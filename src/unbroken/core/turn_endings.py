@@ -9,7 +9,7 @@ from __future__ import annotations
 from unbroken.core.ledger import Ledger, LedgerState, Verdict
 from unbroken.core.policy import Failure, FailureClass
 from unbroken.core.profiles import CommitEnd
-from unbroken.core.protocols import BODY, usage_from
+from unbroken.core.protocols import BODY
 from unbroken.core.turn_clock import queued_failure, stall_failure
 from unbroken.core.turn_continue import strategy_splices
 from unbroken.core.turn_fields import TurnFields, is_testing
@@ -216,7 +216,7 @@ class TurnEndings(TurnFields):
         retry = self.retry
         if retry.admitted:  # the rate limiter learns what the request cost
             stats = self.stats
-            retry.settle(self.last_rx, usage_from(stats.usage_frames())[0] if stats else None)
+            retry.settle(self.last_rx, stats.usage()[0] if stats else None)
         retry.close()
         self._outcome = outcome
         if outcome.is_ok or outcome is Outcome.PASSED_THROUGH_ERROR:

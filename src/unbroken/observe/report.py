@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 
 from unbroken.core.attempt import AttemptStats
 from unbroken.core.policy import Failure
-from unbroken.core.protocols import usage_from
 from unbroken.core.turn import Outcome, Phase, TurnState
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
@@ -136,7 +135,7 @@ class HooksObserver:
             a.frames_received, a.bytes_received = stats.received_frames, stats.received_bytes
             a.frames_released, a.bytes_released = stats.released_frames, stats.released_bytes
             a.hold_seconds = stats.hold_seconds
-            a.input_tokens, a.output_tokens = usage_from(stats.usage_frames())
+            a.input_tokens, a.output_tokens = stats.usage()
             a.est_output_tokens = stats.output_frames
         self.hooks.attempt_ended(self.info, a)
 
