@@ -157,12 +157,15 @@ class RateLimitIO:
     (`core.ratelimit.credential_hash`; the key itself is never kept), and each bad
     rate-limit header logged once per upstream."""
 
-    __slots__ = ("_hashes", "_routes", "warned")
+    __slots__ = ("_clients", "_hashes", "_routes", "warned")
 
     def __init__(self) -> None:
         self._hashes: dict[str, str] = {}
         #: route -> its hashes, when every upstream injects its own key
         self._routes: dict[str, tuple[str, ...]] = {}
+        #: (route name, the client's credential) -> (the route, its hashes): per request
+        #: only a lookup (bounded like ``_hashes``)
+        self._clients: dict[tuple[str, str], tuple[Route, tuple[str, ...]]] = {}
         #: (upstream key, header) already logged
         self.warned: set[tuple[str, str]] = set()
 
@@ -184,9 +187,16 @@ class RateLimitIO:
                 if name == "key" and value:
                     client = value
                     break
+        seen = self._clients.get((route.name, client))
+        if seen is not None and seen[0] is route:
+            return seen[1]
         out = tuple(self._hash(u.api_key or client) for u in route.upstreams)
         if all(u.api_key for u in route.upstreams):
             self._routes[route.name] = out
+        else:
+            if len(self._clients) >= 4096:
+                self._clients.clear()
+            self._clients[(route.name, client)] = (route, out)
         return out
 
     def _hash(self, value: str) -> str:

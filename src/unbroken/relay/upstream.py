@@ -57,6 +57,8 @@ def via_entry(seed: str | None = None) -> str:
 
 def looped(incoming: Mapping[str, str] | CIMultiDictProxy[str], via: str) -> bool:
     """True if a request already passed through the relay whose entry is ``via``."""
+    if "via" not in incoming:  # the usual request: no Via at all
+        return False
     me = via.split(" ", 1)[1]
     if isinstance(incoming, CIMultiDictProxy):
         return any(me in v for v in incoming.getall("via", ()))
