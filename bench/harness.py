@@ -77,6 +77,7 @@ class Proc:
         ready: str | None,
         pipe_stdio: bool = False,
         env: dict[str, str] | None = None,
+        ready_timeout_s: float = 30.0,
     ) -> None:
         self.name = name
         self.out_path = workdir / f"{name}.out"
@@ -106,7 +107,7 @@ class Proc:
         self.pid = self.popen.pid
         self.url = ""
         if ready is not None:
-            self.url = self._wait_ready(ready)
+            self.url = self._wait_ready(ready, ready_timeout_s)
 
     def _wait_ready(self, pattern: str, timeout: float = 30.0) -> str:
         rx = re.compile(pattern)
@@ -238,6 +239,9 @@ def start_unbroken(
             "0",
         ],
         cpu=fleet.sut_cpu,
+        # under a launcher (callgrind: Python runs ~50x slower) the start takes longer;
+        # 30 s was not enough on a loaded machine (the test suite on 3 workers, load 26)
+        ready_timeout_s=120.0 if launcher else 30.0,
         ready=r"relaying on (http://\S+)",
         env={"XDG_STATE_HOME": str(state), "HOME": str(state), **(env or {})},
     )

@@ -105,7 +105,7 @@ STORM_PLACES = [
 
 def documented_storm_seconds() -> int:
     """How long OpenCode alone lasts in a 503 storm, as the docs say (the e2e test
-    checks it against a fresh measurement)."""
+    checks it against a fresh measurement when ``UNBROKEN_E2E_ALONE=1``)."""
     found = {int(m.group(1)) for p in STORM_PLACES for m in STORM.finditer(p.read_text())}
     assert len(found) == 1, f"the OpenCode-alone 503 storm time differs between places: {found}"
     return found.pop()

@@ -4,7 +4,8 @@ mean nothing here, only that every phase runs to its report).
 The eight run at the same time, as separate processes started once for this module, so
 the suite waits for the slowest one, not for their sum.  ``bench/compare.py`` leaves
 LiteLLM out only because ``--no-litellm`` says so (installing it takes minutes), and the
-test checks that its report says so.
+test checks that its report says so.  The long tier (``-m 'not slow'`` deselects it),
+on one worker (the module's fixture starts them: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 TIMEOUT_S = 200  # the budget of the slowest benchmark, on a loaded 2-CPU VM
 
-pytestmark = pytest.mark.timeout(TIMEOUT_S + 30)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 30)]
 
 
 class Run:

@@ -42,8 +42,10 @@ async def _run(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
 class Served:
     """A `unbroken serve` subprocess; its URL comes from the ready line."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, url: str, view: str) -> None:
         self.proc, self.url = proc, url
+        #: the line after the ready line: where the web view is
+        self.view = view
 
     @classmethod
     async def start(cls, config: Path, env: dict[str, str]) -> Served:
@@ -64,7 +66,8 @@ class Served:
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
         m = re.search(r"(http://\S+)", line)
         assert m, line
-        return cls(proc, m.group(1))
+        view = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        return cls(proc, m.group(1), view)
 
     async def stop(self, *, signal_it: bool = True) -> tuple[int, str]:
         if signal_it and self.proc.returncode is None:
@@ -124,6 +127,8 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(
     served = await Served.start(cfg, env)
     # the route injects a key: it needs the token serve keeps for its owner
     token = (tmp_path / "state" / "unbroken" / "token").read_text().strip()
+    # that token guards the keyed route only: the web view is open, like /status
+    assert served.view == f"web view: {served.url}/ui\n"
     try:
         mock.script([{"status": 503}, {"fault": "close_before_headers"}, {"status": 429}])
         async with (
@@ -150,6 +155,26 @@ async def test_serve_logs_retries_without_secrets_and_exits_0_on_sigterm(
         assert 0 <= int(ln.split("wait_ms=")[1].split()[0]) <= 7 * 2 ** (n - 1), ln
     assert "reason=503" in err and "reason=429" in err
     assert canary not in err and token not in err
+
+
+async def test_serve_names_the_web_view_without_printing_the_token(
+    mock: MockProvider, tmp_path: Path
+) -> None:
+    token = "ui-serve-token-0123456789abcdef"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[routes.mock]\nupstreams = [{{ url = "{mock.url}" }}]\n')
+    env = _env(UNBROKEN_TOKEN=token, XDG_STATE_HOME=str(tmp_path / "state"))
+    served = await Served.start(cfg, env)
+    try:
+        assert served.view == f"web view: {served.url}/t/<token>/ui\n"
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{served.url}/ui") as r:
+                assert r.status == 401
+            async with s.get(f"{served.url}/t/{token}/ui") as r:
+                assert r.status == 200 and r.content_type == "text/html"
+    finally:
+        code, err = await served.stop()
+    assert code == 0 and token not in err
 
 
 async def test_sigterm_lets_inflight_stream_finish(mock: MockProvider, tmp_path: Path) -> None:

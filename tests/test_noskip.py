@@ -65,6 +65,7 @@ def _pytest(tmp_path: Path, *args: str, allow: bool = False) -> tuple[int, str]:
         ((), False, 1, "No test may be skipped"),
         ((), True, 0, "allowed by UNBROKEN_ALLOW_SKIPS"),
         (("-m", "not slow"), False, 0, "1 deselected"),
+        (("-n", "2"), False, 1, "No test may be skipped"),  # on xdist workers, as `pytest` runs
     ],
 )
 def test_a_skip_fails_the_session_unless_deselected_or_allowed(

@@ -50,6 +50,9 @@ class Report:
     def continuation(self, result: str, splices: int, saved_frames: int) -> None:
         self.calls.append(("continuation", result, splices, saved_frames))
 
+    def uncovered(self, result: str) -> None:
+        self.calls.append(("uncovered", result))
+
     def of(self, kind: str) -> list[tuple[Any, ...]]:
         return [c for c in self.calls if c[0] == kind]
 

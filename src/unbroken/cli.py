@@ -100,6 +100,9 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         routes = ", ".join(sorted(config.routes))
         print(f"unbroken {__version__} relaying on {url} (routes: {routes})", flush=True)
+        # the token itself is never printed: the reader puts in the one they set
+        view = f"{url}/t/<token>/ui" if config.token else f"{url}/ui"
+        print(f"web view: {view}", flush=True)
 
     try:
         if args.workers > 1:

@@ -30,6 +30,7 @@ from unbroken.core.health import HealthSettings
 from unbroken.core.ledger import HOLD_CHOICES
 from unbroken.core.policy import RetryPolicy
 from unbroken.core.profiles import check_overrides
+from unbroken.core.protocols.anthropic_continue import AnthropicContinue
 from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.ratelimit import RateSettings
 from unbroken.core.redact import redact_url
@@ -79,7 +80,7 @@ CREDENTIAL_HEADERS: tuple[str, ...] = ("authorization", "x-api-key", "api-key", 
 #: A route name: one plain path segment.
 _ROUTE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 #: Route names the relay itself answers on (``/t/<token>/...``, ``/healthz``, ...).
-RESERVED_ROUTES = frozenset({"t", "healthz", "status", "metrics"})
+RESERVED_ROUTES = frozenset({"t", "healthz", "status", "metrics", "ui"})
 _TOKEN = re.compile(r"[A-Za-z0-9._~-]{16,512}")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token
 
@@ -112,6 +113,10 @@ class Route:
     #: mode (``prefix``, ``prefix_echo``, ``partial``; `core.protocols.chat_prefix`),
     #: which a Chat turn cut after commit is continued with; None: it ends as today
     chat_prefix: str | None = None
+    #: ``[routes.NAME] anthropic_continue``: how a Messages turn cut after commit is
+    #: continued: ``prefill`` (None: the default) or ``user_message`` (for models that
+    #: refuse prefill, Claude 4.6 and later; `core.protocols.anthropic_continue`)
+    anthropic_continue: str | None = None
 
     @property
     def injects_key(self) -> bool:
@@ -123,7 +128,8 @@ class Route:
 def with_upstream(existing: Route | None, name: str, url: str) -> Route:
     """The route ``name`` going to ``url`` alone (``unbroken run`` points a route at the
     agent's own base URL): a user's own route of that name keeps its settings
-    (``after_commit``, ``chat_prefix``); only its upstreams are replaced."""
+    (``after_commit``, ``chat_prefix``, ``anthropic_continue``); only its upstreams are
+    replaced."""
     if existing is None or existing.builtin:
         return Route(name, (Upstream(url=url),))
     return replace(existing, upstreams=(Upstream(url=url),))
@@ -453,9 +459,10 @@ def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
             )
         table = _table(key, raw)
         for k in table:
-            if k not in ("upstreams", "after_commit", "chat_prefix"):
+            if k not in ("upstreams", "after_commit", "chat_prefix", "anthropic_continue"):
                 raise ConfigError(
-                    f"{key}.{k}", "unknown key (known: after_commit, chat_prefix, upstreams)"
+                    f"{key}.{k}",
+                    "unknown key (known: after_commit, anthropic_continue, chat_prefix, upstreams)",
                 )
         after_commit = None
         if "after_commit" in table:
@@ -463,6 +470,11 @@ def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
         chat_prefix = None
         if "chat_prefix" in table:
             chat_prefix = _chat_prefix(f"{key}.chat_prefix", table["chat_prefix"])
+        anthropic_continue = None
+        if "anthropic_continue" in table:
+            anthropic_continue = _anthropic_continue(
+                f"{key}.anthropic_continue", table["anthropic_continue"]
+            )
         ups = table.get("upstreams")
         if not isinstance(ups, list) or not ups:
             raise ConfigError(f"{key}.upstreams", "expected a non-empty list of upstreams")
@@ -471,12 +483,20 @@ def _routes(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Route]:
             tuple(_upstream(f"{key}.upstreams[{i}]", u, env) for i, u in enumerate(ups)),
             after_commit=after_commit,
             chat_prefix=chat_prefix,
+            anthropic_continue=anthropic_continue,
         )
     return routes
 
 
 def _chat_prefix(key: str, value: Any) -> str:
     choices = tuple(m.value for m in ChatPrefix)
+    if value not in choices:
+        raise ConfigError(key, f"expected {' or '.join(repr(c) for c in choices)}, got {value!r}")
+    return str(value)
+
+
+def _anthropic_continue(key: str, value: Any) -> str:
+    choices = tuple(m.value for m in AnthropicContinue)
     if value not in choices:
         raise ConfigError(key, f"expected {' or '.join(repr(c) for c in choices)}, got {value!r}")
     return str(value)

@@ -17,7 +17,7 @@ from unbroken.cli import main
 from unbroken.config import JournalSettings
 from unbroken.mock import MockProvider
 from unbroken.observe.hooks import TurnRecord
-from unbroken.observe.journal import Journal
+from unbroken.observe.journal import SCHEMA_VERSION, Journal
 from unbroken.observe.stats import compute_sessions
 
 CHAT = "mock/v1/chat/completions"
@@ -132,7 +132,7 @@ async def test_an_old_journal_gains_the_new_columns_and_tables(tmp_path: Path) -
     assert "choice" in [r["name"] for r in _rows(path, "PRAGMA table_info(attempts)")]
     assert _rows(path, "SELECT count(*) AS n FROM upstream_events") == [{"n": 0}]
     assert "queued_s" in cols  # version 4: the time queued for rate limits
-    assert _rows(path, "PRAGMA user_version")[0]["user_version"] == 5
+    assert _rows(path, "PRAGMA user_version")[0]["user_version"] == SCHEMA_VERSION
     assert _rows(path, "SELECT session_id, client FROM turns ORDER BY started") == [
         {"session_id": "new", "client": "codex"},
         {"session_id": "old", "client": None},

@@ -95,6 +95,13 @@ def test_a_valid_change_is_applied_and_a_huge_ttl_clamped() -> None:
         (msg(kind="hello", w=-1), Garbage.MESSAGE),
         (msg(kind="hello", w=10**6), Garbage.MESSAGE),
         (msg(kind="hello", w=1.5), Garbage.MESSAGE),
+        (msg(kind="waiting", w=1, k=KEY), Garbage.MESSAGE),
+        (msg(kind="waiting", w=1, k=KEY, ttl=float("nan")), Garbage.MESSAGE),
+        (msg(kind="waiting", w=1, k=KEY, ttl="3"), Garbage.MESSAGE),
+        (msg(kind="waiting", w=-1, k=KEY, ttl=1), Garbage.MESSAGE),
+        (msg(kind="waiting", w=1, k=7, ttl=1), Garbage.MESSAGE),
+        (msg(kind="waiting", k=KEY, ttl=1), Garbage.MESSAGE),
+        (msg(kind="waiting", w=1, k="other|http://x", ttl=1), Garbage.UNKNOWN_KEY),
         (json.dumps({"o": 1, "kind": "hello", "w": 0}).encode(), Garbage.MESSAGE),
         (json.dumps({"o": "x" * 65, "kind": "hello", "w": 0}).encode(), Garbage.MESSAGE),
         (b"[1, 2]", Garbage.MESSAGE),
@@ -109,6 +116,16 @@ def test_garbage_messages_are_rejected_never_raised(data: bytes, why: Garbage) -
 
 def test_a_hello_names_a_worker_in_range() -> None:
     assert parse_message(msg(kind="hello", w=3), B, KNOWN) == Message("peer", "hello", worker=3)
+
+
+def test_a_waiting_mark_names_a_worker_and_lasts_at_most_the_bound() -> None:
+    # issue 36: the workers' channel splits the pacer's floor by these marks
+    got = parse_message(msg(kind="waiting", w=2, k=KEY, ttl=1.0), B, KNOWN)
+    assert got == Message("peer", "waiting", worker=2, key=KEY, ttl_s=1.0)
+    got = parse_message(msg(kind="waiting", w=2, k=KEY, ttl=1e9), B, KNOWN)
+    assert got == Message("peer", "waiting", worker=2, key=KEY, ttl_s=B.waiting_s, clamped=True)
+    got = parse_message(msg(kind="waiting", w=2, k=KEY, ttl=0), B, KNOWN)
+    assert isinstance(got, Message) and got.ttl_s == 0.0  # withdrawn
 
 
 def test_text_is_escaped_into_one_line_and_cut() -> None:

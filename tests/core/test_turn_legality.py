@@ -10,6 +10,9 @@ from `turnfix`.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -25,13 +28,20 @@ from turnfix import (
     RETRYABLE,
     ROLE,
     TEXT,
+    Report,
+    Timers,
     chunk,
     make,
     raw,
     seen,
     streaming,
 )
-from unbroken.core.ledger import LedgerState
+from unbroken.core import turn_table
+from unbroken.core.background import BackgroundResume
+from unbroken.core.continuation import ContinuationMemory, Resume
+from unbroken.core.ledger import Hold, LedgerState
+from unbroken.core.policy import RetryPolicy, RetryState
+from unbroken.core.protocols import RESPONSES
 from unbroken.core.sse import Event, SSESplitter
 from unbroken.core.turn import (
     End,
@@ -49,6 +59,7 @@ from unbroken.core.turn import (
     Wait,
     set_testing,
 )
+from unbroken.core.turn_table import Step, TurnEvent
 
 
 def test_illegal_events_raise_the_machines_own_error() -> None:
@@ -87,11 +98,13 @@ WRITES: dict[str, Callable[[TurnMachine, float], object]] = {
     "write_started": lambda m, t: m.write_started(t),
     "wrote": lambda m, t: m.wrote(t),
 }
-#: the header's legality table, as data: the events each step accepts
+#: the header's legality table, as data: the events each step accepts (every step: a
+#: test below checks none is left out)
 LEGAL: dict[str, frozenset[str]] = {
     "new": frozenset({"start"}),
     "idle": frozenset({"next_attempt"}),
     "connecting": frozenset({"open_failed", "answered", "transport_failed"}),
+    "resuming": frozenset({"open_failed", "answered", "transport_failed"}),
     "stream": frozenset(
         {"feed_chunk", "feed_verbatim", "feed_frame", "body_ended", "transport_failed"}
     ),
@@ -99,13 +112,74 @@ LEGAL: dict[str, frozenset[str]] = {
     "error_body": frozenset({"error_body", "transport_failed"}),
     "final_body": frozenset({"final_body", "transport_failed"}),
     "ended": frozenset(),
+    "error": frozenset(),  # after an illegal event: every event raises
 }
 
 
+def test_the_matrix_has_every_step_and_agrees_with_the_machines_table() -> None:
+    assert set(LEGAL) == {s.value for s in Step}
+    for step, legal in LEGAL.items():
+        for event in EVENTS:
+            in_table = turn_table.allowed(Step(step), TurnEvent(event)) is not None
+            assert in_table is (event in legal), (step, event)
+
+
+def _responses_frame(name: str, seq: int, **fields: Any) -> bytes:
+    obj = {"type": name, "sequence_number": seq, **fields}
+    return f"event: {name}\ndata: {json.dumps(obj)}\n\n".encode()
+
+
+def _resuming() -> TurnMachine:
+    """A Responses turn cut after output, its continuation opening (`Resume`)."""
+    retry = RetryState(RetryPolicy(delay_ms=0, backoff="fixed"), 1, rng=random.Random(0))
+    strategy = BackgroundResume(
+        path="v1/responses", keys=("r|u",), memory=ContinuationMemory(), max_splices=64
+    )
+    m = TurnMachine(
+        protocol=RESPONSES,
+        hold=Hold(),
+        timers=Timers(),
+        retry=retry,
+        stream=True,
+        now=0.0,
+        report=Report(),
+        continuation=strategy,
+        queued_s=5.0,
+    )
+    resp = {"id": "resp_abc", "object": "response", "status": "in_progress", "output": []}
+    item = {"id": "item_0", "type": "message", "role": "assistant", "content": []}
+    frames = [
+        _responses_frame("response.created", 0, response=resp),
+        _responses_frame("response.in_progress", 1, response=resp),
+        _responses_frame("response.output_item.added", 2, output_index=0, item=item),
+        _responses_frame(
+            "response.content_part.added", 3, item_id="item_0", output_index=0, content_index=0
+        ),
+        _responses_frame(
+            "response.output_text.delta", 4, item_id="item_0", output_index=0, delta="t0 "
+        ),
+    ]
+    assert isinstance(m.start(0.0), Open)
+    assert isinstance(m.answered(0.0, 200, sse=True), Stream)
+    for f in frames:
+        m.feed_verbatim(0.1, f)
+    action = m.transport_failed(0.2, RESET)
+    if isinstance(action, Wait):
+        action = m.next_attempt(0.3)
+    assert isinstance(action, Resume)
+    return m
+
+
 def _in_step(step: str) -> TurnMachine:
-    """A machine brought to ``step`` by legal events."""
+    """A machine brought to ``step`` by legal events (ERROR: by one illegal event)."""
+    if step == "resuming":
+        return _resuming()
     m, _ = make(stream=step != "pass_through", early_headers_s=1.0)
     if step == "new":
+        return m
+    if step == "error":
+        with pytest.raises(TurnError):
+            m.next_attempt(0.0)
         return m
     assert isinstance(m.start(0.0), Open)
     if step == "connecting":
@@ -169,13 +243,75 @@ def test_an_event_legal_in_its_step_is_accepted(step: str, event: str) -> None:
     assert m.step.value != "error"
 
 
-@pytest.mark.parametrize("step", list(LEGAL))
+@pytest.mark.parametrize("step", [s for s in LEGAL if s != "error"])
 def test_the_write_notifications_are_legal_in_every_step_but_error(step: str) -> None:
     m = _in_step(step)
     m.headers_sent(5.0)
     m.write_started(5.0)
     m.wrote(5.1)
     assert m.step.value == step
+
+
+@pytest.mark.parametrize("event", list(WRITES))
+def test_the_write_notifications_are_illegal_in_error(event: str) -> None:
+    _assert_refused(_in_step("error"), event, 5.0)
+
+
+#: each feed: the module and class that define it, the argument it takes
+FEEDS: dict[TurnEvent, tuple[str, str, object]] = {
+    TurnEvent.FEED_CHUNK: ("unbroken.core.turn_feeds", "TurnFeeds", TEXT),
+    TurnEvent.FEED_FRAME: ("unbroken.core.turn_feeds", "TurnFeeds", Event(TEXT, None, "")),
+    TurnEvent.FEED_BODY: ("unbroken.core.turn_feeds", "TurnFeeds", b"{}"),
+    TurnEvent.FEED_VERBATIM: ("unbroken.core.turn_fast_path", "FastPath", TEXT),
+}
+
+
+class _Checked(Exception):
+    """The feed got past its legality check (it read the machine's state)."""
+
+
+class _Probe:
+    """A stand-in machine: its step, and an `_illegal` that records; anything else
+    the feed reads after its check raises `_Checked`."""
+
+    def __init__(self, step: object) -> None:
+        self.step = step
+        self.refused: list[str] = []
+
+    def _illegal(self, event: str) -> None:
+        self.refused.append(event)
+        raise TurnError(event)
+
+    def __getattr__(self, name: str) -> Any:
+        raise _Checked(name)
+
+
+@pytest.mark.parametrize("event", list(FEEDS), ids=lambda e: e.value)
+def test_each_feed_checks_its_own_events_row_of_the_table(
+    event: TurnEvent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found in review (issue 34): feed_frame checked FEED_CHUNK's row.  Both rows are
+    # STREAM today, so no turn showed it; a table that moved one would not have moved
+    # the check.  The feeds' module is loaded afresh with a table where each event has
+    # a step of its own: each feed must accept its own event's step, and only that.
+    marks = {e: object() for e in TurnEvent}
+    monkeypatch.setattr(turn_table, "only_step", marks.__getitem__)
+    module_name, class_name, arg = FEEDS[event]
+    spec = importlib.util.find_spec(module_name)
+    assert spec is not None and spec.loader is not None
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    feed = getattr(getattr(fresh, class_name), event.value)
+    probe = _Probe(marks[event])
+    with pytest.raises(_Checked):
+        feed(probe, 5.0, arg)
+    assert probe.refused == []
+    for other in TurnEvent:
+        if other is not event:
+            probe = _Probe(marks[other])
+            with pytest.raises(TurnError):
+                feed(probe, 5.0, arg)
+            assert probe.refused == [event.value]
 
 
 def test_wrote_without_a_write_started_is_illegal() -> None:

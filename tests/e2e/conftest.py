@@ -4,13 +4,20 @@ OpenCode's own retry backoff makes its baselines slow (about 74 s for a 503 stor
 about 63 s per 5-retry cycle), and the 20-failure verification needs three such
 cycles.  So the first e2e test starts every selected scenario at once in a
 background event loop, each test waits only for its own, and the long verification
-(marked ``run_last``) is moved to the end of the session: the rest of the suite
-runs while OpenCode sits in its backoff.
+(marked ``run_last``) is moved to the end of the session (on xdist workers, to the
+end of the e2e tests, which go first: tests/conftest.py): the rest of the suite runs
+while OpenCode sits in its backoff.  OpenCode alone (the baselines) is recorded in
+oc_scenarios.py and run only with ``UNBROKEN_E2E_ALONE=1``.
+
+The scenario tests share that batch (a session fixture): tests/conftest.py keeps them
+on one pytest-xdist worker, and sends them out first.
 
 The CLIs come from `clis.ensure_npm_cli`: once the selection is known, the session
 installs every CLI the selected tests ask for (``pytest.mark.cli("opencode")``) into
-the test cache, once per machine, printing a line while it does.  A CLI that cannot
-be installed fails the tests that need it, with the reason; nothing is skipped.
+the test cache, once per machine, printing a line while it does (each xdist worker
+asks; the cache's file lock lets one install while the others wait for it).  A CLI
+that cannot be installed fails the tests that need it, with the reason; nothing is
+skipped.
 ``UNBROKEN_OPENCODE_BIN`` (``UNBROKEN_<BIN>_BIN``) uses an installed binary instead.
 """
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -83,9 +91,13 @@ def _printer(config: pytest.Config) -> Callable[[str], None]:
     reporter: pytest.TerminalReporter | None = config.pluginmanager.get_plugin("terminalreporter")
     capture: CaptureManager | None = config.pluginmanager.get_plugin("capturemanager")
 
+    worker = hasattr(config, "workerinput")  # an xdist worker: its terminal is not shown
+
     def say(line: str) -> None:
         with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-            if reporter is not None:
+            if worker:  # its stderr is the terminal's (a worker's stdout is its channel)
+                print(line, file=sys.stderr, flush=True)
+            elif reporter is not None:
                 reporter.write_line(line)
             else:
                 print(line, flush=True)

@@ -13,7 +13,20 @@ import pytest
 
 from docsamples import documented_storm_seconds
 from e2e.oc_harness import OPENCODE_VERSION, Sandbox, opencode, run_to_end
-from e2e.oc_scenarios import SEED_FAILURES, TEXT, Batch, CliRun, SessionRun
+from e2e.oc_scenarios import (
+    ALONE_ENV,
+    ALONE_VERSION,
+    DROP_ALONE_MIN_PER_SECOND,
+    RESET_ALONE_REQUESTS,
+    SEED_ALONE_TURNS,
+    SEED_FAILURES,
+    STORM_ALONE_EXIT,
+    STORM_ALONE_REQUESTS,
+    TEXT,
+    Batch,
+    CliRun,
+    SessionRun,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cli("opencode"), pytest.mark.timeout(420)]
 
@@ -31,6 +44,16 @@ def _fails(run: CliRun) -> str:
     )
 
 
+def test_the_recorded_alone_baselines_are_of_the_pinned_opencode() -> None:
+    """OpenCode alone is recorded, not run each time (oc_scenarios): a new pin must be
+    measured again, with the command there."""
+    assert ALONE_VERSION == OPENCODE_VERSION, (
+        f"the OpenCode-alone baselines are of {ALONE_VERSION}, the pin is {OPENCODE_VERSION}: "
+        f"measure them again ({ALONE_ENV}=1 pytest -m e2e tests/e2e/test_opencode_e2e.py) "
+        "and update them in tests/e2e/oc_scenarios.py"
+    )
+
+
 def test_the_pinned_opencode_cli_runs() -> None:
     """The installed CLI is the pinned one (the fresh-machine test runs this one alone)."""
     with tempfile.TemporaryDirectory(prefix="unbroken-e2e-version-") as root:
@@ -44,21 +67,25 @@ def test_503_storm_kills_opencode_alone_but_not_through_unbroken(
     scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs = scenarios.result("storm", timeout=300)
-    alone, relayed = runs["without"], runs["with"]
-    died_after = alone.times[-1] if alone.times else 0.0
+    relayed = runs["with"]
+    documented = documented_storm_seconds()
+    alone = runs.get("without")  # measured again (UNBROKEN_E2E_ALONE=1), else recorded
+    if alone is not None:
+        died_after = alone.times[-1] if alone.times else 0.0
+        said = f"exit {alone.finished.code} after {alone.requests} requests ({died_after:.0f} s"
+        assert alone.finished.code == STORM_ALONE_EXIT, _fails(alone)
+        assert alone.requests == STORM_ALONE_REQUESTS, _fails(alone)  # 1 try, 5 retries
+        # The docs give this time (README, docs/agents.md, docs/opencode.md): still true.
+        assert abs(died_after - documented) <= 12, (died_after, documented, alone.times)
+    else:
+        said = f"exit {STORM_ALONE_EXIT} after {STORM_ALONE_REQUESTS} requests (~{documented} s"
     report(
         capsys,
-        f"503 storm: OpenCode alone: exit {alone.finished.code} after {alone.requests} requests "
-        f"({died_after:.0f} s from the first to the last); through `unbroken run -- opencode "
-        f"run` (no config): exit {relayed.finished.code} in {relayed.finished.elapsed:.1f} s, "
-        f"{relayed.requests} upstream requests, {relayed.finished.stream_errors()} errors "
-        "seen by OpenCode",
+        f"503 storm: OpenCode alone: {said} from the first to the last); through `unbroken "
+        f"run -- opencode run` (no config): exit {relayed.finished.code} in "
+        f"{relayed.finished.elapsed:.1f} s, {relayed.requests} upstream requests, "
+        f"{relayed.finished.stream_errors()} errors seen by OpenCode",
     )
-    assert alone.finished.code == 1, _fails(alone)
-    assert alone.requests == 6, _fails(alone)  # the first try and OpenCode's 5 retries
-    # The docs give this time (README, docs/agents.md, docs/opencode.md): it must still be true.
-    documented = documented_storm_seconds()
-    assert abs(died_after - documented) <= 12, (died_after, documented, alone.times)
     assert relayed.finished.code == 0, _fails(relayed)
     assert TEXT in relayed.finished.stdout
     assert relayed.finished.stream_errors() == 0, _fails(relayed)  # OpenCode saw no error
@@ -70,22 +97,24 @@ def test_reset_before_output_completes_without_an_opencode_retry(
     scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs = scenarios.result("reset_before_output", timeout=300)
-    alone, relayed = runs["without"], runs["with"]
+    relayed = runs["with"]
+    alone = runs.get("without")  # measured again (UNBROKEN_E2E_ALONE=1), else recorded
     report(
         capsys,
-        f"reset before output: OpenCode alone retried {alone.requests - 1} times "
-        f"(backoff {alone.times[-1]:.1f} s); through unbroken: {relayed.requests} upstream "
-        f"requests in {relayed.times[-1]:.1f} s, {relayed.finished.stream_errors()} OpenCode "
-        "retries",
+        f"reset before output: OpenCode alone retried {RESET_ALONE_REQUESTS - 1} times"
+        + (f" (backoff {alone.times[-1]:.1f} s)" if alone is not None else "")
+        + f"; through unbroken: {relayed.requests} upstream requests in "
+        f"{relayed.times[-1]:.1f} s, {relayed.finished.stream_errors()} OpenCode retries",
     )
     assert relayed.finished.code == 0, _fails(relayed)
     assert relayed.finished.stdout.strip().endswith(TEXT), _fails(relayed)
     assert relayed.finished.stream_errors() == 0, _fails(relayed)
     assert relayed.requests == 3
-    # The contrast: alone, OpenCode saw the failures and had to retry twice itself.
-    # (Its "stream error" log line is not printed for every failure: count requests.)
-    assert alone.requests == 3, _fails(alone)
-    assert alone.finished.stream_errors() >= 1, _fails(alone)
+    if alone is not None:
+        # The contrast: alone, OpenCode saw the failures and had to retry twice itself.
+        # (Its "stream error" log line is not printed for every failure: count requests.)
+        assert alone.requests == RESET_ALONE_REQUESTS, _fails(alone)
+        assert alone.finished.stream_errors() >= 1, _fails(alone)
 
 
 @pytest.mark.scenario("tool_reset")
@@ -110,19 +139,25 @@ def test_drop_after_output_causes_no_hot_reprompt_loop(
     scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs = scenarios.result("drop_after_output", timeout=300)
-    alone, relayed = runs["without"], runs["with"]
+    relayed = runs["with"]
+    alone = runs.get("without")  # measured again (UNBROKEN_E2E_ALONE=1), else recorded
+    alone_rate = alone.extra["per_second"] if alone is not None else DROP_ALONE_MIN_PER_SECOND
     report(
         capsys,
-        f"drop after output (clean end, no finish), 15 s window: OpenCode alone "
-        f"{alone.extra['per_second']:.1f} requests/s (peak {alone.extra['max_per_second']} in "
-        f"one second); through unbroken {relayed.extra['per_second']:.2f} requests/s (peak "
+        "drop after output (clean end, no finish), 15 s window: OpenCode alone "
+        + (
+            f"{alone_rate:.1f} requests/s (peak {alone.extra['max_per_second']} in one second)"
+            if alone is not None
+            else f"at least {alone_rate} requests/s (recorded)"
+        )
+        + f"; through unbroken {relayed.extra['per_second']:.2f} requests/s (peak "
         f"{relayed.extra['max_per_second']})",
     )
     # The hot loop unbroken exists to prevent. Its rate is bound by the CPU OpenCode gets:
     # 13-15 requests/s on an idle machine, as low as 0.4/s at a load average of 15 (a CI
     # run measured 0.4 against 0.2 through unbroken), so only the order is asserted here;
     # the bounds that matter are unbroken's own, below.
-    assert alone.extra["per_second"] > relayed.extra["per_second"]
+    assert alone_rate > relayed.extra["per_second"]
     assert relayed.extra["max_per_second"] <= 2
     assert relayed.extra["per_second"] < 0.5
 
@@ -160,16 +195,20 @@ def test_seed_twenty_drops_after_output_kill_opencode_alone_and_resume_recovers(
     scenarios: Batch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs: dict[str, SessionRun] = scenarios.result("seed", timeout=400)
-    alone, resumed = runs["without"], runs["with"]
+    resumed = runs["with"]
+    alone = runs.get("without")  # measured again (UNBROKEN_E2E_ALONE=1), else recorded
     report(
         capsys,
-        f"{SEED_FAILURES} drops after output: without unbroken {alone.turns} provider turns, "
-        f"session {alone.outcome}; with unbroken (relay + resume) {resumed.turns} provider "
-        f"turns, {resumed.outcome} on turn {resumed.recovered_on} after {resumed.resumes} "
-        f"resumes ({resumed.elapsed:.0f} s; peak {resumed.max_per_second} requests/s)",
+        f"{SEED_FAILURES} drops after output: without unbroken "
+        f"{alone.turns if alone is not None else SEED_ALONE_TURNS} provider turns, session "
+        f"{alone.outcome if alone is not None else 'dead'}; with unbroken (relay + resume) "
+        f"{resumed.turns} provider turns, {resumed.outcome} on turn {resumed.recovered_on} "
+        f"after {resumed.resumes} resumes ({resumed.elapsed:.0f} s; peak "
+        f"{resumed.max_per_second} requests/s)",
     )
-    assert alone.outcome == "dead", alone
-    assert alone.turns == 6, alone.times
+    if alone is not None:
+        assert alone.outcome == "dead", alone
+        assert alone.turns == SEED_ALONE_TURNS, alone.times
     assert resumed.outcome == "completed", resumed.log[-4000:]
     assert resumed.turns == SEED_FAILURES + 1, resumed.times
     assert resumed.recovered_on == SEED_FAILURES + 1

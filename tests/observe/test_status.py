@@ -111,7 +111,18 @@ async def test_status_reflects_an_inflight_retry(
         "age_s",
         "held_bytes",
         "splices",
+        "chain",
     }
+    # its attempt chain: the one failed attempt, as the journal records it
+    [attempt] = turn["chain"]
+    assert attempt["n"] == 1 and attempt["upstream"] == mock.url and attempt["choice"] == "first"
+    assert (attempt["reason"], attempt["phase"], attempt["status"]) == ("429", "headers", 429)
+    assert attempt["started"] <= attempt["ended"] <= data["now"]
+    [failure] = data["last_failures"]
+    assert failure == {"turn": turn["id"], "route": "mock", **attempt}
+    [[at, ok, failed, turns_ok, turns_failed]] = data["timeline"]["seconds"]
+    assert (ok, failed, turns_ok, turns_failed) == (0, 1, 0, 0)
+    assert at == int(attempt["ended"])
     [up] = [u for u in data["upstreams"] if u["route"] == "mock"]
     assert up["upstream"] == mock.url and up["up"] is True
     assert up["failed"] == 1 and 20 < up["cooloff_s"] <= 30
@@ -133,6 +144,10 @@ async def test_status_reflects_an_inflight_retry(
     assert after["inflight"] == []
     assert after["totals"]["turns"] == 1
     assert after["totals"]["outcomes"]["aborted_by_client"] == 1
+    # a client's abort is neither a good nor a bad turn on the timeline
+    assert [b[3:] for b in after["timeline"]["seconds"]] == [[0, 0]] * len(
+        after["timeline"]["seconds"]
+    )
 
 
 async def test_status_command_once_and_json(
@@ -426,6 +441,10 @@ async def test_the_status_json_sample_has_the_shape_of_a_real_one(
     sample = _json_sample()
     _keys(sample, real, "top level")
     _keys(sample["inflight"][0], real["inflight"][0], "inflight[]")
+    _keys(sample["inflight"][0]["chain"][0], real["inflight"][0]["chain"][0], "chain[]")
+    _keys(sample["last_failures"][0], real["last_failures"][0], "last_failures[]")
+    _keys(sample["timeline"], real["timeline"], "timeline")
+    assert sample["timeline"]["fields"] == real["timeline"]["fields"]
     [up] = [u for u in real["upstreams"] if u["route"] == "mock"]
     _keys(sample["upstreams"][0], up, "upstreams[]")
     _keys(
@@ -472,3 +491,30 @@ async def test_status_sends_the_token_when_one_is_set(
     finally:
         await runner.cleanup()
     assert seen == ["a-status-token-0123456789", None]
+
+
+def test_last_failures_and_the_timeline_are_bounded() -> None:
+    """/status lists the last `LAST_FAILURES` failed attempts and `TIMELINE_S` seconds."""
+    from unbroken.observe.hooks import AttemptInfo, TurnRecord
+    from unbroken.observe.status import LAST_FAILURES, TIMELINE_S, StatusTracker
+
+    tracker = StatusTracker()
+    t0 = 1_800_000_000.0
+    for i in range(TIMELINE_S + 50):
+        turn = TurnRecord(route="r", path="v1/x", protocol="chat", stream=True)
+        for n, reason in ((1, "503"), (2, "ok")):
+            at = t0 + i + 0.1 * n
+            attempt = AttemptInfo(number=n, upstream="u", started=at, ended=at, reason=reason)
+            turn.attempt_log.append(attempt)
+            tracker.attempt_ended(turn, attempt)
+        turn.outcome, turn.ended = "recovered", t0 + i + 0.5
+        tracker.turn_ended(turn)
+    now = t0 + TIMELINE_S + 50
+    failures = tracker.last_failures()
+    assert len(failures) == LAST_FAILURES
+    assert [f["ended"] for f in failures] == sorted(f["ended"] for f in failures)
+    assert {(f["n"], f["reason"]) for f in failures} == {(1, "503")}
+    seconds = tracker.timeline(now)["seconds"]
+    assert len(seconds) == TIMELINE_S - 1  # the seconds after now - TIMELINE_S
+    assert seconds[-1] == [int(now) - 1, 1, 1, 1, 0]
+    assert all(b[1:] == [1, 1, 1, 0] for b in seconds)

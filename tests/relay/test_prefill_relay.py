@@ -316,7 +316,7 @@ async def test_a_model_that_refuses_prefill_ends_with_the_native_error_and_is_re
     _ends_with_native_error(got)
     assert len(mock.requests) == 3  # no second continuation request
     turns = await rec.wait_turns(2)
-    assert turns[0].continuation == "refused_join"
+    assert turns[0].continuation == "refused_not_resumable"  # (the 400 refused prefill)
     assert turns[1].continuation == "refused_not_resumable"
 
 

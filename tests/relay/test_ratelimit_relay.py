@@ -23,7 +23,7 @@ from relay.test_health_relay import CHAT, PATH, config, until
 from unbroken.core.ratelimit import credential_hash
 from unbroken.mock import MockProvider
 from unbroken.mock.limits import MockLimits
-from unbroken.observe.journal import SCHEMA, Journal
+from unbroken.observe.journal import SCHEMA, SCHEMA_VERSION, Journal
 from unbroken.observe.stats import compute_stats, format_stats
 from unbroken.relay.pacing import RateLimitIO
 from unbroken.relay.server import RelayServer
@@ -195,7 +195,7 @@ async def test_the_journal_records_time_queued_and_stats_report_it(
     conn = sqlite3.connect(path)
     try:
         queued = [q for (q,) in conn.execute("SELECT queued_s FROM turns ORDER BY started")]
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         stats = compute_stats(conn, since_s=None)
     finally:
         conn.close()
@@ -214,7 +214,7 @@ def test_an_older_journal_gains_the_queued_column_and_stats_read_one_without_it(
     lines = SCHEMA.splitlines()
     at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("wait_s"))
     lines[at] = "    wait_s       REAL NOT NULL DEFAULT 0"
-    drop = ("queued_s", "splices", "saved_tokens")  # versions 4 and 5
+    drop = ("queued_s", "splices", "saved_tokens", "continuation")  # versions 4 to 6
     old_schema = "\n".join(ln for ln in lines if not ln.lstrip().startswith(drop))
     assert "queued_s" not in old_schema.split("CREATE TABLE IF NOT EXISTS attempts")[0]
     conn = sqlite3.connect(path)
@@ -236,7 +236,7 @@ def test_an_older_journal_gains_the_queued_column_and_stats_read_one_without_it(
         columns = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
         assert "queued_s" in columns
         assert conn.execute("SELECT queued_s FROM turns").fetchall() == [(0.0,)]
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     finally:
         conn.close()
 
@@ -290,11 +290,12 @@ def test_a_credential_is_the_injected_key_else_the_clients_header_else_its_key_p
 
 
 async def test_a_quantized_provider_is_not_stormed_through_the_relay(
-    mock: MockProvider, http: aiohttp.ClientSession
+    mock: MockProvider, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
     # issue 32: it reports 600 a minute and enforces 10 a second, with no Retry-After;
     # before, a 429 was waited until the learned rate "refilled" one request (under a
     # millisecond) with no retry delay and no pacer: thousands of requests a second
+    caplog.set_level(logging.INFO, logger="unbroken")
     mock.limits = MockLimits(rpm=600, behaviour="quantized")
     cfg = config([mock.url], retry={"delay_ms": 250, "max_delay_ms": 30_000})
     async with RelayServer(cfg) as server:
@@ -311,3 +312,7 @@ async def test_a_quantized_provider_is_not_stormed_through_the_relay(
         assert throttle["on"] == (sent.count(429) > 0)
         metrics = await (await http.get(server.url + "/metrics")).text()
         assert ("unbroken_ratelimit_throttle_per_s{" in metrics) == throttle["on"]
+    # the wait is in the log: one line when the line forms, with why; one when it clears
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pacing")]
+    assert any("wait in line (rate limit (key " in line for line in lines), lines
+    assert any("line cleared" in line for line in lines), lines

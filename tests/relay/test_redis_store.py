@@ -96,7 +96,9 @@ async def test_exactly_one_instance_probes_a_half_open_upstream(
     redis_server: RedisServer, mock: MockProvider
 ) -> None:
     async with DeadPort() as dead:
-        cfg = fleet_config([dead.url, mock.url], redis_server.url, failures_to_open=2, open_s=1.0)
+        cfg = fleet_config(
+            [dead.url, mock.url], redis_server.url, failures_to_open=2, open_s=1.0, max_open_s=30.0
+        )
         async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
             await until(lambda: up(a))
             await until(lambda: up(b))
@@ -115,9 +117,24 @@ async def test_exactly_one_instance_probes_a_half_open_upstream(
                 return dead.accepted > 2
 
             await until(probed, cap=10)
+            assert dead.accepted == 3  # one probe in the whole fleet, then open again
+
+            # Open again for 2 s (open_s doubled), on both: no request reaches the dead
+            # upstream meanwhile.  A round that ends after that may meet the next
+            # half-open period and its one probe, rightly: under load 5 rounds took
+            # longer than the old 1 s (1 run in 3 failed with 4 xdist workers at a load
+            # average of 10).
+            def reopened_on_both() -> float:
+                now = time.monotonic()
+                return min(s.relay.board.blocked_until(key, now) for s in (a, b))
+
+            await until(lambda: reopened_on_both() > 0.0, cap=2)
+            reopened = reopened_on_both()
             for _ in range(5):
                 await probed()
-            assert dead.accepted == 3  # one probe in the whole fleet, then open again
+                if time.monotonic() >= reopened:
+                    break
+                assert dead.accepted == 3
 
 
 async def test_redis_down_keeps_serving_degraded_and_shares_again_when_back(

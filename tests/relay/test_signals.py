@@ -11,6 +11,7 @@ runtime directory must be gone.  ``nohup`` (SIGHUP ignored at start) still means
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -67,14 +68,36 @@ async def start_relay(
         env=env,
         start_new_session=True,  # its own process group, as a shell job has
     )
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    except TimeoutError:
+        line = ""
     m = re.search(r"http://127\.0\.0\.1:\d+", line)
-    if not m:
-        assert proc.stderr is not None
+    if m is None:  # it died or hangs: say why, with what it wrote on stderr
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
         err = (await asyncio.wait_for(proc.stderr.read(), 10)).decode(errors="replace")
-        raise AssertionError(f"no URL in {line!r}: {err[-2000:]}")
+        code = await asyncio.wait_for(proc.wait(), 10)
+        said = f"exit {code}, stdout {line!r}"
+        pytest.fail(f"the relay did not say its URL ({said}); stderr:\n{err[-4000:]}", False)
     return Relay(proc, m.group(0), tmpdir)
+
+
+async def test_a_relay_that_does_not_start_fails_the_helper_with_its_stderr(
+    tmp_path: Path,
+) -> None:
+    # The helper showed only the empty stdout line ("AssertionError: ''") when the
+    # relay died before it listened: the reason was in the child's stderr, unread.
+    with pytest.raises(pytest.fail.Exception) as failed:
+        await start_relay(tmp_path, "ftp://nowhere", workers=1)
+    message = str(failed.value)
+    assert "exit 2" in message and "ftp://nowhere" in message, message
+
+
+def gone(path: str) -> bool:
+    return not os.path.lexists(path)
 
 
 def alive(pid: int) -> bool:
@@ -141,6 +164,10 @@ async def signal_and_check(
         assert code == 0, f"exit {code}: {err[-2000:]}"
         assert "Traceback" not in err, err[-2000:]
         assert not list(relay.tmpdir.glob("unbroken-workers-*")), "runtime dir left behind"
+        if workers > 1:  # wherever it was (a long TMPDIR puts it under /tmp): gone
+            runtime = re.search(r"runtime dir (\S+?)\)", err)
+            assert runtime, err[-2000:]
+            assert gone(runtime.group(1)), "runtime dir left behind"
     finally:
         for pid in [relay.proc.pid, *pids]:
             if alive(pid):

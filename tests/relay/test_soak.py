@@ -1,7 +1,7 @@
 """Proven under load (issue 10): a 60 s soak and a leak check, through ``bench/soak.py``.
 
-Both run by default; ``-m 'not soak'`` deselects them.  The soak drives 200
-concurrent streamed turns with 5 % injected faults, client aborts and slow
+Both run by default, in the long tier (``-m 'not slow'`` deselects them).  The soak
+drives 200 concurrent streamed turns with 5 % injected faults, client aborts and slow
 readers through a real ``unbroken serve`` process, checking every turn's
 bytes; the leak check sends 2,000 requests with random client aborts and
 expects the relay's fds and tasks back at their idle level.
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import soak
 
-pytestmark = pytest.mark.soak
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(240)

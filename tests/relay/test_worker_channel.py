@@ -24,6 +24,8 @@ import aiohttp
 from relay.test_health_relay import until
 from relay.test_workers import mock2  # a fixture
 from unbroken.mock import MockProvider
+from unbroken.relay.store import SUN_PATH_MAX, channel_socket
+from unbroken.relay.workers import SHORT_TMP
 
 __all__ = ["mock2"]
 
@@ -58,7 +60,7 @@ class Fleet:
         return self.proc.returncode
 
 
-async def start(tmp_path: Path, upstreams: list[str]) -> Fleet:
+async def start(tmp_path: Path, upstreams: list[str], *, tmpdir: Path | None = None) -> Fleet:
     cfg = tmp_path / "fleet.toml"
     ups = ", ".join(f'{{ url = "{u}" }}' for u in upstreams)
     cfg.write_text(
@@ -67,6 +69,8 @@ async def start(tmp_path: Path, upstreams: list[str]) -> Fleet:
         f"[routes.mock]\nupstreams = [{ups}]\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "unbroken", "serve", "--config", str(cfg)),
         *("--port", "0", "--workers", "2"),
@@ -77,7 +81,10 @@ async def start(tmp_path: Path, upstreams: list[str]) -> Fleet:
     assert proc.stdout is not None and proc.stderr is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
     m = re.search(r"http://127\.0\.0\.1:\d+", line)
-    assert m, line
+    if m is None:  # it never listened: its stderr says why
+        proc.kill()
+        err = (await asyncio.wait_for(proc.stderr.read(), 10)).decode(errors="replace")
+        raise AssertionError(f"no URL on stdout ({line!r}); stderr:\n{err[-3000:]}")
     fleet = Fleet(proc, m.group(0), Path("/nonexistent"))
 
     def runtime() -> bool:
@@ -184,3 +191,38 @@ async def test_a_siblings_status_summary_that_is_garbage_is_skipped(
     finally:
         assert await fleet.stop() == 0
     assert "Traceback" not in "".join(fleet.err)
+
+
+async def test_workers_under_a_long_tmpdir_put_their_sockets_in_a_short_runtime_dir(
+    tmp_path: Path, mock: MockProvider
+) -> None:
+    # Issue 34: under a TMPDIR whose runtime dir makes a socket path longer than
+    # sun_path (107 bytes), every worker died at bind ("AF_UNIX path too long") and
+    # `serve --workers 2` exited 1 without listening.  The supervisor now puts the
+    # runtime dir under /tmp then, and says so.
+    long_tmp = tmp_path / ("long-tmpdir-" + "x" * 100)
+    long_tmp.mkdir()
+    assert len(os.fsencode(long_tmp / "unbroken-workers-12345678" / "w1.sock")) > SUN_PATH_MAX
+    fleet = await start(tmp_path, [mock.url], tmpdir=long_tmp)
+    try:
+        assert fleet.runtime.parent == Path(SHORT_TMP)
+        assert len(os.fsencode(channel_socket(fleet.runtime, 1))) <= SUN_PATH_MAX
+        assert fleet.runtime.stat().st_mode & 0o777 == 0o700
+        key = f"mock|{mock.url}"
+        fleet.send(msg(kind="cooloff", k=key, ttl=30.0, r="retry_after"))
+        learned: set[int] = set()
+
+        async def both_learned() -> bool:  # the channel works: both sockets are bound
+            data = await fleet.status()
+            ups = {u["upstream"]: u for u in data["upstreams"]}
+            if ups[mock.url]["cooloff_s"] > 0:
+                learned.add(data["worker"]["id"])
+            return learned == {0, 1}
+
+        await until(both_learned, cap=20)
+        assert not list(long_tmp.iterdir())  # nothing was made in the long TMPDIR
+    finally:
+        assert await fleet.stop() == 0
+    assert not fleet.runtime.exists()  # removed on exit, as in TMPDIR
+    err = "".join(fleet.err)
+    assert "too long for the workers' sockets" in err and "Traceback" not in err, err

@@ -91,6 +91,9 @@ class Refusal(enum.StrEnum):
     JOIN = "join"
     #: the continuation made no progress within the bound (stuck in ``queued``)
     QUEUED = "queued"
+    #: the turn's protocol (or body) has no continuation the relay can check: Gemini, a
+    #: Responses body the relay cannot patch (encoded, or background asked by the client)
+    UNSUPPORTED = "unsupported"
 
 
 class JoinBroken(Exception):

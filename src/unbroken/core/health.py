@@ -440,13 +440,19 @@ class HealthBoard:
             return rec.cooloff_until
         return 0.0
 
+    def in_line(self, key: str) -> int:
+        """Turns waiting for ``key``: in its pacer's line and its rate lines."""
+        p = self.pacers.get(key)
+        return (len(p.queue) if p is not None else 0) + self.rates.in_line(key)
+
     def wait_reason(self, key: str, now: float) -> str:
         """Why turns wait in ``key``'s line, for the logs: the longest block there."""
+        rate = self.rates.wait_reason(key, now)
         rec = self.records.get(key)
         if rec is None:
-            return "retry pacing"
+            return rate or "retry pacing"
         self._refresh(rec, now)
-        parts = []
+        parts = [rate] if rate else []
         if rec.state is Breaker.OPEN:
             parts.append("breaker open")
         elif rec.state is Breaker.HALF_OPEN:

@@ -28,11 +28,14 @@ Hold rules (``[stream] hold``):
   released whole (the dispatch gate): no client can have dispatched a call it
   never received, so a failure mid-arguments is replayable while PENDING.
   Frames arriving while a call is open are held behind it, to keep order.
-* ``tool_tail`` (opt-in, with ``tool_calls``) while PENDING, a complete tool call
-  is held on, with the CONTROL frames after it (``message_delta``), until the
-  terminal frame, the next tool call or output, whichever comes first.  A cut
-  between the call's end and ``message_stop`` / ``response.completed`` is then a
-  replay, not an error after commit; the call reaches the client that much later.
+* ``tool_tail`` (with ``tool_calls``; on by default for the clients whose profile
+  says so: `core.profiles`) a complete tool call is held on, with the CONTROL
+  frames and any further tool calls after it (``message_delta``), until the
+  terminal frame or output, whichever comes first.  A cut between the call's end
+  and ``message_stop`` / ``response.completed`` is then a replay while PENDING;
+  after commit (text before the call) the held calls are dropped with the error,
+  so a client that retries never holds a call the model is asked for again.  The
+  calls reach the client that much later.
 * ``reasoning`` REASONING frames are held too while PENDING.
 * ``all``       everything is held until TERMINAL_OK: nothing streams, and
   every failure is replayable.
@@ -136,8 +139,9 @@ class Hold:
             raise ValueError(f"unknown hold choice(s): {sorted(unknown)}")
         self.all = "all" in names
         self.tools = self.all or "tool_calls" in names
-        #: while PENDING, a complete tool call waits for the message's end (or for
-        #: the next call or output, whichever comes first): a cut in that gap replays
+        #: a complete tool call waits for the message's end (or for output, whichever
+        #: comes first): a cut in that gap replays while PENDING, and drops the call
+        #: after commit
         self.tool_tail = self.tools and "tool_tail" in names
         mask = 0
         if self.all or "control" in names:
@@ -336,15 +340,14 @@ class Ledger:
 
         hold = self.hold
         if self.open_tools and not tools_before:
-            if self._tail:
-                # tool_tail: another call begins, so the complete one waits no longer.
-                out = list(self._release_held(None))
-                out.extend(self._hold(event))
-                return out
-            self._tool_mark = len(self._held)  # where the open tool calls begin
-        if hold.tool_tail and state is LedgerState.PENDING:
+            # where the open tool calls begin (complete ones held by tool_tail before)
+            self._tool_mark = len(self._held)
+        if hold.tool_tail:
             if tools_before and not self.open_tools:
-                # tool_tail: the call is complete; it waits for the message's end.
+                # tool_tail: the call is complete; it waits for the message's end, even
+                # after commit (a cut then drops it, never to be released), and so does
+                # a parallel call after it: a client that starts each call at its end
+                # must not see one the retry asks the model for again.
                 self._tail = True
                 return self._hold(event)
             if self._tail and not kinds & ~Kind.CONTROL:

@@ -3,7 +3,10 @@
 Anthropic Messages (`protocols.anthropic_prefill`) and Chat Completions with a
 provider's documented prefix mode (`protocols.chat_prefix`): after a cut, the
 continuation request is the client's request with what the client already has as
-an assistant prefix, and its frames are spliced into the client's stream.
+an assistant prefix, and its frames are spliced into the client's stream.  For
+Anthropic models that refuse prefill, a route may ask for the documented
+user-message continuation instead (`protocols.anthropic_continue`: the same
+strategy, another request, an answer that must repeat a quoted anchor first).
 
 * It reads back what the turn *released* (`released`, fed by the turn machine,
   ``wants_released``), never what it received: the committed text, and whether
@@ -29,25 +32,44 @@ from unbroken.core.continuation import ContinuationMemory, JoinBroken, Refusal, 
 from unbroken.core.ledger import Ledger, LedgerState
 from unbroken.core.protocols import anthropic_prefill as anthropic
 from unbroken.core.protocols import chat_prefix as chat
+from unbroken.core.protocols.anthropic_continue import (
+    AnthropicContinue,
+    plan_user_message,
+    user_message_refusal,
+)
 from unbroken.core.protocols.chat_prefix import ChatPrefix
 from unbroken.core.protocols.prefill import MAX_COMMITTED_BYTES, JoinError, PrefillRefusal
 from unbroken.core.sse import Event, SSESplitter
 
-__all__ = ["ANTHROPIC_PREFILL", "PrefillContinue", "PrefillSplicer", "prefill_applies"]
+__all__ = [
+    "ANTHROPIC_PREFILL",
+    "ANTHROPIC_USER_MESSAGE",
+    "PrefillContinue",
+    "PrefillSplicer",
+    "prefill_refusal",
+]
 
 #: the mechanism's name for Anthropic Messages (metrics, `ContinuationMemory`)
 ANTHROPIC_PREFILL = "anthropic_prefill"
+#: ... and for its user-message continuation (``anthropic_continue = "user_message"``)
+ANTHROPIC_USER_MESSAGE = "anthropic_user_message"
 #: final statuses of a continuation that say the upstream refuses prefill for the model
 _REFUSING = frozenset({400, 422})
 
 
-def prefill_applies(request: dict[str, Any] | None, mode: ChatPrefix | None) -> bool:
-    """Whether a turn's request can ever be continued by prefill (checked once)."""
+def prefill_refusal(
+    request: dict[str, Any] | None,
+    mode: ChatPrefix | None,
+    anthropic_mode: AnthropicContinue = AnthropicContinue.PREFILL,
+) -> PrefillRefusal | None:
+    """Why a turn's request can never be continued (checked once), or None."""
     if request is None:
-        return False
+        return PrefillRefusal.BAD_REQUEST
     if mode is None:
-        return anthropic.request_refusal(request) is None
-    return chat.request_refusal(request, mode) is None
+        if anthropic_mode is AnthropicContinue.USER_MESSAGE:
+            return user_message_refusal(request)
+        return anthropic.request_refusal(request)
+    return chat.request_refusal(request, mode)
 
 
 class PrefillSplicer:
@@ -73,6 +95,7 @@ class PrefillContinue:
     """One turn's prefill continuations (`core.continuation.Strategy`)."""
 
     __slots__ = (
+        "_asks",
         "_keys",
         "_memory",
         "_mode",
@@ -104,11 +127,17 @@ class PrefillContinue:
         memory: ContinuationMemory,
         max_splices: int,
         mode: ChatPrefix | None = None,
+        anthropic_mode: AnthropicContinue = AnthropicContinue.PREFILL,
     ) -> None:
         self.path = path
         self.request = request
         self._mode = mode
-        self.name = ANTHROPIC_PREFILL if mode is None else f"chat_{mode.value}"
+        #: Anthropic: a user message asks to continue (no prefill)
+        self._asks = mode is None and anthropic_mode is AnthropicContinue.USER_MESSAGE
+        if mode is not None:
+            self.name = f"chat_{mode.value}"
+        else:
+            self.name = ANTHROPIC_USER_MESSAGE if self._asks else ANTHROPIC_PREFILL
         self._keys = tuple(keys)
         self._memory = memory
         model = request.get("model")
@@ -170,7 +199,10 @@ class PrefillContinue:
             committed = anthropic.read_committed(released)
             if isinstance(committed, PrefillRefusal):
                 return committed
-            plan = anthropic.plan_continuation(self.request, committed)
+            if self._asks:
+                plan = plan_user_message(self.request, committed)
+            else:
+                plan = anthropic.plan_continuation(self.request, committed)
         else:
             chat_committed = chat.read_committed(released)
             if isinstance(chat_committed, PrefillRefusal):

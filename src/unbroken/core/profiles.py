@@ -50,6 +50,14 @@ follow them (`Profile.stall_timeouts`, `Profile.nonstream_wait`).
   keep today's conservative defaults: SSE comments, early headers after
   ``[stream] early_headers_s``, the native error event after commit.
 
+Codex and OpenCode start a tool as soon as its call is complete, and retry the
+step after the error that ends a cut stream: a cut between the call's end and
+its message's end made the model call the tool again, and it ran twice (Codex
+5 of 5 runs, OpenCode 7 of 10, measured with the real binaries).  Their profiles
+add the hold rule ``tool_tail`` (``Profile.tool_tail``): the complete call waits
+for its message's end, so such a cut is replayed, or after text drops the call
+with the error; once in 20 of 20 runs each (docs/gate.md, "tool_tail").
+
 A profile is chosen from the request's ``User-Agent`` and a few headers
 (`identify`); ``[clients.<name>]`` config sections override its fields
 (`profile_for`).  The turn machine reads the chosen `Profile`.
@@ -59,7 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +126,11 @@ class Profile:
     client_header_timeout_s: float | None = None
     #: how long it waits for a non-streamed answer before it gives up on it
     client_nonstream_wait_s: float | None = None
+    #: while nothing was released, hold a complete tool call until the end of its
+    #: message (the hold rule ``tool_tail``): for a client that starts a tool at the
+    #: call's end and retries the turn after a cut, which makes the model call it
+    #: again.  None: as ``[stream] hold`` says; True adds it, False removes it
+    tool_tail: bool | None = None
 
     def header_timeout(self, header_s: float) -> float:
         """How long an attempt of a streamed request waits for the upstream's headers,
@@ -147,6 +160,14 @@ class Profile:
             idle_s = min(idle_s, cap)
         return first_frame_s, idle_s
 
+    def hold_names(self, names: Iterable[str]) -> tuple[str, ...]:
+        """The hold rules for this client's turns, from ``[stream] hold``: ``tool_tail``
+        added or removed as the profile says (it takes effect only with ``tool_calls``
+        or ``all``)."""
+        out = tuple(n for n in names if n != "tool_tail")
+        wanted = ("tool_tail" in names) if self.tool_tail is None else self.tool_tail
+        return (*out, "tool_tail") if wanted else out
+
     def nonstream_wait(self, header_s: float, first_frame_s: float) -> float:
         """How long an attempt of a non-streamed request waits for its answer: as long
         as the client itself waits, when that is known (a non-streamed answer shows
@@ -163,8 +184,15 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     # Codex 0.169: stream_idle_timeout_ms = 300000 by default (`agents.codex` reads
     # the user's); it makes no non-streamed requests of its own.
+    # It starts a tool at the call's ``response.output_item.done`` and, after a cut
+    # before ``response.completed``, retries the turn: the model's call ran twice in 5
+    # of 5 runs (HTTP and WebSocket each) without ``tool_tail``, once in 20 of 20 with it.
     "codex": Profile(
-        "codex", early_headers=False, keepalive=KeepaliveForm.EVENT, client_idle_timeout_s=300.0
+        "codex",
+        early_headers=False,
+        keepalive=KeepaliveForm.EVENT,
+        client_idle_timeout_s=300.0,
+        tool_tail=True,
     ),
     # Claude Code 2.1.328: 300 s for the next stream event (CLAUDE_STREAM_IDLE_TIMEOUT_MS
     # raises it, never below 300 s) and for a non-streamed answer (API_TIMEOUT_MS); it
@@ -187,7 +215,9 @@ PROFILES: dict[str, Profile] = {
         client_idle_timeout_s=300.0,
         client_header_timeout_s=60.0,
     ),
-    "opencode": Profile("opencode"),
+    # OpenCode 1.18.33 (the AI SDK) starts a tool at the call's end too, and retries the
+    # step after the error event that follows: ``tool_tail`` (see docs/gate.md).
+    "opencode": Profile("opencode", tool_tail=True),
     "openai-sdk": Profile("openai-sdk"),
     "anthropic-sdk": Profile("anthropic-sdk"),
     "unknown": Profile("unknown"),
@@ -207,6 +237,7 @@ CLIENT_KEYS: dict[str, tuple[type, ...]] = {
     "client_idle_timeout_s": (int, float),
     "client_header_timeout_s": (int, float),
     "client_nonstream_wait_s": (int, float),
+    "tool_tail": (bool,),
 }
 
 #: ``[clients.<name>]`` keys whose value is one of an enum's values

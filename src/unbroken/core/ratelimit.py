@@ -295,6 +295,7 @@ class Limiter:
 
     __slots__ = (
         "_decrease_seq",
+        "_modeled",
         "_next_hint",
         "_second",
         "_unanswered",
@@ -332,6 +333,8 @@ class Limiter:
         self.running: dict[int, float] = {}
         #: admissions in flight with no answer yet (accepted or refused)
         self._unanswered: set[int] = set()
+        #: admissions in flight let go while the provider's budget was known: seq -> True
+        self._modeled: dict[int, bool] = {}
         #: (seq, seconds): the shortest reset under ``NEXT_HINT_S`` an answer reported
         self._next_hint: tuple[int, float] = (0, 0.0)
         #: (tokens, when): the per-second share of a reported per-minute requests limit,
@@ -417,6 +420,8 @@ class Limiter:
         self.uncounted[self.seq] = tokens
         self.running[self.seq] = tokens
         self._unanswered.add(self.seq)
+        if self.buckets:
+            self._modeled[self.seq] = True
         self.throttle.sent(self.seq, now)
         if self._second_share() is not None:
             self._second_due(now)  # refilled to now
@@ -426,6 +431,7 @@ class Limiter:
 
     def _refund(self, seq: int) -> None:
         tokens = self.running.pop(seq, None)
+        self._modeled.pop(seq, None)
         if tokens is None:
             return
         if self.uncounted.pop(seq, None) is not None:
@@ -519,7 +525,23 @@ class Limiter:
         self.seen = True
         self.uncounted.pop(seq, None)
         self._unanswered.discard(seq)
-        if self.throttle.refused(seq, now, self.seq) and self.ramp is not None:
+        modeled = self._modeled.pop(seq, False)
+        budget_due = now
+        for bucket, cost in self._costs(tokens):
+            if cost > 0:
+                budget_due = max(budget_due, bucket.due(cost, now))
+        hint_seq, hint = self._next_hint
+        hinted = hint_seq == seq and hint > 0.0
+        # A 429 is proof the model is wrong when the model let the request go (a budget
+        # was known then), or when nothing the provider reports explains it (no budget
+        # short, no "next request in under a second"); one that meets a key already
+        # spent before anything was known is not.
+        explained = budget_due > now or hinted
+        if (
+            (modeled or not explained)
+            and self.throttle.refused(seq, now, self.seq)
+            and self.ramp is not None
+        ):
             # fewer in flight (halved, as TCP's slow start on a loss), still growing by
             # one for each answer taken: a block's end does not let the whole line go
             self.ramp = max(1.0, min(self.ramp, float(len(self.running))) / 2.0)
@@ -536,14 +558,8 @@ class Limiter:
             # Only a budget the provider reports short of this request's cost is
             # waited for (its headers, learned first, say which); one with room is
             # not emptied by a 429 that may be another budget's or another limit's.
-            due = now
-            for bucket, cost in self._costs(tokens):
-                if cost > 0:
-                    due = max(due, bucket.due(cost, now))
-            if not math.isfinite(due):
-                due = now
-            hint_seq, hint = self._next_hint
-            if due <= now and hint_seq == seq and hint > 0.0:
+            due = budget_due if math.isfinite(budget_due) else now
+            if due <= now and hinted:
                 # No budget explains it, and its own headers say the next request may
                 # go in under a second (a per-minute limit enforced per second)
                 due = now + hint
@@ -565,6 +581,7 @@ class Limiter:
         if ok and seq in self._unanswered:
             self.accepted(seq, now)  # an answer no header event told of
         self._unanswered.discard(seq)
+        self._modeled.pop(seq, None)
         tokens = self.running.pop(seq, None)
         self.seen = True
         if tokens is None:
@@ -615,6 +632,25 @@ class Limiter:
             self.granted[head] = (now, self._spend(tokens, now))
             out.append(head)
         return out, None
+
+    def wait_reason(self, now: float) -> str:
+        """Why this line waits, for the logs."""
+        why: list[str] = []
+        if self.ramp is not None and len(self.running) >= int(self.ramp):
+            why.append(f"slow start, {len(self.running)} in flight")
+        share = self._second_share()
+        if share is not None and self._second_due(now) > now:
+            why.append(f"a second's share, {share[0]:.3g}/s")
+        for name, b in self.buckets.items():
+            b.refill(now)
+            if b.level < 1.0:
+                why.append(f"{name} spent, {b.rate:.3g}/s")
+        if self.blocked_until > now:
+            why.append(f"blocked {self.blocked_until - now:.1f}s")
+        if self.throttle.enabled:
+            why.append(f"{self.throttle.rate:.3g}/s after the provider's 429s")
+        head = f"rate limit (key {self.cred})"
+        return f"{head}: {', '.join(why)}" if why else head
 
     def view(self, now: float) -> dict[str, Any]:
         return {
@@ -689,3 +725,13 @@ class RateBoard:
     def view(self, key: str, now: float) -> list[dict[str, Any]]:
         by = self.limiters.get(key)
         return [lim.view(now) for lim in by.values()] if by else []
+
+    def in_line(self, key: str) -> int:
+        """Turns waiting in ``key``'s rate lines."""
+        by = self.limiters.get(key)
+        return sum(len(lim.line) for lim in by.values()) if by else 0
+
+    def wait_reason(self, key: str, now: float) -> str | None:
+        """Why turns wait in ``key``'s rate lines, for the logs (None: none do)."""
+        by = self.limiters.get(key) or {}
+        return "; ".join(lim.wait_reason(now) for lim in by.values() if lim.line) or None

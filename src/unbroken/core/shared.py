@@ -108,6 +108,9 @@ class SharedBounds:
     max_open_s: float = 0.5
     max_retry_after_s: float = 60.0
     quota_cooloff_s: float = 30.0
+    #: a sibling's ``waiting`` mark (it has turns in an upstream's line) lasts at most
+    #: this long unless renewed (the workers' channel; Redis: ``WAITERS_TTL_MS``)
+    waiting_s: float = 3.0
 
     @classmethod
     def of(cls, health: HealthSettings, max_retry_after_ms: int) -> SharedBounds:
@@ -121,6 +124,8 @@ class SharedBounds:
         """The longest an ``open`` or a ``cooloff`` (by its reason) may last here."""
         if kind == "open":
             return self.max_open_s
+        if kind == "waiting":
+            return self.waiting_s
         if reason == "quota":
             return self.quota_cooloff_s
         return self.max_retry_after_s
@@ -152,13 +157,17 @@ def escape(text: str, limit: int = MAX_SHARED_TEXT) -> str:
 # -- messages: the workers' datagrams and the Redis channel --------------------------------
 @dataclass(frozen=True, slots=True)
 class Message:
-    """A valid message: a change to apply (``open``, ``close``, ``cooloff``) or a
-    worker's ``hello`` (it asks for the others' state)."""
+    """A valid message: a change to apply (``open``, ``close``, ``cooloff``), a
+    worker's ``hello`` (it asks for the others' state), or a worker's ``waiting`` mark
+    (it has turns in ``key``'s line for ``ttl_s`` more seconds; 0: no longer; at most
+    `SharedBounds.waiting_s`)."""
 
     origin: str
     kind: str
     change: Change | None = None
     worker: int | None = None
+    key: str | None = None
+    ttl_s: float = 0.0
     #: a TTL was beyond this relay's bounds and was clamped
     clamped: bool = False
 
@@ -196,6 +205,16 @@ def parse_message(
         if w is None or not 0 <= w < MAX_WORKER:
             return Rejected(Garbage.MESSAGE)
         return Message(origin, kind, worker=w)
+    if kind == "waiting":
+        key, w = msg.get("k"), _int(msg.get("w"))
+        if not isinstance(key, str) or w is None or not 0 <= w < MAX_WORKER:
+            return Rejected(Garbage.MESSAGE)
+        if key not in known:
+            return Rejected(Garbage.UNKNOWN_KEY)
+        got = clamp_ttl(msg.get("ttl"), bounds.bound(kind))
+        if got is None:
+            return Rejected(Garbage.MESSAGE)
+        return Message(origin, kind, worker=w, key=key, ttl_s=got[0], clamped=got[1])
     if kind not in CHANGE_KINDS:
         return Rejected(Garbage.MESSAGE)
     key, reason, reopens = msg.get("k"), msg.get("r", ""), msg.get("n", 0)

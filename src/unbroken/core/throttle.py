@@ -37,6 +37,7 @@ Time is a monotonic ``now`` in seconds, passed in.  Nothing here does I/O.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any
 
@@ -46,6 +47,8 @@ __all__ = ["BETA", "CLIMB_S", "MAX_RATE", "MIN_RATE", "AdmissionThrottle"]
 BETA = 0.95
 #: seconds to climb back to the refused rate after a decrease (CUBIC's K)
 CLIMB_S = 8.0
+#: after a decrease nothing accepted measured, the rate doubles this often
+PROBE_DOUBLE_S = 1.0
 #: the lowest admitted rate, requests a second (one every 20 s at the very worst)
 MIN_RATE = 0.05
 #: the highest admitted rate the curve may reach (a sanity bound, not a target)
@@ -70,6 +73,7 @@ class AdmissionThrottle:
         "_ep_sent",
         "_ep_seq",
         "_ep_t0",
+        "_probing",
         "_t",
         "decreases",
         "enabled",
@@ -95,15 +99,23 @@ class AdmissionThrottle:
         self._ep_ok = 0
         self._ep_refused = 0
         self.decreases = 0  # for /status
+        #: the last decrease was a guess (its epoch had no accepted answer)
+        self._probing = False
         #: when the answers of the last ``RECENT_S`` were accepted (bounded)
         self._accepts: deque[float] = deque(maxlen=100_000)
 
     # -- the curve ---------------------------------------------------------------------
     def _curve(self, now: float) -> float:
-        """CUBIC's window as a rate: back to ``w_max`` after ``CLIMB_S``, then beyond."""
+        """CUBIC's window as a rate: back to ``w_max`` after ``CLIMB_S``, then beyond.
+        After a decrease that nothing accepted measured (the estimate is a guess), it
+        doubles every ``PROBE_DOUBLE_S`` instead until the next 429 (TCP's slow start
+        after a timeout): a rate anchored low on a guess is not stuck there."""
         t = now - self.t_decrease
         c = self.w_max * (1.0 - BETA) / CLIMB_S**3
-        return self.w_max + c * (t - CLIMB_S) ** 3
+        cubic = self.w_max + c * (t - CLIMB_S) ** 3
+        if self._probing:
+            return max(cubic, BETA * self.w_max * math.pow(2.0, min(t / PROBE_DOUBLE_S, 40.0)))
+        return cubic
 
     def _refill(self, now: float) -> None:
         dt = now - self._t
@@ -160,9 +172,14 @@ class AdmissionThrottle:
         recent = self._recent(now)
         if recent > 0.0:  # what got through in the last second: a quantized limit's size
             accepted = min(accepted, recent) if accepted > 0.0 else recent
-        if accepted <= 0.0:  # nothing got through this epoch: less than was sent
+        self._probing = accepted <= 0.0
+        if self._probing:  # nothing got through this epoch: less than was sent
             accepted = BETA * sent_rate
         ref = min(self.rate, accepted) if self.enabled else accepted
+        if self.enabled and ref < self.w_max:
+            # CUBIC's fast convergence: a relay whose share shrinks gives up a little
+            # more, so relays that share a provider and nothing else even out
+            ref *= (1.0 + BETA) / 2.0
         self.w_max = min(MAX_RATE, max(MIN_RATE, ref))
         self.rate = max(MIN_RATE, BETA * self.w_max)
         self.enabled = True

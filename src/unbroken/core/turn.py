@@ -102,6 +102,9 @@ told every byte released (`Strategy.released`).  A `Refusal` (typed), or a join
 that breaks, ends the turn exactly as without a strategy (before commit: a replay).
 At most ``max_splices`` continuations a turn; a continuation with no progress within
 ``queued_s`` is given up.  Responses nobody will read are named in ``cancels``.
+A turn continue mode cannot cover at all (its request enables thinking, forces a
+tool, ...) has no strategy but a ``refusal``: the observer records it when the
+machine is made (`TurnObserver.uncovered`), so that refusal is never silent.
 
 Legality and transitions: one table, `turn_table.ROWS`, that the code runs (as h11's
 ``_state.py`` does).  Each row is a (step, event) pair and the actions the event may
@@ -321,6 +324,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         socket: bool = False,
         continuation: Strategy | None = None,
         queued_s: float = DEFAULT_QUEUED_S,
+        refusal: Refusal | PrefillRefusal | None = None,
     ) -> None:
         self.protocol = protocol
         #: ``after_commit = "continue"``: the protocol's way to finish a cut turn in
@@ -330,8 +334,11 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         self.queued_s = queued_s
         #: requests that free what nobody will read (the transport sends them)
         self._cancels: list[Cancel] = []
-        #: why the last cut was not continued (None: it was, or none was asked)
-        self.refusal: Refusal | PrefillRefusal | None = None
+        #: why the last cut was not continued (None: it was, or none was asked); given:
+        #: continue mode is on but cannot cover this turn (no ``continuation``)
+        self.refusal: Refusal | PrefillRefusal | None = refusal
+        if refusal is not None:
+            report.uncovered(f"refused_{refusal.value}")
         #: the client's profile (`core.profiles`): early headers, keepalive form and
         #: interval, the non-streamed wait
         self._profile = profile = profile or DEFAULT_PROFILE

@@ -171,9 +171,14 @@ class ContinuationHooks(TurnFields):
         if status < 200 or is_retryable_status(status):
             return self._continuation_failed(now, failure)
         # A final answer to the continuation (a model that refuses prefill answers 400):
-        # the strategy may remember it for the upstream; the turn ends as without it.
-        strategy.refused(self.retry.current, status, b"")
-        return self._join_broken(now, f"the continuation was answered HTTP {status}")
+        # the strategy may remember it for the upstream (the mechanism is refused:
+        # ``not_resumable``); the turn ends as without it.
+        mechanism = strategy.refused(self.retry.current, status, b"")
+        return self._join_broken(
+            now,
+            f"the continuation was answered HTTP {status}",
+            Refusal.NOT_RESUMABLE if mechanism else Refusal.JOIN,
+        )
 
     def _continuation_failed(self, now: float, failure: Failure) -> Action:
         """Opening a continuation failed (connect, headers, a retryable status): the
@@ -187,11 +192,11 @@ class ContinuationHooks(TurnFields):
         self.attempt_ledger = ledger
         return self._verdict_action(now, failure, ledger.failed(failure.reason))
 
-    def _join_broken(self, now: float, reason: str) -> Action:
+    def _join_broken(self, now: float, reason: str, refusal: Refusal = Refusal.JOIN) -> Action:
         """The continuation does not continue what the client saw: never splice it.
         Committed, the turn ends with the native error; else it is replayed."""
         self._splice = None
-        self._refused(Refusal.JOIN)
+        self._refused(refusal)
         failure = Failure(FailureClass.STREAM_ERROR, f"continuation refused: {reason}")
         ledger = self.ledger
         assert ledger is not None

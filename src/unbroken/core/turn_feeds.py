@@ -31,8 +31,10 @@ from unbroken.core.turn_types import Fed, TurnState, new_fed
 
 __all__ = ["TurnFeeds"]
 
-#: the hot path's legality checks: identities (the table says where each is legal)
-_STREAM = only_step(TurnEvent.FEED_CHUNK)
+#: the hot path's legality checks: identities, each from its own event's row (the
+#: table says where each is legal)
+_CHUNK = only_step(TurnEvent.FEED_CHUNK)
+_FRAME = only_step(TurnEvent.FEED_FRAME)
 _PASS_THROUGH = only_step(TurnEvent.FEED_BODY)
 
 
@@ -44,13 +46,13 @@ class TurnFeeds(TurnFields):
     def feed_chunk(self, now: float, chunk: bytes) -> Fed[Sequence[Event]]:
         """SSE body bytes, through the splitter and the ledger frame by frame:
         ``released`` the frames to write now (boundaries kept), then ``over``."""
-        if self.step is not _STREAM:
+        if self.step is not _CHUNK:
             self._illegal("feed_chunk")
         released = self._feed_chunk(now, chunk)
         over = self._over
         if over is None:
             return new_fed(Fed, (released, None))
-        return Fed(released, self._moved(_STREAM, TurnEvent.FEED_CHUNK, over))
+        return Fed(released, self._moved(_CHUNK, TurnEvent.FEED_CHUNK, over))
 
     def _feed_chunk(self, now: float, chunk: bytes) -> Sequence[Event]:
         self.last_rx = now
@@ -116,13 +118,13 @@ class TurnFeeds(TurnFields):
 
     def feed_frame(self, now: float, event: Event) -> Fed[Sequence[Event]]:
         """One frame (a WebSocket message): ``released`` the frames to send, then ``over``."""
-        if self.step is not _STREAM:
+        if self.step is not _FRAME:
             self._illegal("feed_frame")
         released = self._feed_frame(now, event)
         over = self._over
         if over is None:
             return new_fed(Fed, (released, None))
-        return Fed(released, self._moved(_STREAM, TurnEvent.FEED_FRAME, over))
+        return Fed(released, self._moved(_FRAME, TurnEvent.FEED_FRAME, over))
 
     def _feed_frame(self, now: float, event: Event) -> Sequence[Event]:
         self.last_rx = now

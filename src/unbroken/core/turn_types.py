@@ -200,6 +200,11 @@ class TurnObserver(TypingProtocol):
         (``refused_<reason>``, `Refusal`); ``saved_frames``: output frames a redo would
         have sampled again so far."""
 
+    def uncovered(self, result: str) -> None:
+        """Continue mode is on, but cannot cover this turn (``refused_<reason>``: the
+        request enables thinking, forces a tool, ...): recorded on the turn, which a
+        cut after commit ends as without continue mode."""
+
 
 #: what a feed releases: frames (`feed_chunk`, `feed_frame`) or bytes
 R = TypeVar("R")

@@ -100,6 +100,10 @@ ACTION_KEYS: Final = frozenset(
         "prefix_echo",
         # a prefill continuation repeats the prefix's last N characters first
         "echo_tail",
+        # a continuation (prefill or user message) starts with this text (a comment)
+        "preamble",
+        # Anthropic: a request ending with an assistant message gets 400 (Claude 4.6)
+        "refuse_prefill",
     }
 )
 #: ``resume``: how a background resume (``GET .../responses/{id}?stream=true``) is answered
@@ -154,6 +158,12 @@ class Action:
     #: a prefill continuation starts with the prefix's last N characters (a provider
     #: that repeats the end of what it was given)
     echo_tail: int = 0
+    #: a continuation (prefill or user message) starts with this text first (a model
+    #: that comments or rephrases before it continues)
+    preamble: str = ""
+    #: Anthropic Messages: a request whose last message is an assistant message (a
+    #: prefill) is answered 400, as Claude 4.6 and later answer it
+    refuse_prefill: bool = False
     shape_key: str = ""
     #: Responses background mode: a ``background: true`` request gets a 400 naming it
     refuse_background: bool = False
@@ -336,6 +346,14 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
         kw["prefix_echo"] = get("prefix_echo")
     if "echo_tail" in data:
         kw["echo_tail"] = _int(get("echo_tail"), _where(where, "echo_tail"), lo=1)
+    if "preamble" in data:
+        if not isinstance(get("preamble"), str) or not get("preamble"):
+            raise ActionError(f"{_where(where, 'preamble')}: expected a non-empty string")
+        kw["preamble"] = get("preamble")
+    if "refuse_prefill" in data:
+        if not isinstance(get("refuse_prefill"), bool):
+            raise ActionError(f"{_where(where, 'refuse_prefill')}: expected true or false")
+        kw["refuse_prefill"] = get("refuse_prefill")
     if "code" in data:
         if fault not in CODE_FAULTS:
             raise ActionError(
@@ -375,6 +393,8 @@ def parse_action(data: Mapping[str, Any] | Action | None, *, where: str = "") ->
         shape.append("prefix_echo")
     if kw.get("echo_tail"):
         shape.append({"echo_tail": kw["echo_tail"]})
+    if kw.get("preamble"):
+        shape.append({"preamble": kw["preamble"]})
     if kw.get("response_id"):  # so does a response id of the script's
         shape.append({"response_id": kw["response_id"]})
     kw["shape_key"] = json.dumps(shape, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

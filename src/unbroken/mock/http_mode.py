@@ -39,6 +39,7 @@ from unbroken.mock.state import (
     _remember,
 )
 from unbroken.mock.wire.error_replies import (
+    PREFILL_REFUSED_BODY,
     garbage_frame,
     kind_error_body,
     kind_error_frame,
@@ -48,7 +49,7 @@ from unbroken.mock.wire.frames import ANTHROPIC_NAME, GEMINI_NAME, RESPONSES_NAM
 from unbroken.mock.wire.gemini_api import parse_path as parse_gemini_path
 from unbroken.mock.wire.gemini_api import request_view as gemini_request_view
 from unbroken.mock.wire.render import cut_after, halves, protocol_name_for_path, render_reply
-from unbroken.mock.wire.reply import MockReply, canonical_json
+from unbroken.mock.wire.reply import MockReply, canonical_json, prefill_of
 from unbroken.mock.wire.ws_replies import (
     connection_limit_body,
     previous_not_found_body,
@@ -224,6 +225,16 @@ class HttpMode(MockState):
             return await self._send_frames(
                 request, action, status, headers, halves(payload), stream=False, reply=reply
             )
+
+        if (
+            action.refuse_prefill
+            and protocol == ANTHROPIC_NAME
+            and prefill_of(protocol, req_json) is not None
+        ):
+            # Claude 4.6 and later: "This model does not support assistant message prefill"
+            headers["Content-Type"] = JSON_CONTENT_TYPE
+            headers[request_id_header] = reply.request_id
+            return web.Response(status=400, body=PREFILL_REFUSED_BODY, headers=headers)
 
         if unknown_previous is not None:
             headers["Content-Type"] = JSON_CONTENT_TYPE

@@ -54,6 +54,14 @@ class AttemptInfo:
     output_tokens: int | None = None
     #: output frames this attempt generated (about one token each): the waste of a replay
     est_output_tokens: int = 0
+    #: the model the answer named (its first frame or body), "" when none
+    response_model: str = ""
+    #: why the turn waited in an upstream's line before this attempt (``parked_for``)
+    parked_for: str | None = None
+    #: seconds of that wait spent on the provider's rate limit (part of ``queued_s``)
+    queued_s: float = 0.0
+    #: the wait planned after this attempt failed, before the next; None: none followed
+    wait_s: float | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -67,6 +75,8 @@ class TurnRecord:
     session_id: str | None = None
     #: the client profile the turn runs with (`core.profiles`): codex, claude-code, ...
     client: str = ""
+    #: the model the request names ("" when none): `core.protocols.model_asked`
+    model: str = ""
     id: int = field(default_factory=lambda: next(_ids))
     started: float = field(default_factory=time.time)
     attempts: int = 0
@@ -231,11 +241,41 @@ for _name in HOOK_NAMES:
     setattr(MultiHooks, _name, _fan_out(_name))
 
 
+#: why continue mode (``after_commit = "continue"``) did not cover a turn or finish a
+#: cut one, as the log says it (``refused_<reason>``; docs/gate.md, "Continuation")
+REFUSAL_WORDS: dict[str, str] = {
+    "thinking_enabled": "the request enables thinking (Claude Code's default adaptive thinking "
+    "does): a continuation cannot join a thinking turn",
+    "forced_tool": "the request forces a tool call (tool_choice any or tool)",
+    "client_prefill": "the client's own last assistant message is not plain text",
+    "bad_request": "the request body is not a JSON object with a list of messages",
+    "no_option": "a Chat route without chat_prefix: Chat Completions has no continuation",
+    "unsupported": "this protocol or body has no continuation the relay can check",
+    "not_resumable": "the upstream refused the continuation for this model or backend "
+    '(Claude 4.6 and later refuse prefill: anthropic_continue = "user_message"; '
+    "a Responses backend that refuses background mode)",
+    "tool_call": "a tool call had started",
+    "thinking": "thinking had reached the client",
+    "server_tool": "a server-side tool block had reached the client",
+    "join": "the continuation did not continue what the client had (an echo, another "
+    "response, a rephrased start)",
+    "limit": "the turn made max_splices continuations already",
+    "stop_released": "the stop reason had reached the client",
+    "other_content": "a block, delta or field the join rule does not know had reached the client",
+    "too_large": "more than 8 MiB had been released",
+    "not_a_cut": "the provider's own error or a malformed frame ended the response",
+    "queued": "the continuation made no progress (stuck in queued)",
+}
+
+
 class LogHooks(Hooks):
-    """One log line per retry (when verbose) and per turn that did not end ``ok``."""
+    """One log line per retry (when verbose) and per turn that did not end ``ok``; each
+    reason continue mode refused a turn for, once per route."""
 
     def __init__(self, *, verbose: bool = True) -> None:
         self.verbose = verbose
+        #: (route, reason) pairs logged already (bounded: routes times reasons)
+        self._refusals: set[tuple[str, str]] = set()
 
     def attempt_failed(
         self, turn: TurnRecord, upstream: str, failure: Failure, *, phase: str, wait_s: float | None
@@ -297,6 +337,9 @@ class LogHooks(Hooks):
         )
 
     def turn_ended(self, turn: TurnRecord) -> None:
+        result = turn.continuation
+        if result is not None and result.startswith("refused_"):
+            self._refused(turn, result[len("refused_") :])
         if turn.outcome not in (None, "ok"):
             log.info(
                 "turn route=%s turn=%d outcome=%s attempts=%d",
@@ -305,3 +348,19 @@ class LogHooks(Hooks):
                 turn.outcome,
                 turn.attempts,
             )
+
+    def _refused(self, turn: TurnRecord, reason: str) -> None:
+        """Continue mode refused the turn: said once per route and reason (every one is
+        counted in the journal, ``unbroken stats``, and the metrics for a cut)."""
+        key = (turn.route, reason)
+        if key in self._refusals:
+            return
+        self._refusals.add(key)
+        log.warning(
+            "continue mode refused a turn route=%s reason=%s: %s; a cut after output ends "
+            "with the native error as without it (said once per route and reason; "
+            "unbroken stats counts them)",
+            turn.route,
+            reason,
+            REFUSAL_WORDS.get(reason, "see docs/gate.md"),
+        )

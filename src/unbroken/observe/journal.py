@@ -38,13 +38,13 @@ from unbroken.core.policy import Failure
 from unbroken.core.shared import LOG_EVERY_S
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
-__all__ = ["SCHEMA", "Journal", "default_journal_path", "journal_path"]
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "Journal", "default_journal_path", "journal_path"]
 
 log = logging.getLogger("unbroken")
 
 #: 2: turns.client; 3: attempts.choice, upstream_events; 4: turns.queued_s;
-#: 5: turns.splices, turns.saved_tokens (continuations, issue 23)
-SCHEMA_VERSION = 5
+#: 5: turns.splices, turns.saved_tokens (continuations, issue 23); 6: turns.continuation
+SCHEMA_VERSION = 6
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
     uid          TEXT PRIMARY KEY,   -- '<run>:<turn id>'
@@ -70,7 +70,10 @@ CREATE TABLE IF NOT EXISTS turns (
     wait_s       REAL NOT NULL DEFAULT 0, -- total time really waited between attempts
     queued_s     REAL NOT NULL DEFAULT 0, -- time waited at the relay for the rate limit
     splices      INTEGER NOT NULL DEFAULT 0, -- continuations after cuts (outcome resumed)
-    saved_tokens INTEGER NOT NULL DEFAULT 0  -- output frames (~ tokens) a redo would resample
+    saved_tokens INTEGER NOT NULL DEFAULT 0, -- output frames (~ tokens) a redo would resample
+    continuation TEXT                -- continue mode's last word on the turn: spliced, or
+                                     -- refused_<reason> (thinking_enabled, tool_call, ...);
+                                     -- NULL: continue mode off, or nothing to say
 );
 CREATE INDEX IF NOT EXISTS turns_started ON turns (started);
 CREATE TABLE IF NOT EXISTS attempts (
@@ -117,8 +120,8 @@ _INSERT: dict[str, tuple[str, str]] = {
     "turn": (
         "INSERT OR REPLACE INTO turns (uid, run, turn_id, route, path, protocol, stream,"
         " session_id, client, started, ended, outcome, attempts, upstream, last_failure,"
-        " first_byte_s, wait_s, queued_s, splices, saved_tokens) VALUES ",
-        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " first_byte_s, wait_s, queued_s, splices, saved_tokens, continuation) VALUES ",
+        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     ),
     "attempt": (
         "INSERT OR REPLACE INTO attempts (turn_uid, number, upstream, started, ended, status,"
@@ -135,12 +138,12 @@ _INSERT: dict[str, tuple[str, str]] = {
 _UPDATE: dict[str, str] = {
     "turn_end": (
         "UPDATE turns SET ended = ?, outcome = ?, attempts = ?, upstream = ?, last_failure = ?,"
-        " first_byte_s = ?, wait_s = ?, queued_s = ?, splices = ?, saved_tokens = ?"
-        " WHERE uid = ?"
+        " first_byte_s = ?, wait_s = ?, queued_s = ?, splices = ?, saved_tokens = ?,"
+        " continuation = ? WHERE uid = ?"
     ),
     "wait": "UPDATE attempts SET wait_s = ? WHERE turn_uid = ? AND number = ?",
 }
-#: rows per multi-row insert (18 columns: 576 parameters, well within SQLite's limit)
+#: rows per multi-row insert (at most 21 columns: 672 parameters, within SQLite's 999)
 _ROWS_PER_INSERT = 32
 
 PRUNE_EVERY_S = 3600.0
@@ -205,6 +208,7 @@ def _turn_end(turn: TurnRecord, wait_s: float) -> tuple[Any, ...]:
         turn.queued_s,
         turn.splices,
         turn.saved_tokens,
+        _cut(turn.continuation),
     )
 
 
@@ -218,6 +222,8 @@ def _migrate(conn: sqlite3.Connection) -> None:
     if "splices" not in columns:  # versions 1 to 4
         conn.execute("ALTER TABLE turns ADD COLUMN splices INTEGER NOT NULL DEFAULT 0")
         conn.execute("ALTER TABLE turns ADD COLUMN saved_tokens INTEGER NOT NULL DEFAULT 0")
+    if "continuation" not in columns:  # versions 1 to 5
+        conn.execute("ALTER TABLE turns ADD COLUMN continuation TEXT")
     columns = {row[1] for row in conn.execute("PRAGMA table_info(attempts)")}
     if "choice" not in columns:  # version 2 (upstream_events comes with SCHEMA)
         conn.execute("ALTER TABLE attempts ADD COLUMN choice TEXT")
@@ -513,6 +519,7 @@ class Journal(Hooks):
                     0.0,
                     0,
                     0,
+                    None,
                 ]
             elif kind == "turn_end":
                 t, wait_s = item

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from unbroken.core.attempt import AttemptStats
 from unbroken.core.policy import Failure
+from unbroken.core.protocols import model_answered
 from unbroken.core.turn import Outcome, Phase, TurnState
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
@@ -32,6 +33,7 @@ class HooksObserver:
 
     __slots__ = (
         "_deferred",
+        "_parked",
         "_queued_at",
         "_waiting",
         "current",
@@ -55,6 +57,7 @@ class HooksObserver:
         self.wall = wall
         self.current: AttemptInfo | None = None
         self._deferred = False
+        self._parked: str | None = None  # why the turn waits in line for its next attempt
         self._queued_at: float | None = None  # parked for the rate limit since then
         self._waiting: tuple[float, float] | None = None  # (since, planned) of a retry wait
 
@@ -111,11 +114,15 @@ class HooksObserver:
         info = self.info
         name = self.upstreams[upstream]
         info.attempts, info.upstream, info.next_retry_at = number, name, None
+        queued = info.queued_s
         if self._queued_at is not None:
             self._end_queue()
         if self._waiting is not None:
             self._end_wait()
         self.current = AttemptInfo(number=number, upstream=name, started=self.wall(), choice=choice)
+        if self._parked is not None:
+            self.current.parked_for, self._parked = self._parked, None
+            self.current.queued_s = info.queued_s - queued
         info.attempt_log.append(self.current)
         if not self._deferred:
             self.hooks.attempt_started(info, name)
@@ -137,6 +144,8 @@ class HooksObserver:
             a.hold_seconds = stats.hold_seconds
             a.input_tokens, a.output_tokens = stats.usage()
             a.est_output_tokens = stats.output_frames
+            if stats.first_raw:
+                a.response_model = model_answered(stats.first_raw)
         self.hooks.attempt_ended(self.info, a)
 
     def attempt_failed(self, failure: Failure, phase: Phase, wait_s: float | None) -> None:
@@ -148,6 +157,8 @@ class HooksObserver:
             info.next_retry_at = now + wait_s
             info.state = _WAITING
             self._waiting = (now, wait_s)
+            if self.current is not None:
+                self.current.wait_s = wait_s
         upstream = self.current.upstream if self.current is not None else info.upstream
         self.hooks.attempt_failed(info, upstream, failure, phase=_VALUE[phase], wait_s=wait_s)
 
@@ -155,7 +166,7 @@ class HooksObserver:
         self.info.state = _VALUE[state]
 
     def parked(self, why: str) -> None:
-        self.info.parked_for = why
+        self.info.parked_for = self._parked = why
         if why == "ratelimit":
             if self._queued_at is None:
                 self._queued_at = self.wall()
@@ -187,6 +198,9 @@ class HooksObserver:
         info = self.info
         info.splices, info.saved_tokens, info.continuation = splices, saved_frames, result
         self.hooks.continuation(info, result)
+
+    def uncovered(self, result: str) -> None:
+        self.info.continuation = result  # (no hook call: the turn's end carries it)
 
     def headers_sent(self) -> None:
         if self.info.first_byte_at is None:

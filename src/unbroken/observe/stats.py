@@ -86,6 +86,24 @@ def _continued(conn: sqlite3.Connection, cutoff: float) -> dict[str, int]:
     return {"turns": turns, "splices": splices, "saved_tokens_est": saved}
 
 
+def _refused(conn: sqlite3.Connection, cutoff: float) -> dict[str, dict[str, int]]:
+    """Turns continue mode refused (``after_commit = "continue"``), by reason: how
+    many, and how many of them a cut after output then ended with an error (what
+    continue mode would have finished)."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
+    if "continuation" not in columns:  # a journal written before version 6
+        return {}
+    rows = conn.execute(
+        "SELECT SUBSTR(t.continuation, 9), COUNT(*),"
+        " SUM(EXISTS (SELECT 1 FROM attempts a WHERE a.turn_uid = t.uid"
+        " AND a.phase = 'committed'))"
+        " FROM turns t WHERE t.started >= ? AND t.continuation LIKE 'refused\\_%' ESCAPE '\\'"
+        " GROUP BY 1 ORDER BY 2 DESC, 1",
+        (cutoff,),
+    ).fetchall()
+    return {reason: {"turns": n, "cut_after_output": cut or 0} for reason, n, cut in rows}
+
+
 def compute_stats(
     conn: sqlite3.Connection, *, since_s: float | None = 86400.0, now: float | None = None
 ) -> dict[str, Any]:
@@ -186,6 +204,7 @@ def compute_stats(
         },
         "wasted_tokens_est": wasted,
         "continued": _continued(conn, cutoff),
+        "continue_refused": _refused(conn, cutoff),
         "tokens": {"input": tokens_in, "output": tokens_out},
         "replay_safety": {
             "before_commit": {
@@ -273,6 +292,14 @@ def format_stats(s: dict[str, Any], *, since: str = "", journal: str = "") -> st
             f"{'Finished in place':<26}{c['turns']:>8}  turns, {c['splices']} continuations "
             f"after cuts; ~{c['saved_tokens_est']} output tokens not sampled again"
         )
+    refused = s.get("continue_refused") or {}
+    if refused:
+        total = sum(r["turns"] for r in refused.values())
+        by = ", ".join(
+            f"{k} {r['turns']} ({r['cut_after_output']} cut after output)"
+            for k, r in refused.items()
+        )
+        lines.append(f"{'Continue mode refused':<26}{total:>8}  turns: {by}")
     tok = s["tokens"]
     lines.append(f"{'Reported usage':<26}{tok['input']:>8} in, {tok['output']} out")
     lines.append("")

@@ -13,7 +13,7 @@ import asyncio
 import os
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -29,6 +29,14 @@ from unbroken.observe.metrics import held_bytes
 __all__ = ["StatusTracker", "fetch_status", "register", "render", "watch"]
 
 DEFAULT_URL = "http://127.0.0.1:4780"
+#: ``/status`` lists this many failed attempts, newest last (``last_failures``)
+LAST_FAILURES: Final = 20
+#: ``/status`` counts attempts and turn ends over this many last seconds (``timeline``)
+TIMELINE_S: Final = 300
+#: an in-flight turn's ``chain`` shows its last this many attempts
+CHAIN_MAX: Final = 8
+#: turn outcomes counted as good in the timeline (the others, but a client's abort, as bad)
+_GOOD_OUTCOMES = frozenset({"ok", "recovered", "resumed"})
 
 
 class StatusTracker(Hooks):
@@ -56,6 +64,19 @@ class StatusTracker(Hooks):
         self.wasted_tokens_est = 0
         self.continuations: Counter[str] = Counter()
         self.saved_tokens_est = 0
+        #: the last failed attempts (final once ended), with their turn's id and route
+        self._last_failures: deque[tuple[int, str, AttemptInfo]] = deque(maxlen=LAST_FAILURES)
+        #: one bucket a second: [second, attempts ok, attempts failed, turns ok, turns failed]
+        self._timeline: deque[list[int]] = deque(maxlen=TIMELINE_S)
+
+    def _bucket(self, at: float | None) -> list[int]:
+        second = int(at if at is not None else time.time())
+        line = self._timeline
+        if line and line[-1][0] >= second:
+            return line[-1]  # the same second (or a clock step back: counted in the last)
+        bucket = [second, 0, 0, 0, 0]
+        line.append(bucket)
+        return bucket
 
     # -- hooks ---------------------------------------------------------------------------
     def attempt_failed(
@@ -67,8 +88,12 @@ class StatusTracker(Hooks):
     def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         self.attempts += 1
         if attempt.reason in NOT_FAILURES:
+            if attempt.reason == "ok":
+                self._bucket(attempt.ended)[1] += 1
             return
         self.failures += 1
+        self._bucket(attempt.ended)[2] += 1
+        self._last_failures.append((turn.id, turn.route, attempt))
         self.failures_by_reason[attempt.reason or "unknown"] += 1
         self.failures_by_phase[attempt.phase or "unknown"] += 1
         if attempt.phase != "committed":
@@ -80,6 +105,10 @@ class StatusTracker(Hooks):
     def turn_ended(self, turn: TurnRecord) -> None:
         self.turns += 1
         self.outcomes[turn.outcome or "unknown"] += 1
+        if turn.outcome in _GOOD_OUTCOMES:
+            self._bucket(turn.ended)[3] += 1
+        elif turn.outcome != "aborted_by_client":
+            self._bucket(turn.ended)[4] += 1
         self.retry_wait_s += turn.waited_s  # really waited: a cut-short wait as it went
         self.saved_tokens_est += turn.saved_tokens
 
@@ -105,6 +134,23 @@ class StatusTracker(Hooks):
             "age_s": round(max(0.0, now - turn.started), 3),
             "held_bytes": held_bytes(turn),
             "splices": turn.splices,  # continuations after cuts (after_commit = continue)
+            #: its last attempts, oldest first (the last one may still run: reason "")
+            "chain": [_attempt_view(a) for a in turn.attempt_log[-CHAIN_MAX:]],
+        }
+
+    def last_failures(self) -> list[dict[str, Any]]:
+        """The last failed attempts (what the journal wrote for them), oldest first."""
+        return [
+            {"turn": turn_id, "route": route, **_attempt_view(a)}
+            for turn_id, route, a in self._last_failures
+        ]
+
+    def timeline(self, now: float) -> dict[str, Any]:
+        """Per second over the last `TIMELINE_S` seconds (seconds without events left out)."""
+        since = int(now) - TIMELINE_S
+        return {
+            "fields": ["at", "ok", "failed", "turns_ok", "turns_failed"],
+            "seconds": [list(b) for b in self._timeline if b[0] > since],
         }
 
     def totals(self) -> dict[str, Any]:
@@ -134,10 +180,25 @@ class StatusTracker(Hooks):
             "inflight": [self.turn_view(t, now) for t in turns],
             "upstreams": self.upstreams(),
             "totals": self.totals(),
+            "last_failures": self.last_failures(),
+            "timeline": self.timeline(now),
         }
         if self.extra is not None:
             data.update(self.extra())
         return data
+
+
+def _attempt_view(a: AttemptInfo) -> dict[str, Any]:
+    return {
+        "n": a.number,
+        "upstream": a.upstream,
+        "choice": a.choice,
+        "reason": a.reason,  # "ok", a failure label, or "" while the attempt runs
+        "phase": a.phase,
+        "status": a.status,
+        "started": round(a.started, 3),
+        "ended": None if a.ended is None else round(a.ended, 3),
+    }
 
 
 # -- the terminal view --------------------------------------------------------------------

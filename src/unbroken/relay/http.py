@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
@@ -25,7 +26,7 @@ from multidict import CIMultiDict
 
 from unbroken.config import Route
 from unbroken.core.continuation import DEFAULT_QUEUED_S, Resume
-from unbroken.core.protocols import GEMINI, Protocol, protocol_for_path
+from unbroken.core.protocols import GEMINI, Protocol, model_asked, protocol_for_path
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.protocols.gemini import is_stream_path
 from unbroken.core.ratelimit import max_output_of
@@ -160,6 +161,7 @@ class _HttpTurn:
             stream=stream,
             session_id=session_id_of(request.headers, parsed),
             client=self.profile.name,
+            model=model_asked(parsed, rest),
         )
         self.report = HooksObserver(info, relay.hooks, names, relay.inflight)
         self.loop = asyncio.get_running_loop()
@@ -170,9 +172,15 @@ class _HttpTurn:
             body_bytes=len(body),
             max_output=max_output_of(parsed),
         )
+        # (a non-streamed turn needs none: nothing is released before its body is whole)
+        strategy = (
+            relay.continuation_for(route, self.protocol, rest, parsed, request.headers)
+            if stream
+            else None
+        )
         self.machine = TurnMachine(
             protocol=self.protocol,
-            hold=relay.hold,
+            hold=relay.hold_for(self.profile),
             timers=self.cfg.stream,
             retry=retry,
             stream=stream,
@@ -181,11 +189,8 @@ class _HttpTurn:
             clock=self.loop.time,
             wall_clock=time.time,
             profile=self.profile,
-            continuation=(
-                relay.continuation_for(route, self.protocol, rest, parsed, request.headers)
-                if stream
-                else None
-            ),
+            continuation=None if isinstance(strategy, enum.Enum) else strategy,
+            refusal=strategy if isinstance(strategy, enum.Enum) else None,
             queued_s=self.cfg.stream.resume_queued_s if stream else DEFAULT_QUEUED_S,
         )
         info.held = self.machine.held_bytes

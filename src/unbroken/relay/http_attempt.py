@@ -46,11 +46,19 @@ class ClientGone(Exception):
 
 
 def abort_response(resp: aiohttp.ClientResponse) -> None:
-    """Abort an upstream response's connection at once (no graceful close)."""
+    """Abort an upstream response's connection at once (no graceful close).
+
+    The read it cuts fails with an exception of its own, made here: `resp.close()`
+    alone hands the waiting read aiohttp's one module-level ``Connection closed``
+    instance, and every raise of that one instance prepends its frames to the same
+    ``__traceback__``, so each stalled attempt's frames (its turn, request and
+    buffers with them) stayed reachable for the life of the process (issue 36)."""
     conn = resp.connection
     transport = conn.transport if conn is not None else None
     if transport is not None:
         transport.abort()
+    if resp.content.exception() is None:
+        resp.content.set_exception(aiohttp.ClientConnectionError("Connection closed"))
     resp.close()
 
 

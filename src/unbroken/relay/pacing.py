@@ -117,8 +117,7 @@ class Waker:
 
     def _log_line(self, key: str, now: float, granted: int) -> None:
         """One line when an upstream's line forms, one when it clears (not per turn)."""
-        pacer = self.board.pacers.get(key)
-        waiting = len(pacer.queue) if pacer is not None else 0
+        waiting = self.board.in_line(key)
         line = self._lines.get(key)
         route, _, upstream = key.partition("|")
         if line is None:

@@ -28,14 +28,22 @@ from unbroken.core.background import (
     store_override_note,
     store_override_routes,
 )
-from unbroken.core.continuation import AfterCommit, Cancel, ContinuationMemory, Strategy
+from unbroken.core.continuation import (
+    AfterCommit,
+    Cancel,
+    ContinuationMemory,
+    Refusal,
+    Strategy,
+)
 from unbroken.core.health import AttemptAccounting, Change, HealthBoard, upstream_key
 from unbroken.core.ledger import Hold
 from unbroken.core.policy import RetryState
-from unbroken.core.prefill_continue import PrefillContinue, prefill_applies
+from unbroken.core.prefill_continue import PrefillContinue, prefill_refusal
 from unbroken.core.profiles import Profile, identify, profile_named
 from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
+from unbroken.core.protocols.anthropic_continue import AnthropicContinue
 from unbroken.core.protocols.chat_prefix import ChatPrefix
+from unbroken.core.protocols.prefill import PrefillRefusal
 from unbroken.core.shared import SharedBounds
 from unbroken.core.turn import TurnMachine
 from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnRecord
@@ -138,7 +146,9 @@ class RelayState:
         self.hooks: Hooks = MultiHooks(_HealthHook(self), hooks or Hooks())
         self.client = client or UpstreamClient(connect_timeout_s=config.stream.connect_timeout_s)
         self.rng = rng or random.Random()
-        self.hold = Hold(config.stream.hold)
+        #: the hold rules per client profile (``[stream] hold``, with the profile's
+        #: ``tool_tail``), built once per profile
+        self._holds: dict[str, Hold] = {}
         self.inflight: set[TurnRecord] = set()
         #: the tasks running client requests (turns, WebSocket connections): cancelled
         #: when the grace period of a shutdown runs out
@@ -166,6 +176,13 @@ class RelayState:
         if profile is None:
             profile = self._profiles[name] = profile_named(name, self.config.clients)
         return profile
+
+    def hold_for(self, profile: Profile) -> Hold:
+        """The hold rules for a turn of this client (`Profile.hold_names`)."""
+        hold = self._holds.get(profile.name)
+        if hold is None:
+            hold = self._holds[profile.name] = Hold(profile.hold_names(self.config.stream.hold))
+        return hold
 
     def min_interval(self, machine: TurnMachine) -> float:
         """``machine.min_interval``, cached per client profile: every turn of this
@@ -228,18 +245,27 @@ class RelayState:
         rest: str,
         parsed: dict[str, Any] | None,
         headers: Any,
-    ) -> Strategy | None:
-        """The turn's continuation strategy (``after_commit = "continue"``), or None:
-        OpenAI Responses over HTTP, a streamed plain-JSON request (`core.background`)."""
+    ) -> Strategy | Refusal | PrefillRefusal | None:
+        """A streamed turn's continuation strategy (``after_commit = "continue"``); None:
+        continue mode is off for the route; a refusal: it is on, but no strategy can
+        cover this turn (why: the machine records it, the log says it once per route).
+
+        OpenAI Responses over HTTP, a streamed plain-JSON request: background mode
+        (`core.background`); Anthropic Messages, and Chat with a route's
+        ``chat_prefix``: a prefill (`core.prefill_continue`)."""
         stream = self.config.stream
         if stream.after_commit_for(route) != AfterCommit.CONTINUE:
             return None
-        if protocol is ANTHROPIC or (protocol is CHAT and route.chat_prefix is not None):
+        if protocol is CHAT and route.chat_prefix is None:
+            return PrefillRefusal.NO_OPTION
+        if protocol is ANTHROPIC or protocol is CHAT:
             # A continuation by prefill: built from the parsed request (a gzip body is
             # sent decoded), so the parsed body is kept for the turn.
             mode = ChatPrefix(route.chat_prefix) if route.chat_prefix and protocol is CHAT else None
-            if parsed is None or not prefill_applies(parsed, mode):
-                return None
+            asks = AnthropicContinue(route.anthropic_continue or AnthropicContinue.PREFILL)
+            refusal = prefill_refusal(parsed, mode, asks)
+            if refusal is not None or parsed is None:
+                return refusal or PrefillRefusal.BAD_REQUEST
             return PrefillContinue(
                 path=rest,
                 request=parsed,
@@ -247,11 +273,14 @@ class RelayState:
                 memory=self.continuations,
                 max_splices=stream.max_splices,
                 mode=mode,
+                anthropic_mode=asks,
             )
         if protocol is not RESPONSES or headers.get("content-encoding"):
-            return None
+            return Refusal.UNSUPPORTED
+        if parsed is None:
+            return PrefillRefusal.BAD_REQUEST
         if not background_patch_applies(parsed):
-            return None
+            return Refusal.UNSUPPORTED  # (background mode asked by the client itself)
         return self.background_resume(route, rest)
 
     def store_override_warning(self) -> str | None:

@@ -2,7 +2,7 @@
 
 Every request is dispatched here from its raw request-target
 (`unbroken.relay.access`): checked (400 / 421 / 403 / 401), then routed to
-``/healthz``, an extra endpoint (``/status``, ``/metrics``) or a relay route,
+``/healthz``, an extra endpoint (``/status``, ``/metrics``, ``/ui``) or a relay route,
 whose rest of path and query go upstream still percent-encoded.  Bodies are
 read as received (never decompressed), up to ``max_body_mb``.
 """
@@ -25,10 +25,12 @@ from aiohttp import web
 from unbroken import __version__
 from unbroken.config import Config, Route, bind_problem
 from unbroken.core.redact import redact
+from unbroken.observe import webview
 from unbroken.observe.guard import Guarded
 from unbroken.observe.hooks import Hooks, LogHooks, MultiHooks
 from unbroken.observe.journal import Journal, journal_path
 from unbroken.observe.metrics import CONTENT_TYPE_LATEST, Metrics
+from unbroken.observe.otel import OtelHooks, otel_from_env
 from unbroken.observe.outcomes import Health
 from unbroken.observe.status import StatusTracker
 from unbroken.relay.access import Access, Denied, Target, parse_target
@@ -152,7 +154,7 @@ def _not_found(relay: RelayState, path: str) -> web.Response:
                 "code": "unknown_route",
             },
             "routes": _route_list(relay),
-            "endpoints": ["/healthz", "/status", "/metrics"],
+            "endpoints": ["/healthz", "/status", "/metrics", "/ui"],
         },
     )
 
@@ -330,13 +332,16 @@ class RelayServer:
         inflight = self.relay.inflight.copy
         self.metrics = Metrics(inflight, self.health.snapshot, fleet=self._fleet)
         self.status = StatusTracker(inflight, self.health.snapshot, extra=self._status_extra)
-        for observer in (self.status, self.metrics, self.journal):
+        #: OpenTelemetry, when the OTEL_EXPORTER_OTLP_* variables ask for it (`observe.otel`)
+        self.otel: OtelHooks | None = otel_from_env(config)
+        for observer in (self.status, self.metrics, self.journal, self.otel):
             if observer is not None:
                 self.hooks.add(Guarded(observer))
         if hooks is not None:
             self.hooks.add(hooks)
         self.app = build_app(
-            self.relay, {"/status": self._get_status, "/metrics": self._get_metrics}
+            self.relay,
+            {"/status": self._get_status, "/metrics": self._get_metrics, "/ui": self._get_ui},
         )
         self._status_task: asyncio.Task[None] | None = None
 
@@ -448,6 +453,11 @@ class RelayServer:
             ]
         return _json(200, data)
 
+    async def _get_ui(self, request: web.Request) -> web.Response:
+        """The web view (`observe.webview`): it reads /status, with the same authorisation."""
+        body, headers = webview.page()
+        return web.Response(body=body, headers=headers)
+
     async def _get_metrics(self, request: web.Request) -> web.Response:
         body = self.metrics.expose()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -464,6 +474,8 @@ class RelayServer:
         if self.journal is not None:
             self.journal.start()
             log.info("journal: %s", self.journal.path)
+        if self.otel is not None:
+            log.info("OpenTelemetry: %s", self.otel.described)
         await self.relay.store.start()
         await self.runner.setup()
         site = web.TCPSite(
@@ -502,6 +514,8 @@ class RelayServer:
         finally:
             if self.journal is not None:
                 await self.journal.aclose()
+            if self.otel is not None:
+                await self.otel.aclose()
 
     async def __aenter__(self) -> RelayServer:
         await self.start()

@@ -42,8 +42,13 @@ applies theirs to the local board:
   owner's pid and origin).  The owner removes it the moment the core gives the lease
   back (`unbroken.core.health.ProbeRelease`); a lock whose owner is dead or that is
   older than ``probe_timeout_s`` is taken over (`unbroken.core.health.probe_lease_stale`
-  decides).  A worker that (re)starts asks its siblings for their state.  A datagram
-  is at most 4 KiB and schema-checked like a Redis message (`unbroken.core.shared`).
+  decides).  A worker that (re)starts asks its siblings for their state.  Every second
+  a worker with turns in an upstream's line tells its siblings so (a ``waiting`` mark
+  that lasts ``WAITERS_TTL_MS`` unless renewed, withdrawn when its line empties), and
+  each worker splits the pacer's floor among the workers with live marks, as Redis
+  splits it among relays: a dead upstream gets one floor from all the workers, not
+  one from each.  A datagram is at most 4 KiB and schema-checked like a Redis
+  message (`unbroken.core.shared`).
 """
 
 from __future__ import annotations
@@ -82,7 +87,14 @@ from unbroken.core.shared import (
 )
 from unbroken.relay.ratestore import RateShare
 
-__all__ = ["ChannelStore", "HealthStore", "RedisStore", "make_store"]
+__all__ = [
+    "SUN_PATH_MAX",
+    "ChannelStore",
+    "HealthStore",
+    "RedisStore",
+    "channel_socket",
+    "make_store",
+]
 
 log = logging.getLogger("unbroken")
 
@@ -100,6 +112,9 @@ SILENT_S = 3.0
 WAITERS_TTL_MS = 3000
 #: the floor is split among at most this many relays (a bound on garbage in Redis)
 MAX_SHARE = 1000
+#: the longest path a Unix socket can bind: ``sun_path`` holds 108 bytes on Linux, the
+#: NUL included (the supervisor picks a runtime directory where every worker's fits)
+SUN_PATH_MAX = 107
 #: a key that outlives this relay's bound is shortened to it (never lengthened)
 SHORTEN = """
 local t = redis.call('PTTL', KEYS[1])
@@ -612,12 +627,16 @@ class ChannelStore(HealthStore):
         super().__init__(board, clock=clock, bounds=bounds)
         self.dir = Path(directory)
         self.worker = worker
-        self.path = self.dir / f"w{worker}.sock"
+        self.path = channel_socket(self.dir, worker)
         self.sock: socket.socket | None = None
         self.board.probe_gate = self._probe_gate
         self.board.probe_release = self._probe_release
         #: what this worker writes in the probe locks it owns
         self._lock_mark = f"{os.getpid()} {self.origin}\n".encode()
+        #: siblings with turns in an upstream's line: key -> worker -> until (monotonic)
+        self.waiters: dict[str, dict[int, float]] = {}
+        self._marked: set[str] = set()  # keys this worker told its siblings it waits on
+        self._ticker: asyncio.Task[None] | None = None
 
     def status(self) -> dict[str, Any]:
         return {
@@ -636,8 +655,13 @@ class ChannelStore(HealthStore):
         self.sock = sock
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
         self._send(json.dumps({"o": self.origin, "kind": "hello", "w": self.worker}).encode())
+        self._ticker = asyncio.ensure_future(self._tick())
 
     async def close(self) -> None:
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.cancel()
+            await asyncio.wait([ticker], timeout=2.0)
         sock = self.sock
         if sock is not None:
             with contextlib.suppress(Exception):
@@ -678,10 +702,64 @@ class ChannelStore(HealthStore):
             except OSError:
                 return
             msg = self._apply_message(data, "a datagram")
-            if msg is not None and msg.worker is not None:  # a sibling's hello
-                peer = str(self.dir / f"w{msg.worker}.sock")
+            if msg is not None and msg.kind == "waiting":
+                self._mark(msg)
+            elif msg is not None and msg.worker is not None:  # a sibling's hello
+                peer = str(channel_socket(self.dir, msg.worker))
                 for change in self._local_changes():
                     self._send(self._encode(change), to=peer)
+
+    # -- the pacer's floor, split among the workers with turns waiting -------------------
+    async def _tick(self) -> None:
+        while True:
+            self._announce()
+            await asyncio.sleep(RESYNC_S)
+
+    def _announce(self) -> None:
+        """Tell the siblings which lines this worker has turns in (and which it left),
+        then split each pacer's floor anew."""
+        for key, pacer in self.board.pacers.items():
+            if pacer.queue:
+                self._marked.add(key)
+                self._send_waiting(key, WAITERS_TTL_MS / 1000)
+            elif key in self._marked:  # the line emptied: the siblings have it all back
+                self._marked.discard(key)
+                self._send_waiting(key, 0.0)
+        now = self.clock()
+        for key, marks in list(self.waiters.items()):
+            for w, until in list(marks.items()):
+                if until <= now:
+                    del marks[w]
+            if not marks:
+                del self.waiters[key]
+        for key in self.board.pacers:
+            self._split(key, now)
+
+    def _send_waiting(self, key: str, ttl_s: float) -> None:
+        msg = {"o": self.origin, "kind": "waiting", "w": self.worker, "k": key, "ttl": ttl_s}
+        self._send(json.dumps(msg).encode())
+
+    def _mark(self, msg: Message) -> None:
+        """A sibling's ``waiting`` mark (validated by `core.shared.parse_message`)."""
+        assert msg.key is not None and msg.worker is not None
+        if msg.worker == self.worker:
+            return  # (a stale socket's sender cannot speak for this worker)
+        now = self.clock()
+        marks = self.waiters.setdefault(msg.key, {})
+        if msg.ttl_s > 0:
+            marks[msg.worker] = now + msg.ttl_s
+        else:
+            marks.pop(msg.worker, None)
+        self._split(msg.key, now)
+
+    def _split(self, key: str, now: float) -> None:
+        """The pacer's floor is split among the workers with turns in ``key``'s line:
+        the siblings with a live mark, and this one (counted always: at least 1)."""
+        pacer = self.board.pacers.get(key)
+        if pacer is None:
+            return
+        marks = self.waiters.get(key, {})
+        pacer.share = 1 + sum(1 for w, until in marks.items() if until > now and w != self.worker)
 
     def _probe_path(self, key: str) -> Path:
         return self.dir / f"probe-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
@@ -751,6 +829,11 @@ def _pid_alive(mark: bytes) -> bool:
     except OSError:  # another user's process (EPERM): alive
         return True
     return True
+
+
+def channel_socket(directory: str | os.PathLike[str], worker: int) -> Path:
+    """Worker ``worker``'s datagram socket in the runtime directory."""
+    return Path(directory) / f"w{worker}.sock"
 
 
 def make_store(

@@ -49,7 +49,7 @@ from multidict import CIMultiDict
 from unbroken.config import Route, Upstream
 from unbroken.core.continuation import DEFAULT_QUEUED_S, AfterCommit, Resume
 from unbroken.core.policy import Failure, FailureClass
-from unbroken.core.protocols import RESPONSES
+from unbroken.core.protocols import RESPONSES, model_asked
 from unbroken.core.protocols.base import loads_object
 from unbroken.core.redact import redact, redacted_headers
 from unbroken.core.sse import Event, SSESplitter
@@ -435,6 +435,7 @@ class _WsTurn:
             stream=True,
             session_id=session_id_of(conn.request.headers, create),
             client=profile.name,
+            model=model_asked(create, ""),
         )
         self.report = HooksObserver(
             info, relay.hooks, relay.route_facts(conn.route)[0], relay.inflight
@@ -454,7 +455,7 @@ class _WsTurn:
         resumes = stream.after_commit_for(conn.route) == AfterCommit.CONTINUE
         self.machine = TurnMachine(
             protocol=RESPONSES,
-            hold=relay.hold,
+            hold=relay.hold_for(profile),
             timers=conn.cfg.stream,
             retry=retry,
             stream=False,  # the client socket is open already: no early headers

@@ -26,6 +26,9 @@
   ``supervisor.pid``) is removed when the supervisor exits; one left by a supervisor
   killed with SIGKILL is removed by the next supervisor that starts
   (`clean_stale_runtime_dirs`: only this user's, only those whose supervisor is gone).
+  It is made in the temporary directory (``TMPDIR``), or under ``/tmp`` when a
+  worker's socket path there would be longer than a Unix socket can bind
+  (`store.SUN_PATH_MAX`, 107 bytes): a long ``TMPDIR`` costs nothing but a log line.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from typing import Any
 from unbroken.config import Config
 from unbroken.relay.server import RelayServer, finish_cut_short, tune_gc
 from unbroken.relay.siblings import WorkerSpec, stop_signals
+from unbroken.relay.store import SUN_PATH_MAX, channel_socket
 
 __all__ = ["OWNER_FILE", "RUNTIME_PREFIX", "clean_stale_runtime_dirs", "serve_workers"]
 
@@ -128,6 +132,10 @@ def clean_stale_runtime_dirs(tmp: str | os.PathLike[str] | None = None) -> list[
     return removed
 
 
+#: where the runtime directory goes when ``TMPDIR`` is too long for the sockets
+SHORT_TMP = "/tmp"
+
+
 def _reserve_port(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -135,6 +143,26 @@ def _reserve_port(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     return sock
+
+
+def make_runtime_dir(workers: int) -> str:
+    """The supervisor's runtime directory (mode 0700): in the temporary directory, or
+    under `SHORT_TMP` when the last worker's socket path would not fit a Unix socket
+    address there (``bind`` would fail with "AF_UNIX path too long")."""
+    runtime = tempfile.mkdtemp(prefix=RUNTIME_PREFIX)
+    longest = len(os.fsencode(channel_socket(runtime, workers - 1)))
+    if longest <= SUN_PATH_MAX:
+        return runtime
+    os.rmdir(runtime)
+    short = tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=SHORT_TMP)
+    log.info(
+        "the temporary directory is too long for the workers' sockets (%d bytes, at most %d):"
+        " the runtime dir goes under %s",
+        longest,
+        SUN_PATH_MAX,
+        SHORT_TMP,
+    )
+    return short
 
 
 def serve_workers(config: Config, n: int, *, ready: Callable[[str], None] | None = None) -> int:
@@ -146,7 +174,7 @@ def serve_workers(config: Config, n: int, *, ready: Callable[[str], None] | None
     port = holder.getsockname()[1]
     cfg = dataclasses.replace(config, host=host, port=port)
     clean_stale_runtime_dirs()
-    runtime = tempfile.mkdtemp(prefix=RUNTIME_PREFIX)
+    runtime = make_runtime_dir(n)
     Path(runtime, OWNER_FILE).write_text(f"{os.getpid()}\n")
     # Imported here: a relay without --workers never needs it (about 0.4 MiB resident).
     import multiprocessing

@@ -24,6 +24,8 @@ __all__ = [
     "Kind",
     "Protocol",
     "kind_names",
+    "model_answered",
+    "model_asked",
     "protocol_for_path",
     "usage_from",
 ]
@@ -235,6 +237,35 @@ def usage_from(frames: Iterable[bytes]) -> tuple[int | None, int | None]:
         if found:
             tokens_out = int(found[-1])
     return tokens_in, tokens_out
+
+
+#: a model name as an observer may show it: printable, bounded
+_MODEL_NAME = re.compile(r"[\w.:/@+-]{1,128}")
+_MODEL_IN_PATH = re.compile(r"(?:^|/)models/([^/:]{1,128}):")
+_MODEL_IN_FRAME = re.compile(rb'"(?:model|modelVersion)"\s*:\s*"([^"\\]{1,128})"')
+
+
+def model_asked(body: Any, path: str) -> str:
+    """The model a request names: the body's ``model`` (Chat, Responses, Anthropic), else
+    the Gemini API path's ``models/<model>:<method>``; "" when none (or not a plain name)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model, str):
+        found = _MODEL_IN_PATH.search(path)
+        model = found.group(1) if found else ""
+    return model if _MODEL_NAME.fullmatch(model) else ""
+
+
+def model_answered(first: bytes) -> str:
+    """The model an answer names in its first frame or body: its first ``"model"`` key
+    (Gemini's ``"modelVersion"``) with a plain string value; "" when none."""
+    at = first.find(b'"model')
+    while at >= 0:
+        found = _MODEL_IN_FRAME.match(first, at)
+        if found is not None:
+            model = found.group(1).decode("utf-8", "replace")
+            return model if _MODEL_NAME.fullmatch(model) else ""
+        at = first.find(b'"model', at + 6)
+    return ""
 
 
 def protocol_for_path(path: str) -> Protocol:

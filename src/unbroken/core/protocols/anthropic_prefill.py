@@ -207,8 +207,12 @@ class Plan:
     committed: Committed
     #: the committed text's trailing whitespace, trimmed from the prefill
     shown_ws: str
-    #: the assistant text the continuation request ends with
+    #: the assistant text the continuation request ends with (a user-message
+    #: continuation: the interrupted turn's text, `anthropic_continue`)
     prefill: str
+    #: the text the answer must begin with, dropped (a user-message continuation's
+    #: anchor, `anthropic_continue.anchor_of`); "" for a prefill
+    echo: str = ""
 
 
 def plan_continuation(request: Mapping[str, Any], committed: Committed) -> Plan | PrefillRefusal:
@@ -281,7 +285,7 @@ class FrameSplicer:
 
     def __init__(self, plan: Plan) -> None:
         self.committed = plan.committed
-        self._join = TextJoin(plan.shown_ws, tail=plan.prefill)
+        self._join = TextJoin(plan.shown_ws, echo=plan.echo, tail=plan.prefill)
         self._block: int | None = None  # the continuation's open block (its own index)
         self._joined = False  # the first block was seen (the join is placed)
         self._merged = False  # the first block continues the client's open block

@@ -224,3 +224,17 @@ BODY_GARBAGE: Final = b"\x00<malformed>\x00"
 def garbage_frame(protocol: str, stream: bool = True) -> bytes:
     """The malformed frame injected by the ``malformed`` fault."""
     return _GARBAGE[protocol] if stream else BODY_GARBAGE
+
+
+#: Anthropic's answer to a prefill from a model that refuses it (Claude 4.6 and later;
+#: the wording reported in anthropics/claude-code#28478)
+PREFILL_REFUSED_BODY: Final = dumps(
+    {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "This model does not support assistant message prefill. "
+            "The conversation must end with a user message.",
+        },
+    }
+).encode()

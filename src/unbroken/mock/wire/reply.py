@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from unbroken.core.protocols.anthropic_continue import ANCHOR_TAG
 from unbroken.mock.actions import Action, parse_action
 from unbroken.mock.wire.frames import (
     ANTHROPIC_NAME,
@@ -131,15 +132,23 @@ class MockReply:
         if self.action.reply not in ("text", "text_tool"):
             return ()
         pieces = tuple(split_exact(self.action.text, self.action.deltas))
-        prefix = prefill_of(self.protocol, self.request)
+        asked = asked_to_continue(self.protocol, self.request)
+        prefix = prefill_of(self.protocol, self.request) if asked is None else asked[0]
         if prefix is None:
             return pieces
         rest = continue_pieces(pieces, prefix)
-        if self.action.prefix_echo and rest is not pieces:
-            return (prefix, *rest)  # Mistral's answer starts with the prefix
-        if self.action.echo_tail and rest is not pieces and prefix:
-            return (prefix[-self.action.echo_tail :], *rest)  # the end of it, again
-        return rest
+        if rest is pieces:
+            return pieces  # a text that does not start with the prefix: the whole of it
+        first: tuple[str, ...] = ()
+        if self.action.preamble:
+            first = (self.action.preamble,)  # a model that comments first
+        if asked is not None:
+            first += (asked[1],)  # it does as it is asked: the quoted end first
+        if self.action.prefix_echo:
+            return (*first, prefix, *rest)  # Mistral's answer starts with the prefix
+        if self.action.echo_tail and prefix:
+            return (*first, prefix[-self.action.echo_tail :], *rest)  # the end of it, again
+        return (*first, *rest)
 
     @cached_property
     def text(self) -> str:
@@ -229,6 +238,34 @@ def prefill_of(protocol: str, request: Mapping[str, Any]) -> str | None:
         if texts and all(isinstance(t, str) for t in texts):
             return "".join(t for t in texts if isinstance(t, str))
     return None
+
+
+def asked_to_continue(protocol: str, request: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Anthropic's user-message continuation (for models that refuse prefill): the
+    last message is a user message that quotes the end of the assistant message
+    before it between ``<interrupted_response_end>`` lines (the relay's, see
+    `unbroken.core.protocols.anthropic_continue`): ``(that assistant text, the quoted
+    end)``, else None."""
+    if protocol != ANTHROPIC_NAME:
+        return None
+    messages = request.get("messages")
+    if not isinstance(messages, list) or len(messages) < 2:
+        return None
+    last, before = messages[-1], messages[-2]
+    if not isinstance(last, dict) or last.get("role") != "user":
+        return None
+    if not isinstance(before, dict) or before.get("role") != "assistant":
+        return None
+    text = before.get("content")
+    asked = last.get("content")
+    if not isinstance(text, str) or not isinstance(asked, str):
+        return None
+    opening, closing = f"<{ANCHOR_TAG}>\n", f"\n</{ANCHOR_TAG}>"
+    start = asked.find(opening)
+    end = asked.find(closing, start + len(opening))
+    if start < 0 or end < 0:
+        return None
+    return text, asked[start + len(opening) : end]
 
 
 def continue_pieces(pieces: tuple[str, ...], prefix: str) -> tuple[str, ...]:

@@ -1,0 +1,96 @@
+"""The fleet simulator (``bench/fleet_sim.py``) runs the real core to sane results.
+
+Invariants only, never performance targets: every turn of a tiny fleet ends well, no
+wait is longer than the rate limiter's bound plus a retry's delay, the shares are
+shares, and a run is the same for the same seed.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import fleet_sim
+from fleet_sim import Result, Scenario, run
+from fleet_sim_world import OUTAGES, PROVIDERS, SimStore
+
+
+def tiny(**kw: Any) -> Scenario:
+    return Scenario(**{"agents": 10, "seconds": 10.0, **kw})
+
+
+def same(r: Result) -> dict[str, Any]:
+    out = asdict(r)
+    out.pop("wall_s")
+    out.pop("cpu_s")
+    return out
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize(("relays", "store"), [(1, "none"), (2, "redis"), (2, "none")])
+def test_every_turn_of_a_tiny_fleet_ends_well(provider: str, relays: int, store: str) -> None:
+    sc = tiny(provider=provider, relays=relays, store=store)
+    r = run(sc)
+    assert r.turns > 0 and r.requests >= r.turns
+    assert r.turns_given_up == 0 and r.unfinished == 0, r  # every turn completes
+    assert r.longest_wait_s <= sc.rate.max_wait_s + sc.retry.delay_ms / 1000, r
+    assert 0.0 <= r.share_429 <= 1.0 and r.limited <= r.requests
+    assert 0.0 < r.fairness <= 1.0 + 1e-9
+    assert r.ok + r.limited + r.errors_5xx == r.requests
+    assert sum(p[0] for p in r.per_second) == r.requests
+    assert (r.store_ops > 0) == (store == "redis")
+
+
+@pytest.mark.parametrize("outage", OUTAGES[1:])
+def test_an_outage_is_counted(outage: str) -> None:
+    sc = tiny(outage=outage, seconds=20.0, outage_start_s=5.0, outage_s=5.0)
+    r = run(sc)
+    assert r.into_outage > 0 and r.errors_5xx == r.into_outage
+    assert r.recovery_s is None or r.recovery_s >= 0.0  # (None: not within the run)
+    assert r.turns_given_up == 0 and r.unfinished == 0
+
+
+def test_a_run_is_deterministic_for_its_seed() -> None:
+    sc = tiny(relays=2, store="redis", provider="quantized", store_down=((3.0, 5.0),))
+    first = run(sc)
+    assert same(run(sc)) == same(first)
+    assert same(run(replace(sc, seed=2))) != same(first)
+
+
+def test_bad_input_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert fleet_sim.main(["--agents", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "agents" in err
+
+
+def test_the_cli_writes_the_table_and_a_plot(tmp_path: Path) -> None:
+    out = tmp_path / "fleet.md"
+    argv = ["--agents", "5", "--relays", "2", "--seconds", "5", "--outage", "brownout"]
+    argv += ["--outage-start", "1", "--outage-s", "2", "--out", str(out), "--plot", str(tmp_path)]
+    assert fleet_sim.main(argv) == 0
+    table = out.read_text().splitlines()
+    assert len(table) == 3 and "brownout: 5 agents, 2 relay(s), redis" in table[2]
+    assert len(list(tmp_path.glob("fleet-*.png"))) == 1
+
+
+def test_the_store_keeps_the_scripts_semantics() -> None:
+    store = SimStore(random.Random(0))
+    name, view = "unbroken:rl:k|c:requests", (300.0, 5.0)
+    assert store.take([name], 4, [1.0], [view], 120_000, 0.0) == (-1, "0")  # unknown: teach it
+    assert store.learn(name, 300.0, 5.0, 2.0, 120_000, 0.0) == 0
+    assert store.take([name], 4, [1.0], [view], 120_000, 0.0)[0] == 2  # what is there
+    got, wait = store.take([name], 4, [1.0], [view], 120_000, 0.5)
+    assert got == 2 and float(wait) == 0.0  # refilled 2.5 in 0.5 s: 2 whole requests
+    store.learn(name, 300.0, 5.0, 100.0, 120_000, 0.5)
+    assert store.buckets[name][2] < 1.0  # a report lowers the level, never raises it
+    store.poison(1.0)  # rate 0, level -100: garbage to the relay's view, taught again
+    assert store.take([name], 4, [1.0], [view], 120_000, 1.0) == (-2, "0")
+    assert store.learn(name, 300.0, 5.0, 3.0, 120_000, 1.0) == 1
+    assert store.take([name], 4, [1.0], [view], 120_000, 1.0)[0] == 3
