@@ -136,6 +136,19 @@ def test_a_failing_observer_is_logged_and_never_breaks_the_turn(
     assert "observer Broken failed in turn_started" in caplog.text
 
 
+def test_the_fan_out_guards_a_guarded_observer_and_only_it() -> None:
+    """The fan-out runs a `Guarded` observer's method itself: its failure is counted by
+    its guard and the others still run; an unguarded observer's failure propagates."""
+    log: list[str] = []
+    guarded = Guarded(Broken())
+    multi = MultiHooks(guarded, Seen("ok", log))
+    multi.turn_started(TURN)
+    multi.turn_started(TURN)
+    assert guarded.errors == 2 and log == ["ok:started", "ok:started"]
+    with pytest.raises(RuntimeError, match="observer bug"):
+        MultiHooks(Seen("a", log), Broken()).turn_started(TURN)
+
+
 class Calls(Hooks):
     """Every event, in order."""
 
