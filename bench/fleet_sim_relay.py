@@ -25,7 +25,7 @@ from unbroken.core.pacer import PaceSettings
 from unbroken.core.ratelimit import Limiter, RateSettings
 from unbroken.core.shared import lease_grant
 from unbroken.relay.ratestore import BUDGET_S, MAX_LEASE, MAX_RETRY_S, MIN_RETRY_S, TTL_MS
-from unbroken.relay.store import RESYNC_S, WAITERS_TTL_MS
+from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS
 
 if TYPE_CHECKING:
     from fleet_sim_agent import Agent

@@ -137,7 +137,9 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def chromium() -> str:
-    """A headless-capable Chromium (`browserfix`): found, or installed with apt-get as root."""
+    """A headless-capable Chromium (`browserfix`): found, or installed with apt-get as root
+    (under a file lock, once per machine; a test's own look is cheap after that, so the
+    fixture is a test's, not the session's, and any xdist worker may run its tests)."""
     return chromium_binary()

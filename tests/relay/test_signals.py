@@ -11,11 +11,14 @@ runtime directory must be gone.  ``nohup`` (SIGHUP ignored at start) still means
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,15 @@ class Relay:
             return await r.json()  # type: ignore[no-any-return]
 
 
+def short_tmpdir() -> Path:
+    """A TMPDIR short enough for the workers' sockets, so their runtime directory is
+    made in it and the tests can look there (pytest's tmp_path under an xdist worker
+    is long enough that the supervisor rightly moves it to /tmp); removed at exit."""
+    path = Path(tempfile.mkdtemp(prefix="ubt-", dir="/tmp"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 async def start_relay(
     tmp_path: Path,
     upstream: str,
@@ -52,8 +64,7 @@ async def start_relay(
         f'[routes.mock]\nupstreams = [{{ url = "{upstream}" }}]\n'
     )
     if tmpdir is None:  # the supervisor's runtime directory is made here
-        tmpdir = tmp_path / "tmp"
-        tmpdir.mkdir()
+        tmpdir = short_tmpdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "OPENCODE_"))}
     env["TMPDIR"] = str(tmpdir)
     argv = [sys.executable, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"]

@@ -2,7 +2,7 @@
 
 Health is shared through Redis (`unbroken.relay.store.RedisStore`) or, between the
 workers of one ``unbroken serve --workers N``, through Unix datagrams
-(`unbroken.relay.store.ChannelStore`).  Anyone who can write to that Redis, or send a
+(`unbroken.relay.channel_store.ChannelStore`).  Anyone who can write to that Redis, or send a
 datagram as the relay's user, can put anything there; this module decides what a
 relay believes of it.  The rules:
 

@@ -18,7 +18,7 @@
   kernel (``PR_SET_PDEATHSIG``) and drains instead of serving on unsupervised.
 * **Shared health.**  With ``[health] store = "redis://..."`` the workers share
   health through Redis like any fleet.  Without it they share it through a local
-  channel in the supervisor's runtime directory (`unbroken.relay.store.ChannelStore`:
+  channel in the supervisor's runtime directory (`unbroken.relay.channel_store.ChannelStore`:
   Unix datagrams between siblings, probe ownership by exclusive file creation).  The
   same directory holds each worker's ``/status`` summary (``status-<id>.json``,
   rewritten every second), so whichever worker answers ``/status`` shows them all.
@@ -28,7 +28,7 @@
   (`clean_stale_runtime_dirs`: only this user's, only those whose supervisor is gone).
   It is made in the temporary directory (``TMPDIR``), or under ``/tmp`` when a
   worker's socket path there would be longer than a Unix socket can bind
-  (`store.SUN_PATH_MAX`, 107 bytes): a long ``TMPDIR`` costs nothing but a log line.
+  (`channel_store.SUN_PATH_MAX`, 107 bytes): a long ``TMPDIR`` costs nothing but a log line.
 """
 
 from __future__ import annotations

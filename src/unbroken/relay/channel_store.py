@@ -1,0 +1,275 @@
+"""Workers on one machine share health without Redis: `ChannelStore`.
+
+`ChannelStore`: what ``unbroken serve --workers N`` uses when no Redis is
+configured.  Each worker binds a Unix datagram socket in the supervisor's runtime
+directory and sends every change to its siblings' sockets (no broker, nothing to
+start, a dead sibling costs one failed ``sendto``); the half-open probe is owned by
+whoever creates ``probe-<hash>`` there first (``O_CREAT|O_EXCL``; it holds the
+owner's pid and origin).  The owner removes it the moment the core gives the lease
+back (`unbroken.core.health.ProbeRelease`); a lock whose owner is dead or that is
+older than ``probe_timeout_s`` is taken over (`unbroken.core.health.probe_lease_stale`
+decides).  A worker that (re)starts asks its siblings for their state.  Every second
+a worker with turns in an upstream's line tells its siblings so (a ``waiting`` mark
+that lasts ``WAITERS_TTL_MS`` unless renewed, withdrawn when its line empties), and
+each worker splits the pacer's floor among the workers with live marks, as Redis
+splits it among relays: a dead upstream gets one floor from all the workers, not
+one from each.  A datagram is at most 4 KiB and schema-checked like a Redis
+message (`unbroken.core.shared`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from unbroken.core.health import Change, HealthBoard, probe_lease_stale
+from unbroken.core.shared import (
+    MAX_DATAGRAM,
+    Message,
+    SharedBounds,
+)
+from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS, HealthStore
+
+__all__ = ["SUN_PATH_MAX", "ChannelStore", "channel_socket"]
+
+log = logging.getLogger("unbroken")
+
+#: the longest path a Unix socket can bind: ``sun_path`` holds 108 bytes on Linux, the
+#: NUL included (the supervisor picks a runtime directory where every worker's fits)
+SUN_PATH_MAX = 107
+
+
+class ChannelStore(HealthStore):
+    """Workers on one machine, no Redis: Unix datagrams between siblings (see above)."""
+
+    kind = "workers"
+
+    def __init__(
+        self,
+        board: HealthBoard,
+        directory: str | os.PathLike[str],
+        worker: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        bounds: SharedBounds | None = None,
+    ) -> None:
+        super().__init__(board, clock=clock, bounds=bounds)
+        self.dir = Path(directory)
+        self.worker = worker
+        self.path = channel_socket(self.dir, worker)
+        self.sock: socket.socket | None = None
+        self.board.probe_gate = self._probe_gate
+        self.board.probe_release = self._probe_release
+        #: what this worker writes in the probe locks it owns
+        self._lock_mark = f"{os.getpid()} {self.origin}\n".encode()
+        #: siblings with turns in an upstream's line: key -> worker -> until (monotonic)
+        self.waiters: dict[str, dict[int, float]] = {}
+        self._marked: set[str] = set()  # keys this worker told its siblings it waits on
+        self._ticker: asyncio.Task[None] | None = None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "state": "ok",
+            "worker": self.worker,
+            "ignored": dict(sorted(self.garbage.items())),
+        }
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        sock.bind(str(self.path))
+        self.sock = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
+        self._send(json.dumps({"o": self.origin, "kind": "hello", "w": self.worker}).encode())
+        self._ticker = asyncio.ensure_future(self._tick())
+
+    async def close(self) -> None:
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.cancel()
+            await asyncio.wait([ticker], timeout=2.0)
+        sock = self.sock
+        if sock is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(sock.fileno())
+            sock.close()
+            self.sock = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def publish(self, change: Change) -> None:
+        if change.kind == "half_open":
+            return
+        self._send(self._encode(change))
+
+    def _send(self, data: bytes, to: str | None = None) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        peers = (
+            [to] if to else [str(p) for p in self.dir.glob("w*.sock") if p.name != self.path.name]
+        )
+        for peer in peers:
+            try:
+                sock.sendto(data, peer)
+            except OSError:
+                pass  # a sibling that is gone or restarting: it asks for state when back
+
+    def _readable(self) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        # at most 256 datagrams per wake-up: a flood cannot hold the event loop
+        for _ in range(256):
+            try:
+                data = sock.recv(MAX_DATAGRAM + 1)  # longer: cut, and rejected as oversized
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            msg = self._apply_message(data, "a datagram")
+            if msg is not None and msg.kind == "waiting":
+                self._mark(msg)
+            elif msg is not None and msg.worker is not None:  # a sibling's hello
+                peer = str(channel_socket(self.dir, msg.worker))
+                for change in self._local_changes():
+                    self._send(self._encode(change), to=peer)
+
+    # -- the pacer's floor, split among the workers with turns waiting -------------------
+    async def _tick(self) -> None:
+        while True:
+            self._announce()
+            await asyncio.sleep(RESYNC_S)
+
+    def _announce(self) -> None:
+        """Tell the siblings which lines this worker has turns in (and which it left),
+        then split each pacer's floor anew."""
+        for key, pacer in self.board.pacers.items():
+            if pacer.queue:
+                self._marked.add(key)
+                self._send_waiting(key, WAITERS_TTL_MS / 1000)
+            elif key in self._marked:  # the line emptied: the siblings have it all back
+                self._marked.discard(key)
+                self._send_waiting(key, 0.0)
+        now = self.clock()
+        for key, marks in list(self.waiters.items()):
+            for w, until in list(marks.items()):
+                if until <= now:
+                    del marks[w]
+            if not marks:
+                del self.waiters[key]
+        for key in self.board.pacers:
+            self._split(key, now)
+
+    def _send_waiting(self, key: str, ttl_s: float) -> None:
+        msg = {"o": self.origin, "kind": "waiting", "w": self.worker, "k": key, "ttl": ttl_s}
+        self._send(json.dumps(msg).encode())
+
+    def _mark(self, msg: Message) -> None:
+        """A sibling's ``waiting`` mark (validated by `core.shared.parse_message`)."""
+        assert msg.key is not None and msg.worker is not None
+        if msg.worker == self.worker:
+            return  # (a stale socket's sender cannot speak for this worker)
+        now = self.clock()
+        marks = self.waiters.setdefault(msg.key, {})
+        if msg.ttl_s > 0:
+            marks[msg.worker] = now + msg.ttl_s
+        else:
+            marks.pop(msg.worker, None)
+        self._split(msg.key, now)
+
+    def _split(self, key: str, now: float) -> None:
+        """The pacer's floor is split among the workers with turns in ``key``'s line:
+        the siblings with a live mark, and this one (counted always: at least 1)."""
+        pacer = self.board.pacers.get(key)
+        if pacer is None:
+            return
+        marks = self.waiters.get(key, {})
+        pacer.share = 1 + sum(1 for w, until in marks.items() if until > now and w != self.worker)
+
+    def _probe_path(self, key: str) -> Path:
+        return self.dir / f"probe-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+
+    def _probe_gate(self, key: str, ttl_s: float) -> bool | None:
+        path = self._probe_path(key)
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            except FileExistsError:
+                holder = self._lock_holder(path)
+                if holder is None:
+                    continue  # gone meanwhile: try again
+                age, mark = holder
+                mine = mark == self._lock_mark  # a lease the core lost track of
+                if mine or probe_lease_stale(age, ttl_s, holder_alive=_pid_alive(mark)):
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                    continue
+                return False
+            except OSError as exc:  # pragma: no cover - a broken runtime dir
+                if exc.errno in (errno.EACCES, errno.ENOENT):
+                    return True
+                raise
+            try:
+                os.write(fd, self._lock_mark)
+            finally:
+                os.close(fd)
+            return True
+        return False
+
+    def _probe_release(self, key: str) -> None:
+        """The core gave the lease back: the lock goes, if it is still ours."""
+        path = self._probe_path(key)
+        holder = self._lock_holder(path)
+        if holder is not None and holder[1] == self._lock_mark:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    @staticmethod
+    def _lock_holder(path: Path) -> tuple[float, bytes] | None:
+        """A probe lock's age (s) and content; None when there is none."""
+        try:
+            with open(path, "rb") as f:
+                mark = f.read(128)
+                age = time.time() - os.fstat(f.fileno()).st_mtime
+        except FileNotFoundError:
+            return None
+        except OSError:  # pragma: no cover - a broken runtime dir: as old as can be
+            return float("inf"), b""
+        return age, mark
+
+
+def _pid_alive(mark: bytes) -> bool:
+    """Is the process whose pid a probe lock names alive?  A lock being written (empty)
+    or garbage counts as alive: only its age can free it then."""
+    try:
+        pid = int(mark.split(maxsplit=1)[0])
+    except (ValueError, IndexError):
+        return True
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): alive
+        return True
+    return True
+
+
+def channel_socket(directory: str | os.PathLike[str], worker: int) -> Path:
+    """Worker ``worker``'s datagram socket in the runtime directory."""
+    return Path(directory) / f"w{worker}.sock"
