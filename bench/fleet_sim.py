@@ -7,7 +7,7 @@ A benchmark, not a test: it measures and reports, it asserts nothing.
     python bench/fleet_sim.py --matrix --out /tmp/fleet.md --plot /tmp/fleet-img
 
 Each agent runs streamed turns back to back, each one a real `TurnMachine`
-(`unbroken.core.turn`) with its `RetryState` on its relay's real `HealthBoard`
+(`unbroken.core.turn.machine`) with its `RetryState` on its relay's real `HealthBoard`
 (breakers, pacers, rate limiters): the simulator feeds the machine the events a
 transport would (``start``, ``answered`` with the provider's headers parsed by
 `parse_rate_headers`, ``feed_chunk`` with an SSE body that reports its usage,
@@ -44,10 +44,10 @@ from fleet_sim_agent import DRAIN_S, NO_HEADERS, Agent, sse_body
 from fleet_sim_relay import Loop, SimRelay
 from fleet_sim_world import OUTAGES, PROVIDERS, WALL0, Outage, ProviderModel, SimStore
 from unbroken.config import StreamSettings
-from unbroken.core.health import AttemptAccounting, HealthSettings
-from unbroken.core.ledger import Hold
-from unbroken.core.policy import RetryPolicy
-from unbroken.core.ratelimit import RateSettings
+from unbroken.core.admission.health import AttemptAccounting, HealthSettings
+from unbroken.core.admission.policy import RetryPolicy
+from unbroken.core.admission.ratelimit import RateSettings
+from unbroken.core.turn.ledger import Hold
 
 __all__ = ["Fleet", "Result", "Scenario", "main", "run"]
 

@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from fleet_sim_relay import SimRelay, Timer
 from fleet_sim_world import WALL0
-from unbroken.core.attempt import AttemptStats
-from unbroken.core.policy import Failure, RetryState, parse_retry_after
-from unbroken.core.protocols import CHAT
-from unbroken.core.ratehead import parse_rate_headers
-from unbroken.core.ratelimit import credential_hash
-from unbroken.core.turn import (
+from unbroken.core.admission.policy import Failure, RetryState, parse_retry_after
+from unbroken.core.admission.ratehead import parse_rate_headers
+from unbroken.core.admission.ratelimit import credential_hash
+from unbroken.core.turn.attempt import AttemptStats
+from unbroken.core.turn.machine import (
     End,
     GiveUp,
     Open,
@@ -25,6 +24,7 @@ from unbroken.core.turn import (
     TurnState,
     Wait,
 )
+from unbroken.core.wire.protocols import CHAT
 
 if TYPE_CHECKING:
     from fleet_sim import Fleet

@@ -20,10 +20,10 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from fleet_sim_world import SimStore, StoreDown
-from unbroken.core.health import Breaker, Change, HealthBoard, HealthSettings
-from unbroken.core.pacer import PaceSettings
-from unbroken.core.ratelimit import Limiter, RateSettings
-from unbroken.core.shared import lease_grant
+from unbroken.core.admission.health import Breaker, Change, HealthBoard, HealthSettings
+from unbroken.core.admission.pacer import PaceSettings
+from unbroken.core.admission.ratelimit import Limiter, RateSettings
+from unbroken.core.admission.shared import lease_grant
 from unbroken.relay.ratestore import BUDGET_S, MAX_LEASE, MAX_RETRY_S, MIN_RETRY_S, TTL_MS
 from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS
 

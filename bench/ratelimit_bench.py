@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -52,6 +53,16 @@ from typing import Any
 
 import aiohttp
 
+from ratelimit_report import (
+    MAX_ATTEMPTS,
+    SUMMARY_HEADING,
+    journal_waits,
+    render_summary,
+    replace_section,
+    summarize,
+    write_report,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 LITELLM_KEY = "sk-bench-0123456789abcdef0123456789abcdef"
@@ -62,8 +73,8 @@ LITELLM_ENV = {
     "LITELLM_LOG": "ERROR",
 }
 PROVIDER_KEY = "sk-bench-provider-key"
-MAX_ATTEMPTS = 10
-TARGETS = {"share_429": 0.05, "goodput": 0.90, "fairness": 0.95}
+#: the relay paths: one relay, two over Redis, one ``serve --workers 2``
+RELAY_PATHS = ("unbroken", "unbroken x2", "unbroken w2")
 
 
 def log(msg: str) -> None:
@@ -262,61 +273,6 @@ async def run_agents(
     }
 
 
-def jain(xs: list[float]) -> float:
-    s, q = sum(xs), sum(x * x for x in xs)
-    return (s * s) / (len(xs) * q) if q else 1.0
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    ys = sorted(xs)
-    k = min(len(ys) - 1, max(0, round(p / 100 * (len(ys) - 1))))
-    return ys[k]
-
-
-def summarize(
-    name: str,
-    run: dict[str, Any],
-    mock_log: list[list[float]],
-    capacity: float,
-    agents: int,
-    turns: int,
-    mono_offset: float,
-) -> dict[str, Any]:
-    t0, t1 = run["t0"], run["t1"]
-    # the mock's clock is its own event loop's monotonic clock: the same clock here
-    inside = [s for t, s in mock_log if t0 - 0.5 <= t + mono_offset <= t1 + 0.5]
-    n_all = len(inside)
-    n_429 = sum(1 for s in inside if s == 429)
-    n_ok = sum(1 for s in inside if s == 200)
-    duration = t1 - t0
-    per_agent = [0] * agents
-    half = [0] * agents
-    ordered = sorted(run["done_at"])
-    for k, (_, i) in enumerate(ordered):
-        per_agent[i] += 1
-        if k < agents * turns // 2:
-            half[i] += 1
-    lat = run["latencies"]
-    return {
-        "path": name,
-        "requests": n_all,
-        "share_429": n_429 / n_all if n_all else 0.0,
-        "answered": n_ok,
-        "duration_s": duration,
-        "goodput_per_s": n_ok / duration,
-        "goodput": n_ok / duration / capacity,
-        "fairness_half": jain([float(x) for x in half]),
-        "fairness_end": jain([float(x) for x in per_agent]),
-        "completed": len(ordered),
-        "given_up": run["given_up"],
-        "p50_s": pct(lat, 50),
-        "p99_s": pct(lat, 99),
-        "series": [t - t0 for t, _ in ordered],
-    }
-
-
 def mock_call(url: str, method: str = "GET", payload: Any = None) -> Any:
     import urllib.request
 
@@ -329,11 +285,62 @@ def mock_call(url: str, method: str = "GET", payload: Any = None) -> Any:
 
 
 def unbroken_config(mock_url: str, store: str) -> str:
+    """The default config a user gets (retry logs and the journal on), a route to the
+    mock, the store; only the shutdown grace is shortened (it changes no figure)."""
     return (
-        "[server]\ngrace_s = 1.0\n\n[retry]\nverbose = false\n\n"
-        f'[health]\nstore = "{store}"\n\n[journal]\nenabled = false\n\n'
+        "[server]\ngrace_s = 1.0\n\n"
+        f'[health]\nstore = "{store}"\n\n'
         f'[routes.mock]\nupstreams = [{{ url = "{mock_url}" }}]\n'
     )
+
+
+def limiter_views(status: Any) -> list[Any]:
+    """Every ``ratelimits`` view in a relay's /status (the limiters, their throttles)."""
+    found: list[Any] = []
+    if isinstance(status, dict):
+        for k, v in status.items():
+            if k == "ratelimits" and isinstance(v, list):
+                found.extend(v)
+            else:
+                found.extend(limiter_views(v))
+    elif isinstance(status, list):
+        for v in status:
+            found.extend(limiter_views(v))
+    return found
+
+
+async def sample_status(
+    bases: list[str], into: Path, t0: float, stop: asyncio.Event, tries: int = 1
+) -> None:
+    """Each relay's rate-limit views every second of the run (JSON lines), evidence of
+    what the throttle, buckets and window did.  A connection each (``--workers``: the
+    kernel picks the worker that answers; ``tries`` a second)."""
+    timeout = aiohttp.ClientTimeout(total=5)
+    conn = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
+        with into.open("w") as f:
+            while not stop.is_set():
+                for k, base in enumerate(bases * tries):
+                    try:
+                        async with http.get(f"{base}/status") as r:
+                            body = await r.json()
+                        views = limiter_views(body)
+                        stores = body.get("store") if isinstance(body, dict) else None
+                    except (aiohttp.ClientError, TimeoutError, ValueError):
+                        continue
+                    worker = body.get("worker") if isinstance(body, dict) else None
+                    row = {
+                        "t": round(time.monotonic() - t0, 2),
+                        "relay": k % len(bases),
+                        "worker": worker.get("id") if isinstance(worker, dict) else None,
+                        "limits": views,
+                    }
+                    if isinstance(stores, dict) and stores.get("ratelimits"):
+                        row["store"] = stores["ratelimits"]
+                    f.write(json.dumps(row) + "\n")
+                f.flush()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
 
 
 def litellm_config(mock_url: str, rpm: float, tpm: float) -> str:
@@ -361,6 +368,8 @@ async def bench_path(
     redis_url: str | None,
 ) -> dict[str, Any]:
     procs: list[Proc] = []
+    relays: list[Proc] = []
+    states: list[Path] = []
     mock_argv = [PY, __file__, "--serve-mock", "--rpm", str(rpm), "--tpm", str(tpm)]
     try:
         mock = Proc(
@@ -402,173 +411,71 @@ async def bench_path(
             headers = {"Authorization": f"Bearer {LITELLM_KEY}"}
         else:
             n = 2 if name == "unbroken x2" else 1
-            cfg = work / f"unbroken-{n}.toml"
+            workers = ["--workers", "2"] if name == "unbroken w2" else []
+            tag = name.replace("unbroken", "ub").replace(" ", "")
+            cfg = work / f"{tag}.toml"
             cfg.write_text(unbroken_config(mock.url, redis_url if n == 2 and redis_url else ""))
             urls = []
             for k in range(n):
-                state = work / f"state-{n}-{k}"
+                state = work / f"state-{tag}-{k}"
                 state.mkdir(exist_ok=True)
+                states.append(state)
                 p = Proc(
-                    f"unbroken-{n}-{k}",
-                    [PY, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0"],
+                    f"{tag}-{k}",
+                    [PY, "-m", "unbroken", "serve", "--config", str(cfg), "--port", "0", *workers],
                     ready=r"relaying on (http://\S+)",
                     env={**env, "XDG_STATE_HOME": str(state), "HOME": str(state)},
                     logdir=work,
                 )
                 procs.append(p)
+                relays.append(p)
                 urls.append(f"{p.url}/mock/v1/chat/completions")
             if n == 2:  # both relays see the store up before the run
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:
-                    states = [
+                    states_ok = [
                         mock_call(u.rsplit("/mock/", 1)[0] + "/status")["store"]["state"]
                         for u in urls
                     ]
-                    if all(s == "ok" for s in states):
+                    if all(s == "ok" for s in states_ok):
                         break
                     await asyncio.sleep(0.1)
         log(f"{name}: {agents} agents x {turns} turns through {', '.join(urls)}")
-        mono_offset = 0.0  # the mock runs on this machine: the same monotonic clock
-        run = await run_agents(urls, agents, turns, headers, big_first=provider == "tpm")
+        bases = [u.rsplit("/mock/", 1)[0] for u in urls] if relays else []
+        stop = asyncio.Event()
+        sampler = None
+        if bases:
+            into = work / f"status-{provider}-{name.replace(' ', '')}.jsonl"
+            tries = 3 if name == "unbroken w2" else 1
+            sampler = asyncio.ensure_future(
+                sample_status(bases, into, time.monotonic(), stop, tries)
+            )
+        try:
+            run = await run_agents(urls, agents, turns, headers, big_first=provider == "tpm")
+        finally:
+            stop.set()
+            if sampler is not None:
+                await sampler
+        final = [limiter_views(mock_call(f"{b}/status")) for b in bases]
         stats = mock_call(f"{mock.url}/_mock/limits")
-        out = summarize(name, run, stats["log"], capacity, agents, turns, mono_offset)
+        log_name = f"mock-log-{provider}-{name.replace(' ', '')}.json"
+        (work / log_name).write_text(json.dumps([[t - run["t0"], s] for t, s in stats["log"]]))
+        for p in reversed(relays):  # the journals are complete once the relays stopped
+            p.stop()
+        out = summarize(name, run, stats["log"], capacity, rpm / 60.0, agents, turns)
+        out["waits"] = journal_waits(states) if relays else None
+        out["limiters"] = final
         out["provider"] = provider
         log(
             f"{provider} {name}: 429 {out['share_429']:.1%} of {out['requests']}, goodput "
             f"{out['goodput']:.1%}, fairness {out['fairness_half']:.3f}/{out['fairness_end']:.3f}"
-            f", p99 {out['p99_s']:.1f}s, given up {out['given_up']}, {out['duration_s']:.1f}s"
+            f", peak {out['peak_per_s']}/s, max turn {out['max_turn_s']:.1f}s, waits "
+            f"{out['waits']}, given up {out['given_up']}, {out['duration_s']:.1f}s"
         )
         return out
     finally:
         for p in reversed(procs):
             p.stop()
-
-
-def image_name(provider: str) -> str:
-    return "ratelimit.png" if provider == "textbook" else f"ratelimit-{provider}.png"
-
-
-def heading(provider: str) -> str:
-    base = "## Rate limits: many agents on one key"
-    return base if provider == "textbook" else f"{base}, the {provider} provider"
-
-
-def plots(results: list[dict[str, Any]], img: Path, provider: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    img.mkdir(parents=True, exist_ok=True)
-    names = [r["path"] for r in results]
-    colors = {
-        "direct": "#777777",
-        "litellm": "#d62728",
-        "unbroken": "#2ca02c",
-        "unbroken x2": "#1f77b4",
-    }
-    fig, axes = plt.subplots(1, 5, figsize=(17, 3.4))
-    panels = [
-        ("share_429", "429s, share of upstream requests", TARGETS["share_429"], "max"),
-        ("goodput", "goodput / what the limits allow", TARGETS["goodput"], "min"),
-        ("fairness_half", "Jain fairness (half the turns)", TARGETS["fairness"], "min"),
-        ("p99_s", "p99 turn latency (s)", None, ""),
-    ]
-    for ax, (key, title, target, _) in zip(axes, panels, strict=False):
-        vals = [r[key] for r in results]
-        ax.bar(range(len(names)), vals, color=[colors.get(n, "#999") for n in names])
-        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
-        ax.set_title(title, fontsize=9)
-        if target is not None:
-            ax.axhline(target, color="black", linestyle="--", linewidth=0.8)
-    ax = axes[4]
-    for r in results:
-        xs = r["series"]
-        ax.plot(xs, range(1, len(xs) + 1), label=r["path"], color=colors.get(r["path"], "#999"))
-    ax.set_title("completed turns over time (s)", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = img / image_name(provider)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
-
-
-ZOO_NOTES = {
-    "tpm": " Each agent's first request is about 39 KB, as Codex's is.",
-    "shared": " Half of each budget's refill goes to traffic the agents do not see "
-    "(what the limits allow counts only the other half).",
-    "anthropic": " The agents speak Chat Completions; the headers are Anthropic's.",
-}
-
-
-def zoo_sentence(provider: str) -> str:
-    if provider == "textbook":
-        return "and sends OpenAI's `x-ratelimit-*` headers, `429` and `retry-after` past them. "
-    return (
-        f"and enforces and reports them as the `{provider}` provider of its rate-limit zoo "
-        f"does (docs/mock.md, `--provider {provider}`).{ZOO_NOTES.get(provider, '')} "
-    )
-
-
-def render(
-    results: list[dict[str, Any]],
-    args: argparse.Namespace,
-    capacity: float,
-    cost: float,
-    img_rel: str,
-    provider: str,
-) -> str:
-    lines = [
-        heading(provider),
-        "",
-        f"`bench/ratelimit_bench.py` ({'--quick' if args.quick else 'full run'}): "
-        f"{args.agents} agents x {args.turns} turns on one provider key that the mock "
-        f"limits to {args.rpm:g} requests and {args.tpm:g} tokens a minute (a request costs "
-        f"about {cost:.0f} tokens, so the limits allow {capacity:.2f} requests a second), "
-        "its budget spent when the run begins. The mock refills both budgets continuously "
-        + zoo_sentence(provider)
-        + "Each agent retries a 429 like the SDKs: `retry-after`, else exponential backoff, "
-        f"{MAX_ATTEMPTS} attempts. `unbroken x2` is two relays sharing a real "
-        "`redis-server`, the agents alternating between them; `litellm` is the LiteLLM "
-        "proxy with the deployment's `rpm`/`tpm` and `usage-based-routing-v2`. Targets: "
-        "429s at most 5 % of upstream requests, goodput at least 90 % of the limit, "
-        "fairness at least 0.95. One run on this machine "
-        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, nproc {os.cpu_count()}, "
-        "processes not pinned).",
-        "",
-        "| path | upstream requests | 429s | goodput (req/s, of the limit) | fairness (half / end)"
-        " | given up | p50 / p99 turn latency |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r['path']} | {r['requests']} | {r['share_429']:.1%} | "
-            f"{r['goodput_per_s']:.2f} ({r['goodput']:.0%}) | "
-            f"{r['fairness_half']:.3f} / {r['fairness_end']:.3f} | {r['given_up']} | "
-            f"{r['p50_s']:.1f} s / {r['p99_s']:.1f} s |"
-        )
-    lines += ["", f"![rate limits]({img_rel}/{image_name(provider)})", ""]
-    for r in results:
-        if r["path"].startswith("unbroken"):
-            ok = (
-                r["share_429"] <= TARGETS["share_429"]
-                and r["goodput"] >= TARGETS["goodput"]
-                and r["fairness_half"] >= TARGETS["fairness"]
-            )
-            lines.append(f"- `{r['path']}`: targets {'met' if ok else '**not met**'}.")
-    lines += [
-        "",
-        "Fairness is Jain's index over the agents' completed turns when half of all turns "
-        "are done (at the end every agent that gave nothing up has all of its turns). "
-        "Goodput counts the requests answered 200 over the run's duration, against what "
-        "the limits allow over it. Through unbroken the median turn waits about as long "
-        "as its 99th percentile: the key's budget is shared out evenly (each agent gets "
-        "a turn every agents / limit seconds), where direct agents that win the race are "
-        "fast and the others retry, starve or give up.",
-        "",
-    ]
-    return "\n".join(lines)
 
 
 async def main_async(
@@ -622,8 +529,10 @@ async def main_async(
             logdir=work,
         )
         redis_url = f"redis://127.0.0.1:{port}/0"
-        paths = ["direct", *(["litellm"] if litellm else []), "unbroken", "unbroken x2"]
+        paths = ["direct", *(["litellm"] if litellm else []), *RELAY_PATHS]
         for name in paths:
+            if args.paths and name not in args.paths:
+                continue
             results.append(
                 await bench_path(
                     name,
@@ -644,37 +553,6 @@ async def main_async(
     return results, capacity, cost, work
 
 
-def write_report(
-    args: argparse.Namespace,
-    provider: str,
-    results: list[dict[str, Any]],
-    capacity: float,
-    cost: float,
-    work: Path,
-) -> None:
-    img_rel = os.path.relpath(args.img, Path(args.out).parent)
-    plots(results, Path(args.img), provider)
-    text = render(results, args, capacity, cost, img_rel, provider)
-    out = Path(args.out)
-    own = re.compile(rf"^{re.escape(heading(provider))}$", re.M)
-    found = own.search(out.read_text()) if out.exists() else None
-    if found is not None:
-        old = out.read_text()
-        head, rest = old[: found.start()], old[found.end() :]
-        nxt = re.search(r"^## ", rest, re.M)
-        tail = rest[nxt.start() :] if nxt else ""
-        out.write_text(head + text + ("\n" + tail if tail else ""))
-    elif out.exists():
-        out.write_text(out.read_text().rstrip() + "\n\n" + text)
-    else:
-        out.write_text(text)
-    (work / "results.json").write_text(
-        json.dumps([{k: v for k, v in r.items() if k != "series"} for r in results], indent=1)
-    )
-    print(json.dumps([{k: v for k, v in r.items() if k != "series"} for r in results], indent=1))
-    log(f"wrote {out} and {args.img}/{image_name(provider)} (logs in {work})")
-
-
 def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from unbroken.mock.limits import BEHAVIOURS
@@ -686,15 +564,21 @@ def main() -> None:
         default="textbook",
         help="the mock's rate-limit behaviour (docs/mock.md, rate-limit zoo); all: each",
     )
-    ap.add_argument("--agents", type=int, default=50)
-    ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--rpm", type=float, default=900.0)
+    ap.add_argument("--agents", type=int, default=40)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--rpm", type=float, default=300.0)
     ap.add_argument("--tpm", type=float, default=450_000.0)
     ap.add_argument("--quick", action="store_true", help="10 agents x 4 turns")
     ap.add_argument("--no-litellm", action="store_true")
     ap.add_argument("--litellm-venv", default=None)
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     ap.add_argument("--img", default=str(ROOT / "docs" / "img"))
+    ap.add_argument(
+        "--paths",
+        nargs="*",
+        choices=("direct", "litellm", *RELAY_PATHS),
+        help="only these paths (default: all)",
+    )
     ap.add_argument("--serve-mock", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_mock:
@@ -707,9 +591,20 @@ def main() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
+    args.commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    every: list[dict[str, Any]] = []
     try:
         for provider in BEHAVIOURS if args.provider == "all" else (args.provider,):
-            write_report(args, provider, *asyncio.run(main_async(args, provider)))
+            results, capacity, cost, work = asyncio.run(main_async(args, provider))
+            write_report(args, provider, results, capacity, cost, work)
+            every += results
+        if args.provider == "all":
+            replace_section(Path(args.out), SUMMARY_HEADING, render_summary(every, args))
     finally:
         for p in reversed(STARTED):
             p.stop()

@@ -2,7 +2,7 @@
 
 A benchmark, not a test.  A route that injects a key has every body it forwards
 scanned for that key (the only secret its upstream was sent): each upstream chunk of
-a streamed answer goes through `Redactor.feed` (``core.redact``) inside an async generator
+a streamed answer goes through `Redactor.feed` (``core.wire.redact``) inside an async generator
 (``relay.upstream.redacted_chunks``) before the turn machine sees it.  A route where the
 client brings its own key pays nothing: the relay reads the upstream's chunks as
 before.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from unbroken.core.redact import Redactor
+from unbroken.core.wire.redact import Redactor
 from unbroken.relay.upstream import redacted_chunks
 
 KEY = "sk-proj-" + "x" * 156  # an OpenAI project key is ~164 characters

@@ -23,7 +23,7 @@ from soak_procs import TOKEN, RedisProcess, RelayProcess
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from unbroken.core.sse import SSESplitter  # noqa: E402
+from unbroken.core.wire.sse import SSESplitter  # noqa: E402
 from unbroken.mock import MockProvider, frames_for  # noqa: E402
 
 PATHS = {"chat": "v1/chat/completions", "responses": "v1/responses", "anthropic": "v1/messages"}

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from unbroken.core.sse import SSESplitter  # noqa: E402
+from unbroken.core.wire.sse import SSESplitter  # noqa: E402
 
 SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
 ENDINGS = {"LF": b"\n", "CRLF": b"\r\n", "CR": b"\r"}

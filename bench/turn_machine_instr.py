@@ -31,10 +31,10 @@ _TOTAL = re.compile(r"Collected : (\d+)")
 
 def _turns(n: int) -> None:
     from turnfix import Report, Timers  # (the tree's own, on sys.path)
-    from unbroken.core.ledger import Hold
-    from unbroken.core.policy import RetryPolicy, RetryState
-    from unbroken.core.protocols import CHAT
-    from unbroken.core.turn import TurnMachine
+    from unbroken.core.admission.policy import RetryPolicy, RetryState
+    from unbroken.core.turn.ledger import Hold
+    from unbroken.core.turn.machine import TurnMachine
+    from unbroken.core.wire.protocols import CHAT
 
     def chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish}

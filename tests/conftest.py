@@ -30,7 +30,9 @@ pytest_plugins = ("noskip",)
 
 # Helper modules whose asserts check what a test sees: pytest rewrites them as it does a
 # test module's, so a failing check shows its values.
-pytest.register_assert_rewrite("core.ledgerfix", "mock.wsfix", "relay.regressionfix", "turnfix")
+pytest.register_assert_rewrite(
+    "core.turn.ledgerfix", "mock.wsfix", "relay.regressionfix", "turnfix"
+)
 
 #: Files whose tests share a fixture set up once for the module or the session, and
 #: the worker group each runs in.
@@ -120,7 +122,7 @@ async def mock() -> AsyncIterator[MockProvider]:
 @pytest.fixture
 def no_waits() -> Iterator[None]:
     """Retry waits switched off for this test (the turn machine's testing mode)."""
-    from unbroken.core.turn import set_testing
+    from unbroken.core.turn.machine import set_testing
 
     with set_testing(True):
         yield

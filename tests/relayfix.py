@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from unbroken.config import parse_config
-from unbroken.core.policy import Failure
+from unbroken.core.admission.policy import Failure
 from unbroken.observe.hooks import Hooks, TurnRecord
 from unbroken.relay.server import RelayServer
 

@@ -17,7 +17,7 @@ from unbroken.config import (
     parse_config,
 )
 from unbroken.config_values import validate_url
-from unbroken.core.policy import RetryPolicy
+from unbroken.core.admission.policy import RetryPolicy
 
 SECRET = "sk-live-0123456789abcdef-SECRET"
 

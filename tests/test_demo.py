@@ -413,7 +413,7 @@ def test_at_80_columns_the_summary_breaks_only_between_words(protocol: str) -> N
 def test_every_relay_state_is_explained_in_the_demo_doc() -> None:
     """The live table's relay column shows `/status`'s turn states; ``parked`` was
     missing from docs/demo.md (issue 35)."""
-    from unbroken.core.turn_types import TurnState
+    from unbroken.core.turn.turn_types import TurnState
     from unbroken.demo import DEMO_STATE_STYLE
 
     text = DEMO_DOC.read_text()

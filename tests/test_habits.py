@@ -95,8 +95,8 @@ def test_the_scan_sees_each_kind_of_change(tmp_path: Path) -> None:
 
 # -- one name, one meaning ------------------------------------------------------------
 
-_PREFILL = {"core/protocols/anthropic_prefill.py", "core/protocols/chat_prefix.py"}
-_PROTOCOLS = {f"core/protocols/{p}.py" for p in ("anthropic", "chat", "gemini", "responses")}
+_PREFILL = {"core/wire/protocols/anthropic_prefill.py", "core/wire/protocols/chat_prefix.py"}
+_PROTOCOLS = {f"core/wire/protocols/{p}.py" for p in ("anthropic", "chat", "gemini", "responses")}
 _AGENTS = {f"agents/{a}.py" for a in ("claude", "codex", "gemini_cli")}
 _COMMANDS = {
     "demo.py",
@@ -113,7 +113,7 @@ _COMMANDS = {
 #: ``claude.plan``, ``chat.error_frame``).  A value two modules share is defined once
 #: and imported, never listed here.
 SHARED_NAMES: dict[str, tuple[set[str], str]] = {
-    # prefill continuation's two protocol halves (core/prefill_continue.py calls each)
+    # prefill continuation's two protocol halves (core/turn/prefill_continue.py calls each)
     "Committed": (_PREFILL, "what the client has, read back from the released bytes"),
     "read_committed": (_PREFILL, "reads that back (or refuses)"),
     "request_refusal": (_PREFILL, "why a request can never be continued by prefill"),
@@ -122,12 +122,12 @@ SHARED_NAMES: dict[str, tuple[set[str], str]] = {
     "FrameSplicer": (_PREFILL, "the continuation's frames as the client's stream goes on"),
     "error_frame": (_PROTOCOLS, "each protocol's retryable error that ends a cut turn"),
     "EVENTS": (
-        {"core/protocols/anthropic.py", "core/protocols/responses.py"},
+        {"core/wire/protocols/anthropic.py", "core/wire/protocols/responses.py"},
         "each protocol's table of SSE event names to frame kinds (where the name decides)",
     ),
     "plan": (_AGENTS, "each agent's `unbroken run` launch plan (agents/launcher.py)"),
     "register": (_COMMANDS, "each command's argparse set-up (cli.COMMAND_MODULES)"),
-    "main": ({"cli.py", "core/turn_table.py"}, "a command-line entry point"),
+    "main": ({"cli.py", "core/turn/turn_table.py"}, "a command-line entry point"),
 }
 
 

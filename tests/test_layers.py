@@ -123,7 +123,7 @@ def _doc_table() -> dict[str, tuple[int, set[str]]]:
 def _contract_table() -> dict[str, tuple[int, set[str]]]:
     """The same table, from the contracts: each layer may import every layer below it,
     and an allow-list's modules what it names."""
-    (layers,) = [c for c in _contracts() if c["type"] == "layers"]
+    (layers,) = [c for c in _contracts() if c["type"] == "layers" and c["id"] == "layers"]
     assert layers["containers"] == ["unbroken"]
     levels = [[m.strip() for m in layer.split("|")] for layer in layers["layers"]]
     allowed = {

@@ -8,11 +8,11 @@ import random
 from typing import Any
 
 from unbroken.config import StreamSettings
-from unbroken.core.attempt import AttemptStats
-from unbroken.core.ledger import Hold
-from unbroken.core.policy import Failure, FailureClass, RetryPolicy, RetryState
-from unbroken.core.protocols import CHAT
-from unbroken.core.turn import Action, Fed, Open, Phase, Stream, TurnMachine, TurnState
+from unbroken.core.admission.policy import Failure, FailureClass, RetryPolicy, RetryState
+from unbroken.core.turn.attempt import AttemptStats
+from unbroken.core.turn.ledger import Hold
+from unbroken.core.turn.machine import Action, Fed, Open, Phase, Stream, TurnMachine, TurnState
+from unbroken.core.wire.protocols import CHAT
 
 #: the machine's timers with the config's defaults (`[stream]`), any of them overridden
 Timers = StreamSettings

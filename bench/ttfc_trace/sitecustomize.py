@@ -108,7 +108,7 @@ def _instrument(server: Any) -> None:
     if current:
         turn = importlib.import_module("unbroken.relay.http")._HttpTurn
         upstream = importlib.import_module("unbroken.relay.upstream")
-        sse = importlib.import_module("unbroken.core.sse")
+        sse = importlib.import_module("unbroken.core.wire.sse")
         handler = importlib.import_module("unbroken.relay.connections").GuardedHandler
         entry = "_dispatch"
     else:  # the pre-rewrite layout

@@ -25,15 +25,19 @@ from unbroken.config_values import (
     is_loopback_host,
     validate_url,
 )
-from unbroken.core.continuation import AFTER_COMMIT_CHOICES, DEFAULT_MAX_SPLICES, DEFAULT_QUEUED_S
-from unbroken.core.health import HealthSettings
-from unbroken.core.ledger import HOLD_CHOICES
-from unbroken.core.policy import RetryPolicy
+from unbroken.core.admission.health import HealthSettings
+from unbroken.core.admission.policy import RetryPolicy
+from unbroken.core.admission.ratelimit import RateSettings
 from unbroken.core.profiles import check_overrides
-from unbroken.core.protocols.anthropic_continue import AnthropicContinue
-from unbroken.core.protocols.chat_prefix import ChatPrefix
-from unbroken.core.ratelimit import RateSettings
-from unbroken.core.redact import redact_url
+from unbroken.core.turn.continuation import (
+    AFTER_COMMIT_CHOICES,
+    DEFAULT_MAX_SPLICES,
+    DEFAULT_QUEUED_S,
+)
+from unbroken.core.turn.ledger import HOLD_CHOICES
+from unbroken.core.wire.protocols.anthropic_continue import AnthropicContinue
+from unbroken.core.wire.protocols.chat_prefix import ChatPrefix
+from unbroken.core.wire.redact import redact_url
 
 __all__ = [
     "BUILTIN_ROUTES",
@@ -110,12 +114,12 @@ class Route:
     #: ``[routes.NAME] after_commit``: overrides ``[stream] after_commit`` (None: it)
     after_commit: str | None = None
     #: ``[routes.NAME] chat_prefix``: the upstream's documented Chat Completions prefix
-    #: mode (``prefix``, ``prefix_echo``, ``partial``; `core.protocols.chat_prefix`),
+    #: mode (``prefix``, ``prefix_echo``, ``partial``; `core.wire.protocols.chat_prefix`),
     #: which a Chat turn cut after commit is continued with; None: it ends as today
     chat_prefix: str | None = None
     #: ``[routes.NAME] anthropic_continue``: how a Messages turn cut after commit is
     #: continued: ``prefill`` (None: the default) or ``user_message`` (for models that
-    #: refuse prefill, Claude 4.6 and later; `core.protocols.anthropic_continue`)
+    #: refuse prefill, Claude 4.6 and later; `core.wire.protocols.anthropic_continue`)
     anthropic_continue: str | None = None
 
     @property
@@ -148,7 +152,7 @@ class StreamSettings:
     #: an upstream SSE event larger than this fails the attempt (`EventTooLarge`)
     max_event_bytes: int = 16 * 1024 * 1024
     #: a cut after commit: ``error`` (the native retryable error) or ``continue``
-    #: (finish the turn in place where a mechanism allows, `core.continuation`)
+    #: (finish the turn in place where a mechanism allows, `core.turn.continuation`)
     after_commit: str = "error"
     #: the continuations one turn may make (``after_commit = "continue"``)
     max_splices: int = DEFAULT_MAX_SPLICES
@@ -186,7 +190,7 @@ class Config:
     #: ``[clients.<name>]``: overrides of a client profile (`core.profiles`), validated
     clients: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     health: HealthSettings = field(default_factory=HealthSettings)
-    #: ``[ratelimit]``: admission by the providers' rate limits (`core.ratelimit`)
+    #: ``[ratelimit]``: admission by the providers' rate limits (`core.admission.ratelimit`)
     ratelimit: RateSettings = field(default_factory=RateSettings)
     #: the secret every request must carry (``x-unbroken-token`` or ``/t/<token>/``);
     #: None: no token (loopback only)

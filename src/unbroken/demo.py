@@ -44,7 +44,7 @@ from typing import Any
 import aiohttp
 
 from unbroken.config import JournalSettings, parse_config
-from unbroken.core.turn import NOT_FAILURES, Outcome
+from unbroken.core.turn.machine import NOT_FAILURES, Outcome
 from unbroken.demo_gemini import gemini_agent_turn, gemini_storms
 from unbroken.demo_messages import TEXT_REPLY, TOOL_REPLY, messages_agent_turn, messages_storms
 from unbroken.mock import MockProvider, frames_for

@@ -16,8 +16,8 @@ from agents.test_profiles import CLAUDE, MESSAGES, machine
 from relayfix import start_relay
 from unbroken.config import parse_config
 from unbroken.core.profiles import PROFILES
-from unbroken.core.protocols import ANTHROPIC
-from unbroken.core.turn_types import Open
+from unbroken.core.turn.turn_types import Open
+from unbroken.core.wire.protocols import ANTHROPIC
 
 
 @pytest.mark.parametrize("name", sorted(PROFILES))

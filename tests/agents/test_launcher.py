@@ -19,11 +19,11 @@ from unbroken.agents.launcher import agent_of, generic_plan, plan_for, print_env
 from unbroken.agents.plan import RELAY, route_name, split_version
 from unbroken.cli import main
 from unbroken.config import StreamSettings, parse_config
-from unbroken.core.ledger import Hold
-from unbroken.core.policy import RetryPolicy, RetryState
+from unbroken.core.admission.policy import RetryPolicy, RetryState
 from unbroken.core.profiles import Profile, profile_named
-from unbroken.core.protocols import RESPONSES
-from unbroken.core.turn import Open, TurnMachine
+from unbroken.core.turn.ledger import Hold
+from unbroken.core.turn.machine import Open, TurnMachine
+from unbroken.core.wire.protocols import RESPONSES
 from unbroken.mock import MockProvider
 
 

@@ -17,8 +17,7 @@ from multidict import CIMultiDict
 from relayfix import start_relay
 from turnfix import Report, Timers
 from unbroken.config import ConfigError, parse_config
-from unbroken.core.ledger import Hold
-from unbroken.core.policy import Failure, FailureClass, RetryPolicy, RetryState
+from unbroken.core.admission.policy import Failure, FailureClass, RetryPolicy, RetryState
 from unbroken.core.profiles import (
     PROFILES,
     CommitEnd,
@@ -28,9 +27,8 @@ from unbroken.core.profiles import (
     profile_for,
     profile_named,
 )
-from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
-from unbroken.core.sse import SSESplitter
-from unbroken.core.turn import (
+from unbroken.core.turn.ledger import Hold
+from unbroken.core.turn.machine import (
     KEEPALIVE,
     AbortUpstream,
     End,
@@ -46,6 +44,8 @@ from unbroken.core.turn import (
     TurnMachine,
     Wait,
 )
+from unbroken.core.wire.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
+from unbroken.core.wire.sse import SSESplitter
 from unbroken.relay.relay_state import session_id_of
 
 

@@ -12,10 +12,10 @@ import pytest
 
 from relayfix import start_relay
 from unbroken.config import parse_config
-from unbroken.core.ledger import Hold, Ledger, LedgerState, Verdict
 from unbroken.core.profiles import check_overrides, profile_named
-from unbroken.core.protocols import ANTHROPIC, RESPONSES, Protocol
-from unbroken.core.sse import Event, SSESplitter
+from unbroken.core.turn.ledger import Hold, Ledger, LedgerState, Verdict
+from unbroken.core.wire.protocols import ANTHROPIC, RESPONSES, Protocol
+from unbroken.core.wire.sse import Event, SSESplitter
 from unbroken.mock.wire import events_for, frames_for
 
 TAIL = Hold(("control", "tool_calls", "tool_tail"))

@@ -10,10 +10,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from unbroken.core.ledger import Ledger, LedgerState, Verdict
-from unbroken.core.protocols import GEMINI, Kind
-from unbroken.core.protocols.gemini import GeminiClassifier, retry_delay
-from unbroken.core.sse import SSESplitter
+from unbroken.core.turn.ledger import Ledger, LedgerState, Verdict
+from unbroken.core.wire.protocols import GEMINI, Kind
+from unbroken.core.wire.protocols.gemini import GeminiClassifier, retry_delay
+from unbroken.core.wire.sse import SSESplitter
 from unbroken.mock import MockProvider
 from unbroken.mock.testing import read_body
 from unbroken.mock.wire import frames_for

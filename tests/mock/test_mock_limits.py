@@ -6,7 +6,7 @@ import time
 
 import aiohttp
 
-from unbroken.core.ratehead import parse_rate_headers
+from unbroken.core.admission.ratehead import parse_rate_headers
 from unbroken.mock import MockProvider
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from mock.test_mock_prefill import TEXT, texts
-from unbroken.core.protocols.anthropic_continue import continue_instruction
+from unbroken.core.wire.protocols.anthropic_continue import continue_instruction
 from unbroken.mock import MockProvider
 from unbroken.mock.actions import ActionError, parse_action
 

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from unbroken.core.ratehead import parse_rate_headers
+from unbroken.core.admission.ratehead import parse_rate_headers
 from unbroken.mock import MockProvider, main_mock
 from unbroken.mock.limits import BEHAVIOURS, MockLimits
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from unbroken.core.policy import Failure, FailureClass
+from unbroken.core.admission.policy import Failure, FailureClass
 from unbroken.observe.guard import Guarded
 from unbroken.observe.hooks import (
     HOOK_NAMES,
@@ -175,7 +175,7 @@ class Calls(Hooks):
 
 def _run(defer: bool, flush_after: int) -> list[str]:
     """Two attempts (a failure, then ok), with `flush` after ``flush_after`` steps."""
-    from unbroken.core.turn import Outcome, Phase
+    from unbroken.core.turn.machine import Outcome, Phase
     from unbroken.observe.report import HooksObserver
 
     calls = Calls()

@@ -18,7 +18,7 @@ import pytest
 
 from relayfix import KEY_AUTH, Recorder, make_config, start_relay
 from unbroken.config import ConfigError, JournalSettings, parse_config
-from unbroken.core.policy import Failure, FailureClass
+from unbroken.core.admission.policy import Failure, FailureClass
 from unbroken.mock import MockProvider
 from unbroken.observe.hooks import AttemptInfo, TurnRecord
 from unbroken.observe.journal import SCHEMA, Journal, default_journal_path, journal_path

@@ -33,7 +33,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from relayfix import make_config, start_relay
 from unbroken.config import parse_config
-from unbroken.core.protocols import model_answered, model_asked
+from unbroken.core.wire.protocols import model_answered, model_asked
 from unbroken.mock import MockProvider
 from unbroken.observe.otel import otel_from_env, provider_name
 

@@ -324,8 +324,8 @@ async def test_time_waiting_is_the_time_really_waited_never_more_than_the_turn_s
     """A client that goes away 2 s into a 30 s retry wait: the turn waited 2 s, and
     the journal, `unbroken stats` and /status say 2 s (they said 30 s: the wait as
     scheduled, longer than the turn itself)."""
-    from unbroken.core.policy import Failure, FailureClass
-    from unbroken.core.turn import Outcome, Phase
+    from unbroken.core.admission.policy import Failure, FailureClass
+    from unbroken.core.turn.machine import Outcome, Phase
     from unbroken.observe.hooks import MultiHooks, TurnRecord
     from unbroken.observe.journal import Journal
     from unbroken.observe.report import HooksObserver

@@ -19,7 +19,7 @@ from rich.console import Console
 from docsamples import DOCS, block_after
 from relayfix import Recorder, make_config
 from unbroken.cli import main
-from unbroken.core.policy import Failure
+from unbroken.core.admission.policy import Failure
 from unbroken.mock import MockProvider
 from unbroken.observe.hooks import TurnRecord
 from unbroken.observe.status import StatusTracker, render, watch

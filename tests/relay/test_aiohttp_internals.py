@@ -277,9 +277,14 @@ def test_a_websocket_response_closes_its_connection_through_close_transport() ->
 
 def test_every_private_name_of_aiohttp_the_relay_uses_is_checked() -> None:
     used: set[str] = set()
+    ours: set[str] = set()  # defined by relay/ itself (a base class in another module)
     for path in sorted(RELAY.glob("*.py")):
         used |= _private_names_used(path)
-    assert used == set(CHECKED)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        ours |= {
+            n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+        } | _self_stores(tree)
+    assert used - (ours - set(CHECKED)) == set(CHECKED)
 
 
 def test_the_scan_sees_a_private_name(tmp_path: Path) -> None:

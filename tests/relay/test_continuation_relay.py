@@ -16,7 +16,7 @@ import pytest
 
 from relay.test_health_relay import until
 from relayfix import Recorder, make_config, start_relay
-from unbroken.core.sse import SSESplitter
+from unbroken.core.wire.sse import SSESplitter
 from unbroken.mock import MockProvider
 from unbroken.relay.server import RelayServer
 

@@ -21,7 +21,7 @@ import pytest
 
 from relayfix import Recorder
 from unbroken.config import parse_config
-from unbroken.core.sse import SSESplitter
+from unbroken.core.wire.sse import SSESplitter
 from unbroken.mock import MockProvider
 from unbroken.observe.stats import compute_stats, format_stats
 from unbroken.relay.server import RelayServer

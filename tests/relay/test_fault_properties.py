@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relayfix import make_config, start_relay
-from unbroken.core.ledger import Ledger, LedgerState
-from unbroken.core.protocols import Kind, protocol_for_path
-from unbroken.core.sse import SSESplitter
+from unbroken.core.turn.ledger import Ledger, LedgerState
+from unbroken.core.wire.protocols import Kind, protocol_for_path
+from unbroken.core.wire.sse import SSESplitter
 from unbroken.mock import MockProvider
 
 PATHS = {"chat": "v1/chat/completions", "responses": "v1/responses", "anthropic": "v1/messages"}

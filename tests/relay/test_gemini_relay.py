@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from relayfix import KEY_TOKEN, make_config, start_relay
 from unbroken.config import BUILTIN_ROUTES
-from unbroken.core.protocols.gemini import BLANK_LINE_KEEPALIVE
+from unbroken.core.wire.protocols.gemini import BLANK_LINE_KEEPALIVE
 from unbroken.mock import MockProvider
 from unbroken.mock.testing import read_body
 from unbroken.mock.wire import frames_for

@@ -4,7 +4,7 @@ An upstream that echoes the key the relay injected, or the relay's token, in a
 ``Location``, ``Set-Cookie``, ``WWW-Authenticate`` or ``x-*`` header had it reach
 the client verbatim (bodies were redacted, headers were not), for a 200, a 400 and
 a 401, streamed or not, and in the WebSocket handshake the relay copies.
-`core.redact.redacted_headers` decides, the transports apply it.
+`core.wire.redact.redacted_headers` decides, the transports apply it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 
 from relayfix import KEY_AUTH, KEY_TOKEN, make_config, start_relay
-from unbroken.core.redact import REDACTED_PART
+from unbroken.core.wire.redact import REDACTED_PART
 
 KEY = "sk-injected-key-0123456789abcdef"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -160,7 +160,7 @@ async def test_secrets_in_the_websocket_handshake_headers_are_redacted(
 
 
 def test_the_header_decision_keeps_names_order_and_clean_headers() -> None:
-    from unbroken.core.redact import redacted_headers
+    from unbroken.core.wire.redact import redacted_headers
 
     pairs = [("A", "x"), ("Set-Cookie", f"a={KEY}"), ("Set-Cookie", "b=1"), ("B", KEY[:7])]
     assert redacted_headers(pairs, (KEY, KEY_TOKEN)) == [

@@ -432,7 +432,7 @@ async def test_a_websocket_turn_on_its_sessions_second_upstream_is_never_a_retry
     given back): with two upstreams, ``budget_percent = 20`` and a sticky session,
     turn 5 parked forever.  A turn now starts on its connection's upstream as a
     first attempt."""
-    from unbroken.core.policy import rendezvous_order
+    from unbroken.core.admission.policy import rendezvous_order
 
     cfg = config([mock.url, mock2.url], retry={"budget_percent": 20})
     keys = [f"mock|{mock.url}", f"mock|{mock2.url}"]

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from relayfix import KEY_AUTH, KEY_TOKEN, make_config, start_relay
 from unbroken.config import parse_config
-from unbroken.core.redact import REDACTED, Redactor, redact
+from unbroken.core.wire.redact import REDACTED, Redactor, redact
 from unbroken.mock import MockProvider
 
 KEY = "sk-injected-key-0123456789abcdef"

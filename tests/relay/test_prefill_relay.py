@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from relayfix import KEY_TOKEN, Recorder, make_config, start_relay
-from unbroken.core.sse import SSESplitter
+from unbroken.core.wire.sse import SSESplitter
 from unbroken.mock import MockProvider, frames_for
 from unbroken.mock.wire import make_reply
 from unbroken.relay.server import RelayServer

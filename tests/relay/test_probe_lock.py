@@ -12,7 +12,7 @@ from pathlib import Path
 
 from redisfix import RedisServer
 from relay.test_health_relay import until
-from unbroken.core.health import Breaker, Change, HealthBoard
+from unbroken.core.admission.health import Breaker, Change, HealthBoard
 from unbroken.relay.store import ChannelStore, RedisStore
 
 KEY = "mock|http://127.0.0.1:1"

@@ -24,7 +24,7 @@ import pytest
 from redisfix import RedisServer
 from relay.test_health_relay import chat, config, mock2, until
 from relay.test_redis_store import fleet_config, up
-from unbroken.core.health import QUOTA_LOOK_AGAIN_S
+from unbroken.core.admission.health import QUOTA_LOOK_AGAIN_S
 from unbroken.mock import MockProvider
 from unbroken.relay.server import RelayServer
 

@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 
 from relay.test_health_relay import CHAT, PATH, config, until
-from unbroken.core.ratelimit import credential_hash
+from unbroken.core.admission.ratelimit import credential_hash
 from unbroken.mock import MockProvider
 from unbroken.mock.limits import MockLimits
 from unbroken.observe.journal import SCHEMA, SCHEMA_VERSION, Journal

@@ -221,11 +221,25 @@ async def test_relays_with_turns_waiting_on_one_upstream_split_its_pacers_floor(
         ]
         try:
             pa, pb = a.relay.board.pacer(key), b.relay.board.pacer(key)
-            await until(lambda: pa.share == 2 and pb.share == 2)
-            assert pa.view(0.0)["floor_per_s"] == pa.settings.floor_per_s / 2
-            data = await (await http.get(a.url + "/status")).json()
-            [u] = [u for u in data["upstreams"] if u["route"] == "mock"]
-            assert u["pacer"]["fleet_share"] == 2 and u["pacer"]["waiting"] > 0
+            # each relay on its own: a mark read a moment before the other relay's line
+            # formed (or after it emptied, under load) says 1, and the next read 2 again
+            floors: dict[str, float] = {}
+
+            def split() -> bool:
+                for name, p in (("a", pa), ("b", pb)):
+                    if p.share == 2:
+                        floors[name] = p.view(0.0)["floor_per_s"]
+                return len(floors) == 2
+
+            await until(split)
+            assert floors == {"a": pa.settings.floor_per_s / 2, "b": pb.settings.floor_per_s / 2}
+
+            async def status_says_so() -> bool:
+                data = await (await http.get(a.url + "/status")).json()
+                [u] = [u for u in data["upstreams"] if u["route"] == "mock"]
+                return bool(u["pacer"]["fleet_share"] == 2 and u["pacer"]["waiting"] > 0)
+
+            await until(status_says_so)
         finally:
             for t in turns:
                 t.cancel()

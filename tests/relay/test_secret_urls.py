@@ -25,7 +25,7 @@ from aiohttp import web
 from redisfix import RedisServer, free_port
 from relayfix import make_config, start_relay
 from unbroken.config import JournalSettings, parse_config
-from unbroken.core.redact import redact_url
+from unbroken.core.wire.redact import redact_url
 from unbroken.mock import MockProvider
 
 PEER_TOKEN = "peer-token-0123456789abcdef"

@@ -205,7 +205,9 @@ async def test_garbage_in_redis_is_ignored_and_never_turns_sharing_off(
 
 
 def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records]
+    """The relay's own log lines (an earlier test's unclosed SDK client, collected on
+    this xdist worker, can log its own traceback through asyncio meanwhile)."""
+    return [r.getMessage() for r in caplog.records if r.name.startswith("unbroken")]
 
 
 async def test_garbage_in_a_shared_rate_limit_budget_is_replaced_not_fatal(

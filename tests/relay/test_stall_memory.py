@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from relay.regressionfix import CHAT, CHAT_PATH, relay_for
-from unbroken.core.turn import TurnMachine
+from unbroken.core.turn.machine import TurnMachine
 from unbroken.mock import MockProvider, frames_for
 from unbroken.relay.http_attempt import HttpAttempt
 

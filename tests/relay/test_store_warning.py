@@ -81,7 +81,7 @@ async def test_no_warning_without_continue_mode(
 
 
 def test_the_routes_that_may_store() -> None:
-    from unbroken.core.background import store_override_routes
+    from unbroken.core.turn.background import store_override_routes
 
     assert store_override_routes(
         {

@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 
 from relayfix import Recorder, make_config, start_relay
-from unbroken.core.protocols import Kind, protocol_for_path
-from unbroken.core.sse import SSESplitter
+from unbroken.core.wire.protocols import Kind, protocol_for_path
+from unbroken.core.wire.sse import SSESplitter
 from unbroken.mock import MockProvider
 from unbroken.relay.server import RelayServer
 

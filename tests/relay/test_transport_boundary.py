@@ -14,9 +14,9 @@ import inspect
 from pathlib import Path
 
 import unbroken.relay
-from unbroken.core.ledger import Ledger
-from unbroken.core.policy import RetryState
-from unbroken.core.turn import TurnMachine
+from unbroken.core.admission.policy import RetryState
+from unbroken.core.turn.ledger import Ledger
+from unbroken.core.turn.machine import TurnMachine
 
 RELAY = Path(unbroken.relay.__file__).resolve().parent
 

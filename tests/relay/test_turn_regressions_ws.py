@@ -335,7 +335,7 @@ async def test_ws_cancel_reaches_upstream_at_once_and_next_turn_gets_its_own_eve
 async def test_ws_crash_inside_a_turn_closes_client_with_1011_and_journals_internal_error(
     mock: MockProvider, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from unbroken.core.ledger import Ledger
+    from unbroken.core.turn.ledger import Ledger
 
     def boom(self: Any, event: Any) -> bytes:
         raise RuntimeError("forced crash inside the turn")

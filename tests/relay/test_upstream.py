@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from unbroken.config import Upstream
-from unbroken.core.redact import REDACTED, Redactor, redact
+from unbroken.core.wire.redact import REDACTED, Redactor, redact
 from unbroken.relay.upstream import (
     body_for,
     decoded_body,

@@ -19,8 +19,8 @@ import pytest
 
 from relayfix import Recorder, make_config, start_relay
 from unbroken.config import ConfigError, parse_config
-from unbroken.core.protocols.anthropic_continue import ANCHOR_TAG, anchor_of
-from unbroken.core.sse import SSESplitter
+from unbroken.core.wire.protocols.anthropic_continue import ANCHOR_TAG, anchor_of
+from unbroken.core.wire.sse import SSESplitter
 from unbroken.mock import MockProvider
 from unbroken.relay.server import RelayServer
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.core.shared import LOG_EVERY_S
+from unbroken.core.admission.shared import LOG_EVERY_S
 from unbroken.observe.hooks import HOOK_NAMES, Hooks, implements
 
 __all__ = ["Guarded"]

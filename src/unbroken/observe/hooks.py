@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken.core.policy import Failure
+from unbroken.core.admission.policy import Failure
 
 __all__ = [
     "HOOK_NAMES",
@@ -75,7 +75,7 @@ class TurnRecord:
     session_id: str | None = None
     #: the client profile the turn runs with (`core.profiles`): codex, claude-code, ...
     client: str = ""
-    #: the model the request names ("" when none): `core.protocols.model_asked`
+    #: the model the request names ("" when none): `core.wire.protocols.model_asked`
     model: str = ""
     id: int = field(default_factory=lambda: next(_ids))
     started: float = field(default_factory=time.time)
@@ -99,7 +99,7 @@ class TurnRecord:
     attempt_log: list[AttemptInfo] = field(default_factory=list)
     #: bytes held back right now (live, for status and metrics): a reader, never the ledger
     held: Callable[[], int] | None = field(default=None, repr=False)
-    #: continuations made after cuts (``after_commit = "continue"``, `core.continuation`)
+    #: continuations made after cuts (``after_commit = "continue"``, `core.turn.continuation`)
     splices: int = 0
     #: output frames (about a token each) a redo would have sampled again
     saved_tokens: int = 0

@@ -34,8 +34,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from unbroken.core.policy import Failure
-from unbroken.core.shared import LOG_EVERY_S
+from unbroken.core.admission.policy import Failure
+from unbroken.core.admission.shared import LOG_EVERY_S
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "Journal", "default_journal_path", "journal_path"]

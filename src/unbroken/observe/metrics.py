@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from unbroken.core.policy import Failure
-from unbroken.core.turn import NOT_FAILURES
+from unbroken.core.admission.policy import Failure
+from unbroken.core.turn.machine import NOT_FAILURES
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics", "held_bytes"]

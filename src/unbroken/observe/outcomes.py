@@ -3,7 +3,7 @@ and metrics.
 
 A `Hooks` observer: it learns from every attempt the relay reports.  What steers
 retries (cool-offs, circuit breakers) lives in the relay's health board
-(`unbroken.core.health.HealthBoard`, shared through the health store); this module
+(`unbroken.core.admission.health.HealthBoard`, shared through the health store); this module
 only reads it, through ``breakers`` (`RelayState.health_view`), and adds each upstream's
 breaker state, open-until time, failure rate and cool-off to its snapshot.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken.core.turn import NOT_UPSTREAM, UPSTREAM_ANSWERED
+from unbroken.core.turn.machine import NOT_UPSTREAM, UPSTREAM_ANSWERED
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
 __all__ = ["Health", "UpstreamOutcomes"]
@@ -108,10 +108,10 @@ class Health(Hooks):
                     "breaker": breaker,
                     "open_until": round(wall + open_for, 3) if breaker == "open" else None,
                     "failure_rate": b.get("failure_rate", 0.0),
-                    #: the retry pacer (`core.pacer`): tokens, turns in line, ramping
+                    #: the retry pacer (`core.admission.pacer`): tokens, turns in line, ramping
                     "pacer": b.get("pacer") or {},
-                    #: the provider's rate limits per credential (`core.ratelimit`): budgets
-                    #: learned, the AIMD window, turns waiting for the budget
+                    #: the provider's rate limits per credential (`core.admission.ratelimit`):
+                    #: budgets learned, the AIMD window, turns waiting for the budget
                     "ratelimits": b.get("ratelimits") or [],
                     "recent_failures": [{"at": t, "reason": r} for t, r in h.recent],
                 }

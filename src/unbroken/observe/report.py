@@ -1,6 +1,6 @@
 """The bridge from the turn machine to the observers.
 
-`HooksObserver` implements `unbroken.core.turn.TurnObserver`: the machine says what
+`HooksObserver` implements `unbroken.core.turn.machine.TurnObserver`: the machine says what
 happened (an attempt started, ended or failed; the turn's state changed), and the
 reporter keeps the turn's log-safe record (`TurnRecord`, `AttemptInfo`) and calls the
 hooks.  Every transport uses it, so the bookkeeping is written once.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from unbroken.core.attempt import AttemptStats
-from unbroken.core.policy import Failure
-from unbroken.core.protocols import model_answered
-from unbroken.core.turn import Outcome, Phase, TurnState
+from unbroken.core.admission.policy import Failure
+from unbroken.core.turn.attempt import AttemptStats
+from unbroken.core.turn.machine import Outcome, Phase, TurnState
+from unbroken.core.wire.protocols import model_answered
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
 __all__ = ["HooksObserver"]

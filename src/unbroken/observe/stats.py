@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.config import ConfigError, load_config
-from unbroken.core.turn import NOT_FAILURES, OUTCOME_NAMES
+from unbroken.core.turn.machine import NOT_FAILURES, OUTCOME_NAMES
 from unbroken.observe.journal import SCHEMA, journal_path
 
 __all__ = ["compute_stats", "format_stats", "parse_since", "percentile", "register"]

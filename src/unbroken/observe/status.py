@@ -20,9 +20,9 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from unbroken import __version__
-from unbroken.core.policy import Failure
-from unbroken.core.redact import REDACTED_PART, redact_url
-from unbroken.core.turn import NOT_FAILURES, OUTCOME_NAMES
+from unbroken.core.admission.policy import Failure
+from unbroken.core.turn.machine import NOT_FAILURES, OUTCOME_NAMES
+from unbroken.core.wire.redact import REDACTED_PART, redact_url
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 from unbroken.observe.metrics import held_bytes
 

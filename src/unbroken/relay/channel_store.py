@@ -6,15 +6,15 @@ directory and sends every change to its siblings' sockets (no broker, nothing to
 start, a dead sibling costs one failed ``sendto``); the half-open probe is owned by
 whoever creates ``probe-<hash>`` there first (``O_CREAT|O_EXCL``; it holds the
 owner's pid and origin).  The owner removes it the moment the core gives the lease
-back (`unbroken.core.health.ProbeRelease`); a lock whose owner is dead or that is
-older than ``probe_timeout_s`` is taken over (`unbroken.core.health.probe_lease_stale`
+back (`unbroken.core.admission.health.ProbeRelease`); a lock whose owner is dead or that is
+older than ``probe_timeout_s`` is taken over (`unbroken.core.admission.health.probe_lease_stale`
 decides).  A worker that (re)starts asks its siblings for their state.  Every second
 a worker with turns in an upstream's line tells its siblings so (a ``waiting`` mark
 that lasts ``WAITERS_TTL_MS`` unless renewed, withdrawn when its line empties), and
 each worker splits the pacer's floor among the workers with live marks, as Redis
 splits it among relays: a dead upstream gets one floor from all the workers, not
 one from each.  A datagram is at most 4 KiB and schema-checked like a Redis
-message (`unbroken.core.shared`).
+message (`unbroken.core.admission.shared`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unbroken.core.health import Change, HealthBoard, probe_lease_stale
-from unbroken.core.shared import (
+from unbroken.core.admission.health import Change, HealthBoard, probe_lease_stale
+from unbroken.core.admission.shared import (
     MAX_DATAGRAM,
     Message,
     SharedBounds,
@@ -179,7 +179,7 @@ class ChannelStore(HealthStore):
         self._send(json.dumps(msg).encode())
 
     def _mark(self, msg: Message) -> None:
-        """A sibling's ``waiting`` mark (validated by `core.shared.parse_message`)."""
+        """A sibling's ``waiting`` mark (validated by `core.admission.shared.parse_message`)."""
         assert msg.key is not None and msg.worker is not None
         if msg.worker == self.worker:
             return  # (a stale socket's sender cannot speak for this worker)

@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from unbroken.core.shared import LOG_EVERY_S
+from unbroken.core.admission.shared import LOG_EVERY_S
 
 __all__ = [
     "ConnectionStats",

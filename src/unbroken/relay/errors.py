@@ -1,6 +1,6 @@
 """Transport exceptions to typed failures: the I/O half of the failure tables.
 
-The sans-IO core (`unbroken.core.policy`) names the failure classes and decides
+The sans-IO core (`unbroken.core.admission.policy`) names the failure classes and decides
 what each one means; this module, which may import aiohttp, asyncio and ssl,
 maps the exceptions those libraries raise onto them.
 """
@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import aiohttp
 
-from unbroken.core.policy import Failure, FailureClass
+from unbroken.core.admission.policy import Failure, FailureClass
 
 __all__ = ["ERRNO_CLASSES", "EXCEPTION_CLASSES", "classify_exception"]
 

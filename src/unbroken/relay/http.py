@@ -4,7 +4,7 @@ This module only does I/O.  It opens the upstream request the machine asks for,
 hands it the status and the body bytes, writes what the machine releases, runs
 the one timer the machine's deadlines ask for, and ends the response the way the
 machine says.  Every decision (retry, wait, give up, phase, stall, early headers,
-keepalive, replay safety) is `unbroken.core.turn.TurnMachine`'s.
+keepalive, replay safety) is `unbroken.core.turn.machine.TurnMachine`'s.
 
 The pieces it runs: `relay.relay_state` (`RelayState`, the state every turn shares),
 `relay.http_attempt` (one upstream attempt, shared with the WebSocket transport's
@@ -25,13 +25,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from unbroken.config import Route
-from unbroken.core.continuation import DEFAULT_QUEUED_S, Resume
-from unbroken.core.protocols import GEMINI, Protocol, model_asked, protocol_for_path
-from unbroken.core.protocols.base import loads_object
-from unbroken.core.protocols.gemini import is_stream_path
-from unbroken.core.ratelimit import max_output_of
-from unbroken.core.sse import Event
-from unbroken.core.turn import (
+from unbroken.core.admission.ratelimit import max_output_of
+from unbroken.core.turn.continuation import DEFAULT_QUEUED_S, Resume
+from unbroken.core.turn.machine import (
     AbortUpstream,
     Action,
     End,
@@ -51,6 +47,10 @@ from unbroken.core.turn import (
     TurnMachine,
     Wait,
 )
+from unbroken.core.wire.protocols import GEMINI, Protocol, model_asked, protocol_for_path
+from unbroken.core.wire.protocols.base import loads_object
+from unbroken.core.wire.protocols.gemini import is_stream_path
+from unbroken.core.wire.sse import Event
 from unbroken.observe.hooks import TurnRecord
 from unbroken.observe.report import HooksObserver
 from unbroken.relay.http_attempt import ClientGone, HttpAttempt

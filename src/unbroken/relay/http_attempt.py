@@ -14,12 +14,10 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from unbroken.core.continuation import Resume
-from unbroken.core.policy import Failure, FailureClass, RetryState, parse_retry_after
-from unbroken.core.ratehead import parse_rate_headers
-from unbroken.core.redact import Redactor, redact
-from unbroken.core.sse import Event
-from unbroken.core.turn import (
+from unbroken.core.admission.policy import Failure, FailureClass, RetryState, parse_retry_after
+from unbroken.core.admission.ratehead import parse_rate_headers
+from unbroken.core.turn.continuation import Resume
+from unbroken.core.turn.machine import (
     Action,
     End,
     FinalInStream,
@@ -31,6 +29,8 @@ from unbroken.core.turn import (
     TurnMachine,
     Wait,
 )
+from unbroken.core.wire.redact import Redactor, redact
+from unbroken.core.wire.sse import Event
 from unbroken.relay.errors import classify_exception
 from unbroken.relay.relay_state import RelayState
 from unbroken.relay.upstream import UpstreamClient, redacted_chunks, response_headers

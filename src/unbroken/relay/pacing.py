@@ -2,7 +2,7 @@
 are woken at once.
 
 The decisions (who may go, when the next token is due, the ramp after a recovery)
-are the core's (`unbroken.core.pacer`, through `HealthBoard.pump`).  This module
+are the core's (`unbroken.core.admission.pacer`, through `HealthBoard.pump`).  This module
 only does what they say: a turn's `Wait` ends when its ticket is granted, when the
 upstream it waits out a delay for is known good again, or at the wait's end; and the
 board is pumped again when it says the next grant is due.
@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from unbroken.config import CREDENTIAL_HEADERS, Route
-from unbroken.core.health import HealthBoard
-from unbroken.core.ratelimit import credential_hash
-from unbroken.core.turn import Wait
+from unbroken.core.admission.health import HealthBoard
+from unbroken.core.admission.ratelimit import credential_hash
+from unbroken.core.turn.machine import Wait
 
 __all__ = ["RateLimitIO", "Waker"]
 
@@ -153,7 +153,7 @@ class Waker:
 
 class RateLimitIO:
     """The rate limiters' inputs from requests: each upstream's credential as a hash
-    (`core.ratelimit.credential_hash`; the key itself is never kept), and each bad
+    (`core.admission.ratelimit.credential_hash`; the key itself is never kept), and each bad
     rate-limit header logged once per upstream."""
 
     __slots__ = ("_clients", "_hashes", "_routes", "warned")

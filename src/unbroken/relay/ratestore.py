@@ -1,6 +1,6 @@
 """One rate-limit budget per key across a fleet, through Redis: leases taken atomically.
 
-The decisions are the core's (`unbroken.core.ratelimit`): each relay admits turns
+The decisions are the core's (`unbroken.core.admission.ratelimit`): each relay admits turns
 from its local buckets, synchronously, and never waits on Redis.  With a Redis
 store, a bucket the provider has reported becomes *shared*: the fleet's level
 lives in Redis (one hash per upstream, credential hash and budget)::
@@ -21,7 +21,7 @@ being shared and refill locally again (each relay paces alone; a 429 then still
 blocks its key and halves its window), and they are shared again with the next
 report once the store is back.  A turn never waits on Redis itself.
 
-What Redis holds is checked like the rest of the shared state (`unbroken.core.shared`):
+What Redis holds is checked like the rest of the shared state (`unbroken.core.admission.shared`):
 a bucket whose fields are not finite numbers (or a key of another type), whose rate
 is not above zero, whose level is outside ``[-limit, limit]``, or whose limit or rate
 is more than four times off this relay's own view of the budget is garbage: the
@@ -41,9 +41,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.core.health import HealthBoard
-from unbroken.core.ratelimit import Limiter
-from unbroken.core.shared import Garbage, lease_grant
+from unbroken.core.admission.health import HealthBoard
+from unbroken.core.admission.ratelimit import Limiter
+from unbroken.core.admission.shared import Garbage, lease_grant
 
 __all__ = ["RateShare"]
 

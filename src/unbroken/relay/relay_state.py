@@ -4,7 +4,7 @@ keys a turn is journaled and made sticky by.
 
 Both transports (`relay.http`, `relay.websocket`) run their turns against one
 `RelayState`.  Each attempt's end reaches the health accounting
-(`core.health.AttemptAccounting`) through `_HealthHook`; the shared store hears the
+(`core.admission.health.AttemptAccounting`) through `_HealthHook`; the shared store hears the
 fleet count it decides.
 """
 
@@ -21,31 +21,31 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from unbroken.config import Config, Route, Upstream
-from unbroken.core.background import (
+from unbroken.core.admission.health import AttemptAccounting, Change, HealthBoard, upstream_key
+from unbroken.core.admission.policy import RetryState
+from unbroken.core.admission.shared import SharedBounds
+from unbroken.core.profiles import Profile, identify, profile_named
+from unbroken.core.turn.background import (
     STORE_OVERRIDE,
     BackgroundResume,
     background_patch_applies,
     store_override_note,
     store_override_routes,
 )
-from unbroken.core.continuation import (
+from unbroken.core.turn.continuation import (
     AfterCommit,
     Cancel,
     ContinuationMemory,
     Refusal,
     Strategy,
 )
-from unbroken.core.health import AttemptAccounting, Change, HealthBoard, upstream_key
-from unbroken.core.ledger import Hold
-from unbroken.core.policy import RetryState
-from unbroken.core.prefill_continue import PrefillContinue, prefill_refusal
-from unbroken.core.profiles import Profile, identify, profile_named
-from unbroken.core.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
-from unbroken.core.protocols.anthropic_continue import AnthropicContinue
-from unbroken.core.protocols.chat_prefix import ChatPrefix
-from unbroken.core.protocols.prefill import PrefillRefusal
-from unbroken.core.shared import SharedBounds
-from unbroken.core.turn import TurnMachine
+from unbroken.core.turn.ledger import Hold
+from unbroken.core.turn.machine import TurnMachine
+from unbroken.core.turn.prefill_continue import PrefillContinue, prefill_refusal
+from unbroken.core.wire.protocols import ANTHROPIC, CHAT, RESPONSES, Protocol
+from unbroken.core.wire.protocols.anthropic_continue import AnthropicContinue
+from unbroken.core.wire.protocols.chat_prefix import ChatPrefix
+from unbroken.core.wire.protocols.prefill import PrefillRefusal
 from unbroken.observe.hooks import AttemptInfo, Hooks, MultiHooks, TurnRecord
 from unbroken.relay.pacing import RateLimitIO, Waker
 from unbroken.relay.store import HealthStore, make_store
@@ -217,7 +217,7 @@ class RelayState:
         ``sticky``: the turn's session key (`sticky_key`), if it has one; ``prefer``:
         the upstream its first attempt goes to when it is usable; ``creds``,
         ``body_bytes``, ``max_output``: each upstream's credential hash and the
-        request's size, for the rate limiters (`core.ratelimit`).
+        request's size, for the rate limiters (`core.admission.ratelimit`).
         """
         keys = self._keys.get(route.name)
         if keys is None or len(keys) != len(route.upstreams):
@@ -251,8 +251,8 @@ class RelayState:
         cover this turn (why: the machine records it, the log says it once per route).
 
         OpenAI Responses over HTTP, a streamed plain-JSON request: background mode
-        (`core.background`); Anthropic Messages, and Chat with a route's
-        ``chat_prefix``: a prefill (`core.prefill_continue`)."""
+        (`core.turn.background`); Anthropic Messages, and Chat with a route's
+        ``chat_prefix``: a prefill (`core.turn.prefill_continue`)."""
         stream = self.config.stream
         if stream.after_commit_for(route) != AfterCommit.CONTINUE:
             return None
@@ -285,7 +285,7 @@ class RelayState:
 
     def store_override_warning(self) -> str | None:
         """The start-up warning for the routes whose continue mode may store a client's
-        Responses at the provider (`core.background.store_override_routes`), or None."""
+        Responses at the provider (`core.turn.background.store_override_routes`), or None."""
         stream = self.config.stream
         continued = {
             name: [u.url for u in r.upstreams]
@@ -299,7 +299,7 @@ class RelayState:
 
     def stored_by_continue(self, route: Route) -> None:
         """A turn on ``route`` goes in background mode (``store: true``): said in the
-        log the first time per route (`core.background.store_override_note`)."""
+        log the first time per route (`core.turn.background.store_override_note`)."""
         if route.name not in self._stored_noted:
             self._stored_noted.add(route.name)
             log.warning("%s", store_override_note(route.name))
@@ -480,7 +480,7 @@ def _route_keys(route: Route) -> tuple[str, ...]:
 
 
 class _HealthHook(Hooks):
-    """Hands each attempt's end to the health accounting (`core.health.AttemptAccounting`)
+    """Hands each attempt's end to the health accounting (`core.admission.health.AttemptAccounting`)
     and sends the fleet count it decides to the shared store."""
 
     def __init__(self, relay: RelayState) -> None:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from unbroken import __version__
 from unbroken.config import Config, Route, bind_problem
-from unbroken.core.redact import redact
+from unbroken.core.wire.redact import redact
 from unbroken.observe import webview
 from unbroken.observe.guard import Guarded
 from unbroken.observe.hooks import Hooks, LogHooks, MultiHooks

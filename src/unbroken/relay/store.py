@@ -1,6 +1,6 @@
 """Where upstream health is shared: `HealthStore` and its three kinds.
 
-The health of every upstream lives in the process's `unbroken.core.health.HealthBoard`,
+The health of every upstream lives in the process's `unbroken.core.admission.health.HealthBoard`,
 which turns consult without ever waiting on I/O.  A store shares the board's
 changes (breaker transitions and cool-offs) with the other relay processes, and
 applies theirs to the local board:
@@ -32,23 +32,10 @@ applies theirs to the local board:
   by itself (a dropped connection is retried at once, without degrading), logs once
   that Redis is back, and writes its local state back so the fleet shares it again.
   Everything read (TTLs, values, counts, marks, messages) is validated and clamped
-  to this relay's own bounds by `unbroken.core.shared`: a key that outlives them is
+  to this relay's own bounds by `unbroken.core.admission.shared`: a key that outlives them is
   shortened, garbage is logged once a minute per kind and never degrades the store.
-* `ChannelStore`: what ``unbroken serve --workers N`` uses when no Redis is
-  configured.  Each worker binds a Unix datagram socket in the supervisor's runtime
-  directory and sends every change to its siblings' sockets (no broker, nothing to
-  start, a dead sibling costs one failed ``sendto``); the half-open probe is owned by
-  whoever creates ``probe-<hash>`` there first (``O_CREAT|O_EXCL``; it holds the
-  owner's pid and origin).  The owner removes it the moment the core gives the lease
-  back (`unbroken.core.health.ProbeRelease`); a lock whose owner is dead or that is
-  older than ``probe_timeout_s`` is taken over (`unbroken.core.health.probe_lease_stale`
-  decides).  A worker that (re)starts asks its siblings for their state.  Every second
-  a worker with turns in an upstream's line tells its siblings so (a ``waiting`` mark
-  that lasts ``WAITERS_TTL_MS`` unless renewed, withdrawn when its line empties), and
-  each worker splits the pacer's floor among the workers with live marks, as Redis
-  splits it among relays: a dead upstream gets one floor from all the workers, not
-  one from each.  A datagram is at most 4 KiB and schema-checked like a Redis
-  message (`unbroken.core.shared`).
+* `ChannelStore` (`unbroken.relay.channel_store`): what ``unbroken serve --workers
+  N`` uses when no Redis is configured; its docstring says how.
 """
 
 from __future__ import annotations
@@ -60,9 +47,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.core.health import Change, HealthBoard
-from unbroken.core.redact import redact_url
-from unbroken.core.shared import (
+from unbroken.core.admission.health import Change, HealthBoard
+from unbroken.core.admission.shared import (
     Garbage,
     Link,
     SharedBounds,
@@ -72,6 +58,7 @@ from unbroken.core.shared import (
     read_cooloff,
     read_count,
 )
+from unbroken.core.wire.redact import redact_url
 from unbroken.relay.channel_store import SUN_PATH_MAX, ChannelStore, channel_socket
 from unbroken.relay.ratestore import RateShare
 from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS, HealthStore
@@ -197,7 +184,7 @@ class RedisStore(HealthStore):
             "kind": self.kind,
             "state": "ok" if self.up else "degraded",
             "url": redact_url(self.url),  # never a password (userinfo or ?password=)
-            #: values from Redis ignored or clamped, per kind (`core.shared.Garbage`)
+            #: values from Redis ignored or clamped, per kind (`core.admission.shared.Garbage`)
             "ignored": dict(sorted(self.garbage.items())),
             #: the fleet's attempts over the window, per upstream: [ok, failed]
             "fleet_window": {k: list(v) for k, v in sorted(self.fleet.items()) if any(v)},
@@ -386,7 +373,7 @@ class RedisStore(HealthStore):
 
     async def _resync(self, *, budget: float) -> bool:
         """Re-read every known upstream's keys; past ``budget`` seconds keep local state.
-        True when Redis answered.  Each value is validated (`core.shared`): garbage
+        True when Redis answered.  Each value is validated (`core.admission.shared`): garbage
         is ignored, a TTL beyond this relay's bounds is clamped and the key shortened."""
         keys = list(self.board.records)
         if not keys:

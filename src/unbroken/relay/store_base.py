@@ -15,8 +15,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.core.health import Breaker, Change, HealthBoard
-from unbroken.core.shared import (
+from unbroken.core.admission.health import Breaker, Change, HealthBoard
+from unbroken.core.admission.shared import (
     Garbage,
     KeyReading,
     Message,
@@ -106,7 +106,7 @@ class HealthStore:
             )
 
     def _apply_message(self, data: bytes | str, where: str = "a message") -> Message | None:
-        """Validate and apply a peer's message (`core.shared.parse_message`)."""
+        """Validate and apply a peer's message (`core.admission.shared.parse_message`)."""
         msg = parse_message(data, self.bounds, self.board.records)
         if isinstance(msg, Rejected):
             self._ignored(msg.why, where)

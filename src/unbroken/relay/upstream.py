@@ -23,8 +23,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from unbroken.config import CREDENTIAL_HEADERS, Upstream
-from unbroken.core.protocols.base import loads_object
-from unbroken.core.redact import REDACTED_PART, Redactor, redacted_headers
+from unbroken.core.wire.protocols.base import loads_object
+from unbroken.core.wire.redact import REDACTED_PART, Redactor, redacted_headers
 from unbroken.relay.access import CACHED_TARGET, TOKEN_HEADER
 
 __all__ = [
@@ -156,7 +156,7 @@ def response_headers(
     The upstream's ``Access-Control-*`` headers never reach the client: a browser
     must not be told by the provider that it may read the relay's answers.  Nor does
     any of ``secrets`` (the relay's keys and token) an upstream echoes in a header
-    value, whatever the status (`core.redact.redacted_headers` decides).
+    value, whatever the status (`core.wire.redact.redacted_headers` decides).
     """
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in upstream_headers.items():

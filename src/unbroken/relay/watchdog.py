@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from unbroken.core.turn import Action, TurnMachine
+from unbroken.core.turn.machine import Action, TurnMachine
 
 __all__ = ["Watchdog"]
 

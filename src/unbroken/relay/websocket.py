@@ -16,12 +16,12 @@ A crash inside a turn is logged with its traceback; the client socket is closed
 with 1011 and the turn is journaled as ``internal_error``.
 
 Socket-local state: with ``store: false``, ``previous_response_id`` points at state
-held only by the upstream socket that produced it.  `core.ws_session.History`
+held only by the upstream socket that produced it.  `core.turn.ws_session.History`
 records, per client connection, the input and output items of every completed turn,
 so a turn replayed on a new socket (or over HTTP) is sent self-contained.
 
 Every decision here is the core's: the turn's (`core.turn`), and the session's
-(`core.ws_session`: the HTTP fallback, the response history, which events are late,
+(`core.turn.ws_session`: the HTTP fallback, the response history, which events are late,
 the handshake timeout).  This module carries them out.
 
 WebSocket to HTTP fallback: an upstream that refuses the upgrade, or answers
@@ -47,13 +47,9 @@ from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 
 from unbroken.config import Route, Upstream
-from unbroken.core.continuation import DEFAULT_QUEUED_S, AfterCommit, Resume
-from unbroken.core.policy import Failure, FailureClass
-from unbroken.core.protocols import RESPONSES, model_asked
-from unbroken.core.protocols.base import loads_object
-from unbroken.core.redact import redact, redacted_headers
-from unbroken.core.sse import Event, SSESplitter
-from unbroken.core.turn import (
+from unbroken.core.admission.policy import Failure, FailureClass
+from unbroken.core.turn.continuation import DEFAULT_QUEUED_S, AfterCommit, Resume
+from unbroken.core.turn.machine import (
     AbortUpstream,
     Action,
     End,
@@ -72,12 +68,16 @@ from unbroken.core.turn import (
     TurnMachine,
     Wait,
 )
-from unbroken.core.ws_session import (
+from unbroken.core.turn.ws_session import (
     Fallback,
     SessionResponses,
     handshake_failure,
     refusal_is_verdict,
 )
+from unbroken.core.wire.protocols import RESPONSES, model_asked
+from unbroken.core.wire.protocols.base import loads_object
+from unbroken.core.wire.redact import redact, redacted_headers
+from unbroken.core.wire.sse import Event, SSESplitter
 from unbroken.observe.hooks import TurnRecord
 from unbroken.observe.report import HooksObserver
 from unbroken.relay.errors import classify_exception
@@ -125,7 +125,7 @@ def handshake_headers(
 ) -> list[tuple[str, str]]:
     """The upstream handshake response headers worth copying to the client, with
     any of ``secrets`` (the relay's keys and token) they echo redacted
-    (`core.redact.redacted_headers`)."""
+    (`core.wire.redact.redacted_headers`)."""
     response = getattr(ws, "_response", None)  # aiohttp keeps the handshake response here
     if response is None:
         return []
@@ -206,7 +206,7 @@ class _Connection:
         #: (the socket opened before the first turn is not a choice: sticky order is)
         self.turn_upstream = -1
         self.socket_gen = 0  # increments with every new upstream socket
-        #: when turns go over HTTP instead (`core.ws_session.Fallback`)
+        #: when turns go over HTTP instead (`core.turn.ws_session.Fallback`)
         self.fallback = Fallback(self.cfg.websocket_fallback_cooldown_s)
         #: the responses this connection finished, and their history
         self.responses = SessionResponses()
@@ -621,7 +621,7 @@ class _WsTurn:
                 data: bytes = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
                 # An error may echo a secret; any message on a socket the relay's key
                 # opened may echo that key (a message is whole: no straddling).
-                if secrets and data.find(b'"error"') >= 0:  # (not `in`: `core.sse.CR`)
+                if secrets and data.find(b'"error"') >= 0:  # (not `in`: `core.wire.sse.CR`)
                     data = redact(data, secrets)
                 elif needle is not None and needle in data:
                     data = redact(data, (key or "",))
@@ -674,7 +674,7 @@ class _WsTurn:
             return self._answer_warmup(local)
         body = {k: v for k, v in request.items() if k != "type"}
         body["stream"] = True
-        if action.body_patch:  # background mode (`core.continuation`)
+        if action.body_patch:  # background mode (`core.turn.continuation`)
             body.update(action.body_patch)
             conn.relay.stored_by_continue(conn.route)
         headers = conn.headers_for(up)
@@ -689,7 +689,7 @@ class _WsTurn:
 
     def _answer_warmup(self, messages: Sequence[bytes]) -> Action:
         """A warm-up (``generate: false``) never goes over HTTP: the relay's own answer
-        (`core.ws_session.TurnResponses.warmup_answer`) goes through the turn's machine
+        (`core.turn.ws_session.TurnResponses.warmup_answer`) goes through the turn's machine
         like an upstream's frames, so it is journaled and its response recorded in the
         history (the next turn chaining from it is sent whole)."""
         conn, machine = self.conn, self.machine

@@ -12,7 +12,7 @@ from json.encoder import encode_basestring
 from typing import Any, Final, TypeAlias
 
 #: each protocol's name, as a mock reply and its path say it (the relay's `Protocol`
-#: objects are `unbroken.core.protocols.CHAT` and the like)
+#: objects are `unbroken.core.wire.protocols.CHAT` and the like)
 CHAT_NAME: Final = "chat"
 RESPONSES_NAME: Final = "responses"
 ANTHROPIC_NAME: Final = "anthropic"

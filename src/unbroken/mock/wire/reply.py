@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from unbroken.core.protocols.anthropic_continue import ANCHOR_TAG
+from unbroken.core.wire.protocols.anthropic_continue import ANCHOR_TAG
 from unbroken.mock.actions import Action, parse_action
 from unbroken.mock.wire.frames import (
     ANTHROPIC_NAME,
@@ -244,7 +244,7 @@ def asked_to_continue(protocol: str, request: Mapping[str, Any]) -> tuple[str, s
     """Anthropic's user-message continuation (for models that refuse prefill): the
     last message is a user message that quotes the end of the assistant message
     before it between ``<interrupted_response_end>`` lines (the relay's, see
-    `unbroken.core.protocols.anthropic_continue`): ``(that assistant text, the quoted
+    `unbroken.core.wire.protocols.anthropic_continue`): ``(that assistant text, the quoted
     end)``, else None."""
     if protocol != ANTHROPIC_NAME:
         return None

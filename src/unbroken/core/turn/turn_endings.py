@@ -1,0 +1,278 @@
+"""How attempts and turns end: an attempt's body ending or failing (`_body_ended`,
+`_transport_failed`), the verdicts (replay, the end, the kept answer), the retry or
+give-up after a failed attempt, and the end from outside (the client gone, a crash).
+A part of `TurnMachine`: methods only, on `TurnFields`.
+"""
+
+from __future__ import annotations
+
+from unbroken.core.admission.policy import Failure, FailureClass
+from unbroken.core.profiles import CommitEnd
+from unbroken.core.turn.ledger import Ledger, LedgerState, Verdict
+from unbroken.core.turn.turn_clock import queued_failure, stall_failure
+from unbroken.core.turn.turn_continue import strategy_splices
+from unbroken.core.turn.turn_fields import TurnFields, is_testing
+from unbroken.core.turn.turn_table import (
+    ANSWER_KEPT,
+    FIRST_FRAME,
+    LEGAL,
+    NOTHING_SENT,
+    QUEUED,
+    TERMINATED,
+    WATCHING,
+    Step,
+    TurnEvent,
+)
+from unbroken.core.turn.turn_types import (
+    Action,
+    End,
+    EndKind,
+    GiveUp,
+    GiveUpKind,
+    Outcome,
+    Phase,
+    TurnState,
+    Wait,
+)
+from unbroken.core.wire.protocols import BODY
+
+__all__ = ["TurnEndings"]
+
+#: where an attempt (or a continuation) waits for its answer
+_OPENING = LEGAL[TurnEvent.ANSWERED]
+
+
+class TurnEndings(TurnFields):
+    """Verdicts, retries, giving up, and the end from outside."""
+
+    __slots__ = ()
+
+    # -- an attempt's body ends or fails ------------------------------------------------
+    def _body_ended(self, now: float) -> Action:
+        ledger = self.attempt_ledger
+        assert ledger is not None
+        if self.watch not in WATCHING:
+            return self._transport_failed(now, stall_failure())
+        if ledger.protocol is BODY:
+            ledger.ended()
+            outcome = (
+                self._ok_outcome() if (self.status or 0) < 400 else (Outcome.PASSED_THROUGH_ERROR)
+            )
+            return self._end(outcome, End(EndKind.CLEAN))
+        if ledger.state is LedgerState.DONE:
+            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        if self.continuation is not None and ledger.protocol.has_terminal:
+            cut = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
+            action = self._continue(now, cut)
+            if action is not None:
+                return action
+        pending = self._splitter.pending if self._splitter is not None else b""
+        out = ledger.ended(pending)
+        if ledger.verdict is Verdict.DONE:  # generic SSE: a clean end is its success
+            return self._end(self._ok_outcome(), End(EndKind.CLEAN))
+        failure = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
+        return self._verdict_action(now, failure, out)
+
+    def _transport_failed(self, now: float, failure: Failure) -> Action:
+        if self.step in _OPENING:
+            return self._open_failed(now, failure)
+        watch = self.watch
+        if watch not in WATCHING:
+            failure = queued_failure() if watch is QUEUED else stall_failure()
+        ledger = self.attempt_ledger
+        if ledger is None:
+            return self._attempt_failed(now, failure, self._replay_phase(failure))
+        if ledger.state is LedgerState.DONE:
+            # The turn is complete: finish the protocol's ending, record the cut.
+            self._record_tail_cut(failure)
+            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        if self.continuation is not None and self.step is Step.STREAM:
+            action = self._continue(now, failure)
+            if action is not None:
+                return action
+        out = ledger.failed(failure.reason)
+        return self._verdict_action(now, failure, out)
+
+    # -- verdicts -----------------------------------------------------------------------
+    def _verdict_action(self, now: float, failure: Failure | None, out: bytes = b"") -> Action:
+        ledger = self.attempt_ledger
+        assert ledger is not None
+        verdict = ledger.verdict
+        if verdict is Verdict.REPLAY:
+            if failure is None:
+                cls = (
+                    FailureClass.MALFORMED
+                    if ledger.fail_reason == "malformed frame"
+                    else FailureClass.STREAM_ERROR
+                )
+                failure = Failure(cls, ledger.fail_reason)
+            if self.continuation is not None:
+                self._abandon()  # the replay starts a new response: nobody reads this one
+            return self._attempt_failed(now, failure, self._replay_phase(failure))
+        if verdict is Verdict.DONE:
+            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        # FAIL
+        if ledger.passed_through:
+            # The provider's own final error frame was released with the frames.
+            return self._end(Outcome.PASSED_THROUGH_ERROR, End(EndKind.CLEAN))
+        if failure is None:
+            failure = Failure(FailureClass.STREAM_ERROR, ledger.fail_reason)
+        self._committed_failure(failure)
+        if ledger.protocol is BODY or self.abort_after_commit:
+            # A plain body has no error event; a profile may ask for the abort too.
+            return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ABORT))
+        # ``out`` is the native error when it came from failed()/ended(); an in-stream
+        # error frame's native error was already released by feed().
+        return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ERROR, out))
+
+    @property
+    def abort_after_commit(self) -> bool:
+        """A stream cut after commit ends by aborting the client connection, not with
+        the native error event (the profile's ``after_commit_end``; HTTP only)."""
+        return self._profile.after_commit_end is CommitEnd.RESET and not self.socket
+
+    def _replay_phase(self, failure: Failure) -> Phase:
+        if failure.cls is FailureClass.STALL:
+            return Phase.STALL
+        if failure.status is not None:
+            return Phase.HEADERS
+        stats = self.stats
+        if failure.cls.reroutes_at_once and (stats is None or stats.received_frames == 0):
+            return Phase.CONNECT
+        return Phase.PENDING
+
+    def _attempt_failed(self, now: float, failure: Failure, phase: Phase) -> Action:
+        """An attempt failed before commit: record it, then wait, retry or give up."""
+        self.failure = failure
+        self.watch = FIRST_FRAME
+        self.step = Step.IDLE
+        report = self.report
+        report.attempt_ended(failure.label, phase, self.status, self.stats)
+        retry = self.retry
+        if retry.exhausted():
+            report.attempt_failed(failure, phase, None)
+            return self._give_up()
+        wait = retry.record_failure(failure, now)
+        if retry.quota_wall:
+            # The quota is spent and no other upstream can take the turn: the
+            # provider's answer goes to the client; never retry into a quota wall.
+            report.attempt_failed(failure, phase, None)
+            return self._give_up()
+        report.attempt_failed(failure, phase, wait)
+        report.state(TurnState.WAITING)
+        return self._wait_or_next(now, wait)
+
+    def _wait_or_next(self, now: float, wait: float) -> Action:
+        """After a failed attempt (or a cut to continue): its `Wait`, or the next
+        attempt at once (no wait, or testing mode)."""
+        if wait > 0 and not is_testing():
+            keys = self.retry.keys
+            return Wait(wait, keys[self.retry.current] if keys else None)
+        return self._next_attempt(now)
+
+    def _committed_failure(self, failure: Failure) -> None:
+        """The attempt failed after output reached the client: no replay, ever."""
+        self.failure = failure
+        self.report.attempt_ended(failure.label, Phase.COMMITTED, self.status, self.stats)
+        self.report.attempt_failed(failure, Phase.COMMITTED, None)
+
+    def _record_tail_cut(self, failure: Failure) -> None:
+        self.report.attempt_ended(failure.label, Phase.TAIL, self.status, self.stats)
+        self.report.attempt_failed(failure, Phase.TAIL, None)
+
+    def _tail_bytes(self) -> bytes:
+        """What the protocol's ending still lacks after its terminal frame."""
+        if self.reply is TERMINATED or self.protocol.done_marker is None:
+            return b""
+        self.reply = TERMINATED
+        return self.protocol.done_marker
+
+    def _give_up(self) -> GiveUp:
+        failure = self.failure
+        reason = failure.reason if failure else "retries exhausted"
+        if self.continuation is not None:
+            self._abandon()
+        self.step = Step.ENDED
+        self.retry.close()
+        if self.reply is not NOTHING_SENT:
+            ledger = self.ledger or Ledger(
+                self.protocol, hold=self.hold, wall_clock=self.wall_clock
+            )
+            data = ledger.give_up(f"retries exhausted ({reason})")
+            self._outcome = Outcome.ENDED_WITH_ERROR
+            return GiveUp(GiveUpKind.IN_STREAM, data)
+        self._outcome = Outcome.PASSED_THROUGH_ERROR
+        if self.kept is ANSWER_KEPT and failure is not None and failure.status is not None:
+            return GiveUp(GiveUpKind.PASS_THROUGH)
+        return GiveUp(
+            GiveUpKind.BAD_GATEWAY,
+            self.protocol.error_body(f"unbroken: all upstream attempts failed ({reason})"),
+        )
+
+    def _end(self, outcome: Outcome, action: End) -> End:
+        if self.continuation is not None and not outcome.is_ok:
+            self._abandon()
+        self.step = Step.ENDED
+        retry = self.retry
+        if retry.admitted:  # the rate limiter learns what the request cost
+            stats = self.stats
+            retry.settle(self.last_rx, stats.usage()[0] if stats else None)
+        retry.close()
+        self._outcome = outcome
+        if outcome.is_ok or outcome is Outcome.PASSED_THROUGH_ERROR:
+            ok = outcome.is_ok
+            self.report.attempt_ended("ok" if ok else outcome.value, None, self.status, self.stats)
+        self.report.state(TurnState.DONE)
+        return action
+
+    def _ok_outcome(self) -> Outcome:
+        if self.continuation is not None and strategy_splices(self.continuation):
+            return Outcome.RESUMED
+        return Outcome.RECOVERED if self.retry.retries else Outcome.OK
+
+    # -- the end from outside -------------------------------------------------------------
+    def client_gone(self) -> Outcome:
+        """The client went away (or the turn was cancelled).  Returns the final outcome.
+
+        A turn whose terminal frame was released is complete, even if the client
+        closes a moment later: it stays ``ok``.
+        """
+        if self._outcome is None:
+            ledger = self.ledger
+            if ledger is not None and ledger.state is LedgerState.DONE:
+                self._outcome = self._ok_outcome()
+                self.report.attempt_ended("ok", None, self.status, self.stats)
+            else:
+                self._outcome = Outcome.ABORTED_BY_CLIENT
+                if self.continuation is not None:
+                    self._abandon()  # nobody reads the response any more
+                committed = ledger is not None and ledger.state is not LedgerState.PENDING
+                self.report.attempt_ended(
+                    Outcome.ABORTED_BY_CLIENT.value,
+                    Phase.COMMITTED if committed or self.reply is not NOTHING_SENT else None,
+                    self.status,
+                    self.stats,
+                )
+        self.step = Step.ENDED
+        self.retry.close()
+        return self._outcome
+
+    def crashed(self) -> Outcome:
+        """A bug in the relay ended the turn."""
+        if self._outcome is None or self.step is not Step.ENDED:
+            self._outcome = Outcome.INTERNAL_ERROR
+            self.report.attempt_ended(Outcome.INTERNAL_ERROR.value, None, self.status, self.stats)
+        self.step = Step.ENDED
+        self.retry.close()
+        return self._outcome
+
+    def shutdown_error(self) -> bytes:
+        """The relay shuts down mid-stream: the native error for a committed stream, or b""."""
+        ledger = self.ledger
+        if (
+            ledger is None
+            or ledger.state is not LedgerState.COMMITTED
+            or self.reply is NOTHING_SENT
+        ):
+            return b""
+        return ledger.failed("the relay is shutting down")  # b"" for a reset profile

@@ -1,0 +1,229 @@
+"""The turn machine's vocabulary: the actions it returns, what a feed returns, how a
+turn and an attempt end, and the protocols it reads and reports through.
+
+Read `unbroken.core.turn.machine`'s header first (the theory of operation); the steps and
+the events each accepts are `unbroken.core.turn.turn_table`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
+from typing import Protocol as TypingProtocol
+
+from unbroken.core.admission.policy import Failure
+from unbroken.core.turn.attempt import AttemptStats
+from unbroken.core.turn.continuation import Resume
+
+#: the keepalive a protocol without its own (`Protocol.keepalive_event`) gets: an SSE
+#: comment, which SSE parsers ignore (Gemini's is `protocols.gemini.BLANK_LINE_KEEPALIVE`)
+KEEPALIVE = b": keepalive\n\n"
+
+
+class Phase(enum.StrEnum):
+    """Where in an attempt a failure happened."""
+
+    CONNECT = "connect"
+    HEADERS = "headers"
+    PENDING = "pending"
+    STALL = "stall"
+    COMMITTED = "committed"
+    TAIL = "tail"
+
+
+class Outcome(enum.StrEnum):
+    """How a turn ended."""
+
+    OK = "ok"
+    RECOVERED = "recovered"  # ok, after at least one failed attempt
+    ENDED_WITH_ERROR = "ended_with_error"  # cut after output: the native error was sent
+    PASSED_THROUGH_ERROR = "passed_through_error"  # the provider's final answer
+    ABORTED_BY_CLIENT = "aborted_by_client"
+    RESUMED = "resumed"  # ok, finished in place after a cut (`core.turn.continuation`)
+    INTERNAL_ERROR = "internal_error"  # a bug in the relay
+
+    @property
+    def is_ok(self) -> bool:
+        return self is Outcome.OK or self is Outcome.RECOVERED or self is Outcome.RESUMED
+
+
+#: the outcomes reports list even at zero, in order (``internal_error``, a relay bug,
+#: is listed only when it happened)
+OUTCOMES: tuple[Outcome, ...] = tuple(o for o in Outcome if o is not Outcome.INTERNAL_ERROR)
+#: their names, as reports, stats and the journal spell them
+OUTCOME_NAMES: tuple[str, ...] = tuple(o.value for o in OUTCOMES)
+#: attempt reasons that say nothing about the upstream's health
+NOT_UPSTREAM: frozenset[str] = frozenset({Outcome.ABORTED_BY_CLIENT, Outcome.INTERNAL_ERROR})
+#: attempt reasons that mean the upstream answered
+UPSTREAM_ANSWERED: frozenset[str] = frozenset({Outcome.OK, Outcome.PASSED_THROUGH_ERROR})
+#: attempt reasons that are not upstream failures
+NOT_FAILURES: frozenset[str] = NOT_UPSTREAM | UPSTREAM_ANSWERED
+
+
+class TurnState(enum.StrEnum):
+    """What a live turn is doing (for /status)."""
+
+    WAITING = "waiting"  # connecting, or waiting before a retry
+    PARKED = "parked"  # waiting in an upstream's line: its pacer, breaker or cool-off
+    HOLDING = "holding"  # reading; nothing released yet
+    STREAMING = "streaming"  # output is reaching the client
+    DONE = "done"
+
+
+class TurnError(RuntimeError):
+    """An event arrived that is illegal in the machine's current step (a transport bug)."""
+
+
+class EndKind(enum.Enum):
+    CLEAN = "clean"  # write ``data`` (possibly empty), then end the body normally
+    ERROR = "error"  # write ``data`` (the native error event), then end the body
+    ABORT = "abort"  # abort the client connection: a cut plain body must not look whole
+
+
+class GiveUpKind(enum.Enum):
+    IN_STREAM = "in_stream"  # headers are out: write ``data`` (native error), end
+    PASS_THROUGH = "pass_through"  # send the last upstream answer as it was
+    BAD_GATEWAY = "bad_gateway"  # answer 502 with ``data`` as the JSON body
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    upstream: int
+    timeout_s: float  # for connecting and the response headers
+    #: top-level JSON keys to set in the request body (``after_commit = "continue"``
+    #: only, `core.turn.continuation`); empty: the client's bytes go as they are
+    body_patch: tuple[tuple[str, object], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Wait, then call ``next_attempt()``.  The wait ends early when the upstream
+    ``key`` lets the turn go: its pacer grants ``ticket`` (a turn in its line), or, with
+    no ticket (a retry's delay), it is known good again (`core.admission.pacer`)."""
+
+    seconds: float
+    key: str | None = None
+    ticket: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """Read the SSE body with `TurnMachine.feed_chunk`."""
+
+
+@dataclass(frozen=True, slots=True)
+class PassThrough:
+    """Forward the plain body with `TurnMachine.feed_body`; status and headers go with it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadErrorBody:
+    """Read a retryable answer's body (bounded), keep it, then call `error_body`."""
+
+
+@dataclass(frozen=True, slots=True)
+class FinalInStream:
+    """A final non-SSE answer after early headers: read its body, call `final_body`."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendHeaders:
+    status: int
+
+
+@dataclass(frozen=True, slots=True)
+class Keepalive:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AbortUpstream:
+    failure: Failure
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    kind: EndKind
+    data: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    kind: GiveUpKind
+    data: bytes = b""
+
+
+Action = Open | Resume | Wait | Stream | PassThrough | ReadErrorBody | FinalInStream | End | GiveUp
+TimerAction = SendHeaders | Keepalive | AbortUpstream
+
+
+class Timers(TypingProtocol):
+    """The ``[stream]`` settings the machine reads (`config.StreamSettings`)."""
+
+    @property
+    def header_timeout_s(self) -> float: ...
+    @property
+    def first_frame_timeout_s(self) -> float: ...
+    @property
+    def idle_timeout_s(self) -> float: ...
+    @property
+    def keepalive_s(self) -> float: ...
+    @property
+    def early_headers_s(self) -> float: ...
+    @property
+    def max_hold_bytes(self) -> int: ...
+    @property
+    def max_event_bytes(self) -> int: ...
+
+
+class TurnObserver(TypingProtocol):
+    """What the machine tells observers.  The I/O layer implements it (`relay.report`)."""
+
+    def attempt_started(self, number: int, upstream: int, choice: str) -> None:
+        """``choice``: how the upstream was chosen (first, sticky, rotated, breaker_skip,
+        or parked when the turn waited in an upstream's line first)."""
+
+    def attempt_ended(
+        self, reason: str, phase: Phase | None, status: int | None, stats: AttemptStats | None
+    ) -> None: ...
+    def attempt_failed(self, failure: Failure, phase: Phase, wait_s: float | None) -> None: ...
+    def state(self, state: TurnState) -> None: ...
+    def hold_overflow(self, held_bytes: int) -> None: ...
+    def parked(self, why: str) -> None:
+        """The turn waits in an upstream's line: for its ``pacer``, an open ``breaker``,
+        a ``cooloff`` (Retry-After, quota) or a ``probe`` that is out."""
+
+    def headers_sent(self) -> None: ...
+    def continuation(self, result: str, splices: int, saved_frames: int) -> None:
+        """A cut turn was continued in place (``result`` ``spliced``), or could not be
+        (``refused_<reason>``, `Refusal`); ``saved_frames``: output frames a redo would
+        have sampled again so far."""
+
+    def uncovered(self, result: str) -> None:
+        """Continue mode is on, but cannot cover this turn (``refused_<reason>``: the
+        request enables thinking, forces a tool, ...): recorded on the turn, which a
+        cut after commit ends as without continue mode."""
+
+
+#: what a feed releases: frames (`feed_chunk`, `feed_frame`) or bytes
+R = TypeVar("R")
+
+
+class Fed(NamedTuple, Generic[R]):
+    """What every feed returns (`feed_chunk`, `feed_verbatim`, `feed_frame`, `feed_body`).
+
+    ``released``: what to write now, in the feed's own form (frames for `feed_chunk`
+    and `feed_frame`, bytes for `feed_verbatim` and `feed_body`; `feed_verbatim`'s
+    None: the chunk fed, whole, as it is).  ``over``: the action that ends the
+    attempt, decided by the frame that ended it (write ``released`` first, then carry
+    it out), or None to keep reading.  A tuple: unpack it, ``released, over = fed``.
+    """
+
+    released: R
+    over: Action | None
+
+
+#: ``new_fed(Fed, (released, over))``: a `Fed` without the NamedTuple's ``__new__``, a
+#: Python call (the feeds' hot path; the same value)
+new_fed = tuple.__new__

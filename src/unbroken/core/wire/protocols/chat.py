@@ -1,0 +1,262 @@
+"""OpenAI Chat Completions stream classifier (``/v1/chat/completions``).
+
+Chunks carry no SSE event name, so each ``data:`` payload is parsed.  The
+table below maps the delta fields to kinds; ``finish_reason`` closes every
+open tool call and ends the turn.  The usage chunk and ``[DONE]`` that follow
+are forwarded as they come (the ledger is already DONE by then).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from unbroken.core.wire.protocols.base import Kind, error_is_retryable, loads_object
+from unbroken.core.wire.sse import LF, Event
+
+# delta field -> kind, when the field holds a non-empty value.  Fields not here
+# (legacy function_call, audio, ...) are UNKNOWN: they commit.
+DELTA_FIELDS: dict[str, int] = {
+    "role": 0,  # carries nothing by itself
+    "content": Kind.OUTPUT,
+    "refusal": Kind.OUTPUT,
+    "reasoning_content": Kind.REASONING,  # DeepSeek, vLLM, Groq
+    "reasoning": Kind.REASONING,  # OpenRouter and others
+    "reasoning_details": Kind.REASONING,  # OpenRouter's structured reasoning
+}
+_TEXT_FIELDS = frozenset({"content", "refusal", "reasoning_content", "reasoning"})
+
+# The byte-level proof that a run of chunks is plain output (see `plain_prefix`), looked
+# for with ``find``, not ``in`` (see `unbroken.core.wire.sse.CR`).  ``[DONE]`` needs no
+# marker: its frame does not start with ``data: {``.
+_NOT_PLAIN = (b"tool_calls", b"function_call", b'"error"')
+_FINISH = b'"finish_reason"'
+_FINISH_NULL = (b'"finish_reason":null', b'"finish_reason": null')
+
+
+# The typed proof (see `plain_prefix`): a chunk of this shape, every field known and of
+# the type declared, nothing else, is plain output.  Every value is checked, none is
+# skipped, so it accepts only what `classify`'s parse accepts too (duplicate keys:
+# each copy is checked).  ``usage``, ``logprobs`` and ``finish_reason`` must be null;
+# a delta may carry only text fields.  The fields are OpenAI's and its peers'.
+class _PlainDelta(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    role: str | None = None
+    content: str | None = None
+    refusal: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class _PlainChoice(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    index: int = 0
+    delta: _PlainDelta | None = None
+    logprobs: None = None
+    finish_reason: None = None
+
+
+class _PlainChunk(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    choices: list[_PlainChoice]
+    id: str | None = None
+    object: str | None = None
+    created: int | None = None
+    model: str | None = None
+    system_fingerprint: str | None = None
+    service_tier: str | None = None
+    obfuscation: str | None = None
+    usage: None = None
+    error: None = None
+
+
+_plain_chunk = msgspec.json.Decoder(_PlainChunk).decode
+# What a chunk that does not fit raises: ValidationError is a DecodeError; DecodeError is a
+# ValueError only since msgspec 0.19 (ValueError also covers a str it cannot encode).
+_NOT_PLAIN_CHUNK = (msgspec.DecodeError, ValueError)
+
+
+class ChatClassifier:
+    __slots__ = ("finished", "open_indices", "typed")
+
+    def __init__(self) -> None:
+        self.open_indices: set[int] = set()
+        self.finished = False
+        #: `classify` and `plain_prefix` try the typed decode (`_PlainChunk`) first, until
+        #: a frame does not fit it (a finish, a tool call, a provider's other fields)
+        self.typed = True
+
+    def classify(self, event: Event) -> tuple[int, int]:
+        data = event.data
+        if data is None:  # comment-only event (keepalive)
+            return Kind.CONTROL, len(self.open_indices)
+        if data == "[DONE]":
+            self.open_indices.clear()
+            return Kind.TERMINAL_OK, 0
+        if self.typed:
+            # A plain chunk's kinds, read off the typed decode: what the dict walk below
+            # gives for it (no tool call, no finish, no error; text fields are strings).
+            try:
+                plain = _plain_chunk(data)
+            except _NOT_PLAIN_CHUNK:
+                self.typed = False
+            else:
+                kinds = 0
+                for choice in plain.choices:
+                    delta = choice.delta
+                    if delta is not None:
+                        if delta.content or delta.refusal:
+                            kinds |= Kind.OUTPUT
+                        if delta.reasoning_content or delta.reasoning:
+                            kinds |= Kind.REASONING
+                return kinds or Kind.CONTROL, len(self.open_indices)
+        obj = loads_object(data)
+        if obj is None:
+            return Kind.MALFORMED, len(self.open_indices)
+        if "error" in obj and obj["error"] is not None:
+            kinds = Kind.TERMINAL_ERROR
+            if error_is_retryable(obj["error"]):
+                kinds |= Kind.RETRYABLE
+            return kinds, len(self.open_indices)
+        choices = obj.get("choices")
+        if not choices:
+            return Kind.CONTROL, len(self.open_indices)  # usage chunk, or an empty one
+        if not isinstance(choices, list):
+            return Kind.UNKNOWN, len(self.open_indices)
+        kinds = 0
+        for choice in choices:
+            kinds |= self._choice(choice)
+        return kinds or Kind.CONTROL, len(self.open_indices)
+
+    def plain_prefix(self, chunk: bytes, start: int = 0) -> tuple[int, int]:
+        """``(frames, end)``: the frames of ``chunk[start:end]``, each provably released
+        as it is; ``(0, start)`` when the first is not.
+
+        Used only after commit with no tool call open (see `Ledger.release_run`): then
+        every frame is released unless it opens a tool call, ends the turn, is an
+        error, or is malformed.  Each frame is one ``data: {...}`` line, and either
+        proof shows the rest:
+
+        * typed, frame by frame: the payload decodes as `_PlainChunk` (every field
+          known, checked and plain: no tool call, no error, every ``finish_reason``
+          null).  One C-level pass, no Python objects but the few it declares.  The
+          run ends before the first frame that is incomplete or not one such line.
+          The first frame that fails the decode (the turn's last, or a provider's
+          other fields) ends the run and switches the typed proof off for this
+          attempt.
+        * bytes, all or nothing (what is left once the typed proof is off): no
+          ``tool_calls``/``function_call``/``"error"`` anywhere, every
+          ``finish_reason`` null, and each payload parses, as in `classify` (so a
+          malformed frame takes the slow path and fails exactly as it would).
+        """
+        size = len(chunk)
+        if self.typed and not start and chunk.find(LF) == size - 2 and chunk[-1] == LF:
+            # One frame, as a paced stream sends them: the loop below, unrolled.
+            if chunk[:7] != b"data: {":
+                return 0, 0
+            try:
+                _plain_chunk(chunk[6:-2])
+                return 1, size
+            except _NOT_PLAIN_CHUNK:
+                self.typed = False
+        if self.typed:
+            frames, pos = 0, start
+            while True:
+                end = chunk.find(LF, pos)  # the end of the frame's one line, then a blank one
+                if (
+                    end < 0
+                    or end + 1 == size
+                    or chunk[end + 1] != LF
+                    or not chunk.startswith(b"data: {", pos)
+                ):
+                    return frames, pos
+                try:
+                    _plain_chunk(chunk[pos + 6 : end])
+                except _NOT_PLAIN_CHUNK:
+                    self.typed = False
+                    if frames:
+                        return frames, pos
+                    break
+                frames += 1
+                pos = end + 2
+                if pos == size:
+                    return frames, pos
+        rest = chunk[start:] if start else chunk
+        parts = rest.split(b"\n\n")
+        if parts[-1]:
+            return 0, start
+        del parts[-1]
+        for part in parts:
+            if not part.startswith(b"data: {") or LF in part:
+                return 0, start
+        for marker in _NOT_PLAIN:
+            if rest.find(marker) >= 0:
+                return 0, start
+        finish = rest.count(_FINISH)
+        if finish and finish != rest.count(_FINISH_NULL[0]) + rest.count(_FINISH_NULL[1]):
+            return 0, start
+        for part in parts:
+            if loads_object(part[6:]) is None:
+                return 0, start
+        return len(parts), len(chunk)
+
+    def _choice(self, choice: Any) -> int:
+        if not isinstance(choice, dict):
+            return Kind.UNKNOWN
+        kinds = 0
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            for key, value in delta.items():
+                if not value:
+                    continue  # "", None, [] carry nothing
+                kind = DELTA_FIELDS.get(key)
+                if kind is None:
+                    kinds |= self._tool_calls(value) if key == "tool_calls" else Kind.UNKNOWN
+                elif key in _TEXT_FIELDS and not isinstance(value, str):
+                    kinds |= Kind.UNKNOWN
+                else:
+                    kinds |= kind
+        elif delta is not None:
+            kinds |= Kind.UNKNOWN
+        if choice.get("finish_reason") is not None:
+            if self.open_indices:
+                kinds |= Kind.TOOL_END
+                self.open_indices.clear()
+            kinds |= Kind.TERMINAL_OK
+            self.finished = True
+        return kinds
+
+    def _tool_calls(self, calls: Any) -> int:
+        if not isinstance(calls, list):
+            return Kind.UNKNOWN
+        kinds = 0
+        for call in calls:
+            if not isinstance(call, dict):
+                return Kind.UNKNOWN
+            index = call.get("index", 0)
+            if not isinstance(index, int):
+                return Kind.UNKNOWN
+            if index in self.open_indices and not call.get("id"):
+                kinds |= Kind.TOOL_DELTA
+            else:
+                self.open_indices.add(index)
+                kinds |= Kind.TOOL_START
+        return kinds
+
+
+def error_frame(message: str) -> bytes:
+    """The in-band error chunk that ends a truncated Chat Completions stream.
+
+    The openai SDK raises ``APIError`` on it; the Vercel AI SDK (OpenCode)
+    yields an error part that OpenCode retries: type ``server_error``, and a
+    code containing ``unavailable`` (see docs/protocols.md, section 6).
+    No ``[DONE]`` follows.
+    """
+    payload = {
+        "error": {
+            "message": message,
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_unavailable",
+        }
+    }
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

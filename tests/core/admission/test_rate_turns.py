@@ -1,0 +1,136 @@
+"""Rate-limit admission in the retry state (core/admission/policy.py with
+core/admission/ratelimit.py): first attempts wait in the limiter's line, a 429 is waited
+once, on the limiter."""
+
+from __future__ import annotations
+
+from unbroken.core.admission.health import HealthBoard
+from unbroken.core.admission.policy import Failure, FailureClass, Park, RetryPolicy, RetryState
+from unbroken.core.admission.ratehead import RateHeaders, Reading
+from unbroken.core.admission.ratelimit import RateSettings
+
+K = "r|http://a"
+K2 = "r|http://b"
+E429 = Failure(FailureClass.STATUS, "HTTP 429", status=429)
+
+
+def state(
+    board: HealthBoard, session: str | None = None, keys: list[str] | None = None
+) -> RetryState:
+    keys = keys or [K]
+    return RetryState(
+        RetryPolicy(),
+        len(keys),
+        board=board,
+        keys=keys,
+        sticky=session,
+        creds=["c"] * len(keys),
+        body_bytes=400,
+    )
+
+
+def spend_requests(board: HealthBoard, left: float, per_s: float = 1.0, now: float = 0.0) -> None:
+    """One turn learns that ``left`` requests are left, refilling at ``per_s``."""
+    s = state(board)
+    assert s.next_upstream(now) == 0
+    limit = 60.0
+    s.record_rate(RateHeaders(requests=Reading(limit, left, (limit - left) / per_s)), now)
+    s.settle(now, None)
+
+
+def test_first_attempts_wait_in_the_rate_line_and_go_in_turn() -> None:
+    b = HealthBoard()
+    spend_requests(b, 2.0)
+    turns = [state(b, f"agent{i}") for i in range(5)]
+    got = [t.next_upstream(0.0) for t in turns]
+    assert got[:2] == [0, 0]
+    parks = got[2:]
+    assert all(isinstance(p, Park) and p.why == "ratelimit" and p.key == K for p in parks)
+    lim = b.rates.get(K, "c")
+    assert len(lim.line) == 3
+    # one a second: each grant is the next turn of the line, woken by the pump
+    granted, due = b.pump(K, 0.0)
+    assert granted == [] and due is not None and abs(due - 1.0) < 1e-9
+    for i, t in enumerate(turns[2:], start=1):
+        granted, due = b.pump(K, float(i))
+        assert granted == [t.ticket]
+        assert t.next_upstream(float(i)) == 0
+        assert t.ticket not in b.rates.get(K, "c").line
+
+
+def test_a_429_with_retry_after_is_waited_once() -> None:
+    b = HealthBoard()
+    s = state(b)
+    assert s.next_upstream(0.0) == 0
+    s.record_rate(RateHeaders(requests=Reading(60, 0, 60.0), retry_after_s=2.0), 0.0)
+    wait = s.record_failure(Failure(FailureClass.STATUS, "HTTP 429", 429, 2.0), 0.0)
+    assert wait == 2.0  # the Retry-After (longer than the retry delay): a shared cool-off
+    assert b.get(K).cooloff_until == 2.0 and b.rates.get(K, "c").blocked_until == 2.0
+    # when it ends, the retry goes at once: a lone turn's retry finds its pacer's token
+    assert s.next_upstream(2.0) == 0 and s.retries == 1
+    assert b.pacer(K).waited_total == 0 and b.rates.get(K, "c").waited_total == 0
+
+
+def test_a_429_without_retry_after_waits_the_retry_delay_then_the_rate_line() -> None:
+    b = HealthBoard()
+    s = state(b)
+    assert s.next_upstream(0.0) == 0
+    s.record_rate(RateHeaders(requests=Reading(60, 0, 60.0)), 0.0)  # one a second
+    assert s.record_failure(E429, 0.0) == 0.25  # never sooner than the retry delay
+    assert b.get(K).cooloff_until == 0.0
+    park = s.next_upstream(0.25)
+    assert isinstance(park, Park) and park.why == "ratelimit"
+    assert b.pump(K, 0.5)[0] == []
+    granted, _ = b.pump(K, 1.0)
+    assert granted == [s.ticket]
+    assert s.next_upstream(1.0) == 0 and b.pacer(K).waited_total == 0
+
+
+def test_a_429_moves_the_retry_to_another_upstream_at_once() -> None:
+    b = HealthBoard()
+    s = state(b, keys=[K, K2])
+    assert s.next_upstream(0.0) == 0
+    assert s.record_failure(Failure(FailureClass.STATUS, "HTTP 429", 429, 30.0), 0.0) == 0.0
+    assert s.next_upstream(0.0) == 1
+
+
+def test_a_429_with_nothing_learned_halves_the_window() -> None:
+    b = HealthBoard(rate=RateSettings(cold_start=64))
+    first = state(b)
+    assert first.next_upstream(0.0) == 0
+    first.record_rate(RateHeaders(), 0.0)  # answered, no rate headers: nothing to learn
+    first.settle(0.0, None)
+    turns = [state(b, f"a{i}") for i in range(8)]
+    for t in turns:
+        assert t.next_upstream(0.0) == 0
+    # no header at all: the retry delay, a window of 8 / 2, and the throttle comes on
+    assert turns[0].record_failure(E429, 0.0) == 0.25
+    lim = b.rates.get(K, "c")
+    assert lim.window == 4.0 and lim.blocked_until == 0.0 and lim.throttle.enabled
+    assert isinstance(turns[0].next_upstream(0.25), Park)  # 7 still run: the window is full
+    for t in turns[1:]:
+        t.settle(0.5, None)
+        t.close()
+    granted, _ = b.pump(K, 0.5)  # the throttle (down to 70 % of 180 a second) lets it go
+    assert granted == [turns[0].ticket]
+
+
+def test_a_turn_that_ends_in_the_rate_line_leaves_it() -> None:
+    b = HealthBoard()
+    spend_requests(b, 0.0)
+    s = state(b, "x")
+    assert isinstance(s.next_upstream(0.0), Park)
+    lim = b.rates.get(K, "c")
+    assert s.ticket in lim.line
+    s.close(3.0)
+    assert s.ticket not in lim.line and not lim.waiting
+
+
+def test_disabled_rate_limits_leave_the_old_path() -> None:
+    b = HealthBoard(rate=RateSettings(enabled=False))
+    s = state(b)
+    assert s.next_upstream(0.0) == 0
+    s.record_rate(RateHeaders(requests=Reading(60, 0, 60.0)), 0.0)
+    assert not b.rates.limiters
+    wait = s.record_failure(Failure(FailureClass.STATUS, "HTTP 429", 429, 2.0), 0.0)
+    assert wait == 2.0 and b.get(K).cooloff_until == 2.0  # Retry-After as a cool-off
