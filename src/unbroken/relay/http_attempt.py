@@ -161,12 +161,14 @@ class HttpAttempt:
         loop = self.loop
         # The header deadline: what ``asyncio.timeout`` does (cancel the task when it
         # passes; that cancellation, and only it, becomes a TimeoutError), without its
-        # context manager's two coroutines and object per attempt.
+        # context manager's two coroutines and object per attempt, on the loop's shared
+        # deadlines (`Timers`: no TimerHandle of its own).
         task = asyncio.current_task(loop)
         assert task is not None
         cancelling = task.cancelling()
         deadline = _Deadline(task)
-        timer = loop.call_at(loop.time() + action.timeout_s, deadline)
+        timers = self.watchdog.timers
+        timer = timers.call_at(loop.time() + action.timeout_s, deadline)
         try:
             resp = await self.client.request(method, url, headers, body)
         except asyncio.CancelledError:
@@ -180,7 +182,7 @@ class HttpAttempt:
                 task.uncancel()
             return machine.open_failed(loop.time(), _classify(exc, header_phase=True))
         finally:
-            timer.cancel()
+            timers.cancel(timer)
         if deadline.fired:  # it fired, but the answer came anyway
             task.uncancel()
         self.reading = resp
