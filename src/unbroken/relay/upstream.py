@@ -14,7 +14,7 @@ import hashlib
 import json
 import secrets
 import zlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -363,10 +363,12 @@ class UpstreamClient:
             )
         return self._session
 
-    async def request(
+    def request(
         self, method: str, url: URL, headers: CIMultiDict[str], body: bytes
-    ) -> aiohttp.ClientResponse:
-        return await self.session.request(
+    ) -> Awaitable[aiohttp.ClientResponse]:
+        """The request, for the caller to await (no coroutine of its own to resume while
+        it connects and waits for the answer)."""
+        return self.session.request(
             method,
             url,
             headers=headers,
