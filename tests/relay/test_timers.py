@@ -1,4 +1,4 @@
-"""`relay.watchdog.Timers`: the turns' deadlines on one event-loop timer run as
+"""`relay.watchdog.LoopDeadlines`: the turns' deadlines on one event-loop timer run as
 ``loop.call_at`` would run them (time order, none early, cancellation, context,
 errors), and cancelled ones do not pile up."""
 
@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import gc
 from typing import Any
 
 import pytest
 
-from unbroken.relay.watchdog import Timers, timers_of
+from unbroken.relay.watchdog import LoopDeadlines, Watchdog
 
 _VAR: contextvars.ContextVar[str] = contextvars.ContextVar("timers_test", default="none")
 
 
 async def test_due_deadlines_run_in_time_order_then_arming_order() -> None:
     loop = asyncio.get_running_loop()
-    timers = Timers(loop)
+    timers = LoopDeadlines(loop)
     ran: list[tuple[str, float]] = []
     done = loop.create_future()
     now = loop.time()
@@ -46,7 +45,7 @@ async def test_due_deadlines_run_in_time_order_then_arming_order() -> None:
 
 async def test_a_cancelled_deadline_never_runs_and_later_ones_still_do() -> None:
     loop = asyncio.get_running_loop()
-    timers = Timers(loop)
+    timers = LoopDeadlines(loop)
     ran: list[str] = []
     done = loop.create_future()
     now = loop.time()
@@ -66,7 +65,7 @@ async def test_a_cancelled_deadline_never_runs_and_later_ones_still_do() -> None
 
 async def test_an_earlier_deadline_rearms_the_loop_timer() -> None:
     loop = asyncio.get_running_loop()
-    timers = Timers(loop)
+    timers = LoopDeadlines(loop)
     now = loop.time()
     late = timers.call_at(now + 3600, lambda: None)
     done = loop.create_future()
@@ -78,7 +77,7 @@ async def test_an_earlier_deadline_rearms_the_loop_timer() -> None:
 
 async def test_callbacks_run_in_their_context_and_errors_go_to_the_loop() -> None:
     loop = asyncio.get_running_loop()
-    timers = Timers(loop)
+    timers = LoopDeadlines(loop)
     errors: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
     try:
@@ -111,7 +110,7 @@ async def test_cancelled_deadlines_do_not_pile_up() -> None:
     """Thousands of turns whose deadlines are cancelled long before they are due (every
     short turn's) leave a heap the size of what is live, not of what was armed."""
     loop = asyncio.get_running_loop()
-    timers = Timers(loop)
+    timers = LoopDeadlines(loop)
     now = loop.time()
     live = [timers.call_at(now + 3600 + i, lambda: None) for i in range(10)]
     for i in range(10_000):
@@ -122,51 +121,47 @@ async def test_cancelled_deadlines_do_not_pile_up() -> None:
         timers.cancel(entry)
 
 
+async def test_the_relay_keeps_one_per_loop() -> None:
+    from unbroken.config import parse_config
+    from unbroken.relay.relay_state import RelayState
+
+    relay = RelayState(
+        parse_config({"routes": {"r": {"upstreams": [{"url": "http://127.0.0.1:9"}]}}})
+    )
+    loop = asyncio.get_running_loop()
+    assert relay.deadlines(loop) is relay.deadlines(loop)
+    other = asyncio.new_event_loop()
+    try:
+        assert relay.deadlines(other) is not relay.deadlines(loop)
+    finally:
+        other.close()
+    await relay.close()
+
+
 async def test_a_deadline_armed_by_a_callback_runs() -> None:
     loop = asyncio.get_running_loop()
-    timers = Timers(loop)
+    timers = LoopDeadlines(loop)
     done = loop.create_future()
     now = loop.time()
     timers.call_at(now + 0.01, lambda: timers.call_at(loop.time(), lambda: done.set_result(1)))
     assert await asyncio.wait_for(done, 5) == 1
 
 
-def test_one_timers_per_loop_and_the_loop_is_not_kept_alive() -> None:
-    loop = asyncio.new_event_loop()
-    try:
-        assert timers_of(loop) is timers_of(loop)
-    finally:
-        loop.close()
-    other = asyncio.new_event_loop()
-    try:
-        assert timers_of(other) is not None
-    finally:
-        other.close()
-    import weakref
-
-    ref = weakref.ref(loop)
-    del loop
-    gc.collect()
-    assert ref() is None
-
-
 @pytest.mark.parametrize("n", [1, 3])
-async def test_the_header_deadline_and_watchdog_share_the_loops_timers(n: int) -> None:
-    """`Watchdog` and the header deadline use `timers_of(loop)`: no TimerHandle of
-    their own (checked by counting the loop's scheduled handles)."""
-    from unbroken.relay.watchdog import Watchdog
-
+async def test_watchdogs_share_one_loop_timer(n: int) -> None:
+    """Watchdogs on one `LoopDeadlines` arm no TimerHandle of their own (counted in the
+    loop's scheduled handles)."""
     loop = asyncio.get_running_loop()
+    deadlines = LoopDeadlines(loop)
 
     class _Machine:
         def deadline(self) -> float:
             return loop.time() + 60
 
     before = len(loop._scheduled)  # type: ignore[attr-defined]
-    dogs = [Watchdog(loop, _Machine(), lambda a: None, 15.0) for _ in range(n)]  # type: ignore[arg-type]
+    dogs = [Watchdog(loop, _Machine(), lambda a: None, 15.0, deadlines) for _ in range(n)]  # type: ignore[arg-type]
     for dog in dogs:
         dog.arm()
-    assert all(dog.timers is timers_of(loop) for dog in dogs)
     assert len(loop._scheduled) <= before + 1  # type: ignore[attr-defined]
     for dog in dogs:
         dog.close()

@@ -206,7 +206,11 @@ class _HttpTurn:
         self._bodies: dict[int, bytes] = {}
         self._side_task: asyncio.Future[Any] | None = None  # an early-headers/keepalive write
         self.watchdog = Watchdog(
-            self.loop, self.machine, self._on_timer, relay.min_interval(self.machine)
+            self.loop,
+            self.machine,
+            self._on_timer,
+            relay.min_interval(self.machine),
+            relay.deadlines(self.loop),
         )
         self.upstream = HttpAttempt(
             self.machine, retry, self.watchdog, relay.client, self, relay.secrets, relay

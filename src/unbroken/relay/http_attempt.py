@@ -162,12 +162,12 @@ class HttpAttempt:
         # The header deadline: what ``asyncio.timeout`` does (cancel the task when it
         # passes; that cancellation, and only it, becomes a TimeoutError), without its
         # context manager's two coroutines and object per attempt, on the loop's shared
-        # deadlines (`Timers`: no TimerHandle of its own).
+        # deadlines (`LoopDeadlines`: no TimerHandle of its own).
         task = asyncio.current_task(loop)
         assert task is not None
         cancelling = task.cancelling()
         deadline = _Deadline(task)
-        timers = self.watchdog.timers
+        timers = self.watchdog.deadlines
         timer = timers.call_at(loop.time() + action.timeout_s, deadline)
         try:
             resp = await self.client.request(method, url, headers, body)

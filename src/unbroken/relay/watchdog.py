@@ -1,6 +1,6 @@
 """The one timer of a turn (`Watchdog`): fires at the machine's deadline and carries
-out what `TurnMachine.tick` returns.  `Timers`: the deadlines of every turn on one
-event-loop timer."""
+out what `TurnMachine.tick` returns.  `LoopDeadlines`: the deadlines of every turn on
+one event-loop timer."""
 
 from __future__ import annotations
 
@@ -8,20 +8,19 @@ import asyncio
 import contextvars
 import heapq
 import itertools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from unbroken.core.turn.machine import Action, TurnMachine
 
-__all__ = ["Timers", "Watchdog", "timers_of"]
+__all__ = ["LoopDeadlines", "Watchdog"]
 
-#: a deadline in `Timers`: [when, sequence, callback, context]; the callback and the
+#: a deadline in `LoopDeadlines`: [when, sequence, callback, context]; the callback and the
 #: context are None once it is cancelled or has run
 Entry = list[Any]
 
 
-class Timers:
+class LoopDeadlines:
     """Deadlines on one event-loop timer: ``loop.call_at`` without a `TimerHandle` each.
 
     Every turn arms one or two deadlines (its watchdog; the header deadline of each
@@ -37,11 +36,10 @@ class Timers:
     does with its own).
     """
 
-    __slots__ = ("_armed_at", "_dead", "_handle", "_heap", "_loop", "_seq")
+    __slots__ = ("_armed_at", "_dead", "_handle", "_heap", "_seq", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        # (weakly: `timers_of` keys its table by the loop)
-        self._loop = weakref.ref(loop)
+        self.loop = loop
         self._heap: list[Entry] = []
         self._seq = itertools.count()
         self._handle: asyncio.TimerHandle | None = None
@@ -81,18 +79,13 @@ class Timers:
     def _arm(self, when: float) -> None:
         if self._handle is not None:
             self._handle.cancel()
-        loop = self._loop()
-        if loop is None:  # (the loop is gone: so is everything it would have run)
-            return
         self._armed_at = when
-        self._handle = loop.call_at(when, self._fire)
+        self._handle = self.loop.call_at(when, self._fire)
 
     def _fire(self) -> None:
         self._handle = None
         heap = self._heap
-        loop = self._loop()
-        if loop is None:
-            return
+        loop = self.loop
         # what the loop itself counts as due when it runs its timers
         end = loop.time() + getattr(loop, "_clock_resolution", 0.0)
         while heap:
@@ -122,17 +115,6 @@ class Timers:
             self._arm(heap[0][0])
 
 
-_TIMERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Timers] = weakref.WeakKeyDictionary()
-
-
-def timers_of(loop: asyncio.AbstractEventLoop) -> Timers:
-    """The loop's `Timers` (one per event loop)."""
-    timers = _TIMERS.get(loop)
-    if timers is None:
-        timers = _TIMERS[loop] = Timers(loop)
-    return timers
-
-
 class Watchdog:
     """The one timer of a turn: fires at the machine's deadline and carries out `tick`.
 
@@ -152,10 +134,10 @@ class Watchdog:
         "_handle",
         "_interval",
         "closed",
+        "deadlines",
         "loop",
         "machine",
         "on_action",
-        "timers",
     )
 
     def __init__(
@@ -164,11 +146,13 @@ class Watchdog:
         machine: TurnMachine,
         on_action: Any,
         interval: float,
+        deadlines: LoopDeadlines,
     ) -> None:
-        """``interval``: the machine's ``min_interval`` (`RelayState.min_interval` caches it)."""
+        """``interval``: the machine's ``min_interval`` (`RelayState.min_interval` caches it);
+        ``deadlines``: the loop's (`RelayState.deadlines`), where the turn's attempts put
+        their header deadline too."""
         self.loop, self.machine, self.on_action = loop, machine, on_action
-        #: the loop's deadlines (the turn's attempts put their header deadline there too)
-        self.timers = timers_of(loop)
+        self.deadlines = deadlines
         self._context = contextvars.copy_context()  # what a TimerHandle would capture
         self._handle: Entry | None = None
         self._interval = interval
@@ -182,7 +166,7 @@ class Watchdog:
         if due is None:
             return
         cap = self.loop.time() + self._interval
-        self._handle = self.timers.call_at(due if due < cap else cap, self._fire, self._context)
+        self._handle = self.deadlines.call_at(due if due < cap else cap, self._fire, self._context)
 
     def _fire(self) -> None:
         self._handle = None
@@ -196,7 +180,7 @@ class Watchdog:
     def close(self) -> None:
         self.closed = True
         if self._handle is not None:
-            self.timers.cancel(self._handle)
+            self.deadlines.cancel(self._handle)
             self._handle = None
         # Drop the reference back to the transport (its bound method): a turn's
         # objects are then freed by reference counting as soon as it ends, not left
