@@ -8,12 +8,17 @@ import asyncio
 import contextvars
 import heapq
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
 from unbroken.core.turn.machine import Action, TurnMachine
 
 __all__ = ["LoopDeadlines", "Watchdog"]
+
+#: what asyncio's loop counts as due when it runs its timers: up to its clock's resolution
+#: ahead (``BaseEventLoop._clock_resolution``, read through the public API)
+_RESOLUTION = time.get_clock_info("monotonic").resolution
 
 #: a deadline in `LoopDeadlines`: [when, sequence, callback, context]; the callback and the
 #: context are None once it is cancelled or has run
@@ -86,8 +91,7 @@ class LoopDeadlines:
         self._handle = None
         heap = self._heap
         loop = self.loop
-        # what the loop itself counts as due when it runs its timers
-        end = loop.time() + getattr(loop, "_clock_resolution", 0.0)
+        end = loop.time() + _RESOLUTION
         while heap:
             entry = heap[0]
             callback = entry[2]
