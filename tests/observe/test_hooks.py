@@ -72,7 +72,7 @@ def test_a_nested_fan_out_is_flattened_and_follows_changes_to_the_inner_list() -
     outer.turn_started(TURN)
     assert all(
         m.__self__ is not inner
-        for m in (outer._bound or {})["turn_started"]
+        for m, _ in (outer._bound or {})["turn_started"]
         if hasattr(m, "__self__")
     )
     inner.add(Seen("c", log))  # a change inside: the outer re-binds
@@ -134,6 +134,19 @@ def test_a_failing_observer_is_logged_and_never_breaks_the_turn(
         )
     assert log == ["ok:started"]
     assert "observer Broken failed in turn_started" in caplog.text
+
+
+def test_the_fan_out_guards_a_guarded_observer_and_only_it() -> None:
+    """The fan-out runs a `Guarded` observer's method itself: its failure is counted by
+    its guard and the others still run; an unguarded observer's failure propagates."""
+    log: list[str] = []
+    guarded = Guarded(Broken())
+    multi = MultiHooks(guarded, Seen("ok", log))
+    multi.turn_started(TURN)
+    multi.turn_started(TURN)
+    assert guarded.errors == 2 and log == ["ok:started", "ok:started"]
+    with pytest.raises(RuntimeError, match="observer bug"):
+        MultiHooks(Seen("a", log), Broken()).turn_started(TURN)
 
 
 class Calls(Hooks):

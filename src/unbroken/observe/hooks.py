@@ -155,13 +155,23 @@ def implements(hook: Hooks, name: str) -> bool:
     return getattr(type(hook), name) is not getattr(Hooks, name)
 
 
+#: a hook's method as the fan-out calls it, and what its failure is handed to (None:
+#: the failure propagates)
+_Bound = tuple[Callable[..., None], Callable[[str], None] | None]
+
+
 def _fan_out(name: str) -> Callable[..., None]:
     def call(self: MultiHooks, *args: Any, **kwargs: Any) -> None:
         bound = self._bound
         if bound is None:
             bound = self._bind()
-        for method in bound[name]:
-            method(*args, **kwargs)
+        for method, on_error in bound[name]:
+            try:
+                method(*args, **kwargs)
+            except Exception:
+                if on_error is None:
+                    raise
+                on_error(name)
 
     call.__name__ = name
     return call
@@ -180,7 +190,7 @@ class MultiHooks(Hooks):
         self._hooks: tuple[Hooks, ...] = hooks
         #: the fan-outs this one is nested in (they bind through it)
         self._outer: weakref.WeakSet[MultiHooks] = weakref.WeakSet()
-        self._bound: dict[str, tuple[Callable[..., None], ...]] | None = None
+        self._bound: dict[str, tuple[_Bound, ...]] | None = None
 
     @property
     def hooks(self) -> tuple[Hooks, ...]:
@@ -203,18 +213,24 @@ class MultiHooks(Hooks):
         for outer in list(self._outer):
             outer._changed()
 
-    def _bind(self) -> dict[str, tuple[Callable[..., None], ...]]:
+    def _bind(self) -> dict[str, tuple[_Bound, ...]]:
         bound = self._bound = {name: tuple(self._methods(name, self)) for name in HOOK_NAMES}
         return bound
 
-    def _methods(self, name: str, outer: MultiHooks) -> list[Callable[..., None]]:
-        out: list[Callable[..., None]] = []
+    def _methods(self, name: str, outer: MultiHooks) -> list[_Bound]:
+        out: list[_Bound] = []
         for h in self._hooks:
             if isinstance(h, MultiHooks):
                 h._outer.add(outer)
                 out.extend(h._methods(name, outer))
             elif implements(h, name):
-                out.append(getattr(h, name))
+                # A guarded observer (`observe.guard.Guarded`) is called directly, its
+                # failure handed to its guard: no wrapper call per event.
+                unguarded = getattr(h, "unguarded", None)
+                if unguarded is not None:
+                    out.append(unguarded(name))
+                else:
+                    out.append((getattr(h, name), None))
         return out
 
     def _implements(self, name: str) -> bool:

@@ -8,6 +8,8 @@ header value, a key or content.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -202,6 +204,11 @@ class Metrics(Hooks):
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # What the hooks counted since the last scrape, added to the prometheus_client
+        # children when one comes (`_flush`): a turn's counts are dictionary updates,
+        # not a lock and a bucket walk each (three per turn).
+        self._incs: dict[Any, float] = {}  # counter child -> amount
+        self._observed: dict[Any, list[float]] = {}  # histogram child -> bucket counts, sum
         r = self.registry
         self.turns = Counter(
             "unbroken_turns", "Turns by final outcome.", ["route", "outcome"], registry=r
@@ -261,7 +268,37 @@ class Metrics(Hooks):
         r.register(_Live(inflight, upstreams, fleet))
 
     def expose(self) -> bytes:
+        self._flush()
         return generate_latest(self.registry)
+
+    def _inc(self, metric: Any, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        child = self._child(metric, *labels)
+        incs = self._incs
+        incs[child] = incs.get(child, 0.0) + amount
+
+    def _observe(self, metric: Any, labels: tuple[str, ...], amount: float) -> None:
+        child = self._child(metric, *labels)
+        if not math.isfinite(amount):
+            child.observe(amount)  # (as prometheus_client itself files it)
+            return
+        tally = self._observed.get(child)
+        if tally is None:
+            tally = self._observed[child] = [0.0] * (len(child._upper_bounds) + 1)
+        # the first bucket whose bound is >= amount, as `Histogram.observe` files it
+        tally[bisect.bisect_left(child._upper_bounds, amount)] += 1
+        tally[-1] += amount
+
+    def _flush(self) -> None:
+        """Add what the hooks counted to the registry's children."""
+        incs, self._incs = self._incs, {}
+        for child, amount in incs.items():
+            child.inc(amount)
+        observed, self._observed = self._observed, {}
+        for child, tally in observed.items():
+            child._sum.inc(tally[-1])
+            for bucket, n in zip(child._buckets, tally, strict=False):
+                if n:
+                    bucket.inc(n)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: label sets are few, lookups are per turn."""
@@ -278,24 +315,24 @@ class Metrics(Hooks):
         if wait_s is None:
             return
         if phase != "committed":  # a committed attempt is continued, never replayed
-            self._child(self.replays, phase or "unknown").inc()
-        self._child(self.retry_wait, turn.route).observe(wait_s)
+            self._inc(self.replays, (phase or "unknown",))
+        self._observe(self.retry_wait, (turn.route,), wait_s)
 
     def attempt_ended(self, turn: TurnRecord, attempt: AttemptInfo) -> None:
         reason = attempt.reason or "unknown"
-        self._child(self.attempts, turn.route, attempt.upstream, reason).inc()
+        self._inc(self.attempts, (turn.route, attempt.upstream, reason))
         if reason not in NOT_FAILURES and attempt.phase != "committed":
             if attempt.est_output_tokens:
-                self._child(self.wasted, turn.route).inc(attempt.est_output_tokens)
+                self._inc(self.wasted, (turn.route,), attempt.est_output_tokens)
 
     def continuation(self, turn: TurnRecord, result: str) -> None:
-        self._child(self.continuations, turn.protocol, result).inc()
+        self._inc(self.continuations, (turn.protocol, result))
 
     def turn_ended(self, turn: TurnRecord) -> None:
-        self._child(self.turns, turn.route, turn.outcome or "unknown").inc()
+        self._inc(self.turns, (turn.route, turn.outcome or "unknown"))
         if turn.saved_tokens:
-            self._child(self.saved, turn.route).inc(turn.saved_tokens)
+            self._inc(self.saved, (turn.route,), turn.saved_tokens)
         if turn.queued_s:
-            self._child(self.queued, turn.route).observe(turn.queued_s)
+            self._observe(self.queued, (turn.route,), turn.queued_s)
         if turn.first_byte_at is not None:
-            self._child(self.ttfb, turn.route).observe(max(0.0, turn.first_byte_at - turn.started))
+            self._observe(self.ttfb, (turn.route,), max(0.0, turn.first_byte_at - turn.started))

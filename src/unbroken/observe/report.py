@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from unbroken.core.admission.policy import Failure
 from unbroken.core.turn.attempt import AttemptStats
 from unbroken.core.turn.machine import Outcome, Phase, TurnState
-from unbroken.core.wire.protocols import model_answered, usage_from
+from unbroken.core.wire.protocols import model_answered
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
 __all__ = ["HooksObserver"]
@@ -142,7 +142,7 @@ class HooksObserver:
             a.frames_received, a.bytes_received = stats.received_frames, stats.received_bytes
             a.frames_released, a.bytes_released = stats.released_frames, stats.released_bytes
             a.hold_seconds = stats.hold_seconds
-            a.input_tokens, a.output_tokens = usage_from(stats.usage_frames())
+            a.input_tokens, a.output_tokens = stats.usage()
             a.est_output_tokens = stats.output_frames
             if stats.first_raw:
                 a.response_model = model_answered(stats.first_raw)

@@ -102,7 +102,8 @@ class _HttpTurn:
 
     __slots__ = (
         "_bodies",
-        "_prepare_lock",
+        "_prepared",
+        "_preparing",
         "_side_task",
         "body",
         "cfg",
@@ -186,14 +187,21 @@ class _HttpTurn:
         )
         info.held = self.machine.held_bytes
         self.response: web.StreamResponse | None = None  # the client response, once prepared
-        self._prepare_lock = asyncio.Lock()
+        # `_prepare`'s lock, without an `asyncio.Lock` per turn: a flag while one call is
+        # inside, and a future only for a second call that must wait (early headers)
+        self._preparing = False
+        self._prepared: asyncio.Future[None] | None = None
         #: the client response the attempt that answered would send, built ahead
         self.pending: CleanStream | None = None
         self.last_answer: tuple[int, CIMultiDict[str], bytes] | None = None
         self._bodies: dict[int, bytes] = {}
         self._side_task: asyncio.Future[Any] | None = None  # an early-headers/keepalive write
         self.watchdog = Watchdog(
-            self.loop, self.machine, self._on_timer, relay.min_interval(self.machine)
+            self.loop,
+            self.machine,
+            self._on_timer,
+            relay.min_interval(self.machine),
+            relay.deadlines(self.loop),
         )
         self.upstream = HttpAttempt(
             self.machine, retry, self.watchdog, relay.client, self, relay.secrets, relay
@@ -393,17 +401,28 @@ class _HttpTurn:
         A `_WithFirstWrite` response's leave with the bytes written next, in one
         segment; any other's at once (early headers).
         """
-        async with self._prepare_lock:
-            if self.response is not None:
-                return False
-            try:
-                await resp.prepare(self.request)
-            except (ConnectionError, aiohttp.ClientConnectionError) as exc:
-                raise ClientGone() from exc
-            self.response = resp
-            self.machine.headers_sent(self.loop.time())
-            self.watchdog.arm()  # keepalives are now due from here
-            return True
+        while self._preparing:  # the other one (the turn, or its early headers) is inside
+            done = self._prepared
+            if done is None:
+                done = self._prepared = self.loop.create_future()
+            await asyncio.shield(done)  # (a cancelled waiter leaves it to the others)
+        if self.response is not None:
+            return False
+        self._preparing = True
+        try:
+            await resp.prepare(self.request)
+        except (ConnectionError, aiohttp.ClientConnectionError) as exc:
+            raise ClientGone() from exc
+        finally:
+            self._preparing = False
+            done = self._prepared
+            if done is not None:
+                self._prepared = None
+                done.set_result(None)
+        self.response = resp
+        self.machine.headers_sent(self.loop.time())
+        self.watchdog.arm()  # keepalives are now due from here
+        return True
 
     async def _write(self, data: bytes, t0: float | None = None) -> None:
         """Write ``data`` to the client.  ``t0``: when the write began, if the caller

@@ -158,11 +158,33 @@ class HttpAttempt:
         ``key``: the relay's key the request carries, if any: any body the upstream
         answers is redacted of it on its way through (an error's, of every secret)."""
         machine = self.machine
+        loop = self.loop
+        # The header deadline: what ``asyncio.timeout`` does (cancel the task when it
+        # passes; that cancellation, and only it, becomes a TimeoutError), without its
+        # context manager's two coroutines and object per attempt, on the loop's shared
+        # deadlines (`LoopDeadlines`: no TimerHandle of its own).
+        task = asyncio.current_task(loop)
+        assert task is not None
+        cancelling = task.cancelling()
+        deadline = _Deadline(task)
+        timers = self.watchdog.deadlines
+        timer = timers.call_at(loop.time() + action.timeout_s, deadline)
         try:
-            async with asyncio.timeout(action.timeout_s):
-                resp = await self.client.request(method, url, headers, body)
+            resp = await self.client.request(method, url, headers, body)
+        except asyncio.CancelledError:
+            if deadline.fired and task.uncancel() <= cancelling:
+                return machine.open_failed(
+                    loop.time(), _classify(TimeoutError(), header_phase=True)
+                )
+            raise
         except Exception as exc:
-            return machine.open_failed(self.loop.time(), _classify(exc, header_phase=True))
+            if deadline.fired:
+                task.uncancel()
+            return machine.open_failed(loop.time(), _classify(exc, header_phase=True))
+        finally:
+            timers.cancel(timer)
+        if deadline.fired:  # it fired, but the answer came anyway
+            task.uncancel()
         self.reading = resp
         self.aborted = False
         try:
@@ -307,6 +329,20 @@ class HttpAttempt:
         except Exception as exc:
             return machine.transport_failed(loop_time(), _classify(exc))
         return machine.body_ended(loop_time())
+
+
+class _Deadline:
+    """The header deadline's timer callback: cancels the attempt's task, and says so."""
+
+    __slots__ = ("fired", "task")
+
+    def __init__(self, task: asyncio.Task[object]) -> None:
+        self.task = task
+        self.fired = False
+
+    def __call__(self) -> None:
+        self.fired = True
+        self.task.cancel()
 
 
 class _Gone:

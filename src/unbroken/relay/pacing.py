@@ -19,7 +19,7 @@ from unbroken.config import Route
 from unbroken.core.admission.health import HealthBoard
 from unbroken.core.admission.ratelimit import credential_hash
 from unbroken.core.turn.machine import Wait
-from unbroken.core.wire.client_request import credentials_of
+from unbroken.core.wire.client_request import client_credential, credentials_of
 
 __all__ = ["RateLimitIO", "Waker"]
 
@@ -157,12 +157,15 @@ class RateLimitIO:
     (`core.admission.ratelimit.credential_hash`; the key itself is never kept), and each bad
     rate-limit header logged once per upstream."""
 
-    __slots__ = ("_hashes", "_routes", "warned")
+    __slots__ = ("_clients", "_hashes", "_routes", "warned")
 
     def __init__(self) -> None:
         self._hashes: dict[str, str] = {}
         #: route -> its hashes, when every upstream injects its own key
         self._routes: dict[str, tuple[str, ...]] = {}
+        #: (route name, the client's credential) -> (the route, its hashes): per request
+        #: only a lookup (bounded like ``_hashes``)
+        self._clients: dict[tuple[str, str], tuple[Route, tuple[str, ...]]] = {}
         #: (upstream key, header) already logged
         self.warned: set[tuple[str, str]] = set()
 
@@ -172,10 +175,18 @@ class RateLimitIO:
         known = self._routes.get(route.name)
         if known is not None and len(known) == len(route.upstreams):
             return known
+        client = client_credential(headers, query)
+        seen = self._clients.get((route.name, client))
+        if seen is not None and seen[0] is route:
+            return seen[1]
         injected = [u.api_key for u in route.upstreams]
         out = tuple(map(self._hash, credentials_of(injected, headers, query)))
         if all(injected):
             self._routes[route.name] = out
+        else:
+            if len(self._clients) >= 4096:
+                self._clients.clear()
+            self._clients[(route.name, client)] = (route, out)
         return out
 
     def _hash(self, value: str) -> str:

@@ -53,6 +53,7 @@ from unbroken.relay.upstream import (
     upstream_url,
     via_entry,
 )
+from unbroken.relay.watchdog import LoopDeadlines
 
 __all__ = ["RelayState", "continuation_headers"]
 
@@ -118,6 +119,7 @@ class RelayState:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.idle = asyncio.Event()  # set while no request is running
         self.idle.set()
+        self._deadlines: LoopDeadlines | None = None
         #: set to cut a drain's grace period short (a second signal)
         self.cut = asyncio.Event()
         #: route -> upstream index -> monotonic time until which it asked to be left alone
@@ -154,6 +156,13 @@ class RelayState:
         if interval is None:
             interval = self._intervals[machine.profile.name] = machine.min_interval
         return interval
+
+    def deadlines(self, loop: asyncio.AbstractEventLoop) -> LoopDeadlines:
+        """The turns' deadlines on ``loop`` (`LoopDeadlines`: one loop timer for all)."""
+        deadlines = self._deadlines
+        if deadlines is None or deadlines.loop is not loop:
+            deadlines = self._deadlines = LoopDeadlines(loop)
+        return deadlines
 
     def route_facts(self, route: Route) -> tuple[tuple[str, ...], bool]:
         """A route's upstream names, and whether any upstream renames models (cached)."""

@@ -14,7 +14,7 @@ import hashlib
 import json
 import secrets
 import zlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -58,6 +58,8 @@ def via_entry(seed: str | None = None) -> str:
 
 def looped(incoming: Mapping[str, str] | CIMultiDictProxy[str], via: str) -> bool:
     """True if a request already passed through the relay whose entry is ``via``."""
+    if "via" not in incoming:  # the usual request: no Via at all
+        return False
     me = via.split(" ", 1)[1]
     if isinstance(incoming, CIMultiDictProxy):
         return any(me in v for v in incoming.getall("via", ()))
@@ -362,10 +364,12 @@ class UpstreamClient:
             )
         return self._session
 
-    async def request(
+    def request(
         self, method: str, url: URL, headers: CIMultiDict[str], body: bytes
-    ) -> aiohttp.ClientResponse:
-        return await self.session.request(
+    ) -> Awaitable[aiohttp.ClientResponse]:
+        """The request, for the caller to await (no coroutine of its own to resume while
+        it connects and waits for the answer)."""
+        return self.session.request(
             method,
             url,
             headers=headers,

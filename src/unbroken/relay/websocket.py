@@ -464,7 +464,11 @@ class _WsTurn:
         self.machine.headers_sent(now)
         info.held = self.machine.held_bytes
         self.watchdog = Watchdog(
-            conn.loop, self.machine, self._on_timer, relay.min_interval(self.machine)
+            conn.loop,
+            self.machine,
+            self._on_timer,
+            relay.min_interval(self.machine),
+            relay.deadlines(conn.loop),
         )
         self.http = HttpAttempt(
             self.machine, retry, self.watchdog, relay.client, self, relay.secrets, relay

@@ -191,48 +191,47 @@ class _Checker:
         return None if out.empty else out
 
 
+def _family(prefix: str, a: str, b: str, c: str) -> tuple[str, str, str]:
+    return f"{prefix}{a}", f"{prefix}{b}", f"{prefix}{c}"
+
+
+# Each family's (limit, remaining, reset) header names, built once (not per answer).
+_OPENAI_REQUESTS = _family("x-ratelimit-", "limit-requests", "remaining-requests", "reset-requests")
+_OPENAI_TOKENS = _family("x-ratelimit-", "limit-tokens", "remaining-tokens", "reset-tokens")
+_A = "anthropic-ratelimit-"
+_ANTHROPIC_REQUESTS = _family(_A, "requests-limit", "requests-remaining", "requests-reset")
+_ANTHROPIC_TOKENS = tuple(
+    _family(_A, f"{f}-limit", f"{f}-remaining", f"{f}-reset") for f in ("tokens", "input-tokens")
+)
+_ANTHROPIC_OUTPUT = _family(
+    _A, "output-tokens-limit", "output-tokens-remaining", "output-tokens-reset"
+)
+
+
 def parse_rate_headers(
     headers: Mapping[str, str], *, now_wall: float, max_wait_s: float = 60.0
 ) -> RateHeaders:
     """The budgets an answer's headers report (see the module docstring)."""
     c = _Checker(now_wall, max_wait_s)
     requests = tokens = output = None
-    if "x-ratelimit-limit-requests" in headers or "x-ratelimit-remaining-requests" in headers:
-        requests = c.reading(
-            headers,
-            "x-ratelimit-limit-requests",
-            "x-ratelimit-remaining-requests",
-            "x-ratelimit-reset-requests",
-        )
-    if "x-ratelimit-limit-tokens" in headers or "x-ratelimit-remaining-tokens" in headers:
-        tokens = c.reading(
-            headers,
-            "x-ratelimit-limit-tokens",
-            "x-ratelimit-remaining-tokens",
-            "x-ratelimit-reset-tokens",
-        )
-    a = "anthropic-ratelimit-"
-    if requests is None and (
-        f"{a}requests-limit" in headers or f"{a}requests-remaining" in headers
-    ):
-        requests = c.reading(
-            headers, f"{a}requests-limit", f"{a}requests-remaining", f"{a}requests-reset"
-        )
+    names = _OPENAI_REQUESTS
+    if names[0] in headers or names[1] in headers:
+        requests = c.reading(headers, *names)
+    names = _OPENAI_TOKENS
+    if names[0] in headers or names[1] in headers:
+        tokens = c.reading(headers, *names)
+    names = _ANTHROPIC_REQUESTS
+    if requests is None and (names[0] in headers or names[1] in headers):
+        requests = c.reading(headers, *names)
     if tokens is None:
-        for family in ("tokens", "input-tokens"):
-            if f"{a}{family}-limit" in headers or f"{a}{family}-remaining" in headers:
-                tokens = c.reading(
-                    headers, f"{a}{family}-limit", f"{a}{family}-remaining", f"{a}{family}-reset"
-                )
+        for names in _ANTHROPIC_TOKENS:
+            if names[0] in headers or names[1] in headers:
+                tokens = c.reading(headers, *names)
                 if tokens is not None:
                     break
-    if f"{a}output-tokens-limit" in headers or f"{a}output-tokens-remaining" in headers:
-        output = c.reading(
-            headers,
-            f"{a}output-tokens-limit",
-            f"{a}output-tokens-remaining",
-            f"{a}output-tokens-reset",
-        )
+    names = _ANTHROPIC_OUTPUT
+    if names[0] in headers or names[1] in headers:
+        output = c.reading(headers, *names)
     retry_after: float | None = None
     raw_ms = headers.get("retry-after-ms")
     if raw_ms is not None:

@@ -700,7 +700,11 @@ class RateBoard:
 
     def waiting(self, key: str) -> bool:
         by = self.limiters.get(key)
-        return by is not None and any(lim.waiting for lim in by.values())
+        if by:  # (a loop, not a generator: asked twice a turn)
+            for lim in by.values():
+                if lim.line or lim.granted:  # `Limiter.waiting`, inline
+                    return True
+        return False
 
     def pump(self, key: str, now: float) -> tuple[list[int], float | None]:
         by = self.limiters.get(key)

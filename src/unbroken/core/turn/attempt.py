@@ -7,6 +7,8 @@ frozen copy when the attempt ends.
 
 from __future__ import annotations
 
+from unbroken.core.wire.protocols import usage_from
+
 __all__ = ["AttemptStats"]
 
 
@@ -14,6 +16,7 @@ class AttemptStats:
     """Counters of one attempt.  Mutable while the attempt runs; copied when it ends."""
 
     __slots__ = (
+        "_usage",
         "first_raw",
         "hold_seconds",
         "output_frames",
@@ -35,6 +38,18 @@ class AttemptStats:
         #: the first frame and the last few (where providers report usage)
         self.first_raw = b""
         self.recent: list[bytes] = []  # at most 4 (a list: a deque allocates 64 slots)
+        #: (received_frames, usage) of the last `usage` call
+        self._usage: tuple[int, tuple[int | None, int | None]] | None = None
 
     def usage_frames(self) -> list[bytes]:
         return [self.first_raw, *self.recent]
+
+    def usage(self) -> tuple[int | None, int | None]:
+        """``usage_from(self.usage_frames())``: (input, output) tokens reported, read
+        once for as long as no frame arrives (the turn's end and its report both ask)."""
+        known = self._usage
+        if known is not None and known[0] == self.received_frames:
+            return known[1]
+        got = usage_from(self.usage_frames())
+        self._usage = (self.received_frames, got)
+        return got

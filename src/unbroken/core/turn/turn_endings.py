@@ -35,7 +35,7 @@ from unbroken.core.turn.turn_types import (
     TurnState,
     Wait,
 )
-from unbroken.core.wire.protocols import BODY, usage_from
+from unbroken.core.wire.protocols import BODY
 
 __all__ = ["TurnEndings"]
 
@@ -246,7 +246,7 @@ class TurnEndings(TurnFields):
         retry = self.retry
         if retry.admitted:  # the rate limiter learns what the request cost
             stats = self.stats
-            retry.settle(self.last_rx, usage_from(stats.usage_frames())[0] if stats else None)
+            retry.settle(self.last_rx, stats.usage()[0] if stats else None)
         retry.close()
         self._outcome = outcome
         if outcome.is_ok or outcome is Outcome.PASSED_THROUGH_ERROR:
