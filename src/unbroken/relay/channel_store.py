@@ -35,9 +35,13 @@ from typing import Any
 from unbroken.core.admission.health import Change, HealthBoard, probe_lease_stale
 from unbroken.core.admission.shared import (
     MAX_DATAGRAM,
+    Link,
     Message,
     SharedBounds,
+    escape,
 )
+from unbroken.relay.ratefile import RATES_FILE, FileRates
+from unbroken.relay.ratestore import RateShare
 from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS, HealthStore
 
 __all__ = ["SUN_PATH_MAX", "ChannelStore", "channel_socket"]
@@ -76,6 +80,19 @@ class ChannelStore(HealthStore):
         self.waiters: dict[str, dict[int, float]] = {}
         self._marked: set[str] = set()  # keys this worker told its siblings it waits on
         self._ticker: asyncio.Task[None] | None = None
+        #: the providers' rate-limit budgets, one per key across the workers (leases
+        #: from `RATES_FILE`); its errors are logged once per outage
+        self.rates: RateShare | None = None
+        self._rates_link = Link()
+        if board.rates.settings.enabled:
+            self.rates = RateShare(
+                board,
+                FileRates(self.dir / RATES_FILE),
+                is_up=lambda: True,
+                on_error=self._rates_failed,
+                on_garbage=lambda why: self._ignored(why, f"{RATES_FILE}"),
+                on_answer=self._rates_answered,
+            )
 
     def status(self) -> dict[str, Any]:
         return {
@@ -83,7 +100,24 @@ class ChannelStore(HealthStore):
             "state": "ok",
             "worker": self.worker,
             "ignored": dict(sorted(self.garbage.items())),
+            #: rate-limit budgets shared between the workers, and the leases taken
+            "ratelimits": self.rates.status() if self.rates is not None else None,
         }
+
+    def _rates_failed(self, exc: BaseException) -> None:
+        """A rate-limit transaction failed (the limiter paces locally): logged once."""
+        if self._rates_link.failed(self.clock()):
+            log.warning(
+                "worker %d: the workers' rate-limit file is unusable (%s: %s); pacing "
+                "locally until it answers again",
+                self.worker,
+                type(exc).__name__,
+                escape(str(exc)),
+            )
+
+    def _rates_answered(self) -> None:
+        if self._rates_link.answered(self.clock()):
+            log.warning("worker %d: the workers' rate-limit file answers again", self.worker)
 
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -97,6 +131,8 @@ class ChannelStore(HealthStore):
         self._ticker = asyncio.ensure_future(self._tick())
 
     async def close(self) -> None:
+        if self.rates is not None:
+            self.rates.close()
         ticker, self._ticker = self._ticker, None
         if ticker is not None:
             ticker.cancel()
