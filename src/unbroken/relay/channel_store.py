@@ -15,6 +15,14 @@ each worker splits the pacer's floor among the workers with live marks, as Redis
 splits it among relays: a dead upstream gets one floor from all the workers, not
 one from each.  A datagram is at most 4 KiB and schema-checked like a Redis
 message (`unbroken.core.admission.shared`).
+
+Each provider budget (per key) is shared as relays share it through Redis
+(``self.rates``, a `unbroken.relay.ratestore.RateShare`): its buckets live in
+`RATES_FILE` in the same directory, and each worker takes leases from them for the
+turns in its line (`unbroken.relay.ratefile.FileRates`: SQLite transactions, off
+the event loop).  A slow or failing file leaves a worker pacing alone until the
+next report (logged once, and once when it answers again); ``/status`` shows
+``ratelimits`` (``shared_buckets``, ``leases``) under the store.
 """
 
 from __future__ import annotations

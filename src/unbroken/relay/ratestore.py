@@ -1,5 +1,12 @@
 """One rate-limit budget per key across a fleet, through Redis: leases taken atomically.
 
+`RateShare` is written once over a backend (`RateBackend`): `RedisRates` (this
+module's Lua scripts, below) for relays sharing a Redis, and
+`unbroken.relay.ratefile.FileRates` (the same arithmetic,
+`unbroken.core.admission.leasemath`, in SQLite transactions) for the workers of one
+``serve --workers N`` without Redis.  What follows says it for Redis; the file's
+module docstring says what differs.
+
 The decisions are the core's (`unbroken.core.admission.ratelimit`): each relay admits turns
 from its local buckets, synchronously, and never waits on Redis.  With a Redis
 store, a bucket the provider has reported becomes *shared*: the fleet's level
