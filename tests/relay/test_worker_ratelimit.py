@@ -247,3 +247,31 @@ async def test_a_junk_file_is_garbage_once_then_made_afresh(tmp_path: Path) -> N
     finally:
         a.close()
         b.close()
+
+
+async def test_an_unusable_file_means_local_pacing_logged_once_until_it_answers(
+    tmp_path: Path, mock: MockProvider, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="unbroken")
+    mock.limits = MockLimits(rpm=600)  # ten a second, full
+    (tmp_path / RATES_FILE).mkdir()  # no file can be opened there: not garbage, an error
+    async with _Workers(_config(mock.url), tmp_path) as (a, b), aiohttp.ClientSession() as http:
+        for _ in range(3):
+            results = await asyncio.wait_for(
+                asyncio.gather(*(_post(http, (a, b)[i % 2].url) for i in range(6))), 30
+            )
+            assert results == [200] * 6
+        assert not _shared(a) and not _shared(b)  # each paces alone meanwhile
+        lines = [m for m in _messages(caplog) if "rate-limit file is unusable" in m]
+        assert len(lines) == 2, lines  # once per worker, whatever the reports that followed
+        (tmp_path / RATES_FILE).rmdir()
+
+        async def shared_again() -> bool:
+            assert await _post(http, a.url) == 200
+            assert await _post(http, b.url) == 200
+            await asyncio.sleep(0.05)  # the share is written in the background
+            return _shared(a) and _shared(b)
+
+        await until(shared_again, cap=10)
+        assert len([m for m in _messages(caplog) if "file answers again" in m]) == 2
+        assert not any("Traceback" in m for m in _messages(caplog))
