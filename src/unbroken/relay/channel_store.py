@@ -15,6 +15,14 @@ each worker splits the pacer's floor among the workers with live marks, as Redis
 splits it among relays: a dead upstream gets one floor from all the workers, not
 one from each.  A datagram is at most 4 KiB and schema-checked like a Redis
 message (`unbroken.core.admission.shared`).
+
+Each provider budget (per key) is shared as relays share it through Redis
+(``self.rates``, a `unbroken.relay.ratestore.RateShare`): its buckets live in
+`RATES_FILE` in the same directory, and each worker takes leases from them for the
+turns in its line (`unbroken.relay.ratefile.FileRates`: SQLite transactions, off
+the event loop).  A slow or failing file leaves a worker pacing alone until the
+next report (logged once, and once when it answers again); ``/status`` shows
+``ratelimits`` (``shared_buckets``, ``leases``) under the store.
 """
 
 from __future__ import annotations
@@ -35,9 +43,13 @@ from typing import Any
 from unbroken.core.admission.health import Change, HealthBoard, probe_lease_stale
 from unbroken.core.admission.shared import (
     MAX_DATAGRAM,
+    Link,
     Message,
     SharedBounds,
+    escape,
 )
+from unbroken.relay.ratefile import RATES_FILE, FileRates
+from unbroken.relay.ratestore import RateShare
 from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS, HealthStore
 
 __all__ = ["SUN_PATH_MAX", "ChannelStore", "channel_socket"]
@@ -76,6 +88,19 @@ class ChannelStore(HealthStore):
         self.waiters: dict[str, dict[int, float]] = {}
         self._marked: set[str] = set()  # keys this worker told its siblings it waits on
         self._ticker: asyncio.Task[None] | None = None
+        #: the providers' rate-limit budgets, one per key across the workers (leases
+        #: from `RATES_FILE`); its errors are logged once per outage
+        self.rates: RateShare | None = None
+        self._rates_link = Link()
+        if board.rates.settings.enabled:
+            self.rates = RateShare(
+                board,
+                FileRates(self.dir / RATES_FILE),
+                is_up=lambda: True,
+                on_error=self._rates_failed,
+                on_garbage=lambda why: self._ignored(why, f"{RATES_FILE}"),
+                on_answer=self._rates_answered,
+            )
 
     def status(self) -> dict[str, Any]:
         return {
@@ -83,7 +108,24 @@ class ChannelStore(HealthStore):
             "state": "ok",
             "worker": self.worker,
             "ignored": dict(sorted(self.garbage.items())),
+            #: rate-limit budgets shared between the workers, and the leases taken
+            "ratelimits": self.rates.status() if self.rates is not None else None,
         }
+
+    def _rates_failed(self, exc: BaseException) -> None:
+        """A rate-limit transaction failed (the limiter paces locally): logged once."""
+        if self._rates_link.failed(self.clock()):
+            log.warning(
+                "worker %d: the workers' rate-limit file is unusable (%s: %s); pacing "
+                "locally until it answers again",
+                self.worker,
+                type(exc).__name__,
+                escape(str(exc)),
+            )
+
+    def _rates_answered(self) -> None:
+        if self._rates_link.answered(self.clock()):
+            log.warning("worker %d: the workers' rate-limit file answers again", self.worker)
 
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -97,6 +139,8 @@ class ChannelStore(HealthStore):
         self._ticker = asyncio.ensure_future(self._tick())
 
     async def close(self) -> None:
+        if self.rates is not None:
+            self.rates.close()
         ticker, self._ticker = self._ticker, None
         if ticker is not None:
             ticker.cancel()

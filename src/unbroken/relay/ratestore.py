@@ -1,5 +1,12 @@
 """One rate-limit budget per key across a fleet, through Redis: leases taken atomically.
 
+`RateShare` is written once over a backend (`RateBackend`): `RedisRates` (this
+module's Lua scripts, below) for relays sharing a Redis, and
+`unbroken.relay.ratefile.FileRates` (the same arithmetic,
+`unbroken.core.admission.leasemath`, in SQLite transactions) for the workers of one
+``serve --workers N`` without Redis.  What follows says it for Redis; the file's
+module docstring says what differs.
+
 The decisions are the core's (`unbroken.core.admission.ratelimit`): each relay admits turns
 from its local buckets, synchronously, and never waits on Redis.  With a Redis
 store, a bucket the provider has reported becomes *shared*: the fleet's level
@@ -39,13 +46,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from unbroken.core.admission.health import HealthBoard
+from unbroken.core.admission.leasemath import GARBAGE
 from unbroken.core.admission.ratelimit import Limiter
 from unbroken.core.admission.shared import Garbage, lease_grant
 
-__all__ = ["RateShare"]
+__all__ = ["RateBackend", "RateShare", "RedisRates"]
 
 log = logging.getLogger("unbroken")
 
@@ -141,34 +149,93 @@ return replaced
 )
 
 
+class RateBackend(Protocol):
+    """Where a fleet's buckets live, and the two atomic operations on them (the
+    arithmetic is `unbroken.core.admission.leasemath`'s; Redis runs it as `TAKE`, `LEARN`)."""
+
+    #: the errors that mean the store answered with garbage (not that it is away)
+    garbage: tuple[type[BaseException], ...]
+
+    async def take(
+        self,
+        names: list[str],
+        want: int,
+        costs: list[float],
+        limits: list[float],
+        rates: list[float],
+    ) -> tuple[object, object]:
+        """``(granted, wait)`` (see `TAKE`); each bounded by `lease_grant` afterwards."""
+        ...
+
+    async def learn(self, name: str, limit: float, rate: float, value: float) -> bool:
+        """Teach a report (see `LEARN`); True when it replaced garbage."""
+        ...
+
+    def close(self) -> None: ...
+
+
 def _charged(lim: Limiter) -> list[str]:
     """The buckets a request is charged ahead (not output: it only blocks when spent)."""
     return [n for n in ("requests", "tokens") if n in lim.buckets]
 
 
+class RedisRates:
+    """`RateShare`'s backend on Redis: the `TAKE` and `LEARN` scripts, at Redis's clock."""
+
+    def __init__(self, redis: Any) -> None:
+        from redis.exceptions import ResponseError
+
+        #: Redis answered, with an error (a key of another type): garbage, not an outage
+        self.garbage: tuple[type[BaseException], ...] = (ResponseError,)
+        self._take = redis.register_script(TAKE)
+        self._learn = redis.register_script(LEARN)
+
+    async def take(
+        self,
+        names: list[str],
+        want: int,
+        costs: list[float],
+        limits: list[float],
+        rates: list[float],
+    ) -> tuple[object, object]:
+        got, wait = await self._take(
+            keys=[RATE_KEY_PREFIX + n for n in names],
+            args=[want, *costs, *limits, *rates, TTL_MS],
+        )
+        return got, wait
+
+    async def learn(self, name: str, limit: float, rate: float, value: float) -> bool:
+        replaced = await self._learn(
+            keys=[RATE_KEY_PREFIX + name], args=[limit, rate, value, TTL_MS]
+        )
+        return bool(replaced == 1)
+
+    def close(self) -> None:
+        pass
+
+
 class RateShare:
-    """A Redis store's share of the rate limiters (see the module docstring)."""
+    """A fleet store's share of the rate limiters (see the module docstring), over a
+    backend: `RedisRates` (relays), `unbroken.relay.ratefile.FileRates` (workers)."""
 
     def __init__(
         self,
         board: HealthBoard,
-        redis: Any,
+        backend: RateBackend,
         *,
         is_up: Callable[[], bool],
         on_error: Callable[[BaseException], None],
         on_garbage: Callable[[Garbage], None] | None = None,
+        on_answer: Callable[[], None] | None = None,
     ) -> None:
         self.board = board
-        self.redis = redis
+        self.backend = backend
         self.is_up = is_up
         self.on_error = on_error
         self.on_garbage = on_garbage
-        from redis.exceptions import ResponseError
-
-        self._response_error: type[Exception] = ResponseError
-        self._take = redis.register_script(TAKE)
-        self._learn = redis.register_script(LEARN)
-        #: (limiter, bucket) -> the report version pushed to Redis
+        #: told when the backend answered (a store that logged an error logs "back")
+        self.on_answer = on_answer
+        #: (limiter, bucket) -> the report version pushed to the store
         self._pushed: dict[tuple[int, str], int] = {}
         self._busy: set[int] = set()  # limiters with a top-up under way
         self._dirty: set[int] = set()  # ... and a change since it began
@@ -182,13 +249,15 @@ class RateShare:
             handle.cancel()
         for task in self._tasks:
             task.cancel()
+        self.backend.close()
 
     def status(self) -> dict[str, Any]:
         shared = sum(1 for lim in self.board.rates.all() for b in lim.buckets.values() if b.shared)
         return {"shared_buckets": shared, "leases": self.leases}
 
     def _name(self, lim: Limiter, bucket: str) -> str:
-        return f"{RATE_KEY_PREFIX}{lim.key}|{lim.cred}:{bucket}"
+        """A bucket's name in the store (Redis: after `RATE_KEY_PREFIX`)."""
+        return f"{lim.key}|{lim.cred}:{bucket}"
 
     # -- events ------------------------------------------------------------------------
     def _changed(self, key: str) -> None:
@@ -237,7 +306,7 @@ class RateShare:
         for lim in list(self.board.rates.all()):
             self.unshare(lim)
 
-    # -- Redis -------------------------------------------------------------------------
+    # -- the store ---------------------------------------------------------------------
     async def _work(self, lim: Limiter) -> None:
         self._busy.add(id(lim))
         try:
@@ -249,13 +318,17 @@ class RateShare:
             raise
         except TimeoutError:
             self.unshare(lim)  # slow: pace locally until the next report
-        except self._response_error:  # Redis answered, with an error: garbage there
-            self.unshare(lim)
-            if self.on_garbage is not None:
-                self.on_garbage(Garbage.WRONG_TYPE)
         except Exception as exc:
             self.unshare(lim)
-            self.on_error(exc)
+            if isinstance(exc, self.backend.garbage):  # the store answered, with an error
+                if self.on_garbage is not None:
+                    why = getattr(exc, "why", None)
+                    self.on_garbage(why if isinstance(why, Garbage) else Garbage.WRONG_TYPE)
+            else:
+                self.on_error(exc)
+        else:
+            if self.on_answer is not None:
+                self.on_answer()
         finally:
             self._busy.discard(id(lim))
             if id(lim) in self._dirty:
@@ -273,10 +346,8 @@ class RateShare:
             else:  # sharing it (again): what this relay reckons is left now
                 b.refill(asyncio.get_running_loop().time())
                 value = b.level
-            replaced = await self._learn(
-                keys=[self._name(lim, n)], args=[b.limit, b.rate, value, TTL_MS]
-            )
-            if replaced == 1 and self.on_garbage is not None:
+            replaced = await self.backend.learn(self._name(lim, n), b.limit, b.rate, value)
+            if replaced and self.on_garbage is not None:
                 self.on_garbage(Garbage.VALUE)
             self._pushed[(id(lim), n)] = b.version
             if not b.shared:
@@ -294,11 +365,10 @@ class RateShare:
         limits = [lim.buckets[n].limit for n in names]
         rates = [max(lim.buckets[n].rate, 1e-9) for n in names]
         want = min(len(lim.line), MAX_LEASE)
-        got, wait = await self._take(
-            keys=[self._name(lim, n) for n in names],
-            args=[want, *costs, *limits, *rates, TTL_MS],
+        got, wait = await self.backend.take(
+            [self._name(lim, n) for n in names], want, costs, limits, rates
         )
-        if got == -2 and self.on_garbage is not None:
+        if got == GARBAGE and self.on_garbage is not None:
             self.on_garbage(Garbage.VALUE)
         got, wait = lease_grant(got, wait, want, MAX_RETRY_S)
         if got < 0:  # the fleet forgot the bucket (expired, Redis restarted): teach it

@@ -60,7 +60,7 @@ from unbroken.core.admission.shared import (
 )
 from unbroken.core.wire.redact import redact_url
 from unbroken.relay.channel_store import SUN_PATH_MAX, ChannelStore, channel_socket
-from unbroken.relay.ratestore import RateShare
+from unbroken.relay.ratestore import RateShare, RedisRates
 from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS, HealthStore
 
 __all__ = [
@@ -169,7 +169,7 @@ class RedisStore(HealthStore):
         if board.rates.settings.enabled:
             self.rates = RateShare(
                 board,
-                self.redis,
+                RedisRates(self.redis),
                 is_up=lambda: self.up,
                 on_error=self._degrade,
                 on_garbage=lambda why: self._ignored(why, "a rate-limit key"),

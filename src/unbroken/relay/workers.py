@@ -19,7 +19,8 @@
 * **Shared health.**  With ``[health] store = "redis://..."`` the workers share
   health through Redis like any fleet.  Without it they share it through a local
   channel in the supervisor's runtime directory (`unbroken.relay.channel_store.ChannelStore`:
-  Unix datagrams between siblings, probe ownership by exclusive file creation).  The
+  Unix datagrams between siblings, probe ownership by exclusive file creation, the
+  providers' rate-limit budgets in ``rates.sqlite``: `unbroken.relay.ratefile`).  The
   same directory holds each worker's ``/status`` summary (``status-<id>.json``,
   rewritten every second), so whichever worker answers ``/status`` shows them all.
   The directory (``$TMPDIR/unbroken-workers-<random>``, its supervisor's pid in

@@ -99,6 +99,8 @@ class Garbage(enum.StrEnum):
     TTL = "ttl beyond this relay's bounds (clamped)"
     VALUE = "malformed value"
     WRONG_TYPE = "key of the wrong type"
+    #: the workers' rate-limit file is not a database of ours (replaced)
+    FILE = "unreadable file (replaced)"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,171 @@
+"""The fleet's lease arithmetic in Python gives the answers Redis's Lua scripts give.
+
+`unbroken.core.admission.leasemath` is what the workers' SQLite file runs
+(`relay.ratefile`); `relay.ratestore.TAKE` and ``LEARN`` are what Redis runs.  Each
+case of the table goes through both: the scripts on a real ``redis-server``
+(`redisfix`), with their clock set to the case's ``now`` (the one line that reads
+``TIME`` is replaced, nothing else), and the Python functions on the same stored
+fields.  Garbage buckets included: the answers, and what is written, agree.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import redis
+
+from redisfix import RedisServer
+from unbroken.core.admission.leasemath import (
+    GARBAGE,
+    UNKNOWN,
+    FleetBucket,
+    fleet_learn,
+    fleet_take,
+    read_fleet_bucket,
+)
+from unbroken.relay.ratestore import LEARN, TAKE, TTL_MS
+
+NOW = 1_000_000.5
+_CLOCK = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) + tonumber(t[2]) / 1000000"
+
+
+def _at(script: str, now: float) -> str:
+    """The script with its clock at ``now`` (Redis's ``TIME`` replaced)."""
+    assert _CLOCK in script
+    return script.replace(_CLOCK, f"local now = {now!r}")
+
+
+#: a bucket as stored: its fields (strings, as Redis keeps them), or None (no key)
+Fields = tuple[Any, Any, Any, Any] | None
+
+
+def fields(limit: Any, rate: Any, level: Any, t: Any) -> Fields:
+    return (str(limit), str(rate), str(level), str(t))
+
+
+#: (case, stored buckets, want, costs, this relay's limits, rates)
+TAKES: list[tuple[str, list[Fields], int, list[float], list[float], list[float]]] = [
+    ("full, one asks one", [fields(300, 5, 300, NOW)], 1, [1.0], [300], [5]),
+    ("full, asks sixteen", [fields(300, 5, 300, NOW)], 16, [1.0], [300], [5]),
+    ("spent, refills in 0.3 s", [fields(300, 5, 0, NOW - 0.3)], 4, [1.0], [300], [5]),
+    ("spent now: a wait", [fields(300, 5, 0.25, NOW)], 3, [1.0], [300], [5]),
+    ("in debt", [fields(300, 5, -40, NOW - 1)], 2, [1.0], [300], [5]),
+    ("refill capped at the limit", [fields(300, 5, 299, NOW - 600)], 16, [1.0], [300], [5]),
+    ("time ahead of the clock", [fields(300, 5, 2.5, NOW + 50)], 5, [1.0], [300], [5]),
+    (
+        "requests and tokens: the scarcer decides",
+        [fields(300, 5, 10, NOW - 0.1), fields(450000, 7500, 30000, NOW - 0.1)],
+        16,
+        [1.0, 9000.0],
+        [300, 450000],
+        [5, 7500],
+    ),
+    (
+        "a cost above the limit is the limit",
+        [fields(100, 2, 100, NOW)],
+        2,
+        [500.0],
+        [100],
+        [2],
+    ),
+    ("a zero cost", [fields(300, 5, 0, NOW)], 3, [0.0], [300], [5]),
+    ("no key", [None], 2, [1.0], [300], [5]),
+    ("no key for the second", [fields(300, 5, 300, NOW), None], 1, [1.0, 1.0], [300, 9], [5, 1]),
+    ("garbage: rate 0, level -100", [fields(300, 0, -100, NOW)], 1, [1.0], [300], [5]),
+    ("garbage: level past the limit", [fields(300, 5, 301, NOW)], 1, [1.0], [300], [5]),
+    ("garbage: level below -limit", [fields(300, 5, -300.5, NOW)], 1, [1.0], [300], [5]),
+    ("garbage: limit 0", [fields(0, 5, 0, NOW)], 1, [1.0], [300], [5]),
+    ("garbage: NaN", [fields(300, 5, "nan", NOW)], 1, [1.0], [300], [5]),
+    ("garbage: inf", [fields(300, "inf", 1, NOW)], 1, [1.0], [300], [5]),
+    ("garbage: text", [fields(300, 5, "lots", NOW)], 1, [1.0], [300], [5]),
+    ("garbage: empty", [fields(300, 5, "", NOW)], 1, [1.0], [300], [5]),
+    ("garbage: a field missing", [("300", "5", None, str(NOW))], 1, [1.0], [300], [5]),
+    ("garbage: limit 5x this relay's", [fields(1500, 5, 10, NOW)], 1, [1.0], [300], [5]),
+    ("garbage: rate 5x below", [fields(300, 1, 10, NOW)], 1, [1.0], [300], [5]),
+    ("within 4x: believed", [fields(1200, 20, 10, NOW)], 1, [1.0], [300], [5]),
+    ("numbers as Redis writes them", [fields("3e2", " 5", "1.5e1", NOW)], 3, [1.0], [300], [5]),
+]
+
+#: (case, stored bucket, limit, rate, the reported level)
+LEARNS: list[tuple[str, Fields, float, float, float]] = [
+    ("new", None, 300, 5, 120),
+    ("lowers", fields(300, 5, 200, NOW - 1), 300, 5, 120),
+    ("never raises", fields(300, 5, 50, NOW - 1), 300, 5, 120),
+    ("refilled first", fields(300, 5, 50, NOW - 20), 300, 5, 120),
+    ("a new limit and rate", fields(300, 5, 100, NOW), 600, 10, 500),
+    ("debt", fields(300, 5, 10, NOW), 300, 5, -30),
+    ("replaces rate 0, level -100", fields(300, 0, -100, NOW), 300, 5, 120),
+    ("replaces text", fields(300, 5, "lots", NOW), 300, 5, 120),
+    ("replaces a limit 5x off", fields(1500, 5, 10, NOW), 300, 5, 120),
+]
+
+
+def _store(r: redis.Redis, key: str, f: Fields) -> None:
+    r.delete(key)
+    if f is None:
+        return
+    names = ("limit", "rate", "level", "t")
+    r.hset(key, mapping={n: v for n, v in zip(names, f, strict=True) if v is not None})
+
+
+def _stored(r: redis.Redis, key: str) -> tuple[float, ...]:
+    got = r.hmget(key, "limit", "rate", "level", "t")
+    return tuple(float(x) for x in got if x is not None)
+
+
+def _close(a: float, b: float) -> bool:
+    # Lua writes numbers with 14 significant digits (``tostring``)
+    return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-9)
+
+
+def test_take_and_learn_answer_as_the_lua_scripts_do(redis_server: RedisServer) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        take = r.register_script(_at(TAKE, NOW))
+        learn = r.register_script(_at(LEARN, NOW))
+        for case, rows, want, costs, limits, rates in TAKES:
+            keys = [f"rl:{case}:{i}" for i in range(len(rows))]
+            for k, f in zip(keys, rows, strict=True):
+                _store(r, k, f)
+            got, wait = take(keys=keys, args=[want, *costs, *limits, *rates, TTL_MS])
+            py = fleet_take(rows, want, costs, limits, rates, NOW)
+            assert (py.granted, _close(py.wait_s, float(wait))) == (got, True), (case, got, wait)
+            if got >= 0:
+                for k, level in zip(keys, py.levels, strict=True):
+                    assert _close(_stored(r, k)[2], level), case
+                    assert _stored(r, k)[3] == NOW, case
+            else:
+                assert not py.levels
+        for case, f, limit, rate, value in LEARNS:
+            k = f"rl:learn:{case}"
+            _store(r, k, f)
+            replaced = learn(keys=[k], args=[limit, rate, value, TTL_MS])
+            b, py_replaced = fleet_learn(f, limit, rate, value, NOW)
+            assert py_replaced == (replaced == 1), case
+            lua = _stored(r, k)
+            mine = (b.limit, b.rate, b.level, b.t)
+            assert all(_close(x, y) for x, y in zip(lua, mine, strict=True)), (case, lua, mine)
+        # a key of another type: garbage for both (the table in SQLite has no types:
+        # a row whose fields are not numbers is its garbage)
+        r.set("rl:string", "x")
+        got, _ = take(keys=["rl:string"], args=[1, 1.0, 300, 5, TTL_MS])
+        assert got == GARBAGE
+        assert fleet_take([(None, None, None, None)], 1, [1.0], [300], [5], NOW).granted == GARBAGE
+    finally:
+        r.close()
+
+
+def test_the_table_covers_every_answer() -> None:
+    answers = {fleet_take(rows, w, c, lim, rt, NOW).granted for _, rows, w, c, lim, rt in TAKES}
+    assert {UNKNOWN, GARBAGE, 0, 1, 16} <= answers
+
+
+@pytest.mark.parametrize("bad", [True, b"\xff", object(), "1_0", (1, 2)])
+def test_a_field_that_is_no_number_is_garbage(bad: Any) -> None:
+    assert read_fleet_bucket((300, 5, bad, NOW), 300, 5, NOW) is None
+
+
+def test_a_bucket_is_never_ahead_of_the_clock() -> None:
+    assert read_fleet_bucket((300, 5, 1, NOW + 9), 300, 5, NOW) == FleetBucket(300, 5, 1, NOW)
