@@ -503,12 +503,12 @@ def test_trailing_blank_lines_are_not_an_unterminated_event(stream: bytes) -> No
 # Cost: linear in the event size (issue 10: a 50 MB line cost 14.8 s)
 
 
-def _split_seconds(size: int) -> float:
+def _split_seconds(size: int, tries: int = 3) -> float:
     import time
 
     body = b"y" * size
     best = float("inf")
-    for _ in range(3):
+    for _ in range(tries):
         splitter = SSESplitter(max_event_bytes=size + 64)
         # this process's CPU time, not the wall clock: on a loaded machine the wall
         # clock counts other processes' turns (a CI run measured 0.01 s against 0.28 s)
@@ -523,7 +523,11 @@ def _split_seconds(size: int) -> float:
 
 
 def test_one_huge_event_costs_linear_time() -> None:
-    """8x the bytes may cost about 8x the time, never the 64x of a quadratic scan."""
-    small, large = _split_seconds(4 << 20), _split_seconds(32 << 20)
-    assert large / small < 24, (small, large)
+    """8x the bytes may cost about 8x the time, never the 64x of a quadratic scan.
+
+    The bound sits between the two (a CI run under load measured 25x: a large body's
+    copies miss the caches more, and the small run's few milliseconds are the noisier
+    figure, so it takes the best of more tries)."""
+    small, large = _split_seconds(4 << 20, tries=7), _split_seconds(32 << 20)
+    assert large / small < 40, (small, large)
     assert large < 5.0  # the old splitter needed ~10 s for 32 MB here
