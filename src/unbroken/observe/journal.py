@@ -37,6 +37,7 @@ from typing import Any
 from unbroken.core.admission.policy import Failure
 from unbroken.core.admission.shared import LOG_EVERY_S
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
+from unbroken.observe.sqlite_wal import enter_wal
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "Journal", "default_journal_path", "journal_path"]
 
@@ -409,7 +410,7 @@ class Journal(Hooks):
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         conn = self._connect(str(self.path))
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
+            enter_wal(conn)  # workers open one journal at once (observe/sqlite_wal.py)
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA busy_timeout=5000")
             conn.executescript(SCHEMA)

@@ -41,6 +41,7 @@ from typing import TypeVar
 
 from unbroken.core.admission.leasemath import fleet_learn, fleet_take
 from unbroken.core.admission.shared import Garbage
+from unbroken.observe.sqlite_wal import enter_wal
 from unbroken.relay.ratestore import BUDGET_S, TTL_MS
 
 __all__ = ["RATES_FILE", "FileRates", "RatesFileGarbage"]
@@ -177,7 +178,7 @@ class FileRates:
             self.path, timeout=BUDGET_S, isolation_level=None, check_same_thread=False
         )
         self._db, self._ident = db, self._stat()
-        db.execute("PRAGMA journal_mode=WAL")
+        enter_wal(db, budget_s=BUDGET_S)  # the workers start together
         db.execute("PRAGMA synchronous=OFF")  # the budgets outlive no reboot anyway
         db.execute(_SCHEMA)
         self._ready = True
