@@ -159,3 +159,21 @@ def test_sporadic_429s_with_retry_after_do_not_spiral_the_throttle_down() -> Non
             lim.accepted(seq, t)
             lim.finish(seq, t)
     assert not lim.throttle.enabled
+
+
+def test_the_wake_at_max_wait_s_lets_the_ticket_go() -> None:
+    """Found by the fleet simulator: a ticket that began to wait at 7.041998270529125 is
+    woken at ``since + 60`` (67.04199827052912), where ``now - since`` is
+    59.99999999999999: it was not overdue, and the pump asked to be woken at the same
+    instant again (the simulator's clock stood still for good; a relay spins its loop
+    until its clock moves on)."""
+    since = 7.041998270529125
+    lim = Limiter(K, "c", RateSettings(max_wait_s=60.0))
+    s = lim.admit(0, "s", 0.0, 0.0)
+    lim.learn(s, RateHeaders(tokens=Reading(1000, 0, 3600.0)), 0.0)  # spent for an hour
+    lim.finish(s, 0.0)
+    assert not lim.admit(1, "t", 1000.0, since)
+    granted, due = lim.pump(since)
+    assert granted == [] and due == since + 60.0
+    granted, again = lim.pump(due)
+    assert granted == [1], (granted, again)

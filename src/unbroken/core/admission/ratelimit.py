@@ -292,7 +292,9 @@ class FairLine:
     def overdue(self, now: float, max_wait_s: float) -> int | None:
         """The longest-waiting ticket once it has waited ``max_wait_s``, else None."""
         first = self.oldest()
-        return first[0] if first is not None and now - first[1] >= max_wait_s else None
+        # the same sum `Limiter.pump` wakes at (``now - since >= max_wait_s`` can be
+        # false at that instant by a rounding: a wake at the same time, again and again)
+        return first[0] if first is not None and now >= first[1] + max_wait_s else None
 
 
 class Limiter:
