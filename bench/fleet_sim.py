@@ -76,6 +76,9 @@ class Scenario:
     poison_at_s: float | None = None
     outage_start_s: float = 20.0
     outage_s: float = 30.0
+    #: the share of the agents on the first relay (None: spread evenly, agent i on relay
+    #: i mod relays); ``serve --workers 2``'s kernel split 40 agents 25 and 15 (0.625)
+    first_share: float | None = None
     #: an agent's pause between turns
     think_s: float = 0.0
     #: agents start at random within this long
@@ -100,6 +103,8 @@ class Scenario:
             raise ValueError("seconds, limit_rps: expected > 0; store_latency_s >= 0")
         if not 0.0 <= self.start_share <= 1.0:
             raise ValueError("start_share: expected a share in [0, 1]")
+        if self.first_share is not None and not 0.0 <= self.first_share <= 1.0:
+            raise ValueError("first_share: expected a share in [0, 1]")
 
     @property
     def label(self) -> str:
@@ -189,7 +194,7 @@ class Fleet:
         self.hold = Hold()
         self.timers = StreamSettings()
         self.body = sse_body(self.provider.prompt_tokens)
-        self.agents = [Agent(self, i, self.relays[i % sc.relays]) for i in range(sc.agents)]
+        self.agents = [Agent(self, i, self.relays[_relay_of(sc, i)]) for i in range(sc.agents)]
         self.turn_ids = 0
         self.store_ops = 0
         self.open_turns = 0
@@ -329,6 +334,14 @@ def _parse_window(text: str) -> tuple[float, float]:
     return start, end
 
 
+def _relay_of(sc: Scenario, agent: int) -> int:
+    """The relay agent number ``agent`` talks to."""
+    if sc.first_share is None or sc.relays == 1:
+        return agent % sc.relays
+    first = round(sc.agents * sc.first_share)
+    return 0 if agent < first else 1 + (agent - first) % (sc.relays - 1)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="fleet_sim.py", description=__doc__.split("\n\n")[0] if __doc__ else None
@@ -357,6 +370,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=float,
         default=d.start_share,
         help="the share of the provider's budget left at the start (0: spent)",
+    )
+    p.add_argument(
+        "--first-share",
+        type=float,
+        default=None,
+        help="the share of the agents on the first relay (default: spread evenly)",
     )
     p.add_argument("--store-latency-ms", type=float, default=d.store_latency_s * 1000)
     p.add_argument(
@@ -416,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         limit_rps=args.limit_rps,
         start_share=args.start_share,
+        first_share=args.first_share,
         store_latency_s=args.store_latency_ms / 1000,
         store_down=tuple(args.store_down),
         poison_at_s=args.poison_at,

@@ -27,6 +27,10 @@ from unbroken.core.admission.shared import lease_grant
 from unbroken.relay.ratestore import BUDGET_S, MAX_LEASE, MAX_RETRY_S, MIN_RETRY_S, TTL_MS
 from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS
 
+#: the fleet's line order in leases (`leasemath.LineMark`, as `relay.ratestore` takes
+#: them); False: the relays' lines unordered, as before it (for comparisons)
+FLEET_LINE = True
+
 if TYPE_CHECKING:
     from fleet_sim_agent import Agent
 
@@ -293,8 +297,16 @@ class SimRelay:
         views = [(lim.buckets[n].limit, max(lim.buckets[n].rate, 1e-9)) for n in names]
         want = min(len(lim.line), MAX_LEASE)
         yield from self._op(t0)
+        oldest = lim.line.oldest()
         raw_got, raw_wait = store.take(
-            [self._name(lim, n) for n in names], want, costs, views, TTL_MS, self.loop.now
+            [self._name(lim, n) for n in names],
+            want,
+            costs,
+            views,
+            TTL_MS,
+            self.loop.now,
+            me=str(self.index) if FLEET_LINE else "",
+            age=self.loop.now - oldest[1] if oldest is not None else 0.0,
         )
         yield store.rtt() / 2
         got, wait = lease_grant(raw_got, raw_wait, want, MAX_RETRY_S)

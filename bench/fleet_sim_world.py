@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from unbroken.core.admission.leasemath import fleet_take
+
 __all__ = [
     "OUTAGES",
     "PROVIDERS",
@@ -265,6 +267,8 @@ class SimStore:
         self.ops = 0
         #: rate buckets: name -> [limit, rate, level, t, expires]
         self.buckets: dict[str, list[float]] = {}
+        #: the fleet's line marks: first bucket's name -> (owner, head, until)
+        self.marks: dict[str, tuple[str, float, float]] = {}
         #: probe leases: key -> (owner, until)
         self.probes: dict[str, tuple[int, float]] = {}
         #: windowed counters: (key, bucket number, failed) -> count
@@ -313,30 +317,43 @@ class SimStore:
         views: Sequence[tuple[float, float]],
         ttl_ms: int,
         now: float,
+        *,
+        me: str = "",
+        age: float = 0.0,
     ) -> tuple[int, str]:
         """``TAKE``: refill the fleet's buckets, take ``want`` requests' worth at most
-        (``views``: the relay's own (limit, rate) of each bucket)."""
-        n = want
-        wait = 0.0
-        state: list[tuple[float, float]] = []
-        for name, c, (mylimit, myrate) in zip(names, costs, views, strict=True):
-            got = self._bucket(name, now, mylimit, myrate)
-            if got is None:
-                return (-2 if name in self.buckets else -1), "0"
-            limit, rate, old, at = got
-            level = min(limit, old + (now - at) * rate)
-            cost = min(c, limit)
-            state.append((level, cost))
-            if cost > 0:
-                can = math.floor(level / cost + 1e-9)
-                if can < n:
-                    n = max(can, 0)
-                if level < cost and rate > 0:
-                    wait = max(wait, (cost - level) / rate)
-        for name, (level, cost) in zip(names, state, strict=True):
+        (``views``: the relay's own (limit, rate) of each bucket), the fleet's line in
+        the order its turns came (`unbroken.core.admission.leasemath.fleet_take`)."""
+        rows: list[list[float] | None] = []
+        for name in names:
+            b = self.buckets.get(name)
+            if b is not None and b[4] <= now:
+                del self.buckets[name]
+                b = None
+            rows.append(b[:4] if b is not None else None)
+        got = fleet_take(
+            rows,
+            want,
+            costs,
+            [v[0] for v in views],
+            [v[1] for v in views],
+            now,
+            me=me,
+            age=age,
+            mark=self.marks.get(names[0]),
+        )
+        if got.granted < 0:
+            return got.granted, "0"
+        for name, level in zip(names, got.levels, strict=True):
             b = self.buckets[name]
-            b[2], b[3], b[4] = level - n * cost, now, now + ttl_ms / 1000.0
-        return n, repr(wait)
+            b[2], b[3], b[4] = level, now, now + ttl_ms / 1000.0
+        if got.mark_changed:
+            m = got.mark
+            if m is None:
+                self.marks.pop(names[0], None)
+            else:
+                self.marks[names[0]] = (m.owner, m.head, m.until)
+        return got.granted, repr(got.wait_s)
 
     def learn(
         self, name: str, limit: float, rate: float, value: float, ttl_ms: int, now: float

@@ -221,6 +221,34 @@ async def test_two_backends_on_one_file_share_one_bucket(tmp_path: Path) -> None
         b.close()
 
 
+async def test_two_backends_on_one_file_serve_the_oldest_turn_first(tmp_path: Path) -> None:
+    """The fleet's line (`leasemath.LineMark`) in the workers' file: a worker whose turn
+    waits longer goes first, whoever asks at the refill."""
+    clock = [100.0]
+    a = FileRates(tmp_path / RATES_FILE, clock=lambda: clock[0])
+    b = FileRates(tmp_path / RATES_FILE, clock=lambda: clock[0])
+    try:
+        args = ([1.0], [300.0], [5.0])
+        assert await a.learn("k:requests", 300, 5, 0) is False  # spent
+        got, _ = await a.take(["k:requests"], 3, *args, me="a", age=4.0)
+        assert got == 0  # short: a's turn, waiting 4 s, is the fleet's oldest
+        clock[0] += 0.4  # two refilled
+        got, wait = await b.take(["k:requests"], 5, *args, me="b", age=1.0)
+        assert (got, wait) == (0, pytest.approx(0.1))  # b's waits less: it waits on
+        assert await a.take(["k:requests"], 3, *args, me="a", age=4.4) == (2, 0.0)
+        clock[0] += 0.2  # one more; a is still short: its mark stays
+        assert await b.take(["k:requests"], 5, *args, me="b", age=1.6) == (0, pytest.approx(0.1))
+        assert await a.take(["k:requests"], 1, *args, me="a", age=4.6) == (1, 0.0)  # served
+        clock[0] += 0.2
+        assert await b.take(["k:requests"], 5, *args, me="b", age=1.8) == (1, 0.0)
+        with sqlite3.connect(tmp_path / RATES_FILE) as db:
+            owner = db.execute("SELECT owner FROM lines").fetchall()
+        assert owner == [("b",)]  # b is short now: its turn is the oldest
+    finally:
+        a.close()
+        b.close()
+
+
 async def test_a_junk_file_is_garbage_once_then_made_afresh(tmp_path: Path) -> None:
     path = tmp_path / RATES_FILE
     a = FileRates(path)

@@ -5,9 +5,11 @@ workers as relays share it through Redis (`unbroken.relay.ratestore.RateShare`: 
 worker takes leases from the fleet's buckets for the turns in its line, and a
 provider's report lowers the fleet's level).  The buckets live in ``rates.sqlite`` in
 the supervisor's runtime directory (`unbroken.relay.workers.make_runtime_dir`), one
-table::
+table of buckets and one of the fleet's line marks (`leasemath.LineMark`, kept where
+Redis keeps it in the first bucket's hash)::
 
     buckets(name, limit, rate, level, t, expires)   name: <route>|<url>|<cred>:<bucket>
+    lines(name, owner, head, until)                 name: the first bucket's
 
 in WAL mode.  A take or a report is one ``BEGIN IMMEDIATE`` transaction (the
 workers' writes are serialised by SQLite's lock) that reads the clock inside it
@@ -51,7 +53,9 @@ RATES_FILE = "rates.sqlite"
 TTL_S = TTL_MS / 1000.0
 _SCHEMA = (
     'CREATE TABLE IF NOT EXISTS buckets (name TEXT PRIMARY KEY, "limit" REAL, rate REAL,'
-    " level REAL, t REAL, expires REAL)"
+    " level REAL, t REAL, expires REAL);"
+    " CREATE TABLE IF NOT EXISTS lines (name TEXT PRIMARY KEY, owner TEXT, head REAL,"
+    " until REAL)"
 )
 #: SQLite's primary result codes that mean the file is not ours to use as it is
 #: (SQLITE_ERROR: a table that is not ours; SQLITE_CORRUPT, SQLITE_NOTADB,
@@ -91,15 +95,33 @@ class FileRates:
         costs: list[float],
         limits: list[float],
         rates: list[float],
+        *,
+        me: str = "",
+        age: float = 0.0,
     ) -> tuple[object, object]:
         def tx(db: sqlite3.Connection, now: float) -> tuple[object, object]:
             rows = [self._row(db, n, now) for n in names]
-            got = fleet_take(rows, want, costs, limits, rates, now)
+            mark = None
+            if me:
+                mark = db.execute(
+                    "SELECT owner, head, until FROM lines WHERE name = ?", (names[0],)
+                ).fetchone()
+            got = fleet_take(rows, want, costs, limits, rates, now, me=me, age=age, mark=mark)
             if got.granted >= 0:
                 for name, level in zip(names, got.levels, strict=True):
                     db.execute(
                         "UPDATE buckets SET level = ?, t = ?, expires = ? WHERE name = ?",
                         (level, now, now + TTL_S, name),
+                    )
+            if got.mark_changed:
+                m = got.mark
+                if m is None:
+                    db.execute("DELETE FROM lines WHERE name = ?", (names[0],))
+                else:
+                    db.execute(
+                        "INSERT OR REPLACE INTO lines (name, owner, head, until)"
+                        " VALUES (?, ?, ?, ?)",
+                        (names[0], m.owner, m.head, m.until),
                     )
             return got.granted, got.wait_s
 
@@ -180,7 +202,7 @@ class FileRates:
         self._db, self._ident = db, self._stat()
         enter_wal(db, budget_s=BUDGET_S)  # the workers start together
         db.execute("PRAGMA synchronous=OFF")  # the budgets outlive no reboot anyway
-        db.execute(_SCHEMA)
+        db.executescript(_SCHEMA)
         self._ready = True
         return db
 

@@ -23,6 +23,12 @@ buckets and pokes the line, so the turns are let go as soon as Redis answers.  A
 provider's report lowers the fleet's level to what it says is left (`LEARN`;
 it never raises it: refills do).  Keys expire two minutes after their last use.
 
+The relays' lines are one line: a take says who asks and how long its oldest turn
+has waited, and a relay whose oldest turn is younger than another relay's still
+waiting one is granted nothing yet (`unbroken.core.admission.leasemath.LineMark`),
+so the fleet's budget goes to the turns in the order they came, however unevenly the
+agents are spread over the relays.
+
 Redis unreachable or slower than the budget (250 ms): the limiter's buckets stop
 being shared and refill locally again (each relay paces alone; a 429 then still
 blocks its key and halves its window), and they are shared again with the next
@@ -45,11 +51,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from unbroken.core.admission.health import HealthBoard
-from unbroken.core.admission.leasemath import GARBAGE
+from unbroken.core.admission.leasemath import (
+    BLOCKED_WAIT_S,
+    GARBAGE,
+    MARK_S,
+    MAX_AGE_S,
+    MAX_OWNER,
+    ORDER_TOL_S,
+)
 from unbroken.core.admission.ratelimit import Limiter
 from unbroken.core.admission.shared import Garbage, lease_grant
 
@@ -92,15 +106,19 @@ end
 """
 
 #: KEYS: the buckets; ARGV: most requests wanted, then per bucket its cost per request,
-#: this relay's limit and its rate, then the ttl ms.  Returns {granted requests, seconds
-#: until one more is there} ({-1, 0}: unknown bucket; {-2, 0}: a key there that is not a
-#: valid bucket, or one this relay's own view calls garbage: taught again, replaced).
+#: this relay's limit and its rate, then the ttl ms, who asks (its line mark's owner;
+#: empty: no line order) and how long its oldest turn has waited.  Returns {granted
+#: requests, seconds until one more is there} ({-1, 0}: unknown bucket; {-2, 0}: a key
+#: there that is not a valid bucket, or one this relay's own view calls garbage: taught
+#: again, replaced).  The fleet's line mark (`leasemath.LineMark`) lives in the first
+#: bucket's hash: ``lo`` (owner), ``lh`` (head), ``lu`` (until).
 TAKE = (
     _NOW
     + """
 local n = tonumber(ARGV[1])
-local ttl = tonumber(ARGV[#ARGV])
 local nk = #KEYS
+local ttl = tonumber(ARGV[2 + 3 * nk])
+local me = ARGV[3 + 3 * nk] or ''
 local state = {}
 local wait = 0
 for i, k in ipairs(KEYS) do
@@ -116,14 +134,47 @@ for i, k in ipairs(KEYS) do
     if level < cost and rate > 0 then wait = math.max(wait, (cost - level) / rate) end
   end
 end
-for i, k in ipairs(KEYS) do
-  local level = state[i][1] - n * state[i][2]
-  redis.call('HSET', k, 'level', tostring(level), 't', tostring(now))
-  redis.call('PEXPIRE', k, ttl)
+local function spend(m)
+  for i, k in ipairs(KEYS) do
+    local level = state[i][1] - m * state[i][2]
+    redis.call('HSET', k, 'level', tostring(level), 't', tostring(now))
+    redis.call('PEXPIRE', k, ttl)
+  end
+end
+if me == '' then
+  spend(n)
+  return {n, tostring(wait)}
+end
+local k1 = KEYS[1]
+local mk = redis.call('HMGET', k1, 'lo', 'lh', 'lu')
+local lo, lh, lu = mk[1], num(mk[2]), num(mk[3])
+local live = lo and lh and lu and string.len(lo) > 0 and string.len(lo) <= MAX_OWNER
+  and lh >= now - MAX_AGE_S and lh <= now + ORDER_TOL_S and lu > now and lu <= now + MARK_S
+local age = math.min(math.max(num(ARGV[4 + 3 * nk]) or 0, 0), MAX_AGE_S)
+local since = now - age
+if live and lo ~= me and since > lh + ORDER_TOL_S then
+  spend(0)  -- another relay's turn has waited longer: it goes first
+  return {0, tostring(math.max(wait, BLOCKED_WAIT_S))}
+end
+spend(n)
+if n < tonumber(ARGV[1]) then
+  local head = since
+  if live and lo ~= me then head = math.min(since, lh) end
+  redis.call('HSET', k1, 'lo', me, 'lh', tostring(head), 'lu', tostring(now + MARK_S))
+elseif live and lo == me then
+  redis.call('HDEL', k1, 'lo', 'lh', 'lu')
 end
 return {n, tostring(wait)}
 """
 )
+for _name, _value in (
+    ("MAX_OWNER", MAX_OWNER),
+    ("MAX_AGE_S", MAX_AGE_S),
+    ("ORDER_TOL_S", ORDER_TOL_S),
+    ("MARK_S", MARK_S),
+    ("BLOCKED_WAIT_S", BLOCKED_WAIT_S),
+):
+    TAKE = TAKE.replace(_name, repr(_value))
 
 #: KEYS: one bucket; ARGV: limit, rate, the level the provider's report implies, ttl ms.
 #: Returns 1 when it replaced a key that was not a valid bucket, else 0.
@@ -163,8 +214,13 @@ class RateBackend(Protocol):
         costs: list[float],
         limits: list[float],
         rates: list[float],
+        *,
+        me: str = "",
+        age: float = 0.0,
     ) -> tuple[object, object]:
-        """``(granted, wait)`` (see `TAKE`); each bounded by `lease_grant` afterwards."""
+        """``(granted, wait)`` (see `TAKE`); each bounded by `lease_grant` afterwards.
+        ``me``, ``age``: who asks and how long its oldest turn has waited (the fleet's
+        line order; "" keeps none)."""
         ...
 
     async def learn(self, name: str, limit: float, rate: float, value: float) -> bool:
@@ -197,10 +253,13 @@ class RedisRates:
         costs: list[float],
         limits: list[float],
         rates: list[float],
+        *,
+        me: str = "",
+        age: float = 0.0,
     ) -> tuple[object, object]:
         got, wait = await self._take(
             keys=[RATE_KEY_PREFIX + n for n in names],
-            args=[want, *costs, *limits, *rates, TTL_MS],
+            args=[want, *costs, *limits, *rates, TTL_MS, me, age],
         )
         return got, wait
 
@@ -242,6 +301,8 @@ class RateShare:
         self._again: dict[int, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Future[None]] = set()
         self.leases = 0  # leases taken (for /status)
+        #: who this relay is in the fleet's line marks (`leasemath.LineMark`)
+        self.me = uuid.uuid4().hex[:12]
         board.rates.listeners.append(self._changed)
 
     def close(self) -> None:
@@ -365,8 +426,16 @@ class RateShare:
         limits = [lim.buckets[n].limit for n in names]
         rates = [max(lim.buckets[n].rate, 1e-9) for n in names]
         want = min(len(lim.line), MAX_LEASE)
+        oldest = lim.line.oldest()
+        now = asyncio.get_running_loop().time()
         got, wait = await self.backend.take(
-            [self._name(lim, n) for n in names], want, costs, limits, rates
+            [self._name(lim, n) for n in names],
+            want,
+            costs,
+            limits,
+            rates,
+            me=self.me,
+            age=now - oldest[1] if oldest is not None else 0.0,
         )
         if got == GARBAGE and self.on_garbage is not None:
             self.on_garbage(Garbage.VALUE)

@@ -18,12 +18,17 @@ import redis
 
 from redisfix import RedisServer
 from unbroken.core.admission.leasemath import (
+    BLOCKED_WAIT_S,
     GARBAGE,
+    MARK_S,
     UNKNOWN,
     FleetBucket,
+    FleetTake,
+    LineMark,
     fleet_learn,
     fleet_take,
     read_fleet_bucket,
+    read_line_mark,
 )
 from unbroken.relay.ratestore import LEARN, TAKE, TTL_MS
 
@@ -169,3 +174,116 @@ def test_a_field_that_is_no_number_is_garbage(bad: Any) -> None:
 
 def test_a_bucket_is_never_ahead_of_the_clock() -> None:
     assert read_fleet_bucket((300, 5, 1, NOW + 9), 300, 5, NOW) == FleetBucket(300, 5, 1, NOW)
+
+
+# -- the fleet's line order (leasemath.LineMark) ------------------------------------------
+#: a line mark as stored: (owner, head, until), or None (none)
+Mark = tuple[Any, Any, Any] | None
+FULL = fields(300, 5, 300, NOW)
+SPENT = fields(300, 5, 0.5, NOW)
+ONE = fields(300, 5, 1, NOW)
+
+#: (case, the bucket, the stored mark, want, who asks, its oldest turn's age)
+LINES: list[tuple[str, Fields, Mark, int, str, Any]] = [
+    ("no mark, short: marks its oldest", SPENT, None, 3, "a", 2.0),
+    ("no mark, served: no mark", FULL, None, 2, "a", 2.0),
+    ("another's older mark: waits", FULL, ("b", NOW - 5, NOW + 1), 2, "a", 1.0),
+    ("another's older mark, spent: waits", SPENT, ("b", NOW - 5, NOW + 1), 2, "a", 1.0),
+    ("older than another's mark, short: takes it", ONE, ("b", NOW - 1, NOW + 1), 3, "a", 5.0),
+    ("older than another's mark, served: it stays", FULL, ("b", NOW - 1, NOW + 1), 2, "a", 5.0),
+    ("within the tolerance: goes", FULL, ("b", NOW - 1, NOW + 1), 2, "a", 0.95),
+    ("just past the tolerance: waits", FULL, ("b", NOW - 1, NOW + 1), 2, "a", 0.85),
+    ("its own mark, served: gone", FULL, ("a", NOW - 3, NOW + 1), 2, "a", 1.0),
+    ("its own mark, short: renewed", SPENT, ("a", NOW - 3, NOW + 0.2), 2, "a", 1.0),
+    ("an expired mark: none", FULL, ("b", NOW - 5, NOW - 0.1), 2, "a", 1.0),
+    ("garbage: until too far ahead", FULL, ("b", NOW - 5, NOW + 100), 2, "a", 1.0),
+    ("garbage: a head in the future", FULL, ("b", NOW + 5, NOW + 1), 2, "a", 1.0),
+    ("garbage: a head an age ago", FULL, ("b", NOW - 4000, NOW + 1), 2, "a", 1.0),
+    ("garbage: a head that is text", FULL, ("b", "soon", NOW + 1), 2, "a", 1.0),
+    ("garbage: a NaN until", FULL, ("b", NOW - 5, "nan"), 2, "a", 1.0),
+    ("garbage: an empty owner", FULL, ("", NOW - 5, NOW + 1), 2, "a", 1.0),
+    ("garbage: a long owner", FULL, ("b" * 65, NOW - 5, NOW + 1), 2, "a", 1.0),
+    ("garbage, short: replaced", SPENT, ("b", NOW - 5, NOW + 100), 2, "a", 1.0),
+    ("nobody asks: no line order", FULL, ("b", NOW - 5, NOW + 1), 2, "", 1.0),
+    ("an age below zero is zero", FULL, ("b", NOW - 0.05, NOW + 1), 2, "a", -9.0),
+    ("an age that is no number is zero", FULL, ("b", NOW - 0.05, NOW + 1), 2, "a", "nan"),
+    ("an age past an hour is an hour", ONE, ("b", NOW - 3599, NOW + 1), 3, "a", 1e12),
+]
+
+
+def _store_mark(r: redis.Redis, key: str, m: Mark) -> None:
+    r.hdel(key, "lo", "lh", "lu")
+    if m is not None:
+        r.hset(key, mapping={"lo": str(m[0]), "lh": str(m[1]), "lu": str(m[2])})
+
+
+def _mark_of(r: redis.Redis, key: str) -> tuple[str, str, str] | None:
+    got = [x.decode() if isinstance(x, bytes) else x for x in r.hmget(key, "lo", "lh", "lu")]
+    if got[0] is None:
+        return None
+    return str(got[0]), str(got[1]), str(got[2])
+
+
+def _py_mark(m: Mark) -> tuple[str, str, str] | None:
+    return None if m is None else (str(m[0]), str(m[1]), str(m[2]))
+
+
+def test_the_fleet_line_answers_as_the_lua_script_does(redis_server: RedisServer) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        take = r.register_script(_at(TAKE, NOW))
+        for case, row, mark, want, me, age in LINES:
+            k = f"rl:line:{case}"
+            _store(r, k, row)
+            _store_mark(r, k, mark)
+            got, wait = take(keys=[k], args=[want, 1.0, 300, 5, TTL_MS, me, age])
+            py = fleet_take(
+                [row], want, [1.0], [300], [5], NOW, me=me, age=age, mark=_py_mark(mark)
+            )
+            assert (py.granted, _close(py.wait_s, float(wait))) == (got, True), (case, got, wait)
+            assert _close(_stored(r, k)[2], py.levels[0]), case
+            stored = _mark_of(r, k)
+            if not py.mark_changed:  # untouched: what was there
+                assert stored == _py_mark(mark), (case, stored)
+            elif py.mark is None:
+                assert stored is None, (case, stored)
+            else:
+                m = py.mark
+                assert stored is not None and stored[0] == m.owner, (case, stored)
+                assert _close(float(stored[1]), m.head), case
+                assert _close(float(stored[2]), m.until), case
+    finally:
+        r.close()
+
+
+def _line(case: str) -> FleetTake:
+    _, row, mark, want, me, age = next(c for c in LINES if c[0] == case)
+    return fleet_take([row], want, [1.0], [300], [5], NOW, me=me, age=age, mark=_py_mark(mark))
+
+
+def test_the_oldest_turn_in_the_fleet_goes_first() -> None:
+    waits = _line("another's older mark: waits")
+    assert waits.granted == 0 and waits.wait_s == BLOCKED_WAIT_S and not waits.mark_changed
+    assert waits.levels == (300.0,)  # nothing taken
+    short = _line("no mark, short: marks its oldest")
+    assert short.granted == 0 and short.mark == LineMark("a", NOW - 2.0, NOW + MARK_S)
+    takes = _line("older than another's mark, short: takes it")
+    assert takes.granted == 1 and takes.mark == LineMark("a", NOW - 5.0, NOW + MARK_S)
+    assert _line("older than another's mark, served: it stays").mark_changed is False
+    assert _line("within the tolerance: goes").granted == 2
+    assert _line("just past the tolerance: waits").granted == 0
+    mine = _line("its own mark, served: gone")
+    assert mine.granted == 2 and mine.mark_changed and mine.mark is None
+    assert _line("its own mark, short: renewed").mark == LineMark("a", NOW - 1.0, NOW + MARK_S)
+    assert _line("nobody asks: no line order").granted == 2
+    for case, *_ in LINES:
+        if case.startswith("garbage") or case.startswith("an expired"):
+            assert _line(case).granted == (0 if "short" in case else 2), case
+    assert _line("an age past an hour is an hour").mark == LineMark("a", NOW - 3600.0, NOW + MARK_S)
+
+
+def test_a_mark_is_read_only_when_valid() -> None:
+    assert read_line_mark(("a", NOW - 1, NOW + 1), NOW) == LineMark("a", NOW - 1, NOW + 1)
+    assert read_line_mark((b"a", b"1", b"2"), 1.5) == LineMark("a", 1.0, 2.0)
+    for bad in [None, ("a", NOW), (b"\xff", NOW, NOW + 1), (1, NOW, NOW + 1), ("a", NOW, NOW)]:
+        assert read_line_mark(bad, NOW) is None, bad

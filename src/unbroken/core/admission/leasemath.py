@@ -18,6 +18,19 @@ cases through both):
   long until one more is there.
 * **Learn** (`fleet_learn`): a provider's report lowers the fleet's level to what it
   says is left, never raises it (refills do).
+* **One line for the fleet** (`LineMark`): the relays' lines are served oldest first,
+  across the fleet, as one relay serves its own.  A take says who asks (``me``) and how
+  long its longest-waiting turn has waited (``age``).  A take that runs short leaves a
+  *mark*: who it was and since when its oldest turn waits (at the store's clock).  A
+  relay whose oldest turn is younger than another relay's mark (by more than
+  `ORDER_TOL_S`) is granted nothing and asks again shortly: the older turn goes first.
+  Without it the relays that ask at each refill split the fleet's rate evenly,
+  whatever their lines: ``serve --workers 2``'s kernel gave one worker 25 of 40 agents
+  and those got fewer turns (fairness 0.81; the simulator, `bench/fleet_sim.py
+  --first-share 0.625`, shows the same).  The mark is its owner's until it is served
+  (its next take is not short) and lasts `MARK_S` unless renewed (a relay that died
+  holds no line for long); a mark that is not a valid one is ignored and replaced.
+  A lone relay owns every mark it leaves: it never waits on one.
 
 Nothing here reads a clock: ``now`` is the store's clock, passed in.
 """
@@ -29,13 +42,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "BLOCKED_WAIT_S",
     "GARBAGE",
+    "MARK_S",
+    "MAX_AGE_S",
+    "MAX_OWNER",
+    "ORDER_TOL_S",
     "UNKNOWN",
     "FleetBucket",
     "FleetTake",
+    "LineMark",
     "fleet_learn",
     "fleet_take",
     "read_fleet_bucket",
+    "read_line_mark",
 ]
 
 #: a take's answer when a bucket is not there (expired, never taught): teach it
@@ -44,6 +64,17 @@ UNKNOWN = -1
 GARBAGE = -2
 #: a shared bucket's limit or rate may be at most this many times off this relay's own
 MAX_SKEW = 4.0
+#: a line mark lasts this long unless its owner renews it (it asks again within
+#: ``relay.ratestore.MAX_RETRY_S`` while its turns wait)
+MARK_S = 1.5
+#: a turn this much younger than the mark still counts as as old (round trips)
+ORDER_TOL_S = 0.1
+#: a relay whose turn is younger than the mark asks again after at least this long
+BLOCKED_WAIT_S = 0.1
+#: an age or a mark's time further back than this is garbage (no turn waits so long)
+MAX_AGE_S = 3600.0
+#: a mark's owner: at most this many bytes
+MAX_OWNER = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +89,26 @@ class FleetBucket:
 
 
 @dataclass(frozen=True, slots=True)
+class LineMark:
+    """The fleet's oldest waiting turn that a take left short: its relay (``owner``),
+    since when it waits (``head``, the store's clock), and until when the mark holds."""
+
+    owner: str
+    head: float
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
 class FleetTake:
     """A take's answer: ``granted`` requests (`UNKNOWN`, `GARBAGE`: none, and nothing
     written), the seconds until one more is there, and each bucket's new level (to be
-    written with ``t = now``)."""
+    written with ``t = now``); ``mark_changed``: write ``mark`` (None: delete it)."""
 
     granted: int
     wait_s: float
     levels: tuple[float, ...] = ()
+    mark: LineMark | None = None
+    mark_changed: bool = False
 
 
 def _num(value: object) -> float | None:
@@ -109,6 +152,33 @@ def read_fleet_bucket(
     return FleetBucket(limit, rate, level, min(at, now))
 
 
+def _owner(value: object) -> str | None:
+    """A mark's owner: a text of 1 to `MAX_OWNER` bytes (as Lua counts), else None."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(value, str) or not 0 < len(value.encode("utf-8", "replace")) <= MAX_OWNER:
+        return None
+    return value
+
+
+def read_line_mark(fields: Sequence[object] | None, now: float) -> LineMark | None:
+    """A stored mark's ``(owner, head, until)``, validated: None when there is none, it
+    has expired, or it is garbage (a head in the future or more than `MAX_AGE_S` back,
+    an ``until`` more than `MARK_S` ahead, an owner that is no short text)."""
+    if fields is None or len(fields) != 3:
+        return None
+    owner = _owner(fields[0])
+    head, until = _num(fields[1]), _num(fields[2])
+    if owner is None or head is None or until is None:
+        return None
+    if not now - MAX_AGE_S <= head <= now + ORDER_TOL_S or not now < until <= now + MARK_S:
+        return None
+    return LineMark(owner, head, until)
+
+
 def fleet_take(
     rows: Sequence[Sequence[object] | None],
     want: int,
@@ -116,10 +186,16 @@ def fleet_take(
     limits: Sequence[float],
     rates: Sequence[float],
     now: float,
+    *,
+    me: str = "",
+    age: float = 0.0,
+    mark: Sequence[object] | None = None,
 ) -> FleetTake:
     """Take up to ``want`` requests' worth from every bucket in ``rows`` (each its
     stored fields, None: not there), a request costing ``costs[i]`` of bucket ``i``;
-    ``limits`` and ``rates`` are this relay's own view of each."""
+    ``limits`` and ``rates`` are this relay's own view of each.  ``me``: who asks (""
+    keeps no line order), ``age``: how long its oldest turn has waited, ``mark``: the
+    stored line mark's fields (see the module docstring)."""
     n = want
     wait = 0.0
     state: list[tuple[float, float]] = []
@@ -136,7 +212,21 @@ def fleet_take(
                 n = max(can, 0)
             if level < cost:
                 wait = max(wait, (cost - level) / b.rate)
-    return FleetTake(n, wait, tuple(level - n * cost for level, cost in state))
+    if not me:
+        return FleetTake(n, wait, tuple(level - n * cost for level, cost in state))
+    line = read_line_mark(mark, now)
+    waited = _num(age)
+    since = now - min(max(waited if waited is not None else 0.0, 0.0), MAX_AGE_S)
+    if line is not None and line.owner != me and since > line.head + ORDER_TOL_S:
+        # another relay's turn has waited longer: it goes first
+        return FleetTake(0, max(wait, BLOCKED_WAIT_S), tuple(level for level, _ in state))
+    levels = tuple(level - n * cost for level, cost in state)
+    if n < want:  # short: this relay's oldest turn is the fleet's oldest waiting
+        head = since if line is None or line.owner == me else min(since, line.head)
+        return FleetTake(n, wait, levels, LineMark(me, head, now + MARK_S), True)
+    if line is not None and line.owner == me:  # served: the mark goes
+        return FleetTake(n, wait, levels, None, True)
+    return FleetTake(n, wait, levels)
 
 
 def fleet_learn(
