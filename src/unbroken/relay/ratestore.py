@@ -175,6 +175,7 @@ for _name, _value in (
     ("BLOCKED_WAIT_S", BLOCKED_WAIT_S),
 ):
     TAKE = TAKE.replace(_name, repr(_value))
+del _name, _value
 
 #: KEYS: one bucket; ARGV: limit, rate, the level the provider's report implies, ttl ms.
 #: Returns 1 when it replaced a key that was not a valid bucket, else 0.
