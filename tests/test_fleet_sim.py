@@ -1,8 +1,10 @@
 """The fleet simulator (``bench/fleet_sim.py``) runs the real core to sane results.
 
-Invariants only, never performance targets: every turn of a tiny fleet ends well, no
+Invariants, never performance targets: every turn of a tiny fleet ends well, no
 wait is longer than the rate limiter's bound plus a retry's delay, the shares are
-shares, and a run is the same for the same seed.
+shares, and a run is the same for the same seed; and one behaviour of the admission
+code, on a fixed seed (so no flake): agents spread unevenly over relays that share a
+budget get turns alike (the fleet's line).
 """
 
 from __future__ import annotations
@@ -94,3 +96,30 @@ def test_the_store_keeps_the_scripts_semantics() -> None:
     assert store.take([name], 4, [1.0], [view], 120_000, 1.0) == (-2, "0")
     assert store.learn(name, 300.0, 5.0, 3.0, 120_000, 1.0) == 1
     assert store.take([name], 4, [1.0], [view], 120_000, 1.0)[0] == 3
+
+
+def _turns_per_agent(sc: Scenario) -> list[float]:
+    """Each relay's completed turns per agent on it."""
+    fleet = fleet_sim.Fleet(sc)
+    fleet.run()
+    out = []
+    for relay in fleet.relays:
+        mine = [a.turns for a in fleet.agents if a.relay is relay]
+        out.append(sum(mine) / len(mine))
+    return out
+
+
+def test_agents_spread_unevenly_over_relays_get_turns_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fleet's line (`leasemath.LineMark`): 25 agents on one relay and 15 on the
+    other, sharing one budget, get as many turns each.  Without the line each relay got
+    about half of the budget whatever its line: the busier relay's agents fewer turns."""
+    import fleet_sim_relay
+
+    sc = Scenario(agents=40, relays=2, store="redis", seconds=60.0, first_share=0.625)
+    a, b = _turns_per_agent(sc)
+    assert min(a, b) / max(a, b) >= 0.9, (a, b)
+    monkeypatch.setattr(fleet_sim_relay, "FLEET_LINE", False)
+    a, b = _turns_per_agent(sc)
+    assert min(a, b) / max(a, b) < 0.7, (a, b)  # the test can tell the difference
