@@ -40,6 +40,8 @@ is not above zero, whose level is outside ``[-limit, limit]``, or whose limit or
 is more than four times off this relay's own view of the budget is garbage: the
 lease answers so, the relay logs it (once a minute) and teaches the bucket again,
 and the report replaces it, so one bad write heals within one lease, fleet-wide.  A
+line mark is believed only while it is well formed and at most `MARK_S` (1.5 s) ahead:
+one bad write holds the fleet's line for 1.5 s at most.  A
 bucket's time is never ahead of Redis's own clock; a lease is at most what was asked,
 and a relay asks again no sooner than ``MIN_RETRY_S`` and no later than
 ``MAX_RETRY_S`` (the script says when).  An error answer from Redis is garbage,

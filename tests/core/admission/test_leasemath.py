@@ -287,3 +287,16 @@ def test_a_mark_is_read_only_when_valid() -> None:
     assert read_line_mark((b"a", b"1", b"2"), 1.5) == LineMark("a", 1.0, 2.0)
     for bad in [None, ("a", NOW), (b"\xff", NOW, NOW + 1), (1, NOW, NOW + 1), ("a", NOW, NOW)]:
         assert read_line_mark(bad, NOW) is None, bad
+
+
+def test_one_bad_write_of_a_mark_holds_the_line_for_mark_s_at_most() -> None:
+    """A well-formed mark nobody renews (a relay that died, or one write into the
+    store): the others wait on it for `MARK_S` at most, then take as before."""
+    evil = ("evil", NOW - 100.0, NOW + MARK_S)
+    assert fleet_take([FULL], 2, [1.0], [300], [5], NOW, me="a", age=1.0, mark=evil).granted == 0
+    later = NOW + MARK_S + 0.01
+    full = fields(300, 5, 300, later)
+    assert fleet_take([full], 2, [1.0], [300], [5], later, me="a", age=1.0, mark=evil).granted == 2
+    # a mark written further ahead than a relay ever writes it is no mark at all
+    far = ("evil", NOW - 100.0, NOW + 10 * MARK_S)
+    assert fleet_take([FULL], 2, [1.0], [300], [5], NOW, me="a", age=1.0, mark=far).granted == 2
