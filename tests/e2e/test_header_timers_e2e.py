@@ -65,7 +65,10 @@ async def test_gemini_cli_is_asked_again_at_its_own_header_time(
     assert r.code == 0, r.stderr[-3000:]
     assert r.stdout.strip() == TEXT
     assert len(mock.requests) == 2
-    assert r.seconds < 75.0, f"{r.seconds:.1f} s"
+    # the relay asks again before Gemini's 60 s; the CLI's own start and second request
+    # come on top (67 to 70 s on a quiet machine, 75.3 s once on four workers at a load
+    # average of 6); the defect waited 120 s (125 s in all)
+    assert r.seconds < 100.0, f"{r.seconds:.1f} s"
     report(
         capsys,
         f"gemini, a stall before headers, through `unbroken run` (no config): exit 0, "
