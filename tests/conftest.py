@@ -1,7 +1,7 @@
 """Shared fixtures, and how the suite runs in parallel; the session rule that no test
 may be skipped is in noskip.py.
 
-The README's ``pytest`` runs on pytest-xdist workers (``addopts = "-n 3"`` in
+The README's ``pytest`` runs on pytest-xdist workers (``addopts = "-n 4"`` in
 pyproject.toml): each test goes to whichever worker is free, so every test owns what
 it uses (ports are ephemeral, files are under ``tmp_path``, every redis-server is the
 test's own, a relay's runtime directory is its own, the npm installs of the agent CLIs
