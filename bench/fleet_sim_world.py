@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from unbroken.core.admission.leasemath import fleet_take
+from unbroken.core.admission.leasemath import fleet_learn, fleet_take
 
 __all__ = [
     "OUTAGES",
@@ -289,25 +289,14 @@ class SimStore:
         self.ops += 1
 
     # -- ratestore.TAKE / LEARN ------------------------------------------------------------
-    def _bucket(
-        self, name: str, now: float, mylimit: float, myrate: float
-    ) -> tuple[float, float, float, float] | None:
-        """A bucket's fields, validated against the asking relay's own view (its limit
-        and rate): None when there is none, or it is garbage."""
+    def _row(self, name: str, now: float) -> list[float] | None:
+        """A bucket's stored ``[limit, rate, level, t]`` (None: none, or it expired and is
+        gone, as an expired Redis key); the scripts' arithmetic validates it."""
         b = self.buckets.get(name)
-        if b is None:
-            return None
-        if b[4] <= now:
+        if b is not None and b[4] <= now:
             del self.buckets[name]
-            return None
-        limit, rate, level, at = b[0], b[1], b[2], b[3]
-        if not all(math.isfinite(x) for x in (limit, rate, level, at)) or limit <= 0 or rate <= 0:
-            return None
-        if level > limit or level < -limit:
-            return None
-        if limit > 4 * mylimit or limit * 4 < mylimit or rate > 4 * myrate or rate * 4 < myrate:
-            return None
-        return limit, rate, level, min(at, now)
+            b = None
+        return b[:4] if b is not None else None
 
     def take(
         self,
@@ -324,15 +313,8 @@ class SimStore:
         """``TAKE``: refill the fleet's buckets, take ``want`` requests' worth at most
         (``views``: the relay's own (limit, rate) of each bucket), the fleet's line in
         the order its turns came (`unbroken.core.admission.leasemath.fleet_take`)."""
-        rows: list[list[float] | None] = []
-        for name in names:
-            b = self.buckets.get(name)
-            if b is not None and b[4] <= now:
-                del self.buckets[name]
-                b = None
-            rows.append(b[:4] if b is not None else None)
         got = fleet_take(
-            rows,
+            [self._row(name, now) for name in names],
             want,
             costs,
             [v[0] for v in views],
@@ -358,17 +340,11 @@ class SimStore:
     def learn(
         self, name: str, limit: float, rate: float, value: float, ttl_ms: int, now: float
     ) -> int:
-        """``LEARN``: the fleet's level is lowered to a provider's report (never raised)."""
-        old = self._bucket(name, now, limit, rate)
-        level = value
-        replaced = 0
-        if old is not None:
-            olimit, orate, olevel, at = old
-            level = min(min(olimit, olevel + (now - at) * orate), value)
-        elif name in self.buckets:
-            replaced = 1
-        self.buckets[name] = [limit, rate, level, now, now + ttl_ms / 1000.0]
-        return replaced
+        """``LEARN``: the fleet's level is lowered to a provider's report (never raised;
+        `unbroken.core.admission.leasemath.fleet_learn`)."""
+        b, replaced = fleet_learn(self._row(name, now), limit, rate, value, now)
+        self.buckets[name] = [b.limit, b.rate, b.level, b.t, now + ttl_ms / 1000.0]
+        return int(replaced)
 
     def poison(self, now: float) -> None:
         """The issue's one write (``HSET ... rate 0 level -100``) on every rate bucket."""
