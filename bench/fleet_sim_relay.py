@@ -297,7 +297,6 @@ class SimRelay:
         views = [(lim.buckets[n].limit, max(lim.buckets[n].rate, 1e-9)) for n in names]
         want = min(len(lim.line), MAX_LEASE)
         yield from self._op(t0)
-        oldest = lim.line.oldest()
         raw_got, raw_wait = store.take(
             [self._name(lim, n) for n in names],
             want,
@@ -306,7 +305,7 @@ class SimRelay:
             TTL_MS,
             self.loop.now,
             me=str(self.index) if FLEET_LINE else "",
-            age=self.loop.now - oldest[1] if oldest is not None else 0.0,
+            age=lim.line.waited(self.loop.now),
         )
         yield store.rtt() / 2
         got, wait = lease_grant(raw_got, raw_wait, want, MAX_RETRY_S)

@@ -15,12 +15,12 @@ import sqlite3
 import time
 from collections.abc import Callable
 
-__all__ = ["enter_wal", "is_busy"]
+__all__ = ["enter_wal"]
 
 _BUSY_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED (primary codes)
 
 
-def is_busy(exc: sqlite3.Error) -> bool:
+def _is_busy(exc: sqlite3.Error) -> bool:
     """The error is another connection holding the lock (worth trying again)."""
     code = getattr(exc, "sqlite_errorcode", None)
     if isinstance(code, int):
@@ -45,7 +45,7 @@ def enter_wal(
             conn.execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as exc:
-            if not is_busy(exc) or clock() >= deadline:
+            if not _is_busy(exc) or clock() >= deadline:
                 raise
         sleep(pause)
         pause = min(0.05, pause * 2)

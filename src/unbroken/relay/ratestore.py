@@ -429,8 +429,6 @@ class RateShare:
         limits = [lim.buckets[n].limit for n in names]
         rates = [max(lim.buckets[n].rate, 1e-9) for n in names]
         want = min(len(lim.line), MAX_LEASE)
-        oldest = lim.line.oldest()
-        now = asyncio.get_running_loop().time()
         got, wait = await self.backend.take(
             [self._name(lim, n) for n in names],
             want,
@@ -438,7 +436,7 @@ class RateShare:
             limits,
             rates,
             me=self.me,
-            age=now - oldest[1] if oldest is not None else 0.0,
+            age=lim.line.waited(asyncio.get_running_loop().time()),
         )
         if got == GARBAGE and self.on_garbage is not None:
             self.on_garbage(Garbage.VALUE)

@@ -292,3 +292,15 @@ def test_board_pumps_every_credential_of_an_upstream_and_pokes_only_when_someone
     granted, due = board.pump(K, 1.0)
     assert sorted(granted) == [1, 2] and due is None
     assert [v["credential"] for v in board.view(K, 1.0)] == ["a", "b"]
+
+
+def test_a_line_says_how_long_its_oldest_ticket_has_waited() -> None:
+    from unbroken.core.admission.ratelimit import FairLine
+
+    line = FairLine()
+    assert line.waited(5.0) == 0.0  # nobody in line
+    line.add(1, "a", 1.0, 2.0)
+    line.add(2, "b", 1.0, 3.0)
+    assert line.waited(5.0) == 3.0  # ticket 1, since 2.0
+    line.remove(1)
+    assert line.waited(5.0) == 2.0

@@ -289,6 +289,11 @@ class FairLine:
             return item
         return None
 
+    def waited(self, now: float) -> float:
+        """How long the longest-waiting ticket has waited (0 with nobody in line)."""
+        first = self.oldest()
+        return now - first[1] if first is not None else 0.0
+
     def overdue(self, now: float, max_wait_s: float) -> int | None:
         """The longest-waiting ticket once it has waited ``max_wait_s``, else None."""
         first = self.oldest()
