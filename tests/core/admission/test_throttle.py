@@ -8,7 +8,13 @@ from collections.abc import Callable
 import pytest
 
 from core.admission.ratesim import Answer, Bare, Quantized, Textbook, run
-from unbroken.core.admission.throttle import BETA, CLIMB_S, MIN_RATE, AdmissionThrottle
+from unbroken.core.admission.throttle import (
+    BETA,
+    CLIMB_S,
+    MIN_RATE,
+    SYNC_S,
+    AdmissionThrottle,
+)
 
 
 def test_off_until_the_provider_refuses() -> None:
@@ -63,7 +69,7 @@ def test_it_climbs_back_to_the_refused_rate_then_beyond_but_only_while_used() ->
         seq += 1
         t.sent(seq, now)
         t.accepted(seq, now)
-        if now < 1.1 + CLIMB_S:
+        if now < 1.1 + t.climb_s():
             assert t.rate <= w_max + 1e-9  # concave: back to the refused rate, not past it
     assert t.rate > w_max  # then it probes beyond
     # a quiet relay does not bank a licence: the rate is at most twice what is sent
@@ -74,6 +80,96 @@ def test_it_climbs_back_to_the_refused_rate_then_beyond_but_only_while_used() ->
     quiet.sent(2, 100.0)  # one request in 100 s: the curve is far up, the use is not
     quiet.accepted(2, 100.0)
     assert quiet.rate == before
+
+
+def _climb(t: AdmissionThrottle, start: float, until: float, seq: int) -> list[tuple[float, float]]:
+    """Use ``t`` at its own rate from ``start`` to ``until``: (time, rate) after each."""
+    now, out = start, []
+    while now < until:
+        now += 1 / t.rate
+        seq += 1
+        t.sent(seq, now)
+        t.accepted(seq, now)
+        out.append((now, t.rate))
+    return out
+
+
+def test_a_low_anchor_climbs_back_within_seconds_a_high_one_as_before() -> None:
+    # issue 32: a relay anchored at 1 a second by a 429 (it had seen one answer a
+    # second while a sibling took the rest) climbed to 2 a second only 30 s later
+    low = AdmissionThrottle()
+    low.fleet = True  # a sibling has told of a 429 (a lone relay's curve is as it was)
+    low.sent(1, 0.0)
+    low.accepted(1, 0.5)
+    low.sent(2, 0.9)
+    assert low.refused(2, 1.0, last_seq=2)
+    assert low.w_max == pytest.approx(1.0)
+    assert low.climb_s() < CLIMB_S
+    trace = _climb(low, 1.0, 1.0 + 12.0, seq=2)
+    assert trace[-1][1] >= 3.0  # was 1.03 a second 12 s on
+    assert all(r <= 1.0 + 1e-9 for at, r in trace if at < 1.0 + low.climb_s())
+    # a high anchor is CUBIC's curve scaled to it, unchanged: back in CLIMB_S, flat near
+    high = AdmissionThrottle()
+    high.fleet = True
+    for seq in range(1, 201):
+        high.sent(seq, seq * 0.01)
+        high.accepted(seq, seq * 0.01)
+    high.sent(201, 2.0)
+    assert high.refused(201, 2.0, last_seq=201)
+    assert high.w_max >= 90.0 and high.climb_s() == CLIMB_S
+    w_max = high.w_max
+    trace = _climb(high, 2.0, 2.0 + CLIMB_S + 2.0, seq=201)
+    assert all(r <= w_max + 1e-9 for at, r in trace if at < 2.0 + CLIMB_S)
+    assert trace[-1][1] < 1.01 * w_max
+
+
+def test_a_lone_relay_climbs_as_before() -> None:
+    alone = AdmissionThrottle()
+    alone.sent(1, 0.0)
+    alone.accepted(1, 0.5)
+    alone.sent(2, 0.9)
+    assert alone.refused(2, 1.0, last_seq=2)
+    assert alone.climb_s() == CLIMB_S
+    trace = _climb(alone, 1.0, 1.0 + 12.0, seq=2)
+    assert trace[-1][1] < 1.1
+
+
+def _busy(t: AdmissionThrottle, until: float, per_s: float = 5.0, seq: int = 0) -> int:
+    """``t`` sent and was answered ``per_s`` a second until ``until``; the last seq."""
+    now = 0.0
+    while now < until:
+        seq += 1
+        t.sent(seq, now)
+        t.accepted(seq, now + 0.05)
+        now += 1 / per_s
+    return seq
+
+
+def test_a_siblings_429_lowers_a_relay_that_sent_lately_once_an_epoch() -> None:
+    # issue 32: two relays each finding the limit on their own probed twice as often,
+    # and their rates drifted apart; a sibling's news lowers this one at once
+    t = AdmissionThrottle()
+    seq = _busy(t, 3.0, per_s=4.0)
+    assert t.fleet_refused(3.0, seq)
+    assert t.enabled and t.fleet and t.fleet_decreases == t.decreases == 1
+    assert t.w_max == pytest.approx(4.0, rel=0.05)  # anchored on what it had accepted
+    assert t.rate == pytest.approx(BETA * t.w_max)
+    # the same refusal told again, or by another sibling, within SYNC_S: nothing more
+    assert not t.fleet_refused(3.0 + SYNC_S / 2, seq)
+    assert t.decreases == 1
+    # its own 429 for a request sent before: the same epoch (it says nothing new)
+    assert not t.refused(seq, 3.0 + SYNC_S / 2, last_seq=seq)
+    # a later refusal is a new epoch
+    seq = _busy(t, 3.0 + 2 * SYNC_S, per_s=2.0, seq=seq)
+    assert t.fleet_refused(3.0 + 2 * SYNC_S, seq)
+    assert t.decreases == t.fleet_decreases == 2
+
+
+def test_a_relay_that_sent_nothing_is_not_lowered_by_a_sibling() -> None:
+    t = AdmissionThrottle()
+    assert not t.fleet_refused(5.0, 0)
+    assert not t.enabled and t.decreases == 0 and t.fleet  # but it is one of a fleet
+    assert t.due(5.0, alone=False) == 5.0
 
 
 def test_a_request_alone_is_never_held() -> None:

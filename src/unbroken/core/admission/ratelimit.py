@@ -581,6 +581,16 @@ class Limiter:
         self.blocked_until = max(self.blocked_until, until)
         return self.blocked_until
 
+    def fleet_limited(self, now: float) -> bool:
+        """A sibling sharing this key and credential lowered its admitted rate after a
+        429 (`AdmissionThrottle.fleet_refused`): so does this one, once an epoch."""
+        return self.throttle.fleet_refused(now, self.seq)
+
+    @property
+    def own_decreases(self) -> int:
+        """The throttle's decreases this relay's own 429s made (what it tells siblings)."""
+        return self.throttle.decreases - self.throttle.fleet_decreases
+
     def finish(
         self,
         seq: int,
