@@ -90,7 +90,6 @@ class ChannelStore(HealthStore):
         self._ticker: asyncio.Task[None] | None = None
         #: the providers' rate-limit budgets, one per key across the workers (leases
         #: from `RATES_FILE`); its errors are logged once per outage
-        self.rates: RateShare | None = None
         self._rates_link = Link()
         if board.rates.settings.enabled:
             self.rates = RateShare(
@@ -100,6 +99,7 @@ class ChannelStore(HealthStore):
                 on_error=self._rates_failed,
                 on_garbage=lambda why: self._ignored(why, f"{RATES_FILE}"),
                 on_answer=self._rates_answered,
+                tell=self._tell_throttle,
             )
 
     def status(self) -> dict[str, Any]:
@@ -158,6 +158,9 @@ class ChannelStore(HealthStore):
         if change.kind == "half_open":
             return
         self._send(self._encode(change))
+
+    def _broadcast(self, data: bytes) -> None:
+        self._send(data)
 
     def _send(self, data: bytes, to: str | None = None) -> None:
         sock = self.sock

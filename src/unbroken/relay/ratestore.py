@@ -289,6 +289,7 @@ class RateShare:
         on_error: Callable[[BaseException], None],
         on_garbage: Callable[[Garbage], None] | None = None,
         on_answer: Callable[[], None] | None = None,
+        tell: Callable[[str, str], None] | None = None,
     ) -> None:
         self.board = board
         self.backend = backend
@@ -297,6 +298,12 @@ class RateShare:
         self.on_garbage = on_garbage
         #: told when the backend answered (a store that logged an error logs "back")
         self.on_answer = on_answer
+        #: tells the siblings that a 429 lowered a limiter's admitted rate (the
+        #: store's message: key, credential hash); see `sibling_limited`
+        self.tell = tell
+        #: (key, credential) -> the throttle decreases of this relay's own told so far
+        self._told: dict[tuple[str, str], int] = {}
+        self.sibling_decreases = 0  # for /status
         #: (limiter, bucket) -> the report version pushed to the store
         self._pushed: dict[tuple[int, str], int] = {}
         self._busy: set[int] = set()  # limiters with a top-up under way
@@ -317,7 +324,11 @@ class RateShare:
 
     def status(self) -> dict[str, Any]:
         shared = sum(1 for lim in self.board.rates.all() for b in lim.buckets.values() if b.shared)
-        return {"shared_buckets": shared, "leases": self.leases}
+        return {
+            "shared_buckets": shared,
+            "leases": self.leases,
+            "sibling_decreases": self.sibling_decreases,
+        }
 
     def _name(self, lim: Limiter, bucket: str) -> str:
         """A bucket's name in the store (Redis: after `RATE_KEY_PREFIX`)."""
@@ -330,6 +341,11 @@ class RateShare:
             return
         up = self.is_up()
         for lim in by.values():
+            own = lim.own_decreases
+            if own != self._told.get((lim.key, lim.cred), 0):
+                self._told[(lim.key, lim.cred)] = own
+                if up and self.tell is not None:
+                    self.tell(lim.key, lim.cred)
             if not up:
                 self.unshare(lim)
                 continue
@@ -351,6 +367,18 @@ class RateShare:
             return
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def sibling_limited(self, key: str, cred: str) -> bool:
+        """A sibling's message: a 429 lowered its admitted rate for ``key`` and ``cred``.
+        This relay's throttle for them comes down too (once an epoch, and only if it
+        sent lately: `core.admission.throttle.AdmissionThrottle.fleet_refused`); True
+        when it did."""
+        lim = self.board.rates.limiters.get(key, {}).get(cred)
+        if lim is None or not lim.fleet_limited(asyncio.get_running_loop().time()):
+            return False
+        self.sibling_decreases += 1
+        self.board.rates.changed(key)
+        return True
 
     def unshare(self, lim: Limiter) -> None:
         """Local pacing for this limiter (Redis is away): its buckets refill locally."""

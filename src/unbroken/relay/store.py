@@ -165,7 +165,6 @@ class RedisStore(HealthStore):
         self.board.probe_gate = self._probe_gate
         self.board.probe_release = self._probe_release
         #: the providers' rate-limit budgets, one per key across the fleet (leases)
-        self.rates: RateShare | None = None
         if board.rates.settings.enabled:
             self.rates = RateShare(
                 board,
@@ -173,6 +172,7 @@ class RedisStore(HealthStore):
                 is_up=lambda: self.up,
                 on_error=self._degrade,
                 on_garbage=lambda why: self._ignored(why, "a rate-limit key"),
+                tell=self._tell_throttle,
             )
 
     @property
@@ -217,6 +217,11 @@ class RedisStore(HealthStore):
         with contextlib.suppress(asyncio.QueueFull):
             self._queue.put_nowait(("change", change))
 
+    def _broadcast(self, data: bytes) -> None:
+        if self.up:
+            with contextlib.suppress(asyncio.QueueFull):
+                self._queue.put_nowait(("message", data))
+
     def count(self, key: str, failed: bool) -> None:
         if self.up:
             with contextlib.suppress(asyncio.QueueFull):
@@ -231,6 +236,8 @@ class RedisStore(HealthStore):
             try:
                 if what == "change":
                     await self._write_change(item)
+                elif what == "message":
+                    await self.redis.publish(CHANNEL, item)
                 else:
                     await self._write_count(*item)
             except asyncio.CancelledError:

@@ -26,6 +26,7 @@ from unbroken.core.admission.shared import (
     escape,
     parse_message,
 )
+from unbroken.relay.ratestore import RateShare
 
 __all__ = ["HealthStore"]
 
@@ -59,6 +60,8 @@ class HealthStore:
         self._throttle = Throttle()
         #: garbage ignored, per kind (for tests and /status)
         self.garbage: dict[str, int] = {}
+        #: the providers' rate-limit budgets shared with the siblings (shared stores)
+        self.rates: RateShare | None = None
         self.board.listeners.append(self._on_change)
 
     async def start(self) -> None:
@@ -94,6 +97,20 @@ class HealthStore:
             }
         ).encode()
 
+    def _tell_throttle(self, key: str, cred: str) -> None:
+        """A 429 lowered this relay's admitted rate for ``key`` and ``cred``: tell the
+        siblings (`unbroken.relay.ratestore.RateShare.sibling_limited`)."""
+        msg = {"o": self.origin, "kind": "throttle", "k": key, "c": cred}
+        self._broadcast(json.dumps(msg).encode())
+
+    def _broadcast(self, data: bytes) -> None:
+        """Send a message to every sibling (the default store has none)."""
+
+    def _sibling_limited(self, msg: Message) -> None:
+        """A sibling's ``throttle`` message (validated), for the rate share if any."""
+        if self.rates is not None and msg.key is not None and msg.cred is not None:
+            self.rates.sibling_limited(msg.key, msg.cred)
+
     def _ignored(self, why: Garbage, where: str) -> None:
         """Garbage from shared state: counted, logged at most once a minute per kind."""
         self.garbage[why.value] = self.garbage.get(why.value, 0) + 1
@@ -117,6 +134,8 @@ class HealthStore:
             self._ignored(Garbage.TTL, where)
         if msg.change is not None:
             self.board.apply(msg.change, self.clock())
+        elif msg.kind == "throttle":
+            self._sibling_limited(msg)
         return msg
 
     def _apply_reading(self, reading: KeyReading, where: str) -> None:

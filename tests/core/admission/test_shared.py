@@ -103,6 +103,15 @@ def test_a_valid_change_is_applied_and_a_huge_ttl_clamped() -> None:
         (msg(kind="waiting", w=1, k=7, ttl=1), Garbage.MESSAGE),
         (msg(kind="waiting", k=KEY, ttl=1), Garbage.MESSAGE),
         (msg(kind="waiting", w=1, k="other|http://x", ttl=1), Garbage.UNKNOWN_KEY),
+        (msg(kind="throttle", k=KEY), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c=7), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c=""), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="a b"), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="--"), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="é1"), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="f" * 65), Garbage.MESSAGE),
+        (msg(kind="throttle", k=7, c="abc"), Garbage.MESSAGE),
+        (msg(kind="throttle", k="other|http://x", c="abc"), Garbage.UNKNOWN_KEY),
         (json.dumps({"o": 1, "kind": "hello", "w": 0}).encode(), Garbage.MESSAGE),
         (json.dumps({"o": "x" * 65, "kind": "hello", "w": 0}).encode(), Garbage.MESSAGE),
         (b"[1, 2]", Garbage.MESSAGE),
@@ -127,6 +136,16 @@ def test_a_waiting_mark_names_a_worker_and_lasts_at_most_the_bound() -> None:
     assert got == Message("peer", "waiting", worker=2, key=KEY, ttl_s=B.waiting_s, clamped=True)
     got = parse_message(msg(kind="waiting", w=2, k=KEY, ttl=0), B, KNOWN)
     assert isinstance(got, Message) and got.ttl_s == 0.0  # withdrawn
+
+
+def test_a_throttle_message_names_a_key_and_a_credential_hash() -> None:
+    # issue 32: a sibling's 429 lowered its admitted rate for this key and credential
+    got = parse_message(msg(kind="throttle", k=KEY, c="0a1b2c3d4e5f"), B, KNOWN)
+    assert got == Message("peer", "throttle", key=KEY, cred="0a1b2c3d4e5f")
+    got = parse_message(msg(kind="throttle", k=KEY, c="-"), B, KNOWN)  # no credential
+    assert got == Message("peer", "throttle", key=KEY, cred="-")
+    got = parse_message(msg(kind="throttle", k=KEY, c="f" * 64), B, KNOWN)
+    assert isinstance(got, Message) and got.cred == "f" * 64
 
 
 def test_text_is_escaped_into_one_line_and_cut() -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "COOLOFF_REASONS",
     "LOG_EVERY_S",
     "MAX_COUNT",
+    "MAX_CRED",
     "MAX_DATAGRAM",
     "MAX_REOPENS",
     "MAX_SHARED_TEXT",
@@ -80,6 +81,9 @@ MAX_COUNT = 1_000_000
 MAX_WORKER = 1024
 #: an origin (a relay's random id) is at most this long
 MAX_ORIGIN = 64
+#: a ``throttle`` message's credential hash: at most this many letters and digits (or
+#: ``-``, no credential: `unbroken.core.admission.ratelimit.credential_hash`)
+MAX_CRED = 64
 CHANGE_KINDS = frozenset({"open", "close", "cooloff"})
 #: the reasons a cool-off can have (`HealthBoard.cooloff`); any other is garbage
 COOLOFF_REASONS = frozenset({"retry_after", "quota"})
@@ -160,9 +164,11 @@ def escape(text: str, limit: int = MAX_SHARED_TEXT) -> str:
 @dataclass(frozen=True, slots=True)
 class Message:
     """A valid message: a change to apply (``open``, ``close``, ``cooloff``), a
-    worker's ``hello`` (it asks for the others' state), or a worker's ``waiting`` mark
+    worker's ``hello`` (it asks for the others' state), a worker's ``waiting`` mark
     (it has turns in ``key``'s line for ``ttl_s`` more seconds; 0: no longer; at most
-    `SharedBounds.waiting_s`)."""
+    `SharedBounds.waiting_s`), or a sibling's ``throttle`` (a 429 lowered its
+    admitted rate for ``key`` and credential hash ``cred``:
+    `unbroken.core.admission.throttle.AdmissionThrottle.fleet_refused`)."""
 
     origin: str
     kind: str
@@ -170,6 +176,7 @@ class Message:
     worker: int | None = None
     key: str | None = None
     ttl_s: float = 0.0
+    cred: str | None = None
     #: a TTL was beyond this relay's bounds and was clamped
     clamped: bool = False
 
@@ -217,6 +224,15 @@ def parse_message(
         if got is None:
             return Rejected(Garbage.MESSAGE)
         return Message(origin, kind, worker=w, key=key, ttl_s=got[0], clamped=got[1])
+    if kind == "throttle":
+        key, cred = msg.get("k"), msg.get("c")
+        if not isinstance(key, str) or not isinstance(cred, str):
+            return Rejected(Garbage.MESSAGE)
+        if cred != "-" and not (0 < len(cred) <= MAX_CRED and cred.isascii() and cred.isalnum()):
+            return Rejected(Garbage.MESSAGE)
+        if key not in known:
+            return Rejected(Garbage.UNKNOWN_KEY)
+        return Message(origin, kind, key=key, cred=cred)
     if kind not in CHANGE_KINDS:
         return Rejected(Garbage.MESSAGE)
     key, reason, reopens = msg.get("k"), msg.get("r", ""), msg.get("n", 0)
