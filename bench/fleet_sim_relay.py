@@ -30,6 +30,9 @@ from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS
 #: the fleet's line order in leases (`leasemath.LineMark`, as `relay.ratestore` takes
 #: them); False: the relays' lines unordered, as before it (for comparisons)
 FLEET_LINE = True
+#: relays tell each other when a 429 lowered their throttle (the stores' ``throttle``
+#: message; off: each corrects itself on its own 429s, as before)
+FLEET_THROTTLE = True
 
 if TYPE_CHECKING:
     from fleet_sim_agent import Agent
@@ -133,6 +136,8 @@ class SimRelay:
         self._scheduled: set[str] = set()
         # -- the rate share -----------------------------------------------------------------
         self._pushed: dict[tuple[int, str], int] = {}
+        #: limiter -> its own throttle decreases told to the peers (as RateShare's)
+        self._told: dict[int, int] = {}
         self._busy: set[int] = set()
         self._dirty: set[int] = set()
         self._again: dict[int, Timer] = {}
@@ -208,6 +213,10 @@ class SimRelay:
             if not self.up:
                 self.unshare(lim)
                 continue
+            own = lim.own_decreases
+            if FLEET_THROTTLE and own != self._told.get(id(lim), 0):
+                self._told[id(lim)] = own
+                self.loop.spawn(self._tell_throttle(lim.key, lim.cred))
             reports = any(
                 self._pushed.get((id(lim), n), -1) != lim.buckets[n].version for n in _charged(lim)
             )
@@ -368,6 +377,25 @@ class SimRelay:
         for peer in self.peers:
             if peer.up:
                 peer.board.apply(change, now)
+
+    def _tell_throttle(self, key: str, cred: str) -> Co:
+        """As the stores' ``throttle`` message (`RateShare.tell`, `sibling_limited`): a
+        429 lowered this relay's rate; the peers' limiters of the same key and
+        credential come down too (one message through the store)."""
+        store = self.store
+        assert store is not None
+        rtt = store.rtt()
+        yield rtt / 2
+        try:
+            store.op(self.loop.now)
+        except StoreDown:
+            self._degrade()
+            return
+        yield rtt / 2
+        for peer in self.peers:
+            lim = peer.board.rates.limiters.get(key, {}).get(cred)
+            if peer.up and lim is not None and lim.fleet_limited(self.loop.now):
+                peer.board.rates.changed(key)
 
     def _probe_gate(self, key: str, ttl_s: float) -> bool | None:
         if not self.up:

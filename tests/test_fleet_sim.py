@@ -123,3 +123,25 @@ def test_agents_spread_unevenly_over_relays_get_turns_alike(
     monkeypatch.setattr(fleet_sim_relay, "FLEET_LINE", False)
     a, b = _turns_per_agent(sc)
     assert min(a, b) / max(a, b) < 0.7, (a, b)  # the test can tell the difference
+
+
+def test_relays_that_tell_each_other_of_429s_climb_back_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The throttle's news (`AdmissionThrottle.fleet_refused`): `overstated` over two
+    relays.  Each relay correcting itself on its own 429s could be anchored at one
+    request a second by an early 429 (it had seen a second of answers while the other
+    relay took most) and climb back as slowly as it was low: goodput 78 % in one seed
+    of four.  Told of each other's 429s, the relays come down together and climb back
+    in seconds."""
+    import fleet_sim_relay
+
+    def goodput(seed: int) -> float:
+        sc = Scenario(agents=40, relays=2, store="redis", provider="overstated", seed=seed)
+        return run(sc).goodput
+
+    told = [goodput(seed) for seed in (1, 2, 3, 4)]
+    assert min(told) >= 0.95, told
+    monkeypatch.setattr(fleet_sim_relay, "FLEET_THROTTLE", False)
+    alone = [goodput(seed) for seed in (1, 2, 3, 4)]
+    assert min(alone) < 0.9, alone  # the test can tell the difference
