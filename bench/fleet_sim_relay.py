@@ -30,8 +30,8 @@ from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS
 #: the fleet's line order in leases (`leasemath.LineMark`, as `relay.ratestore` takes
 #: them); False: the relays' lines unordered, as before it (for comparisons)
 FLEET_LINE = True
-#: relays tell each other when a 429 lowered their throttle (the stores' ``throttle``
-#: message; off: each corrects itself on its own 429s, as before)
+#: relays tell each other when their throttle came down, and share the epoch's rate
+#: (the stores' ``throttle`` message; off: each corrects itself on its own 429s)
 FLEET_THROTTLE = True
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ class SimRelay:
         self._scheduled: set[str] = set()
         # -- the rate share -----------------------------------------------------------------
         self._pushed: dict[tuple[int, str], int] = {}
-        #: limiter -> its own throttle decreases told to the peers (as RateShare's)
+        #: limiter -> its throttle decreases told to the peers (as RateShare's)
         self._told: dict[int, int] = {}
         self._busy: set[int] = set()
         self._dirty: set[int] = set()
@@ -213,10 +213,10 @@ class SimRelay:
             if not self.up:
                 self.unshare(lim)
                 continue
-            own = lim.own_decreases
-            if FLEET_THROTTLE and own != self._told.get(id(lim), 0):
-                self._told[id(lim)] = own
-                self.loop.spawn(self._tell_throttle(lim.key, lim.cred))
+            news, anchor, demand = lim.news()
+            if FLEET_THROTTLE and news != self._told.get(id(lim), 0):
+                self._told[id(lim)] = news
+                self.loop.spawn(self._tell_throttle(lim.key, lim.cred, anchor, demand))
             reports = any(
                 self._pushed.get((id(lim), n), -1) != lim.buckets[n].version for n in _charged(lim)
             )
@@ -378,10 +378,11 @@ class SimRelay:
             if peer.up:
                 peer.board.apply(change, now)
 
-    def _tell_throttle(self, key: str, cred: str) -> Co:
-        """As the stores' ``throttle`` message (`RateShare.tell`, `sibling_limited`): a
-        429 lowered this relay's rate; the peers' limiters of the same key and
-        credential come down too (one message through the store)."""
+    def _tell_throttle(self, key: str, cred: str, anchor: float, demand: float) -> Co:
+        """As the stores' ``throttle`` message (`RateShare.tell`, `sibling_limited`):
+        this relay's rate came down; the peers' limiters of the same key and credential
+        come down too and share the epoch's rate by demand (one message through the
+        store)."""
         store = self.store
         assert store is not None
         rtt = store.rtt()
@@ -394,7 +395,8 @@ class SimRelay:
         yield rtt / 2
         for peer in self.peers:
             lim = peer.board.rates.limiters.get(key, {}).get(cred)
-            if peer.up and lim is not None and lim.fleet_limited(self.loop.now):
+            if peer.up and lim is not None:
+                lim.fleet_limited(self.loop.now, str(self.index), anchor, demand)
                 peer.board.rates.changed(key)
 
     def _probe_gate(self, key: str, ttl_s: float) -> bool | None:

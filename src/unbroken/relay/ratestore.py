@@ -29,6 +29,15 @@ waiting one is granted nothing yet (`unbroken.core.admission.leasemath.LineMark`
 so the fleet's budget goes to the turns in the order they came, however unevenly the
 agents are spread over the relays.
 
+The relays' throttles (`unbroken.core.admission.throttle`) are one fleet's: when a
+limiter's admitted rate comes down, the store tells the siblings (``tell``: a
+``throttle`` message naming the key and the credential hash, with the rate it was seen
+to accept and its demand, on Redis's channel or the workers' datagrams); each sibling
+that sent on that key lately comes down too, once an epoch, and the epoch's accepted
+rates are shared by demand (`RateShare.sibling_limited`).  The provider refuses the
+fleet's total: relays that each found the limit on their own probed as many times as
+there are of them, and one cut while a sibling took most answers stayed low.
+
 Redis unreachable or slower than the budget (250 ms): the limiter's buckets stop
 being shared and refill locally again (each relay paces alone; a 429 then still
 blocks its key and halves its window), and they are shared again with the next
@@ -289,7 +298,7 @@ class RateShare:
         on_error: Callable[[BaseException], None],
         on_garbage: Callable[[Garbage], None] | None = None,
         on_answer: Callable[[], None] | None = None,
-        tell: Callable[[str, str], None] | None = None,
+        tell: Callable[[str, str, float, float], None] | None = None,
     ) -> None:
         self.board = board
         self.backend = backend
@@ -298,10 +307,10 @@ class RateShare:
         self.on_garbage = on_garbage
         #: told when the backend answered (a store that logged an error logs "back")
         self.on_answer = on_answer
-        #: tells the siblings that a 429 lowered a limiter's admitted rate (the
-        #: store's message: key, credential hash); see `sibling_limited`
+        #: tells the siblings that a limiter's admitted rate came down (the store's
+        #: message: key, credential hash, anchor, demand); see `sibling_limited`
         self.tell = tell
-        #: (key, credential) -> the throttle decreases of this relay's own told so far
+        #: (key, credential) -> the throttle decreases told so far
         self._told: dict[tuple[str, str], int] = {}
         self.sibling_decreases = 0  # for /status
         #: (limiter, bucket) -> the report version pushed to the store
@@ -341,11 +350,11 @@ class RateShare:
             return
         up = self.is_up()
         for lim in by.values():
-            own = lim.own_decreases
-            if own != self._told.get((lim.key, lim.cred), 0):
-                self._told[(lim.key, lim.cred)] = own
+            news, anchor, demand = lim.news()
+            if news != self._told.get((lim.key, lim.cred), 0):
+                self._told[(lim.key, lim.cred)] = news
                 if up and self.tell is not None:
-                    self.tell(lim.key, lim.cred)
+                    self.tell(lim.key, lim.cred, anchor, demand)
             if not up:
                 self.unshare(lim)
                 continue
@@ -368,17 +377,20 @@ class RateShare:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def sibling_limited(self, key: str, cred: str) -> bool:
-        """A sibling's message: a 429 lowered its admitted rate for ``key`` and ``cred``.
-        This relay's throttle for them comes down too (once an epoch, and only if it
-        sent lately: `core.admission.throttle.AdmissionThrottle.fleet_refused`); True
-        when it did."""
+    def sibling_limited(self, key: str, cred: str, who: str, anchor: float, demand: float) -> bool:
+        """Sibling ``who``'s message: its admitted rate for ``key`` and ``cred`` came
+        down, anchored on ``anchor`` a second with ``demand`` requests.  This relay's
+        comes down too (once an epoch, and only if it sent lately), and the epoch's
+        rate is shared by demand (`core.admission.throttle.AdmissionThrottle
+        .fleet_refused`); True when it came down."""
         lim = self.board.rates.limiters.get(key, {}).get(cred)
-        if lim is None or not lim.fleet_limited(asyncio.get_running_loop().time()):
+        if lim is None:
             return False
-        self.sibling_decreases += 1
-        self.board.rates.changed(key)
-        return True
+        lowered = lim.fleet_limited(asyncio.get_running_loop().time(), who, anchor, demand)
+        if lowered:
+            self.sibling_decreases += 1
+        self.board.rates.changed(key)  # a new rate: the line moves by it
+        return lowered
 
     def unshare(self, lim: Limiter) -> None:
         """Local pacing for this limiter (Redis is away): its buckets refill locally."""

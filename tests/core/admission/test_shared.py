@@ -103,15 +103,25 @@ def test_a_valid_change_is_applied_and_a_huge_ttl_clamped() -> None:
         (msg(kind="waiting", w=1, k=7, ttl=1), Garbage.MESSAGE),
         (msg(kind="waiting", k=KEY, ttl=1), Garbage.MESSAGE),
         (msg(kind="waiting", w=1, k="other|http://x", ttl=1), Garbage.UNKNOWN_KEY),
-        (msg(kind="throttle", k=KEY), Garbage.MESSAGE),
-        (msg(kind="throttle", k=KEY, c=7), Garbage.MESSAGE),
-        (msg(kind="throttle", k=KEY, c=""), Garbage.MESSAGE),
-        (msg(kind="throttle", k=KEY, c="a b"), Garbage.MESSAGE),
-        (msg(kind="throttle", k=KEY, c="--"), Garbage.MESSAGE),
-        (msg(kind="throttle", k=KEY, c="é1"), Garbage.MESSAGE),
-        (msg(kind="throttle", k=KEY, c="f" * 65), Garbage.MESSAGE),
-        (msg(kind="throttle", k=7, c="abc"), Garbage.MESSAGE),
-        (msg(kind="throttle", k="other|http://x", c="abc"), Garbage.UNKNOWN_KEY),
+        (msg(kind="throttle", k=KEY, a=1, d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c=7, a=1, d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="", a=1, d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="a b", a=1, d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="--", a=1, d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="é1", a=1, d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="f" * 65, a=1, d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=7, c="abc", a=1, d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", a=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", a="1", d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", a=True, d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", a=-1, d=1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", a=1, d=1e12), Garbage.MESSAGE),
+        (
+            b'{"o": "p", "kind": "throttle", "k": "r|http://up", "c": "a", "a": NaN, "d": 1}',
+            Garbage.MESSAGE,
+        ),
+        (msg(kind="throttle", k="other|http://x", c="abc", a=1, d=1), Garbage.UNKNOWN_KEY),
         (json.dumps({"o": 1, "kind": "hello", "w": 0}).encode(), Garbage.MESSAGE),
         (json.dumps({"o": "x" * 65, "kind": "hello", "w": 0}).encode(), Garbage.MESSAGE),
         (b"[1, 2]", Garbage.MESSAGE),
@@ -140,11 +150,12 @@ def test_a_waiting_mark_names_a_worker_and_lasts_at_most_the_bound() -> None:
 
 def test_a_throttle_message_names_a_key_and_a_credential_hash() -> None:
     # issue 32: a sibling's 429 lowered its admitted rate for this key and credential
-    got = parse_message(msg(kind="throttle", k=KEY, c="0a1b2c3d4e5f"), B, KNOWN)
-    assert got == Message("peer", "throttle", key=KEY, cred="0a1b2c3d4e5f")
-    got = parse_message(msg(kind="throttle", k=KEY, c="-"), B, KNOWN)  # no credential
+    # (it had been seen to accept ``a`` a second, with ``d`` requests in flight or waiting)
+    got = parse_message(msg(kind="throttle", k=KEY, c="0a1b2c3d4e5f", a=2.5, d=20), B, KNOWN)
+    assert got == Message("peer", "throttle", key=KEY, cred="0a1b2c3d4e5f", anchor=2.5, demand=20)
+    got = parse_message(msg(kind="throttle", k=KEY, c="-", a=0, d=0), B, KNOWN)  # no credential
     assert got == Message("peer", "throttle", key=KEY, cred="-")
-    got = parse_message(msg(kind="throttle", k=KEY, c="f" * 64), B, KNOWN)
+    got = parse_message(msg(kind="throttle", k=KEY, c="f" * 64, a=1, d=1), B, KNOWN)
     assert isinstance(got, Message) and got.cred == "f" * 64
 
 

@@ -3,6 +3,7 @@ provider whose headers are wrong: issue 32's storm, replayed on a virtual clock.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +12,8 @@ from core.admission.ratesim import Answer, Bare, Quantized, Textbook, run
 from unbroken.core.admission.throttle import (
     BETA,
     CLIMB_S,
+    MAX_RATE,
+    MAX_SKEW,
     MIN_RATE,
     SYNC_S,
     AdmissionThrottle,
@@ -69,7 +72,7 @@ def test_it_climbs_back_to_the_refused_rate_then_beyond_but_only_while_used() ->
         seq += 1
         t.sent(seq, now)
         t.accepted(seq, now)
-        if now < 1.1 + t.climb_s():
+        if now < 1.1 + CLIMB_S:
             assert t.rate <= w_max + 1e-9  # concave: back to the refused rate, not past it
     assert t.rate > w_max  # then it probes beyond
     # a quiet relay does not bank a licence: the rate is at most twice what is sent
@@ -80,58 +83,6 @@ def test_it_climbs_back_to_the_refused_rate_then_beyond_but_only_while_used() ->
     quiet.sent(2, 100.0)  # one request in 100 s: the curve is far up, the use is not
     quiet.accepted(2, 100.0)
     assert quiet.rate == before
-
-
-def _climb(t: AdmissionThrottle, start: float, until: float, seq: int) -> list[tuple[float, float]]:
-    """Use ``t`` at its own rate from ``start`` to ``until``: (time, rate) after each."""
-    now, out = start, []
-    while now < until:
-        now += 1 / t.rate
-        seq += 1
-        t.sent(seq, now)
-        t.accepted(seq, now)
-        out.append((now, t.rate))
-    return out
-
-
-def test_a_low_anchor_climbs_back_within_seconds_a_high_one_as_before() -> None:
-    # issue 32: a relay anchored at 1 a second by a 429 (it had seen one answer a
-    # second while a sibling took the rest) climbed to 2 a second only 30 s later
-    low = AdmissionThrottle()
-    low.fleet = True  # a sibling has told of a 429 (a lone relay's curve is as it was)
-    low.sent(1, 0.0)
-    low.accepted(1, 0.5)
-    low.sent(2, 0.9)
-    assert low.refused(2, 1.0, last_seq=2)
-    assert low.w_max == pytest.approx(1.0)
-    assert low.climb_s() < CLIMB_S
-    trace = _climb(low, 1.0, 1.0 + 12.0, seq=2)
-    assert trace[-1][1] >= 3.0  # was 1.03 a second 12 s on
-    assert all(r <= 1.0 + 1e-9 for at, r in trace if at < 1.0 + low.climb_s())
-    # a high anchor is CUBIC's curve scaled to it, unchanged: back in CLIMB_S, flat near
-    high = AdmissionThrottle()
-    high.fleet = True
-    for seq in range(1, 201):
-        high.sent(seq, seq * 0.01)
-        high.accepted(seq, seq * 0.01)
-    high.sent(201, 2.0)
-    assert high.refused(201, 2.0, last_seq=201)
-    assert high.w_max >= 90.0 and high.climb_s() == CLIMB_S
-    w_max = high.w_max
-    trace = _climb(high, 2.0, 2.0 + CLIMB_S + 2.0, seq=201)
-    assert all(r <= w_max + 1e-9 for at, r in trace if at < 2.0 + CLIMB_S)
-    assert trace[-1][1] < 1.01 * w_max
-
-
-def test_a_lone_relay_climbs_as_before() -> None:
-    alone = AdmissionThrottle()
-    alone.sent(1, 0.0)
-    alone.accepted(1, 0.5)
-    alone.sent(2, 0.9)
-    assert alone.refused(2, 1.0, last_seq=2)
-    assert alone.climb_s() == CLIMB_S
-    trace = _climb(alone, 1.0, 1.0 + 12.0, seq=2)
-    assert trace[-1][1] < 1.1
 
 
 def _busy(t: AdmissionThrottle, until: float, per_s: float = 5.0, seq: int = 0) -> int:
@@ -150,25 +101,77 @@ def test_a_siblings_429_lowers_a_relay_that_sent_lately_once_an_epoch() -> None:
     # and their rates drifted apart; a sibling's news lowers this one at once
     t = AdmissionThrottle()
     seq = _busy(t, 3.0, per_s=4.0)
-    assert t.fleet_refused(3.0, seq)
-    assert t.enabled and t.fleet and t.fleet_decreases == t.decreases == 1
-    assert t.w_max == pytest.approx(4.0, rel=0.05)  # anchored on what it had accepted
+    assert t.fleet_refused(3.0, seq, "b", anchor=0.0, demand=0.0, mine=10.0)
+    assert t.enabled and t.fleet_decreases == t.decreases == 1
+    assert t.anchor == pytest.approx(4.0, rel=0.05)  # what it had accepted, told in turn
+    assert t.demand == 10.0
+    assert t.w_max == pytest.approx(4.0, rel=0.05)  # a sibling that had nothing: no share
     assert t.rate == pytest.approx(BETA * t.w_max)
-    # the same refusal told again, or by another sibling, within SYNC_S: nothing more
-    assert not t.fleet_refused(3.0 + SYNC_S / 2, seq)
+    # the same refusal told again, or by another sibling, within SYNC_S: nothing lowered
+    assert not t.fleet_refused(3.0 + SYNC_S / 2, seq, "c", anchor=0.0, demand=0.0, mine=10.0)
     assert t.decreases == 1
     # its own 429 for a request sent before: the same epoch (it says nothing new)
     assert not t.refused(seq, 3.0 + SYNC_S / 2, last_seq=seq)
     # a later refusal is a new epoch
     seq = _busy(t, 3.0 + 2 * SYNC_S, per_s=2.0, seq=seq)
-    assert t.fleet_refused(3.0 + 2 * SYNC_S, seq)
+    assert t.fleet_refused(3.0 + 2 * SYNC_S, seq, "b", anchor=0.0, demand=0.0, mine=10.0)
     assert t.decreases == t.fleet_decreases == 2
+
+
+def test_an_epochs_rate_is_shared_by_demand() -> None:
+    # issue 32 (`overstated` over two relays): one relay was cut to one request a second
+    # by an early 429, having seen a second of answers while its sibling took most;
+    # its curve, scaled to that anchor, took 30 s to reach 2 a second while its 20
+    # agents waited.  The epoch's anchors are pooled: each gets the fleet's accepted
+    # rate in proportion to its demand.
+    low = AdmissionThrottle()
+    seq = _busy(low, 3.0, per_s=1.0) + 1
+    low.sent(seq, 3.0)
+    assert low.refused(seq, 3.0, last_seq=seq, demand=20.0)
+    assert low.w_max == pytest.approx(1.0, rel=0.05) and low.anchor == pytest.approx(1.0)
+    # the sibling's news within the epoch: it had 4 a second accepted, 20 waiting
+    assert not low.fleet_refused(3.1, seq, "b", anchor=4.0, demand=20.0, mine=20.0)
+    assert low.w_max == pytest.approx(2.5, rel=0.05)  # (1 + 4) * 20 / 40
+    assert low.rate == pytest.approx(BETA * low.w_max)
+    # and the sibling, told of it first, comes down to its share of the same pool
+    high = AdmissionThrottle()
+    seq = _busy(high, 3.0, per_s=4.0)
+    assert high.fleet_refused(3.05, seq, "a", anchor=1.0, demand=20.0, mine=20.0)
+    assert high.w_max == pytest.approx(2.5, rel=0.05)
+    # uneven demand: 25 and 15 agents get 5/8 and 3/8 of the pool
+    three = AdmissionThrottle()
+    seq = _busy(three, 3.0, per_s=4.0)
+    assert three.fleet_refused(3.05, seq, "a", anchor=1.0, demand=15.0, mine=25.0)
+    assert three.w_max == pytest.approx(5.0 * 25 / 40, rel=0.05)
+    # a third relay's news in the same epoch joins the pool (no further decrease)
+    assert not three.fleet_refused(3.2, seq, "c", anchor=3.0, demand=10.0, mine=25.0)
+    assert three.w_max == pytest.approx(8.0 * 25 / 50, rel=0.05)
+    assert three.decreases == 1
+
+
+def test_a_siblings_word_is_bounded() -> None:
+    t = AdmissionThrottle()
+    seq = _busy(t, 3.0, per_s=2.0)
+    assert t.refused(seq, 3.0, last_seq=seq, demand=10.0)
+    own = t.anchor
+    # a claim of a million a second counts as MAX_SKEW times this relay's own measure
+    t.fleet_refused(3.1, seq, "x", anchor=1e6, demand=10.0, mine=10.0)
+    assert t.w_max == pytest.approx((own + MAX_SKEW * own) / 2, rel=0.01)
+    # not a number, or below zero: nothing accepted, no demand
+    t.fleet_refused(3.2, seq, "x", anchor=float("nan"), demand=float("inf"), mine=10.0)
+    assert math.isfinite(t.w_max) and t.w_max >= MIN_RATE
+    t.fleet_refused(3.3, seq, "y", anchor=-5.0, demand=-1.0, mine=10.0)
+    assert math.isfinite(t.w_max) and t.w_max >= MIN_RATE
+    # siblings pooled in one epoch are bounded in number
+    for i in range(1000):
+        t.fleet_refused(3.4, seq, f"s{i}", anchor=1.0, demand=1.0, mine=10.0)
+    assert t.decreases == 1 and t.w_max <= MAX_RATE
 
 
 def test_a_relay_that_sent_nothing_is_not_lowered_by_a_sibling() -> None:
     t = AdmissionThrottle()
-    assert not t.fleet_refused(5.0, 0)
-    assert not t.enabled and t.decreases == 0 and t.fleet  # but it is one of a fleet
+    assert not t.fleet_refused(5.0, 0, "b", anchor=5.0, demand=20.0, mine=0.0)
+    assert not t.enabled and t.decreases == 0
     assert t.due(5.0, alone=False) == 5.0
 
 

@@ -553,7 +553,7 @@ class Limiter:
         explained = budget_due > now or hinted or retry_after_s is not None
         if (
             (modeled or not explained)
-            and self.throttle.refused(seq, now, self.seq)
+            and self.throttle.refused(seq, now, self.seq, self.demand)
             and self.ramp is not None
         ):
             # fewer in flight (halved, as TCP's slow start on a loss), still growing by
@@ -581,15 +581,23 @@ class Limiter:
         self.blocked_until = max(self.blocked_until, until)
         return self.blocked_until
 
-    def fleet_limited(self, now: float) -> bool:
-        """A sibling sharing this key and credential lowered its admitted rate after a
-        429 (`AdmissionThrottle.fleet_refused`): so does this one, once an epoch."""
-        return self.throttle.fleet_refused(now, self.seq)
+    def fleet_limited(self, now: float, who: str, anchor: float, demand: float) -> bool:
+        """Sibling ``who`` sharing this key and credential came down after a 429, seen
+        to accept ``anchor`` a second with ``demand`` requests in flight or waiting
+        (`AdmissionThrottle.fleet_refused`): so does this one, once an epoch, and the
+        epoch's rate is shared by demand.  True when this one came down."""
+        return self.throttle.fleet_refused(now, self.seq, who, anchor, demand, self.demand)
 
     @property
-    def own_decreases(self) -> int:
-        """The throttle's decreases this relay's own 429s made (what it tells siblings)."""
-        return self.throttle.decreases - self.throttle.fleet_decreases
+    def demand(self) -> float:
+        """Requests in flight or waiting here: this limiter's weight in the fleet."""
+        return float(len(self.running) + len(self.line))
+
+    def news(self) -> tuple[int, float, float]:
+        """The throttle's decreases so far, and the last one's anchor and demand: what
+        a fleet store tells the siblings after each (`relay.ratestore.RateShare`)."""
+        t = self.throttle
+        return t.decreases, t.anchor, t.demand
 
     def finish(
         self,

@@ -167,7 +167,8 @@ class Message:
     worker's ``hello`` (it asks for the others' state), a worker's ``waiting`` mark
     (it has turns in ``key``'s line for ``ttl_s`` more seconds; 0: no longer; at most
     `SharedBounds.waiting_s`), or a sibling's ``throttle`` (a 429 lowered its
-    admitted rate for ``key`` and credential hash ``cred``:
+    admitted rate for ``key`` and credential hash ``cred``; it had been seen to accept
+    ``anchor`` a second with ``demand`` requests in flight or waiting:
     `unbroken.core.admission.throttle.AdmissionThrottle.fleet_refused`)."""
 
     origin: str
@@ -177,6 +178,8 @@ class Message:
     key: str | None = None
     ttl_s: float = 0.0
     cred: str | None = None
+    anchor: float = 0.0
+    demand: float = 0.0
     #: a TTL was beyond this relay's bounds and was clamped
     clamped: bool = False
 
@@ -192,6 +195,14 @@ def _reject_constant(name: str) -> float:
 
 def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _rate(value: object) -> float | None:
+    """A finite number in ``[0, MAX_COUNT]`` (a rate a second, a count), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) and 0.0 <= v <= MAX_COUNT else None
 
 
 def parse_message(
@@ -230,9 +241,12 @@ def parse_message(
             return Rejected(Garbage.MESSAGE)
         if cred != "-" and not (0 < len(cred) <= MAX_CRED and cred.isascii() and cred.isalnum()):
             return Rejected(Garbage.MESSAGE)
+        anchor, demand = _rate(msg.get("a")), _rate(msg.get("d"))
+        if anchor is None or demand is None:
+            return Rejected(Garbage.MESSAGE)
         if key not in known:
             return Rejected(Garbage.UNKNOWN_KEY)
-        return Message(origin, kind, key=key, cred=cred)
+        return Message(origin, kind, key=key, cred=cred, anchor=anchor, demand=demand)
     if kind not in CHANGE_KINDS:
         return Rejected(Garbage.MESSAGE)
     key, reason, reopens = msg.get("k"), msg.get("r", ""), msg.get("n", 0)

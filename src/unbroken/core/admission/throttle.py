@@ -23,21 +23,25 @@ requests it lets go that only the provider's own answers move:
 * **Then it probes back up** along CUBIC's curve: concave back to the rate that
   was refused (``W_max``) over ``CLIMB_S`` seconds, flat near it, convex beyond
   it, so a limit that was raised is found again, and a limit that holds costs one
-  429 every few dozen requests.  In a fleet (below) the curve's constant is
-  never below ``C_MIN``: a relay anchored low is back sooner, not half a minute
-  later.  It grows only while it is used (never beyond
+  429 every few dozen requests.  It grows only while it is used (never beyond
   twice the rate actually sent: a quiet relay does not bank a licence).
 * **A request alone is never held.**  With nothing in flight and nobody waiting,
   a request goes: the throttle orders a crowd, it never slows the lone agent below
   the simplest retry loop (whose own retry delay and pacer still apply).
-* **A fleet's 429 is every relay's.**  Relays (or workers) that share a key tell
-  each other when a 429 lowered their rate (`fleet_refused`): the provider refuses
-  the fleet's total, so each comes down at once, anchored on what it was seen to
-  accept, and they climb back together.  Each relay probing on its own found the
-  limit as many times as there are relays, and their rates drifted apart (the one
-  that came down last kept more).  Once an epoch: a sibling's news within
-  ``SYNC_S`` of this relay's own decrease is the same refusal.  A relay that sent
-  nothing lately has nothing to lower; a lone relay never hears one.
+* **A fleet's 429 is every relay's, and so is its rate.**  Relays (or workers)
+  that share a key tell each other each decrease: what the relay was seen to
+  accept (its *anchor*) and its demand (requests in flight or waiting).  The
+  provider refuses the fleet's total, so a sibling's news lowers this relay too,
+  once an epoch (`fleet_refused`; news within ``SYNC_S`` of this relay's own
+  decrease is the same refusal), and the epoch's anchors are pooled: each relay
+  takes the fleet's accepted rate in proportion to its demand (`_even_out`).
+  Alone, each relay found the limit as many times as there are relays, and one
+  cut by a 429 while a sibling took most answers was anchored as low as it was
+  served (one a second of five) and climbed back as slowly: its agents waited
+  half a minute while its sibling's were served.  A sibling's anchor counts for
+  at most ``MAX_SKEW`` times this relay's own (a word from shared state is
+  bounded); a relay that sent nothing lately has nothing to lower and tells
+  nothing; a lone relay never hears any of it.
 * **Bounded.**  The rate stays within ``[MIN_RATE, MAX_RATE]`` and the wait it
   asks for is at most ``1 / MIN_RATE`` (the limiter caps every wait at
   ``max_wait_s`` on top).
@@ -51,7 +55,15 @@ import math
 from collections import deque
 from typing import Any
 
-__all__ = ["BETA", "CLIMB_S", "C_MIN", "MAX_RATE", "MIN_RATE", "SYNC_S", "AdmissionThrottle"]
+__all__ = [
+    "BETA",
+    "CLIMB_S",
+    "MAX_RATE",
+    "MAX_SKEW",
+    "MIN_RATE",
+    "SYNC_S",
+    "AdmissionThrottle",
+]
 
 #: the share of the accepted rate kept after a 429 (CUBIC's and botocore's beta)
 BETA = 0.95
@@ -59,14 +71,6 @@ BETA = 0.95
 CLIMB_S = 8.0
 #: after a decrease nothing accepted measured, the rate doubles this often
 PROBE_DOUBLE_S = 1.0
-#: CUBIC's constant at least, in a fleet (requests a second, per second cubed): the
-#: climb is scaled to the refused rate, and a relay anchored low (it had seen a second
-#: of answers while a sibling took the rest) climbed as slowly as it was low: from 1 a
-#: second to 2 in 30 s.  With the floor it is back within 3 s and passes 3 a second
-#: within 10 s; a refused rate of 50 a second or more climbs as before.  Only once a
-#: sibling has told of a 429 (`fleet_refused`): the fleet then probes together, and a
-#: lone relay's curve, and the 429s it costs, are as they were.
-C_MIN = 0.005
 #: the lowest admitted rate, requests a second (one every 20 s at the very worst)
 MIN_RATE = 0.05
 #: the highest admitted rate the curve may reach (a sanity bound, not a target)
@@ -81,6 +85,11 @@ BURST_S = 1.0
 RECENT_S = 1.0
 #: a sibling's decrease within this long of this relay's own is the same epoch's
 SYNC_S = 1.0
+#: a sibling's anchor counts for at most this many times this relay's own (or 1/s)
+MAX_SKEW = 4.0
+#: siblings pooled in one epoch at most, and the demand one may claim
+MAX_PEERS = 256
+MAX_DEMAND = 1_000_000.0
 
 
 class AdmissionThrottle:
@@ -93,11 +102,13 @@ class AdmissionThrottle:
         "_ep_sent",
         "_ep_seq",
         "_ep_t0",
+        "_peers",
         "_probing",
         "_t",
+        "anchor",
         "decreases",
+        "demand",
         "enabled",
-        "fleet",
         "fleet_decreases",
         "rate",
         "t_decrease",
@@ -121,10 +132,14 @@ class AdmissionThrottle:
         self._ep_ok = 0
         self._ep_refused = 0
         self.decreases = 0  # for /status
-        #: ... of which a sibling's 429 made (`fleet_refused`; never told again)
+        #: ... of which a sibling's news made (`fleet_refused`)
         self.fleet_decreases = 0
-        #: a sibling has told of a 429: this relay probes as one of a fleet (`C_MIN`)
-        self.fleet = False
+        #: the last decrease's own measure, told to the siblings: the rate accepted
+        #: (the anchor) and the demand (requests in flight or waiting)
+        self.anchor = 0.0
+        self.demand = 0.0
+        #: the siblings' news in this epoch: who -> (anchor, demand)
+        self._peers: dict[str, tuple[float, float]] = {}
         #: the last decrease was a guess (its epoch had no accepted answer)
         self._probing = False
         #: when the answers of the last ``RECENT_S`` were accepted (bounded)
@@ -138,22 +153,10 @@ class AdmissionThrottle:
         after a timeout): a rate anchored low on a guess is not stuck there."""
         t = now - self.t_decrease
         c = self.w_max * (1.0 - BETA) / CLIMB_S**3
-        k = CLIMB_S
-        if self.fleet and c < C_MIN:  # a low anchor in a fleet: see C_MIN
-            c = C_MIN
-            k = self.climb_s()
-        cubic = self.w_max + c * (t - k) ** 3
+        cubic = self.w_max + c * (t - CLIMB_S) ** 3
         if self._probing:
             return max(cubic, BETA * self.w_max * math.pow(2.0, min(t / PROBE_DOUBLE_S, 40.0)))
         return cubic
-
-    def climb_s(self) -> float:
-        """Seconds from the last decrease back to the refused rate (CUBIC's K):
-        ``CLIMB_S``, or less in a fleet when ``C_MIN`` sets the pace (a low anchor)."""
-        c = self.w_max * (1.0 - BETA) / CLIMB_S**3
-        if not self.fleet or c >= C_MIN:
-            return CLIMB_S
-        return float((self.w_max * (1.0 - BETA) / C_MIN) ** (1.0 / 3.0))
 
     def _refill(self, now: float) -> None:
         dt = now - self._t
@@ -196,9 +199,10 @@ class AdmissionThrottle:
             grown = min(grown, max(2.0 * sent_rate, self.rate))  # only while it is used
         self.rate = min(MAX_RATE, max(self.rate, grown))
 
-    def refused(self, seq: int, now: float, last_seq: int) -> bool:
+    def refused(self, seq: int, now: float, last_seq: int, demand: float = 0.0) -> bool:
         """Admission ``seq`` was answered 429.  True when the rate was lowered (once
-        an epoch); ``last_seq``: the newest admission (the next epoch starts after it)."""
+        an epoch); ``last_seq``: the newest admission (the next epoch starts after it);
+        ``demand``: this relay's requests in flight or waiting (told the siblings)."""
         if seq <= self._ep_seq:
             return False  # sent before the last decrease: it says nothing new
         self._ep_refused += 1
@@ -210,15 +214,26 @@ class AdmissionThrottle:
         recent = self._recent(now)
         if recent > 0.0:  # what got through in the last second: a quantized limit's size
             accepted = min(accepted, recent) if accepted > 0.0 else recent
-        self._decrease(now, last_seq, accepted, sent_rate)
+        # within the fleet's epoch the siblings' news still holds (pooled again)
+        same = self.enabled and now - self.t_decrease < SYNC_S
+        self._decrease(now, last_seq, accepted, sent_rate, demand, keep_peers=same)
         return True
 
-    def fleet_refused(self, now: float, last_seq: int) -> bool:
-        """A sibling sharing this key lowered its rate after a 429 (see the module
-        docstring).  True when this relay's rate was lowered too."""
-        self.fleet = True
+    def fleet_refused(
+        self, now: float, last_seq: int, who: str, anchor: float, demand: float, mine: float
+    ) -> bool:
+        """Sibling ``who`` sharing this key came down (a 429, or a sibling's news): it
+        had been seen to accept ``anchor`` a second with ``demand`` requests in flight
+        or waiting; ``mine``: this relay's demand now (see the module docstring).
+        True when this relay came down too (its own news is then told)."""
+        anchor = min(max(anchor, 0.0), MAX_RATE) if math.isfinite(anchor) else 0.0
+        demand = min(max(demand, 0.0), MAX_DEMAND) if math.isfinite(demand) else 0.0
         if self.enabled and now - self.t_decrease < SYNC_S:
-            return False  # this relay came down for the same refusal
+            # the same refusal: nothing lowered again, the epoch's anchors pooled
+            if who in self._peers or len(self._peers) < MAX_PEERS:
+                self._peers[who] = (anchor, demand)
+                self._even_out()
+            return False
         sent_rate = self._sent_rate(now)
         if sent_rate is None:
             return False  # it sent nothing this epoch: nothing of it to lower
@@ -227,12 +242,39 @@ class AdmissionThrottle:
         recent = self._recent(now)
         if recent > 0.0:
             accepted = min(accepted, recent) if accepted > 0.0 else recent
-        self._decrease(now, last_seq, accepted, sent_rate)
+        self._decrease(now, last_seq, accepted, sent_rate, mine, keep_peers=False)
         self.fleet_decreases += 1
+        self._peers[who] = (anchor, demand)
+        self._even_out()
         return True
 
-    def _decrease(self, now: float, last_seq: int, accepted: float, sent_rate: float) -> None:
+    def _even_out(self) -> None:
+        """The epoch's anchors pooled: this relay's rate is the fleet's accepted rate
+        in proportion to its demand (a sibling's anchor bounded by ``MAX_SKEW``)."""
+        peers = self._peers
+        if not peers or self.demand <= 0.0:
+            return
+        bound = MAX_SKEW * max(self.anchor, 1.0)
+        pooled = self.anchor + sum(min(a, bound) for a, _ in peers.values())
+        wanted = self.demand + sum(d for _, d in peers.values())
+        if pooled <= 0.0:
+            return
+        self.w_max = min(MAX_RATE, max(MIN_RATE, pooled * self.demand / wanted))
+        self.rate = max(MIN_RATE, BETA * self.w_max)
+
+    def _decrease(
+        self,
+        now: float,
+        last_seq: int,
+        accepted: float,
+        sent_rate: float,
+        demand: float,
+        *,
+        keep_peers: bool,
+    ) -> None:
         """CUBIC's decrease, anchored on the ``accepted`` rate (a new epoch)."""
+        self.anchor = accepted
+        self.demand = min(max(demand, 0.0), MAX_DEMAND) if math.isfinite(demand) else 0.0
         self._probing = accepted <= 0.0
         if self._probing:  # nothing got through this epoch: less than was sent
             accepted = BETA * sent_rate
@@ -251,6 +293,10 @@ class AdmissionThrottle:
         self._ep_seq = last_seq
         self._ep_t0 = now
         self._ep_sent = self._ep_ok = self._ep_refused = 0
+        if keep_peers:
+            self._even_out()
+        else:
+            self._peers = {}
 
     def _recent(self, now: float) -> float:
         """Answers accepted a second, over the last ``RECENT_S``."""
@@ -273,4 +319,5 @@ class AdmissionThrottle:
             "refused_at_per_s": round(self.w_max, 3) if self.enabled else None,
             "decreases": self.decreases,
             "fleet_decreases": self.fleet_decreases,
+            "pooled_with": len(self._peers),
         }
