@@ -151,6 +151,14 @@ async def test_garbage_on_the_channel_changes_nothing(
             # a valid one last: once it is applied, every one before it was read
             await r.publish(CHANNEL, json.dumps({**told, "c": cred}))
             await until(lambda: lim.throttle.fleet_decreases == 1)
+            # the same message again and again moves nothing (no lease asked, no pump)
+            moved: list[str] = []
+            b.relay.board.rates.listeners.append(moved.append)
+            for _ in range(50):
+                await r.publish(CHANNEL, json.dumps({**told, "c": cred}))
+            await r.publish(CHANNEL, json.dumps({**told, "c": cred, "o": "y", "d": 3}))
+            await until(lambda: len(lim.throttle._peers) == 2)  # the last one was read
+            assert len(moved) <= 1, moved  # only the new sibling's word moved the rate
         finally:
             await r.aclose()
         garbage = b.relay.store.garbage

@@ -386,10 +386,12 @@ class RateShare:
         lim = self.board.rates.limiters.get(key, {}).get(cred)
         if lim is None:
             return False
+        rate = lim.throttle.rate
         lowered = lim.fleet_limited(asyncio.get_running_loop().time(), who, anchor, demand)
         if lowered:
             self.sibling_decreases += 1
-        self.board.rates.changed(key)  # a new rate: the line moves by it
+        if lowered or lim.throttle.rate != rate:  # (a repeated message changes nothing)
+            self.board.rates.changed(key)  # a new rate: the line moves by it
         return lowered
 
     def unshare(self, lim: Limiter) -> None:

@@ -74,7 +74,7 @@ from typing import Any
 
 from unbroken.core.admission.pacer import GRANT_TTL_S
 from unbroken.core.admission.ratehead import RateHeaders, Reading
-from unbroken.core.admission.throttle import AdmissionThrottle
+from unbroken.core.admission.throttle import MAX_RATE, AdmissionThrottle
 
 __all__ = [
     "Bucket",
@@ -597,7 +597,8 @@ class Limiter:
         """The throttle's decreases so far, and the last one's anchor and demand: what
         a fleet store tells the siblings after each (`relay.ratestore.RateShare`)."""
         t = self.throttle
-        return t.decreases, t.anchor, t.demand
+        anchor = min(max(t.anchor, 0.0), MAX_RATE) if math.isfinite(t.anchor) else 0.0
+        return t.decreases, anchor, t.demand  # (finite: a message's JSON has no NaN)
 
     def finish(
         self,
