@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Generator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fleet_sim_world import SimStore, StoreDown
@@ -358,9 +359,21 @@ class SimRelay:
     def _on_change(self, change: Change) -> None:
         if change.remote or change.kind == "half_open" or not self.up:
             return
-        self.loop.spawn(self._publish(change))
+        written = None
+        if change.kind in ("open", "close"):
+            store = self.store
+            assert store is not None
+            written = partial(store.release_probe, change.key)
+        self.loop.spawn(
+            self._through_store(lambda peer: peer.board.apply(change, self.loop.now), written)
+        )
 
-    def _publish(self, change: Change) -> Co:
+    def _through_store(
+        self, deliver: Callable[[SimRelay], None], written: Callable[[], None] | None = None
+    ) -> Co:
+        """One message through the store (a change, a throttle's news): written in half
+        a round trip (then ``written``), heard by the other relays about as late as the
+        writer's answer (``deliver`` to each that is up)."""
         store = self.store
         assert store is not None
         rtt = store.rtt()
@@ -370,34 +383,28 @@ class SimRelay:
         except StoreDown:
             self._degrade()
             return
-        if change.kind in ("open", "close"):
-            store.release_probe(change.key)
-        yield rtt / 2  # the other relays hear it about as late as the writer's answer
-        now = self.loop.now
+        if written is not None:
+            written()
+        yield rtt / 2
         for peer in self.peers:
             if peer.up:
-                peer.board.apply(change, now)
+                deliver(peer)
 
     def _tell_throttle(self, key: str, cred: str, anchor: float, demand: float) -> Co:
         """As the stores' ``throttle`` message (`RateShare.tell`, `sibling_limited`):
         this relay's rate came down; the peers' limiters of the same key and credential
-        come down too and share the epoch's rate by demand (one message through the
-        store)."""
-        store = self.store
-        assert store is not None
-        rtt = store.rtt()
-        yield rtt / 2
-        try:
-            store.op(self.loop.now)
-        except StoreDown:
-            self._degrade()
-            return
-        yield rtt / 2
-        for peer in self.peers:
+        come down too and share the epoch's rate by demand."""
+
+        def deliver(peer: SimRelay) -> None:
             lim = peer.board.rates.limiters.get(key, {}).get(cred)
-            if peer.up and lim is not None:
-                lim.fleet_limited(self.loop.now, str(self.index), anchor, demand)
+            if lim is None:
+                return
+            rate = lim.throttle.rate
+            lowered = lim.fleet_limited(self.loop.now, str(self.index), anchor, demand)
+            if lowered or lim.throttle.rate != rate:
                 peer.board.rates.changed(key)
+
+        return self._through_store(deliver)
 
     def _probe_gate(self, key: str, ttl_s: float) -> bool | None:
         if not self.up:

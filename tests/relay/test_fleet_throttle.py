@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -27,7 +25,7 @@ import redis.asyncio as aioredis
 
 from redisfix import RedisServer
 from relay.test_health_relay import CHAT, PATH, until
-from unbroken.config import parse_config
+from relay.test_ratelimit_redis import fleet_config
 from unbroken.core.admission.ratelimit import Limiter
 from unbroken.core.admission.shared import Garbage
 from unbroken.mock import MockProvider
@@ -39,20 +37,18 @@ from unbroken.relay.store import CHANNEL
 KEY = {"Authorization": "Bearer sk-fleet-throttle-key"}
 
 
-def _config(upstream: str, store: str = "memory") -> Any:
-    data = {
-        "retry": {"delay_ms": 5, "max_delay_ms": 50},
-        "health": {"store": store},
-        "routes": {"mock": {"upstreams": [{"url": upstream}]}},
-        "journal": {"enabled": False},
-    }
-    return dataclasses.replace(parse_config(data, env={}), port=0, grace_s=2.0)
-
-
 async def _post(http: aiohttp.ClientSession, server: RelayServer) -> int:
     async with http.post(server.url + PATH, json=CHAT, headers=KEY) as r:
         await r.read()
         return r.status
+
+
+async def _crowd(http: aiohttp.ClientSession, server: RelayServer) -> None:
+    """Thirty turns at once through ``server``: the provider refuses some, and the
+    first unexplained 429 lowers that relay's throttle (its own decrease)."""
+    results = await asyncio.wait_for(asyncio.gather(*(_post(http, server) for _ in range(30))), 60)
+    own = _limiter(server).throttle
+    assert results == [200] * 30 and own.decreases - own.fleet_decreases >= 1
 
 
 def _limiter(server: RelayServer) -> Limiter:
@@ -65,9 +61,10 @@ async def _pair(kind: str, upstream: str, where: Path | str) -> AsyncIterator[li
     """Two relays over Redis (``where``: its URL), or two workers (``where``: their
     runtime directory)."""
     if kind == "redis":
-        servers = [RelayServer(_config(upstream, str(where))) for _ in range(2)]
+        servers = [RelayServer(fleet_config(upstream, str(where))) for _ in range(2)]
     else:
-        servers = [RelayServer(_config(upstream), worker=WorkerSpec(i, str(where))) for i in (0, 1)]
+        cfg = fleet_config(upstream, "memory")
+        servers = [RelayServer(cfg, worker=WorkerSpec(i, str(where))) for i in (0, 1)]
     for s in servers:
         await s.start()
     try:
@@ -96,12 +93,7 @@ async def test_a_429_that_lowers_one_relay_lowers_its_sibling(
         assert await _post(http, b) == 200  # the sibling has sent lately
         sibling = _limiter(b)
         assert not sibling.throttle.enabled
-        # a crowd through the other relay: the provider refuses some, and the first
-        # unexplained 429 lowers that relay's throttle
-        results = await asyncio.wait_for(asyncio.gather(*(_post(http, a) for _ in range(30))), 60)
-        assert results == [200] * 30
-        crowd = _limiter(a).throttle
-        assert crowd.decreases - crowd.fleet_decreases >= 1  # its own 429s
+        await _crowd(http, a)  # a crowd through the other relay lowers its throttle
         # ... and its sibling's, which collected no 429 of its own
         await until(lambda: sibling.throttle.fleet_decreases >= 1)
         assert sibling.throttle.enabled and sibling.limited_total == 0
@@ -115,9 +107,7 @@ async def test_a_sibling_that_sent_nothing_lately_is_not_lowered(
     kind, where = fleet
     mock.limits = MockLimits(rpm=600, behaviour="bare", start=0.01)
     async with _pair(kind, mock.url, where) as (a, b), aiohttp.ClientSession() as http:
-        results = await asyncio.wait_for(asyncio.gather(*(_post(http, a) for _ in range(30))), 60)
-        own = _limiter(a).throttle
-        assert results == [200] * 30 and own.decreases - own.fleet_decreases >= 1
+        await _crowd(http, a)
         # b has no limiter for the key: the message names nothing it has (no state for
         # strangers); its first turn is paced by its own answers only
         assert list(b.relay.board.rates.all()) == []
