@@ -391,17 +391,17 @@ class SimRelay:
                 deliver(peer)
 
     def _tell_throttle(self, key: str, cred: str, anchor: float, demand: float) -> Co:
-        """As the stores' ``throttle`` message (`RateShare.tell`, `sibling_limited`):
-        this relay's rate came down; the peers' limiters of the same key and credential
-        come down too and share the epoch's rate by demand."""
+        """As the stores' ``throttle`` message (`RateShare.tell`, `sibling_news`): this
+        relay's measure (after a decrease, or answering a sibling's); the peers'
+        limiters of the same key and credential pool it (raised to their share)."""
 
         def deliver(peer: SimRelay) -> None:
             lim = peer.board.rates.limiters.get(key, {}).get(cred)
             if lim is None:
                 return
             rate = lim.throttle.rate
-            lowered = lim.fleet_limited(self.loop.now, str(self.index), anchor, demand)
-            if lowered or lim.throttle.rate != rate:
+            answer = lim.sibling_news(self.loop.now, str(self.index), anchor, demand)
+            if answer or lim.throttle.rate != rate:
                 peer.board.rates.changed(key)
 
         return self._through_store(deliver)

@@ -125,15 +125,14 @@ def test_agents_spread_unevenly_over_relays_get_turns_alike(
     assert min(a, b) / max(a, b) < 0.7, (a, b)  # the test can tell the difference
 
 
-def test_relays_that_tell_each_other_of_429s_climb_back_together(
+def test_a_relay_served_below_its_share_is_raised_to_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The throttle's news (`AdmissionThrottle.fleet_refused`): `overstated` over two
-    relays.  Each relay correcting itself on its own 429s could be anchored at one
-    request a second by an early 429 (it had seen a second of answers while the other
-    relay took most) and climb back as slowly as it was low: goodput 78 % in one seed
-    of four.  Told of each other's 429s, the relays come down together and climb back
-    in seconds."""
+    """The throttles' measures pooled (`AdmissionThrottle.sibling_news`): `overstated`
+    over two relays.  Each relay correcting itself on its own 429s could be anchored at
+    one request a second by an early 429 (it had seen a second of answers while the
+    other relay took most) and climb back as slowly as it was low: goodput 78 % in one
+    seed of four.  Pooled, a relay served below its share is raised to it at once."""
     import fleet_sim_relay
 
     def goodput(seed: int) -> float:

@@ -21,10 +21,10 @@ Each provider budget (per key) is shared as relays share it through Redis
 `RATES_FILE` in the same directory, and each worker takes leases from them for the
 turns in its line (`unbroken.relay.ratefile.FileRates`: SQLite transactions, off
 the event loop).  A slow or failing file leaves a worker pacing alone until the
-next report (logged once, and once when it answers again); a 429 that lowered a
-worker's throttle is told to the siblings in a datagram, as relays tell it on Redis's
-channel; ``/status`` shows ``ratelimits`` (``shared_buckets``, ``leases``,
-``sibling_decreases``) under the store.
+next report (logged once, and once when it answers again); a worker's throttle
+measure (after a 429 lowered it, or answering a sibling's) goes to the siblings in a
+datagram, as relays send it on Redis's channel; ``/status`` shows ``ratelimits``
+(``shared_buckets``, ``leases``, ``sibling_news``) under the store.
 """
 
 from __future__ import annotations

@@ -29,14 +29,14 @@ waiting one is granted nothing yet (`unbroken.core.admission.leasemath.LineMark`
 so the fleet's budget goes to the turns in the order they came, however unevenly the
 agents are spread over the relays.
 
-The relays' throttles (`unbroken.core.admission.throttle`) are one fleet's: when a
-limiter's admitted rate comes down, the store tells the siblings (``tell``: a
-``throttle`` message naming the key and the credential hash, with the rate it was seen
-to accept and its demand, on Redis's channel or the workers' datagrams); each sibling
-that sent on that key lately comes down too, once an epoch, and the epoch's accepted
-rates are shared by demand (`RateShare.sibling_limited`).  The provider refuses the
-fleet's total: relays that each found the limit on their own probed as many times as
-there are of them, and one cut while a sibling took most answers stayed low.
+The relays' throttles (`unbroken.core.admission.throttle`) share what each was seen
+to accept: when a limiter's admitted rate comes down, the store tells the siblings
+(``tell``: a ``throttle`` message naming the key and the credential hash, with the
+rate it was seen to accept and its demand, on Redis's channel or the workers'
+datagrams); each sibling that sent on that key lately answers with its own, and each
+pools them: a relay served below its share of the fleet's accepted rate (by demand)
+is raised to it (`RateShare.sibling_news`).  One cut by a 429 while a sibling took
+most answers no longer stays anchored low.
 
 Redis unreachable or slower than the budget (250 ms): the limiter's buckets stop
 being shared and refill locally again (each relay paces alone; a 429 then still
@@ -312,7 +312,7 @@ class RateShare:
         self.tell = tell
         #: (key, credential) -> the throttle decreases told so far
         self._told: dict[tuple[str, str], int] = {}
-        self.sibling_decreases = 0  # for /status
+        self.sibling_news_total = 0  # for /status
         #: (limiter, bucket) -> the report version pushed to the store
         self._pushed: dict[tuple[int, str], int] = {}
         self._busy: set[int] = set()  # limiters with a top-up under way
@@ -336,7 +336,7 @@ class RateShare:
         return {
             "shared_buckets": shared,
             "leases": self.leases,
-            "sibling_decreases": self.sibling_decreases,
+            "sibling_news": self.sibling_news_total,
         }
 
     def _name(self, lim: Limiter, bucket: str) -> str:
@@ -377,22 +377,18 @@ class RateShare:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def sibling_limited(self, key: str, cred: str, who: str, anchor: float, demand: float) -> bool:
-        """Sibling ``who``'s message: its admitted rate for ``key`` and ``cred`` came
-        down, anchored on ``anchor`` a second with ``demand`` requests.  This relay's
-        comes down too (once an epoch, and only if it sent lately), and the epoch's
-        rate is shared by demand (`core.admission.throttle.AdmissionThrottle
-        .fleet_refused`); True when it came down."""
+    def sibling_news(self, key: str, cred: str, who: str, anchor: float, demand: float) -> None:
+        """Sibling ``who``'s measure for ``key`` and ``cred`` (its anchor and demand):
+        pooled by this relay's limiter, which may be raised to its share and may
+        answer with its own (`core.admission.throttle.AdmissionThrottle.sibling_news`)."""
         lim = self.board.rates.limiters.get(key, {}).get(cred)
         if lim is None:
-            return False
+            return
         rate = lim.throttle.rate
-        lowered = lim.fleet_limited(asyncio.get_running_loop().time(), who, anchor, demand)
-        if lowered:
-            self.sibling_decreases += 1
-        if lowered or lim.throttle.rate != rate:  # (a repeated message changes nothing)
-            self.board.rates.changed(key)  # a new rate: the line moves by it
-        return lowered
+        answer = lim.sibling_news(asyncio.get_running_loop().time(), who, anchor, demand)
+        self.sibling_news_total += 1
+        if answer or lim.throttle.rate != rate:  # (a repeated message changes nothing)
+            self.board.rates.changed(key)  # tells the answer; a new rate moves the line
 
     def unshare(self, lim: Limiter) -> None:
         """Local pacing for this limiter (Redis is away): its buckets refill locally."""

@@ -100,7 +100,7 @@ class HealthStore:
     def _tell_throttle(self, key: str, cred: str, anchor: float, demand: float) -> None:
         """This relay's admitted rate for ``key`` and ``cred`` came down, anchored on
         ``anchor`` a second with ``demand`` requests: tell the siblings
-        (`unbroken.relay.ratestore.RateShare.sibling_limited`)."""
+        (`unbroken.relay.ratestore.RateShare.sibling_news`)."""
         msg = {"o": self.origin, "kind": "throttle", "k": key, "c": cred, "a": anchor, "d": demand}
         self._broadcast(json.dumps(msg).encode())
 
@@ -110,7 +110,7 @@ class HealthStore:
     def _sibling_limited(self, msg: Message) -> None:
         """A sibling's ``throttle`` message (validated), for the rate share if any."""
         if self.rates is not None and msg.key is not None and msg.cred is not None:
-            self.rates.sibling_limited(msg.key, msg.cred, msg.origin, msg.anchor, msg.demand)
+            self.rates.sibling_news(msg.key, msg.cred, msg.origin, msg.anchor, msg.demand)
 
     def _ignored(self, why: Garbage, where: str) -> None:
         """Garbage from shared state: counted, logged at most once a minute per kind."""

@@ -581,12 +581,12 @@ class Limiter:
         self.blocked_until = max(self.blocked_until, until)
         return self.blocked_until
 
-    def fleet_limited(self, now: float, who: str, anchor: float, demand: float) -> bool:
-        """Sibling ``who`` sharing this key and credential came down after a 429, seen
-        to accept ``anchor`` a second with ``demand`` requests in flight or waiting
-        (`AdmissionThrottle.fleet_refused`): so does this one, once an epoch, and the
-        epoch's rate is shared by demand.  True when this one came down."""
-        return self.throttle.fleet_refused(now, self.seq, who, anchor, demand, self.demand)
+    def sibling_news(self, now: float, who: str, anchor: float, demand: float) -> bool:
+        """Sibling ``who`` sharing this key and credential told its measure: seen to
+        accept ``anchor`` a second with ``demand`` requests in flight or waiting
+        (`AdmissionThrottle.sibling_news`: pooled; a relay served below its share is
+        raised to it, none is lowered).  True when this one answers with its own."""
+        return self.throttle.sibling_news(now, who, anchor, demand, self.demand)
 
     @property
     def demand(self) -> float:
@@ -594,11 +594,12 @@ class Limiter:
         return float(len(self.running) + len(self.line))
 
     def news(self) -> tuple[int, float, float]:
-        """The throttle's decreases so far, and the last one's anchor and demand: what
-        a fleet store tells the siblings after each (`relay.ratestore.RateShare`)."""
+        """How many measures the throttle has had to tell (its decreases, its answers
+        to siblings), and the last one's anchor and demand: what a fleet store tells
+        the siblings after each (`relay.ratestore.RateShare`)."""
         t = self.throttle
         anchor = min(max(t.anchor, 0.0), MAX_RATE) if math.isfinite(t.anchor) else 0.0
-        return t.decreases, anchor, t.demand  # (finite: a message's JSON has no NaN)
+        return t.decreases + t.replies, anchor, t.demand  # (finite: JSON has no NaN)
 
     def finish(
         self,

@@ -166,10 +166,10 @@ class Message:
     """A valid message: a change to apply (``open``, ``close``, ``cooloff``), a
     worker's ``hello`` (it asks for the others' state), a worker's ``waiting`` mark
     (it has turns in ``key``'s line for ``ttl_s`` more seconds; 0: no longer; at most
-    `SharedBounds.waiting_s`), or a sibling's ``throttle`` (a 429 lowered its
-    admitted rate for ``key`` and credential hash ``cred``; it had been seen to accept
-    ``anchor`` a second with ``demand`` requests in flight or waiting:
-    `unbroken.core.admission.throttle.AdmissionThrottle.fleet_refused`)."""
+    `SharedBounds.waiting_s`), or a sibling's ``throttle`` measure for ``key`` and
+    credential hash ``cred`` (after a decrease, or answering one): it had been seen to
+    accept ``anchor`` a second with ``demand`` requests in flight or waiting
+    (`unbroken.core.admission.throttle.AdmissionThrottle.sibling_news`)."""
 
     origin: str
     kind: str
