@@ -307,10 +307,11 @@ class RateShare:
         self.on_garbage = on_garbage
         #: told when the backend answered (a store that logged an error logs "back")
         self.on_answer = on_answer
-        #: tells the siblings that a limiter's admitted rate came down (the store's
-        #: message: key, credential hash, anchor, demand); see `sibling_limited`
+        #: tells the siblings a limiter's measure, after its throttle came down or in
+        #: answer to theirs (the store's message: key, credential hash, anchor,
+        #: demand); see `sibling_news`
         self.tell = tell
-        #: (key, credential) -> the throttle decreases told so far
+        #: (key, credential) -> the throttle's measures told so far
         self._told: dict[tuple[str, str], int] = {}
         self.sibling_news_total = 0  # for /status
         #: (limiter, bucket) -> the report version pushed to the store

@@ -107,7 +107,7 @@ class HealthStore:
     def _broadcast(self, data: bytes) -> None:
         """Send a message to every sibling (the default store has none)."""
 
-    def _sibling_limited(self, msg: Message) -> None:
+    def _sibling_news(self, msg: Message) -> None:
         """A sibling's ``throttle`` message (validated), for the rate share if any."""
         if self.rates is not None and msg.key is not None and msg.cred is not None:
             self.rates.sibling_news(msg.key, msg.cred, msg.origin, msg.anchor, msg.demand)
@@ -136,7 +136,7 @@ class HealthStore:
         if msg.change is not None:
             self.board.apply(msg.change, self.clock())
         elif msg.kind == "throttle":
-            self._sibling_limited(msg)
+            self._sibling_news(msg)
         return msg
 
     def _apply_reading(self, reading: KeyReading, where: str) -> None:

@@ -86,7 +86,7 @@ RECENT_S = 1.0
 SYNC_S = 1.0
 #: a sibling's anchor counts for at most this many times this relay's own (or 1/s)
 MAX_SKEW = 4.0
-#: siblings pooled in one epoch at most, and the demand one may claim
+#: siblings pooled in one window at most, and the demand one may claim
 MAX_PEERS = 256
 MAX_DEMAND = 1_000_000.0
 
@@ -212,14 +212,10 @@ class AdmissionThrottle:
         if seq <= self._ep_seq:
             return False  # sent before the last decrease: it says nothing new
         self._ep_refused += 1
-        answered = self._ep_ok + self._ep_refused
         sent_rate = self._sent_rate(now)
         if sent_rate is None:
             sent_rate = self.rate if self.enabled else 1.0
-        accepted = sent_rate * self._ep_ok / answered
-        recent = self._recent(now)
-        if recent > 0.0:  # what got through in the last second: a quantized limit's size
-            accepted = min(accepted, recent) if accepted > 0.0 else recent
+        accepted = self._accepted(now, sent_rate)
         self._decrease(now, last_seq, accepted, sent_rate)
         self._open_pool(now, accepted, demand)
         self._raise()  # (siblings heard in the window so far still count)
@@ -236,10 +232,10 @@ class AdmissionThrottle:
         demand = min(max(demand, 0.0), MAX_DEMAND) if math.isfinite(demand) else 0.0
         reply = False
         if now - self._pool_t >= SYNC_S:  # a new window: this relay's own measure
-            accepted = self._accepted(now)
-            if accepted is None:
+            sent_rate = self._sent_rate(now)
+            if sent_rate is None:
                 return False  # it sent nothing lately: nothing to pool, nothing to tell
-            self._open_pool(now, accepted, mine)
+            self._open_pool(now, self._accepted(now, sent_rate), mine)
             self.replies += 1
             reply = True
         if who in self._peers or len(self._peers) < MAX_PEERS:
@@ -247,11 +243,10 @@ class AdmissionThrottle:
             self._raise()
         return reply
 
-    def _accepted(self, now: float) -> float | None:
-        """The rate this epoch's requests were seen accepted at (None: none sent)."""
-        sent_rate = self._sent_rate(now)
-        if sent_rate is None:
-            return None
+    def _accepted(self, now: float, sent_rate: float) -> float:
+        """The rate this epoch's requests (sent at ``sent_rate``) were seen accepted
+        at: the answered share of what was sent, and at most what got through in the
+        last second (a quantized limit's size)."""
         answered = self._ep_ok + self._ep_refused
         accepted = sent_rate * (self._ep_ok / answered if answered else 1.0)
         recent = self._recent(now)
