@@ -13,8 +13,8 @@ from unbroken.core.admission.throttle import (
     BETA,
     CLIMB_S,
     MAX_RATE,
-    MAX_SKEW,
     MIN_RATE,
+    SIBLING_SKEW,
     SYNC_S,
     AdmissionThrottle,
 )
@@ -153,9 +153,9 @@ def test_a_siblings_word_is_bounded() -> None:
     t.sent(seq, 3.0)
     assert t.refused(seq, 3.0, last_seq=seq, demand=10.0)
     own = t.anchor
-    # a claim of a million a second counts as MAX_SKEW times this relay's own measure
+    # a claim of a million a second counts as SIBLING_SKEW times this relay's own measure
     t.sibling_news(3.1, "x", anchor=1e6, demand=10.0, mine=10.0)
-    assert t.w_max == pytest.approx((own + MAX_SKEW * own) / 2, rel=0.01)
+    assert t.w_max == pytest.approx((own + SIBLING_SKEW * own) / 2, rel=0.01)
     # not a number, or below zero: nothing accepted, no demand
     t.sibling_news(3.2, "x", anchor=float("nan"), demand=float("inf"), mine=10.0)
     assert math.isfinite(t.w_max) and t.w_max >= MIN_RATE

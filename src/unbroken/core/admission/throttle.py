@@ -40,7 +40,7 @@ requests it lets go that only the provider's own answers move:
   Nothing a sibling says lowers a relay: its own 429s do (a fleet lowered as one
   on every sibling's 429 collapsed at scale in the simulator: 10,000 agents over
   50 relays at 41 to 44 % of the limit).  A sibling's anchor counts for at most
-  ``MAX_SKEW`` times this relay's own; a lone relay hears none of it.
+  ``SIBLING_SKEW`` times this relay's own; a lone relay hears none of it.
 * **Bounded.**  The rate stays within ``[MIN_RATE, MAX_RATE]`` and the wait it
   asks for is at most ``1 / MIN_RATE`` (the limiter caps every wait at
   ``max_wait_s`` on top).
@@ -58,8 +58,8 @@ __all__ = [
     "BETA",
     "CLIMB_S",
     "MAX_RATE",
-    "MAX_SKEW",
     "MIN_RATE",
+    "SIBLING_SKEW",
     "SYNC_S",
     "AdmissionThrottle",
 ]
@@ -85,7 +85,7 @@ RECENT_S = 1.0
 #: siblings' measures within this long of this relay's own are one window's
 SYNC_S = 1.0
 #: a sibling's anchor counts for at most this many times this relay's own (or 1/s)
-MAX_SKEW = 4.0
+SIBLING_SKEW = 4.0
 #: siblings pooled in one window at most, and the demand one may claim
 MAX_PEERS = 256
 MAX_DEMAND = 1_000_000.0
@@ -266,13 +266,13 @@ class AdmissionThrottle:
 
     def _raise(self) -> None:
         """The window's measures pooled: this relay's share is the fleet's accepted
-        rate in proportion to its demand (a sibling's anchor bounded by ``MAX_SKEW``).
+        rate in proportion to its demand (a sibling's anchor bounded by ``SIBLING_SKEW``).
         A relay served below its share is raised to it at once; none is lowered (its
         own 429s do that)."""
         peers = self._peers
         if not self.enabled or not peers or self.demand <= 0.0:
             return
-        bound = MAX_SKEW * max(self.anchor, 1.0)
+        bound = SIBLING_SKEW * max(self.anchor, 1.0)
         pooled = self.anchor + sum(min(a, bound) for a, _ in peers.values())
         wanted = self.demand + sum(d for _, d in peers.values())
         share = min(MAX_RATE, pooled * self.demand / wanted)
