@@ -31,8 +31,9 @@ from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS
 #: the fleet's line order in leases (`leasemath.LineMark`, as `relay.ratestore` takes
 #: them); False: the relays' lines unordered, as before it (for comparisons)
 FLEET_LINE = True
-#: relays tell each other when their throttle came down, and share the epoch's rate
-#: (the stores' ``throttle`` message; off: each corrects itself on its own 429s)
+#: relays tell each other their throttle's measure (after a decrease, or answering
+#: one), and one served below its share is raised (the stores' ``throttle``
+#: message; off: each corrects itself on its own 429s alone)
 FLEET_THROTTLE = True
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class SimRelay:
         self._scheduled: set[str] = set()
         # -- the rate share -----------------------------------------------------------------
         self._pushed: dict[tuple[int, str], int] = {}
-        #: limiter -> its throttle decreases told to the peers (as RateShare's)
+        #: limiter -> its throttle's measures told to the peers (as RateShare's)
         self._told: dict[int, int] = {}
         self._busy: set[int] = set()
         self._dirty: set[int] = set()

@@ -20,7 +20,7 @@ applies theirs to the local board:
       unbroken:rl:K|<cred>:<b>    a provider's rate-limit budget b (requests, tokens) for
                                   one credential hash, the fleet's (`relay.ratestore`)
       channel unbroken:health     every change, JSON, for the other instances at once;
-                                  and each 429 that lowered a throttle (`relay.ratestore`)
+                                  and each throttle's measure (`relay.ratestore`)
 
   Turns never wait on Redis.  A change is written and published in the background;
   every instance applies what it hears on the channel within milliseconds and
