@@ -39,6 +39,13 @@ def short_tmpdir() -> Path:
     return path
 
 
+def _hup_default() -> None:
+    """The relay starts with SIGHUP's default disposition, as from a terminal, even when
+    this test session runs under ``nohup`` (a relay keeps an inherited ignore, by
+    design: under ``nohup`` the SIGHUP cases failed; ``ignore_hup`` tests that)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 async def start_relay(
     tmp_path: Path,
     upstream: str,
@@ -62,6 +69,7 @@ async def start_relay(
         env={"TMPDIR": str(tmpdir)},
         prefix=["nohup"] if ignore_hup else [],
         new_session=True,
+        preexec_fn=_hup_default,
     )
 
 
