@@ -400,9 +400,7 @@ class SimRelay:
             lim = peer.board.rates.limiters.get(key, {}).get(cred)
             if lim is None:
                 return
-            rate = lim.throttle.rate
-            answer = lim.sibling_news(self.loop.now, str(self.index), anchor, demand)
-            if answer or lim.throttle.rate != rate:
+            if lim.sibling_news(self.loop.now, str(self.index), anchor, demand):
                 peer.board.rates.changed(key)
 
         return self._through_store(deliver)

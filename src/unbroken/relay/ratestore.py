@@ -385,10 +385,8 @@ class RateShare:
         lim = self.board.rates.limiters.get(key, {}).get(cred)
         if lim is None:
             return
-        rate = lim.throttle.rate
-        answer = lim.sibling_news(asyncio.get_running_loop().time(), who, anchor, demand)
         self.sibling_news_total += 1
-        if answer or lim.throttle.rate != rate:  # (a repeated message changes nothing)
+        if lim.sibling_news(asyncio.get_running_loop().time(), who, anchor, demand):
             self.board.rates.changed(key)  # tells the answer; a new rate moves the line
 
     def unshare(self, lim: Limiter) -> None:

@@ -585,8 +585,12 @@ class Limiter:
         """Sibling ``who`` sharing this key and credential told its measure: seen to
         accept ``anchor`` a second with ``demand`` requests in flight or waiting
         (`AdmissionThrottle.sibling_news`: pooled; a relay served below its share is
-        raised to it, none is lowered).  True when this one answers with its own."""
-        return self.throttle.sibling_news(now, who, anchor, demand, self.demand)
+        raised to it, none is lowered).  True when a fleet store has something to do:
+        this one answers with its own measure, or its rate rose (the line may move); a
+        repeated message changes nothing."""
+        rate = self.throttle.rate
+        answer = self.throttle.sibling_news(now, who, anchor, demand, self.demand)
+        return answer or self.throttle.rate != rate
 
     @property
     def demand(self) -> float:

@@ -96,7 +96,6 @@ class AdmissionThrottle:
 
     __slots__ = (
         "_accepts",
-        "_base",
         "_ep_ok",
         "_ep_refused",
         "_ep_sent",
@@ -140,11 +139,10 @@ class AdmissionThrottle:
         self.anchor = 0.0
         self.demand = 0.0
         self.replies = 0
-        #: the siblings' measures in this window: who -> (anchor, demand); when the
-        #: window opened, and the refused rate then (a raise goes above it only)
+        #: the siblings' measures in this window: who -> (anchor, demand), and when
+        #: the window opened
         self._peers: dict[str, tuple[float, float]] = {}
         self._pool_t = -math.inf
-        self._base = MAX_RATE
         self.raises = 0  # for /status: raised to the pooled share
         #: the last decrease was a guess (its epoch had no accepted answer)
         self._probing = False
@@ -262,7 +260,6 @@ class AdmissionThrottle:
         self._pool_t = now
         self.anchor = accepted
         self.demand = min(max(demand, 0.0), MAX_DEMAND) if math.isfinite(demand) else 0.0
-        self._base = self.w_max
 
     def _raise(self) -> None:
         """The window's measures pooled: this relay's share is the fleet's accepted
@@ -276,7 +273,7 @@ class AdmissionThrottle:
         pooled = self.anchor + sum(min(a, bound) for a, _ in peers.values())
         wanted = self.demand + sum(d for _, d in peers.values())
         share = min(MAX_RATE, pooled * self.demand / wanted)
-        if share > self._base and share > self.w_max:
+        if share > self.w_max:  # (a decrease opens a window: w_max only rises in one)
             self.w_max = share
             self.rate = max(self.rate, BETA * share)
             self.raises += 1
