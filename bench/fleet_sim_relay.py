@@ -35,6 +35,9 @@ FLEET_LINE = True
 #: one), and one served below its share is raised (the stores' ``throttle``
 #: message; off: each corrects itself on its own 429s alone)
 FLEET_THROTTLE = True
+#: a take's requests bucket holds a second's share of its limit (`Limiter.fleet_hold`);
+#: off: the whole limit, as before it
+FLEET_HOLD = True
 
 if TYPE_CHECKING:
     from fleet_sim_agent import Agent
@@ -306,7 +309,13 @@ class SimRelay:
         tokens = lim.line.costs.get(head, 0.0)
         costs = [1.0 if n == "requests" else tokens for n in names]
         views = [(lim.buckets[n].limit, max(lim.buckets[n].rate, 1e-9)) for n in names]
-        want = min(len(lim.line), MAX_LEASE)
+        if FLEET_HOLD:
+            want = lim.lease_want(self.loop.now, MAX_LEASE, MAX_RETRY_S)
+            if want <= 0:
+                self._again_in(lim, MAX_RETRY_S / 2)
+                return
+        else:
+            want = min(len(lim.line), MAX_LEASE)
         yield from self._op(t0)
         raw_got, raw_wait = store.take(
             [self._name(lim, n) for n in names],
@@ -317,6 +326,7 @@ class SimRelay:
             self.loop.now,
             me=str(self.index) if FLEET_LINE else "",
             age=lim.line.waited(self.loop.now),
+            holds=tuple(lim.fleet_hold(n) for n in names) if FLEET_HOLD else (),
         )
         yield store.rtt() / 2
         got, wait = lease_grant(raw_got, raw_wait, want, MAX_RETRY_S)

@@ -309,6 +309,7 @@ class SimStore:
         *,
         me: str = "",
         age: float = 0.0,
+        holds: tuple[float, ...] = (),
     ) -> tuple[int, str]:
         """``TAKE``: refill the fleet's buckets, take ``want`` requests' worth at most
         (``views``: the relay's own (limit, rate) of each bucket), the fleet's line in
@@ -323,6 +324,7 @@ class SimStore:
             me=me,
             age=age,
             mark=self.marks.get(names[0]),
+            holds=holds,
         )
         if got.granted < 0:
             return got.granted, "0"

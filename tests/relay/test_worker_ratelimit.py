@@ -221,6 +221,30 @@ async def test_two_backends_on_one_file_share_one_bucket(tmp_path: Path) -> None
         b.close()
 
 
+async def test_two_backends_on_one_file_hold_a_second_of_a_banked_budget(
+    tmp_path: Path,
+) -> None:
+    """The workers' file holds what a take asks it to (`leasemath.fleet_take`'s
+    ``holds``, a second's share of the requests limit): a banked minute's budget goes
+    to the workers five at a time, then at its rate."""
+    clock = [100.0]
+    a = FileRates(tmp_path / RATES_FILE, clock=lambda: clock[0])
+    b = FileRates(tmp_path / RATES_FILE, clock=lambda: clock[0])
+    try:
+        args = ([1.0], [300.0], [5.0])
+        assert await a.learn("k:requests", 300, 5, 300) is False  # banked
+        assert await a.take(["k:requests"], 16, *args, holds=(5.0,)) == (5, 0.0)
+        got, wait = await b.take(["k:requests"], 16, *args, holds=(5.0,))
+        assert got == 0 and wait == pytest.approx(0.2)
+        clock[0] += 0.4
+        assert await b.take(["k:requests"], 16, *args, holds=(5.0,)) == (2, 0.0)
+        clock[0] += 60.0  # a minute idle: still a second's share
+        assert await a.take(["k:requests"], 16, *args, holds=(5.0,)) == (5, 0.0)
+    finally:
+        a.close()
+        b.close()
+
+
 async def test_two_backends_on_one_file_serve_the_oldest_turn_first(tmp_path: Path) -> None:
     """The fleet's line (`leasemath.LineMark`) in the workers' file: a worker whose turn
     waits longer goes first, whoever asks at the refill."""

@@ -98,6 +98,7 @@ class FileRates:
         *,
         me: str = "",
         age: float = 0.0,
+        holds: tuple[float, ...] = (),
     ) -> tuple[object, object]:
         def tx(db: sqlite3.Connection, now: float) -> tuple[object, object]:
             rows = [self._row(db, n, now) for n in names]
@@ -106,7 +107,9 @@ class FileRates:
                 mark = db.execute(
                     "SELECT owner, head, until FROM lines WHERE name = ?", (names[0],)
                 ).fetchone()
-            got = fleet_take(rows, want, costs, limits, rates, now, me=me, age=age, mark=mark)
+            got = fleet_take(
+                rows, want, costs, limits, rates, now, me=me, age=age, mark=mark, holds=holds
+            )
             if got.granted >= 0:
                 for name, level in zip(names, got.levels, strict=True):
                     db.execute(

@@ -23,6 +23,12 @@ buckets and pokes the line, so the turns are let go as soon as Redis answers.  A
 provider's report lowers the fleet's level to what it says is left (`LEARN`;
 it never raises it: refills do).  Keys expire two minutes after their last use.
 
+A relay asks for what it can send soon, less what it holds
+(`Limiter.lease_want`), and a take banks at most a second's share of the requests
+limit (`Limiter.fleet_hold`, the script's last arguments): a minute's budget banked
+while another bound is let go to the fleet at the limit's rate, not sixteen at a
+time to each relay.
+
 The relays' lines are one line: a take says who asks and how long its oldest turn
 has waited, and a relay whose oldest turn is younger than another relay's still
 waiting one is granted nothing yet (`unbroken.core.admission.leasemath.LineMark`),
@@ -118,7 +124,8 @@ end
 
 #: KEYS: the buckets; ARGV: most requests wanted, then per bucket its cost per request,
 #: this relay's limit and its rate, then the ttl ms, who asks (its line mark's owner;
-#: empty: no line order) and how long its oldest turn has waited.  Returns {granted
+#: empty: no line order), how long its oldest turn has waited, and per bucket the most
+#: it holds for a take (`leasemath.fleet_take`'s ``holds``; missing: its limit).  Returns {granted
 #: requests, seconds until one more is there} ({-1, 0}: unknown bucket; {-2, 0}: a key
 #: there that is not a valid bucket, or one this relay's own view calls garbage: taught
 #: again, replaced).  The fleet's line mark (`leasemath.LineMark`) lives in the first
@@ -136,8 +143,10 @@ for i, k in ipairs(KEYS) do
   local limit, rate, old, at = bucket(k, tonumber(ARGV[1 + nk + i]),
     tonumber(ARGV[1 + 2 * nk + i]))
   if not limit then return {redis.call('EXISTS', k) == 1 and -2 or -1, '0'} end
-  local level = math.min(limit, old + (now - at) * rate)
   local cost = math.min(tonumber(ARGV[i + 1]), limit)
+  local hold, top = num(ARGV[4 + 3 * nk + i]), limit
+  if hold and hold > 0 then top = math.min(limit, math.max(hold, cost)) end
+  local level = math.min(top, old + (now - at) * rate)
   state[i] = {level, cost}
   if cost > 0 then
     local can = math.floor(level / cost + 1e-9)
@@ -229,6 +238,7 @@ class RateBackend(Protocol):
         *,
         me: str = "",
         age: float = 0.0,
+        holds: tuple[float, ...] = (),
     ) -> tuple[object, object]:
         """``(granted, wait)`` (see `TAKE`); each bounded by `lease_grant` afterwards.
         ``me``, ``age``: who asks and how long its oldest turn has waited (the fleet's
@@ -268,10 +278,11 @@ class RedisRates:
         *,
         me: str = "",
         age: float = 0.0,
+        holds: tuple[float, ...] = (),
     ) -> tuple[object, object]:
         got, wait = await self._take(
             keys=[RATE_KEY_PREFIX + n for n in names],
-            args=[want, *costs, *limits, *rates, TTL_MS, me, age],
+            args=[want, *costs, *limits, *rates, TTL_MS, me, age, *holds],
         )
         return got, wait
 
@@ -465,7 +476,10 @@ class RateShare:
         costs = [1.0 if n == "requests" else tokens for n in names]
         limits = [lim.buckets[n].limit for n in names]
         rates = [max(lim.buckets[n].rate, 1e-9) for n in names]
-        want = min(len(lim.line), MAX_LEASE)
+        want = lim.lease_want(asyncio.get_running_loop().time(), MAX_LEASE, MAX_RETRY_S)
+        if want <= 0:  # what it holds covers what it may send for a while: ask later
+            self._again_in(lim, MAX_RETRY_S / 2)
+            return
         got, wait = await self.backend.take(
             [self._name(lim, n) for n in names],
             want,
@@ -474,6 +488,7 @@ class RateShare:
             rates,
             me=self.me,
             age=lim.line.waited(asyncio.get_running_loop().time()),
+            holds=tuple(lim.fleet_hold(n) for n in names),
         )
         if got == GARBAGE and self.on_garbage is not None:
             self.on_garbage(Garbage.VALUE)

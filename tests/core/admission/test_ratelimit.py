@@ -304,3 +304,44 @@ def test_a_line_says_how_long_its_oldest_ticket_has_waited() -> None:
     assert line.waited(5.0) == 3.0  # ticket 1, since 2.0
     line.remove(1)
     assert line.waited(5.0) == 2.0
+
+
+def _fleet_line(n: int) -> Limiter:
+    """A limiter whose requests budget (300 a minute) is the fleet's, none leased yet,
+    with ``n`` turns in its line."""
+    lim = Limiter(K, "c", RateSettings())
+    seq = lim.admit(0, "s", 10.0, 0.0)
+    lim.learn(seq, rpm(300, 0, 60.0), 0.0)
+    lim.finish(seq, 0.0)
+    b = lim.buckets["requests"]
+    b.shared, b.level = True, 0.0
+    for t in range(1, n + 1):
+        assert lim.admit(t, f"s{t}", 10.0, 0.0) == 0
+    return lim
+
+
+def test_a_relay_leases_what_it_can_send_soon_less_what_it_holds() -> None:
+    """`Limiter.lease_want`: a relay that leased more than it can send holds the fleet's
+    budget from its siblings (with the fleet's bucket holding a second's share, one
+    relay throttled at one a second took sixteen and its sibling's turns waited)."""
+    lim = _fleet_line(20)
+    assert lim.fleet_hold("requests") == 5.0 and lim.fleet_hold("tokens") == 0.0
+    # a second's share: five at once, five more within the second
+    assert lim.lease_want(0.0, 16, 1.0) == 10
+    assert lim.lease_want(0.0, 8, 1.0) == 8
+    lim.buckets["requests"].level = 4.0  # four leased already
+    assert lim.lease_want(0.0, 16, 1.0) == 6
+    lim.buckets["requests"].level = 12.0
+    assert lim.lease_want(0.0, 16, 1.0) == 0
+    # a throttle at one a second, its token spent: one within the second
+    lim.buckets["requests"].level = 0.0
+    t = lim.throttle
+    t.enabled, t.rate, t.tokens, t._t = True, 1.0, 0.0, 0.0
+    assert lim.lease_want(0.0, 16, 1.0) == 1
+    assert lim.lease_want(0.0, 16, 3.0) == 3
+    # however low the throttle, a turn in line is leased for: never a stuck line
+    t.rate = 0.05
+    assert lim.lease_want(0.0, 16, 1.0) == 1
+    # fewer in line than it could send: the line
+    assert _fleet_line(3).lease_want(0.0, 16, 1.0) == 3
+    assert _fleet_line(0).lease_want(0.0, 16, 1.0) == 0

@@ -15,7 +15,12 @@ cases through both):
   bucket again) and a report replaces it.  A bucket's time is never ahead of ``now``.
 * **Take** (`fleet_take`): refill each bucket by the time elapsed, then grant as many
   head-of-line requests as every bucket holds (all or nothing per request), and say how
-  long until one more is there.
+  long until one more is there.  A bucket may be told to *hold* less than its limit for
+  takes: the requests bucket holds a second's share of its limit (`Limiter.fleet_hold`),
+  so a per-minute budget banked while another budget bound is let go to the fleet at
+  its rate, as one relay lets it go to a crowd, not in one burst that each relay then
+  sends at its own second's share (two relays sent 12 to 14 requests in a second of a
+  5-a-second limit).
 * **Learn** (`fleet_learn`): a provider's report lowers the fleet's level to what it
   says is left, never raises it (refills do).
 * **One line for the fleet** (`LineMark`): the relays' lines are served oldest first,
@@ -190,21 +195,27 @@ def fleet_take(
     me: str = "",
     age: float = 0.0,
     mark: Sequence[object] | None = None,
+    holds: Sequence[object] | None = None,
 ) -> FleetTake:
     """Take up to ``want`` requests' worth from every bucket in ``rows`` (each its
     stored fields, None: not there), a request costing ``costs[i]`` of bucket ``i``;
     ``limits`` and ``rates`` are this relay's own view of each.  ``me``: who asks (""
     keeps no line order), ``age``: how long its oldest turn has waited, ``mark``: the
-    stored line mark's fields (see the module docstring)."""
+    stored line mark's fields (see the module docstring); ``holds``: the most each
+    bucket banks for takes (missing, or not a number above zero: its limit)."""
     n = want
     wait = 0.0
     state: list[tuple[float, float]] = []
-    for row, my_limit, my_rate, asked in zip(rows, limits, rates, costs, strict=True):
+    for i, (row, my_limit, my_rate, asked) in enumerate(
+        zip(rows, limits, rates, costs, strict=True)
+    ):
         b = read_fleet_bucket(row, my_limit, my_rate, now)
         if b is None:
             return FleetTake(GARBAGE if row is not None else UNKNOWN, 0.0)
-        level = min(b.limit, b.level + (now - b.t) * b.rate)
         cost = min(asked, b.limit)
+        hold = _num(holds[i]) if holds is not None and i < len(holds) else None
+        top = b.limit if hold is None or hold <= 0 else min(b.limit, max(hold, cost))
+        level = min(top, b.level + (now - b.t) * b.rate)
         state.append((level, cost))
         if cost > 0:
             can = math.floor(level / cost + 1e-9)

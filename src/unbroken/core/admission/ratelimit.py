@@ -57,8 +57,13 @@ Each upstream, for each credential (a hash of the key, never the key), has a
 * **Shared.**  With a fleet store the buckets' levels are the fleet's
   (`Bucket.shared`): they do not refill locally; the store leases budget from the
   fleet's buckets in the background and adds it (`RateBoard.lease`), and turns
-  never wait on the store.  When the store is down, the buckets refill locally
-  again (split by the relays last seen).
+  never wait on the store.  A relay asks for what its throttle and its second's
+  share let go within a second, less what it holds (`lease_want`: one that leased
+  what it could not send held the fleet's budget from its siblings), and the
+  fleet's requests bucket banks at most a second's share for a take (`fleet_hold`):
+  a minute's budget banked while the tokens bound goes to the fleet at its rate, as
+  one relay lets it go to a crowd.  When the store is down, the buckets refill
+  locally again (split by the relays last seen).
 
 Time is a monotonic ``now`` in seconds, passed in.  Nothing here does I/O.
 """
@@ -410,6 +415,38 @@ class Limiter:
             return None
         rate = b.limit / DEFAULT_WINDOW_S
         return rate, max(float(self.settings.cold_start), rate)
+
+    def fleet_hold(self, name: str) -> float:
+        """The most the fleet's bucket ``name`` banks for a take (a fleet store's
+        `core.admission.leasemath.fleet_take`): the requests bucket a second's share of
+        its limit, as this relay lets a crowd go (0: its limit)."""
+        share = self._second_share() if name == "requests" else None
+        return share[1] if share is not None else 0.0
+
+    def lease_want(self, now: float, most: int, horizon: float) -> int:
+        """How many of the line's head requests a fleet store should lease for now: at
+        most ``most``, no more than the throttle and the second's share let go within
+        ``horizon`` seconds, less those the budget leased already covers (a relay that
+        leased what it cannot send holds it from its siblings)."""
+        n = min(len(self.line), most)
+        t = self.throttle
+        if t.enabled:
+            t.due(now, alone=False)  # refilled to now
+            n = min(n, max(1, math.floor(max(t.tokens, 0.0) + t.rate * horizon + 1e-9)))
+        share = self._second_share()
+        if share is not None:
+            self._second_due(now)  # refilled to now
+            tokens = self._second[0] if self._second is not None else share[1]
+            n = min(n, max(1, math.floor(max(tokens, 0.0) + share[0] * horizon + 1e-9)))
+        head = self.line.head()
+        held: int | None = None  # head requests the leased budget covers
+        for name, cost in (("requests", 1.0), ("tokens", self.line.costs.get(head or 0, 0.0))):
+            b = self.buckets.get(name)
+            if b is not None and b.shared and cost > 0:
+                k = max(math.floor(b.level / min(cost, b.limit) + 1e-9), 0)
+                held = k if held is None else min(held, k)
+        n -= held or 0
+        return max(n, 0)
 
     def _second_due(self, now: float) -> float:
         share = self._second_share()
