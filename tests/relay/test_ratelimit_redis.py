@@ -49,18 +49,23 @@ def shared(server: RelayServer) -> bool:
     return bool(lims) and all(b.shared for lim in lims for b in lim.buckets.values())
 
 
+async def both_share(http: aiohttp.ClientSession, a: RelayServer, b: RelayServer) -> None:
+    """Both relays reach Redis, and each learns the key's budget (one turn each: a
+    429 and its retry on a spent budget) and shares it."""
+    await until(lambda: a.relay.store.status()["state"] == "ok")
+    await until(lambda: b.relay.store.status()["state"] == "ok")
+    assert await post(http, a.url, "A") == 200
+    assert await post(http, b.url, "B") == 200
+    await until(lambda: shared(a) and shared(b))
+
+
 async def test_two_relays_share_one_budget_per_key(
     redis_server: RedisServer, mock: MockProvider
 ) -> None:
     mock.limits = MockLimits(rpm=300, start=0.0)  # five a second, spent at first
     cfg = fleet_config(mock.url, redis_server.url)
     async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
-        await until(lambda: a.relay.store.status()["state"] == "ok")
-        await until(lambda: b.relay.store.status()["state"] == "ok")
-        # each relay learns the key's budget once (a 429, then its retry)
-        assert await post(http, a.url, "A") == 200
-        assert await post(http, b.url, "B") == 200
-        await until(lambda: shared(a) and shared(b))
+        await both_share(http, a, b)
         mock.limits.log.clear()
         # sixteen turns at once, half through each relay: alone, each relay would think
         # it has the whole budget; sharing it, they hardly ever collect a 429
@@ -153,11 +158,7 @@ async def test_a_banked_budget_goes_to_the_fleet_at_its_rate_not_in_a_burst(
     mock.limits = MockLimits(rpm=120, start=1.0)  # two a second, the minute's budget banked
     cfg = fleet_config(mock.url, redis_server.url)
     async with RelayServer(cfg) as a, RelayServer(cfg) as b, aiohttp.ClientSession() as http:
-        await until(lambda: a.relay.store.status()["state"] == "ok")
-        await until(lambda: b.relay.store.status()["state"] == "ok")
-        assert await post(http, a.url, "A") == 200
-        assert await post(http, b.url, "B") == 200
-        await until(lambda: shared(a) and shared(b))
+        await both_share(http, a, b)
         log = mock.limits.log
         log.clear()
         turns = [
