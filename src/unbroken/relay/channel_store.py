@@ -25,6 +25,16 @@ next report (logged once, and once when it answers again); a worker's throttle
 measure (after a 429 lowered it, or answering a sibling's) goes to the siblings in a
 datagram, as relays send it on Redis's channel; ``/status`` shows ``ratelimits``
 (``shared_buckets``, ``leases``, ``sibling_news``) under the store.
+
+A sibling's socket queues only so many datagrams (``net.unix.max_dgram_qlen``, 10
+by default on Linux); past that ``sendto`` fails with ``EAGAIN``.  What a busy
+sibling's queue cannot take waits in this worker's outbox for it, in order, and is
+sent again after `FLUSH_S` (doubling to `FLUSH_MAX_S` while the sibling stays
+full): a burst of changes and throttle measures loses none (they were dropped, and
+one worker cut by its 429s heard no sibling for eight seconds).  An outbox holds at
+most `OUTBOX_MAX` datagrams (the oldest go, counted and logged once a minute); a
+sibling that is gone takes its outbox with it.  ``/status`` shows ``datagrams``
+(``deferred``, ``dropped``, ``waiting``).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,13 +65,18 @@ from unbroken.relay.ratefile import RATES_FILE, FileRates
 from unbroken.relay.ratestore import RateShare
 from unbroken.relay.store_base import RESYNC_S, WAITERS_TTL_MS, HealthStore
 
-__all__ = ["SUN_PATH_MAX", "ChannelStore", "channel_socket"]
+__all__ = ["FLUSH_MAX_S", "FLUSH_S", "OUTBOX_MAX", "SUN_PATH_MAX", "ChannelStore", "channel_socket"]
 
 log = logging.getLogger("unbroken")
 
 #: the longest path a Unix socket can bind: ``sun_path`` holds 108 bytes on Linux, the
 #: NUL included (the supervisor picks a runtime directory where every worker's fits)
 SUN_PATH_MAX = 107
+#: datagrams waiting for one sibling whose queue is full, at most (the oldest go)
+OUTBOX_MAX = 256
+#: a full sibling's queue is tried again after this long, doubling up to FLUSH_MAX_S
+FLUSH_S = 0.002
+FLUSH_MAX_S = 0.1
 
 
 class ChannelStore(HealthStore):
@@ -90,6 +106,12 @@ class ChannelStore(HealthStore):
         self.waiters: dict[str, dict[int, float]] = {}
         self._marked: set[str] = set()  # keys this worker told its siblings it waits on
         self._ticker: asyncio.Task[None] | None = None
+        #: sibling socket -> datagrams its full queue could not take yet, oldest first
+        self._outbox: dict[str, deque[bytes]] = {}
+        self._flush_at: asyncio.TimerHandle | None = None
+        self._flush_s = FLUSH_S
+        self.deferred = 0  # datagrams that waited in an outbox (for /status)
+        self.dropped = 0  # ... and that an outbox full to OUTBOX_MAX let go
         #: the providers' rate-limit budgets, one per key across the workers (leases
         #: from `RATES_FILE`); its errors are logged once per outage
         self._rates_link = Link()
@@ -110,6 +132,12 @@ class ChannelStore(HealthStore):
             "state": "ok",
             "worker": self.worker,
             "ignored": dict(sorted(self.garbage.items())),
+            #: datagrams a sibling's full queue made wait, let go, and waiting now
+            "datagrams": {
+                "deferred": self.deferred,
+                "dropped": self.dropped,
+                "waiting": sum(len(box) for box in self._outbox.values()),
+            },
             #: rate-limit budgets shared between the workers, and the leases taken
             "ratelimits": self.rates.status() if self.rates is not None else None,
         }
@@ -143,6 +171,10 @@ class ChannelStore(HealthStore):
     async def close(self) -> None:
         if self.rates is not None:
             self.rates.close()
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        self._outbox.clear()
         ticker, self._ticker = self._ticker, None
         if ticker is not None:
             ticker.cancel()
@@ -172,10 +204,65 @@ class ChannelStore(HealthStore):
             [to] if to else [str(p) for p in self.dir.glob("w*.sock") if p.name != self.path.name]
         )
         for peer in peers:
+            if peer in self._outbox:  # behind what already waits for it: in order
+                self._hold(peer, data)
+                continue
             try:
                 sock.sendto(data, peer)
+            except BlockingIOError:  # its queue is full: the datagram waits
+                self._hold(peer, data)
             except OSError:
                 pass  # a sibling that is gone or restarting: it asks for state when back
+
+    def _hold(self, peer: str, data: bytes) -> None:
+        """``data`` waits in ``peer``'s outbox (bounded: the oldest go)."""
+        box = self._outbox.get(peer)
+        if box is None:
+            box = self._outbox[peer] = deque()
+        if len(box) >= OUTBOX_MAX:
+            box.popleft()
+            self.dropped += 1
+            if self._throttle.allow("outbox", self.clock()):
+                log.warning(
+                    "worker %d: a sibling's queue stayed full; %d datagram(s) to it let go "
+                    "(logged once a minute)",
+                    self.worker,
+                    self.dropped,
+                )
+        box.append(data)
+        self.deferred += 1
+        if self._flush_at is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (closing): nothing will read it anyway
+                self._outbox.clear()
+                return
+            self._flush_at = loop.call_later(self._flush_s, self._flush)
+
+    def _flush(self) -> None:
+        """Send what waits, in order, until a sibling's queue is full again."""
+        self._flush_at = None
+        sock = self.sock
+        if sock is None:
+            self._outbox.clear()
+            return
+        for peer, box in list(self._outbox.items()):
+            while box:
+                try:
+                    sock.sendto(box[0], peer)
+                except BlockingIOError:
+                    break  # still full: later
+                except OSError:
+                    box.clear()  # gone or restarting: it asks for state when back
+                    break
+                box.popleft()
+            if not box:
+                del self._outbox[peer]
+        if self._outbox:  # a sibling still busy: again, less often
+            self._flush_s = min(self._flush_s * 2.0, FLUSH_MAX_S)
+            self._flush_at = asyncio.get_running_loop().call_later(self._flush_s, self._flush)
+        else:
+            self._flush_s = FLUSH_S
 
     def _readable(self) -> None:
         sock = self.sock
