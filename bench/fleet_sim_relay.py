@@ -38,6 +38,9 @@ FLEET_THROTTLE = True
 #: a take's requests bucket holds a second's share of its limit (`Limiter.fleet_hold`);
 #: off: the whole limit, as before it
 FLEET_HOLD = True
+#: a decrease's measure is a question every sibling answers (off: answered only when
+#: the sibling's own window is fresh, as before it)
+FLEET_ASKS = True
 
 if TYPE_CHECKING:
     from fleet_sim_agent import Agent
@@ -142,7 +145,7 @@ class SimRelay:
         # -- the rate share -----------------------------------------------------------------
         self._pushed: dict[tuple[int, str], int] = {}
         #: limiter -> its throttle's measures told to the peers (as RateShare's)
-        self._told: dict[int, int] = {}
+        self._told: dict[int, tuple[int, int]] = {}
         self._busy: set[int] = set()
         self._dirty: set[int] = set()
         self._again: dict[int, Timer] = {}
@@ -218,10 +221,12 @@ class SimRelay:
             if not self.up:
                 self.unshare(lim)
                 continue
-            news, anchor, demand = lim.news()
-            if FLEET_THROTTLE and news != self._told.get(id(lim), 0):
-                self._told[id(lim)] = news
-                self.loop.spawn(self._tell_throttle(lim.key, lim.cred, anchor, demand))
+            decreases, replies, anchor, demand = lim.news()
+            told = self._told.get(id(lim), (0, 0))
+            if FLEET_THROTTLE and (decreases, replies) != told:
+                self._told[id(lim)] = (decreases, replies)
+                asks = decreases != told[0] and FLEET_ASKS
+                self.loop.spawn(self._tell_throttle(lim.key, lim.cred, anchor, demand, asks))
             reports = any(
                 self._pushed.get((id(lim), n), -1) != lim.buckets[n].version for n in _charged(lim)
             )
@@ -401,7 +406,7 @@ class SimRelay:
             if peer.up:
                 deliver(peer)
 
-    def _tell_throttle(self, key: str, cred: str, anchor: float, demand: float) -> Co:
+    def _tell_throttle(self, key: str, cred: str, anchor: float, demand: float, asks: bool) -> Co:
         """As the stores' ``throttle`` message (`RateShare.tell`, `sibling_news`): this
         relay's measure (after a decrease, or answering a sibling's); the peers'
         limiters of the same key and credential pool it (raised to their share)."""
@@ -410,7 +415,7 @@ class SimRelay:
             lim = peer.board.rates.limiters.get(key, {}).get(cred)
             if lim is None:
                 return
-            if lim.sibling_news(self.loop.now, str(self.index), anchor, demand):
+            if lim.sibling_news(self.loop.now, str(self.index), anchor, demand, asks=asks):
                 peer.board.rates.changed(key)
 
         return self._through_store(deliver)

@@ -102,7 +102,13 @@ async def test_a_burst_to_a_busy_sibling_loses_no_throttle_measure() -> None:
     await a.start()
     heard: list[float] = []
     assert b.rates is not None
-    b.rates.sibling_news = lambda key, cred, who, anchor, demand: heard.append(anchor)  # type: ignore[method-assign]
+
+    def hear(
+        key: str, cred: str, who: str, anchor: float, demand: float, asks: bool = True
+    ) -> None:
+        heard.append(anchor)
+
+    b.rates.sibling_news = hear  # type: ignore[method-assign]
     try:
         assert b.sock is not None
         loop = asyncio.get_running_loop()

@@ -39,10 +39,11 @@ The relays' throttles (`unbroken.core.admission.throttle`) share what each was s
 to accept: when a limiter's admitted rate comes down, the store tells the siblings
 (``tell``: a ``throttle`` message naming the key and the credential hash, with the
 rate it was seen to accept and its demand, on Redis's channel or the workers'
-datagrams); each sibling that sent on that key lately answers with its own, and each
-pools them: a relay served below its share of the fleet's accepted rate (by demand)
-is raised to it (`RateShare.sibling_news`).  One cut by a 429 while a sibling took
-most answers no longer stays anchored low.
+datagrams; after a decrease the message is a question, ``"q": 1``); each sibling
+that sent on that key lately answers with its own (to every question, and once a
+window to any measure), and each pools them: a relay served below its share of the
+fleet's accepted rate (by demand) is raised to it (`RateShare.sibling_news`).  One
+cut by a 429 while a sibling took most answers no longer stays anchored low.
 
 Redis unreachable or slower than the budget (250 ms): the limiter's buckets stop
 being shared and refill locally again (each relay paces alone; a 429 then still
@@ -309,7 +310,7 @@ class RateShare:
         on_error: Callable[[BaseException], None],
         on_garbage: Callable[[Garbage], None] | None = None,
         on_answer: Callable[[], None] | None = None,
-        tell: Callable[[str, str, float, float], None] | None = None,
+        tell: Callable[[str, str, float, float, bool], None] | None = None,
     ) -> None:
         self.board = board
         self.backend = backend
@@ -320,10 +321,10 @@ class RateShare:
         self.on_answer = on_answer
         #: tells the siblings a limiter's measure, after its throttle came down or in
         #: answer to theirs (the store's message: key, credential hash, anchor,
-        #: demand); see `sibling_news`
+        #: demand, and whether it is a decrease's: a question); see `sibling_news`
         self.tell = tell
-        #: (key, credential) -> the throttle's measures told so far
-        self._told: dict[tuple[str, str], int] = {}
+        #: (key, credential) -> the throttle's measures told so far (decreases, replies)
+        self._told: dict[tuple[str, str], tuple[int, int]] = {}
         self.sibling_news_total = 0  # for /status
         #: (limiter, bucket) -> the report version pushed to the store
         self._pushed: dict[tuple[int, str], int] = {}
@@ -362,11 +363,12 @@ class RateShare:
             return
         up = self.is_up()
         for lim in by.values():
-            news, anchor, demand = lim.news()
-            if news != self._told.get((lim.key, lim.cred), 0):
-                self._told[(lim.key, lim.cred)] = news
-                if up and self.tell is not None:
-                    self.tell(lim.key, lim.cred, anchor, demand)
+            decreases, replies, anchor, demand = lim.news()
+            told = self._told.get((lim.key, lim.cred), (0, 0))
+            if (decreases, replies) != told:
+                self._told[(lim.key, lim.cred)] = (decreases, replies)
+                if up and self.tell is not None:  # a decrease since: a question
+                    self.tell(lim.key, lim.cred, anchor, demand, decreases != told[0])
             if not up:
                 self.unshare(lim)
                 continue
@@ -389,15 +391,18 @@ class RateShare:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def sibling_news(self, key: str, cred: str, who: str, anchor: float, demand: float) -> None:
-        """Sibling ``who``'s measure for ``key`` and ``cred`` (its anchor and demand):
-        pooled by this relay's limiter, which may be raised to its share and may
-        answer with its own (`core.admission.throttle.AdmissionThrottle.sibling_news`)."""
+    def sibling_news(
+        self, key: str, cred: str, who: str, anchor: float, demand: float, asks: bool = True
+    ) -> None:
+        """Sibling ``who``'s measure for ``key`` and ``cred`` (its anchor and demand;
+        ``asks``: a decrease's, which this relay answers): pooled by this relay's
+        limiter, which may be raised to its share and may answer with its own
+        (`core.admission.throttle.AdmissionThrottle.sibling_news`)."""
         lim = self.board.rates.limiters.get(key, {}).get(cred)
         if lim is None:
             return
         self.sibling_news_total += 1
-        if lim.sibling_news(asyncio.get_running_loop().time(), who, anchor, demand):
+        if lim.sibling_news(asyncio.get_running_loop().time(), who, anchor, demand, asks=asks):
             self.board.rates.changed(key)  # tells the answer; a new rate moves the line
 
     def unshare(self, lim: Limiter) -> None:

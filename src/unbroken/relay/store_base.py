@@ -97,11 +97,22 @@ class HealthStore:
             }
         ).encode()
 
-    def _tell_throttle(self, key: str, cred: str, anchor: float, demand: float) -> None:
-        """This relay's admitted rate for ``key`` and ``cred`` came down, anchored on
-        ``anchor`` a second with ``demand`` requests: tell the siblings
+    def _tell_throttle(
+        self, key: str, cred: str, anchor: float, demand: float, asks: bool = True
+    ) -> None:
+        """This relay's throttle measure for ``key`` and ``cred`` (it was seen to accept
+        ``anchor`` a second with ``demand`` requests; ``asks``: after its own decrease,
+        a question the siblings answer): tell the siblings
         (`unbroken.relay.ratestore.RateShare.sibling_news`)."""
-        msg = {"o": self.origin, "kind": "throttle", "k": key, "c": cred, "a": anchor, "d": demand}
+        msg = {
+            "o": self.origin,
+            "kind": "throttle",
+            "k": key,
+            "c": cred,
+            "a": anchor,
+            "d": demand,
+            "q": 1 if asks else 0,
+        }
         self._broadcast(json.dumps(msg).encode())
 
     def _broadcast(self, data: bytes) -> None:
@@ -110,7 +121,7 @@ class HealthStore:
     def _sibling_news(self, msg: Message) -> None:
         """A sibling's ``throttle`` message (validated), for the rate share if any."""
         if self.rates is not None and msg.key is not None and msg.cred is not None:
-            self.rates.sibling_news(msg.key, msg.cred, msg.origin, msg.anchor, msg.demand)
+            self.rates.sibling_news(msg.key, msg.cred, msg.origin, msg.anchor, msg.demand, msg.asks)
 
     def _ignored(self, why: Garbage, where: str) -> None:
         """Garbage from shared state: counted, logged at most once a minute per kind."""

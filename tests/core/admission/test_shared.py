@@ -117,6 +117,12 @@ def test_a_valid_change_is_applied_and_a_huge_ttl_clamped() -> None:
         (msg(kind="throttle", k=KEY, c="abc", a=True, d=1), Garbage.MESSAGE),
         (msg(kind="throttle", k=KEY, c="abc", a=-1, d=1), Garbage.MESSAGE),
         (msg(kind="throttle", k=KEY, c="abc", a=1, d=1e12), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", a=1, d=1, q=2), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", a=1, d=1, q=-1), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", a=1, d=1, q="1"), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", a=1, d=1, q=True), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", a=1, d=1, q=0.5), Garbage.MESSAGE),
+        (msg(kind="throttle", k=KEY, c="abc", a=1, d=1, q=None), Garbage.MESSAGE),
         (
             b'{"o": "p", "kind": "throttle", "k": "r|http://up", "c": "a", "a": NaN, "d": 1}',
             Garbage.MESSAGE,
@@ -157,6 +163,12 @@ def test_a_throttle_message_names_a_key_and_a_credential_hash() -> None:
     assert got == Message("peer", "throttle", key=KEY, cred="-")
     got = parse_message(msg(kind="throttle", k=KEY, c="f" * 64, a=1, d=1), B, KNOWN)
     assert isinstance(got, Message) and got.cred == "f" * 64
+    # after the sender's own decrease, a question (answered); answering one, not; a
+    # sender that does not say asks
+    for q, asks in ((1, True), (0, False)):
+        got = parse_message(msg(kind="throttle", k=KEY, c="-", a=1, d=1, q=q), B, KNOWN)
+        assert isinstance(got, Message) and got.asks is asks
+    assert got == Message("peer", "throttle", key=KEY, cred="-", anchor=1, demand=1, asks=False)
 
 
 def test_text_is_escaped_into_one_line_and_cut() -> None:

@@ -12,6 +12,7 @@ from core.admission.ratesim import Answer, Bare, Quantized, Textbook, run
 from unbroken.core.admission.throttle import (
     BETA,
     CLIMB_S,
+    MAX_PEERS,
     MAX_RATE,
     MIN_RATE,
     SIBLING_SKEW,
@@ -100,15 +101,15 @@ def test_a_siblings_news_never_lowers_a_relay_and_is_answered_once_a_window() ->
     # issue 32: relays that share a key share what each was seen to accept
     t = AdmissionThrottle()
     seq = _busy(t, 3.0, per_s=4.0)
-    assert t.sibling_news(3.0, "b", anchor=1.0, demand=20.0, mine=10.0)  # it answers
+    assert t.sibling_news(3.0, "b", anchor=1.0, demand=20.0, mine=10.0, asks=True)  # it answers
     assert t.replies == 1 and t.anchor == pytest.approx(4.0, rel=0.05) and t.demand == 10.0
     assert not t.enabled and t.decreases == 0  # nothing a sibling says lowers it
-    # more news in the same window: pooled, not answered again
-    assert not t.sibling_news(3.0 + SYNC_S / 2, "c", anchor=1.0, demand=20.0, mine=10.0)
+    # an answer in the same window: pooled, not answered again
+    assert not t.sibling_news(3.0 + SYNC_S / 2, "c", anchor=1.0, demand=20.0, mine=10.0, asks=False)
     assert t.replies == 1
     # a later window is answered again (if it sent lately)
     _busy(t, 3.0 + 2 * SYNC_S, per_s=4.0, seq=seq)
-    assert t.sibling_news(3.0 + 2 * SYNC_S, "b", anchor=1.0, demand=20.0, mine=10.0)
+    assert t.sibling_news(3.0 + 2 * SYNC_S, "b", anchor=1.0, demand=20.0, mine=10.0, asks=True)
     assert t.replies == 2 and not t.enabled
     # a relay over its share is not lowered by the pool either (its own 429s do that)
     high = AdmissionThrottle()
@@ -116,7 +117,7 @@ def test_a_siblings_news_never_lowers_a_relay_and_is_answered_once_a_window() ->
     high.sent(seq, 3.0)
     assert high.refused(seq, 3.0, last_seq=seq, demand=20.0)
     w_max, rate = high.w_max, high.rate
-    assert not high.sibling_news(3.05, "a", anchor=1.0, demand=20.0, mine=20.0)
+    assert not high.sibling_news(3.05, "a", anchor=1.0, demand=20.0, mine=20.0, asks=False)
     assert (high.w_max, high.rate) == (w_max, rate) and high.raises == 0
 
 
@@ -131,7 +132,7 @@ def test_a_relay_served_below_its_share_is_raised_to_it() -> None:
     assert low.refused(seq, 3.0, last_seq=seq, demand=20.0)
     assert low.w_max == pytest.approx(1.0, rel=0.05) and low.anchor == pytest.approx(1.0)
     # its sibling answers: 4 a second accepted, 20 waiting
-    assert not low.sibling_news(3.1, "b", anchor=4.0, demand=20.0, mine=20.0)
+    assert not low.sibling_news(3.1, "b", anchor=4.0, demand=20.0, mine=20.0, asks=False)
     assert low.w_max == pytest.approx(2.5, rel=0.05)  # (1 + 4) * 20 / 40
     assert low.rate == pytest.approx(BETA * low.w_max) and low.raises == 1
     assert low.decreases == 1
@@ -141,10 +142,51 @@ def test_a_relay_served_below_its_share_is_raised_to_it() -> None:
     seq = _busy(three, 3.0, per_s=1.0) + 1
     three.sent(seq, 3.0)
     assert three.refused(seq, 3.0, last_seq=seq, demand=25.0)
-    three.sibling_news(3.05, "a", anchor=4.0, demand=15.0, mine=25.0)
+    three.sibling_news(3.05, "a", anchor=4.0, demand=15.0, mine=25.0, asks=False)
     assert three.w_max == pytest.approx(5.0 * 25 / 40, rel=0.05)
-    three.sibling_news(3.2, "c", anchor=3.0, demand=10.0, mine=25.0)
+    three.sibling_news(3.2, "c", anchor=3.0, demand=10.0, mine=25.0, asks=False)
     assert three.w_max == pytest.approx(8.0 * 25 / 50, rel=0.05)
+
+
+def test_a_siblings_question_is_answered_even_in_an_open_window() -> None:
+    """A decrease's measure is a question: the asker's window starts afresh, so what
+    was told before it is not in its pool.  Answered only when the answering relay's
+    own window was fresh, a worker cut to 0.57 a second by its third 429 (its sibling
+    had come down 0.5 s before, its window still open) heard nothing for eight seconds
+    with 23 turns waiting (issue 32's benchmark, `bare` over two workers)."""
+    a = AdmissionThrottle()
+    seq = _busy(a, 3.0, per_s=4.0) + 1
+    a.sent(seq, 3.0)
+    assert a.refused(seq, 3.0, last_seq=seq, demand=16.0)
+    assert a.asks  # its own decrease's measure asks
+    replies = a.replies
+    for i in range(1, 3):  # it goes on sending
+        a.sent(seq + i, 3.0 + 0.1 * i)
+    # B comes down 0.4 s later, inside A's window: A answers all the same
+    assert a.sibling_news(3.4, "b", anchor=0.6, demand=21.0, mine=16.0, asks=True)
+    assert a.replies == replies + 1 and not a.asks
+    # the same question again within half a window: pooled, not answered again
+    assert not a.sibling_news(3.6, "b", anchor=0.6, demand=21.0, mine=16.0, asks=True)
+    # an answer (not a question) inside the window: not answered
+    assert not a.sibling_news(3.7, "c", anchor=1.0, demand=5.0, mine=16.0, asks=False)
+    assert a.replies == replies + 1
+    # B pools A's answer and is raised to its share
+    b = AdmissionThrottle()
+    seq = _busy(b, 3.4, per_s=0.6) + 1
+    b.sent(seq, 3.4)
+    assert b.refused(seq, 3.4, last_seq=seq, demand=21.0)
+    low = b.w_max
+    b.sibling_news(3.41, "a", anchor=a.anchor, demand=a.demand, mine=21.0, asks=False)
+    assert b.raises == 1 and b.w_max > 1.5 * low
+
+
+def test_questions_from_many_siblings_are_answered_within_bounds() -> None:
+    t = AdmissionThrottle()
+    _busy(t, 3.0, per_s=4.0)
+    for i in range(1000):  # a thousand siblings ask at once
+        assert t.sibling_news(3.0 + i * 1e-4, f"s{i}", anchor=1.0, demand=1.0, mine=10.0, asks=True)
+    assert len(t._answered) <= MAX_PEERS and len(t._peers) <= MAX_PEERS
+    assert t.replies == 1000 and not t.enabled  # answered, never lowered
 
 
 def test_a_siblings_word_is_bounded() -> None:
@@ -154,22 +196,22 @@ def test_a_siblings_word_is_bounded() -> None:
     assert t.refused(seq, 3.0, last_seq=seq, demand=10.0)
     own = t.anchor
     # a claim of a million a second counts as SIBLING_SKEW times this relay's own measure
-    t.sibling_news(3.1, "x", anchor=1e6, demand=10.0, mine=10.0)
+    t.sibling_news(3.1, "x", anchor=1e6, demand=10.0, mine=10.0, asks=False)
     assert t.w_max == pytest.approx((own + SIBLING_SKEW * own) / 2, rel=0.01)
     # not a number, or below zero: nothing accepted, no demand
-    t.sibling_news(3.2, "x", anchor=float("nan"), demand=float("inf"), mine=10.0)
+    t.sibling_news(3.2, "x", anchor=float("nan"), demand=float("inf"), mine=10.0, asks=False)
     assert math.isfinite(t.w_max) and t.w_max >= MIN_RATE
-    t.sibling_news(3.3, "y", anchor=-5.0, demand=-1.0, mine=10.0)
+    t.sibling_news(3.3, "y", anchor=-5.0, demand=-1.0, mine=10.0, asks=False)
     assert math.isfinite(t.w_max) and t.w_max >= MIN_RATE
     # siblings pooled in one window are bounded in number
     for i in range(1000):
-        t.sibling_news(3.4, f"s{i}", anchor=1.0, demand=1.0, mine=10.0)
+        t.sibling_news(3.4, f"s{i}", anchor=1.0, demand=1.0, mine=10.0, asks=False)
     assert t.decreases == 1 and t.w_max <= MAX_RATE
 
 
 def test_a_relay_that_sent_nothing_neither_answers_nor_changes() -> None:
     t = AdmissionThrottle()
-    assert not t.sibling_news(5.0, "b", anchor=5.0, demand=20.0, mine=0.0)
+    assert not t.sibling_news(5.0, "b", anchor=5.0, demand=20.0, mine=0.0, asks=True)
     assert not t.enabled and t.decreases == 0 and t.replies == 0
     assert t.due(5.0, alone=False) == 5.0
 

@@ -618,7 +618,9 @@ class Limiter:
         self.blocked_until = max(self.blocked_until, until)
         return self.blocked_until
 
-    def sibling_news(self, now: float, who: str, anchor: float, demand: float) -> bool:
+    def sibling_news(
+        self, now: float, who: str, anchor: float, demand: float, *, asks: bool
+    ) -> bool:
         """Sibling ``who`` sharing this key and credential told its measure: seen to
         accept ``anchor`` a second with ``demand`` requests in flight or waiting
         (`AdmissionThrottle.sibling_news`: pooled; a relay served below its share is
@@ -626,7 +628,7 @@ class Limiter:
         this one answers with its own measure, or its rate rose (the line may move); a
         repeated message changes nothing."""
         rate = self.throttle.rate
-        answer = self.throttle.sibling_news(now, who, anchor, demand, self.demand)
+        answer = self.throttle.sibling_news(now, who, anchor, demand, self.demand, asks=asks)
         return answer or self.throttle.rate != rate
 
     @property
@@ -634,13 +636,14 @@ class Limiter:
         """Requests in flight or waiting here: this limiter's weight in the fleet."""
         return float(len(self.running) + len(self.line))
 
-    def news(self) -> tuple[int, float, float]:
-        """How many measures the throttle has had to tell (its decreases, its answers
-        to siblings), and the last one's anchor and demand: what a fleet store tells
-        the siblings after each (`relay.ratestore.RateShare`)."""
+    def news(self) -> tuple[int, int, float, float]:
+        """The measures the throttle has had to tell, its decreases (questions: the
+        siblings answer them) and its answers to siblings, and the last one's anchor
+        and demand: what a fleet store tells the siblings after each
+        (`relay.ratestore.RateShare`; a question when the decreases moved)."""
         t = self.throttle
         anchor = min(max(t.anchor, 0.0), MAX_RATE) if math.isfinite(t.anchor) else 0.0
-        return t.decreases + t.replies, anchor, t.demand  # (finite: JSON has no NaN)
+        return t.decreases, t.replies, anchor, t.demand  # (finite: JSON has no NaN)
 
     def finish(
         self,

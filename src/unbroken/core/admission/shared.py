@@ -180,6 +180,9 @@ class Message:
     cred: str | None = None
     anchor: float = 0.0
     demand: float = 0.0
+    #: a ``throttle`` measure told after its sender's decrease: a question (answered);
+    #: a sender that does not say (``q`` missing) asks
+    asks: bool = True
     #: a TTL was beyond this relay's bounds and was clamped
     clamped: bool = False
 
@@ -242,11 +245,14 @@ def parse_message(
         if cred != "-" and not (0 < len(cred) <= MAX_CRED and cred.isascii() and cred.isalnum()):
             return Rejected(Garbage.MESSAGE)
         anchor, demand = _rate(msg.get("a")), _rate(msg.get("d"))
-        if anchor is None or demand is None:
+        asks = _int(msg.get("q", 1))
+        if anchor is None or demand is None or asks not in (0, 1):
             return Rejected(Garbage.MESSAGE)
         if key not in known:
             return Rejected(Garbage.UNKNOWN_KEY)
-        return Message(origin, kind, key=key, cred=cred, anchor=anchor, demand=demand)
+        return Message(
+            origin, kind, key=key, cred=cred, anchor=anchor, demand=demand, asks=asks == 1
+        )
     if kind not in CHANGE_KINDS:
         return Rejected(Garbage.MESSAGE)
     key, reason, reopens = msg.get("k"), msg.get("r", ""), msg.get("n", 0)
