@@ -109,7 +109,6 @@ class AdmissionThrottle:
         "_probing",
         "_t",
         "anchor",
-        "asks",
         "decreases",
         "demand",
         "enabled",
@@ -143,8 +142,6 @@ class AdmissionThrottle:
         self.anchor = 0.0
         self.demand = 0.0
         self.replies = 0
-        #: the last measure was a decrease's (a question the siblings answer)
-        self.asks = False
         #: the siblings' measures in this window: who -> (anchor, demand), and when
         #: the window opened
         self._peers: dict[str, tuple[float, float]] = {}
@@ -224,7 +221,6 @@ class AdmissionThrottle:
         accepted = self._accepted(now, sent_rate)
         self._decrease(now, last_seq, accepted, sent_rate)
         self._open_pool(now, accepted, demand)
-        self.asks = True  # a question: the siblings answer with theirs
         self._raise()  # (siblings heard in the window so far still count)
         return True
 
@@ -260,7 +256,6 @@ class AdmissionThrottle:
                 return False  # it sent nothing lately: nothing to pool, nothing to tell
             self._open_pool(now, self._accepted(now, sent_rate), mine)
             self.replies += 1
-            self.asks = False
             reply = True
             if asks:
                 if len(self._answered) >= MAX_PEERS:  # bounded: the old ones go
