@@ -126,11 +126,11 @@ end
 #: KEYS: the buckets; ARGV: most requests wanted, then per bucket its cost per request,
 #: this relay's limit and its rate, then the ttl ms, who asks (its line mark's owner;
 #: empty: no line order), how long its oldest turn has waited, and per bucket the most
-#: it holds for a take (`leasemath.fleet_take`'s ``holds``; missing: its limit).  Returns {granted
-#: requests, seconds until one more is there} ({-1, 0}: unknown bucket; {-2, 0}: a key
-#: there that is not a valid bucket, or one this relay's own view calls garbage: taught
-#: again, replaced).  The fleet's line mark (`leasemath.LineMark`) lives in the first
-#: bucket's hash: ``lo`` (owner), ``lh`` (head), ``lu`` (until).
+#: it holds for a take (`leasemath.fleet_take`'s ``holds``; missing: its limit).
+#: Returns {granted requests, seconds until one more is there} ({-1, 0}: unknown
+#: bucket; {-2, 0}: a key there that is not a valid bucket, or one this relay's own view
+#: calls garbage: taught again, replaced).  The fleet's line mark (`leasemath.LineMark`)
+#: lives in the first bucket's hash: ``lo`` (owner), ``lh`` (head), ``lu`` (until).
 TAKE = (
     _NOW
     + """
