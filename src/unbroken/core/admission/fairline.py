@@ -1,0 +1,107 @@
+"""A rate limiter's line (sans-IO): the turns waiting for a provider's budget, served
+fairly.
+
+Round robin across sessions (a turn's session key), first come first served within a
+session, so one busy agent cannot starve the others (`unbroken.core.admission.ratelimit`
+pumps it).  Each ticket remembers what it asks for and since when it waits: no turn
+waits in a line longer than ``max_wait_s`` (`FairLine.overdue`).  Nothing here reads a
+clock: ``now`` is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+__all__ = ["FairLine"]
+
+
+class FairLine:
+    """Waiting tickets: round robin across sessions, first come first served within one."""
+
+    __slots__ = ("_sessions", "costs", "since", "where")
+
+    def __init__(self) -> None:
+        #: session -> its tickets, oldest first; the dict's order is the rotation
+        self._sessions: dict[str, deque[int]] = {}
+        #: ticket -> its session
+        self.where: dict[int, str] = {}
+        #: ticket -> the tokens it asks for
+        self.costs: dict[int, float] = {}
+        #: ticket -> when it began to wait (no wait is longer than ``max_wait_s``)
+        self.since: dict[int, float] = {}
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def __contains__(self, ticket: object) -> bool:
+        return ticket in self.where
+
+    def __iter__(self) -> Iterator[int]:
+        """The tickets in the order they would be granted (for views and tests)."""
+        queues = {s: list(q) for s, q in self._sessions.items()}
+        while queues:
+            for s in list(queues):
+                q = queues[s]
+                yield q.pop(0)
+                if not q:
+                    del queues[s]
+
+    def add(self, ticket: int, session: str, cost: float, now: float = 0.0) -> None:
+        if ticket in self.where:
+            return
+        self.where[ticket] = session
+        self.costs[ticket] = cost
+        self.since[ticket] = now
+        q = self._sessions.get(session)
+        if q is None:
+            q = self._sessions[session] = deque()
+        q.append(ticket)
+
+    def head(self) -> int | None:
+        for q in self._sessions.values():
+            return q[0]
+        return None
+
+    def pop_head(self) -> int:
+        session, q = next(iter(self._sessions.items()))
+        ticket = q.popleft()
+        del self._sessions[session]
+        if q:
+            self._sessions[session] = q  # to the end of the rotation
+        del self.where[ticket]
+        self.costs.pop(ticket, None)
+        self.since.pop(ticket, None)
+        return ticket
+
+    def remove(self, ticket: int) -> None:
+        session = self.where.pop(ticket, None)
+        if session is None:
+            return
+        self.costs.pop(ticket, None)
+        self.since.pop(ticket, None)
+        q = self._sessions[session]
+        q.remove(ticket)
+        if not q:
+            del self._sessions[session]
+
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    def oldest(self) -> tuple[int, float] | None:
+        """The longest-waiting ticket and since when (``since`` keeps arrival order)."""
+        for item in self.since.items():
+            return item
+        return None
+
+    def waited(self, now: float) -> float:
+        """How long the longest-waiting ticket has waited (0 with nobody in line)."""
+        first = self.oldest()
+        return now - first[1] if first is not None else 0.0
+
+    def overdue(self, now: float, max_wait_s: float) -> int | None:
+        """The longest-waiting ticket once it has waited ``max_wait_s``, else None."""
+        first = self.oldest()
+        # the same sum `Limiter.pump` wakes at (``now - since >= max_wait_s`` can be
+        # false at that instant by a rounding: a wake at the same time, again and again)
+        return first[0] if first is not None and now >= first[1] + max_wait_s else None
