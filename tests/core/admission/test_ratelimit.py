@@ -9,7 +9,6 @@ import pytest
 
 from unbroken.core.admission.ratehead import RateHeaders, Reading
 from unbroken.core.admission.ratelimit import (
-    FairLine,
     Limiter,
     RateBoard,
     RateSettings,
@@ -158,22 +157,6 @@ def test_a_request_larger_than_the_limit_goes_with_a_full_bucket() -> None:
     assert due is not None and math.isfinite(due)
 
 
-def test_the_line_is_round_robin_across_sessions_fifo_within_one() -> None:
-    line = FairLine()
-    for t in (1, 2, 3, 4):
-        line.add(t, "busy", 1.0)
-    line.add(5, "a", 1.0)
-    line.add(6, "b", 1.0)
-    line.add(7, "a", 1.0)
-    assert list(line) == [1, 5, 6, 2, 7, 3, 4]
-    got = [line.pop_head() for _ in range(7)]
-    assert got == [1, 5, 6, 2, 7, 3, 4] and len(line) == 0
-    line.add(8, "x", 1.0)
-    line.add(9, "x", 1.0)
-    line.remove(8)
-    assert line.head() == 9 and line.sessions() == 1
-
-
 def test_a_busy_session_cannot_starve_the_others() -> None:
     lim = Limiter(K, "c", WIDE)
     lim.learn(lim.admit(0, "s", 0.0, 0.0), rpm(60, 0, 60.0), 0.0)  # one a second
@@ -292,18 +275,6 @@ def test_board_pumps_every_credential_of_an_upstream_and_pokes_only_when_someone
     granted, due = board.pump(K, 1.0)
     assert sorted(granted) == [1, 2] and due is None
     assert [v["credential"] for v in board.view(K, 1.0)] == ["a", "b"]
-
-
-def test_a_line_says_how_long_its_oldest_ticket_has_waited() -> None:
-    from unbroken.core.admission.ratelimit import FairLine
-
-    line = FairLine()
-    assert line.waited(5.0) == 0.0  # nobody in line
-    line.add(1, "a", 1.0, 2.0)
-    line.add(2, "b", 1.0, 3.0)
-    assert line.waited(5.0) == 3.0  # ticket 1, since 2.0
-    line.remove(1)
-    assert line.waited(5.0) == 2.0
 
 
 def _fleet_line(n: int) -> Limiter:
