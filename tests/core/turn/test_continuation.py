@@ -46,7 +46,11 @@ class ContReport(Report):
 
 
 def make(
-    memory: ContinuationMemory | None = None, max_splices: int = 64
+    memory: ContinuationMemory | None = None,
+    max_splices: int = 64,
+    *,
+    timers: Any = None,
+    queued_s: float = 5.0,
 ) -> tuple[TurnMachine, ContReport, BackgroundResume]:
     report = ContReport()
     retry = RetryState(RetryPolicy(delay_ms=0, backoff="fixed"), 1, rng=random.Random(0))
@@ -59,13 +63,13 @@ def make(
     m = TurnMachine(
         protocol=RESPONSES,
         hold=Hold(),
-        timers=Timers(),
+        timers=timers if timers is not None else Timers(),
         retry=retry,
         stream=True,
         now=0.0,
         report=report,
         continuation=strategy,
-        queued_s=5.0,
+        queued_s=queued_s,
     )
     return m, report, strategy
 
@@ -387,6 +391,32 @@ def test_after_a_queued_continuation_is_given_up_the_replay_may_resume_again() -
     if isinstance(action, Wait):
         action = m.next_attempt(7.6)
     assert isinstance(action, Resume)
+
+
+def test_a_late_tick_gives_up_a_queued_continuation_before_its_later_stall() -> None:
+    """The queued deadline (0.5 s after the resume) comes before the first-frame stall
+    (2 s): a tick that runs late, past both (a loaded machine), acts on the earlier.
+    It read the stall first, and the turn resumed the stuck response again instead of
+    cancelling it and replaying (tests/relay/test_continuation_relay.py, flaky under a
+    loaded clean-clone run)."""
+    frames = responses_stream([("text", 3)])
+    m, _, _ = make(timers=Timers(first_frame_timeout_s=2.0, idle_timeout_s=2.0), queued_s=0.5)
+    m.start(0.0)
+    m.answered(0.0, 200, sse=True)
+    m.feed_verbatim(0.1, frames[0])  # response.created: held, nothing released
+    action = m.transport_failed(0.2, RESET)
+    if isinstance(action, Wait):
+        action = m.next_attempt(0.3)
+    assert isinstance(action, Resume)
+    m.answered(0.4, 200, sse=True)
+    assert m.deadline() == pytest.approx(0.3 + 0.5, abs=0.11)
+    tick = m.tick(3.5)  # late: past both deadlines
+    assert isinstance(tick, AbortUpstream)
+    action = m.transport_failed(3.6, tick.failure)
+    if isinstance(action, Wait):
+        action = m.next_attempt(3.7)
+    assert isinstance(action, Open)  # given up and replayed, not resumed again
+    assert [c.path for c in m.take_cancels()] == [f"v1/responses/{RID}/cancel"]
 
 
 @pytest.mark.parametrize(

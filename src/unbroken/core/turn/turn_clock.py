@@ -5,6 +5,7 @@ header).  A part of `TurnMachine`: methods only, on `TurnFields`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from unbroken.core.admission.policy import Failure, FailureClass
@@ -145,19 +146,23 @@ class TurnClock(TurnFields):
                 if watch is IDLE
                 else self._attempt_t0 + t.first_frame_timeout_s
             )
-            if now >= due:
-                self._set_watch(STALLED)
-                return AbortUpstream(stall_failure())
             splice = self._splice
-            if (
-                splice is not None
-                and not splice.progressed
-                and now >= self._resume_t0 + self.queued_s
-            ):
+            queued = (
+                self._resume_t0 + self.queued_s
+                if splice is not None and not splice.progressed
+                else math.inf
+            )
+            # Both may be due at a late tick (a loaded machine): the earlier deadline is
+            # what happened (a continuation stuck in ``queued`` then read as a stall was
+            # resumed again instead of given up and replayed).
+            if now >= queued and queued <= due:
                 # The continuation shows no progress (a response stuck in ``queued``):
                 # give it up (it is cancelled); replayed if nothing was released.
                 self._set_watch(QUEUED)
                 return AbortUpstream(queued_failure())
+            if now >= due:
+                self._set_watch(STALLED)
+                return AbortUpstream(stall_failure())
         p = self._profile
         if self.stream or self.socket:
             if self.reply is NOTHING_SENT:
