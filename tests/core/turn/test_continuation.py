@@ -365,18 +365,25 @@ def test_the_splicer_passes_comments_and_errors() -> None:
         s.splice(Event(b"x", "response.output_text.delta", json.dumps({"type": "t"})))
 
 
-def test_after_a_queued_continuation_is_given_up_the_replay_may_resume_again() -> None:
-    """Before commit, a continuation stuck in queued is cancelled and the turn replayed;
-    the replay's own cut is continued again (the queued state was the old response's)."""
+def _resumed_before_commit(m: TurnMachine) -> list[bytes]:
+    """A cut right after ``response.created`` (held: nothing released): the turn resumes
+    the response (its frames returned)."""
     frames = responses_stream([("text", 3)])
-    m, _, _ = make()
     m.start(0.0)
     m.answered(0.0, 200, sse=True)
-    m.feed_verbatim(0.1, frames[0])  # response.created: held, nothing released
+    m.feed_verbatim(0.1, frames[0])
     action = m.transport_failed(0.2, RESET)
     if isinstance(action, Wait):
         action = m.next_attempt(0.3)
     assert isinstance(action, Resume)
+    return frames
+
+
+def test_after_a_queued_continuation_is_given_up_the_replay_may_resume_again() -> None:
+    """Before commit, a continuation stuck in queued is cancelled and the turn replayed;
+    the replay's own cut is continued again (the queued state was the old response's)."""
+    m, _, _ = make()
+    frames = _resumed_before_commit(m)
     m.answered(1.0, 200, sse=True)
     tick = m.tick(7.0)
     assert isinstance(tick, AbortUpstream)
@@ -399,15 +406,8 @@ def test_a_late_tick_gives_up_a_queued_continuation_before_its_later_stall() -> 
     It read the stall first, and the turn resumed the stuck response again instead of
     cancelling it and replaying (tests/relay/test_continuation_relay.py, flaky under a
     loaded clean-clone run)."""
-    frames = responses_stream([("text", 3)])
     m, _, _ = make(timers=Timers(first_frame_timeout_s=2.0, idle_timeout_s=2.0), queued_s=0.5)
-    m.start(0.0)
-    m.answered(0.0, 200, sse=True)
-    m.feed_verbatim(0.1, frames[0])  # response.created: held, nothing released
-    action = m.transport_failed(0.2, RESET)
-    if isinstance(action, Wait):
-        action = m.next_attempt(0.3)
-    assert isinstance(action, Resume)
+    _resumed_before_commit(m)
     m.answered(0.4, 200, sse=True)
     assert m.deadline() == pytest.approx(0.3 + 0.5, abs=0.11)
     tick = m.tick(3.5)  # late: past both deadlines
