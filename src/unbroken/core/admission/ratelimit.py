@@ -337,25 +337,26 @@ class Limiter:
         most ``most``, no more than the throttle and the second's share let go within
         ``horizon`` seconds, less those the budget leased already covers (a relay that
         leased what it cannot send holds it from its siblings)."""
+
+        def soon(tokens: float, rate: float) -> int:  # a bucket's grants within horizon
+            return max(1, math.floor(max(tokens, 0.0) + rate * horizon + 1e-9))
+
         n = min(len(self.line), most)
         t = self.throttle
         if t.enabled:
             t.due(now, alone=False)  # refilled to now
-            n = min(n, max(1, math.floor(max(t.tokens, 0.0) + t.rate * horizon + 1e-9)))
+            n = min(n, soon(t.tokens, t.rate))
         share = self._second_share()
         if share is not None:
             self._second_due(now)  # refilled to now
-            tokens = self._second[0] if self._second is not None else share[1]
-            n = min(n, max(1, math.floor(max(tokens, 0.0) + share[0] * horizon + 1e-9)))
+            n = min(n, soon(self._second[0] if self._second else share[1], share[0]))
         head = self.line.head()
         held: int | None = None  # head requests the leased budget covers
-        for name, cost in (("requests", 1.0), ("tokens", self.line.costs.get(head or 0, 0.0))):
-            b = self.buckets.get(name)
-            if b is not None and b.shared and cost > 0:
+        for b, cost in self._costs(self.line.costs.get(head, 0.0) if head else 0.0):
+            if b.shared and cost > 0:  # (the charged buckets: output is never shared)
                 k = max(math.floor(b.level / min(cost, b.limit) + 1e-9), 0)
                 held = k if held is None else min(held, k)
-        n -= held or 0
-        return max(n, 0)
+        return max(n - (held or 0), 0)
 
     def _second_due(self, now: float) -> float:
         share = self._second_share()
