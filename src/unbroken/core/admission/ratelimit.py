@@ -79,7 +79,7 @@ from typing import Any
 from unbroken.core.admission.fairline import FairLine
 from unbroken.core.admission.pacer import GRANT_TTL_S
 from unbroken.core.admission.ratehead import RateHeaders, Reading
-from unbroken.core.admission.throttle import MAX_RATE, AdmissionThrottle
+from unbroken.core.admission.throttle import MAX_RATE, AdmissionThrottle, measure
 
 __all__ = [
     "Bucket",
@@ -551,9 +551,8 @@ class Limiter:
         siblings answer them) and its answers to siblings, and the last one's anchor
         and demand: what a fleet store tells the siblings after each
         (`relay.ratestore.RateShare`; a question when the decreases moved)."""
-        t = self.throttle
-        anchor = min(max(t.anchor, 0.0), MAX_RATE) if math.isfinite(t.anchor) else 0.0
-        return t.decreases, t.replies, anchor, t.demand  # (finite: JSON has no NaN)
+        t = self.throttle  # (finite: a message's JSON has no NaN)
+        return t.decreases, t.replies, measure(t.anchor, MAX_RATE), t.demand
 
     def finish(
         self,

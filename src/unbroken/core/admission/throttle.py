@@ -64,6 +64,7 @@ __all__ = [
     "SIBLING_SKEW",
     "SYNC_S",
     "AdmissionThrottle",
+    "measure",
 ]
 
 #: the share of the accepted rate kept after a 429 (CUBIC's and botocore's beta)
@@ -91,6 +92,12 @@ SIBLING_SKEW = 4.0
 #: siblings pooled in one window at most, and the demand one may claim
 MAX_PEERS = 256
 MAX_DEMAND = 1_000_000.0
+
+
+def measure(value: float, top: float) -> float:
+    """A rate or a demand as told (or to tell) a sibling: within ``[0, top]``, and 0
+    when it is not a finite number."""
+    return min(max(value, 0.0), top) if math.isfinite(value) else 0.0
 
 
 class AdmissionThrottle:
@@ -245,8 +252,7 @@ class AdmissionThrottle:
         relay told before it is not in its pool: left unanswered because this relay's
         own window was open, a worker cut to 0.57 a second heard nothing for eight
         seconds with 23 turns waiting (the benchmark, `bare` over two workers)."""
-        anchor = min(max(anchor, 0.0), MAX_RATE) if math.isfinite(anchor) else 0.0
-        demand = min(max(demand, 0.0), MAX_DEMAND) if math.isfinite(demand) else 0.0
+        anchor, demand = measure(anchor, MAX_RATE), measure(demand, MAX_DEMAND)
         reply = False
         fresh = now - self._pool_t >= SYNC_S  # a new window: this relay's own measure
         owed = asks and now - self._answered.get(who, -math.inf) >= SYNC_S / 2
@@ -287,7 +293,7 @@ class AdmissionThrottle:
             self._peers = {}
         self._pool_t = now
         self.anchor = accepted
-        self.demand = min(max(demand, 0.0), MAX_DEMAND) if math.isfinite(demand) else 0.0
+        self.demand = measure(demand, MAX_DEMAND)
 
     def _raise(self) -> None:
         """The window's measures pooled: this relay's share is the fleet's accepted
