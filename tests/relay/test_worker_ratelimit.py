@@ -13,10 +13,12 @@ traceback, never a stuck key.  Waits poll a condition with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,11 +191,21 @@ async def test_a_file_that_is_no_database_is_replaced_and_turns_pace_locally_mea
 
 
 # -- the file on its own: two workers' backends -------------------------------------------
-async def test_two_backends_on_one_file_share_one_bucket(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _two_backends(tmp_path: Path) -> Iterator[tuple[list[float], FileRates, FileRates]]:
+    """Two workers' backends on one rates file, on one clock (``clock[0]``, movable)."""
     clock = [100.0]
     a = FileRates(tmp_path / RATES_FILE, clock=lambda: clock[0])
     b = FileRates(tmp_path / RATES_FILE, clock=lambda: clock[0])
     try:
+        yield clock, a, b
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_two_backends_on_one_file_share_one_bucket(tmp_path: Path) -> None:
+    with _two_backends(tmp_path) as (clock, a, b):
         args = ([1.0], [300.0], [5.0])
         assert await a.take(["k:requests"], 4, *args) == (UNKNOWN, 0.0)
         assert await a.learn("k:requests", 300, 5, 3) is False
@@ -216,9 +228,6 @@ async def test_two_backends_on_one_file_share_one_bucket(tmp_path: Path) -> None
         with sqlite3.connect(tmp_path / RATES_FILE) as db:
             db.execute("UPDATE buckets SET level = 'lots'")
         assert (await b.take(["k:requests"], 1, *args))[0] == GARBAGE
-    finally:
-        a.close()
-        b.close()
 
 
 async def test_two_backends_on_one_file_hold_a_second_of_a_banked_budget(
@@ -227,10 +236,7 @@ async def test_two_backends_on_one_file_hold_a_second_of_a_banked_budget(
     """The workers' file holds what a take asks it to (`leasemath.fleet_take`'s
     ``holds``, a second's share of the requests limit): a banked minute's budget goes
     to the workers five at a time, then at its rate."""
-    clock = [100.0]
-    a = FileRates(tmp_path / RATES_FILE, clock=lambda: clock[0])
-    b = FileRates(tmp_path / RATES_FILE, clock=lambda: clock[0])
-    try:
+    with _two_backends(tmp_path) as (clock, a, b):
         args = ([1.0], [300.0], [5.0])
         assert await a.learn("k:requests", 300, 5, 300) is False  # banked
         assert await a.take(["k:requests"], 16, *args, holds=(5.0,)) == (5, 0.0)
@@ -240,18 +246,12 @@ async def test_two_backends_on_one_file_hold_a_second_of_a_banked_budget(
         assert await b.take(["k:requests"], 16, *args, holds=(5.0,)) == (2, 0.0)
         clock[0] += 60.0  # a minute idle: still a second's share
         assert await a.take(["k:requests"], 16, *args, holds=(5.0,)) == (5, 0.0)
-    finally:
-        a.close()
-        b.close()
 
 
 async def test_two_backends_on_one_file_serve_the_oldest_turn_first(tmp_path: Path) -> None:
     """The fleet's line (`leasemath.LineMark`) in the workers' file: a worker whose turn
     waits longer goes first, whoever asks at the refill."""
-    clock = [100.0]
-    a = FileRates(tmp_path / RATES_FILE, clock=lambda: clock[0])
-    b = FileRates(tmp_path / RATES_FILE, clock=lambda: clock[0])
-    try:
+    with _two_backends(tmp_path) as (clock, a, b):
         args = ([1.0], [300.0], [5.0])
         assert await a.learn("k:requests", 300, 5, 0) is False  # spent
         got, _ = await a.take(["k:requests"], 3, *args, me="a", age=4.0)
@@ -268,9 +268,6 @@ async def test_two_backends_on_one_file_serve_the_oldest_turn_first(tmp_path: Pa
         with sqlite3.connect(tmp_path / RATES_FILE) as db:
             owner = db.execute("SELECT owner FROM lines").fetchall()
         assert owner == [("b",)]  # b is short now: its turn is the oldest
-    finally:
-        a.close()
-        b.close()
 
 
 async def test_a_junk_file_is_garbage_once_then_made_afresh(tmp_path: Path) -> None:
