@@ -80,6 +80,9 @@ CHANNEL = "unbroken:health"
 #: ``probe``, ``waiters`` or ``n:<bucket>:ok|fail`` (rate limits: `ratestore.RATE_KEY_PREFIX`)
 HEALTH_KEY_PREFIX = "unbroken:"
 READ_BUDGET_S = 0.05
+#: a question for the probe lease unanswered this long: Redis is slow, not gone, and this
+#: relay probes itself (the reads tell the rest)
+PROBE_BUDGET_S = READ_BUDGET_S * 4
 #: after a read that ran out of budget, the next one may take this long
 SLOW_BUDGET_S = 0.5
 #: no answer from Redis for this long (a stalled server): degraded
@@ -297,7 +300,7 @@ class RedisStore(HealthStore):
 
     async def _ask_probe(self, key: str, ttl_s: float) -> None:
         try:
-            async with asyncio.timeout(READ_BUDGET_S * 4):
+            async with asyncio.timeout(PROBE_BUDGET_S):
                 got = await self._probe(
                     keys=[f"{HEALTH_KEY_PREFIX}{key}:probe"],
                     args=[self.origin, max(1, int(ttl_s * 1000))],
