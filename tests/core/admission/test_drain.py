@@ -111,3 +111,17 @@ def test_the_window_bounds_any_limit(limit: float) -> None:
     assert went
     assert len(went) == 200 or max(went) >= 4.0
     assert _most_in_a_second(went) <= max(2 * share, 4.0)  # (4: the burst, cold_start)
+
+
+def test_a_fleets_leased_budget_is_no_bank() -> None:
+    """Found by the simulator: two relays over a store drew what each had leased at twice
+    the share after a 30 s outage, 20 requests in one second of a 5-a-second limit (10
+    before the drain). The fleet's bucket banks no more than a second's share for a take
+    (`Limiter.fleet_hold`), so a relay's leased budget is drawn at the share."""
+    lim = _banked()
+    lim.buckets["requests"].shared = True
+    lim.buckets["requests"].level = 200.0  # (as if leased)
+    went = _drawn(lim, 100, 60.0)
+    assert _most_in_a_second(went) <= 10
+    assert max(went) >= 18.0  # 5 at once, then 5 a second
+    assert lim.drain == 2.0  # its own, were the budget its own again

@@ -385,19 +385,27 @@ class Limiter:
                 held = k if held is None else min(held, k)
         return max(n - (held or 0), 0)
 
+    def _drain(self) -> float:
+        """The pace a crowd draws a bank at now, in second's shares: ``drain``, and 1
+        for a fleet's budget (its bucket banks no more than a second's share for a take:
+        a relay's leased budget is no bank, and each relay's own drain would add up)."""
+        b = self.buckets.get("requests")
+        return 1.0 if b is not None and b.shared else self.drain
+
     def _second_due(self, now: float) -> float:
         share = self._second_share()
         if share is None:
             return now
         rate, burst = share
-        pace = rate * self.drain
+        drain = self._drain()
+        pace = rate * drain
         if self._second is None:  # first reported now: what is in flight went this second
             self._second = (burst - len(self.running), now)
         tokens, t = self._second
         tokens = min(burst, tokens + (now - t) * pace)
         self._second = (tokens, now)
         due = now if tokens >= 1.0 - 1e-9 else now + (1.0 - tokens) / pace
-        if self.drain > 1.0:  # a bank drawn: at most twice the share in any second
+        if drain > 1.0:  # a bank drawn: at most twice the share in any second
             sends, most = self._sends, max(math.floor(2.0 * rate), math.ceil(burst))
             while sends and sends[0] <= now - DRAIN_WINDOW_S:
                 sends.popleft()
@@ -421,7 +429,7 @@ class Limiter:
             self._second_due(now)  # refilled to now
             tokens, _ = self._second or (0.0, now)
             self._second = (max(tokens - 1.0, -1.0), now)
-            if self.drain > 1.0:
+            if self._drain() > 1.0:
                 self._sends.append(now)
         return self.seq
 
@@ -671,7 +679,7 @@ class Limiter:
             why.append(f"slow start, {len(self.running)} in flight")
         share = self._second_share()
         if share is not None and self._second_due(now) > now:
-            why.append(f"a second's share, {share[0] * self.drain:.3g}/s")
+            why.append(f"a second's share, {share[0] * self._drain():.3g}/s")
         for name, b in self.buckets.items():
             b.refill(now)
             if b.level < 1.0:
