@@ -543,10 +543,11 @@ class Limiter:
         # "come back in N s" to a relay that knows no budget (a sporadic 429 with a
         # Retry-After must not spiral the throttle down: it is waited, as it says).
         explained = budget_due > now or hinted or retry_after_s is not None
-        if modeled and budget_due <= now and self.drain > 1.0:
-            # refused while every budget it reports had room: what they say is left
-            # may not go at once (a per-second enforcement, a shared key); a bank goes
-            # at the second's share from now on
+        if budget_due <= now and self.drain > 1.0:
+            # refused while every budget its headers report had room (let go by the
+            # model or not: a cold start's 429s on a key whose headers overstate what
+            # is left are the first proof): what they say is left may not go at once
+            # (a per-second enforcement, a shared key); a bank goes at the share
             self.drain = 1.0
             self._sends.clear()
         if (
