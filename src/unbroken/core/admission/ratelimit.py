@@ -35,10 +35,11 @@ Each upstream, for each credential (a hash of the key, never the key), has a
   whole minute's budget into it is a burst of 429s.  A request alone never waits
   on it.  A budget the provider reports banked (more left than a second's share: a
   token budget bound while requests refilled, a quiet spell) is drawn at up to twice
-  the share (``DRAIN``), never more than twice the share within ``DRAIN_WINDOW_S``,
-  until the provider refuses a request that every budget it reports had room for:
-  then what it says is left is not what may go at once, and a bank goes at the
-  share from then on (`Limiter.drain`).  At the share, 160 short turns banked behind
+  the share (``DRAIN``), never more than twice the share within ``DRAIN_WINDOW_S``
+  (a request alone included: a lone agent waits only past that), until the provider
+  refuses a request while every budget it reports has room: then what it says is
+  left is not what may go at once, and a bank goes at the share from then on
+  (`Limiter.drain`).  At the share, 160 short turns banked behind
   40 large first requests took 32 s where the provider would take them in 16
   (`tpm` in docs/benchmarks.md: 75 % of the limit's goodput, 90 % drawn).
 * **Concurrency** adapts (AIMD) for a provider that reports no budget: unbounded
@@ -339,6 +340,8 @@ class Limiter:
         alone = not self.running and not self.granted and len(self.line) <= 1
         if not alone:
             when = max(when, self._second_due(now))
+        elif self.drain > 1.0:  # (alone too: a drawn bank's bound holds for every send)
+            when = max(when, self._window_due(now))
         return max(when, self.throttle.due(now, alone=alone))
 
     def _second_share(self) -> tuple[float, float] | None:
@@ -405,13 +408,18 @@ class Limiter:
         tokens = min(burst, tokens + (now - t) * pace)
         self._second = (tokens, now)
         due = now if tokens >= 1.0 - 1e-9 else now + (1.0 - tokens) / pace
-        if drain > 1.0:  # a bank drawn: at most twice the share in any second
-            sends, most = self._sends, max(math.floor(2.0 * rate), math.ceil(burst))
-            while sends and sends[0] <= now - DRAIN_WINDOW_S:
-                sends.popleft()
-            if len(sends) >= most:
-                due = max(due, sends[len(sends) - most] + DRAIN_WINDOW_S)
-        return due
+        return max(due, self._window_due(now)) if drain > 1.0 else due
+
+    def _window_due(self, now: float) -> float:
+        """While a bank is drawn: when one more request keeps to at most twice the
+        share within `DRAIN_WINDOW_S` (``now``: at once)."""
+        share = self._second_share()
+        if share is None or self._drain() <= 1.0:
+            return now
+        sends, most = self._sends, max(math.floor(2.0 * share[0]), math.ceil(share[1]))
+        while sends and sends[0] <= now - DRAIN_WINDOW_S:
+            sends.popleft()
+        return sends[len(sends) - most] + DRAIN_WINDOW_S if len(sends) >= most else now
 
     def _spend(self, tokens: float, now: float) -> int:
         for bucket, cost in self._costs(tokens):
