@@ -39,9 +39,10 @@ Each upstream, for each credential (a hash of the key, never the key), has a
   (a request alone included: a lone agent waits only past that), until the provider
   refuses a request while every budget it reports has room: then what it says is
   left is not what may go at once, and a bank goes at the share from then on
-  (`Limiter.drain`).  At the share, 160 short turns banked behind
-  40 large first requests took 32 s where the provider would take them in 16
-  (`tpm` in docs/benchmarks.md: 75 % of the limit's goodput, 90 % drawn).
+  (`Limiter.drain`).  At the share, 160 short turns banked behind 40 large first
+  requests took 32 s where the provider would take them in 16 (`tpm` in
+  docs/benchmarks.md: 75 % of the limit's goodput; 91 % drawn).  A fleet's leased
+  budget is no bank (`Limiter._drain`).
 * **Concurrency** adapts (AIMD) for a provider that reports no budget: unbounded
   until the first 429; then a window of half the requests in flight, one more for
   every window of answered requests, and half again on a 429 (at most once per
@@ -117,7 +118,8 @@ DRAIN = 2.0
 #: second, and a margin for the way there: requests sent a second apart may arrive
 #: closer together)
 DRAIN_WINDOW_S = 1.05
-#: the drain's record of recent sends is bounded (a limit past 300,000 a minute)
+#: the drain's record of recent sends is bounded (past 300,000 a minute, only its pace
+#: bounds a drawn bank)
 MAX_SENDS = 10_000
 
 
