@@ -342,8 +342,9 @@ class Limiter:
         alone = not self.running and not self.granted and len(self.line) <= 1
         if not alone:
             when = max(when, self._second_due(now))
-        elif self.drain > 1.0:  # (alone too: a drawn bank's bound holds for every send)
-            when = max(when, self._window_due(now))
+        elif self._drain() > 1.0 and (share := self._second_share()) is not None:
+            # (alone too: a drawn bank's bound holds for every send)
+            when = max(when, self._window_due(now, share))
         return max(when, self.throttle.due(now, alone=alone))
 
     def _second_share(self) -> tuple[float, float] | None:
@@ -410,14 +411,12 @@ class Limiter:
         tokens = min(burst, tokens + (now - t) * pace)
         self._second = (tokens, now)
         due = now if tokens >= 1.0 - 1e-9 else now + (1.0 - tokens) / pace
-        return max(due, self._window_due(now)) if drain > 1.0 else due
+        return max(due, self._window_due(now, share)) if drain > 1.0 else due
 
-    def _window_due(self, now: float) -> float:
-        """While a bank is drawn: when one more request keeps to at most twice the
-        share within `DRAIN_WINDOW_S` (``now``: at once)."""
-        share = self._second_share()
-        if share is None or self._drain() <= 1.0:
-            return now
+    def _window_due(self, now: float, share: tuple[float, float]) -> float:
+        """While a bank is drawn (the caller knows): when one more request keeps to at
+        most twice the ``share`` (`_second_share`) within `DRAIN_WINDOW_S` (``now``: at
+        once)."""
         sends, most = self._sends, max(math.floor(2.0 * share[0]), math.ceil(share[1]))
         while sends and sends[0] <= now - DRAIN_WINDOW_S:
             sends.popleft()
