@@ -41,9 +41,6 @@ FLEET_HOLD = True
 #: a decrease's measure is a question every sibling answers (off: answered only when
 #: the sibling's own window is fresh, as before it)
 FLEET_ASKS = True
-#: a new limiter's cold start is the fleet's (`RateBoard.cold_gate`, the stores'
-#: ``claim``); off: each relay's own, as before it
-FLEET_COLD = True
 
 if TYPE_CHECKING:
     from fleet_sim_agent import Agent
@@ -156,14 +153,10 @@ class SimRelay:
         # -- the health store ---------------------------------------------------------------
         self._probes: dict[str, tuple[bool, float]] = {}
         self._asking: set[str] = set()
-        self._colds: dict[tuple[str, str], bool] = {}
-        self._claiming: set[tuple[str, str]] = set()
         if store is not None:
             self.board.rates.listeners.append(self._changed)
             self.board.listeners.append(self._on_change)
             self.board.probe_gate = self._probe_gate
-            if FLEET_COLD:
-                self.board.rates.cold_gate = self._cold_gate
             loop.call_later(RESYNC_S * (0.1 + 0.9 * store.rng.random()), self._resync)
 
     # -- waking turns (relay.pacing.Waker) ----------------------------------------------------
@@ -426,34 +419,6 @@ class SimRelay:
                 peer.board.rates.changed(key)
 
         return self._through_store(deliver)
-
-    def _cold_gate(self, key: str, cred: str, ttl_s: float) -> bool | None:
-        """As `RateShare._cold_gate`: the store's ``claim`` on the key's cold start."""
-        if not self.up:
-            return True
-        known = self._colds.pop((key, cred), None)
-        if known is not None:
-            return known
-        if (key, cred) not in self._claiming:
-            self._claiming.add((key, cred))
-            self.loop.spawn(self._claim(key, cred, ttl_s))
-        return None
-
-    def _claim(self, key: str, cred: str, ttl_s: float) -> Co:
-        mine = True
-        try:
-            yield from self._op(self.loop.now)
-            assert self.store is not None
-            mine = self.store.probe(f"{key}|{cred}:cold", self.index, ttl_s, self.loop.now)[0]
-            yield self.store.rtt() / 2
-        except _Timeout:
-            pass
-        except StoreDown:
-            self._degrade()
-        finally:
-            self._claiming.discard((key, cred))
-        self._colds[(key, cred)] = mine
-        self.board.rates.changed(key)
 
     def _probe_gate(self, key: str, ttl_s: float) -> bool | None:
         if not self.up:

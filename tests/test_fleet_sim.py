@@ -142,11 +142,8 @@ def test_a_relay_served_below_its_share_is_raised_to_it(
     told = [goodput(seed) for seed in (1, 2, 3, 4)]
     assert min(told) >= 0.95, told
     # leases held to what a relay sends (`Limiter.lease_want`) no longer let one relay
-    # take the fleet's budget, and a fleet's one cold start (`RateBoard.cold_gate`) no
-    # longer has both relays' first requests refused at once, so the anchored relay is
-    # the old leases' and cold starts' case:
+    # take the fleet's budget, so the anchored relay is the old leases' case:
     monkeypatch.setattr(fleet_sim_relay, "FLEET_HOLD", False)
-    monkeypatch.setattr(fleet_sim_relay, "FLEET_COLD", False)
     told = [goodput(seed) for seed in (1, 2, 3, 4)]
     assert min(told) >= 0.95, told
     monkeypatch.setattr(fleet_sim_relay, "FLEET_THROTTLE", False)
@@ -172,26 +169,5 @@ def test_a_fleet_leases_a_second_at_a_time_what_its_relays_can_send(
     held = [share_429(seed) for seed in (1, 2, 3, 4)]
     assert max(held) <= 0.04, held
     monkeypatch.setattr(fleet_sim_relay, "FLEET_HOLD", False)
-    # (and each relay's own cold start, as then: one for the fleet cuts 429s as well)
-    monkeypatch.setattr(fleet_sim_relay, "FLEET_COLD", False)
     before = [share_429(seed) for seed in (1, 2, 3, 4)]
     assert min(before) > 0.05, before  # the test can tell the difference
-
-
-def test_relays_starting_together_send_one_cold_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fleet's cold start on a key is one relay's (`RateBoard.cold_gate`): ten relays
-    whose agents start within 10 ms on a spent key send the cold start's four and one
-    each more into it before any answer, not four each."""
-    import fleet_sim_relay
-
-    def first_burst() -> tuple[int, int]:
-        fleet = fleet_sim.Fleet(
-            tiny(relays=10, agents=40, store="redis", seconds=5.0, start_spread_s=0.01)
-        )
-        fleet.run()
-        early = [status for t, status in fleet.sent if t < 0.05]  # (answers: 20 ms on)
-        return len(early), sum(1 for s in early if s == 429)
-
-    assert first_burst() == (4 + 9, 4 + 9)
-    monkeypatch.setattr(fleet_sim_relay, "FLEET_COLD", False)
-    assert first_burst() == (40, 40)  # the test can tell the difference

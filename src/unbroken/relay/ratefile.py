@@ -10,7 +10,6 @@ Redis keeps it in the first bucket's hash)::
 
     buckets(name, limit, rate, level, t, expires)   name: <route>|<url>|<cred>:<bucket>
     lines(name, owner, head, until)                 name: the first bucket's
-    colds(name, owner, expires)                     name: <route>|<url>|<cred>:cold
 
 in WAL mode.  A take or a report is one ``BEGIN IMMEDIATE`` transaction (the
 workers' writes are serialised by SQLite's lock) that reads the clock inside it
@@ -56,8 +55,7 @@ _SCHEMA = (
     'CREATE TABLE IF NOT EXISTS buckets (name TEXT PRIMARY KEY, "limit" REAL, rate REAL,'
     " level REAL, t REAL, expires REAL);"
     " CREATE TABLE IF NOT EXISTS lines (name TEXT PRIMARY KEY, owner TEXT, head REAL,"
-    " until REAL);"
-    " CREATE TABLE IF NOT EXISTS colds (name TEXT PRIMARY KEY, owner TEXT, expires REAL)"
+    " until REAL)"
 )
 #: SQLite's primary result codes that mean the file is not ours to use as it is
 #: (SQLITE_ERROR: a table that is not ours; SQLITE_CORRUPT, SQLITE_NOTADB,
@@ -142,22 +140,6 @@ class FileRates:
                 (name, b.limit, b.rate, b.level, b.t, now + TTL_S),
             )
             return replaced
-
-        return await self._run(tx)
-
-    async def claim(self, name: str, me: str, ttl_s: float) -> object:
-        def tx(db: sqlite3.Connection, now: float) -> object:
-            # an expired lease, or one past any ttl we give (garbage), is no one's
-            db.execute(
-                "DELETE FROM colds WHERE name = ? AND NOT (expires > ? AND expires <= ?)",
-                (name, now, now + ttl_s),
-            )
-            db.execute(
-                "INSERT OR IGNORE INTO colds (name, owner, expires) VALUES (?, ?, ?)",
-                (name, me, now + ttl_s),
-            )
-            row = db.execute("SELECT owner FROM colds WHERE name = ?", (name,)).fetchone()
-            return 1 if row is not None and row[0] == me else 0
 
         return await self._run(tx)
 

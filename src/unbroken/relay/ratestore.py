@@ -29,12 +29,6 @@ limit (`Limiter.fleet_hold`, the script's last arguments): a minute's budget ban
 while another bound is let go to the fleet at the limit's rate, not sixteen at a
 time to each relay.
 
-A new limiter's cold start is the fleet's (`RateBoard.cold_gate`): the first relay
-to ask takes it (``CLAIM``: SET NX PX on ``unbroken:rl:<key>|<credential>:cold`` for
-``COLD_GATE_S``, 10 s), a sibling that asks meanwhile starts at one request in
-flight; a relay lets one go while it asks, and starts on its own word when Redis is
-away, slow or answers garbage.
-
 The relays' lines are one line: a take says who asks and how long its oldest turn
 has waited, and a relay whose oldest turn is younger than another relay's still
 waiting one is granted nothing yet (`unbroken.core.admission.leasemath.LineMark`),
@@ -204,17 +198,6 @@ for _name, _value in (
     TAKE = TAKE.replace(_name, repr(_value))
 del _name, _value
 
-#: KEYS: a key's cold start lease; ARGV: who asks, ttl ms.  SET NX PX (another's lease
-#: that outlives ours, or has no expiry: garbage, is shortened to ours).  Returns 1 when
-#: the cold start is the asker's, else 0.
-CLAIM = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-local t = redis.call('PTTL', KEYS[1])
-if t == -1 or t > tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end
-return 0
-"""
-
 #: KEYS: one bucket; ARGV: limit, rate, the level the provider's report implies, ttl ms.
 #: Returns 1 when it replaced a key that was not a valid bucket, else 0.
 LEARN = (
@@ -267,11 +250,6 @@ class RateBackend(Protocol):
         """Teach a report (see `LEARN`); True when it replaced garbage."""
         ...
 
-    async def claim(self, name: str, me: str, ttl_s: float) -> object:
-        """Take a key's cold start for ``ttl_s`` unless a sibling holds it (see `CLAIM`):
-        1 when it is ``me``'s, 0 when not (anything else is garbage)."""
-        ...
-
     def close(self) -> None: ...
 
 
@@ -290,7 +268,6 @@ class RedisRates:
         self.garbage: tuple[type[BaseException], ...] = (ResponseError,)
         self._take = redis.register_script(TAKE)
         self._learn = redis.register_script(LEARN)
-        self._claim = redis.register_script(CLAIM)
 
     async def take(
         self,
@@ -315,12 +292,6 @@ class RedisRates:
             keys=[RATE_KEY_PREFIX + name], args=[limit, rate, value, TTL_MS]
         )
         return bool(replaced == 1)
-
-    async def claim(self, name: str, me: str, ttl_s: float) -> object:
-        got: object = await self._claim(
-            keys=[RATE_KEY_PREFIX + name], args=[me, max(1, int(ttl_s * 1000))]
-        )
-        return got
 
     def close(self) -> None:
         pass
@@ -364,11 +335,7 @@ class RateShare:
         self.leases = 0  # leases taken (for /status)
         #: who this relay is in the fleet's line marks (`leasemath.LineMark`)
         self.me = uuid.uuid4().hex[:12]
-        #: (key, credential) -> a cold start's answer not yet read by the limiter
-        self._colds: dict[tuple[str, str], bool] = {}
-        self._claiming: set[tuple[str, str]] = set()
         board.rates.listeners.append(self._changed)
-        board.rates.cold_gate = self._cold_gate
 
     def close(self) -> None:
         for handle in self._again.values():
@@ -415,54 +382,14 @@ class RateShare:
                 else:
                     self._spawn(self._work(lim))
 
-    def _spawn(self, coro: Any) -> bool:
+    def _spawn(self, coro: Any) -> None:
         try:
             task = asyncio.ensure_future(coro)
         except RuntimeError:  # no running loop (a board used outside the relay)
             coro.close()
-            return False
+            return
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return True
-
-    def _cold_gate(self, key: str, cred: str, ttl_s: float) -> bool | None:
-        """`RateBoard.cold_gate`: a new limiter's cold start is this relay's, a
-        sibling's, or being asked (the answer changes the key: its line is pumped)."""
-        if not self.is_up():
-            return True  # the store is away: every relay starts on its own word
-        known = self._colds.pop((key, cred), None)
-        if known is not None:
-            return known
-        if (key, cred) in self._claiming:
-            return None
-        if not self._spawn(self._claim(key, cred, ttl_s)):
-            return True
-        self._claiming.add((key, cred))
-        return None
-
-    async def _claim(self, key: str, cred: str, ttl_s: float) -> None:
-        mine = True  # slow, away or garbage: this relay starts on its own word
-        try:
-            async with asyncio.timeout(BUDGET_S):
-                got = await self.backend.claim(f"{key}|{cred}:cold", self.me, ttl_s)
-            if got in (0, 1) and not isinstance(got, bool):
-                mine = got == 1
-            elif self.on_garbage is not None:
-                self.on_garbage(Garbage.VALUE)
-        except asyncio.CancelledError:
-            raise
-        except TimeoutError:
-            pass
-        except Exception as exc:
-            if isinstance(exc, self.backend.garbage):
-                if self.on_garbage is not None:
-                    self.on_garbage(Garbage.WRONG_TYPE)
-            else:
-                self.on_error(exc)
-        finally:
-            self._claiming.discard((key, cred))
-        self._colds[(key, cred)] = mine
-        self.board.rates.changed(key)  # the limiter reads it: its line may move
 
     def sibling_news(
         self, key: str, cred: str, who: str, anchor: float, demand: float, asks: bool = True

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from unbroken.core.admission.rateboard import RateBoard
 from unbroken.core.admission.ratehead import RateHeaders, Reading
 from unbroken.core.admission.ratelimit import (
     Limiter,
+    RateBoard,
     RateSettings,
     credential_hash,
     max_output_of,

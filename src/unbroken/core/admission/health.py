@@ -56,8 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.core.admission.pacer import Pacer, PaceSettings
-from unbroken.core.admission.rateboard import RateBoard
-from unbroken.core.admission.ratelimit import RateSettings
+from unbroken.core.admission.ratelimit import RateBoard, RateSettings
 
 __all__ = [
     "QUOTA_LOOK_AGAIN_S",

@@ -28,12 +28,6 @@ Each upstream, for each credential (a hash of the key, never the key), has a
   agents starting at once on a key whose headers overstate what is left cost a few
   429s, not fifty, while a lone agent's own first requests (a title and a turn, a
   sub-agent or two) never wait.
-  With a fleet store the cold start is the fleet's (`RateBoard.cold_gate`): the
-  first relay to send on a key takes its ``cold_start`` (a lease in the store for
-  ``COLD_GATE_S``); a sibling that starts meanwhile lets one request go and widens
-  from there, so two relays starting together on a spent key send five requests into
-  it, not eight (fifty relays: 53, not 200).  A limiter lets one go while it asks, and
-  takes the whole cold start on its own word when the store is away or slow.
 * **A second's share.**  Once the provider reports a requests limit, a crowd (more
   than one request in flight or waiting) is let go at most a second's share of it
   at once (at least ``cold_start``), then at the limit a minute: a per-minute limit
@@ -88,7 +82,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +95,7 @@ __all__ = [
     "Bucket",
     "FairLine",
     "Limiter",
+    "RateBoard",
     "RateSettings",
     "credential_hash",
     "max_output_of",
@@ -254,7 +249,6 @@ class Limiter:
         "_unanswered",
         "blocked_until",
         "buckets",
-        "cold",
         "cred",
         "drain",
         "granted",
@@ -308,9 +302,6 @@ class Limiter:
         #: slow start: requests in flight before the provider has accepted many (one
         #: more for each it accepts; None: past ``max_concurrency``, or a 429 ended it)
         self.ramp: float | None = float(settings.cold_start)
-        #: the fleet's cold start: "own" (no fleet store, or it was away), "mine" (this
-        #: relay took it), "fleet's" (a sibling did: one at first), "asking"
-        self.cold = "own"
         self._decrease_seq = 0
         self.blocked_until = 0.0
         self.tokens_per_byte = DEFAULT_TOKENS_PER_BYTE
@@ -725,23 +716,72 @@ class Limiter:
             "throttle": self.throttle.view(),
             "shared": any(b.shared for b in self.buckets.values()),
             "drain": self.drain,
-            "cold_start": self.cold,
         }
 
-    def cold_answer(self, mine: bool | None) -> None:
-        """The fleet store's answer to this limiter's cold start (`RateBoard.cold_gate`):
-        True, it is this relay's (``cold_start`` in flight, as a relay alone); False, a
-        sibling's (one at first, one more for each answer, as any slow start); None,
-        not known yet (one goes meanwhile)."""
-        if mine is None:
-            if self.cold == "own" and not self.seen and not self.running:
-                self.cold = "asking"
-                if self.ramp is not None:
-                    self.ramp = 1.0
-            return
-        if self.cold != "asking":
-            return
-        self.cold = "mine" if mine else "fleet's"
-        if mine and self.ramp is not None and not self.limited_total:
-            # (after a 429 meanwhile the ramp is the slow start's, halved)
-            self.ramp = max(self.ramp, float(self.settings.cold_start))
+
+class RateBoard:
+    """The limiters of one relay process, by upstream key and credential."""
+
+    def __init__(self, settings: RateSettings | None = None) -> None:
+        self.settings = settings or RateSettings()
+        #: upstream key -> credential hash -> its limiter
+        self.limiters: dict[str, dict[str, Limiter]] = {}
+        #: told when a line of ``key`` may move (the health board's listener)
+        self.poke: Callable[[str], None] | None = None
+        #: told of every change of ``key``'s limiters (a fleet store's top-ups)
+        self.listeners: list[Callable[[str], None]] = []
+
+    def get(self, key: str, cred: str) -> Limiter:
+        by = self.limiters.get(key)
+        if by is None:
+            by = self.limiters[key] = {}
+        lim = by.get(cred)
+        if lim is None:
+            lim = by[cred] = Limiter(key, cred, self.settings)
+        return lim
+
+    def waiting(self, key: str) -> bool:
+        by = self.limiters.get(key)
+        if by:  # (a loop, not a generator: asked twice a turn)
+            for lim in by.values():
+                if lim.line or lim.granted:  # `Limiter.waiting`, inline
+                    return True
+        return False
+
+    def pump(self, key: str, now: float) -> tuple[list[int], float | None]:
+        by = self.limiters.get(key)
+        if not by:
+            return [], None
+        out: list[int] = []
+        due: float | None = None
+        for lim in by.values():
+            got, d = lim.pump(now)
+            out.extend(got)
+            if d is not None and (due is None or d < due):
+                due = d
+        return out, due
+
+    def changed(self, key: str) -> None:
+        for listener in self.listeners:
+            listener(key)
+        poke = self.poke
+        if poke is not None and self.waiting(key):
+            poke(key)
+
+    def all(self) -> Iterator[Limiter]:
+        for by in self.limiters.values():
+            yield from by.values()
+
+    def view(self, key: str, now: float) -> list[dict[str, Any]]:
+        by = self.limiters.get(key)
+        return [lim.view(now) for lim in by.values()] if by else []
+
+    def in_line(self, key: str) -> int:
+        """Turns waiting in ``key``'s rate lines."""
+        by = self.limiters.get(key)
+        return sum(len(lim.line) for lim in by.values()) if by else 0
+
+    def wait_reason(self, key: str, now: float) -> str | None:
+        """Why turns wait in ``key``'s rate lines, for the logs (None: none do)."""
+        by = self.limiters.get(key) or {}
+        return "; ".join(lim.wait_reason(now) for lim in by.values() if lim.line) or None
