@@ -171,3 +171,15 @@ def test_a_fleet_leases_a_second_at_a_time_what_its_relays_can_send(
     monkeypatch.setattr(fleet_sim_relay, "FLEET_HOLD", False)
     before = [share_429(seed) for seed in (1, 2, 3, 4)]
     assert min(before) > 0.05, before  # the test can tell the difference
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "quantized"])
+def test_one_relay_is_not_anchored_on_its_first_answers(provider: str) -> None:
+    """Issue 32: one relay behind a limit enforced per second, its key spent at the
+    start.  A 429 measured on the first one or two streamed answers (the others not
+    back yet) anchored the throttle at 1 a second, and CUBIC's plateau held it there:
+    44 % goodput on half the seeds of `anthropic`, two of twelve of `quantized`.  A
+    measure on fewer than ``MIN_SUPPORT`` accepted answers is a guess now (the
+    throttle probes up from it).  Fixed seeds: no flake."""
+    told = [run(Scenario(agents=40, provider=provider, seed=s)).goodput for s in range(1, 13)]
+    assert min(told) >= 0.9, told

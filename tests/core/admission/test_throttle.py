@@ -15,6 +15,7 @@ from unbroken.core.admission.throttle import (
     MAX_PEERS,
     MAX_RATE,
     MIN_RATE,
+    MIN_SUPPORT,
     SIBLING_SKEW,
     SYNC_S,
     AdmissionThrottle,
@@ -84,6 +85,36 @@ def test_it_climbs_back_to_the_refused_rate_then_beyond_but_only_while_used() ->
     quiet.sent(2, 100.0)  # one request in 100 s: the curve is far up, the use is not
     quiet.accepted(2, 100.0)
     assert quiet.rate == before
+
+
+def _measured_after(accepted: int) -> tuple[float, float]:
+    """A key spent at the start: a burst of ten, ``accepted`` of them answered, then a
+    429; then three seconds of use at the admitted rate.  (anchor, rate at the end)"""
+    t = AdmissionThrottle()
+    for seq in range(1, 11):
+        t.sent(seq, 0.0)
+    for i in range(accepted):
+        t.accepted(1 + i, 0.3 + 0.01 * i)
+    assert t.refused(10, 0.5, last_seq=10)
+    anchor, seq, now = t.w_max, 10, 0.5
+    while now < 3.5:
+        now += 1 / t.rate
+        seq += 1
+        t.sent(seq, now)
+        t.accepted(seq, now)
+    return anchor, t.rate
+
+
+def test_a_measure_on_too_few_answers_is_a_guess_that_probes_up() -> None:
+    """Two streamed answers back before a 429 measure two a second, which is no limit:
+    their siblings have not come back yet.  Anchored on it, one relay of the fleet
+    simulator sat at 1 a second of a per-second 5 for a minute on half the seeds
+    (issue 32, `anthropic`: 44 % goodput).  A guess doubles each second until the next
+    429 measures again; a measure on ``MIN_SUPPORT`` answers climbs back as CUBIC does."""
+    anchor, rate = _measured_after(2)
+    assert anchor == pytest.approx(2.0) and rate > 4 * anchor
+    anchor, rate = _measured_after(MIN_SUPPORT)
+    assert anchor == pytest.approx(4.0) and rate <= anchor  # concave, under CLIMB_S
 
 
 def _busy(t: AdmissionThrottle, until: float, per_s: float = 5.0, seq: int = 0) -> int:

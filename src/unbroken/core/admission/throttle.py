@@ -19,7 +19,13 @@ requests it lets go that only the provider's own answers move:
   So a relay that sent 2,000 requests a second into a 5-a-second limit comes
   down to the provider's 5 in one step, not in seventeen.  Only one decrease per
   epoch: a 429 for a request sent before the last decrease says nothing new
-  (TCP's once per window).
+  (TCP's once per window).  A measure that rests on fewer than ``MIN_SUPPORT``
+  accepted answers is a guess (a key spent at the start: the streamed answers that
+  were accepted have not come back yet, and one a second is not a limit): the rate
+  then doubles each second from it until the next 429 measures again.  Anchored
+  on it, one relay of `bench/fleet_sim.py` sat at 1 a second of an
+  enforced-per-second 5 for a minute on half the seeds (`anthropic`, 44 %
+  goodput).
 * **Then it probes back up** along CUBIC's curve: concave back to the rate that
   was refused (``W_max``) over ``CLIMB_S`` seconds, flat near it, convex beyond
   it, so a limit that was raised is found again, and a limit that holds costs one
@@ -61,6 +67,7 @@ __all__ = [
     "CLIMB_S",
     "MAX_RATE",
     "MIN_RATE",
+    "MIN_SUPPORT",
     "SIBLING_SKEW",
     "SYNC_S",
     "AdmissionThrottle",
@@ -73,6 +80,8 @@ BETA = 0.95
 CLIMB_S = 8.0
 #: after a decrease nothing accepted measured, the rate doubles this often
 PROBE_DOUBLE_S = 1.0
+#: a decrease before the provider has accepted this many answers is a guess (probes)
+MIN_SUPPORT = 4
 #: the lowest admitted rate, requests a second (one every 20 s at the very worst)
 MIN_RATE = 0.05
 #: the highest admitted rate the curve may reach (a sanity bound, not a target)
@@ -111,6 +120,7 @@ class AdmissionThrottle:
         "_ep_sent",
         "_ep_seq",
         "_ep_t0",
+        "_ok_total",
         "_peers",
         "_pool_t",
         "_probing",
@@ -142,6 +152,8 @@ class AdmissionThrottle:
         self._ep_sent = 0
         self._ep_ok = 0
         self._ep_refused = 0
+        #: answers accepted since the start (a measure before ``MIN_SUPPORT`` is a guess)
+        self._ok_total = 0
         self.decreases = 0  # for /status
         #: this relay's measure told to the siblings (after each decrease, and once a
         #: window in answer to theirs: ``replies``): the rate it was seen to accept
@@ -156,7 +168,8 @@ class AdmissionThrottle:
         #: siblings whose question (a decrease's measure) this relay answered, and when
         self._answered: dict[str, float] = {}
         self.raises = 0  # for /status: raised to the pooled share
-        #: the last decrease was a guess (its epoch had no accepted answer)
+        #: the last decrease was a guess (its epoch had no accepted answer, or it came
+        #: before ``MIN_SUPPORT`` answers were accepted)
         self._probing = False
         #: when the answers of the last ``RECENT_S`` were accepted (bounded)
         self._accepts: deque[float] = deque(maxlen=100_000)
@@ -164,7 +177,8 @@ class AdmissionThrottle:
     # -- the curve ---------------------------------------------------------------------
     def _curve(self, now: float) -> float:
         """CUBIC's window as a rate: back to ``w_max`` after ``CLIMB_S``, then beyond.
-        After a decrease that nothing accepted measured (the estimate is a guess), it
+        After a decrease that nothing accepted measured, or too few answers
+        (``MIN_SUPPORT``: the estimate is a guess), it
         doubles every ``PROBE_DOUBLE_S`` instead until the next 429 (TCP's slow start
         after a timeout): a rate anchored low on a guess is not stuck there."""
         t = now - self.t_decrease
@@ -205,6 +219,7 @@ class AdmissionThrottle:
         """Admission ``seq`` got an answer that was not a 429: the rate climbs."""
         if seq > self._ep_seq:
             self._ep_ok += 1
+        self._ok_total += 1
         self._accepts.append(now)
         if not self.enabled:
             return
@@ -314,9 +329,11 @@ class AdmissionThrottle:
 
     def _decrease(self, now: float, last_seq: int, accepted: float, sent_rate: float) -> None:
         """CUBIC's decrease, anchored on the ``accepted`` rate (a new epoch)."""
-        self._probing = accepted <= 0.0
-        if self._probing:  # nothing got through this epoch: less than was sent
+        guess = accepted <= 0.0
+        if guess:  # nothing got through this epoch: less than was sent
             accepted = BETA * sent_rate
+        # (and a measure on too few answers is no measure: probe up from it)
+        self._probing = guess or self._ok_total < MIN_SUPPORT
         ref = min(self.rate, accepted) if self.enabled else accepted
         if self.enabled and ref < self.w_max:
             # CUBIC's fast convergence: a relay whose share shrinks gives up a little
