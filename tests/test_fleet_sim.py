@@ -183,3 +183,15 @@ def test_one_relay_is_not_anchored_on_its_first_answers(provider: str) -> None:
     throttle probes up from it).  Fixed seeds: no flake."""
     told = [run(Scenario(agents=40, provider=provider, seed=s)).goodput for s in range(1, 13)]
     assert min(told) >= 0.9, told
+
+
+def test_a_cooloff_does_not_send_a_waiting_turn_to_the_back_of_the_line() -> None:
+    """Issue 32: no wait longer than ``max_wait_s``.  A turn that a cool-off held out of
+    its rate line came back as a newcomer, its bound started again: behind `shared` at
+    1 request a second a turn waited 94.5 s (seeds 1 to 6; 102 s at 14cbe37) for its
+    first attempt.  Now the line's bound holds, plus what is left of a cool-off the
+    provider asked for when the bound ran out."""
+    for seed in range(1, 7):
+        sc = Scenario(agents=40, provider="shared", seed=seed, limit_rps=1.0)
+        r = run(sc)
+        assert r.longest_wait_s <= sc.rate.max_wait_s + 5.0, (seed, r.longest_wait_s)

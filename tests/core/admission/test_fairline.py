@@ -30,3 +30,16 @@ def test_a_line_says_how_long_its_oldest_ticket_has_waited() -> None:
     assert line.waited(5.0) == 3.0  # ticket 1, since 2.0
     line.remove(1)
     assert line.waited(5.0) == 2.0
+
+
+def test_a_ticket_back_in_line_keeps_its_time_and_the_order() -> None:
+    """One a cool-off held out of the line comes back with the time it first waited
+    (`RetryState._rate_since`): the oldest is still the first, and its bound counts."""
+    line = FairLine()
+    line.add(2, "b", 1.0, 5.0)
+    line.add(3, "c", 1.0, 7.0)
+    line.add(1, "a", 1.0, 0.0)  # back from a cool-off: it first waited at 0 s
+    assert line.oldest() == (1, 0.0) and list(line.since) == [1, 2, 3]
+    assert line.overdue(59.9, 60.0) is None and line.overdue(60.0, 60.0) == 1
+    line.add(4, "d", 1.0, 9.0)  # a newcomer goes last, as always
+    assert list(line.since) == [1, 2, 3, 4]

@@ -134,3 +134,30 @@ def test_disabled_rate_limits_leave_the_old_path() -> None:
     assert not b.rates.limiters
     wait = s.record_failure(Failure(FailureClass.STATUS, "HTTP 429", 429, 2.0), 0.0)
     assert wait == 2.0 and b.get(K).cooloff_until == 2.0  # Retry-After as a cool-off
+
+
+def test_a_turn_a_cooloff_holds_out_of_the_rate_line_keeps_its_wait_bound() -> None:
+    """Issue 32: no wait longer than ``max_wait_s``.  A turn waiting in a rate line left
+    it while a cool-off (another turn's 429 with a Retry-After) held the upstream, and
+    came back at its end as a newcomer: its bound started again at the back of the
+    line, and in the fleet simulator (`shared` at 1 request a second) a turn waited
+    94.5 s for its first attempt.  It comes back with the time it first waited."""
+    b = HealthBoard(rate=RateSettings(max_wait_s=60.0))
+    spend_requests(b, 0.0, per_s=1 / 600)  # one request in ten minutes: only the bound
+    t = state(b, "agent")
+    park = t.next_upstream(0.0)
+    assert isinstance(park, Park) and park.why == "ratelimit"
+    lim = b.rates.get(K, "c")
+    assert lim.line.oldest() == (t.ticket, 0.0)
+    b.cooloff(K, 10.0, 30.0, "retry_after")  # held out from 10 s to 40 s
+    park = t.next_upstream(10.0)
+    assert isinstance(park, Park) and park.why != "ratelimit" and t.ticket not in lim.line
+    later = state(b, "later")  # a newcomer, meanwhile
+    assert isinstance(later.next_upstream(40.0), Park)
+    assert isinstance(t.next_upstream(40.0), Park)  # back in line: first, since 0 s
+    assert lim.line.oldest() == (t.ticket, 0.0)
+    granted, due = b.pump(K, 59.0)
+    assert granted == [] and due == 60.0  # the bound, from when it first waited
+    granted, _ = b.pump(K, 60.0)
+    assert granted == [t.ticket]
+    assert t.next_upstream(60.0) == 0

@@ -4,8 +4,9 @@ fairly.
 Round robin across sessions (a turn's session key), first come first served within a
 session, so one busy agent cannot starve the others (`unbroken.core.admission.ratelimit`
 pumps it).  Each ticket remembers what it asks for and since when it waits: no turn
-waits in a line longer than ``max_wait_s`` (`FairLine.overdue`).  Nothing here reads a
-clock: ``now`` is passed in.
+waits in a line longer than ``max_wait_s`` (`FairLine.overdue`), one back in line
+after a cool-off held it out included (it comes back with the time it first waited).
+Nothing here reads a clock: ``now`` is passed in.
 """
 
 from __future__ import annotations
@@ -52,7 +53,14 @@ class FairLine:
             return
         self.where[ticket] = session
         self.costs[ticket] = cost
-        self.since[ticket] = now
+        since = self.since
+        if since and now < next(reversed(since.values())):
+            # one back in line keeps its time (its wait bound): ``since`` stays in order
+            items = sorted([*since.items(), (ticket, now)], key=lambda item: item[1])
+            since.clear()
+            since.update(items)
+        else:
+            since[ticket] = now
         q = self._sessions.get(session)
         if q is None:
             q = self._sessions[session] = deque()

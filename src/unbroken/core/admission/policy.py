@@ -274,6 +274,9 @@ class RetryState:
     max_output: int = 0
     _adm: tuple[Limiter, int, float] | None = None  # the live admission: (limiter, seq, tokens)
     _rate_line: Limiter | None = None  # the limiter whose line the turn waits in
+    #: since when this attempt has waited for a rate budget (kept while a cool-off or a
+    #: breaker holds it out of the line: back in line, its wait bound still counts)
+    _rate_since: float | None = None
     _pace_done: bool = False  # this retry has its pacer's go already
     _order: list[int] | None = None
     #: the upstream whose fleet probe lease this turn's attempt holds, until a verdict
@@ -446,6 +449,7 @@ class RetryState:
         """The limiter lets the attempt go: its cost is spent (it leaves any rate line)."""
         seq = lim.admit(self.ticket, self.sticky or f"#{self.ticket}", tokens, now)
         self._adm = (lim, seq, tokens)
+        self._rate_since = None
         old = self._rate_line
         if old is not None:
             if old is not lim:
@@ -467,7 +471,10 @@ class RetryState:
             if old is not None:
                 old.withdraw(ticket)
             self._rate_line = lim
-        lim.admit(ticket, self.sticky or f"#{ticket}", tokens, now)  # keeps (or takes) its place
+        if self._rate_since is None:
+            self._rate_since = now
+        # keeps (or takes) its place; one back from a block keeps its time in line
+        lim.admit(ticket, self.sticky or f"#{ticket}", tokens, now, since=self._rate_since)
         board.rates.changed(key)
         return Park(now + self.park_check_s, "ratelimit", key)
 
@@ -543,6 +550,7 @@ class RetryState:
             lim.withdraw(self.ticket)
             board.rates.changed(lim.key)
             self._rate_line = None
+        self._rate_since = None
         if self._adm is not None:  # not settled: it did not end well
             self._finish(now if now is not None else 0.0, ok=False)
 

@@ -453,9 +453,13 @@ class Limiter:
                     bucket.level = min(bucket.limit, bucket.level + min(cost, bucket.limit))
 
     # -- a turn's questions ------------------------------------------------------------
-    def admit(self, ticket: int, session: str, tokens: float, now: float) -> int:
+    def admit(
+        self, ticket: int, session: str, tokens: float, now: float, since: float | None = None
+    ) -> int:
         """May this request go now?  The admission's seq (> 0; its cost is spent), or
-        0: it waits in line (keeping its place when it asks again)."""
+        0: it waits in line (keeping its place when it asks again; ``since``: when it
+        first waited, for one back in line after a cool-off held it out: the wait
+        bound counts from then)."""
         got = self.granted.pop(ticket, None) if ticket else None
         if got is not None:
             return got[1]
@@ -466,8 +470,9 @@ class Limiter:
                 line.pop_head()
             return self._spend(tokens, now)
         if ticket and ticket not in line:
-            line.add(ticket, session, tokens, now)
-            self.waited_total += 1
+            line.add(ticket, session, tokens, now if since is None else min(since, now))
+            if since is None:
+                self.waited_total += 1
         return 0
 
     def peek(self, ticket: int, tokens: float, now: float) -> bool:
