@@ -161,3 +161,4 @@ def test_a_turn_a_cooloff_holds_out_of_the_rate_line_keeps_its_wait_bound() -> N
     granted, _ = b.pump(K, 60.0)
     assert granted == [t.ticket]
     assert t.next_upstream(60.0) == 0
+    assert lim.waited_total == 2  # two turns waited (the one back counted once)

@@ -470,8 +470,9 @@ class Limiter:
                 line.pop_head()
             return self._spend(tokens, now)
         if ticket and ticket not in line:
-            line.add(ticket, session, tokens, now if since is None else min(since, now))
-            if since is None:
+            back = since is not None and since < now  # (not a new waiter: counted once)
+            line.add(ticket, session, tokens, since if back else now)
+            if not back:
                 self.waited_total += 1
         return 0
 
