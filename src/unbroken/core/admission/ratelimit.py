@@ -470,9 +470,10 @@ class Limiter:
                 line.pop_head()
             return self._spend(tokens, now)
         if ticket and ticket not in line:
-            back = since is not None and since < now  # (not a new waiter: counted once)
-            line.add(ticket, session, tokens, since if back else now)
-            if not back:
+            if since is not None and since < now:  # back in line: counted once
+                line.add(ticket, session, tokens, since)
+            else:
+                line.add(ticket, session, tokens, now)
                 self.waited_total += 1
         return 0
 
