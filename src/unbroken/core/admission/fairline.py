@@ -29,7 +29,8 @@ class FairLine:
         self.where: dict[int, str] = {}
         #: ticket -> the tokens it asks for
         self.costs: dict[int, float] = {}
-        #: ticket -> when it began to wait (no wait is longer than ``max_wait_s``)
+        #: ticket -> when it began to wait (no wait is longer than ``max_wait_s``), in
+        #: the order of those times (`add` keeps it: one back in line goes in its place)
         self.since: dict[int, float] = {}
 
     def __len__(self) -> int:
@@ -97,7 +98,7 @@ class FairLine:
         return len(self._sessions)
 
     def oldest(self) -> tuple[int, float] | None:
-        """The longest-waiting ticket and since when (``since`` keeps arrival order)."""
+        """The longest-waiting ticket and since when (``since`` is in time order)."""
         for item in self.since.items():
             return item
         return None
