@@ -6,17 +6,19 @@ Theory of operation
 Each upstream, for each credential (a hash of the key, never the key), has a
 `Limiter` that learns the provider's budgets from its answers (`core.admission.ratehead`):
 
-* **Buckets.**  Requests, tokens and output tokens each have a `Bucket`: a limit, a
-  level (what is left) and a refill rate.  Providers refill continuously (OpenAI's
-  and Anthropic's "reset" is when the budget is full again), so the rate is learned
-  as ``(limit - remaining) / reset``, smoothed, and never above the limit a minute
-  (a quantized provider's reset means "until the next request": it would say a
-  rate thousands of times too fast); before any reset is seen it is a limit per
-  minute.  A header sets the level to what the provider says is left, less what
-  this relay admitted after the answered request was sent (it is not counted
-  yet).  Between answers the level refills at the rate.  A level's debt is at
-  most its limit, and an attempt that ends before any answer said what it cost
-  (a reset before headers) gives its estimate back.
+* **Buckets.**  Requests, tokens and output tokens each have a `Bucket`
+  (`core.admission.bucket`): a limit, a level (what is left) and a refill rate.
+  Providers refill continuously (OpenAI's and Anthropic's "reset" is when the
+  budget is full again), so the rate is learned as ``(limit - remaining) / reset``,
+  smoothed, and never above the limit a minute (a quantized provider's reset means
+  "until the next request": it would say a rate thousands of times too fast);
+  before any reset is seen it is a limit per minute.  A header sets the level to
+  what the provider says is left, less what this relay admitted after the answered
+  request was sent (it is not counted yet).  Between answers the level refills at
+  the rate, for the requests budget less what the reports show others take from
+  it (its `Drift`: a key shared with traffic the relay does not see).  A level's
+  debt is at most its limit, and an attempt that ends before any answer said what
+  it cost (a reset before headers) gives its estimate back.
 * **Cost.**  A request costs one request and its estimated tokens: the body's
   bytes times the tokens a byte (``0.25`` to start, then learned from the input
   tokens the provider reports, per limiter) plus any ``max_tokens`` it asks for.
@@ -86,9 +88,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from unbroken.core.admission.bucket import DEFAULT_WINDOW_S, SMOOTH, Bucket
 from unbroken.core.admission.fairline import FairLine
 from unbroken.core.admission.pacer import GRANT_TTL_S
-from unbroken.core.admission.ratehead import RateHeaders, Reading
+from unbroken.core.admission.ratehead import RateHeaders
 from unbroken.core.admission.throttle import MAX_RATE, AdmissionThrottle, measure
 
 __all__ = [
@@ -103,10 +106,6 @@ __all__ = [
 
 #: the tokens a request body byte starts at (about four bytes a token)
 DEFAULT_TOKENS_PER_BYTE = 0.25
-#: weight of a new observation in the learned rates and tokens a byte
-SMOOTH = 0.3
-#: a limit's window before a reset is seen (limits are per minute)
-DEFAULT_WINDOW_S = 60.0
 #: a reset this short on a 429 that no budget explains is "until the next request may
 #: go" (a quantized limit's): the key waits for it
 NEXT_HINT_S = 1.0
@@ -163,78 +162,6 @@ def max_output_of(body: Any) -> int:
         if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 10_000_000:
             return v
     return 0
-
-
-class Bucket:
-    """One budget: ``level`` of ``limit`` left, refilled at ``rate`` a second."""
-
-    __slots__ = ("level", "limit", "rate", "rate_seen", "reported", "shared", "t", "version")
-
-    def __init__(self, limit: float, now: float) -> None:
-        self.limit = limit
-        self.level = limit
-        self.rate = limit / DEFAULT_WINDOW_S
-        self.t = now
-        #: the rate was learned from a reset (not the per-minute guess)
-        self.rate_seen = False
-        #: the level is the fleet's lease (refilled by the store, not by the clock)
-        self.shared = False
-        #: the level the provider's last report implies, and how many reports came
-        #: (a fleet store lowers the fleet's level to it)
-        self.reported = limit
-        self.version = 0
-
-    def refill(self, now: float) -> None:
-        dt = now - self.t
-        if dt > 0:
-            if not self.shared:
-                self.level = min(self.limit, self.level + dt * self.rate)
-            self.t = now
-
-    def due(self, cost: float, now: float) -> float:
-        """When ``cost`` is available (``now`` if it is; shared: never by itself)."""
-        self.refill(now)
-        need = min(cost, self.limit) - self.level
-        if need <= 1e-9:
-            return now
-        if self.shared:
-            return math.inf
-        return now + need / self.rate if self.rate > 0 else math.inf
-
-    def learn(self, r: Reading, uncounted: float, now: float) -> None:
-        """A provider's reading; ``uncounted``: spent since that request was sent."""
-        self.refill(now)
-        if r.limit is not None and r.limit != self.limit:
-            self.limit = r.limit
-            if not self.rate_seen:
-                self.rate = self.limit / DEFAULT_WINDOW_S
-        rem = r.remaining
-        if rem is None:
-            return
-        if r.reset_s is not None and r.reset_s > 0.001 and rem < self.limit:
-            # A per-minute limit never refills faster than its limit a minute, whatever
-            # a reset says (a quantized provider's reset is "until the next request").
-            seen = max((self.limit - rem) / r.reset_s, self.limit / 3600.0)
-            seen = min(seen, self.limit / DEFAULT_WINDOW_S)
-            self.rate = (1 - SMOOTH) * self.rate + SMOOTH * seen if self.rate_seen else seen
-            self.rate_seen = True
-        elif r.reset_s is not None and rem <= 0 and r.reset_s <= 0.001:
-            rem = min(self.limit, 1.0)  # spent, and reset now: one may go
-        level = max(-self.limit, min(self.limit, rem) - uncounted)  # debt: at most a limit
-        self.reported = level
-        self.version += 1
-        if self.shared:
-            self.level = min(self.level, level)  # the fleet's lease: only ever lowered here
-        else:
-            self.level = level
-
-    def view(self, now: float) -> dict[str, Any]:
-        self.refill(now)
-        return {
-            "limit": round(self.limit),
-            "left": round(self.level, 1),
-            "per_s": round(self.rate, 3),
-        }
 
 
 class Limiter:
@@ -510,7 +437,7 @@ class Limiter:
             bucket = self.buckets.get(name)
             if bucket is None:
                 assert reading.limit is not None
-                bucket = self.buckets[name] = Bucket(reading.limit, now)
+                bucket = self.buckets[name] = Bucket(reading.limit, now, drifts=name == "requests")
             after = 0.0
             if name != "output":
                 after = sum(
