@@ -284,8 +284,11 @@ class SimRelay:
                     value = b.level
                 version, limit, rate = b.version, b.limit, b.rate
                 yield from self._op(t0)
-                store.learn(self._name(lim, n), limit, rate, value, TTL_MS, self.loop.now)
+                _, granted = store.learn(
+                    self._name(lim, n), limit, rate, value, TTL_MS, self.loop.now
+                )
                 yield store.rtt() / 2
+                lim.fleet_report(n, granted, self.loop.now)
                 self._pushed[(lid, n)] = version
                 if not b.shared:
                     b.shared = True

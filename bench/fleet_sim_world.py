@@ -269,6 +269,8 @@ class SimStore:
         self.buckets: dict[str, list[float]] = {}
         #: the fleet's line marks: first bucket's name -> (owner, head, until)
         self.marks: dict[str, tuple[str, float, float]] = {}
+        #: each bucket's total granted by takes (``granted`` in the Redis hash)
+        self.granted: dict[str, float] = {}
         #: probe leases: key -> (owner, until)
         self.probes: dict[str, tuple[int, float]] = {}
         #: windowed counters: (key, bucket number, failed) -> count
@@ -328,9 +330,11 @@ class SimStore:
         )
         if got.granted < 0:
             return got.granted, "0"
-        for name, level in zip(names, got.levels, strict=True):
+        for i, (name, level) in enumerate(zip(names, got.levels, strict=True)):
             b = self.buckets[name]
             b[2], b[3], b[4] = level, now, now + ttl_ms / 1000.0
+            if i < len(got.taken):
+                self.granted[name] = self.granted.get(name, 0.0) + got.taken[i]
         if got.mark_changed:
             m = got.mark
             if m is None:
@@ -341,12 +345,16 @@ class SimStore:
 
     def learn(
         self, name: str, limit: float, rate: float, value: float, ttl_ms: int, now: float
-    ) -> int:
+    ) -> tuple[int, float]:
         """``LEARN``: the fleet's level is lowered to a provider's report (never raised;
-        `unbroken.core.admission.leasemath.fleet_learn`)."""
-        b, replaced = fleet_learn(self._row(name, now), limit, rate, value, now)
+        `unbroken.core.admission.leasemath.fleet_learn`); (replaced, what takes have
+        granted from the bucket in all)."""
+        row = self._row(name, now)
+        b, replaced = fleet_learn(row, limit, rate, value, now)
+        if row is None or replaced:
+            self.granted.pop(name, None)  # (an expired or replaced key's total goes too)
         self.buckets[name] = [b.limit, b.rate, b.level, b.t, now + ttl_ms / 1000.0]
-        return int(replaced)
+        return int(replaced), self.granted.get(name, 0.0)
 
     def poison(self, now: float) -> None:
         """The issue's one write (``HSET ... rate 0 level -100``) on every rate bucket."""

@@ -208,22 +208,25 @@ async def test_two_backends_on_one_file_share_one_bucket(tmp_path: Path) -> None
     with _two_backends(tmp_path) as (clock, a, b):
         args = ([1.0], [300.0], [5.0])
         assert await a.take(["k:requests"], 4, *args) == (UNKNOWN, 0.0)
-        assert await a.learn("k:requests", 300, 5, 3) is False
+        assert await a.learn("k:requests", 300, 5, 3) == (False, 0.0)
         assert await a.take(["k:requests"], 2, *args) == (2, 0.0)
         assert await b.take(["k:requests"], 2, *args) == (1, 0.0)  # what a left
         got, wait = await b.take(["k:requests"], 2, *args)
         assert got == 0 and wait == pytest.approx(0.2)
         clock[0] += 0.4  # refilled two
         assert await a.take(["k:requests"], 5, *args) == (2, 0.0)
-        assert await b.learn("k:requests", 300, 5, 250) is False  # never raises the level
+        # never raises the level; answers what the takes granted in all (2 + 1 + 2)
+        assert await b.learn("k:requests", 300, 5, 250) == (False, 5.0)
         assert (await a.take(["k:requests"], 1, *args))[0] == 0
         clock[0] += 121.0  # expired: unknown, taught again
         assert (await b.take(["k:requests"], 1, *args))[0] == UNKNOWN
         # garbage: rate 0, level -100, or text: the take says so, a report replaces it
         with sqlite3.connect(tmp_path / RATES_FILE) as db:
-            db.execute("INSERT OR REPLACE INTO buckets VALUES ('k:requests', 300, 0, -100, 0, 1e9)")
+            db.execute(
+                "INSERT OR REPLACE INTO buckets VALUES ('k:requests', 300, 0, -100, 0, 1e9, 7)"
+            )
         assert (await a.take(["k:requests"], 1, *args))[0] == GARBAGE
-        assert await a.learn("k:requests", 300, 5, 10) is True
+        assert await a.learn("k:requests", 300, 5, 10) == (True, 0.0)  # (counted afresh)
         assert await b.take(["k:requests"], 1, *args) == (1, 0.0)
         with sqlite3.connect(tmp_path / RATES_FILE) as db:
             db.execute("UPDATE buckets SET level = 'lots'")
@@ -238,7 +241,7 @@ async def test_two_backends_on_one_file_hold_a_second_of_a_banked_budget(
     to the workers five at a time, then at its rate."""
     with _two_backends(tmp_path) as (clock, a, b):
         args = ([1.0], [300.0], [5.0])
-        assert await a.learn("k:requests", 300, 5, 300) is False  # banked
+        assert (await a.learn("k:requests", 300, 5, 300))[0] is False  # banked
         assert await a.take(["k:requests"], 16, *args, holds=(5.0,)) == (5, 0.0)
         got, wait = await b.take(["k:requests"], 16, *args, holds=(5.0,))
         assert got == 0 and wait == pytest.approx(0.2)
@@ -253,7 +256,7 @@ async def test_two_backends_on_one_file_serve_the_oldest_turn_first(tmp_path: Pa
     waits longer goes first, whoever asks at the refill."""
     with _two_backends(tmp_path) as (clock, a, b):
         args = ([1.0], [300.0], [5.0])
-        assert await a.learn("k:requests", 300, 5, 0) is False  # spent
+        assert (await a.learn("k:requests", 300, 5, 0))[0] is False  # spent
         got, _ = await a.take(["k:requests"], 3, *args, me="a", age=4.0)
         assert got == 0  # short: a's turn, waiting 4 s, is the fleet's oldest
         clock[0] += 0.4  # two refilled
@@ -275,7 +278,7 @@ async def test_a_junk_file_is_garbage_once_then_made_afresh(tmp_path: Path) -> N
     a = FileRates(path)
     b = FileRates(path)
     try:
-        assert await a.learn("k:requests", 300, 5, 3) is False
+        assert (await a.learn("k:requests", 300, 5, 3))[0] is False
         assert await b.take(["k:requests"], 1, [1.0], [300.0], [5.0]) == (1, 0.0)
         junk = tmp_path / "junk"
         junk.write_bytes(os.urandom(8192))
@@ -284,7 +287,7 @@ async def test_a_junk_file_is_garbage_once_then_made_afresh(tmp_path: Path) -> N
             await b.take(["k:requests"], 1, [1.0], [300.0], [5.0])
         # b removed it: a, whose file was replaced under it, opens a fresh one
         assert await a.take(["k:requests"], 1, [1.0], [300.0], [5.0]) == (UNKNOWN, 0.0)
-        assert await b.learn("k:requests", 300, 5, 3) is False
+        assert (await b.learn("k:requests", 300, 5, 3))[0] is False
         assert await a.take(["k:requests"], 5, [1.0], [300.0], [5.0]) == (3, 0.0)
         # a table that is not ours is garbage too
         with sqlite3.connect(path) as db:
@@ -292,7 +295,7 @@ async def test_a_junk_file_is_garbage_once_then_made_afresh(tmp_path: Path) -> N
             db.execute("CREATE TABLE buckets (x)")
         with pytest.raises(RatesFileGarbage):
             await a.take(["k:requests"], 1, [1.0], [300.0], [5.0])
-        assert await b.learn("k:requests", 300, 5, 3) is False
+        assert (await b.learn("k:requests", 300, 5, 3))[0] is False
     finally:
         a.close()
         b.close()

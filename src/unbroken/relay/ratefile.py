@@ -8,7 +8,8 @@ the supervisor's runtime directory (`unbroken.relay.workers.make_runtime_dir`), 
 table of buckets and one of the fleet's line marks (`leasemath.LineMark`, kept where
 Redis keeps it in the first bucket's hash)::
 
-    buckets(name, limit, rate, level, t, expires)   name: <route>|<url>|<cred>:<bucket>
+    buckets(name, limit, rate, level, t, expires, granted)
+                                                    name: <route>|<url>|<cred>:<bucket>
     lines(name, owner, head, until)                 name: the first bucket's
 
 in WAL mode.  A take or a report is one ``BEGIN IMMEDIATE`` transaction (the
@@ -41,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from unbroken.core.admission.leasemath import fleet_learn, fleet_take
+from unbroken.core.admission.leasemath import fleet_learn, fleet_take, read_granted
 from unbroken.core.admission.shared import Garbage
 from unbroken.observe.sqlite_wal import enter_wal
 from unbroken.relay.ratestore import BUDGET_S, TTL_MS
@@ -53,7 +54,7 @@ RATES_FILE = "rates.sqlite"
 TTL_S = TTL_MS / 1000.0
 _SCHEMA = (
     'CREATE TABLE IF NOT EXISTS buckets (name TEXT PRIMARY KEY, "limit" REAL, rate REAL,'
-    " level REAL, t REAL, expires REAL);"
+    " level REAL, t REAL, expires REAL, granted REAL);"
     " CREATE TABLE IF NOT EXISTS lines (name TEXT PRIMARY KEY, owner TEXT, head REAL,"
     " until REAL)"
 )
@@ -111,10 +112,12 @@ class FileRates:
                 rows, want, costs, limits, rates, now, me=me, age=age, mark=mark, holds=holds
             )
             if got.granted >= 0:
-                for name, level in zip(names, got.levels, strict=True):
+                for i, (name, level) in enumerate(zip(names, got.levels, strict=True)):
+                    add = got.taken[i] if i < len(got.taken) else 0.0
                     db.execute(
-                        "UPDATE buckets SET level = ?, t = ?, expires = ? WHERE name = ?",
-                        (level, now, now + TTL_S, name),
+                        "UPDATE buckets SET level = ?, t = ?, expires = ?,"
+                        " granted = ? WHERE name = ?",
+                        (level, now, now + TTL_S, self._granted(db, name) + add, name),
                     )
             if got.mark_changed:
                 m = got.mark
@@ -130,16 +133,18 @@ class FileRates:
 
         return await self._run(tx)
 
-    async def learn(self, name: str, limit: float, rate: float, value: float) -> bool:
-        def tx(db: sqlite3.Connection, now: float) -> bool:
+    async def learn(self, name: str, limit: float, rate: float, value: float) -> tuple[bool, float]:
+        def tx(db: sqlite3.Connection, now: float) -> tuple[bool, float]:
             db.execute("DELETE FROM buckets WHERE expires <= ?", (now,))
-            b, replaced = fleet_learn(self._row(db, name, now), limit, rate, value, now)
+            row = self._row(db, name, now)
+            b, replaced = fleet_learn(row, limit, rate, value, now)
+            granted = self._granted(db, name) if row is not None and not replaced else 0.0
             db.execute(
-                'INSERT OR REPLACE INTO buckets (name, "limit", rate, level, t, expires)'
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (name, b.limit, b.rate, b.level, b.t, now + TTL_S),
+                'INSERT OR REPLACE INTO buckets (name, "limit", rate, level, t, expires,'
+                " granted) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (name, b.limit, b.rate, b.level, b.t, now + TTL_S, granted),
             )
-            return replaced
+            return replaced, granted
 
         return await self._run(tx)
 
@@ -185,6 +190,12 @@ class FileRates:
             db.execute("DELETE FROM buckets WHERE name = ?", (name,))
             return None
         return tuple(row[:4])
+
+    @staticmethod
+    def _granted(db: sqlite3.Connection, name: str) -> float:
+        """A bucket's total granted by takes (validated: garbage counts as 0)."""
+        row = db.execute("SELECT granted FROM buckets WHERE name = ?", (name,)).fetchone()
+        return read_granted(row[0]) if row is not None else 0.0
 
     def _stat(self) -> tuple[int, int] | None:
         try:

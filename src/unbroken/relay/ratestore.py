@@ -79,8 +79,10 @@ from unbroken.core.admission.leasemath import (
     GARBAGE,
     MARK_S,
     MAX_AGE_S,
+    MAX_GRANTED,
     MAX_OWNER,
     ORDER_TOL_S,
+    read_granted,
 )
 from unbroken.core.admission.ratelimit import Limiter
 from unbroken.core.admission.shared import Garbage, lease_grant
@@ -159,6 +161,11 @@ local function spend(m)
   for i, k in ipairs(KEYS) do
     local level = state[i][1] - m * state[i][2]
     redis.call('HSET', k, 'level', tostring(level), 't', tostring(now))
+    if m > 0 then
+      local g = num(redis.call('HGET', k, 'granted'))
+      if not g or g < 0 or g > MAX_GRANTED then g = 0 end  -- garbage: counted afresh
+      redis.call('HSET', k, 'granted', tostring(g + m * state[i][2]))
+    end
     redis.call('PEXPIRE', k, ttl)
   end
 end
@@ -194,12 +201,15 @@ for _name, _value in (
     ("ORDER_TOL_S", ORDER_TOL_S),
     ("MARK_S", MARK_S),
     ("BLOCKED_WAIT_S", BLOCKED_WAIT_S),
+    ("MAX_GRANTED", MAX_GRANTED),
 ):
     TAKE = TAKE.replace(_name, repr(_value))
 del _name, _value
 
 #: KEYS: one bucket; ARGV: limit, rate, the level the provider's report implies, ttl ms.
-#: Returns 1 when it replaced a key that was not a valid bucket, else 0.
+#: Returns {1 when it replaced a key that was not a valid bucket, else 0; what takes
+#: have granted from the bucket in all (its ``granted`` field, `core.admission.bucket`'s
+#: fleet drift; garbage: 0)}.
 LEARN = (
     _NOW
     + """
@@ -217,9 +227,11 @@ end
 redis.call('HSET', k, 'limit', tostring(limit), 'rate', tostring(rate),
   'level', tostring(level), 't', tostring(now))
 redis.call('PEXPIRE', k, tonumber(ARGV[4]))
-return replaced
+local g = num(redis.call('HGET', k, 'granted'))
+if not g or g < 0 or g > MAX_GRANTED then g = 0 end
+return {replaced, tostring(g)}
 """
-)
+).replace("MAX_GRANTED", repr(MAX_GRANTED))
 
 
 class RateBackend(Protocol):
@@ -246,8 +258,9 @@ class RateBackend(Protocol):
         line order; "" keeps none)."""
         ...
 
-    async def learn(self, name: str, limit: float, rate: float, value: float) -> bool:
-        """Teach a report (see `LEARN`); True when it replaced garbage."""
+    async def learn(self, name: str, limit: float, rate: float, value: float) -> tuple[bool, float]:
+        """Teach a report (see `LEARN`): whether it replaced garbage, and what takes
+        have granted from the bucket in all."""
         ...
 
     def close(self) -> None: ...
@@ -287,11 +300,11 @@ class RedisRates:
         )
         return got, wait
 
-    async def learn(self, name: str, limit: float, rate: float, value: float) -> bool:
-        replaced = await self._learn(
-            keys=[RATE_KEY_PREFIX + name], args=[limit, rate, value, TTL_MS]
-        )
-        return bool(replaced == 1)
+    async def learn(self, name: str, limit: float, rate: float, value: float) -> tuple[bool, float]:
+        got = await self._learn(keys=[RATE_KEY_PREFIX + name], args=[limit, rate, value, TTL_MS])
+        if not isinstance(got, list | tuple) or len(got) != 2:
+            return False, 0.0
+        return got[0] == 1, read_granted(got[1])
 
     def close(self) -> None:
         pass
@@ -463,10 +476,11 @@ class RateShare:
             else:  # sharing it (again): what this relay reckons is left now
                 b.refill(asyncio.get_running_loop().time())
                 value = b.level
-            replaced = await self.backend.learn(self._name(lim, n), b.limit, b.rate, value)
+            replaced, granted = await self.backend.learn(self._name(lim, n), b.limit, b.rate, value)
             if replaced and self.on_garbage is not None:
                 self.on_garbage(Garbage.VALUE)
             self._pushed[(id(lim), n)] = b.version
+            lim.fleet_report(n, granted, asyncio.get_running_loop().time())
             if not b.shared:
                 b.shared = True
                 b.level = 0.0  # from now on, what this relay holds is leased

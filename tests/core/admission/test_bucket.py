@@ -15,7 +15,7 @@ import math
 import pytest
 
 from core.admission.ratesim import Answer, Textbook, run
-from unbroken.core.admission.bucket import GAIN, MARGIN, MAX_DRAIN, WINDOW_S, Drift
+from unbroken.core.admission.bucket import GAIN, MARGIN, MAX_DRAIN, QUIET, WINDOW_S, Drift
 from unbroken.core.admission.ratehead import RateHeaders, Reading
 from unbroken.core.admission.ratelimit import Limiter, RateSettings
 
@@ -142,3 +142,70 @@ def test_one_relay_on_a_key_others_share_stops_being_refused(taken: float) -> No
     assert [t for t in refused if t > 10.0] == [], refused  # the start's, and no more
     assert r.ok / 120.0 >= 0.9 * 5.0 * (1 - taken), r
     assert r.longest_wait_s <= 30.0, r
+
+
+# -- a fleet's bucket: what the store granted, against what the key reports ------------
+def test_a_fleets_window_measures_what_others_took() -> None:
+    """From the second window the key is low on (the first is a fall, not yet a key
+    others keep low)."""
+    d = Drift()
+    # 5 a second refilled; the fleet was granted 2.5 a second and the key stayed spent:
+    # others took the rest
+    for i in range(31):
+        d.observe_fleet(0.0, 2.5 * i, 5.0, 300.0, float(i))
+    assert d.drain == pytest.approx(2.5, rel=0.05)
+    assert d.reckon(5.0) == pytest.approx(5.0 - (1 + MARGIN) * 2.5, rel=0.05)
+    # they went away: the fleet takes all of it, and the drain follows
+    for i in range(31, 80):
+        d.observe_fleet(0.0, 2.5 * 30 + 5.0 * (i - 30), 5.0, 300.0, float(i))
+    assert d.drain < 0.01 and d.reckon(5.0) == 5.0
+
+
+def test_a_fleets_window_measures_nothing_while_the_key_has_room() -> None:
+    # a key with room does not take its refill (nor does a limit over a sliding minute,
+    # whose count falls with each request: the simulator's quantized provider)
+    d = Drift()
+    for i in range(60):
+        d.observe_fleet(300.0 - 5.0 * i, 5.0 * i, 5.0, 300.0, float(i))
+    # then the minute turns: what it reports left stays put while the fleet sends
+    for i in range(60, 180):
+        d.observe_fleet(0.0, 5.0 * i, 5.0, 300.0, float(i))
+        # (the last of the fall, in the second window low: a tenth of the rate at
+        # most, for a window, and it fades)
+        assert d.drain <= 0.1 * 5.0, i
+    assert d.drain < 0.01
+
+
+def test_a_fleets_total_going_back_starts_the_window_again() -> None:
+    d = Drift()
+    d.observe_fleet(0.0, 1000.0, 5.0, 300.0, 0.0)
+    d.observe_fleet(0.0, 0.0, 5.0, 300.0, 10.0)  # the store forgot the bucket
+    assert d.drain == 0.0
+    d.observe_fleet(0.0, 50.0, 5.0, 300.0, 20.0)  # the fleet took all of it
+    assert d.drain == 0.0
+    for bad in (math.nan, math.inf):
+        d.observe_fleet(bad, 50.0, 5.0, 300.0, 30.0)
+        d.observe_fleet(0.0, bad, 5.0, 300.0, 30.0)
+    assert d.drain == 0.0
+
+
+def test_a_quiet_drain_is_not_reckoned_on() -> None:
+    d = Drift()
+    d.drain = 0.9 * QUIET * 5.0
+    assert d.reckon(5.0) == 5.0
+    d.drain = 2.0 * QUIET * 5.0
+    assert d.reckon(5.0) < 5.0
+
+
+def test_a_limiter_reckons_on_its_fleets_drift_only_while_shared() -> None:
+    lim = Limiter(K, "c", RateSettings())
+    lim.learn(lim.admit(0, "s", 0.0, 0.0), RateHeaders(requests=Reading(300, 0, 60.0)), 0.0)
+    b = lim.buckets["requests"]
+    lim.fleet_report("requests", 0.0, 0.0)
+    lim.fleet_report("requests", 10.0, 10.0)  # not the fleet's yet: nothing
+    assert b.drift is not None and b.drift.drain == 0.0
+    b.shared = True
+    for i in range(2, 12):
+        lim.fleet_report("requests", 20.0 * i, 10.0 * i)  # 2 a second granted of 5
+    assert b.rate == pytest.approx(5.0 - (1 + MARGIN) * 3.0, rel=0.1)
+    lim.fleet_report("nothing", 1.0, 100.0)  # no such bucket: nothing

@@ -28,6 +28,7 @@ from unbroken.core.admission.leasemath import (
     fleet_learn,
     fleet_take,
     read_fleet_bucket,
+    read_granted,
     read_line_mark,
 )
 from unbroken.relay.ratestore import LEARN, TAKE, TTL_MS
@@ -138,20 +139,36 @@ def test_take_and_learn_answer_as_the_lua_scripts_do(redis_server: RedisServer) 
             py = fleet_take(rows, want, costs, limits, rates, NOW)
             assert (py.granted, _close(py.wait_s, float(wait))) == (got, True), (case, got, wait)
             if got >= 0:
-                for k, level in zip(keys, py.levels, strict=True):
+                for k, level, taken in zip(keys, py.levels, py.taken, strict=True):
                     assert _close(_stored(r, k)[2], level), case
                     assert _stored(r, k)[3] == NOW, case
+                    # what was granted from each bucket, added to its total (none before)
+                    assert read_granted(r.hget(k, "granted")) == pytest.approx(taken), case
             else:
                 assert not py.levels
         for case, f, limit, rate, value in LEARNS:
             k = f"rl:learn:{case}"
             _store(r, k, f)
-            replaced = learn(keys=[k], args=[limit, rate, value, TTL_MS])
+            if f is not None:
+                r.hset(k, "granted", "12.5")
+            replaced, granted = learn(keys=[k], args=[limit, rate, value, TTL_MS])
             b, py_replaced = fleet_learn(f, limit, rate, value, NOW)
             assert py_replaced == (replaced == 1), case
+            # the bucket's total granted, kept by a report (a replaced one starts afresh)
+            kept = 12.5 if f is not None and not py_replaced else 0.0
+            assert read_granted(granted) == kept, case
             lua = _stored(r, k)
             mine = (b.limit, b.rate, b.level, b.t)
             assert all(_close(x, y) for x, y in zip(lua, mine, strict=True)), (case, lua, mine)
+        # a total that is garbage counts as none, and is counted afresh by a take
+        for bad in ("lots", "-3", "inf", "1e99"):
+            _store(r, "rl:g", fields(300, 5, 100, NOW))
+            r.hset("rl:g", "granted", bad)
+            assert take(keys=["rl:g"], args=[2, 1.0, 300, 5, TTL_MS])[0] == 2
+            assert read_granted(r.hget("rl:g", "granted")) == 2.0, bad
+            assert read_granted(bad) == 0.0
+            r.hset("rl:g", "granted", bad)
+            assert read_granted(learn(keys=["rl:g"], args=[300, 5, 10, TTL_MS])[1]) == 0.0
         # a key of another type: garbage for both (the table in SQLite has no types:
         # a row whose fields are not numbers is its garbage)
         r.set("rl:string", "x")

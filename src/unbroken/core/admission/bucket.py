@@ -36,11 +36,22 @@ away, and the request that fraction was waiting for is refused).
 * **Bounded.**  The drain is within ``[0, MAX_DRAIN]`` of the told rate: a report
   never raises the refill above it, and a relay always reckons on some of it (the
   throttle and ``max_wait_s`` bound the rest).  Non-finite readings are ignored.
-* **A relay alone.**  A bucket whose level is a fleet's lease (`Bucket.shared`: Redis
-  or the workers' file) is not a model of the key, so it measures nothing (a fleet
-  store's level is lowered by reports, and the leases its relays hold but have not
-  sent hide a drain from it: not done).  Two relays on one key that share no store
-  each count the other's requests as drain: each reckons on what the other leaves.
+* **A relay alone** measures it so.  Two relays on one key that share no store each
+  count the other's requests as a drain: each reckons on what the other leaves.
+* **A fleet** (`Bucket.shared`: Redis or the workers' file) cannot: its level is the
+  fleet's lease, and the leases its relays hold and have not sent count as taken in
+  the store and as left in the provider's report, which hides a drain.  The store
+  counts what its takes granted from each bucket in all, and answers a report with it
+  (`core.admission.leasemath.read_granted`); over a window of ``FLEET_WINDOW_S``, what
+  the key refilled at its told rate, less what its reported level fell by and what
+  the fleet was granted, is what others took (`Drift.observe_fleet`), and the drain
+  moves ``FLEET_GAIN`` of the way to it.  Only while the key is ``LOW`` (a key with
+  room does not take its refill) and not falling (a limit counted over a sliding
+  minute, as the simulator's `quantized`, falls through the low mark once a minute
+  with no other traffic: read as a drain, the fleet lost 7 % of its goodput).  The
+  relay teaches the fleet's bucket its told rate less the drain, and takes at it.
+* **Quiet.**  A drain under ``QUIET`` of the rate is noise, and not reckoned on (the
+  controller sees it fade).
 
 Time is a monotonic ``now`` in seconds, passed in.  Nothing here does I/O.
 """
@@ -54,9 +65,14 @@ from unbroken.core.admission.ratehead import Reading
 
 __all__ = [
     "DEFAULT_WINDOW_S",
+    "FALLING",
+    "FLEET_GAIN",
+    "FLEET_WINDOW_S",
     "GAIN",
+    "LOW",
     "MARGIN",
     "MAX_DRAIN",
+    "QUIET",
     "SMOOTH",
     "WINDOW_S",
     "Bucket",
@@ -72,6 +88,18 @@ DEFAULT_WINDOW_S = 60.0
 WINDOW_S = 2.0
 #: the share of a window's measure the drain moves by
 GAIN = 0.5
+#: a drain under this share of the rate is noise, and not reckoned on
+QUIET = 0.05
+#: a fleet's window of reports (over the store's total granted) is at least this long
+FLEET_WINDOW_S = 3.0
+#: the share of the way to a fleet window's measure the drain moves
+FLEET_GAIN = 0.5
+#: a fleet's window measures only while the key is this low (a share of its limit):
+#: a key with room does not take its refill (nor does a limit counted over a sliding
+#: minute: what it reports left falls with every request until the minute turns)
+LOW = 0.1
+#: ... and not while it falls by more than this share of what it refills
+FALLING = 0.25
 #: the relay reckons on this share of the drain more (a model that refills as fast as
 #: the provider lets go a request the provider then refuses, as soon as the fraction
 #: a report rounds away runs out)
@@ -84,7 +112,7 @@ MAX_DRAIN = 0.7
 class Drift:
     """One budget's drain: refill the provider's reports show someone else takes."""
 
-    __slots__ = ("_err", "_span", "_t", "drain")
+    __slots__ = ("_err", "_fleet", "_span", "_t", "drain")
 
     def __init__(self) -> None:
         #: requests (or tokens) a second that the model's rate counted and others take
@@ -92,10 +120,44 @@ class Drift:
         self._t: float | None = None  # the last report
         self._err = 0.0  # the window's summed difference (model - report)
         self._span = 0.0  # and the seconds it covers
+        #: a fleet's window: (when, the level reported, the fleet's total granted, and
+        #: since when the key is low)
+        self._fleet: tuple[float, float, float, float] | None = None
 
     def reckon(self, rate: float) -> float:
         """What is left of ``rate`` for this relay: less the drain and its margin."""
-        return max(rate - (1.0 + MARGIN) * self.drain, 0.0)
+        drain = self.drain if self.drain > QUIET * rate else 0.0
+        return max(rate - (1.0 + MARGIN) * drain, 0.0)
+
+    def observe_fleet(
+        self, reported: float, granted: float, rate: float, limit: float, now: float
+    ) -> None:
+        """A report (``reported`` left) taught to a fleet's bucket, whose store has
+        granted ``granted`` from it in all: over a window of ``FLEET_WINDOW_S``, what
+        the key refilled at ``rate``, less what its level fell by and what the fleet
+        was granted, is what others took.  Only while the key stays low, and from
+        ``LOW_HOLD_S`` after it went low (a key falling through the low mark is not yet
+        one that others keep low; a limit over a sliding minute falls through it once
+        a minute without any other traffic, in 6 s at the limit's rate)."""
+        if not all(math.isfinite(x) for x in (reported, granted, rate, limit, now)):
+            return
+        snap = self._fleet
+        if reported > LOW * limit:
+            self._fleet = None
+            return
+        if snap is None or granted < snap[2] or now < snap[0]:
+            # (new, or a new total: the store forgot the bucket)
+            self._fleet = (now, reported, granted, now)
+            return
+        span = now - snap[0]
+        if span < FLEET_WINDOW_S:
+            return
+        self._fleet = (now, reported, granted, snap[3])
+        if reported - snap[1] < -FALLING * rate * span:
+            return  # falling: not yet a key others keep low
+        others = (rate * span - (reported - snap[1]) - (granted - snap[2])) / span
+        top = MAX_DRAIN * max(rate, 0.0)
+        self.drain = min(max(self.drain + FLEET_GAIN * (others - self.drain), 0.0), top)
 
     def restart(self) -> None:
         """The model was not this drift's for a while (a fleet's lease): start afresh."""
@@ -114,9 +176,10 @@ class Drift:
             self._t = now
             return
         span, self._t = now - self._t, now
-        # (the model reckoned on the margin too: the controller sees it refilled at the
-        # measured drain, so the margin stays a margin)
-        modelled += MARGIN * self.drain * span
+        # (the model refilled at what `reckon` leaves, the margin and the quiet zone
+        # included: the controller sees it refilled at the rate less the drain, so the
+        # margin stays a margin and a quiet drain fades)
+        modelled += (rate - self.reckon(rate) - self.drain) * span
         self._span += span
         if not (spent and modelled <= reported):
             # (below a spent report the model's debt is its own refused requests, which
@@ -213,6 +276,13 @@ class Bucket:
             self.level = min(self.level, level)  # the fleet's lease: only ever lowered here
         else:
             self.level = level
+
+    def fleet_report(self, granted: float, now: float) -> None:
+        """This bucket's last report was taught to the fleet's, whose store has granted
+        ``granted`` from it in all (`Drift.observe_fleet`)."""
+        if self.drift is not None and self.shared:
+            self.drift.observe_fleet(self.reported, granted, self.told, self.limit, now)
+            self.reckon()
 
     def reckon(self) -> None:
         """The rate this relay reckons on: the provider's, less its drift's drain."""

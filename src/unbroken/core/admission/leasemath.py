@@ -23,6 +23,11 @@ cases through both):
   5-a-second limit).
 * **Learn** (`fleet_learn`): a provider's report lowers the fleet's level to what it
   says is left, never raises it (refills do).
+* **What was granted** (`read_granted`): each bucket counts what its takes granted in
+  all (``granted``), and a report is answered with it: over a window, what the key
+  refilled less what its reported level fell by and what the fleet was granted is
+  what traffic the fleet does not see took (`core.admission.bucket`).  A total that
+  is garbage counts as 0 and is counted afresh.
 * **One line for the fleet** (`LineMark`): the relays' lines are served oldest first,
   across the fleet, as one relay serves its own.  A take says who asks (``me``) and how
   long its longest-waiting turn has waited (``age``).  A take that runs short leaves a
@@ -51,6 +56,7 @@ __all__ = [
     "GARBAGE",
     "MARK_S",
     "MAX_AGE_S",
+    "MAX_GRANTED",
     "MAX_OWNER",
     "ORDER_TOL_S",
     "UNKNOWN",
@@ -60,6 +66,7 @@ __all__ = [
     "fleet_learn",
     "fleet_take",
     "read_fleet_bucket",
+    "read_granted",
     "read_line_mark",
 ]
 
@@ -80,6 +87,9 @@ BLOCKED_WAIT_S = 0.1
 MAX_AGE_S = 3600.0
 #: a mark's owner: at most this many bytes
 MAX_OWNER = 64
+#: a bucket's total granted past this is garbage (counted afresh: a relay's window of
+#: it starts again, `core.admission.bucket.Drift.observe_fleet`)
+MAX_GRANTED = 1e15
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +117,15 @@ class LineMark:
 class FleetTake:
     """A take's answer: ``granted`` requests (`UNKNOWN`, `GARBAGE`: none, and nothing
     written), the seconds until one more is there, and each bucket's new level (to be
-    written with ``t = now``); ``mark_changed``: write ``mark`` (None: delete it)."""
+    written with ``t = now``) and what was taken from it (added to its ``granted``);
+    ``mark_changed``: write ``mark`` (None: delete it)."""
 
     granted: int
     wait_s: float
     levels: tuple[float, ...] = ()
     mark: LineMark | None = None
     mark_changed: bool = False
+    taken: tuple[float, ...] = ()
 
 
 def _num(value: object) -> float | None:
@@ -136,6 +148,13 @@ def _num(value: object) -> float | None:
         return None
     v = float(value)
     return v if math.isfinite(v) else None
+
+
+def read_granted(value: object) -> float:
+    """A bucket's total granted by takes (its ``granted`` field), validated: garbage
+    (not a number, below zero, past `MAX_GRANTED`) counts as 0 and is counted afresh."""
+    g = _num(value)
+    return g if g is not None and 0.0 <= g <= MAX_GRANTED else 0.0
 
 
 def read_fleet_bucket(
@@ -223,8 +242,9 @@ def fleet_take(
                 n = max(can, 0)
             if level < cost:
                 wait = max(wait, (cost - level) / b.rate)
+    taken = tuple(n * cost for _, cost in state)
     if not me:
-        return FleetTake(n, wait, tuple(level - n * cost for level, cost in state))
+        return FleetTake(n, wait, tuple(level - n * cost for level, cost in state), taken=taken)
     line = read_line_mark(mark, now)
     waited = _num(age)
     since = now - min(max(waited if waited is not None else 0.0, 0.0), MAX_AGE_S)
@@ -234,10 +254,10 @@ def fleet_take(
     levels = tuple(level - n * cost for level, cost in state)
     if n < want:  # short: this relay's oldest turn is the fleet's oldest waiting
         head = since if line is None or line.owner == me else min(since, line.head)
-        return FleetTake(n, wait, levels, LineMark(me, head, now + MARK_S), True)
+        return FleetTake(n, wait, levels, LineMark(me, head, now + MARK_S), True, taken)
     if line is not None and line.owner == me:  # served: the mark goes
-        return FleetTake(n, wait, levels, None, True)
-    return FleetTake(n, wait, levels)
+        return FleetTake(n, wait, levels, None, True, taken)
+    return FleetTake(n, wait, levels, taken=taken)
 
 
 def fleet_learn(

@@ -290,6 +290,14 @@ class Limiter:
         share = self._second_share() if name == "requests" else None
         return share[1] if share is not None else 0.0
 
+    def fleet_report(self, name: str, granted: float, now: float) -> None:
+        """Bucket ``name``'s last report was taught to the fleet's, whose store has
+        granted ``granted`` from it in all: its drift, which the rate this relay
+        teaches the fleet follows (`core.admission.bucket`)."""
+        b = self.buckets.get(name)
+        if b is not None:
+            b.fleet_report(granted, now)
+
     def lease_want(self, now: float, most: int, horizon: float) -> int:
         """How many of the line's head requests a fleet store should lease for now: at
         most ``most``, no more than the throttle and the second's share let go within
