@@ -261,6 +261,29 @@ def test_the_typed_run_ends_before_the_first_frame_that_does_not_fit() -> None:
     assert not c.typed  # the finish did not fit: the typed proof is off for the attempt
 
 
+def test_a_finish_in_a_run_is_refused_without_its_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame with ``"finish_reason":"..."`` cannot fit the typed proof: it ends the run
+    as a failed decode would, without the decode; text that only quotes those bytes
+    (escaped, inside a string) is still proved plain."""
+    from unbroken.core.wire.protocols import chat
+
+    decoded: list[bytes] = []
+    real = chat._plain_chunk
+
+    def counting(data: bytes) -> object:
+        decoded.append(bytes(data))
+        return real(data)
+
+    monkeypatch.setattr(chat, "_plain_chunk", counting)
+    n = len(_OPENAI_CHUNK)
+    c = chat.ChatClassifier()
+    assert c.plain_prefix(_OPENAI_CHUNK * 2 + _FINISH_CHUNK + b"data: [DONE]\n\n") == (2, 2 * n)
+    assert not c.typed and len(decoded) == 2  # the finish frame was not decoded
+    quoting = _OPENAI_CHUNK.replace(b'"hello"', b'"say \\"finish_reason\\":\\"stop\\""')
+    c = chat.ChatClassifier()
+    assert c.plain_prefix(quoting * 2) == (2, 2 * len(quoting)) and c.typed
+
+
 _TEXT = {"index": 0, "delta": {"content": "t"}, "finish_reason": None}
 # Payloads the typed proof must decide exactly as `classify`'s parse does: duplicate keys
 # (each copy is checked), numbers out of range, strings either parser refuses, types

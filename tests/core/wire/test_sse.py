@@ -260,6 +260,18 @@ def test_byte_by_byte_matches_one_shot(built: Built) -> None:
     ]
 
 
+@settings(max_examples=150, deadline=None)
+@given(built=sse_stream())
+def test_frame_by_frame_matches_one_shot(built: Built) -> None:
+    """Cut at every blank line, as the HTTP transport peels a turn's first frames (each
+    whole frame on its own, the splitter idle before it: its one-frame fast path)."""
+    stream = built.stream
+    chunks = [part + b"\n\n" for part in stream.split(b"\n\n")]
+    chunks[-1] = chunks[-1][:-2]
+    events, splitter = feed_chunks([c for c in chunks if c])
+    check_against_reference(stream, events, splitter)
+
+
 # ---------------------------------------------------------------------------
 # A fixed, realistic stream: every cut point, and byte by byte
 

@@ -122,6 +122,20 @@ class SSESplitter:
         return bytes(self._buf)
 
     def feed(self, chunk: bytes) -> list[Event]:
+        if self.idle:
+            # Nothing pending, at an event boundary: a chunk that is one whole event
+            # (its first blank line is its end; no CR; no leading blank line) is that
+            # event, as the loop below would find it, and leaves the state as it was
+            # (the HTTP transport feeds a turn's first frames one at a time).
+            n = len(chunk)
+            if (
+                n > 2
+                and chunk.find(b"\n\n") == n - 2
+                and n <= self.max_event_bytes
+                and chunk[0] != LF
+                and CR not in chunk
+            ):
+                return [self._parse(chunk, chunk[:-2])]
         if self._failed:
             raise EventTooLarge(len(self._buf), self.max_event_bytes)
         buf = self._buf

@@ -34,6 +34,13 @@ _TEXT_FIELDS = frozenset({"content", "refusal", "reasoning_content", "reasoning"
 _NOT_PLAIN = (b"tool_calls", b"function_call", b'"error"')
 _FINISH = b'"finish_reason"'
 _FINISH_NULL = (b'"finish_reason":null', b'"finish_reason": null')
+# A finish with a reason (``"finish_reason":"stop"``): a raw quote always opens or closes a
+# JSON string, so these bytes are a key ``finish_reason`` whose value is a string, which
+# `_PlainChunk` refuses wherever it stands (null only, or an unknown field).  A frame
+# holding them, in a run (`plain_prefix`), is not tried with the typed decode, as if it
+# had failed it: it would, at the cost of the decode and a ValidationError with its
+# message (about 13k instructions, every turn whose finish arrives with other frames).
+_FINISH_STR = b'"finish_reason":"'
 
 
 # The typed proof (see `plain_prefix`): a chunk of this shape, every field known and of
@@ -160,6 +167,10 @@ class ChatClassifier:
                 self.typed = False
         if self.typed:
             frames, pos = 0, start
+            # the first finish with a reason in the run (one search, not one a frame)
+            finish = chunk.find(_FINISH_STR, start)
+            if finish < 0:
+                finish = size
             while True:
                 end = chunk.find(LF, pos)  # the end of the frame's one line, then a blank one
                 if (
@@ -169,9 +180,13 @@ class ChatClassifier:
                     or not chunk.startswith(b"data: {", pos)
                 ):
                     return frames, pos
-                try:
-                    _plain_chunk(chunk[pos + 6 : end])
-                except _NOT_PLAIN_CHUNK:
+                plain = finish > end
+                if plain:
+                    try:
+                        _plain_chunk(chunk[pos + 6 : end])
+                    except _NOT_PLAIN_CHUNK:
+                        plain = False
+                if not plain:
                     self.typed = False
                     if frames:
                         return frames, pos
