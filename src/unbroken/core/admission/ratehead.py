@@ -208,10 +208,26 @@ _ANTHROPIC_OUTPUT = _family(
 )
 
 
+#: the first letters, either case, of every header name `parse_rate_headers` reads
+_FIRST = frozenset("xXaArR")
+_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-", "retry-after")
+
+
+def _may_report(headers: Mapping[str, str]) -> bool:
+    """Some header name is one `parse_rate_headers` reads (all begin with one of
+    `_PREFIXES`); when none is, it reads nothing and reports nothing."""
+    for name in headers:
+        if name[:1] in _FIRST and name.lower().startswith(_PREFIXES):
+            return True
+    return False
+
+
 def parse_rate_headers(
     headers: Mapping[str, str], *, now_wall: float, max_wait_s: float = 60.0
 ) -> RateHeaders:
     """The budgets an answer's headers report (see the module docstring)."""
+    if not _may_report(headers):
+        return NO_HEADERS  # (most answers: one look at each name, not 14 lookups)
     c = _Checker(now_wall, max_wait_s)
     requests = tokens = output = None
     names = _OPENAI_REQUESTS

@@ -263,10 +263,14 @@ class Limiter:
         ramp = self.ramp
         if ramp is not None and len(self.running) >= int(ramp):
             return math.inf  # a cold start: the rest wait for the provider's answers
+        alone = not self.running and not self.granted and len(self.line) <= 1
+        if not self.buckets:
+            # No budget reported (yet): no bucket to wait for, and no second's share
+            # (`_second_share` is None: `_second_due` says now; no bank to draw)
+            return max(when, self.throttle.due(now, alone=alone))
         for bucket, cost in self._costs(tokens):
             if cost > 0:
                 when = max(when, bucket.due(cost, now))
-        alone = not self.running and not self.granted and len(self.line) <= 1
         if not alone:
             when = max(when, self._second_due(now))
         elif self._drain() > 1.0 and (share := self._second_share()) is not None:
@@ -358,18 +362,20 @@ class Limiter:
         return sends[len(sends) - most] + DRAIN_WINDOW_S if len(sends) >= most else now
 
     def _spend(self, tokens: float, now: float) -> int:
-        for bucket, cost in self._costs(tokens):
-            if cost > 0 and bucket is not self.buckets.get("output"):
-                # a debt is at most the limit (estimates of attempts in flight)
-                bucket.level = max(-bucket.limit, bucket.level - min(cost, bucket.limit))
+        buckets = self.buckets
+        if buckets:
+            for bucket, cost in self._costs(tokens):
+                if cost > 0 and bucket is not buckets.get("output"):
+                    # a debt is at most the limit (estimates of attempts in flight)
+                    bucket.level = max(-bucket.limit, bucket.level - min(cost, bucket.limit))
         self.seq += 1
         self.uncounted[self.seq] = tokens
         self.running[self.seq] = tokens
         self._unanswered.add(self.seq)
-        if self.buckets:
+        if buckets:
             self._modeled[self.seq] = True
         self.throttle.sent(self.seq, now)
-        if self._second_share() is not None:
+        if buckets and self._second_share() is not None:
             self._second_due(now)  # refilled to now
             tokens, _ = self._second or (0.0, now)
             self._second = (max(tokens - 1.0, -1.0), now)
@@ -435,6 +441,9 @@ class Limiter:
         """An answer's headers for admission ``seq`` (0: not admitted here)."""
         self.seen = True
         self.uncounted.pop(seq, None)
+        if h.requests is None and h.tokens is None and h.output is None:
+            self._next_hint = (seq, 0.0)  # nothing reported (what the loop below does)
+            return
         hint = 0.0
         for name, reading in (("requests", h.requests), ("tokens", h.tokens), ("output", h.output)):
             if reading is None or (reading.limit is None and name not in self.buckets):
