@@ -77,7 +77,7 @@ class TurnRecord:
     client: str = ""
     #: the model the request names ("" when none): `core.wire.protocols.model_asked`
     model: str = ""
-    id: int = field(default_factory=lambda: next(_ids))
+    id: int = field(default_factory=_ids.__next__)
     started: float = field(default_factory=time.time)
     attempts: int = 0
     upstream: str = ""

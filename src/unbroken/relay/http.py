@@ -47,7 +47,7 @@ from unbroken.core.turn.machine import (
     TurnMachine,
     Wait,
 )
-from unbroken.core.wire.client_request import is_streamed, session_id_of, sticky_key
+from unbroken.core.wire.client_request import is_streamed, session_keys
 from unbroken.core.wire.protocols import GEMINI, Protocol, model_asked, protocol_for_path
 from unbroken.core.wire.protocols.base import loads_object
 from unbroken.core.wire.sse import Event
@@ -149,12 +149,13 @@ class _HttpTurn:
         # agent body is hundreds of KiB, and its parsed form is larger still.
         self.parsed = parsed if renames else None
         self.profile = relay.profile_for(request.headers)
+        session, sticky = session_keys(request.headers, parsed)
         info = TurnRecord(
             route=route.name,
             path=rest,
             protocol=self.protocol.name,
             stream=stream,
-            session_id=session_id_of(request.headers, parsed),
+            session_id=session,
             client=self.profile.name,
             model=model_asked(parsed, rest),
         )
@@ -162,7 +163,7 @@ class _HttpTurn:
         self.loop = asyncio.get_running_loop()
         retry = relay.retry_state(
             route,
-            sticky_key(request.headers, parsed),
+            sticky,
             creds=relay.limits.creds_for(route, request.headers, query),
             body_bytes=len(body),
             max_output=max_output_of(parsed),

@@ -84,6 +84,7 @@ HOP_BY_HOP = frozenset(
 )
 _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding", TOKEN_HEADER}
 _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
+_NO_TOKENS: frozenset[str] = frozenset()
 
 
 def request_headers(
@@ -112,9 +113,12 @@ def request_headers(
     it is how a loop is seen.
     """
     out: CIMultiDict[str] = CIMultiDict()
-    connection_tokens = {
-        t.strip().lower() for t in incoming.get("connection", "").split(",") if t.strip()
-    }
+    connection = incoming.get("connection")
+    connection_tokens = (
+        {t.strip().lower() for t in connection.split(",") if t.strip()}
+        if connection
+        else _NO_TOKENS
+    )
     for k, v in incoming.items():
         low = k.lower()
         if low in _DROP_REQUEST or low in connection_tokens:

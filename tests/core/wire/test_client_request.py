@@ -117,3 +117,35 @@ def test_each_upstream_counts_its_injected_key_else_the_clients_own() -> None:
     assert credentials_of([None], {}, "key=AIza-q") == ("AIza-q",)
     assert credentials_of([None], {}) == ("",)
     assert credentials_of([], headers) == ()
+
+
+def test_session_keys_are_the_session_id_and_the_sticky_key_in_one_look() -> None:
+    from itertools import product
+
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from unbroken.core.wire.client_request import (
+        SESSION_HEADERS,
+        session_id_of,
+        session_keys,
+        sticky_key,
+    )
+
+    names = [SESSION_HEADERS[0], SESSION_HEADERS[-1], "thread-id"]
+    bodies: list[dict[str, object] | None] = [
+        None,
+        {},
+        {"prompt_cache_key": "pck"},
+        {"prompt_cache_key": ""},
+        {"prompt_cache_key": 3},
+    ]
+    for values in product([None, "", "v"], repeat=len(names)):
+        headers = CIMultiDict(
+            (n.upper(), v) for n, v in zip(names, values, strict=True) if v is not None
+        )
+        proxy = CIMultiDictProxy(headers)
+        for body in bodies:
+            assert session_keys(proxy, body) == (
+                session_id_of(proxy, body),
+                sticky_key(proxy, body),
+            )

@@ -151,17 +151,20 @@ def max_output_of(body: Any) -> int:
     (Responses), or the Gemini API's ``generationConfig.maxOutputTokens``."""
     if not isinstance(body, dict):
         return 0
-    config = body.get("generationConfig")
-    for where, name in (
-        (body, "max_tokens"),
-        (body, "max_completion_tokens"),
-        (body, "max_output_tokens"),
-        (config, "maxOutputTokens"),
-    ):
-        v = where.get(name) if isinstance(where, dict) else None
-        if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 10_000_000:
-            return v
+    get = body.get
+    for v in (get("max_tokens"), get("max_completion_tokens"), get("max_output_tokens")):
+        if v is not None and _tokens_ok(v):
+            return v  # type: ignore[no-any-return]
+    config = get("generationConfig")
+    if isinstance(config, dict):
+        v = config.get("maxOutputTokens")
+        if v is not None and _tokens_ok(v):
+            return v  # type: ignore[no-any-return]
     return 0
+
+
+def _tokens_ok(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 < v < 10_000_000
 
 
 class Limiter:

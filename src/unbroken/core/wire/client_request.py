@@ -32,6 +32,7 @@ __all__ = [
     "credentials_of",
     "is_streamed",
     "session_id_of",
+    "session_keys",
     "sticky_key",
 ]
 
@@ -76,6 +77,25 @@ def sticky_key(headers: Mapping[str, str], body: dict[str, Any] | None = None) -
     """A turn's session key for stickiness: a session header (or Codex's
     ``thread-id``), else the parsed body's ``prompt_cache_key``."""
     return _session_key(headers, body, STICKY_HEADERS)
+
+
+def session_keys(
+    headers: Mapping[str, str], body: dict[str, Any] | None = None
+) -> tuple[str | None, str | None]:
+    """``(session_id_of(...), sticky_key(...))`` in one look at the headers: the sticky
+    names are the session's, then ``thread-id``."""
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value:
+            found = str(value)
+            return found, found
+    thread = headers.get("thread-id")
+    key: str | None = None
+    if body is not None:
+        cache = body.get("prompt_cache_key")
+        if isinstance(cache, str) and cache:
+            key = cache
+    return key, (str(thread) if thread else key)
 
 
 def _session_key(
