@@ -177,6 +177,54 @@ def _fan_out(name: str) -> Callable[..., None]:
     return call
 
 
+def _fan_out_1(name: str) -> Callable[..., None]:
+    """`_fan_out` for an event of one argument (the turn): no ``*args``/``**kwargs``
+    packed and unpacked per observer (a turn's start and end)."""
+
+    def call(self: MultiHooks, turn: TurnRecord) -> None:
+        bound = self._bound
+        if bound is None:
+            bound = self._bind()
+        for method, on_error in bound[name]:
+            try:
+                method(turn)
+            except Exception:
+                if on_error is None:
+                    raise
+                on_error(name)
+
+    call.__name__ = name
+    return call
+
+
+def _fan_out_2(name: str) -> Callable[..., None]:
+    """`_fan_out` for an event of two arguments (an attempt's start and end)."""
+
+    def call(self: MultiHooks, turn: TurnRecord, other: Any) -> None:
+        bound = self._bound
+        if bound is None:
+            bound = self._bind()
+        for method, on_error in bound[name]:
+            try:
+                method(turn, other)
+            except Exception:
+                if on_error is None:
+                    raise
+                on_error(name)
+
+    call.__name__ = name
+    return call
+
+
+#: the events of every turn, called with their arguments by position (`HooksObserver`)
+_POSITIONAL = {
+    "turn_started": _fan_out_1,
+    "turn_ended": _fan_out_1,
+    "attempt_started": _fan_out_2,
+    "attempt_ended": _fan_out_2,
+}
+
+
 class MultiHooks(Hooks):
     """Calls every hook of ``hooks`` in order (its methods are made from `HOOK_NAMES`).
 
@@ -238,7 +286,7 @@ class MultiHooks(Hooks):
 
 
 for _name in HOOK_NAMES:
-    setattr(MultiHooks, _name, _fan_out(_name))
+    setattr(MultiHooks, _name, _POSITIONAL.get(_name, _fan_out)(_name))
 
 
 #: why continue mode (``after_commit = "continue"``) did not cover a turn or finish a

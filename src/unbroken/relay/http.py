@@ -81,7 +81,9 @@ SSE_HEADERS = {
 class CleanStream(web.StreamResponse):
     """A streamed answer whose headers hold no ``Access-Control-*`` header: built by
     `response_headers` (which drops the upstream's) or by the relay itself.  The
-    server's CORS step trusts that and skips its scan of the headers."""
+    server's CORS step trusts that (``clean_of_cors``) and skips its scan of the headers."""
+
+    clean_of_cors = True
 
 
 class _WithFirstWrite(CleanStream):
@@ -451,8 +453,10 @@ class _HttpTurn:
         if self.response is None:
             await self._prepare(self.pending or _WithFirstWrite())
             assert self.response is not None
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionError, RuntimeError):
+        try:  # (not contextlib.suppress: three calls fewer a turn)
             await self.response.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError):
+            pass
         return self.response
 
     def _abort_client(self) -> web.StreamResponse:

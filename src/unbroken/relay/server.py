@@ -41,7 +41,7 @@ from unbroken.relay.connections import (
     effective_max_connections,
     install_accept_log_limiter,
 )
-from unbroken.relay.http import CleanStream, handle_http
+from unbroken.relay.http import handle_http
 from unbroken.relay.logfilter import install_log_filter
 from unbroken.relay.relay_state import RelayState
 from unbroken.relay.siblings import (
@@ -247,7 +247,9 @@ async def _relay(
     if body is None:
         return _too_large(relay)
     response = await handle_http(relay, request, route, rest, body)
-    if isinstance(response, web.Response) and not response.prepared and response.status >= 400:
+    # (``prepared`` first: a streamed turn's response is, and isinstance on an ABC's
+    # subclass is a Python-level check)
+    if not response.prepared and isinstance(response, web.Response) and response.status >= 400:
         _redact_response(response, config.secrets())
     return response
 
@@ -270,7 +272,9 @@ async def _cors(request: web.Request, response: web.StreamResponse) -> None:
     Runs for every response of either transport (WebSocket handshakes included)
     just before its headers are written.
     """
-    if not isinstance(response, CleanStream):
+    # (the class's flag, not isinstance: a StreamResponse is a MutableMapping, an ABC,
+    # whose isinstance check runs in Python)
+    if not getattr(response, "clean_of_cors", False):
         if isinstance(response, _Preflight):
             return
         headers = response.headers
