@@ -55,7 +55,7 @@ def continuation_for(
     relay would patch must be plain); ``chat_prefix``, ``anthropic_continue``: the
     route's settings; ``keys``: each upstream's health key; ``memory``: the upstreams
     that refused a mechanism; ``max_splices``: ``[stream] max_splices``."""
-    if not streamed or after_commit != AfterCommit.CONTINUE:
+    if not streamed or after_commit != _AFTER_CONTINUE:
         return None
     if protocol is CHAT and chat_prefix is None:
         return PrefillRefusal.NO_OPTION
@@ -94,6 +94,12 @@ def continuation_over_socket(
     """A WebSocket turn's continuation strategy (Responses): background mode when
     ``after_commit`` is ``continue`` (its attempts then go over HTTP, and a cut one is
     resumed over HTTP), else None."""
-    if after_commit != AfterCommit.CONTINUE:
+    if after_commit != _AFTER_CONTINUE:
         return None
     return BackgroundResume(path=path, keys=keys, memory=memory, max_splices=max_splices)
+
+
+# Enum members the functions above read, as module constants: on Python 3.11 an
+# Enum class's attribute (``LedgerState.DONE``) is looked up through
+# ``EnumType.__getattr__`` (about 950 instructions), a global in about 40.
+_AFTER_CONTINUE = AfterCommit.CONTINUE

@@ -208,8 +208,8 @@ class Ledger:
         #: False: a failure after commit emits no error event (the shell aborts the
         #: client connection instead; `TurnMachine.abort_after_commit`)
         self._error_after_commit = error_after_commit
-        self.state = LedgerState.PENDING
-        self.verdict = Verdict.CONTINUE
+        self.state = _LEDGER_PENDING
+        self.verdict = _VERDICT_CONTINUE
         self.error_bytes = b""
         self.fail_reason = ""
         self.hold_overflowed = False
@@ -226,7 +226,7 @@ class Ledger:
 
         ``stats`` receives this attempt's counters (a fresh record when omitted).
         """
-        if self.state is not LedgerState.PENDING:
+        if self.state is not _LEDGER_PENDING:
             raise LedgerError(f"cannot start a new attempt in state {self.state.value}")
         self._classifier: Classifier = self.protocol.new_classifier()
         self._held: list[Event] = []
@@ -240,16 +240,16 @@ class Ledger:
             self.stats = stats
         elif self.stats.received_frames or self.stats.released_frames:
             self.stats = AttemptStats()
-        self.verdict = Verdict.CONTINUE
+        self.verdict = _VERDICT_CONTINUE
 
     def resume_attempt(self, stats: AttemptStats | None = None) -> None:
         """A continuation of the cut attempt begins (`core.turn.continuation`): the same
         stream goes on, so the classifier, the held frames and the open tool calls
         stay as they were; only the attempt's counters start afresh.  Legal while
         PENDING or COMMITTED, before the cut was turned into a verdict."""
-        if self.state is not LedgerState.PENDING and self.state is not LedgerState.COMMITTED:
+        if self.state is not _LEDGER_PENDING and self.state is not _LEDGER_COMMITTED:
             raise LedgerError(f"cannot resume an attempt in state {self.state.value}")
-        if self.verdict is not Verdict.CONTINUE:
+        if self.verdict is not _VERDICT_CONTINUE:
             raise LedgerError(f"cannot resume an attempt after a {self.verdict.value} verdict")
         self.stats = stats if stats is not None else AttemptStats()
 
@@ -258,7 +258,7 @@ class Ledger:
         what was received: what is held (a tool call cut mid-arguments) is dropped,
         never to be released, and a fresh classifier reads the ``released`` frames
         back, so it knows the stream as the client does.  Only while COMMITTED."""
-        if self.state is not LedgerState.COMMITTED or self.verdict is not Verdict.CONTINUE:
+        if self.state is not _LEDGER_COMMITTED or self.verdict is not _VERDICT_CONTINUE:
             raise LedgerError(f"cannot rewind an attempt in state {self.state.value}")
         self._drop_held()
         classifier = self.protocol.new_classifier()
@@ -275,7 +275,7 @@ class Ledger:
 
     @property
     def replayable(self) -> bool:
-        return self.state is LedgerState.PENDING
+        return self.state is _LEDGER_PENDING
 
     @property
     def passed_through(self) -> bool:
@@ -305,9 +305,9 @@ class Ledger:
         if len(recent) > 4:
             del recent[0]
         state = self.state
-        if state is LedgerState.DONE:  # trailing frames after the terminal (usage, [DONE])
+        if state is _LEDGER_DONE:  # trailing frames after the terminal (usage, [DONE])
             return self._emit([event])
-        if state is LedgerState.FAILED:
+        if state is _LEDGER_FAILED:
             return NOTHING
         tools_before = self.open_tools
         kinds, self.open_tools = self._classifier.classify(event)
@@ -319,8 +319,8 @@ class Ledger:
             return self._fail("malformed frame from upstream")
         if kinds & Kind.TERMINAL_ERROR:
             if kinds & Kind.RETRYABLE:
-                if self.errors_cut and state is LedgerState.COMMITTED:
-                    self.verdict = Verdict.CUT
+                if self.errors_cut and state is _LEDGER_COMMITTED:
+                    self.verdict = _VERDICT_CUT
                     return NOTHING
                 return self.error_failed()
             # The provider's final answer: pass it through with what was held,
@@ -328,14 +328,14 @@ class Ledger:
             if self.open_tools:
                 del self._held[self._tool_mark :]
             out = self._release_held(event)
-            self.state = LedgerState.FAILED
-            self.verdict = Verdict.FAIL
+            self.state = _LEDGER_FAILED
+            self.verdict = _VERDICT_FAIL
             self.fail_reason = PASSED_THROUGH
             return out
         if kinds & Kind.TERMINAL_OK:
             out = self._release_held(event)
-            self.state = LedgerState.DONE
-            self.verdict = Verdict.DONE
+            self.state = _LEDGER_DONE
+            self.verdict = _VERDICT_DONE
             return out
 
         hold = self.hold
@@ -355,7 +355,7 @@ class Ledger:
         if (
             hold.all
             or (self.open_tools and hold.tools)
-            or (state is LedgerState.PENDING and not kinds & ~hold.pending_mask)
+            or (state is _LEDGER_PENDING and not kinds & ~hold.pending_mask)
         ):
             return self._hold(event)
         return self._release_held(event)
@@ -370,12 +370,7 @@ class Ledger:
         Then the decision is the same as frame by frame, and the counters are
         updated as `feed` would.  The caller feeds what follows the run one by one.
         """
-        if (
-            self.state is not LedgerState.COMMITTED
-            or self.open_tools
-            or self._held
-            or self.hold.all
-        ):
+        if self.state is not _LEDGER_COMMITTED or self.open_tools or self._held or self.hold.all:
             return start
         frames, end = self._classifier.plain_prefix(chunk, start)
         if not frames:
@@ -426,20 +421,20 @@ class Ledger:
         stats.released_frames += n
         self.released_frames += n
         stats.released_bytes += sum([len(e.raw) for e in events]) if n > 1 else len(events[0].raw)
-        if self.state is LedgerState.PENDING:
-            self.state = LedgerState.COMMITTED
+        if self.state is _LEDGER_PENDING:
+            self.state = _LEDGER_COMMITTED
         return events
 
     # -- failures -----------------------------------------------------------------
     def _fail(self, message: str) -> Sequence[Event]:
         self.verdict = _ON_FAILURE[self.state]
-        if self.verdict is Verdict.REPLAY:
+        if self.verdict is _VERDICT_REPLAY:
             self._drop_held()
             return NOTHING
-        if self.verdict is Verdict.FAIL:
+        if self.verdict is _VERDICT_FAIL:
             if not self._error_after_commit:
                 self._drop_held()
-                self.state = LedgerState.FAILED
+                self.state = _LEDGER_FAILED
                 return NOTHING
             out = self._end_with_error(message)
             return [Event(out, None, None)] if out else NOTHING
@@ -455,9 +450,9 @@ class Ledger:
     def _end_with_error(self, message: str) -> bytes:
         """Committed: drop anything held (a partial tool call) and emit the native error."""
         self._drop_held()
-        if self.state is LedgerState.FAILED:
+        if self.state is _LEDGER_FAILED:
             return b""
-        self.state = LedgerState.FAILED
+        self.state = _LEDGER_FAILED
         self.error_bytes = self.protocol.error_frame(
             f"unbroken: {message}; the turn was cut after output reached the client. "
             "Retry the request (server_error, upstream terminated).",
@@ -471,8 +466,8 @@ class Ledger:
     def error_failed(self) -> Sequence[Event]:
         """A provider's retryable error event ends the attempt: a replay while PENDING,
         else the native error (the frames to release)."""
-        if self.verdict is Verdict.CUT:
-            self.verdict = Verdict.CONTINUE
+        if self.verdict is _VERDICT_CUT:
+            self.verdict = _VERDICT_CONTINUE
         self.fail_reason = "in-stream error"
         return self._fail("upstream sent an error in the stream")
 
@@ -484,24 +479,38 @@ class Ledger:
         are the native error event; end the stream after them) or ``DONE`` (the
         turn had already completed; just end the stream).
         """
-        if self.state is LedgerState.PENDING or self.state is LedgerState.COMMITTED:
+        if self.state is _LEDGER_PENDING or self.state is _LEDGER_COMMITTED:
             self.fail_reason = reason
         return b"".join([e.raw for e in self._fail(reason)])
 
     def ended(self, leftover: bytes = b"") -> bytes:
         """The upstream body ended cleanly; ``leftover`` is an unfinished event's bytes."""
-        if self.state is LedgerState.DONE or self.state is LedgerState.FAILED:
+        if self.state is _LEDGER_DONE or self.state is _LEDGER_FAILED:
             return b""
         if not self.protocol.has_terminal and not leftover:
             # Generic SSE has no terminal frame: its clean end is its success.
             self._drop_held()
-            self.state = LedgerState.DONE
-            self.verdict = Verdict.DONE
+            self.state = _LEDGER_DONE
+            self.verdict = _VERDICT_DONE
             return b""
         return self.failed("stream ended without a terminal frame")
 
     def give_up(self, reason: str) -> bytes:
         """Retries are exhausted while PENDING: drop held frames, emit the native error."""
         self.fail_reason = reason
-        self.verdict = Verdict.FAIL
+        self.verdict = _VERDICT_FAIL
         return self._end_with_error(reason)
+
+
+# Enum members the functions above read, as module constants: on Python 3.11 an
+# Enum class's attribute (``LedgerState.DONE``) is looked up through
+# ``EnumType.__getattr__`` (about 950 instructions), a global in about 40.
+_LEDGER_COMMITTED = LedgerState.COMMITTED
+_LEDGER_DONE = LedgerState.DONE
+_LEDGER_FAILED = LedgerState.FAILED
+_LEDGER_PENDING = LedgerState.PENDING
+_VERDICT_CONTINUE = Verdict.CONTINUE
+_VERDICT_CUT = Verdict.CUT
+_VERDICT_DONE = Verdict.DONE
+_VERDICT_FAIL = Verdict.FAIL
+_VERDICT_REPLAY = Verdict.REPLAY

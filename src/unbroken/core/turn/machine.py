@@ -366,7 +366,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         #: the keepalive the profile asks for, when the protocol has one (else comments)
         self.keepalive_event = (
             protocol.keepalive_event
-            if profile.keepalive is KeepaliveForm.EVENT or not protocol.comment_keepalive
+            if profile.keepalive is _KEEPALIVE_EVENT or not protocol.comment_keepalive
             else None
         )
         #: the client is a WebSocket: its keepalive is a message (the event's data), sent
@@ -380,7 +380,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         self.clock = clock  # for the ledger's hold time only
         self.wall_clock = wall_clock  # Unix time, for the ledger's dated error events
         self.t0 = now
-        self._moved(Step.NEW, Outside.CREATED)  # (the one writer of the step)
+        self._moved(_STEP_NEW, _OUTSIDE_CREATED)  # (the one writer of the step)
         self._outcome: Outcome | None = None
         self.failure: Failure | None = None
         self.status: int | None = None  # the current attempt's upstream status
@@ -411,14 +411,14 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         before = self.step
         if before not in _START_IN:  # the table's legality (inline: no call)
             self._illegal("start")
-        return self._moved(before, TurnEvent.START, self._next_attempt(now))
+        return self._moved(before, _EVENT_START, self._next_attempt(now))
 
     def next_attempt(self, now: float) -> Action:
         """After `start` or a `Wait`: open the next attempt, or give up."""
         before = self.step
         if before not in _NEXT_ATTEMPT_IN:  # the table's legality (inline: no call)
             self._illegal("next_attempt")
-        return self._moved(before, TurnEvent.NEXT_ATTEMPT, self._next_attempt(now))
+        return self._moved(before, _EVENT_NEXT_ATTEMPT, self._next_attempt(now))
 
     def _next_attempt(self, now: float) -> Action:
         retry = self.retry
@@ -441,7 +441,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
             # grants it a go (or at ``until``); its timer keeps the client alive
             # (early headers, keepalives) meanwhile.
             self.report.parked(idx.why)
-            self.report.state(TurnState.PARKED)
+            self.report.state(_STATE_PARKED)
             self._set_pacing(PARKED)
             wait = min(max(idx.until - now, 0.001), retry.park_check_s)
             return Wait(wait, idx.key, retry.ticket)
@@ -457,7 +457,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         else:
             choice = retry.why or "first"
         self.report.attempt_started(retry.attempts, idx, choice)
-        self.report.state(TurnState.WAITING)
+        self.report.state(_STATE_WAITING)
         if resume is not None:
             # The continuation of the cut attempt: the turn's ledger goes on with it.
             self._resume = None
@@ -486,12 +486,12 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         before = self.step
         if before not in _OPEN_FAILED_IN:  # the table's legality (inline: no call)
             self._illegal("open_failed")
-        return self._moved(before, TurnEvent.OPEN_FAILED, self._open_failed(now, failure))
+        return self._moved(before, _EVENT_OPEN_FAILED, self._open_failed(now, failure))
 
     def _open_failed(self, now: float, failure: Failure) -> Action:
-        if self.step is Step.RESUMING:
+        if self.step is _STEP_RESUMING:
             return self._continuation_failed(now, failure)
-        phase = Phase.HEADERS if failure.cls is FailureClass.HEADER_TIMEOUT else Phase.CONNECT
+        phase = _PHASE_HEADERS if failure.cls is _FAILURE_HEADER_TIMEOUT else _PHASE_CONNECT
         return self._attempt_failed(now, failure, phase)
 
     def answered(
@@ -509,7 +509,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         if before not in _ANSWERED_IN:  # the table's legality (inline: no call)
             self._illegal("answered")
         action = self._answered(now, status, sse, retry_after_s, rate)
-        return self._moved(before, TurnEvent.ANSWERED, action)
+        return self._moved(before, _EVENT_ANSWERED, action)
 
     def socket_answered(self, now: float) -> Action:
         """A socket took the request: a WebSocket upstream's (its messages follow), or
@@ -537,7 +537,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
 
     # -- `answered`'s guards (`turn_guards.GUARDS`: their order, and what each means) ----
     def _resuming(self, status: int, sse: bool) -> bool:
-        return self.step is Step.RESUMING
+        return self.step is _STEP_RESUMING
 
     def _informational(self, status: int, sse: bool) -> bool:
         return status < 200
@@ -561,14 +561,14 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
     ) -> Action:
         # 1xx (a 101 to a plain request, say) is no answer for the client.
         return self._attempt_failed(
-            now, Failure(FailureClass.STATUS, f"HTTP {status}", status=status), Phase.HEADERS
+            now, Failure(_FAILURE_STATUS, f"HTTP {status}", status=status), _PHASE_HEADERS
         )
 
     def _read_retryable(
         self, now: float, status: int, sse: bool, retry_after_s: float | None
     ) -> Action:
         self.failure = Failure(
-            FailureClass.STATUS, f"HTTP {status}", status=status, retry_after_s=retry_after_s
+            _FAILURE_STATUS, f"HTTP {status}", status=status, retry_after_s=retry_after_s
         )
         self._reading(now)
         return ReadErrorBody()
@@ -585,7 +585,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         self, now: float, status: int, sse: bool, retry_after_s: float | None
     ) -> Action:
         self._known_good(now, status)
-        self.failure = Failure(FailureClass.STATUS, f"HTTP {status}", status=status)
+        self.failure = Failure(_FAILURE_STATUS, f"HTTP {status}", status=status)
         self._reading(now)
         return ReadErrorBody()
 
@@ -612,9 +612,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         self.attempt_ledger = ledger
         self._splitter = SSESplitter(self.timers.max_event_bytes)
         self._reading(now)
-        self.report.state(
-            TurnState.HOLDING if ledger.state is LedgerState.PENDING else TurnState.STREAMING
-        )
+        self.report.state(_STATE_HOLDING if ledger.state is _LEDGER_PENDING else _STATE_STREAMING)
         return Stream()
 
     def _final_in_stream(
@@ -638,7 +636,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         before = self.step
         if before not in _ERROR_BODY_IN:  # the table's legality (inline: no call)
             self._illegal("error_body")
-        return self._moved(before, TurnEvent.ERROR_BODY, self._error_body(now, body))
+        return self._moved(before, _EVENT_ERROR_BODY, self._error_body(now, body))
 
     def _error_body(self, now: float, body: bytes) -> Action:
         self._set_kept(ANSWER_KEPT)
@@ -660,7 +658,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
             failure = self.failure = Failure(
                 failure.cls, f"quota: {failure.reason}", failure.status, failure.retry_after_s
             )
-        return self._attempt_failed(now, failure, Phase.HEADERS)
+        return self._attempt_failed(now, failure, _PHASE_HEADERS)
 
     def final_body(
         self, now: float, status: int, body: bytes, request_id: str | None = None
@@ -672,10 +670,10 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
             self._illegal("final_body")
         return self._moved(
             before,
-            TurnEvent.FINAL_BODY,
+            _EVENT_FINAL_BODY,
             self._end(
-                Outcome.PASSED_THROUGH_ERROR,
-                End(EndKind.ERROR, self.protocol.final_error_frame(status, body, request_id)),
+                _OUTCOME_PASSED_THROUGH_ERROR,
+                End(_END_ERROR, self.protocol.final_error_frame(status, body, request_id)),
             ),
         )
 
@@ -684,7 +682,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         before = self.step
         if before not in _BODY_ENDED_IN:  # the table's legality (inline: no call)
             self._illegal("body_ended")
-        return self._moved(before, TurnEvent.BODY_ENDED, self._body_ended(now))
+        return self._moved(before, _EVENT_BODY_ENDED, self._body_ended(now))
 
     def transport_failed(self, now: float, failure: Failure) -> Action:
         """Reading the upstream failed (or the connection was aborted for a stall)."""
@@ -692,7 +690,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         if before not in _TRANSPORT_FAILED_IN:  # the table's legality (inline: no call)
             self._illegal("transport_failed")
         action = self._transport_failed(now, failure)
-        return self._moved(before, TurnEvent.TRANSPORT_FAILED, action)
+        return self._moved(before, _EVENT_TRANSPORT_FAILED, action)
 
     def _transport_failed(self, now: float, failure: Failure) -> Action:
         for when, then in _TRANSPORT_FAILED:  # `turn_guards.GUARDS`, in order
@@ -720,7 +718,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
 
     @property
     def ended(self) -> bool:
-        return self.step is Step.ENDED
+        return self.step is _STEP_ENDED
 
     def held_bytes(self) -> int:
         """Bytes the current attempt's ledger holds back from the client (for /status)."""
@@ -732,7 +730,7 @@ class TurnMachine(TurnFeeds, FastPath, ContinuationHooks, TurnEndings, TurnClock
         """The current attempt's answer reached its terminal frame.  A socket has no
         end of body: its transport then calls `body_ended` itself."""
         ledger = self.attempt_ledger
-        return ledger is not None and ledger.state is LedgerState.DONE
+        return ledger is not None and ledger.state is _LEDGER_DONE
 
 
 def _run(event: TurnEvent) -> tuple[tuple[Callable[..., bool], Callable[..., Action | None]], ...]:
@@ -747,3 +745,33 @@ def _run(event: TurnEvent) -> tuple[tuple[Callable[..., bool], Callable[..., Act
 _ANSWERED = _run(TurnEvent.ANSWERED)
 _TRANSPORT_FAILED = _run(TurnEvent.TRANSPORT_FAILED)
 _BODY_ENDED = _run(TurnEvent.BODY_ENDED)
+
+
+# Enum members the functions above read, as module constants: on Python 3.11 an
+# Enum class's attribute (``LedgerState.DONE``) is looked up through
+# ``EnumType.__getattr__`` (about 950 instructions), a global in about 40.
+_END_ERROR = EndKind.ERROR
+_EVENT_ANSWERED = TurnEvent.ANSWERED
+_EVENT_BODY_ENDED = TurnEvent.BODY_ENDED
+_EVENT_ERROR_BODY = TurnEvent.ERROR_BODY
+_EVENT_FINAL_BODY = TurnEvent.FINAL_BODY
+_EVENT_NEXT_ATTEMPT = TurnEvent.NEXT_ATTEMPT
+_EVENT_OPEN_FAILED = TurnEvent.OPEN_FAILED
+_EVENT_START = TurnEvent.START
+_EVENT_TRANSPORT_FAILED = TurnEvent.TRANSPORT_FAILED
+_FAILURE_HEADER_TIMEOUT = FailureClass.HEADER_TIMEOUT
+_FAILURE_STATUS = FailureClass.STATUS
+_KEEPALIVE_EVENT = KeepaliveForm.EVENT
+_LEDGER_DONE = LedgerState.DONE
+_LEDGER_PENDING = LedgerState.PENDING
+_OUTCOME_PASSED_THROUGH_ERROR = Outcome.PASSED_THROUGH_ERROR
+_OUTSIDE_CREATED = Outside.CREATED
+_PHASE_CONNECT = Phase.CONNECT
+_PHASE_HEADERS = Phase.HEADERS
+_STATE_HOLDING = TurnState.HOLDING
+_STATE_PARKED = TurnState.PARKED
+_STATE_STREAMING = TurnState.STREAMING
+_STATE_WAITING = TurnState.WAITING
+_STEP_ENDED = Step.ENDED
+_STEP_NEW = Step.NEW
+_STEP_RESUMING = Step.RESUMING

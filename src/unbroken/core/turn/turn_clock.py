@@ -48,7 +48,7 @@ class TurnClock(TurnFields):
 
     def headers_sent(self, now: float) -> None:
         """The transport sent the response headers (early, or with the first bytes)."""
-        if self.step is Step.ERROR:
+        if self.step is _STEP_ERROR:
             self._illegal("headers_sent")
         if self.reply is NOTHING_SENT:
             self._set_reply(HEADERS_SENT)
@@ -57,7 +57,7 @@ class TurnClock(TurnFields):
 
     def write_started(self, now: float) -> None:
         """A write to the client begins: the stall clock stops until it completes."""
-        if self.step is Step.ERROR:
+        if self.step is _STEP_ERROR:
             self._illegal("write_started")
         if not self.writing:
             self._write_t0 = now
@@ -74,7 +74,7 @@ class TurnClock(TurnFields):
         the blocked time, not to ``now``.  A byte that arrived during the write
         counts from the write's end.
         """
-        if self.step is Step.ERROR or not self.writing:
+        if self.step is _STEP_ERROR or not self.writing:
             self._illegal("wrote")
         self.last_tx = now
         self.writing -= 1
@@ -113,7 +113,7 @@ class TurnClock(TurnFields):
         if self.stream or self.socket:
             if self.reply is NOTHING_SENT:
                 if p.early_headers and (
-                    self.ledger is None or self.ledger.state is LedgerState.PENDING
+                    self.ledger is None or self.ledger.state is _LEDGER_PENDING
                 ):
                     due = self.t0 + (p.early_headers_s or t.early_headers_s)
             elif not self.writing and (self.keepalive_event is not None or not self.socket):
@@ -171,7 +171,7 @@ class TurnClock(TurnFields):
                 if (
                     p.early_headers
                     and now >= early
-                    and (ledger is None or ledger.state is LedgerState.PENDING)
+                    and (ledger is None or ledger.state is _LEDGER_PENDING)
                 ):
                     # Retries or held frames have lasted long: send SSE headers now so
                     # the client's header timer does not fire; keepalives follow.
@@ -221,8 +221,16 @@ def stall_timers(timers: Timers, profile: Profile) -> Timers:
 
 
 def stall_failure() -> Failure:
-    return Failure(FailureClass.STALL, "stall: the upstream went silent past its timeout")
+    return Failure(_FAILURE_STALL, "stall: the upstream went silent past its timeout")
 
 
 def queued_failure() -> Failure:
-    return Failure(FailureClass.STALL, "stall: the continuation made no progress (queued)")
+    return Failure(_FAILURE_STALL, "stall: the continuation made no progress (queued)")
+
+
+# Enum members the functions above read, as module constants: on Python 3.11 an
+# Enum class's attribute (``LedgerState.DONE``) is looked up through
+# ``EnumType.__getattr__`` (about 950 instructions), a global in about 40.
+_FAILURE_STALL = FailureClass.STALL
+_LEDGER_PENDING = LedgerState.PENDING
+_STEP_ERROR = Step.ERROR

@@ -58,10 +58,10 @@ class TurnEndings(TurnFields):
 
     def _terminal_out(self) -> bool:
         ledger = self.attempt_ledger
-        return ledger is not None and ledger.state is LedgerState.DONE
+        return ledger is not None and ledger.state is _LEDGER_DONE
 
     def _continuable(self) -> bool:
-        return self.continuation is not None and self.step is Step.STREAM
+        return self.continuation is not None and self.step is _STEP_STREAM
 
     def _read_failure(self, failure: Failure) -> Failure:
         """A read failure of an attempt aborted by the clock is named by its watch."""
@@ -77,7 +77,7 @@ class TurnEndings(TurnFields):
     def _tail_cut(self, now: float, failure: Failure) -> Action:
         # The turn is complete: finish the protocol's ending, record the cut.
         self._record_tail_cut(self._read_failure(failure))
-        return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        return self._end(self._ok_outcome(), End(_END_CLEAN, self._tail_bytes()))
 
     def _continue_cut(self, now: float, failure: Failure) -> Action | None:
         return self._continue(now, self._read_failure(failure))
@@ -106,14 +106,14 @@ class TurnEndings(TurnFields):
         ledger = self.attempt_ledger
         assert ledger is not None
         ledger.ended()
-        outcome = self._ok_outcome() if (self.status or 0) < 400 else Outcome.PASSED_THROUGH_ERROR
-        return self._end(outcome, End(EndKind.CLEAN))
+        outcome = self._ok_outcome() if (self.status or 0) < 400 else _OUTCOME_PASSED_THROUGH_ERROR
+        return self._end(outcome, End(_END_CLEAN))
 
     def _clean_end(self, now: float) -> Action:
-        return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        return self._end(self._ok_outcome(), End(_END_CLEAN, self._tail_bytes()))
 
     def _continue_truncated(self, now: float) -> Action | None:
-        cut = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
+        cut = Failure(_FAILURE_TRUNCATED, "stream ended without a terminal frame")
         return self._continue(now, cut)
 
     def _judged_end(self, now: float) -> Action:
@@ -121,9 +121,9 @@ class TurnEndings(TurnFields):
         assert ledger is not None
         pending = self._splitter.pending if self._splitter is not None else b""
         out = ledger.ended(pending)
-        if ledger.verdict is Verdict.DONE:  # generic SSE: a clean end is its success
-            return self._end(self._ok_outcome(), End(EndKind.CLEAN))
-        failure = Failure(FailureClass.TRUNCATED, "stream ended without a terminal frame")
+        if ledger.verdict is _VERDICT_DONE:  # generic SSE: a clean end is its success
+            return self._end(self._ok_outcome(), End(_END_CLEAN))
+        failure = Failure(_FAILURE_TRUNCATED, "stream ended without a terminal frame")
         return self._verdict_action(now, failure, out)
 
     # -- verdicts -----------------------------------------------------------------------
@@ -131,48 +131,48 @@ class TurnEndings(TurnFields):
         ledger = self.attempt_ledger
         assert ledger is not None
         verdict = ledger.verdict
-        if verdict is Verdict.REPLAY:
+        if verdict is _VERDICT_REPLAY:
             if failure is None:
                 cls = (
-                    FailureClass.MALFORMED
+                    _FAILURE_MALFORMED
                     if ledger.fail_reason == "malformed frame"
-                    else FailureClass.STREAM_ERROR
+                    else _FAILURE_STREAM_ERROR
                 )
                 failure = Failure(cls, ledger.fail_reason)
             if self.continuation is not None:
                 self._abandon()  # the replay starts a new response: nobody reads this one
             return self._attempt_failed(now, failure, self._replay_phase(failure))
-        if verdict is Verdict.DONE:
-            return self._end(self._ok_outcome(), End(EndKind.CLEAN, self._tail_bytes()))
+        if verdict is _VERDICT_DONE:
+            return self._end(self._ok_outcome(), End(_END_CLEAN, self._tail_bytes()))
         # FAIL
         if ledger.passed_through:
             # The provider's own final error frame was released with the frames.
-            return self._end(Outcome.PASSED_THROUGH_ERROR, End(EndKind.CLEAN))
+            return self._end(_OUTCOME_PASSED_THROUGH_ERROR, End(_END_CLEAN))
         if failure is None:
-            failure = Failure(FailureClass.STREAM_ERROR, ledger.fail_reason)
+            failure = Failure(_FAILURE_STREAM_ERROR, ledger.fail_reason)
         self._committed_failure(failure)
         if ledger.protocol is BODY or self.abort_after_commit:
             # A plain body has no error event; a profile may ask for the abort too.
-            return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ABORT))
+            return self._end(_OUTCOME_ENDED_WITH_ERROR, End(_END_ABORT))
         # ``out`` is the native error when it came from failed()/ended(); an in-stream
         # error frame's native error was already released by feed().
-        return self._end(Outcome.ENDED_WITH_ERROR, End(EndKind.ERROR, out))
+        return self._end(_OUTCOME_ENDED_WITH_ERROR, End(_END_ERROR, out))
 
     @property
     def abort_after_commit(self) -> bool:
         """A stream cut after commit ends by aborting the client connection, not with
         the native error event (the profile's ``after_commit_end``; HTTP only)."""
-        return self._profile.after_commit_end is CommitEnd.RESET and not self.socket
+        return self._profile.after_commit_end is _COMMIT_END_RESET and not self.socket
 
     def _replay_phase(self, failure: Failure) -> Phase:
-        if failure.cls is FailureClass.STALL:
-            return Phase.STALL
+        if failure.cls is _FAILURE_STALL:
+            return _PHASE_STALL
         if failure.status is not None:
-            return Phase.HEADERS
+            return _PHASE_HEADERS
         stats = self.stats
         if failure.cls.reroutes_at_once and (stats is None or stats.received_frames == 0):
-            return Phase.CONNECT
-        return Phase.PENDING
+            return _PHASE_CONNECT
+        return _PHASE_PENDING
 
     def _attempt_failed(self, now: float, failure: Failure, phase: Phase) -> Action:
         """An attempt failed before commit: record it, then wait, retry or give up."""
@@ -191,7 +191,7 @@ class TurnEndings(TurnFields):
             report.attempt_failed(failure, phase, None)
             return self._give_up()
         report.attempt_failed(failure, phase, wait)
-        report.state(TurnState.WAITING)
+        report.state(_STATE_WAITING)
         return self._wait_or_next(now, wait)
 
     def _wait_or_next(self, now: float, wait: float) -> Action:
@@ -205,12 +205,12 @@ class TurnEndings(TurnFields):
     def _committed_failure(self, failure: Failure) -> None:
         """The attempt failed after output reached the client: no replay, ever."""
         self.failure = failure
-        self.report.attempt_ended(failure.label, Phase.COMMITTED, self.status, self.stats)
-        self.report.attempt_failed(failure, Phase.COMMITTED, None)
+        self.report.attempt_ended(failure.label, _PHASE_COMMITTED, self.status, self.stats)
+        self.report.attempt_failed(failure, _PHASE_COMMITTED, None)
 
     def _record_tail_cut(self, failure: Failure) -> None:
-        self.report.attempt_ended(failure.label, Phase.TAIL, self.status, self.stats)
-        self.report.attempt_failed(failure, Phase.TAIL, None)
+        self.report.attempt_ended(failure.label, _PHASE_TAIL, self.status, self.stats)
+        self.report.attempt_failed(failure, _PHASE_TAIL, None)
 
     def _tail_bytes(self) -> bytes:
         """What the protocol's ending still lacks after its terminal frame."""
@@ -230,13 +230,13 @@ class TurnEndings(TurnFields):
                 self.protocol, hold=self.hold, wall_clock=self.wall_clock
             )
             data = ledger.give_up(f"retries exhausted ({reason})")
-            self._outcome = Outcome.ENDED_WITH_ERROR
-            return GiveUp(GiveUpKind.IN_STREAM, data)
-        self._outcome = Outcome.PASSED_THROUGH_ERROR
+            self._outcome = _OUTCOME_ENDED_WITH_ERROR
+            return GiveUp(_GIVE_UP_IN_STREAM, data)
+        self._outcome = _OUTCOME_PASSED_THROUGH_ERROR
         if self.kept is ANSWER_KEPT and failure is not None and failure.status is not None:
-            return GiveUp(GiveUpKind.PASS_THROUGH)
+            return GiveUp(_GIVE_UP_PASS_THROUGH)
         return GiveUp(
-            GiveUpKind.BAD_GATEWAY,
+            _GIVE_UP_BAD_GATEWAY,
             self.protocol.error_body(f"unbroken: all upstream attempts failed ({reason})"),
         )
 
@@ -249,16 +249,16 @@ class TurnEndings(TurnFields):
             retry.settle(self.last_rx, stats.usage()[0] if stats else None)
         retry.close()
         self._outcome = outcome
-        if outcome.is_ok or outcome is Outcome.PASSED_THROUGH_ERROR:
+        if outcome.is_ok or outcome is _OUTCOME_PASSED_THROUGH_ERROR:
             ok = outcome.is_ok
             self.report.attempt_ended("ok" if ok else outcome.value, None, self.status, self.stats)
-        self.report.state(TurnState.DONE)
+        self.report.state(_STATE_DONE)
         return action
 
     def _ok_outcome(self) -> Outcome:
         if self.continuation is not None and strategy_splices(self.continuation):
-            return Outcome.RESUMED
-        return Outcome.RECOVERED if self.retry.retries else Outcome.OK
+            return _OUTCOME_RESUMED
+        return _OUTCOME_RECOVERED if self.retry.retries else _OUTCOME_OK
 
     # -- the end from outside -------------------------------------------------------------
     def client_gone(self) -> Outcome:
@@ -269,40 +269,76 @@ class TurnEndings(TurnFields):
         """
         if self._outcome is None:
             ledger = self.ledger
-            if ledger is not None and ledger.state is LedgerState.DONE:
+            if ledger is not None and ledger.state is _LEDGER_DONE:
                 self._outcome = self._ok_outcome()
                 self.report.attempt_ended("ok", None, self.status, self.stats)
             else:
-                self._outcome = Outcome.ABORTED_BY_CLIENT
+                self._outcome = _OUTCOME_ABORTED_BY_CLIENT
                 if self.continuation is not None:
                     self._abandon()  # nobody reads the response any more
-                committed = ledger is not None and ledger.state is not LedgerState.PENDING
+                committed = ledger is not None and ledger.state is not _LEDGER_PENDING
                 self.report.attempt_ended(
-                    Outcome.ABORTED_BY_CLIENT.value,
-                    Phase.COMMITTED if committed or self.reply is not NOTHING_SENT else None,
+                    _OUTCOME_ABORTED_BY_CLIENT.value,
+                    _PHASE_COMMITTED if committed or self.reply is not NOTHING_SENT else None,
                     self.status,
                     self.stats,
                 )
-        self._moved(self.step, Outside.CLIENT_GONE)
+        self._moved(self.step, _OUTSIDE_CLIENT_GONE)
         self.retry.close()
         return self._outcome
 
     def crashed(self) -> Outcome:
         """A bug in the relay ended the turn."""
-        if self._outcome is None or self.step is not Step.ENDED:
-            self._outcome = Outcome.INTERNAL_ERROR
-            self.report.attempt_ended(Outcome.INTERNAL_ERROR.value, None, self.status, self.stats)
-        self._moved(self.step, Outside.CRASHED)
+        if self._outcome is None or self.step is not _STEP_ENDED:
+            self._outcome = _OUTCOME_INTERNAL_ERROR
+            self.report.attempt_ended(_OUTCOME_INTERNAL_ERROR.value, None, self.status, self.stats)
+        self._moved(self.step, _OUTSIDE_CRASHED)
         self.retry.close()
         return self._outcome
 
     def shutdown_error(self) -> bytes:
         """The relay shuts down mid-stream: the native error for a committed stream, or b""."""
         ledger = self.ledger
-        if (
-            ledger is None
-            or ledger.state is not LedgerState.COMMITTED
-            or self.reply is NOTHING_SENT
-        ):
+        if ledger is None or ledger.state is not _LEDGER_COMMITTED or self.reply is NOTHING_SENT:
             return b""
         return ledger.failed("the relay is shutting down")  # b"" for a reset profile
+
+
+# Enum members the functions above read, as module constants: on Python 3.11 an
+# Enum class's attribute (``LedgerState.DONE``) is looked up through
+# ``EnumType.__getattr__`` (about 950 instructions), a global in about 40.
+_COMMIT_END_RESET = CommitEnd.RESET
+_END_ABORT = EndKind.ABORT
+_END_CLEAN = EndKind.CLEAN
+_END_ERROR = EndKind.ERROR
+_FAILURE_MALFORMED = FailureClass.MALFORMED
+_FAILURE_STALL = FailureClass.STALL
+_FAILURE_STREAM_ERROR = FailureClass.STREAM_ERROR
+_FAILURE_TRUNCATED = FailureClass.TRUNCATED
+_GIVE_UP_BAD_GATEWAY = GiveUpKind.BAD_GATEWAY
+_GIVE_UP_IN_STREAM = GiveUpKind.IN_STREAM
+_GIVE_UP_PASS_THROUGH = GiveUpKind.PASS_THROUGH
+_LEDGER_COMMITTED = LedgerState.COMMITTED
+_LEDGER_DONE = LedgerState.DONE
+_LEDGER_PENDING = LedgerState.PENDING
+_OUTCOME_ABORTED_BY_CLIENT = Outcome.ABORTED_BY_CLIENT
+_OUTCOME_ENDED_WITH_ERROR = Outcome.ENDED_WITH_ERROR
+_OUTCOME_INTERNAL_ERROR = Outcome.INTERNAL_ERROR
+_OUTCOME_OK = Outcome.OK
+_OUTCOME_PASSED_THROUGH_ERROR = Outcome.PASSED_THROUGH_ERROR
+_OUTCOME_RECOVERED = Outcome.RECOVERED
+_OUTCOME_RESUMED = Outcome.RESUMED
+_OUTSIDE_CLIENT_GONE = Outside.CLIENT_GONE
+_OUTSIDE_CRASHED = Outside.CRASHED
+_PHASE_COMMITTED = Phase.COMMITTED
+_PHASE_CONNECT = Phase.CONNECT
+_PHASE_HEADERS = Phase.HEADERS
+_PHASE_PENDING = Phase.PENDING
+_PHASE_STALL = Phase.STALL
+_PHASE_TAIL = Phase.TAIL
+_STATE_DONE = TurnState.DONE
+_STATE_WAITING = TurnState.WAITING
+_STEP_ENDED = Step.ENDED
+_STEP_STREAM = Step.STREAM
+_VERDICT_DONE = Verdict.DONE
+_VERDICT_REPLAY = Verdict.REPLAY

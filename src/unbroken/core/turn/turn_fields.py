@@ -229,8 +229,8 @@ class TurnFields:
         """Refuse an event the current step does not accept: a transport bug.  The
         machine goes to ERROR, where every event but the end from outside raises."""
         step = self.step
-        self._moved(step, Outside.ILLEGAL)
-        if step is Step.ERROR:
+        self._moved(step, _OUTSIDE_ILLEGAL)
+        if step is _STEP_ERROR:
             raise TurnError(f"{event}() after an illegal event")
         raise TurnError(f"{event}() is illegal in step {step.value}")
 
@@ -272,7 +272,7 @@ class TurnFields:
         `SubState.by`): a bug in the machine, refused like an action its row does not
         list (ERROR, and `TurnError`)."""
         step = self.step
-        self._moved(step, Outside.ILLEGAL)
+        self._moved(step, _OUTSIDE_ILLEGAL)
         raise TurnError(f"{field} {value.name} entered in step {step.value}: not in the table")
 
     def _always(self, *_: object) -> bool:
@@ -306,3 +306,10 @@ class TurnFields:
         def _record(self, data: bytes) -> None: ...
         @property
         def ended(self) -> bool: ...
+
+
+# Enum members the functions above read, as module constants: on Python 3.11 an
+# Enum class's attribute (``LedgerState.DONE``) is looked up through
+# ``EnumType.__getattr__`` (about 950 instructions), a global in about 40.
+_OUTSIDE_ILLEGAL = Outside.ILLEGAL
+_STEP_ERROR = Step.ERROR

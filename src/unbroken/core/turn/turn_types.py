@@ -45,8 +45,12 @@ class Outcome(enum.StrEnum):
 
     @property
     def is_ok(self) -> bool:
-        return self is Outcome.OK or self is Outcome.RECOVERED or self is Outcome.RESUMED
+        return self in _OK_OUTCOMES
 
+
+#: the outcomes that are a success (`Outcome.is_ok`; a module constant: an Enum class's
+#: attribute costs a lookup through ``EnumType.__getattr__`` on Python 3.11)
+_OK_OUTCOMES = frozenset({Outcome.OK, Outcome.RECOVERED, Outcome.RESUMED})
 
 #: the outcomes reports list even at zero, in order (``internal_error``, a relay bug,
 #: is listed only when it happened)
