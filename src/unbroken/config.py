@@ -8,6 +8,7 @@ any repr, message or log.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -208,8 +209,9 @@ class Config:
     #: client connections served at once; beyond, new connections get 503
     max_connections: int = 1024
 
-    @property
+    @functools.cached_property
     def max_body_bytes(self) -> int:
+        # (cached: read twice a turn; a frozen dataclass's __dict__ takes it all the same)
         return int(self.max_body_mb * 1024 * 1024)
 
     def secrets(self) -> tuple[str, ...]:

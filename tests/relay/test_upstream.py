@@ -218,3 +218,26 @@ def test_streaming_redactor_equals_redact_whatever_the_chunking(
     assert KEY.encode() not in out
     idle = Redactor([])
     assert not idle.active and idle.feed(b"abc") == b"abc" and idle.flush() == b""
+
+
+def test_header_name_memos_decide_as_the_rules_and_stay_bounded() -> None:
+    """`request_headers` and `response_headers` remember each name's verdict: the same
+    headers go (or not) whatever the case, and a stream of new names cannot grow them."""
+    from multidict import CIMultiDict
+
+    from unbroken.relay import upstream as up
+
+    incoming = CIMultiDict(
+        [("Content-Length", "3"), ("ACCESS-CONTROL-ALLOW-ORIGIN", "*"), ("X-Kept", "1")]
+    )
+    for _ in range(2):  # learned, then remembered
+        assert list(up.response_headers(incoming, keep_length=False).items()) == [("X-Kept", "1")]
+        assert list(up.response_headers(incoming, keep_length=True).items()) == [
+            ("Content-Length", "3"),
+            ("X-Kept", "1"),
+        ]
+    for i in range(3 * up._MAX_NAMES):
+        up.response_headers({f"x-new-{i}": "v"}, keep_length=False)
+        up._request_name(f"X-New-{i}")
+    assert len(up._RESPONSE_NAMES) <= up._MAX_NAMES
+    assert len(up._REQUEST_NAMES) <= up._MAX_NAMES

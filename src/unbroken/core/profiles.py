@@ -80,6 +80,8 @@ __all__ = [
     "Profile",
     "check_overrides",
     "identify",
+    "identify_by",
+    "identity_headers",
     "profile_for",
     "profile_named",
 ]
@@ -249,12 +251,27 @@ _CHOICES: dict[str, type[enum.StrEnum]] = {
 
 def identify(headers: Mapping[str, str]) -> str:
     """The profile name for a request's headers (case-insensitive mapping)."""
-    ua = (headers.get("user-agent") or "").lower()
-    originator = (headers.get("originator") or "").lower()
+    return identify_by(*identity_headers(headers))
+
+
+def identity_headers(headers: Mapping[str, str]) -> tuple[str | None, str | None, bool]:
+    """What `identify` reads of the headers: the user agent, the originator, and
+    whether a Claude Code session id is set (a cache key for `identify_by`)."""
+    return (
+        headers.get("user-agent"),
+        headers.get("originator"),
+        bool(headers.get("x-claude-code-session-id")),
+    )
+
+
+def identify_by(user_agent: str | None, originator: str | None, claude_session: bool) -> str:
+    """`identify`, from what it reads of the headers (`identity_headers`)."""
+    ua = (user_agent or "").lower()
+    originator = (originator or "").lower()
     # Codex: codex_cli_rs/... (the TUI), codex_exec/... (codex exec), originator alike.
     if ua.startswith("codex_") or originator.startswith("codex"):
         return "codex"
-    if ua.startswith("claude-cli/") or headers.get("x-claude-code-session-id"):
+    if ua.startswith("claude-cli/") or claude_session:
         return "claude-code"
     # Gemini CLI: GeminiCLI-tui/0.61.0/<model> (...), GeminiCLI/<version>/... headless.
     if ua.startswith("geminicli"):

@@ -23,7 +23,7 @@ from unbroken.config import Config, Route, Upstream
 from unbroken.core.admission.health import AttemptAccounting, Change, HealthBoard, upstream_key
 from unbroken.core.admission.policy import RetryState
 from unbroken.core.admission.shared import SharedBounds
-from unbroken.core.profiles import Profile, identify, profile_named
+from unbroken.core.profiles import Profile, identify_by, identity_headers, profile_named
 from unbroken.core.turn.background import (
     STORE_OVERRIDE,
     BackgroundResume,
@@ -58,6 +58,9 @@ from unbroken.relay.watchdog import LoopDeadlines
 __all__ = ["RelayState", "continuation_headers"]
 
 log = logging.getLogger("unbroken")
+
+#: `RelayState.profile_for` remembers at most this many client identities
+_MAX_IDENTITIES = 256
 
 
 class RelayState:
@@ -126,6 +129,8 @@ class RelayState:
         self.cooloffs: dict[str, dict[int, float]] = {}
         self._facts: dict[str, tuple[Route, tuple[str, ...], bool]] = {}
         self._profiles: dict[str, Profile] = {}
+        #: `identity_headers` -> the profile name `identify_by` gives (user agents repeat)
+        self._identified: dict[tuple[str | None, str | None, bool], str] = {}
         self._intervals: dict[str, float] = {}
         #: each upstream's credential hash, and bad rate-limit headers logged once
         self.limits = RateLimitIO()
@@ -136,7 +141,12 @@ class RelayState:
 
     def profile_for(self, headers: Any) -> Profile:
         """The client profile of a request, with the config's overrides (cached per client)."""
-        name = identify(headers)
+        key = identity_headers(headers)
+        name = self._identified.get(key)
+        if name is None:
+            if len(self._identified) >= _MAX_IDENTITIES:
+                self._identified.clear()  # (ever new user agents: a bounded memo)
+            name = self._identified[key] = identify_by(*key)
         profile = self._profiles.get(name)
         if profile is None:
             profile = self._profiles[name] = profile_named(name, self.config.clients)

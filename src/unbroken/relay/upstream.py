@@ -86,6 +86,40 @@ _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding", TOKEN
 _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 _NO_TOKENS: frozenset[str] = frozenset()
 
+#: header name as received -> (its lower-case form, dropped from an upstream request
+#: whatever its Connection header says): names repeat, request after request
+_REQUEST_NAMES: dict[str, tuple[str, bool]] = {}
+#: header name as received -> 0: kept, 1: dropped, 2: dropped unless the length is kept
+_RESPONSE_NAMES: dict[str, int] = {}
+#: either memo is emptied past this many names (a client sending ever new ones)
+_MAX_NAMES = 512
+
+
+def _request_name(name: str) -> tuple[str, bool]:
+    known = _REQUEST_NAMES.get(name)
+    if known is None:
+        if len(_REQUEST_NAMES) >= _MAX_NAMES:
+            _REQUEST_NAMES.clear()
+        low = name.lower()
+        known = _REQUEST_NAMES[name] = (low, low in _DROP_REQUEST)
+    return known
+
+
+def _response_name(name: str) -> int:
+    known = _RESPONSE_NAMES.get(name)
+    if known is None:
+        if len(_RESPONSE_NAMES) >= _MAX_NAMES:
+            _RESPONSE_NAMES.clear()
+        low = name.lower()
+        if low == "content-length":
+            known = 2
+        elif low in _DROP_RESPONSE or low.startswith("access-control-"):
+            known = 1
+        else:
+            known = 0
+        _RESPONSE_NAMES[name] = known
+    return known
+
 
 def request_headers(
     incoming: Mapping[str, str] | CIMultiDictProxy[str],
@@ -120,8 +154,8 @@ def request_headers(
         else _NO_TOKENS
     )
     for k, v in incoming.items():
-        low = k.lower()
-        if low in _DROP_REQUEST or low in connection_tokens:
+        low, drop = _request_name(k)
+        if drop or low in connection_tokens:
             continue
         if token is not None and token in v:
             v = v.replace(token, REDACTED_PART)
@@ -165,10 +199,8 @@ def response_headers(
     """
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in upstream_headers.items():
-        low = k.lower()
-        if low in _DROP_RESPONSE and not (keep_length and low == "content-length"):
-            continue
-        if low.startswith("access-control-"):
+        drop = _response_name(k)
+        if drop and not (keep_length and drop == 2):
             continue
         out.add(k, v)
     if secrets:

@@ -270,7 +270,8 @@ class Limiter:
         if not self.buckets:
             # No budget reported (yet): no bucket to wait for, and no second's share
             # (`_second_share` is None: `_second_due` says now; no bank to draw)
-            return max(when, self.throttle.due(now, alone=alone))
+            due = self.throttle.due(now, alone=alone)
+            return due if due > when else when
         for bucket, cost in self._costs(tokens):
             if cost > 0:
                 when = max(when, bucket.due(cost, now))

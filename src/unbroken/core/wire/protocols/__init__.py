@@ -227,6 +227,10 @@ def usage_from(frames: Iterable[bytes]) -> tuple[int | None, int | None]:
     """(input, output) tokens reported in the given frames; the last report wins."""
     tokens_in: int | None = None
     tokens_out: int | None = None
+    if not isinstance(frames, list | tuple):
+        frames = list(frames)
+    if b"".join(frames).find(b"oken") < 0:  # (one search, not one a frame: most have none)
+        return tokens_in, tokens_out
     for raw in frames:
         if raw.find(b"oken") < 0:  # tokens, promptTokenCount
             continue
