@@ -239,5 +239,5 @@ def test_header_name_memos_decide_as_the_rules_and_stay_bounded() -> None:
     for i in range(3 * up._MAX_NAMES):
         up.response_headers({f"x-new-{i}": "v"}, keep_length=False)
         up._request_name(f"X-New-{i}")
-    assert len(up._RESPONSE_NAMES) <= up._MAX_NAMES
-    assert len(up._REQUEST_NAMES) <= up._MAX_NAMES
+    assert up._response_name.cache_info().currsize <= up._MAX_NAMES
+    assert up._request_name.cache_info().currsize <= up._MAX_NAMES

@@ -86,39 +86,27 @@ _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding", TOKEN
 _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 _NO_TOKENS: frozenset[str] = frozenset()
 
-#: header name as received -> (its lower-case form, dropped from an upstream request
-#: whatever its Connection header says): names repeat, request after request
-_REQUEST_NAMES: dict[str, tuple[str, bool]] = {}
-#: header name as received -> 0: kept, 1: dropped, 2: dropped unless the length is kept
-_RESPONSE_NAMES: dict[str, int] = {}
-#: either memo is emptied past this many names (a client sending ever new ones)
+#: the names each memo below keeps (header names repeat, request after request; a
+#: client sending ever new ones cannot grow them)
 _MAX_NAMES = 512
 
 
+@functools.lru_cache(maxsize=_MAX_NAMES)
 def _request_name(name: str) -> tuple[str, bool]:
-    known = _REQUEST_NAMES.get(name)
-    if known is None:
-        if len(_REQUEST_NAMES) >= _MAX_NAMES:
-            _REQUEST_NAMES.clear()
-        low = name.lower()
-        known = _REQUEST_NAMES[name] = (low, low in _DROP_REQUEST)
-    return known
+    """A header name as received: its lower-case form, and whether an upstream request
+    drops it whatever the Connection header says."""
+    low = name.lower()
+    return low, low in _DROP_REQUEST
 
 
+@functools.lru_cache(maxsize=_MAX_NAMES)
 def _response_name(name: str) -> int:
-    known = _RESPONSE_NAMES.get(name)
-    if known is None:
-        if len(_RESPONSE_NAMES) >= _MAX_NAMES:
-            _RESPONSE_NAMES.clear()
-        low = name.lower()
-        if low == "content-length":
-            known = 2
-        elif low in _DROP_RESPONSE or low.startswith("access-control-"):
-            known = 1
-        else:
-            known = 0
-        _RESPONSE_NAMES[name] = known
-    return known
+    """A header name as received: 0 a client response keeps it, 1 drops it, 2 drops it
+    unless the length is kept."""
+    low = name.lower()
+    if low == "content-length":
+        return 2
+    return 1 if low in _DROP_RESPONSE or low.startswith("access-control-") else 0
 
 
 def request_headers(
