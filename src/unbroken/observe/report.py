@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from unbroken.core.admission.policy import Failure
 from unbroken.core.turn.attempt import AttemptStats
-from unbroken.core.turn.machine import Outcome, Phase, TurnState
+from unbroken.core.turn.machine import OK_OUTCOMES, Outcome, Phase, TurnState
 from unbroken.core.wire.protocols import model_answered
 from unbroken.observe.hooks import AttemptInfo, Hooks, TurnRecord
 
@@ -94,8 +94,8 @@ class HooksObserver:
         info.outcome = _VALUE[outcome]
         if self.current is not None and self.current.ended is None:
             self.attempt_ended(
-                "ok" if outcome.is_ok else _VALUE[outcome],
-                None if outcome.is_ok else _PHASE_COMMITTED,
+                "ok" if outcome in OK_OUTCOMES else _VALUE[outcome],
+                None if outcome in OK_OUTCOMES else _PHASE_COMMITTED,
                 None,
                 None,
             )
@@ -119,7 +119,8 @@ class HooksObserver:
             self._end_queue()
         if self._waiting is not None:
             self._end_wait()
-        self.current = AttemptInfo(number=number, upstream=name, started=self.wall(), choice=choice)
+        # (by position: a class called with keywords packs them into a dict, then out)
+        self.current = AttemptInfo(number, name, self.wall(), None, None, "", "", choice)
         if self._parked is not None:
             self.current.parked_for, self._parked = self._parked, None
             self.current.queued_s = info.queued_s - queued

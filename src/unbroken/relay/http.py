@@ -152,14 +152,16 @@ class _HttpTurn:
         self.parsed = parsed if renames else None
         self.profile = relay.profile_for(request.headers)
         session, sticky = session_keys(request.headers, parsed)
+        # (by position, in the fields' order: a class called with keywords packs them
+        # into a dict, then out again)
         info = TurnRecord(
-            route=route.name,
-            path=rest,
-            protocol=self.protocol.name,
-            stream=stream,
-            session_id=session,
-            client=self.profile.name,
-            model=model_asked(parsed, rest),
+            route.name,  # route
+            rest,  # path
+            self.protocol.name,  # protocol
+            stream,  # stream
+            session,  # session_id
+            self.profile.name,  # client
+            model_asked(parsed, rest),  # model
         )
         self.report = HooksObserver(info, relay.hooks, names, relay.inflight)
         self.loop = asyncio.get_running_loop()

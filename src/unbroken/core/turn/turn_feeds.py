@@ -84,7 +84,7 @@ class TurnFeeds(TurnFields):
         assert ledger is not None
         if self.watch is FIRST_FRAME:
             for event in events:
-                if not event.is_comment:
+                if event.name is not None or event.data is not None:  # `Event.is_comment`
                     self._set_watch(IDLE)
                     break
         feed = ledger.feed

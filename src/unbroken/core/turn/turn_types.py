@@ -45,12 +45,13 @@ class Outcome(enum.StrEnum):
 
     @property
     def is_ok(self) -> bool:
-        return self in _OK_OUTCOMES
+        return self in OK_OUTCOMES
 
 
-#: the outcomes that are a success (`Outcome.is_ok`; a module constant: an Enum class's
-#: attribute costs a lookup through ``EnumType.__getattr__`` on Python 3.11)
-_OK_OUTCOMES = frozenset({Outcome.OK, Outcome.RECOVERED, Outcome.RESUMED})
+#: the outcomes that are a success (`Outcome.is_ok`, which reads it: an Enum class's
+#: attribute costs a lookup through ``EnumType.__getattr__`` on Python 3.11, and a hot
+#: caller tests ``outcome in OK_OUTCOMES`` itself: no property call)
+OK_OUTCOMES = frozenset({Outcome.OK, Outcome.RECOVERED, Outcome.RESUMED})
 
 #: the outcomes reports list even at zero, in order (``internal_error``, a relay bug,
 #: is listed only when it happened)

@@ -122,7 +122,10 @@ class SSESplitter:
         return bytes(self._buf)
 
     def feed(self, chunk: bytes) -> list[Event]:
-        if self.idle:
+        if self.idle or (
+            # the stream's start, no BOM: as idle once the BOM check below is done
+            not self._bom_checked and not self._buf and chunk[:3] != _BOM[: len(chunk)]
+        ):
             # Nothing pending, at an event boundary: a chunk that is one whole event
             # (its first blank line is its end; no CR; no leading blank line) is that
             # event, as the loop below would find it, and leaves the state as it was
@@ -135,6 +138,7 @@ class SSESplitter:
                 and chunk[0] != LF
                 and CR not in chunk
             ):
+                self._bom_checked = self.idle = True
                 return [self._parse(chunk, chunk[:-2])]
         if self._failed:
             raise EventTooLarge(len(self._buf), self.max_event_bytes)
