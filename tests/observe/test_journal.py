@@ -469,3 +469,49 @@ async def test_no_canary_in_journal_status_or_metrics(mock: MockProvider, tmp_pa
     assert canary not in dump
     for f in tmp_path.iterdir():  # noqa: ASYNC240  # the database file and any WAL left behind
         assert canary.encode() not in f.read_bytes()
+
+
+async def test_missing_values_are_stored_as_null_in_either_batch(tmp_path: Path) -> None:
+    """A row's missing values are bound as a NaN, which SQLite stores as NULL (no adapter
+    call per None): what is read back is NULL, of type null, whether the turn's start
+    and end were written in one batch or two."""
+    path = tmp_path / "j.sqlite3"
+    journal = Journal(path)
+    journal.start()
+    try:
+        whole = _turn()
+        journal.turn_started(whole)
+        journal.attempt_ended(whole, AttemptInfo(number=1, upstream="u", reason="ok"))
+        whole.outcome, whole.ended = "ok", time.time()
+        journal.turn_ended(whole)
+        split = _turn()
+        journal.turn_started(split)
+        await journal.flush()
+        split.outcome, split.ended = "ok", time.time()
+        journal.turn_ended(split)
+        await journal.flush()
+    finally:
+        await journal.aclose()
+    nullable = (
+        "session_id",
+        "client",
+        "upstream",
+        "last_failure",
+        "first_byte_s",
+        "continuation",
+    )
+    for t in (whole, split):
+        (row,) = _rows(
+            path,
+            "SELECT " + ", ".join(f"typeof({c}) AS {c}" for c in nullable) + " FROM turns"
+            " WHERE turn_id = ?",
+            t.id,
+        )
+        assert row == dict.fromkeys(nullable, "null")
+    (attempt,) = _rows(
+        path,
+        "SELECT typeof(ended) AS e, typeof(status) AS s, typeof(phase) AS p,"
+        " typeof(input_tokens) AS i, typeof(output_tokens) AS o, typeof(choice) AS c"
+        " FROM attempts",
+    )
+    assert attempt == {"e": "null", "s": "null", "p": "null", "i": "null", "o": "null", "c": "null"}

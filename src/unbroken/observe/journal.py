@@ -25,6 +25,7 @@ import asyncio
 import collections
 import functools
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -161,11 +162,16 @@ _Op = tuple[str, Any]
 # sqlite3 binds int, float, str and bytearray parameters as they are; any other value,
 # None included, goes through its adapter lookup, which (CPython 3.11) looks for
 # ``__adapt__`` on a class and builds an AttributeError when it is missing, about 2,400
-# instructions per NULL (most rows have several).  A registered adapter is found first;
-# a C function that gives None back for None (an empty dict's ``get``), not a Python
-# one: no frame per NULL (about 11 a turn).
-_NULL: dict[None, None] = {}
-sqlite3.register_adapter(type(None), _NULL.get)
+# instructions per NULL.  A registered adapter is found first (a C function that gives
+# None back: an empty dict's ``get``), still about 1,100 instructions (a key tuple
+# built, a dict lookup, a call).  The rows of a turn (about 11 NULLs) bind `NULL`
+# instead: a float, bound as it is, and SQLite stores a NaN as NULL ("SQLite does not
+# support NaN": ``sqlite3_bind_double`` of a NaN binds NULL; a NOT NULL column refuses
+# it as it refuses None).  What is read back is NULL either way.
+_NONE_ADAPTER: dict[None, None] = {}
+sqlite3.register_adapter(type(None), _NONE_ADAPTER.get)
+#: a NULL column in a journal row (see above)
+NULL = math.nan
 
 
 def default_journal_path(env: Mapping[str, str] | None = None) -> Path:
@@ -181,8 +187,9 @@ def journal_path(configured: str | None, env: Mapping[str, str] | None = None) -
     return Path(configured) if configured else default_journal_path(env)
 
 
-def _cut(text: str | None) -> str | None:
-    return None if text is None else text[:MAX_JOURNAL_TEXT]
+def _cut(text: str | None) -> str | float:
+    """``text`` at most `MAX_JOURNAL_TEXT` long (None: `NULL`)."""
+    return NULL if text is None else text[:MAX_JOURNAL_TEXT]
 
 
 @functools.lru_cache(maxsize=16)
@@ -194,15 +201,18 @@ def _insert(kind: str, rows: int) -> str:
 
 def _turn_end(turn: TurnRecord, wait_s: float) -> tuple[Any, ...]:
     """The columns a turn's end fills: ended, outcome, ..., wait_s (as in ``turn_end``)."""
-    first_byte_s = None
+    first_byte_s = NULL
     if turn.first_byte_at is not None:
-        first_byte_s = max(0.0, turn.first_byte_at - turn.started)
+        first_byte_s = turn.first_byte_at - turn.started
+        if not first_byte_s > 0.0:  # max(0.0, ...), without the call
+            first_byte_s = 0.0
+    outcome, last_failure = turn.outcome, turn.last_failure
     return (
         turn.ended if turn.ended is not None else time.time(),
-        turn.outcome,
+        NULL if outcome is None else outcome,
         turn.attempts,
-        turn.upstream or None,
-        turn.last_failure,
+        turn.upstream or NULL,
+        NULL if last_failure is None else last_failure,
         first_byte_s,
         wait_s,
         turn.queued_s,
@@ -507,19 +517,19 @@ class Journal(Hooks):
                     t.protocol,
                     int(t.stream),
                     _cut(t.session_id),
-                    t.client or None,
+                    t.client or NULL,
                     t.started,
-                    None,
-                    None,
+                    NULL,
+                    NULL,
                     0,
-                    None,
-                    None,
-                    None,
+                    NULL,
+                    NULL,
+                    NULL,
                     0.0,
                     0.0,
                     0,
                     0,
-                    None,
+                    NULL,
                 ]
             elif kind == "turn_end":
                 t, wait_s = item
@@ -531,25 +541,27 @@ class Journal(Hooks):
                     ends.append((*end, f"{run}:{t.id}"))
             elif kind == "attempt":
                 turn_id, a = item
+                ended, status = a.ended, a.status
+                tokens_in, tokens_out = a.input_tokens, a.output_tokens
                 attempts.append(
                     (
                         f"{run}:{turn_id}",
                         a.number,
                         a.upstream,
                         a.started,
-                        a.ended,
-                        a.status,
+                        NULL if ended is None else ended,
+                        NULL if status is None else status,
                         a.reason or "unknown",
-                        a.phase or None,
+                        a.phase or NULL,
                         a.frames_received,
                         a.bytes_received,
                         a.frames_released,
                         a.bytes_released,
                         a.hold_seconds,
-                        a.input_tokens,
-                        a.output_tokens,
+                        NULL if tokens_in is None else tokens_in,
+                        NULL if tokens_out is None else tokens_out,
                         a.est_output_tokens,
-                        a.choice or None,
+                        a.choice or NULL,
                     )
                 )
             elif kind == "wait":
