@@ -86,7 +86,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from unbroken.core.admission.bucket import DEFAULT_WINDOW_S, SMOOTH, Bucket
 from unbroken.core.admission.fairline import FairLine
@@ -154,16 +154,17 @@ def max_output_of(body: Any) -> int:
     get = body.get
     for v in (get("max_tokens"), get("max_completion_tokens"), get("max_output_tokens")):
         if v is not None and _tokens_ok(v):
-            return v  # type: ignore[no-any-return]
+            return v
     config = get("generationConfig")
     if isinstance(config, dict):
         v = config.get("maxOutputTokens")
         if v is not None and _tokens_ok(v):
-            return v  # type: ignore[no-any-return]
+            return v
     return 0
 
 
-def _tokens_ok(v: Any) -> bool:
+def _tokens_ok(v: object) -> TypeGuard[int]:
+    """A count of output tokens a request may ask for (an int, not a bool, in range)."""
     return isinstance(v, int) and not isinstance(v, bool) and 0 < v < 10_000_000
 
 
