@@ -327,3 +327,24 @@ async def test_an_unusable_file_means_local_pacing_logged_once_until_it_answers(
         await until(shared_again, cap=10)
         assert len([m for m in _messages(caplog) if "file answers again" in m]) == 2
         assert not any("Traceback" in m for m in _messages(caplog))
+
+
+async def test_the_files_total_granted_is_counted_and_garbage_in_it_replaced(
+    tmp_path: Path,
+) -> None:
+    """What the takes granted from a bucket in all (`core/admission/bucket.py`'s fleet
+    drift) is kept in the file; a total that is garbage is left by takes and replaced by
+    the next report, which says it replaced garbage (the worker logs it)."""
+    with _two_backends(tmp_path) as (clock, a, b):
+        args = ([1.0], [300.0], [5.0])
+        assert await a.learn("k:requests", 300, 5, 10) == (False, 0.0)
+        assert await a.take(["k:requests"], 3, *args) == (3, 0.0)
+        assert await b.take(["k:requests"], 4, *args) == (4, 0.0)
+        assert await b.learn("k:requests", 300, 5, 3) == (False, 7.0)
+        with sqlite3.connect(tmp_path / RATES_FILE) as db:
+            db.execute("UPDATE buckets SET granted = 'lots'")
+        clock[0] += 1.0
+        assert await a.take(["k:requests"], 2, *args) == (2, 0.0)  # granted as ever
+        assert await a.learn("k:requests", 300, 5, 3) == (True, 0.0)  # replaced
+        assert await b.take(["k:requests"], 1, *args) == (1, 0.0)
+        assert await b.learn("k:requests", 300, 5, 3) == (False, 1.0)

@@ -113,12 +113,16 @@ class FileRates:
             )
             if got.granted >= 0:
                 for i, (name, level) in enumerate(zip(names, got.levels, strict=True)):
-                    add = got.taken[i] if i < len(got.taken) else 0.0
                     db.execute(
-                        "UPDATE buckets SET level = ?, t = ?, expires = ?,"
-                        " granted = ? WHERE name = ?",
-                        (level, now, now + TTL_S, self._granted(db, name) + add, name),
+                        "UPDATE buckets SET level = ?, t = ?, expires = ? WHERE name = ?",
+                        (level, now, now + TTL_S, name),
                     )
+                    add = got.taken[i] if i < len(got.taken) else 0.0
+                    total = self._granted(db, name)
+                    if add > 0 and total is not None:  # (garbage: left for a report)
+                        db.execute(
+                            "UPDATE buckets SET granted = ? WHERE name = ?", (total + add, name)
+                        )
             if got.mark_changed:
                 m = got.mark
                 if m is None:
@@ -139,6 +143,8 @@ class FileRates:
             row = self._row(db, name, now)
             b, replaced = fleet_learn(row, limit, rate, value, now)
             granted = self._granted(db, name) if row is not None and not replaced else 0.0
+            if granted is None:  # garbage: replaced, counted afresh
+                granted, replaced = 0.0, True
             db.execute(
                 'INSERT OR REPLACE INTO buckets (name, "limit", rate, level, t, expires,'
                 " granted) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -192,8 +198,8 @@ class FileRates:
         return tuple(row[:4])
 
     @staticmethod
-    def _granted(db: sqlite3.Connection, name: str) -> float:
-        """A bucket's total granted by takes (validated: garbage counts as 0)."""
+    def _granted(db: sqlite3.Connection, name: str) -> float | None:
+        """A bucket's total granted by takes (`read_granted`: None when garbage)."""
         row = db.execute("SELECT granted FROM buckets WHERE name = ?", (name,)).fetchone()
         return read_granted(row[0]) if row is not None else 0.0
 

@@ -162,9 +162,11 @@ local function spend(m)
     local level = state[i][1] - m * state[i][2]
     redis.call('HSET', k, 'level', tostring(level), 't', tostring(now))
     if m > 0 then
-      local g = num(redis.call('HGET', k, 'granted'))
-      if not g or g < 0 or g > MAX_GRANTED then g = 0 end  -- garbage: counted afresh
-      redis.call('HSET', k, 'granted', tostring(g + m * state[i][2]))
+      local raw, g = redis.call('HGET', k, 'granted'), 0
+      if raw then g = num(raw) end
+      if g and g >= 0 and g <= MAX_GRANTED then  -- (garbage: left for LEARN to replace)
+        redis.call('HSET', k, 'granted', tostring(g + m * state[i][2]))
+      end
     end
     redis.call('PEXPIRE', k, ttl)
   end
@@ -207,9 +209,9 @@ for _name, _value in (
 del _name, _value
 
 #: KEYS: one bucket; ARGV: limit, rate, the level the provider's report implies, ttl ms.
-#: Returns {1 when it replaced a key that was not a valid bucket, else 0; what takes
-#: have granted from the bucket in all (its ``granted`` field, `core.admission.bucket`'s
-#: fleet drift; garbage: 0)}.
+#: Returns {1 when it replaced a key that was not a valid bucket (or a total granted
+#: that was garbage: counted afresh from 0), else 0; what takes have granted from the
+#: bucket in all (its ``granted`` field, `core.admission.bucket`'s fleet drift)}.
 LEARN = (
     _NOW
     + """
@@ -227,8 +229,15 @@ end
 redis.call('HSET', k, 'limit', tostring(limit), 'rate', tostring(rate),
   'level', tostring(level), 't', tostring(now))
 redis.call('PEXPIRE', k, tonumber(ARGV[4]))
-local g = num(redis.call('HGET', k, 'granted'))
-if not g or g < 0 or g > MAX_GRANTED then g = 0 end
+local raw, g = redis.call('HGET', k, 'granted'), 0
+if raw then
+  g = num(raw)
+  if not g or g < 0 or g > MAX_GRANTED then  -- garbage: replaced, counted afresh
+    g = 0
+    replaced = 1
+    redis.call('HSET', k, 'granted', '0')
+  end
+end
 return {replaced, tostring(g)}
 """
 ).replace("MAX_GRANTED", repr(MAX_GRANTED))
@@ -304,7 +313,8 @@ class RedisRates:
         got = await self._learn(keys=[RATE_KEY_PREFIX + name], args=[limit, rate, value, TTL_MS])
         if not isinstance(got, list | tuple) or len(got) != 2:
             return False, 0.0
-        return got[0] == 1, read_granted(got[1])
+        granted = read_granted(got[1])  # (the script validated it)
+        return got[0] == 1, granted if granted is not None else 0.0
 
     def close(self) -> None:
         pass

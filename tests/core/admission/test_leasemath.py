@@ -160,15 +160,18 @@ def test_take_and_learn_answer_as_the_lua_scripts_do(redis_server: RedisServer) 
             lua = _stored(r, k)
             mine = (b.limit, b.rate, b.level, b.t)
             assert all(_close(x, y) for x, y in zip(lua, mine, strict=True)), (case, lua, mine)
-        # a total that is garbage counts as none, and is counted afresh by a take
+        # a total that is garbage: a take leaves it (and grants as ever), a report says
+        # it replaced garbage (the relay logs it) and counts afresh from 0
         for bad in ("lots", "-3", "inf", "1e99"):
+            assert read_granted(bad) is None
             _store(r, "rl:g", fields(300, 5, 100, NOW))
             r.hset("rl:g", "granted", bad)
             assert take(keys=["rl:g"], args=[2, 1.0, 300, 5, TTL_MS])[0] == 2
-            assert read_granted(r.hget("rl:g", "granted")) == 2.0, bad
-            assert read_granted(bad) == 0.0
-            r.hset("rl:g", "granted", bad)
-            assert read_granted(learn(keys=["rl:g"], args=[300, 5, 10, TTL_MS])[1]) == 0.0
+            assert r.hget("rl:g", "granted") == bad.encode(), bad
+            replaced, granted = learn(keys=["rl:g"], args=[300, 5, 10, TTL_MS])
+            assert (replaced, read_granted(granted)) == (1, 0.0), bad
+            assert take(keys=["rl:g"], args=[1, 1.0, 300, 5, TTL_MS])[0] == 1
+            assert read_granted(r.hget("rl:g", "granted")) == 1.0, bad
         # a key of another type: garbage for both (the table in SQLite has no types:
         # a row whose fields are not numbers is its garbage)
         r.set("rl:string", "x")

@@ -27,7 +27,8 @@ cases through both):
   all (``granted``), and a report is answered with it: over a window, what the key
   refilled less what its reported level fell by and what the fleet was granted is
   what traffic the fleet does not see took (`core.admission.bucket`).  A total that
-  is garbage counts as 0 and is counted afresh.
+  is garbage is left by takes and replaced by the next report (which says it replaced
+  garbage), counted afresh from 0.
 * **One line for the fleet** (`LineMark`): the relays' lines are served oldest first,
   across the fleet, as one relay serves its own.  A take says who asks (``me``) and how
   long its longest-waiting turn has waited (``age``).  A take that runs short leaves a
@@ -150,11 +151,14 @@ def _num(value: object) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def read_granted(value: object) -> float:
-    """A bucket's total granted by takes (its ``granted`` field), validated: garbage
-    (not a number, below zero, past `MAX_GRANTED`) counts as 0 and is counted afresh."""
+def read_granted(value: object) -> float | None:
+    """A bucket's total granted by takes (its ``granted`` field): 0 when there is none,
+    None when it is garbage (not a number, below zero, past `MAX_GRANTED`: a take leaves
+    it, a report replaces it with 0 and says it replaced garbage)."""
+    if value is None:
+        return 0.0
     g = _num(value)
-    return g if g is not None and 0.0 <= g <= MAX_GRANTED else 0.0
+    return g if g is not None and 0.0 <= g <= MAX_GRANTED else None
 
 
 def read_fleet_bucket(
