@@ -120,9 +120,8 @@ class Drift:
         self._t: float | None = None  # the last report
         self._err = 0.0  # the window's summed difference (model - report)
         self._span = 0.0  # and the seconds it covers
-        #: a fleet's window: (when, the level reported, the fleet's total granted, and
-        #: since when the key is low)
-        self._fleet: tuple[float, float, float, float] | None = None
+        #: a fleet's window: (when, the level reported, the fleet's total granted)
+        self._fleet: tuple[float, float, float] | None = None
 
     def reckon(self, rate: float) -> float:
         """What is left of ``rate`` for this relay: less the drain and its margin."""
@@ -135,10 +134,10 @@ class Drift:
         """A report (``reported`` left) taught to a fleet's bucket, whose store has
         granted ``granted`` from it in all: over a window of ``FLEET_WINDOW_S``, what
         the key refilled at ``rate``, less what its level fell by and what the fleet
-        was granted, is what others took.  Only while the key stays low, and from
-        ``LOW_HOLD_S`` after it went low (a key falling through the low mark is not yet
-        one that others keep low; a limit over a sliding minute falls through it once
-        a minute without any other traffic, in 6 s at the limit's rate)."""
+        was granted, is what others took.  Only while the key stays ``LOW`` (one with
+        room does not take its refill) and is not ``FALLING`` (a key falling through
+        the low mark is not yet one that others keep low: a limit over a sliding minute
+        falls through it once a minute without any other traffic)."""
         if not all(math.isfinite(x) for x in (reported, granted, rate, limit, now)):
             return
         snap = self._fleet
@@ -147,12 +146,12 @@ class Drift:
             return
         if snap is None or granted < snap[2] or now < snap[0]:
             # (new, or a new total: the store forgot the bucket)
-            self._fleet = (now, reported, granted, now)
+            self._fleet = (now, reported, granted)
             return
         span = now - snap[0]
         if span < FLEET_WINDOW_S:
             return
-        self._fleet = (now, reported, granted, snap[3])
+        self._fleet = (now, reported, granted)
         if reported - snap[1] < -FALLING * rate * span:
             return  # falling: not yet a key others keep low
         others = (rate * span - (reported - snap[1]) - (granted - snap[2])) / span
