@@ -44,6 +44,7 @@ CREDENTIAL_HEADERS: tuple[str, ...] = ("authorization", "x-api-key", "api-key", 
 SESSION_HEADERS = ("x-session-id", "x-session-affinity", "session-id", "x-claude-code-session-id")
 #: the headers that keep a session on one upstream: the session's, and Codex's ``thread-id``
 STICKY_HEADERS = (*SESSION_HEADERS, "thread-id")
+_STICKY_ONLY = STICKY_HEADERS[len(SESSION_HEADERS) :]
 
 
 def is_streamed(
@@ -70,47 +71,36 @@ def session_id_of(headers: Mapping[str, str], body: dict[str, Any] | None = None
     """The client's session key, for the journal: ``x-session-id``,
     ``x-session-affinity`` (OpenCode), ``session-id`` (Codex),
     ``x-claude-code-session-id`` (Claude Code), else the body's ``prompt_cache_key``."""
-    return _session_key(headers, body, SESSION_HEADERS)
+    return session_keys(headers, body)[0]
 
 
 def sticky_key(headers: Mapping[str, str], body: dict[str, Any] | None = None) -> str | None:
     """A turn's session key for stickiness: a session header (or Codex's
     ``thread-id``), else the parsed body's ``prompt_cache_key``."""
-    return _session_key(headers, body, STICKY_HEADERS)
+    return session_keys(headers, body)[1]
 
 
 def session_keys(
     headers: Mapping[str, str], body: dict[str, Any] | None = None
 ) -> tuple[str | None, str | None]:
-    """``(session_id_of(...), sticky_key(...))`` in one look at the headers: the sticky
-    names are the session's, then ``thread-id``."""
+    """``(session_id_of(...), sticky_key(...))`` in one look at the headers: the first
+    of `SESSION_HEADERS` set is both; else the body's ``prompt_cache_key`` is the
+    session's, and stickiness takes the rest of `STICKY_HEADERS` (``thread-id``) first."""
     for name in SESSION_HEADERS:
         value = headers.get(name)
         if value:
             found = str(value)
             return found, found
-    thread = headers.get("thread-id")
     key: str | None = None
     if body is not None:
         cache = body.get("prompt_cache_key")
         if isinstance(cache, str) and cache:
             key = cache
-    return key, (str(thread) if thread else key)
-
-
-def _session_key(
-    headers: Mapping[str, str], body: dict[str, Any] | None, names: tuple[str, ...]
-) -> str | None:
-    """The first of the ``names`` headers set, else the body's ``prompt_cache_key``."""
-    for name in names:
+    for name in _STICKY_ONLY:
         value = headers.get(name)
         if value:
-            return str(value)
-    if body is not None:
-        key = body.get("prompt_cache_key")
-        if isinstance(key, str) and key:
-            return key
-    return None
+            return key, str(value)
+    return key, key
 
 
 def client_credential(headers: Mapping[str, str], query: str = "") -> str:
