@@ -177,36 +177,25 @@ def _fan_out(name: str) -> Callable[..., None]:
     return call
 
 
-def _fan_out_1(name: str) -> Callable[..., None]:
-    """`_fan_out` for an event of one argument (the turn): no ``*args``/``**kwargs``
-    packed and unpacked per observer (a turn's start and end)."""
+#: `_fan_out_by_position`'s "no second argument"
+_ONE = object()
 
-    def call(self: MultiHooks, turn: TurnRecord) -> None:
+
+def _fan_out_by_position(name: str) -> Callable[..., None]:
+    """`_fan_out` for an event of every turn (its start and end: the turn; an
+    attempt's start and end: the turn and one more), its arguments by position: no
+    ``*args``/``**kwargs`` packed and unpacked per observer."""
+
+    def call(self: MultiHooks, turn: TurnRecord, other: Any = _ONE) -> None:
         bound = self._bound
         if bound is None:
             bound = self._bind()
         for method, on_error in bound[name]:
             try:
-                method(turn)
-            except Exception:
-                if on_error is None:
-                    raise
-                on_error(name)
-
-    call.__name__ = name
-    return call
-
-
-def _fan_out_2(name: str) -> Callable[..., None]:
-    """`_fan_out` for an event of two arguments (an attempt's start and end)."""
-
-    def call(self: MultiHooks, turn: TurnRecord, other: Any) -> None:
-        bound = self._bound
-        if bound is None:
-            bound = self._bind()
-        for method, on_error in bound[name]:
-            try:
-                method(turn, other)
+                if other is _ONE:
+                    method(turn)
+                else:
+                    method(turn, other)
             except Exception:
                 if on_error is None:
                     raise
@@ -217,12 +206,7 @@ def _fan_out_2(name: str) -> Callable[..., None]:
 
 
 #: the events of every turn, called with their arguments by position (`HooksObserver`)
-_POSITIONAL = {
-    "turn_started": _fan_out_1,
-    "turn_ended": _fan_out_1,
-    "attempt_started": _fan_out_2,
-    "attempt_ended": _fan_out_2,
-}
+_POSITIONAL = frozenset({"turn_started", "turn_ended", "attempt_started", "attempt_ended"})
 
 
 class MultiHooks(Hooks):
@@ -286,7 +270,11 @@ class MultiHooks(Hooks):
 
 
 for _name in HOOK_NAMES:
-    setattr(MultiHooks, _name, _POSITIONAL.get(_name, _fan_out)(_name))
+    setattr(
+        MultiHooks,
+        _name,
+        _fan_out_by_position(_name) if _name in _POSITIONAL else _fan_out(_name),
+    )
 
 
 #: why continue mode (``after_commit = "continue"``) did not cover a turn or finish a
