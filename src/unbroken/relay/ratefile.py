@@ -102,7 +102,8 @@ class FileRates:
         holds: tuple[float, ...] = (),
     ) -> tuple[object, object]:
         def tx(db: sqlite3.Connection, now: float) -> tuple[object, object]:
-            rows = [self._row(db, n, now) for n in names]
+            found = [self._row(db, n, now) for n in names]
+            rows = [row for row, _ in found]
             mark = None
             if me:
                 mark = db.execute(
@@ -112,17 +113,15 @@ class FileRates:
                 rows, want, costs, limits, rates, now, me=me, age=age, mark=mark, holds=holds
             )
             if got.granted >= 0:
-                for i, (name, level) in enumerate(zip(names, got.levels, strict=True)):
+                for name, level, taken, (_, raw) in zip(
+                    names, got.levels, got.taken, found, strict=True
+                ):
+                    total = read_granted(raw)  # (garbage: left as it is, for a report)
                     db.execute(
-                        "UPDATE buckets SET level = ?, t = ?, expires = ? WHERE name = ?",
-                        (level, now, now + TTL_S, name),
+                        "UPDATE buckets SET level = ?, t = ?, expires = ?, granted = ?"
+                        " WHERE name = ?",
+                        (level, now, now + TTL_S, raw if total is None else total + taken, name),
                     )
-                    add = got.taken[i] if i < len(got.taken) else 0.0
-                    total = self._granted(db, name)
-                    if add > 0 and total is not None:  # (garbage: left for a report)
-                        db.execute(
-                            "UPDATE buckets SET granted = ? WHERE name = ?", (total + add, name)
-                        )
             if got.mark_changed:
                 m = got.mark
                 if m is None:
@@ -140,9 +139,9 @@ class FileRates:
     async def learn(self, name: str, limit: float, rate: float, value: float) -> tuple[bool, float]:
         def tx(db: sqlite3.Connection, now: float) -> tuple[bool, float]:
             db.execute("DELETE FROM buckets WHERE expires <= ?", (now,))
-            row = self._row(db, name, now)
+            row, raw = self._row(db, name, now)
             b, replaced = fleet_learn(row, limit, rate, value, now)
-            granted = self._granted(db, name) if row is not None and not replaced else 0.0
+            granted = read_granted(raw) if row is not None and not replaced else 0.0
             if granted is None:  # garbage: replaced, counted afresh
                 granted, replaced = 0.0, True
             db.execute(
@@ -183,25 +182,23 @@ class FileRates:
             raise RatesFileGarbage(f"{type(exc).__name__}: {exc}") from None
 
     @staticmethod
-    def _row(db: sqlite3.Connection, name: str, now: float) -> Sequence[object] | None:
-        """A bucket's stored ``(limit, rate, level, t)``: None when there is none (or it
-        has expired: it is deleted), as it is (to be validated) otherwise."""
+    def _row(
+        db: sqlite3.Connection, name: str, now: float
+    ) -> tuple[Sequence[object] | None, object]:
+        """A bucket's stored ``(limit, rate, level, t)`` and its total granted, as they
+        are (to be validated): ``(None, None)`` when there is none (or it has expired: it
+        is deleted)."""
         row = db.execute(
-            'SELECT "limit", rate, level, t, expires FROM buckets WHERE name = ?', (name,)
+            'SELECT "limit", rate, level, t, expires, granted FROM buckets WHERE name = ?',
+            (name,),
         ).fetchone()
         if row is None:
-            return None
+            return None, None
         expires = row[4]
         if isinstance(expires, int | float) and expires <= now:
             db.execute("DELETE FROM buckets WHERE name = ?", (name,))
-            return None
-        return tuple(row[:4])
-
-    @staticmethod
-    def _granted(db: sqlite3.Connection, name: str) -> float | None:
-        """A bucket's total granted by takes (`read_granted`: None when garbage)."""
-        row = db.execute("SELECT granted FROM buckets WHERE name = ?", (name,)).fetchone()
-        return read_granted(row[0]) if row is not None else 0.0
+            return None, None
+        return tuple(row[:4]), row[5]
 
     def _stat(self) -> tuple[int, int] | None:
         try:

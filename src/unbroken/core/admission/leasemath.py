@@ -254,7 +254,12 @@ def fleet_take(
     since = now - min(max(waited if waited is not None else 0.0, 0.0), MAX_AGE_S)
     if line is not None and line.owner != me and since > line.head + ORDER_TOL_S:
         # another relay's turn has waited longer: it goes first
-        return FleetTake(0, max(wait, BLOCKED_WAIT_S), tuple(level for level, _ in state))
+        return FleetTake(
+            0,
+            max(wait, BLOCKED_WAIT_S),
+            tuple(level for level, _ in state),
+            taken=(0.0,) * len(state),
+        )
     levels = tuple(level - n * cost for level, cost in state)
     if n < want:  # short: this relay's oldest turn is the fleet's oldest waiting
         head = since if line is None or line.owner == me else min(since, line.head)
