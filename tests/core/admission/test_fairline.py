@@ -43,3 +43,28 @@ def test_a_ticket_back_in_line_keeps_its_time_and_the_order() -> None:
     assert line.overdue(59.9, 60.0) is None and line.overdue(60.0, 60.0) == 1
     line.add(4, "d", 1.0, 9.0)  # a newcomer goes last, as always
     assert list(line.since) == [1, 2, 3, 4]
+
+
+def test_a_ticket_back_in_line_is_served_in_its_place() -> None:
+    """The rotation keeps the time too: one back from a cool-off is served before the
+    turns that came while it was held out (before, it went to the back of the rotation:
+    `shared` through one relay served agents' second turns before others' first, 0.91
+    fairness at half the turns)."""
+    line = FairLine()
+    line.add(5, "e", 1.0, 1.1)  # a turn that came during the cool-off
+    line.add(6, "f", 1.0, 1.2)
+    line.add(2, "b", 1.0, 0.2)  # back from the cool-off, in the order they woke
+    line.add(1, "a", 1.0, 0.1)
+    line.add(7, "b", 1.0, 1.3)  # b's next ticket: after its first, as always
+    line.add(3, "c", 1.0, 0.3)
+    assert list(line) == [1, 2, 3, 5, 6, 7]
+    assert [line.pop_head() for _ in range(6)] == [1, 2, 3, 5, 6, 7]
+
+
+def test_a_ticket_back_in_line_goes_before_its_sessions_later_tickets() -> None:
+    line = FairLine()
+    line.add(4, "a", 1.0, 2.0)
+    line.add(5, "b", 1.0, 3.0)
+    line.add(1, "a", 1.0, 0.5)  # a's first ticket, back from a cool-off
+    assert line.head() == 1 and list(line) == [1, 5, 4]
+    assert list(line.since) == [1, 4, 5]

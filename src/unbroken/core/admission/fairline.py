@@ -56,16 +56,38 @@ class FairLine:
         self.costs[ticket] = cost
         since = self.since
         if since and now < next(reversed(since.values())):
-            # one back in line keeps its time (its wait bound): ``since`` stays in order
+            # One back in line (a cool-off held it out) keeps its time, its wait bound,
+            # and its place: ``since`` stays in order, and so do its session's tickets
+            # and the rotation (before, it went to the back behind newer turns: after
+            # a 429's cool-off, turns that came during it were served first)
             items = sorted([*since.items(), (ticket, now)], key=lambda item: item[1])
             since.clear()
             since.update(items)
-        else:
-            since[ticket] = now
+            self._back_in_place(ticket, session)
+            return
+        since[ticket] = now
         q = self._sessions.get(session)
         if q is None:
             q = self._sessions[session] = deque()
         q.append(ticket)
+
+    def _back_in_place(self, ticket: int, session: str) -> None:
+        """Put ``ticket`` (its ``since`` set) in its place: in its session's tickets by
+        their times, and a session not in line before the first whose head came later
+        (one waiting ticket a session, as agents have: the rotation is the line's
+        order by time).  O(n): only a ticket back from a cool-off takes this path."""
+        since = self.since
+        at = since[ticket]
+        q = self._sessions.get(session)
+        if q is not None:
+            k = next((i for i, t in enumerate(q) if since.get(t, at) > at), len(q))
+            q.insert(k, ticket)
+            return
+        order = list(self._sessions.items())
+        k = next((i for i, (_, sq) in enumerate(order) if since.get(sq[0], at) > at), len(order))
+        order.insert(k, (session, deque((ticket,))))
+        self._sessions.clear()
+        self._sessions.update(order)
 
     def head(self) -> int | None:
         for q in self._sessions.values():
