@@ -323,7 +323,9 @@ class SimRelay:
                 self._again_in(lim, MAX_RETRY_S / 2)
                 return
         else:
-            want = min(len(lim.line), MAX_LEASE)
+            # (the old leases: all the line wants, but nothing while a block holds it,
+            # as the old line was empty then: its turns waited in the pacer's line)
+            want = 0 if lim.blocked_until > self.loop.now else min(len(lim.line), MAX_LEASE)
         yield from self._op(t0)
         raw_got, raw_wait = store.take(
             [self._name(lim, n) for n in names],

@@ -4,6 +4,8 @@ once, on the limiter."""
 
 from __future__ import annotations
 
+from collections import deque
+
 from unbroken.core.admission.health import HealthBoard
 from unbroken.core.admission.policy import Failure, FailureClass, Park, RetryPolicy, RetryState
 from unbroken.core.admission.ratehead import RateHeaders, Reading
@@ -162,3 +164,49 @@ def test_a_turn_a_cooloff_holds_out_of_the_rate_line_keeps_its_wait_bound() -> N
     assert granted == [t.ticket]
     assert t.next_upstream(60.0) == 0
     assert lim.waited_total == 2  # two turns waited (the one back counted once)
+
+
+def test_turns_a_429_blocks_keep_their_place_in_the_rate_line() -> None:
+    """Issue 32's fairness: turns waiting in the rate line when another turn's 429
+    (Retry-After 1 s) blocked the key went to the pacer's line, which let them go on its
+    ramp when the block ended, while turns that came meanwhile went straight to the
+    budget: `shared` through one relay served some agents' third turns before others'
+    first (0.91 fairness at half the turns).  They keep their place now, and the
+    limiter holds its line through the block."""
+    b = HealthBoard()
+    spend_requests(b, 1.0)  # one left, one a second
+    first = state(b, "first")
+    assert first.next_upstream(0.0) == 0  # the one left
+    waiting = [state(b, f"agent{i}") for i in range(3)]
+    for t in waiting:
+        park = t.next_upstream(0.0)
+        assert isinstance(park, Park) and park.why == "ratelimit"
+    lim = b.rates.get(K, "c")
+    assert list(lim.line) == [t.ticket for t in waiting]
+    first.record_failure(
+        Failure(FailureClass.STATUS, "HTTP 429", status=429, retry_after_s=1.0), 0.5
+    )
+    for t in waiting:  # woken: the key is blocked until 1.5 s
+        park = t.next_upstream(0.5)
+        assert isinstance(park, Park) and park.until == 1.5
+    assert list(lim.line) == [t.ticket for t in waiting]  # in their places
+    assert b.pacer(K).queue == deque()
+    granted, due = b.pump(K, 1.0)
+    assert granted == [] and due is not None and due >= 1.5  # held through the block
+    fresh = state(b, "fresh")  # a turn that comes as the block ends
+    assert isinstance(fresh.next_upstream(1.5), Park)
+    order = [*waiting, fresh]
+    assert list(lim.line) == [t.ticket for t in order]
+    served: list[RetryState] = []
+    now = 1.5
+    while len(served) < len(order) and now < 120.0:
+        granted, due = b.pump(K, now)
+        for t in order:
+            if t.ticket in granted:
+                assert t.next_upstream(now) == 0
+                t.record_rate(RateHeaders(requests=Reading(60.0, 0.0, 60.0)), now)
+                t.settle(now, None)  # answered: the slow start lets the next one go
+                served.append(t)
+        assert due is not None or len(served) == len(order)
+        now = max(due or now, now + 0.01)
+    assert served == order  # in the order they came

@@ -522,6 +522,17 @@ class RetryState:
         idx = in_line if in_line >= 0 else at
         key = self.keys[idx]
         lim = self._rate_line
+        if lim is not None and in_line < 0 and lim.key == key and lim.blocked_until >= soonest:
+            # A block its rate line is held through too (a 429's Retry-After, a budget
+            # the 429 reported short): the turn keeps its place there and waits the
+            # block out.  In the pacer's line a block's end lets turns go on its ramp,
+            # while turns that came meanwhile went straight to the budget (`shared`
+            # through one relay served some agents' third turns before others' first).
+            if self.line is not None:
+                board.withdraw(self.line, self.ticket)
+                self.line = None
+            return Park(soonest, why, key)
+        lim = self._rate_line
         if lim is not None:  # no longer waits for a budget, but for the pacer or a block
             lim.withdraw(self.ticket)
             board.rates.changed(lim.key)

@@ -54,6 +54,9 @@ Each upstream, for each credential (a hash of the key, never the key), has a
   come first served within a session, so one busy agent cannot starve the others.
   `pump` grants the head as the buckets refill and reserves its cost at once; it
   says when the next grant is due; a grant nobody claims goes back after a while.
+  A 429's block holds the line (``blocked_until``): its turns wait it out in their
+  places (`core.admission.policy.RetryState._park`; one a cool-off held out comes back
+  in its place, `FairLine.add`), and a fleet store leases nothing for it meanwhile.
 * **What the provider does corrects what it says.**  Every 429 goes to the
   limiter's `AdmissionThrottle` (`core.admission.throttle`): a ceiling on the admitted request rate,
   off until the first 429, then lowered multiplicatively to what the provider was
@@ -316,6 +319,10 @@ class Limiter:
         def soon(tokens: float, rate: float) -> int:  # a bucket's grants within horizon
             return max(1, math.floor(max(tokens, 0.0) + rate * horizon + 1e-9))
 
+        if self.blocked_until > now:
+            # its line waits out a block (a 429's): leased now, the fleet's budget would
+            # sit here while siblings could send it (the line's turns ask at its end)
+            return 0
         n = min(len(self.line), most)
         t = self.throttle
         if t.enabled:
