@@ -32,19 +32,21 @@ Each upstream, for each credential (a hash of the key, never the key), has a
   sub-agent or two) never wait.
 * **A second's share.**  Once the provider reports a requests limit, a crowd (more
   than one request in flight or waiting) is let go at most a second's share of it
-  at once (at least ``cold_start``), then at the limit a minute: a per-minute limit
-  may be enforced per second ("quantized", as OpenAI documents), and a burst of a
-  whole minute's budget into it is a burst of 429s.  A request alone never waits
-  on it.  A budget the provider reports banked (more left than a second's share: a
-  token budget bound while requests refilled, a quiet spell) is drawn at up to twice
-  the share (``DRAIN``), never more than twice the share within ``DRAIN_WINDOW_S``
-  (a request alone included: a lone agent waits only past that), until the provider
-  refuses a request while every budget it reports has room: then what it says is
-  left is not what may go at once, and a bank goes at the share from then on
-  (`Limiter.drain`).  At the share, 160 short turns banked behind 40 large first
-  requests took 32 s where the provider would take them in 16 (`tpm` in
-  docs/benchmarks.md: 75 % of the limit's goodput; 91 % drawn).  A fleet's leased
-  budget is no bank (`Limiter._drain`).
+  at once (at least ``cold_start``, until the provider refuses a request while its
+  headers had room: then at least one), then at the limit a minute: a per-minute
+  limit may be enforced per second ("quantized", as OpenAI documents), and a burst
+  of a whole minute's budget into it is a burst of 429s (so were four at once into
+  60 a minute: 40 agents behind it through one relay, 20 % 429s and half the
+  goodput).  A request alone never waits on it.  A budget the provider reports
+  banked (more left than a second's share: a token budget bound while requests
+  refilled, a quiet spell) is drawn at up to twice the share (``DRAIN``), never more
+  than twice the share within ``DRAIN_WINDOW_S`` (a request alone included: a lone
+  agent waits only past that), until the provider refuses a request while every
+  budget it reports has room: then what it says is left is not what may go at once,
+  and a bank goes at the share from then on (`Limiter.drain`).  At the share, 160
+  short turns banked behind 40 large first requests took 32 s where the provider
+  would take them in 16 (`tpm` in docs/benchmarks.md: 75 % of the limit's goodput;
+  91 % drawn).  A fleet's leased budget is no bank (`Limiter._drain`).
 * **Concurrency** adapts (AIMD) for a provider that reports no budget: unbounded
   until the first 429; then a window of half the requests in flight, one more for
   every window of answered requests, and half again on a 429 (at most once per
@@ -288,12 +290,14 @@ class Limiter:
 
     def _second_share(self) -> tuple[float, float] | None:
         """(rate, burst) of the requests limit's one-second share, once one is reported:
-        a burst of a second's worth (at least ``cold_start``), then the limit a minute."""
+        a burst of a second's worth (at least ``cold_start`` while the drain is on, at
+        least one once the provider refused what its headers had room for), then the
+        limit a minute."""
         b = self.buckets.get("requests")
         if b is None:
             return None
         rate = b.limit / DEFAULT_WINDOW_S
-        return rate, max(float(self.settings.cold_start), rate)
+        return rate, max(float(self.settings.cold_start) if self.drain > 1.0 else 1.0, rate)
 
     def fleet_hold(self, name: str) -> float:
         """The most the fleet's bucket ``name`` banks for a take (a fleet store's
