@@ -532,7 +532,6 @@ class RetryState:
                 board.withdraw(self.line, self.ticket)
                 self.line = None
             return Park(soonest, why, key)
-        lim = self._rate_line
         if lim is not None:  # no longer waits for a budget, but for the pacer or a block
             lim.withdraw(self.ticket)
             board.rates.changed(lim.key)
