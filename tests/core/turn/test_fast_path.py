@@ -284,6 +284,29 @@ def test_a_finish_in_a_run_is_refused_without_its_decode(monkeypatch: pytest.Mon
     assert c.plain_prefix(quoting * 2) == (2, 2 * len(quoting)) and c.typed
 
 
+def test_the_typed_proof_takes_a_chunk_s_keys_in_any_order() -> None:
+    """`_PlainChunk` declares its fields in the order OpenAI sends them (a lookup
+    finds each key at once); the order is not part of the proof: other orders of the
+    same keys are taken, and a chunk without ``choices`` is refused in any order."""
+    import json
+
+    from unbroken.core.wire.protocols.chat import _NOT_PLAIN_CHUNK, ChatClassifier, _plain_chunk
+
+    keys = list(json.loads(_OPENAI_CHUNK[6:-2]))
+    fields = json.loads(_OPENAI_CHUNK[6:-2])
+    orders = [keys[i:] + keys[:i] for i in range(len(keys))]
+    orders += [order[::-1] for order in orders]
+    orders += [random.Random(seed).sample(keys, len(keys)) for seed in range(20)]
+    for order in orders:
+        payload = json.dumps({k: fields[k] for k in order}, separators=(",", ":")).encode()
+        chunk = b"data: " + payload + b"\n\n"
+        c = ChatClassifier()
+        assert c.plain_prefix(chunk * 2) == (2, 2 * len(chunk)) and c.typed, order
+        rest = {k: fields[k] for k in order if k != "choices"}
+        with pytest.raises(_NOT_PLAIN_CHUNK):
+            _plain_chunk(json.dumps(rest).encode())
+
+
 _TEXT = {"index": 0, "delta": {"content": "t"}, "finish_reason": None}
 # Payloads the typed proof must decide exactly as `classify`'s parse does: duplicate keys
 # (each copy is checked), numbers out of range, strings either parser refuses, types

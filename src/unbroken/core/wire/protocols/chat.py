@@ -47,7 +47,10 @@ _FINISH_STR = b'"finish_reason":"'
 # the type declared, nothing else, is plain output.  Every value is checked, none is
 # skipped, so it accepts only what `classify`'s parse accepts too (duplicate keys:
 # each copy is checked).  ``usage``, ``logprobs`` and ``finish_reason`` must be null;
-# a delta may carry only text fields.  The fields are OpenAI's and its peers'.
+# a delta may carry only text fields.  The fields are OpenAI's and its peers', declared
+# in the order they are sent: msgspec looks a key up from the field after the last one
+# matched, so keys in that order are found at the first comparison (``kw_only`` lets
+# the required ``choices`` stand after the fields with defaults).
 class _PlainDelta(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     role: str | None = None
     content: str | None = None
@@ -63,16 +66,16 @@ class _PlainChoice(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     finish_reason: None = None
 
 
-class _PlainChunk(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    choices: list[_PlainChoice]
+class _PlainChunk(msgspec.Struct, forbid_unknown_fields=True, gc=False, kw_only=True):
     id: str | None = None
     object: str | None = None
     created: int | None = None
     model: str | None = None
-    system_fingerprint: str | None = None
     service_tier: str | None = None
-    obfuscation: str | None = None
+    system_fingerprint: str | None = None
+    choices: list[_PlainChoice]
     usage: None = None
+    obfuscation: str | None = None
     error: None = None
 
 
