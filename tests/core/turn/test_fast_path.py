@@ -251,6 +251,28 @@ def test_the_typed_proof_takes_openai_chunks_and_steps_aside_for_other_shapes() 
     assert c.plain_prefix(_OPENAI_CHUNK + _FINISH_CHUNK) == (0, 0)  # bytes: all or nothing
 
 
+def test_the_typed_run_ends_where_the_frames_stop_being_whole_one_line_frames() -> None:
+    """The run's frames are found with one split at the blank lines: it ends before a
+    frame of two lines, a frame after an extra blank line, and what follows the last
+    blank line (cut, or ending in one LF), as the frame-by-frame search did."""
+    from unbroken.core.wire.protocols.chat import ChatClassifier
+
+    n = len(_OPENAI_CHUNK)
+    two_lines = _OPENAI_CHUNK.replace(b"data: {", b"data: {\n", 1)
+    for chunk, expected in (
+        (_OPENAI_CHUNK * 2 + two_lines, (2, 2 * n)),
+        (_OPENAI_CHUNK + b"\n" + _OPENAI_CHUNK, (1, n)),  # "\n\n\n": an empty line first
+        (_OPENAI_CHUNK + _OPENAI_CHUNK[:-1], (1, n)),  # the second ends in one LF
+        (_OPENAI_CHUNK + _OPENAI_CHUNK[:-2], (1, n)),
+        (_OPENAI_CHUNK[:-2], (0, 0)),
+        (b"", (0, 0)),
+        (_OPENAI_CHUNK + b"data: [DONE]\n\n", (1, n)),
+    ):
+        c = ChatClassifier()
+        assert c.plain_prefix(chunk) == expected and c.typed, chunk
+        assert c.plain_prefix(b"xyz" + chunk, 3) == (expected[0], expected[1] + 3)
+
+
 def test_the_typed_run_ends_before_the_first_frame_that_does_not_fit() -> None:
     from unbroken.core.wire.protocols.chat import ChatClassifier
 

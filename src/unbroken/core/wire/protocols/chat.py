@@ -168,25 +168,26 @@ class ChatClassifier:
                 return 1, size
             except _NOT_PLAIN_CHUNK:
                 self.typed = False
+        # The frames at once (one search for the blank lines, not one a frame): what
+        # follows the last blank line is never a whole frame.
+        rest = chunk[start:] if start else chunk
+        parts = rest.split(b"\n\n")
+        tail = parts.pop()
         if self.typed:
+            # Each frame is a part holding no LF: its one line, ended by a blank one.
             frames, pos = 0, start
             # the first finish with a reason in the run (one search, not one a frame)
             finish = chunk.find(_FINISH_STR, start)
             if finish < 0:
                 finish = size
-            while True:
-                end = chunk.find(LF, pos)  # the end of the frame's one line, then a blank one
-                if (
-                    end < 0
-                    or end + 1 == size
-                    or chunk[end + 1] != LF
-                    or chunk[pos : pos + 7] != b"data: {"  # (no argument parsing)
-                ):
+            for part in parts:
+                if part[:7] != b"data: {" or LF in part:  # (no argument parsing)
                     return frames, pos
+                end = pos + len(part)
                 plain = finish > end
                 if plain:
                     try:
-                        _plain_chunk(chunk[pos + 6 : end])
+                        _plain_chunk(part[6:])
                     except _NOT_PLAIN_CHUNK:
                         plain = False
                 if not plain:
@@ -196,13 +197,10 @@ class ChatClassifier:
                     break
                 frames += 1
                 pos = end + 2
-                if pos == size:
-                    return frames, pos
-        rest = chunk[start:] if start else chunk
-        parts = rest.split(b"\n\n")
-        if parts[-1]:
+            else:
+                return frames, pos
+        if tail:
             return 0, start
-        del parts[-1]
         for part in parts:
             if not part.startswith(b"data: {") or LF in part:
                 return 0, start
