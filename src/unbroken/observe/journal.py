@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import itertools
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +146,9 @@ _UPDATE: dict[str, str] = {
     ),
     "wait": "UPDATE attempts SET wait_s = ? WHERE turn_uid = ? AND number = ?",
 }
-#: rows per multi-row insert (at most 21 columns: 672 parameters, within SQLite's 999)
-_ROWS_PER_INSERT = 32
+#: rows per multi-row insert, a power of two (at most 21 columns: 336 parameters, within
+#: SQLite's 999)
+_ROWS_PER_INSERT = 16
 
 PRUNE_EVERY_S = 3600.0
 #: turn ends kept while the journal cannot be written (their start rows are there:
@@ -157,6 +159,7 @@ OWED_RETRY_S = 1.0
 MAX_JOURNAL_TEXT = 256  # session ids and paths are cut to this many characters
 
 _Op = tuple[str, Any]
+_chain = itertools.chain
 
 
 # sqlite3 binds int, float, str and bytearray parameters as they are; any other value,
@@ -192,7 +195,7 @@ def _cut(text: str | None) -> str | float:
     return NULL if text is None else text[:MAX_JOURNAL_TEXT]
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=32)
 def _insert(kind: str, rows: int) -> str:
     """The insert of ``rows`` rows of ``kind`` in one statement."""
     head, one = _INSERT[kind]
@@ -274,7 +277,7 @@ class Journal(Hooks):
         #: rows (operations) that could not be written, or were refused when the queue was full
         self.dropped = 0
         #: turn ends (``turn_end`` update rows) that failed to be written, to write later
-        self._owed: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._owed: collections.deque[Sequence[Any]] = collections.deque()
         self._owed_tried_at = 0.0
         #: rows dropped when the journal last became unwritable (for the "writable again" line)
         self._dropped_before: int | None = None
@@ -433,7 +436,7 @@ class Journal(Hooks):
 
     def _write(self, batch: list[_Op]) -> None:
         conn = self._conn
-        statements: list[tuple[str, list[tuple[Any, ...]]]] = []
+        statements: list[tuple[str, list[Sequence[Any]]]] = []
         owed = list(self._owed)
         self._owed_tried_at = time.monotonic()
         try:
@@ -448,16 +451,18 @@ class Journal(Hooks):
                     if update is not None:
                         conn.executemany(update, rows)
                         continue
-                    # Whole groups in one statement each; the rest row by row.  Two
-                    # statement shapes per table: the prepared-statement cache keeps
-                    # every shape it sees, and a large one is a large program.
-                    full = len(rows) - len(rows) % _ROWS_PER_INSERT
-                    many = _insert(kind, _ROWS_PER_INSERT)
-                    for i in range(0, full, _ROWS_PER_INSERT):
-                        part = rows[i : i + _ROWS_PER_INSERT]
-                        conn.execute(many, [v for row in part for v in row])
-                    if full < len(rows):
-                        conn.executemany(_insert(kind, 1), rows[full:])
+                    # Groups of 16 rows in one statement each, then the rest in groups
+                    # of 8, 4, 2 and 1: a batch of n rows is at most n // 16 + 4
+                    # statements, of five shapes a table (the prepared-statement
+                    # cache keeps every shape it sees, and a large one is a large
+                    # program: the five of a turn's whole row take about 85 KB).
+                    i, n, size = 0, len(rows), _ROWS_PER_INSERT
+                    while i < n:
+                        while n - i < size:
+                            size >>= 1
+                        part = rows[i : i + size]
+                        conn.execute(_insert(kind, size), list(_chain(*part)))
+                        i += size
                 conn.commit()
             except BaseException:
                 try:
@@ -492,7 +497,7 @@ class Journal(Hooks):
             )
             self._dropped_before = None
 
-    def _statements(self, batch: list[_Op]) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    def _statements(self, batch: list[_Op]) -> list[tuple[str, list[Sequence[Any]]]]:
         """A batch as (kind, rows) in the order to write: an insert or update each.
 
         A turn that started and ended within the batch (most of them) is one complete
@@ -501,10 +506,10 @@ class Journal(Hooks):
         """
         run = self.run
         turns: dict[int, list[Any]] = {}  # turn id -> its row, while still unwritten
-        attempts: list[tuple[Any, ...]] = []
-        events: list[tuple[Any, ...]] = []
-        ends: list[tuple[Any, ...]] = []
-        waits: list[tuple[Any, ...]] = []
+        attempts: list[Sequence[Any]] = []
+        events: list[Sequence[Any]] = []
+        ends: list[Sequence[Any]] = []
+        waits: list[Sequence[Any]] = []
         for kind, item in batch:
             if kind == "turn":
                 t: TurnRecord = item
@@ -569,9 +574,10 @@ class Journal(Hooks):
                 waits.append((wait_s, f"{run}:{turn_id}", number))
             elif kind == "upstream":
                 events.append(item)
-        out: list[tuple[str, list[tuple[Any, ...]]]] = []
+        whole: list[Sequence[Any]] = list(turns.values())
+        out: list[tuple[str, list[Sequence[Any]]]] = []
         for kind, rows in (
-            ("turn", [tuple(r) for r in turns.values()]),
+            ("turn", whole),
             ("attempt", attempts),
             ("upstream", events),
             ("turn_end", ends),
