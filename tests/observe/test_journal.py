@@ -350,8 +350,8 @@ async def test_a_turn_ended_in_a_later_batch_gets_the_same_row(tmp_path: Path) -
 async def test_batches_of_any_size_use_a_few_insert_shapes_per_table(tmp_path: Path) -> None:
     """SQLite keeps each statement text it prepares; a multi-row insert per batch size
     would fill that cache with large programs (RSS grew 3.5 KiB per open stream).  A
-    batch is written in groups of 16, 8, 4, 2 and 1 rows: five shapes a table, whatever
-    the batch sizes."""
+    batch is written in groups of 16, 8, 4, 2 and 1 rows: five shapes a kind of row
+    (whole turns, turns in flight, attempts), whatever the batch sizes."""
     from unbroken.observe import journal as journal_module
 
     journal_module._insert.cache_clear()
@@ -369,11 +369,72 @@ async def test_batches_of_any_size_use_a_few_insert_shapes_per_table(tmp_path: P
             await journal.flush()
     finally:
         await journal.aclose()
-    assert journal_module._insert.cache_info().currsize <= 2 * 5  # turns, attempts
+    assert journal_module._insert.cache_info().currsize <= 3 * 5
     assert _rows(tmp_path / "j.sqlite3", "SELECT count(*) AS n FROM turns") == [{"n": 272}]
     assert _rows(tmp_path / "j.sqlite3", "SELECT count(*) AS n FROM attempts") == [{"n": 272}]
     ended = "SELECT count(*) AS n FROM turns WHERE outcome = 'ok'"
     assert _rows(tmp_path / "j.sqlite3", ended) == [{"n": 134}]
+
+
+_V1_TURNS = """
+CREATE TABLE turns (
+    uid TEXT PRIMARY KEY, run TEXT NOT NULL, turn_id INTEGER NOT NULL, route TEXT NOT NULL,
+    path TEXT NOT NULL, protocol TEXT NOT NULL, stream INTEGER NOT NULL, session_id TEXT,
+    started REAL NOT NULL, ended REAL, outcome TEXT, attempts INTEGER NOT NULL DEFAULT 0,
+    upstream TEXT, last_failure TEXT, first_byte_s REAL, wait_s REAL NOT NULL DEFAULT 0
+);
+"""
+
+
+@pytest.mark.parametrize("schema", ["current", "version 1, migrated"])
+async def test_a_turn_in_flight_reads_back_as_when_its_row_named_every_column(
+    tmp_path: Path, schema: str
+) -> None:
+    """A turn still in flight at the batch's end is inserted with its start's columns
+    only; the others take their defaults, in a journal of every schema version: what
+    is read back (values and types) is what the insert of every column wrote."""
+    path = tmp_path / "j.sqlite3"
+    if schema != "current":
+        conn = sqlite3.connect(path)
+        conn.executescript(_V1_TURNS)
+        conn.execute("PRAGMA user_version=1")
+        conn.commit()
+        conn.close()
+    journal = Journal(path)
+    journal.start()
+    try:
+        turn = _turn()
+        journal.turn_started(turn)
+        await journal.flush()
+    finally:
+        await journal.aclose()
+    (row,) = _rows(
+        path,
+        "SELECT ended, outcome, attempts, upstream, last_failure, first_byte_s, wait_s,"
+        " queued_s, splices, saved_tokens, continuation, typeof(attempts) AS ta,"
+        " typeof(wait_s) AS tw, typeof(queued_s) AS tq, typeof(splices) AS ts,"
+        " typeof(saved_tokens) AS tt, typeof(ended) AS te FROM turns WHERE turn_id = ?",
+        turn.id,
+    )
+    assert row == {
+        "ended": None,
+        "outcome": None,
+        "attempts": 0,
+        "upstream": None,
+        "last_failure": None,
+        "first_byte_s": None,
+        "wait_s": 0.0,
+        "queued_s": 0.0,
+        "splices": 0,
+        "saved_tokens": 0,
+        "continuation": None,
+        "ta": "integer",
+        "tw": "real",
+        "tq": "real",
+        "ts": "integer",
+        "tt": "integer",
+        "te": "null",
+    }
 
 
 async def test_queue_is_bounded(tmp_path: Path) -> None:

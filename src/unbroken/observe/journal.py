@@ -126,6 +126,12 @@ _INSERT: dict[str, tuple[str, str]] = {
         " first_byte_s, wait_s, queued_s, splices, saved_tokens, continuation) VALUES ",
         "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     ),
+    # a turn still in flight: the columns its end fills take their defaults (NULL, 0)
+    "turn_start": (
+        "INSERT OR REPLACE INTO turns (uid, run, turn_id, route, path, protocol, stream,"
+        " session_id, client, started) VALUES ",
+        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    ),
     "attempt": (
         "INSERT OR REPLACE INTO attempts (turn_uid, number, upstream, started, ended, status,"
         " reason, phase, frames_received, bytes_received, frames_released, bytes_released,"
@@ -160,6 +166,8 @@ MAX_JOURNAL_TEXT = 256  # session ids and paths are cut to this many characters
 
 _Op = tuple[str, Any]
 _chain = itertools.chain
+#: the columns of a turn's row written when it starts (`_INSERT`'s ``turn_start``)
+_START_COLUMNS = 10
 
 
 # sqlite3 binds int, float, str and bytearray parameters as they are; any other value,
@@ -453,7 +461,7 @@ class Journal(Hooks):
                         continue
                     # Groups of 16 rows in one statement each, then the rest in groups
                     # of 8, 4, 2 and 1: a batch of n rows is at most n // 16 + 4
-                    # statements, of five shapes a table (the prepared-statement
+                    # statements, of five shapes a kind of row (the prepared-statement
                     # cache keeps every shape it sees, and a large one is a large
                     # program: the five of a turn's whole row take about 85 KB).
                     i, n, size = 0, len(rows), _ROWS_PER_INSERT
@@ -524,24 +532,13 @@ class Journal(Hooks):
                     _cut(t.session_id),
                     t.client or NULL,
                     t.started,
-                    NULL,
-                    NULL,
-                    0,
-                    NULL,
-                    NULL,
-                    NULL,
-                    0.0,
-                    0.0,
-                    0,
-                    0,
-                    NULL,
                 ]
             elif kind == "turn_end":
                 t, wait_s = item
                 end = _turn_end(t, wait_s)
                 row = turns.get(t.id)
                 if row is not None:
-                    row[10:] = end
+                    row += end
                 else:
                     ends.append((*end, f"{run}:{t.id}"))
             elif kind == "attempt":
@@ -574,10 +571,14 @@ class Journal(Hooks):
                 waits.append((wait_s, f"{run}:{turn_id}", number))
             elif kind == "upstream":
                 events.append(item)
-        whole: list[Sequence[Any]] = list(turns.values())
+        whole: list[Sequence[Any]] = []
+        started: list[Sequence[Any]] = []
+        for row in turns.values():
+            (whole if len(row) > _START_COLUMNS else started).append(row)
         out: list[tuple[str, list[Sequence[Any]]]] = []
         for kind, rows in (
             ("turn", whole),
+            ("turn_start", started),
             ("attempt", attempts),
             ("upstream", events),
             ("turn_end", ends),
