@@ -8,9 +8,10 @@ the events each accepts are `unbroken.core.turn.turn_table`.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 from typing import Protocol as TypingProtocol
+
+import msgspec
 
 from unbroken.core.admission.policy import Failure
 from unbroken.core.turn.attempt import AttemptStats
@@ -92,8 +93,13 @@ class GiveUpKind(enum.Enum):
     BAD_GATEWAY = "bad_gateway"  # answer 502 with ``data`` as the JSON body
 
 
-@dataclass(frozen=True, slots=True)
-class Open:
+# The actions are frozen msgspec Structs, not frozen dataclasses: the same fields,
+# positional or keyword, equality, hash, repr and class patterns (``case End():``), but
+# made by a C ``__init__``; a frozen dataclass's sets each field through
+# ``object.__setattr__`` in Python (about 4,400 instructions for an `End`, 750 as a
+# Struct), and a turn makes an `Open`, a `Stream` and an `End`.  ``gc=False`` where no
+# field can hold a container (a Struct the collector never needs to visit).
+class Open(msgspec.Struct, frozen=True):
     upstream: int
     timeout_s: float  # for connecting and the response headers
     #: top-level JSON keys to set in the request body (``after_commit = "continue"``
@@ -101,8 +107,7 @@ class Open:
     body_patch: tuple[tuple[str, object], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Wait:
+class Wait(msgspec.Struct, frozen=True, gc=False):
     """Wait, then call ``next_attempt()``.  The wait ends early when the upstream
     ``key`` lets the turn go: its pacer grants ``ticket`` (a turn in its line), or, with
     no ticket (a retry's delay), it is known good again (`core.admission.pacer`)."""
@@ -112,49 +117,40 @@ class Wait:
     ticket: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Stream:
+class Stream(msgspec.Struct, frozen=True, gc=False):
     """Read the SSE body with `TurnMachine.feed_chunk`."""
 
 
-@dataclass(frozen=True, slots=True)
-class PassThrough:
+class PassThrough(msgspec.Struct, frozen=True, gc=False):
     """Forward the plain body with `TurnMachine.feed_body`; status and headers go with it."""
 
 
-@dataclass(frozen=True, slots=True)
-class ReadErrorBody:
+class ReadErrorBody(msgspec.Struct, frozen=True, gc=False):
     """Read a retryable answer's body (bounded), keep it, then call `error_body`."""
 
 
-@dataclass(frozen=True, slots=True)
-class FinalInStream:
+class FinalInStream(msgspec.Struct, frozen=True, gc=False):
     """A final non-SSE answer after early headers: read its body, call `final_body`."""
 
 
-@dataclass(frozen=True, slots=True)
-class SendHeaders:
+class SendHeaders(msgspec.Struct, frozen=True, gc=False):
     status: int
 
 
-@dataclass(frozen=True, slots=True)
-class Keepalive:
+class Keepalive(msgspec.Struct, frozen=True, gc=False):
     data: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class AbortUpstream:
+class AbortUpstream(msgspec.Struct, frozen=True):
     failure: Failure
 
 
-@dataclass(frozen=True, slots=True)
-class End:
+class End(msgspec.Struct, frozen=True, gc=False):
     kind: EndKind
     data: bytes = b""
 
 
-@dataclass(frozen=True, slots=True)
-class GiveUp:
+class GiveUp(msgspec.Struct, frozen=True, gc=False):
     kind: GiveUpKind
     data: bytes = b""
 
