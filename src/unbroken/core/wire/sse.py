@@ -17,7 +17,7 @@ resumes where the previous chunk's search stopped.  An event that grows past
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 __all__ = ["DEFAULT_MAX_EVENT_BYTES", "Event", "EventTooLarge", "SSESplitter"]
 
@@ -46,9 +46,13 @@ class EventTooLarge(ValueError):
         self.events: list[Event] = events if events is not None else []
 
 
-@dataclass(slots=True)
-class Event:
-    """One SSE event: its exact bytes, its ``event:`` name and joined ``data:``."""
+class Event(msgspec.Struct, gc=False):
+    """One SSE event: its exact bytes, its ``event:`` name and joined ``data:``.
+
+    A msgspec Struct, not a dataclass: the same fields, equality and repr, made by a C
+    ``__init__`` (about 800 instructions, against 2,000 for a slotted dataclass's
+    Python one; a splitter makes one a frame).  Its fields hold no container.
+    """
 
     raw: bytes
     name: str | None
