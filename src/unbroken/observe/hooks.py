@@ -13,8 +13,9 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from unbroken.core.admission.policy import Failure
 
@@ -32,13 +33,16 @@ log = logging.getLogger("unbroken")
 _ids = itertools.count(1)
 
 
-@dataclass(slots=True)
-class AttemptInfo:
+# `AttemptInfo` and `TurnRecord` are msgspec Structs, not dataclasses: the same
+# fields, defaults, equality (a `TurnRecord` is itself only, as with ``eq=False``) and
+# repr (``held`` shown too), made by a C ``__init__``: about 1,500 and 2,500
+# instructions a turn, against 4,000 and 5,900 for the dataclasses' Python ones.
+class AttemptInfo(msgspec.Struct, gc=False):
     """Structural facts about one upstream attempt (no content, no keys)."""
 
     number: int
     upstream: str
-    started: float = field(default_factory=time.time)
+    started: float = msgspec.field(default_factory=time.time)
     ended: float | None = None
     status: int | None = None  # upstream HTTP status, when one arrived
     reason: str = ""  # "ok", or the failure label: 503, connection_reset, stall, ...
@@ -64,8 +68,7 @@ class AttemptInfo:
     wait_s: float | None = None
 
 
-@dataclass(slots=True, eq=False)
-class TurnRecord:
+class TurnRecord(msgspec.Struct, eq=False):
     """Live, log-safe facts about one client turn (also what /status will show)."""
 
     route: str
@@ -77,8 +80,8 @@ class TurnRecord:
     client: str = ""
     #: the model the request names ("" when none): `core.wire.protocols.model_asked`
     model: str = ""
-    id: int = field(default_factory=_ids.__next__)
-    started: float = field(default_factory=time.time)
+    id: int = msgspec.field(default_factory=_ids.__next__)
+    started: float = msgspec.field(default_factory=time.time)
     attempts: int = 0
     upstream: str = ""
     state: str = "waiting"  # waiting | holding | streaming | done
@@ -96,9 +99,9 @@ class TurnRecord:
     outcome: str | None = None
     ended: float | None = None
     first_byte_at: float | None = None  # wall clock of the first byte sent to the client
-    attempt_log: list[AttemptInfo] = field(default_factory=list)
+    attempt_log: list[AttemptInfo] = msgspec.field(default_factory=list)
     #: bytes held back right now (live, for status and metrics): a reader, never the ledger
-    held: Callable[[], int] | None = field(default=None, repr=False)
+    held: Callable[[], int] | None = None
     #: continuations made after cuts (``after_commit = "continue"``, `core.turn.continuation`)
     splices: int = 0
     #: output frames (about a token each) a redo would have sampled again
