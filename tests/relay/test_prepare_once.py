@@ -37,6 +37,7 @@ class _Dog:
 def _turn() -> _HttpTurn:
     turn = _HttpTurn.__new__(_HttpTurn)
     turn.loop = asyncio.get_running_loop()
+    turn.time = turn.loop.time
     turn.request = None  # type: ignore[assignment]
     turn.response = None
     turn.machine = _Machine()  # type: ignore[assignment]

@@ -166,3 +166,26 @@ async def test_watchdogs_share_one_loop_timer(n: int) -> None:
     assert len(loop._scheduled) <= before + 1  # type: ignore[attr-defined]
     for dog in dogs:
         dog.close()
+
+
+async def test_the_loop_clock_is_monotonic_itself_only_for_asyncio_s_own_time() -> None:
+    """`loop_clock`: asyncio's ``loop.time`` returns ``time.monotonic()``, so the relay
+    reads that directly (no Python call); a loop with a clock of its own keeps it."""
+    from unbroken.relay.watchdog import loop_clock
+
+    loop = asyncio.get_running_loop()
+    assert type(loop).time is asyncio.BaseEventLoop.time
+    assert loop_clock(loop) is time.monotonic and LoopDeadlines(loop).time is time.monotonic
+    before = loop.time()
+    assert before <= loop_clock(loop)() <= loop.time()
+
+    class Shifted(asyncio.SelectorEventLoop):
+        def time(self) -> float:
+            return 1000.0 + super().time()
+
+    other = Shifted()
+    try:
+        clock = loop_clock(other)
+        assert clock is not time.monotonic and clock() >= 1000.0
+    finally:
+        other.close()

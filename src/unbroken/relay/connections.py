@@ -31,6 +31,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from unbroken.core.admission.shared import LOG_EVERY_S
+from unbroken.relay.watchdog import loop_clock
 
 __all__ = [
     "ConnectionStats",
@@ -186,6 +187,7 @@ class GuardedServer(web.Server):
     ) -> None:
         super().__init__(handler, **kwargs)
         self.loop: asyncio.AbstractEventLoop = self._loop
+        self._time = loop_clock(self.loop)  # ``loop.time``, without a Python call
         self.header_read_timeout_s = header_read_timeout_s
         #: how often the sweep looks for late headers: a connection is closed at most
         #: this long after its deadline
@@ -199,7 +201,7 @@ class GuardedServer(web.Server):
         """The deadline of headers starting now; makes sure the sweep runs."""
         if self._sweep is None:
             self._sweep = self.loop.call_later(self.sweep_s, self._sweep_headers)
-        return self.loop.time() + self.header_read_timeout_s
+        return self._time() + self.header_read_timeout_s
 
     def _sweep_headers(self) -> None:
         """Close the connections whose headers are late; again while any are pending."""

@@ -122,6 +122,7 @@ class _HttpTurn:
         "response",
         "rest",
         "route",
+        "time",
         "upstream",
         "watchdog",
     )
@@ -165,6 +166,8 @@ class _HttpTurn:
         )
         self.report = HooksObserver(info, relay.hooks, names, relay.inflight)
         self.loop = asyncio.get_running_loop()
+        deadlines = relay.deadlines(self.loop)
+        self.time = clock = deadlines.time  # the loop's clock (`loop_clock`)
         retry = relay.retry_state(
             route,
             sticky,
@@ -181,9 +184,9 @@ class _HttpTurn:
             timers=self.cfg.stream,
             retry=retry,
             stream=stream,
-            now=self.loop.time(),
+            now=clock(),
             report=self.report,
-            clock=self.loop.time,
+            clock=clock,
             wall_clock=time.time,
             profile=self.profile,
             continuation=None if isinstance(strategy, enum.Enum) else strategy,
@@ -206,7 +209,7 @@ class _HttpTurn:
             self.machine,
             self._on_timer,
             relay.min_interval(self.machine),
-            relay.deadlines(self.loop),
+            deadlines,
         )
         self.upstream = HttpAttempt(
             self.machine, retry, self.watchdog, relay.client, self, relay.secrets, relay
@@ -227,7 +230,7 @@ class _HttpTurn:
         self.loop.call_soon(self._sent)
         with self.relay.running():
             try:
-                action: Action = machine.start(self.loop.time())
+                action: Action = machine.start(self.time())
                 while True:
                     if machine.has_cancels:
                         self._send_cancels()
@@ -239,7 +242,7 @@ class _HttpTurn:
                         case Wait():
                             self.watchdog.arm()  # keepalives, early headers go on meanwhile
                             await self.relay.waker.wait(action)
-                            action = machine.next_attempt(self.loop.time())
+                            action = machine.next_attempt(self.time())
                         case End():
                             return await self._end(action)
                         case GiveUp():
@@ -425,7 +428,7 @@ class _HttpTurn:
                 self._prepared = None
                 done.set_result(None)
         self.response = resp
-        self.machine.headers_sent(self.loop.time())
+        self.machine.headers_sent(self.time())
         self.watchdog.arm()  # keepalives are now due from here
         return True
 
@@ -438,7 +441,7 @@ class _HttpTurn:
             response = self.response
             assert response is not None
         machine = self.machine
-        machine.write_started(self.loop.time() if t0 is None else t0)
+        machine.write_started(self.time() if t0 is None else t0)
         try:
             await response.write(data)
         except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError) as exc:
@@ -446,7 +449,7 @@ class _HttpTurn:
         finally:
             # Also when the write failed: a keepalive's failure (a side task) must not
             # leave the stall clock stopped while the turn still reads the upstream.
-            machine.wrote(self.loop.time())
+            machine.wrote(self.time())
         # A timer that fired during the write found no deadline (none runs while the
         # relay writes) and is not armed: arm it again (free when it is).
         self.watchdog.arm()

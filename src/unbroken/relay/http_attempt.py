@@ -103,6 +103,7 @@ class HttpAttempt:
         "retry",
         "secrets",
         "sink",
+        "time",
         "watchdog",
     )
 
@@ -120,6 +121,7 @@ class HttpAttempt:
         #: the turn's retry state (the machine's): which upstream and limiter admission
         self.retry = retry
         self.loop = watchdog.loop
+        self.time = watchdog.deadlines.time  # the loop's clock (`loop_clock`)
         self.reading: aiohttp.ClientResponse | None = None
         #: the machine had the answer being read aborted (a stall)
         self.aborted = False
@@ -168,19 +170,19 @@ class HttpAttempt:
         cancelling = task.cancelling()
         deadline = _Deadline(task)
         timers = self.watchdog.deadlines
-        timer = timers.call_at(loop.time() + action.timeout_s, deadline)
+        timer = timers.call_at(self.time() + action.timeout_s, deadline)
         try:
             resp = await self.client.request(method, url, headers, body)
         except asyncio.CancelledError:
             if deadline.fired and task.uncancel() <= cancelling:
                 return machine.open_failed(
-                    loop.time(), _classify(TimeoutError(), header_phase=True)
+                    self.time(), _classify(TimeoutError(), header_phase=True)
                 )
             raise
         except Exception as exc:
             if deadline.fired:
                 task.uncancel()
-            return machine.open_failed(loop.time(), _classify(exc, header_phase=True))
+            return machine.open_failed(self.time(), _classify(exc, header_phase=True))
         finally:
             timers.cancel(timer)
         if deadline.fired:  # it fired, but the answer came anyway
@@ -201,7 +203,7 @@ class HttpAttempt:
                 if rate.problems:
                     self.on_rate_problems(rate.problems)
             answer = machine.answered(
-                self.loop.time(), status, sse=sse, retry_after_s=retry_after, rate=rate
+                self.time(), status, sse=sse, retry_after_s=retry_after, rate=rate
             )
             self.watchdog.arm()
             match answer:
@@ -232,13 +234,13 @@ class HttpAttempt:
         try:
             data = await self._read_bounded(resp, secrets.whole)
         except Exception as exc:
-            return machine.transport_failed(self.loop.time(), _classify(exc))
+            return machine.transport_failed(self.time(), _classify(exc))
         if final:
             rid = resp.headers.get("request-id") or resp.headers.get("x-request-id")
-            return machine.final_body(self.loop.time(), resp.status, data, rid)
+            return machine.final_body(self.time(), resp.status, data, rid)
         headers = response_headers(resp.headers, keep_length=False, secrets=secrets.headers)
         self.sink.keep_answer(resp.status, headers, data)
-        return machine.error_body(self.loop.time(), data)
+        return machine.error_body(self.time(), data)
 
     async def _read_bounded(self, resp: aiohttp.ClientResponse, secrets: tuple[str, ...]) -> bytes:
         chunks: list[bytes] = []
@@ -264,7 +266,7 @@ class HttpAttempt:
         sink.answer(resp.status, headers)
         verbatim = sink.verbatim
         feed_verbatim, feed = machine.feed_verbatim, machine.feed_chunk
-        loop_time = self.loop.time
+        loop_time = self.time
         release, write = sink.release, sink.release_body
         rearm_on_first_frame = True
         chunks: AsyncIterator[bytes] = resp.content.iter_any()
@@ -306,7 +308,7 @@ class HttpAttempt:
         keep_length = "content-length" in resp.headers and redactor is None
         headers = response_headers(resp.headers, keep_length=keep_length, secrets=secrets.headers)
         self.sink.answer(resp.status, headers)
-        loop_time = self.loop.time
+        loop_time = self.time
         try:
             async for chunk in resp.content.iter_any():
                 if redactor is not None:

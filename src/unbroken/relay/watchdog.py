@@ -25,6 +25,15 @@ _RESOLUTION = time.get_clock_info("monotonic").resolution
 Entry = list[Any]
 
 
+def loop_clock(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
+    """``loop.time`` as a callable: `time.monotonic` when the loop's ``time`` is
+    asyncio's own (``BaseEventLoop.time`` returns ``time.monotonic()``: the same value,
+    without the Python call), else the loop's (uvloop's, a test's)."""
+    if getattr(type(loop), "time", None) is asyncio.BaseEventLoop.time:
+        return time.monotonic
+    return loop.time
+
+
 class LoopDeadlines:
     """Deadlines on one event-loop timer: ``loop.call_at`` without a `TimerHandle` each.
 
@@ -41,10 +50,14 @@ class LoopDeadlines:
     does with its own).
     """
 
-    __slots__ = ("_armed_at", "_dead", "_handle", "_heap", "_seq", "loop")
+    __slots__ = ("_armed_at", "_dead", "_handle", "_heap", "_seq", "loop", "time")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        #: the loop's clock, as a callable: ``loop.time``, or `time.monotonic` itself
+        #: when the loop's ``time`` is asyncio's (which returns it: the same values,
+        #: without a Python call a read; uvloop keeps its own)
+        self.time: Callable[[], float] = loop_clock(loop)
         self._heap: list[Entry] = []
         self._seq = itertools.count()
         self._handle: asyncio.TimerHandle | None = None
@@ -169,14 +182,14 @@ class Watchdog:
         due = self.machine.deadline()
         if due is None:
             return
-        cap = self.loop.time() + self._interval
+        cap = self.deadlines.time() + self._interval
         self._handle = self.deadlines.call_at(due if due < cap else cap, self._fire, self._context)
 
     def _fire(self) -> None:
         self._handle = None
         if self.closed:
             return
-        action = self.machine.tick(self.loop.time())
+        action = self.machine.tick(self.deadlines.time())
         if action is not None:
             self.on_action(action)
         self.arm()
