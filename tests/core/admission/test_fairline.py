@@ -68,3 +68,25 @@ def test_a_ticket_back_in_line_goes_before_its_sessions_later_tickets() -> None:
     line.add(1, "a", 1.0, 0.5)  # a's first ticket, back from a cool-off
     assert line.head() == 1 and list(line) == [1, 5, 4]
     assert list(line.since) == [1, 4, 5]
+
+
+def test_a_retry_takes_its_place_by_when_its_turn_came_and_waits_its_own_bound() -> None:
+    """A turn back to retry a request the provider refused goes in line by when it came
+    (``place``), ahead of the turns that came since; its wait bound counts from when it
+    began to wait again, not from its place (its first attempt's time in flight is no
+    wait in line: it is not let go at once for it)."""
+    line = FairLine()
+    line.add(2, "b", 1.0, 5.0)
+    line.add(3, "c", 1.0, 7.0)
+    line.add(1, "a", 1.0, 50.0, place=0.5)  # came at 0.5, refused, waits again from 50
+    assert list(line) == [1, 2, 3] and line.head() == 1
+    assert line.oldest() == (1, 0.5) and line.waited(51.0) == 50.5  # the fleet's order
+    assert line.deadline() == (2, 5.0)  # the bound that runs out first is ticket 2's
+    assert line.overdue(64.9, 60.0) is None and line.overdue(65.0, 60.0) == 2
+    line.remove(2)
+    line.remove(3)
+    assert line.deadline() == (1, 50.0)
+    assert line.overdue(109.9, 60.0) is None and line.overdue(110.0, 60.0) == 1
+    assert line.pop_head() == 1 and not line.bound and line.deadline() is None
+    line.add(4, "d", 1.0, 3.0, place=3.0)  # a place no earlier than the wait: no bound kept
+    assert not line.bound and line.deadline() == (4, 3.0)

@@ -210,3 +210,25 @@ def test_turns_a_429_blocks_keep_their_place_in_the_rate_line() -> None:
         assert due is not None or len(served) == len(order)
         now = max(due or now, now + 0.01)
     assert served == order  # in the order they came
+
+
+def test_a_turn_the_provider_refused_retries_in_its_place_in_the_rate_line() -> None:
+    """Issue 32's fairness over two relays: a turn whose request was refused (a cold
+    start's blind request into a spent key, a 429 with room) went back to the rate line
+    behind every turn that came since, and waited the whole line again (the benchmark's
+    `shared` over two relays: agents with one turn at half the turns while others had
+    four, fairness 0.919).  It goes back in the place its turn came in now."""
+    b = HealthBoard()
+    early = state(b, "early")
+    assert early.next_upstream(0.0) == 0  # a blind first request, at once
+    spend_requests(b, 0.0, now=0.1)  # another answer: the key is spent, one a second
+    later = [state(b, f"later{i}") for i in range(3)]
+    for i, t in enumerate(later):
+        assert isinstance(t.next_upstream(0.2 + i / 10), Park)
+    early.record_failure(E429, 0.5)  # refused (no Retry-After)
+    park = early.next_upstream(2.0)  # after the retry delay: the rate line
+    assert isinstance(park, Park) and park.why == "ratelimit"
+    lim = b.rates.get(K, "c")
+    assert list(lim.line) == [early.ticket, *(t.ticket for t in later)]
+    first = lim.line.deadline()
+    assert first is not None and first[0] == later[0].ticket  # its bound counts from 2.0

@@ -3,10 +3,13 @@ fairly.
 
 Round robin across sessions (a turn's session key), first come first served within a
 session, so one busy agent cannot starve the others (`unbroken.core.admission.ratelimit`
-pumps it).  Each ticket remembers what it asks for and since when it waits: no turn
-waits in a line longer than ``max_wait_s`` (`FairLine.overdue`), one back in line
-after a cool-off held it out included (it comes back with the time it first waited).
-Nothing here reads a clock: ``now`` is passed in.
+pumps it).  Each ticket remembers what it asks for, its place (when its turn came) and
+since when it waits: no turn waits in a line longer than ``max_wait_s``
+(`FairLine.overdue`), one back in line after a cool-off held it out included (it comes
+back with the time it first waited).  A turn back in line to retry a request the
+provider refused takes its place by when it came, not behind the turns that came
+since; its wait bound counts from when it began to wait again.  Nothing here reads a
+clock: ``now`` is passed in.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ __all__ = ["FairLine"]
 class FairLine:
     """Waiting tickets: round robin across sessions, first come first served within one."""
 
-    __slots__ = ("_sessions", "costs", "since", "where")
+    __slots__ = ("_sessions", "bound", "costs", "since", "where")
 
     def __init__(self) -> None:
         #: session -> its tickets, oldest first; the dict's order is the rotation
@@ -29,9 +32,13 @@ class FairLine:
         self.where: dict[int, str] = {}
         #: ticket -> the tokens it asks for
         self.costs: dict[int, float] = {}
-        #: ticket -> when it began to wait (no wait is longer than ``max_wait_s``), in
-        #: the order of those times (`add` keeps it: one back in line goes in its place)
+        #: ticket -> its place: when it began to wait (no wait is longer than
+        #: ``max_wait_s``), or when its turn came for one back to retry, in the order of
+        #: those times (`add` keeps it: one back in line goes in its place)
         self.since: dict[int, float] = {}
+        #: ticket -> since when it waits, for those whose place is earlier (a retry's):
+        #: the wait bound counts from then
+        self.bound: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self.where)
@@ -49,11 +56,18 @@ class FairLine:
                 if not q:
                     del queues[s]
 
-    def add(self, ticket: int, session: str, cost: float, now: float = 0.0) -> None:
+    def add(
+        self, ticket: int, session: str, cost: float, now: float = 0.0, place: float | None = None
+    ) -> None:
+        """``ticket`` waits from ``now`` (its wait bound's start) in its place:
+        ``place`` when earlier (a retry's: when its turn came), else ``now``."""
         if ticket in self.where:
             return
         self.where[ticket] = session
         self.costs[ticket] = cost
+        if place is not None and place < now:
+            self.bound[ticket] = now
+            now = place
         since = self.since
         if since and now < next(reversed(since.values())):
             # One back in line (a cool-off held it out) keeps its time, its wait bound,
@@ -103,6 +117,8 @@ class FairLine:
         del self.where[ticket]
         self.costs.pop(ticket, None)
         self.since.pop(ticket, None)
+        if self.bound:
+            self.bound.pop(ticket, None)
         return ticket
 
     def remove(self, ticket: int) -> None:
@@ -111,6 +127,7 @@ class FairLine:
             return
         self.costs.pop(ticket, None)
         self.since.pop(ticket, None)
+        self.bound.pop(ticket, None)
         q = self._sessions[session]
         q.remove(ticket)
         if not q:
@@ -120,19 +137,34 @@ class FairLine:
         return len(self._sessions)
 
     def oldest(self) -> tuple[int, float] | None:
-        """The longest-waiting ticket and since when (``since`` is in time order)."""
+        """The first ticket by place and its place's time (``since`` is in time order)."""
         for item in self.since.items():
             return item
         return None
 
     def waited(self, now: float) -> float:
-        """How long the longest-waiting ticket has waited (0 with nobody in line)."""
+        """How long ago the first ticket's place began (0 with nobody in line): what a
+        fleet's line orders the relays by (`core.admission.leasemath.LineMark`)."""
         first = self.oldest()
         return now - first[1] if first is not None else 0.0
 
+    def deadline(self) -> tuple[int, float] | None:
+        """The ticket whose wait began first and since when (its bound's start)."""
+        bound = self.bound
+        best: tuple[int, float] | None = None
+        for ticket, at in self.since.items():
+            if not bound:
+                return ticket, at
+            if best is not None and at >= best[1]:
+                break  # places are in time order, and a bound is never before its place
+            b = bound.get(ticket, at)
+            if best is None or b < best[1]:
+                best = ticket, b
+        return best
+
     def overdue(self, now: float, max_wait_s: float) -> int | None:
-        """The longest-waiting ticket once it has waited ``max_wait_s``, else None."""
-        first = self.oldest()
+        """The ticket that has waited ``max_wait_s`` first, once one has, else None."""
+        first = self.deadline()
         # the same sum `Limiter.pump` wakes at (``now - since >= max_wait_s`` can be
         # false at that instant by a rounding: a wake at the same time, again and again)
         return first[0] if first is not None and now >= first[1] + max_wait_s else None

@@ -282,6 +282,10 @@ class RetryState(msgspec.Struct):
     #: since when this attempt has waited for a rate budget (kept while a cool-off or a
     #: breaker holds it out of the line: back in line, its wait bound still counts)
     _rate_since: float | None = None
+    #: when this turn first asked a limiter for its budget: a retry waits in the rate
+    #: line in its place by this time (a 429'd turn is not sent behind the turns that
+    #: came since)
+    _came: float | None = None
     _pace_done: bool = False  # this retry has its pacer's go already
     _order: list[int] | None = None
     #: the upstream whose fleet probe lease this turn's attempt holds, until a verdict
@@ -455,6 +459,8 @@ class RetryState(msgspec.Struct):
         seq = lim.admit(self.ticket, self.sticky or f"#{self.ticket}", tokens, now)
         self._adm = (lim, seq, tokens)
         self._rate_since = None
+        if self._came is None:
+            self._came = now
         old = self._rate_line
         if old is not None:
             if old is not lim:
@@ -478,8 +484,18 @@ class RetryState(msgspec.Struct):
             self._rate_line = lim
         if self._rate_since is None:
             self._rate_since = now
-        # keeps (or takes) its place; one back from a block keeps its time in line
-        lim.admit(ticket, self.sticky or f"#{ticket}", tokens, now, since=self._rate_since)
+        if self._came is None:
+            self._came = now
+        # keeps (or takes) its place; one back from a block keeps its time in line, a
+        # retry its turn's place
+        lim.admit(
+            ticket,
+            self.sticky or f"#{ticket}",
+            tokens,
+            now,
+            since=self._rate_since,
+            place=self._came,
+        )
         board.rates.changed(key)
         return Park(now + self.park_check_s, "ratelimit", key)
 

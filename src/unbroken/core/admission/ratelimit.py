@@ -411,12 +411,19 @@ class Limiter:
 
     # -- a turn's questions ------------------------------------------------------------
     def admit(
-        self, ticket: int, session: str, tokens: float, now: float, since: float | None = None
+        self,
+        ticket: int,
+        session: str,
+        tokens: float,
+        now: float,
+        since: float | None = None,
+        place: float | None = None,
     ) -> int:
         """May this request go now?  The admission's seq (> 0; its cost is spent), or
         0: it waits in line (keeping its place when it asks again; ``since``: when it
         first waited, for one back in line after a cool-off held it out: the wait
-        bound counts from then)."""
+        bound counts from then; ``place``: when its turn came, for a retry of a request
+        the provider refused, which goes back in line in that place)."""
         got = self.granted.pop(ticket, None) if ticket else None
         if got is not None:
             return got[1]
@@ -428,9 +435,9 @@ class Limiter:
             return self._spend(tokens, now)
         if ticket and ticket not in line:
             if since is not None and since < now:  # back in line: counted once
-                line.add(ticket, session, tokens, since)
+                line.add(ticket, session, tokens, since, place)
             else:
-                line.add(ticket, session, tokens, now)
+                line.add(ticket, session, tokens, now, place)
                 self.waited_total += 1
         return 0
 
@@ -639,7 +646,7 @@ class Limiter:
             assert head is not None
             due = self.due(line.costs[head], now)
             if due > now:
-                first = line.oldest()
+                first = line.deadline()
                 if first is not None:  # (a line with a head has one)
                     due = min(due, first[1] + max_wait)
                 return out, (due if math.isfinite(due) else None)
