@@ -232,3 +232,27 @@ def test_a_turn_the_provider_refused_retries_in_its_place_in_the_rate_line() -> 
     assert list(lim.line) == [early.ticket, *(t.ticket for t in later)]
     first = lim.line.deadline()
     assert first is not None and first[0] == later[0].ticket  # its bound counts from 2.0
+
+
+def test_a_turn_a_failing_upstream_refused_retries_behind_the_turns_that_came_since() -> None:
+    """Only a request the rate limit refused keeps its turn's place: a failing
+    upstream's retries (a 503, an outage) at the head of the line held the turns that
+    came since out for a whole outage (the simulator's 30 s outage: a first attempt
+    waited 35 s, against 8 s in turn with the others)."""
+    b = HealthBoard()
+    early = state(b, "early")
+    assert early.next_upstream(0.0) == 0
+    spend_requests(b, 0.0, now=0.1)  # the key is spent, one a second
+    later = [state(b, f"later{i}") for i in range(3)]
+    for i, t in enumerate(later):
+        assert isinstance(t.next_upstream(0.2 + i / 10), Park)
+    early.record_failure(Failure(FailureClass.STATUS, "HTTP 503", status=503), 0.5)
+    now = 2.0
+    park = early.next_upstream(now)
+    while isinstance(park, Park) and park.why != "ratelimit":  # the pacer's go first
+        now = max(park.until, now + 0.01)
+        b.pump(K, now)
+        park = early.next_upstream(now)
+    assert isinstance(park, Park)
+    lim = b.rates.get(K, "c")
+    assert lim.line.head() != early.ticket and list(lim.line)[-1] == early.ticket

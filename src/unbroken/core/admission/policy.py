@@ -282,9 +282,9 @@ class RetryState(msgspec.Struct):
     #: since when this attempt has waited for a rate budget (kept while a cool-off or a
     #: breaker holds it out of the line: back in line, its wait bound still counts)
     _rate_since: float | None = None
-    #: when this turn first asked a limiter for its budget: a retry waits in the rate
-    #: line in its place by this time (a 429'd turn is not sent behind the turns that
-    #: came since)
+    #: when this turn first asked a limiter for its budget: a retry after a 429 waits
+    #: in the rate line in its place by this time (not behind the turns that came
+    #: since); any other failure starts it afresh
     _came: float | None = None
     _pace_done: bool = False  # this retry has its pacer's go already
     _order: list[int] | None = None
@@ -618,6 +618,12 @@ class RetryState(msgspec.Struct):
         key = self.keys[self.current] if board is not None and self.keys else None
         adm = self._adm
         limited = adm is not None and failure.status == 429 and not failure.quota
+        if not limited:
+            # Only a request the rate limit refused keeps its turn's place in the rate
+            # line: a failing upstream's retries at the head of the line held the turns
+            # that came since out for a whole outage (the simulator's 30 s outage: a
+            # first attempt waited 35 s, against 8 s in turn with the others)
+            self._came = None
         if adm is not None:
             lim, seq, tokens = adm
             if limited:
