@@ -87,6 +87,7 @@ def test_a_retry_takes_its_place_by_when_its_turn_came_and_waits_its_own_bound()
     line.remove(3)
     assert line.deadline() == (1, 50.0)
     assert line.overdue(109.9, 60.0) is None and line.overdue(110.0, 60.0) == 1
-    assert line.pop_head() == 1 and not line.bound and line.deadline() is None
-    line.add(4, "d", 1.0, 3.0, place=3.0)  # a place no earlier than the wait: no bound kept
-    assert not line.bound and line.deadline() == (4, 3.0)
+    assert line.pop_head() == 1 and not line.waits and line.deadline() is None
+    line.add(4, "d", 1.0, 3.0, place=3.0)  # a place no earlier than the wait: the same
+    line.add(5, "e", 1.0, 2.0)  # back from a cool-off: its wait began first
+    assert line.deadline() == (5, 2.0) and list(line.waits) == [5, 4] == list(line.since)

@@ -7,9 +7,9 @@ pumps it).  Each ticket remembers what it asks for, its place (when its turn cam
 since when it waits: no turn waits in a line longer than ``max_wait_s``
 (`FairLine.overdue`), one back in line after a cool-off held it out included (it comes
 back with the time it first waited).  A turn back in line to retry a request the
-provider refused takes its place by when it came, not behind the turns that came
-since; its wait bound counts from when it began to wait again.  Nothing here reads a
-clock: ``now`` is passed in.
+provider's rate limit refused (a 429) takes its place by when its turn came, not behind
+the turns that came since; its wait bound counts from when it began to wait again.
+Nothing here reads a clock: ``now`` is passed in.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["FairLine"]
 class FairLine:
     """Waiting tickets: round robin across sessions, first come first served within one."""
 
-    __slots__ = ("_sessions", "bound", "costs", "since", "where")
+    __slots__ = ("_sessions", "costs", "since", "waits", "where")
 
     def __init__(self) -> None:
         #: session -> its tickets, oldest first; the dict's order is the rotation
@@ -32,13 +32,13 @@ class FairLine:
         self.where: dict[int, str] = {}
         #: ticket -> the tokens it asks for
         self.costs: dict[int, float] = {}
-        #: ticket -> its place: when it began to wait (no wait is longer than
-        #: ``max_wait_s``), or when its turn came for one back to retry, in the order of
-        #: those times (`add` keeps it: one back in line goes in its place)
+        #: ticket -> its place: when it began to wait, or when its turn came for a
+        #: retry, in the order of those times (`add` keeps it: one back in line goes in
+        #: its place)
         self.since: dict[int, float] = {}
-        #: ticket -> since when it waits, for those whose place is earlier (a retry's):
-        #: the wait bound counts from then
-        self.bound: dict[int, float] = {}
+        #: ticket -> when it began to wait (no wait is longer than ``max_wait_s``), in
+        #: the order of those times (for all but a retry, its place)
+        self.waits: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self.where)
@@ -65,18 +65,17 @@ class FairLine:
             return
         self.where[ticket] = session
         self.costs[ticket] = cost
+        _in_order(self.waits, ticket, now)
         if place is not None and place < now:
-            self.bound[ticket] = now
             now = place
         since = self.since
         if since and now < next(reversed(since.values())):
-            # One back in line (a cool-off held it out) keeps its time, its wait bound,
-            # and its place: ``since`` stays in order, and so do its session's tickets
-            # and the rotation (before, it went to the back behind newer turns: after
-            # a 429's cool-off, turns that came during it were served first)
-            items = sorted([*since.items(), (ticket, now)], key=lambda item: item[1])
-            since.clear()
-            since.update(items)
+            # One back in line (a cool-off held it out; a 429'd retry) keeps its time,
+            # its wait bound, and its place: ``since`` stays in order, and so do its
+            # session's tickets and the rotation (before, it went to the back behind
+            # newer turns: after a 429's cool-off, turns that came during it were
+            # served first)
+            _in_order(since, ticket, now)
             self._back_in_place(ticket, session)
             return
         since[ticket] = now
@@ -117,8 +116,7 @@ class FairLine:
         del self.where[ticket]
         self.costs.pop(ticket, None)
         self.since.pop(ticket, None)
-        if self.bound:
-            self.bound.pop(ticket, None)
+        self.waits.pop(ticket, None)
         return ticket
 
     def remove(self, ticket: int) -> None:
@@ -127,7 +125,7 @@ class FairLine:
             return
         self.costs.pop(ticket, None)
         self.since.pop(ticket, None)
-        self.bound.pop(ticket, None)
+        self.waits.pop(ticket, None)
         q = self._sessions[session]
         q.remove(ticket)
         if not q:
@@ -149,18 +147,10 @@ class FairLine:
         return now - first[1] if first is not None else 0.0
 
     def deadline(self) -> tuple[int, float] | None:
-        """The ticket whose wait began first and since when (its bound's start)."""
-        bound = self.bound
-        best: tuple[int, float] | None = None
-        for ticket, at in self.since.items():
-            if not bound:
-                return ticket, at
-            if best is not None and at >= best[1]:
-                break  # places are in time order, and a bound is never before its place
-            b = bound.get(ticket, at)
-            if best is None or b < best[1]:
-                best = ticket, b
-        return best
+        """The ticket whose wait began first and since when (``waits`` is in time order)."""
+        for item in self.waits.items():
+            return item
+        return None
 
     def overdue(self, now: float, max_wait_s: float) -> int | None:
         """The ticket that has waited ``max_wait_s`` first, once one has, else None."""
@@ -168,3 +158,14 @@ class FairLine:
         # the same sum `Limiter.pump` wakes at (``now - since >= max_wait_s`` can be
         # false at that instant by a rounding: a wake at the same time, again and again)
         return first[0] if first is not None and now >= first[1] + max_wait_s else None
+
+
+def _in_order(times: dict[int, float], ticket: int, at: float) -> None:
+    """``times[ticket] = at``, ``times`` kept in the order of its values: appended when
+    ``at`` is the latest (nearly always), else sorted in (O(n): one back in line)."""
+    if times and at < next(reversed(times.values())):
+        items = sorted([*times.items(), (ticket, at)], key=lambda item: item[1])
+        times.clear()
+        times.update(items)
+    else:
+        times[ticket] = at
