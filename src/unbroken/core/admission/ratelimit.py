@@ -59,6 +59,8 @@ Each upstream, for each credential (a hash of the key, never the key), has a
   A 429's block holds the line (``blocked_until``): its turns wait it out in their
   places (`core.admission.policy.RetryState._park`; one a cool-off held out comes back
   in its place, `FairLine.add`), and a fleet store leases nothing for it meanwhile.
+  The turn the 429 refused retries in the place its turn came in, its wait bound
+  counted afresh (`RetryState._park_rate`): not behind the turns that came since.
 * **What the provider does corrects what it says.**  Every 429 goes to the
   limiter's `AdmissionThrottle` (`core.admission.throttle`): a ceiling on the admitted request rate,
   off until the first 429, then lowered multiplicatively to what the provider was
