@@ -255,6 +255,57 @@ def test_a_request_alone_is_never_held() -> None:
     assert t.due(0.0, alone=False) <= 1.0 / MIN_RATE
 
 
+def _sends_until(t: AdmissionThrottle, now: float, end: float, seq: int) -> list[float]:
+    """A crowd behind ``t`` (never alone): each request goes when it is due; none is
+    answered."""
+    sent = []
+    while now < end:
+        due = t.due(now, alone=False)
+        if due > now:
+            now = due
+            continue
+        seq += 1
+        t.sent(seq, now)
+        sent.append(now)
+    return sent
+
+
+def _most_in_a_second(times: list[float]) -> int:
+    return max(sum(1 for u in times if t <= u < t + 1.0) for t in times)
+
+
+def test_a_cold_start_all_refused_holds_the_rest_of_its_second() -> None:
+    """Issue 32, `bare` over two workers: each relay's cold start of four went into a
+    spent key and was refused, and its throttle, on a guess of 3.6 a second, let two
+    or three more go in that same second: 12 to 13 requests in one second of a
+    5-a-second limit.  The refused four count: nothing more goes until they are a
+    second old, then one, then the rate."""
+    t = AdmissionThrottle()
+    cold = [0.001 * seq for seq in range(1, 5)]
+    for seq, at in enumerate(cold, 1):
+        t.sent(seq, at)
+    assert t.refused(1, 0.05, last_seq=4)
+    most = math.floor(t.rate)
+    assert most == 3  # (the guess: 95 % of 95 % of four a second)
+    after = _sends_until(t, 0.05, 3.0, seq=4)
+    assert after[0] == pytest.approx(cold[len(cold) - most] + 1.0)  # the fourth's last-but-2
+    assert _most_in_a_second(cold + after) <= len(cold)
+    assert t.due(0.5, alone=True) == 0.5  # a request alone is never held
+
+
+def test_only_a_cold_start_is_held_so() -> None:
+    """A guess after the throttle was on (the first answers of an epoch were 429s) paces
+    from its decrease as before: what it sent in the last second was let go by the
+    throttle's own rate."""
+    t = AdmissionThrottle()
+    t.sent(1, 0.0)
+    assert t.refused(1, 0.01, last_seq=1)
+    seq = 1 + len(_sends_until(t, 0.01, 5.0, seq=1))
+    assert t.refused(seq, 5.0, last_seq=seq)
+    assert t.held_until <= 5.0
+    assert t.due(5.0, alone=False) == pytest.approx(5.0 + 1.0 / t.rate)
+
+
 # -- the fleet, against the issue's providers ----------------------------------------
 def test_a_quantized_provider_is_not_stormed() -> None:
     # issue 32: 300 a minute reported, 5 a second enforced, no Retry-After.  Before: 98 %

@@ -26,6 +26,13 @@ requests it lets go that only the provider's own answers move:
   on it, one relay of `bench/fleet_sim.py` sat at 1 a second of an
   enforced-per-second 5 for a minute on half the seeds (`anthropic`, 44 %
   goodput).
+* **A cold start's refused second counts.**  The requests a limiter let go before
+  the throttle was on (its cold start) are counted at its first decrease: when every
+  one of them was refused (a key spent at the start) and the last second's are more
+  than the guessed rate lets go in one, nothing more goes until they are a second
+  old, then one and the rate (`held_until`).  Each relay of a fleet otherwise let
+  two or three more go in the second its four were refused: 12 to 13 requests in one
+  second of a 5-a-second limit over two workers.
 * **Then it probes back up** along CUBIC's curve: concave back to the rate that
   was refused (``W_max``) over ``CLIMB_S`` seconds, flat near it, convex beyond
   it, so a limit that was raised is found again, and a limit that holds costs one
@@ -124,11 +131,13 @@ class AdmissionThrottle:
         "_peers",
         "_pool_t",
         "_probing",
+        "_sends",
         "_t",
         "anchor",
         "decreases",
         "demand",
         "enabled",
+        "held_until",
         "raises",
         "rate",
         "replies",
@@ -173,6 +182,11 @@ class AdmissionThrottle:
         self._probing = False
         #: when the answers of the last ``RECENT_S`` were accepted (bounded)
         self._accepts: deque[float] = deque(maxlen=100_000)
+        #: when the requests of the last ``BURST_S`` went (before it was on too: a cold
+        #: start's)
+        self._sends: deque[float] = deque(maxlen=100_000)
+        #: after a guess, nothing goes before this (`_decrease`)
+        self.held_until = 0.0
 
     # -- the curve ---------------------------------------------------------------------
     def _curve(self, now: float) -> float:
@@ -201,14 +215,20 @@ class AdmissionThrottle:
         if not self.enabled or alone:
             return now
         self._refill(now)
-        if self.tokens >= 1.0 - 1e-9:
-            return now
-        return now + min((1.0 - self.tokens) / self.rate, 1.0 / MIN_RATE)
+        when = self.held_until if self.held_until > now else now
+        if self.tokens < 1.0 - 1e-9:
+            when = max(when, now + min((1.0 - self.tokens) / self.rate, 1.0 / MIN_RATE))
+        return when
 
     def sent(self, seq: int, now: float) -> None:
         """Admission ``seq`` went (its token is spent)."""
         if self._ep_t0 is None:
             self._ep_t0 = now
+        if not self.enabled:  # (a cold start's: the first decrease counts them)
+            sends = self._sends
+            while sends and sends[0] <= now - BURST_S:
+                sends.popleft()
+            sends.append(now)
         if seq > self._ep_seq:
             self._ep_sent += 1
         if self.enabled:
@@ -330,6 +350,7 @@ class AdmissionThrottle:
     def _decrease(self, now: float, last_seq: int, accepted: float, sent_rate: float) -> None:
         """CUBIC's decrease, anchored on the ``accepted`` rate (a new epoch)."""
         guess = accepted <= 0.0
+        first = not self.enabled
         if guess:  # nothing got through this epoch: less than was sent
             accepted = BETA * sent_rate
         # (and a measure on too few answers is no measure: probe up from it)
@@ -345,6 +366,19 @@ class AdmissionThrottle:
         self.t_decrease = now
         self._t = now
         self.tokens = 0.0  # the next one goes a period later
+        if first:
+            sends, most = self._sends, max(1, math.floor(self.rate * BURST_S + 1e-9))
+            while sends and sends[0] <= now - BURST_S:
+                sends.popleft()
+            if guess and len(sends) >= most:
+                # A cold start that was all refused (a spent key), and its last second
+                # already sent more than the guess lets go in one: nothing more until
+                # those are a second old, then one and the rate.  (Each relay of a
+                # fleet sent its four into a spent key and let two or three more go in
+                # that second: 12 to 13 in one second of a 5-a-second limit.)
+                self.held_until = self._t = sends[len(sends) - most] + BURST_S
+                self.tokens = 1.0
+            sends.clear()
         self.decreases += 1
         self._ep_seq = last_seq
         self._ep_t0 = now
