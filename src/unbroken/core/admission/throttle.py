@@ -185,7 +185,8 @@ class AdmissionThrottle:
         #: when the requests of the last ``BURST_S`` went (before it was on too: a cold
         #: start's)
         self._sends: deque[float] = deque(maxlen=100_000)
-        #: after a guess, nothing goes before this (`_decrease`)
+        #: after a cold start that was all refused, nothing goes before this (but a
+        #: request alone: `_decrease`)
         self.held_until = 0.0
 
     # -- the curve ---------------------------------------------------------------------
