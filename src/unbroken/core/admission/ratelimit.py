@@ -436,10 +436,9 @@ class Limiter:
                 line.pop_head()
             return self._spend(tokens, now)
         if ticket and ticket not in line:
-            if since is not None and since < now:  # back in line: counted once
-                line.add(ticket, session, tokens, since, place)
-            else:
-                line.add(ticket, session, tokens, now, place)
+            start = since if since is not None and since < now else now
+            line.add(ticket, session, tokens, start, place)
+            if start >= now:  # (one back in line is counted once)
                 self.waited_total += 1
         return 0
 

@@ -226,10 +226,7 @@ class AdmissionThrottle:
         if self._ep_t0 is None:
             self._ep_t0 = now
         if not self.enabled:  # (a cold start's: the first decrease counts them)
-            sends = self._sends
-            while sends and sends[0] <= now - BURST_S:
-                sends.popleft()
-            sends.append(now)
+            self._last_second(now).append(now)
         if seq > self._ep_seq:
             self._ep_sent += 1
         if self.enabled:
@@ -368,9 +365,7 @@ class AdmissionThrottle:
         self._t = now
         self.tokens = 0.0  # the next one goes a period later
         if first:
-            sends, most = self._sends, max(1, math.floor(self.rate * BURST_S + 1e-9))
-            while sends and sends[0] <= now - BURST_S:
-                sends.popleft()
+            sends, most = self._last_second(now), max(1, math.floor(self.rate * BURST_S + 1e-9))
             if guess and len(sends) >= most:
                 # A cold start that was all refused (a spent key), and its last second
                 # already sent more than the guess lets go in one: nothing more until
@@ -384,6 +379,13 @@ class AdmissionThrottle:
         self._ep_seq = last_seq
         self._ep_t0 = now
         self._ep_sent = self._ep_ok = self._ep_refused = 0
+
+    def _last_second(self, now: float) -> deque[float]:
+        """The sends of the last ``BURST_S`` (recorded until the throttle is on)."""
+        sends = self._sends
+        while sends and sends[0] <= now - BURST_S:
+            sends.popleft()
+        return sends
 
     def _recent(self, now: float) -> float:
         """Answers accepted a second, over the last ``RECENT_S``."""
