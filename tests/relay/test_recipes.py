@@ -58,15 +58,16 @@ def sse_json(body: bytes) -> list[Any]:
 
 async def test_openai_sdk_recipe(mock: Any, relay: str) -> None:
     # docs/configuration.md: OpenAI(base_url="http://127.0.0.1:4780/openai/v1")
-    client = openai.AsyncOpenAI(base_url=f"{relay}/openai/v1", api_key="sk-user", max_retries=0)
-    mock.script(FAULTS)
-    stream = await client.chat.completions.create(
-        model="gpt-x", messages=[{"role": "user", "content": "hi"}], stream=True
-    )
-    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-    assert text == TEXT
-    mock.script(FAULTS)
-    response = await client.responses.create(model="gpt-x", input="hi")
+    url = f"{relay}/openai/v1"
+    async with openai.AsyncOpenAI(base_url=url, api_key="sk-user", max_retries=0) as client:
+        mock.script(FAULTS)
+        stream = await client.chat.completions.create(
+            model="gpt-x", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == TEXT
+        mock.script(FAULTS)
+        response = await client.responses.create(model="gpt-x", input="hi")
     assert response.output_text == TEXT
     assert [r.path for r in mock.requests] == ["/v1/chat/completions"] * 3 + ["/v1/responses"] * 3
     assert mock.requests[-1].headers["authorization"] == "Bearer sk-user"
@@ -74,13 +75,15 @@ async def test_openai_sdk_recipe(mock: Any, relay: str) -> None:
 
 async def test_anthropic_sdk_recipe(mock: Any, relay: str) -> None:
     # docs/configuration.md: Anthropic(base_url="http://127.0.0.1:4780/anthropic")
-    client = anthropic.AsyncAnthropic(
-        base_url=f"{relay}/anthropic", api_key="sk-ant-user", max_retries=0
-    )
     mock.script(FAULTS)
-    async with client.messages.stream(
-        model="claude-x", max_tokens=64, messages=[{"role": "user", "content": "hi"}]
-    ) as stream:
+    async with (
+        anthropic.AsyncAnthropic(
+            base_url=f"{relay}/anthropic", api_key="sk-ant-user", max_retries=0
+        ) as client,
+        client.messages.stream(
+            model="claude-x", max_tokens=64, messages=[{"role": "user", "content": "hi"}]
+        ) as stream,
+    ):
         text = "".join([t async for t in stream.text_stream])
     assert text == TEXT
     assert [r.path for r in mock.requests] == ["/v1/messages"] * 3

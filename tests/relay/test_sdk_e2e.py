@@ -36,16 +36,23 @@ async def relay(mock: MockProvider) -> AsyncIterator[Relay]:
     await server.stop()
 
 
+# The clients are closed on the test's loop: one left to the garbage collector closes its
+# pool from a later test, on a loop that is gone, and that test's log gets the traceback
+# (a clean-clone run: test_security's "no Traceback" check failed on it)
 @pytest.fixture
-def oai(relay: Relay) -> openai.AsyncOpenAI:
+async def oai(relay: Relay) -> AsyncIterator[openai.AsyncOpenAI]:
     server, _ = relay
-    return openai.AsyncOpenAI(base_url=f"{server.url}/mock/v1", api_key="sk-x", max_retries=0)
+    url = f"{server.url}/mock/v1"
+    async with openai.AsyncOpenAI(base_url=url, api_key="sk-x", max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture
-def ant(relay: Relay) -> anthropic.AsyncAnthropic:
+async def ant(relay: Relay) -> AsyncIterator[anthropic.AsyncAnthropic]:
     server, _ = relay
-    return anthropic.AsyncAnthropic(base_url=f"{server.url}/mock", api_key="sk-x", max_retries=0)
+    url = f"{server.url}/mock"
+    async with anthropic.AsyncAnthropic(base_url=url, api_key="sk-x", max_retries=0) as client:
+        yield client
 
 
 # -- chat completions -------------------------------------------------------------
