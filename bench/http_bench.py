@@ -43,6 +43,7 @@ from typing import Any
 # `X as X`: re-exported for the scripts that use this harness as `hb.X` (turn_cost.py,
 # instr_cost.py)
 from harness import HARNESS_CPU as HARNESS_CPU
+from harness import LAUNCHED_READY_S as LAUNCHED_READY_S
 from harness import PY as PY
 from harness import ROOT as ROOT
 from harness import Fleet as Fleet

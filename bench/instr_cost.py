@@ -108,7 +108,12 @@ def _start(fleet: hb.Fleet, mock_url: str, name: str, src: Path | None, extra: s
             "0",
         ]
         proc = fleet.start(
-            name, argv, cpu=fleet.sut_cpu, ready=r"listening on (http://\S+)", env=env
+            name,
+            argv,
+            cpu=fleet.sut_cpu,
+            ready=r"listening on (http://\S+)",
+            env=env,
+            ready_timeout_s=hb.LAUNCHED_READY_S,
         )
         return Counted(proc, out)
     path = os.pathsep.join(filter(None, (str(src / "src"), os.environ.get("PYTHONPATH"))))
