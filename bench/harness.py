@@ -41,12 +41,19 @@ LAUNCHED_READY_S = 120.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(utime, stime) of a process (all its threads), in seconds: its own code, and the
+    kernel's work for it (sockets, ...)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read()
     fields = stat[stat.rfind(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    user, system = cpu_times(pid)
+    return user + system
 
 
 def rss_kib(pid: int) -> int:

@@ -49,6 +49,7 @@ from harness import ROOT as ROOT
 from harness import Fleet as Fleet
 from harness import Proc as Proc
 from harness import cpu_seconds as cpu_seconds
+from harness import cpu_times as cpu_times
 from harness import log as log
 from harness import pct as pct
 from harness import pin_harness, pinning_mode, raise_nofile

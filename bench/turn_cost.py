@@ -37,14 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import http_bench as hb
 
 
-def _batch(gen: hb.Proc, proc: hb.Proc, url: str, spec: dict[str, Any], n: int, c: int) -> float:
-    before = hb.cpu_seconds(proc.pid)
+def _batch(
+    gen: hb.Proc, proc: hb.Proc, url: str, spec: dict[str, Any], n: int, c: int
+) -> tuple[float, float]:
+    """(CPU, of which system time) a turn of a batch of ``n``, in µs."""
+    user0, sys0 = hb.cpu_times(proc.pid)
     r = gen.call({"op": "batch", "url": url, "n": n, "concurrency": c, **spec}, timeout=600)
-    used = hb.cpu_seconds(proc.pid) - before
+    user1, sys1 = hb.cpu_times(proc.pid)
     if r["errors"]:
         raise RuntimeError(f"{proc.name}: {r['errors']} errors, last {r['last_error']}")
     ok: int = r["ok"]
-    return used / ok * 1e6
+    return (user1 - user0 + sys1 - sys0) / ok * 1e6, (sys1 - sys0) / ok * 1e6
 
 
 def _named_tree(value: str) -> tuple[str, Path]:
@@ -145,6 +148,7 @@ def main() -> int:
     also = dict(_named_tree(v) for v in args.also)
     names = ["bare", "unbroken", *also]
     results: dict[str, list[float]] = {name: [] for name in names}
+    system: dict[str, list[float]] = {name: [] for name in names}  # of it, the kernel's
     ttfc: dict[str, list[float]] = {name: [] for name in names}
     try:
         me = str(Path(hb.__file__).resolve())
@@ -170,23 +174,18 @@ def main() -> int:
             # Each system's batch in --interleave slices, taken in turn: a slow spell
             # of the machine then falls on every system alike.
             used = dict.fromkeys(order, 0.0)
+            in_kernel = dict.fromkeys(order, 0.0)
             part = max(1, args.turns // args.interleave)
             for _ in range(args.interleave):
                 for name in order:
-                    used[name] += (
-                        _batch(
-                            gen,
-                            procs[name],
-                            f"{procs[name].url}/mock/{path}",
-                            spec,
-                            part,
-                            args.concurrency,
-                        )
-                        * part
-                    )
+                    url = f"{procs[name].url}/mock/{path}"
+                    cpu, kernel = _batch(gen, procs[name], url, spec, part, args.concurrency)
+                    used[name] += cpu * part
+                    in_kernel[name] += kernel * part
             for name in order:
                 us = used[name] / (part * args.interleave)
                 results[name].append(us)
+                system[name].append(in_kernel[name] / (part * args.interleave))
                 line.append(f"{name} {us:7.1f} µs/turn")
             hb.log(f"round {rnd + 1}/{args.rounds}: " + ", ".join(line))
             if args.ttfc:
@@ -219,7 +218,10 @@ def main() -> int:
             f"\n{kind} turns, c={args.concurrency}, {args.turns} per batch, "
             f"{args.rounds} rounds, median CPU per turn:"
         )
-        print(f"  {'bare':12s} {bare:7.1f} µs")
+        print(
+            f"  {'bare':12s} {bare:7.1f} µs  (system time "
+            f"{statistics.median(system['bare']):.1f} µs)"
+        )
         for name in names[1:]:
             ours = statistics.median(results[name])
             ratios = [u / b for u, b in zip(results[name], results["bare"], strict=True)]
@@ -228,7 +230,8 @@ def main() -> int:
                 f"{statistics.median(ratios):.2f}x bare, median of the rounds' ratios "
                 + ", ".join(f"{r:.2f}" for r in ratios)
                 + f"; req/s per core "
-                f"{1e6 / ours:,.0f} = {bare / ours:.2f}x bare)"
+                f"{1e6 / ours:,.0f} = {bare / ours:.2f}x bare; system time "
+                f"{statistics.median(system[name]):.1f} µs)"
             )
         if args.ttfc:
             print(
