@@ -113,11 +113,7 @@ async def test_an_open_breaker_sends_nothing_to_the_dead_upstream_until_the_prob
                 assert (await chat(http, server.url))[0] == 200
             assert time.monotonic() < reopens, "too slow to test before the probe"
             assert dead.accepted == 5  # zero connection attempts while open
-            await until(
-                lambda: (
-                    server.relay.board.blocked_until(f"mock|{dead.url}", time.monotonic()) == 0.0
-                )
-            )
+            await until(lambda: server.relay.board.blocked_until(key, time.monotonic()) == 0.0)
             for _ in range(10):
                 assert (await chat(http, server.url))[0] == 200
             assert dead.accepted == 6  # exactly one probe; it failed: open again

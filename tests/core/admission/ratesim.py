@@ -21,6 +21,12 @@ from unbroken.core.admission.ratelimit import RateSettings
 K = "r|http://a"
 
 
+def most_in_a_second(times: list[float]) -> int:
+    """The most of ``times`` within any one second (a sliding window)."""
+    ts = sorted(times)
+    return max(sum(1 for u in ts if t <= u < t + 1.0) for t in ts)
+
+
 @dataclass
 class Answer:
     status: int

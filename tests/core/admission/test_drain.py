@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from core.admission.ratesim import most_in_a_second
 from unbroken.core.admission.ratehead import RateHeaders, Reading
 from unbroken.core.admission.ratelimit import DRAIN_WINDOW_S, Limiter, RateSettings
 
@@ -45,17 +46,12 @@ def _drawn(lim: Limiter, turns: int, until: float, start: float = 0.0) -> list[f
     return went
 
 
-def _most_in_a_second(times: list[float]) -> int:
-    ts = sorted(times)
-    return max(sum(1 for u in ts if t <= u < t + 1.0) for t in ts)
-
-
 def test_a_bank_is_drawn_at_twice_the_share_never_more_in_any_second() -> None:
     went = _drawn(_banked(), 100, 30.0)
     assert len(went) == 100
     # at the share (5 a second after a burst of 5) the hundred took 19 s
     assert max(went) < 11.0
-    assert _most_in_a_second(went) <= 10  # twice the share
+    assert most_in_a_second(went) <= 10  # twice the share
     # and within the drain's window (the margin for the way there), never more
     ts = sorted(went)
     assert all(ts[i + 10] - ts[i] >= DRAIN_WINDOW_S - 1e-9 for i in range(len(ts) - 10))
@@ -105,7 +101,7 @@ def test_a_lone_agent_waits_only_past_twice_the_share_in_a_second() -> None:
         lim.finish(seq, t + 0.01)
         t += 0.01
     assert went[9] == pytest.approx(0.09)  # ten at its own pace
-    assert _most_in_a_second(went) <= 10
+    assert most_in_a_second(went) <= 10
     # once the drain has ended, a request alone is never held again
     lim.drain = 1.0
     for k in range(30):
@@ -125,7 +121,7 @@ def test_the_window_bounds_any_limit(limit: float) -> None:
     went = _drawn(lim, 200, 5.0)
     assert went
     assert len(went) == 200 or max(went) >= 4.0
-    assert _most_in_a_second(went) <= max(2 * share, 4.0)  # (4: the burst, cold_start)
+    assert most_in_a_second(went) <= max(2 * share, 4.0)  # (4: the burst, cold_start)
 
 
 def test_a_fleets_leased_budget_is_no_bank() -> None:
@@ -137,7 +133,7 @@ def test_a_fleets_leased_budget_is_no_bank() -> None:
     lim.buckets["requests"].shared = True
     lim.buckets["requests"].level = 200.0  # (as if leased)
     went = _drawn(lim, 100, 60.0)
-    assert _most_in_a_second(went) <= 10
+    assert most_in_a_second(went) <= 10
     assert max(went) >= 18.0  # 5 at once, then 5 a second
     assert lim.drain == 2.0  # its own, were the budget its own again
 
@@ -184,7 +180,7 @@ def test_a_small_key_that_refused_a_burst_is_let_go_one_at_a_time() -> None:
     assert lim.drain == 1.0
     went = _drawn(_small_key(30.0, drain=1.0), 8, 10.0)
     assert went[0] == 0.0 and went[1] >= 1.0  # one at once, then at most one a second
-    assert _most_in_a_second(went) == 1
+    assert most_in_a_second(went) == 1
 
 
 def test_a_small_key_before_any_refusal_lets_the_cold_start_go_at_once() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from core.admission.ratesim import Answer, Bare, Quantized, Textbook, run
+from core.admission.ratesim import Answer, Bare, Quantized, Textbook, most_in_a_second, run
 from unbroken.core.admission.throttle import (
     BETA,
     CLIMB_S,
@@ -270,10 +270,6 @@ def _sends_until(t: AdmissionThrottle, now: float, end: float, seq: int) -> list
     return sent
 
 
-def _most_in_a_second(times: list[float]) -> int:
-    return max(sum(1 for u in times if t <= u < t + 1.0) for t in times)
-
-
 def test_a_cold_start_all_refused_holds_the_rest_of_its_second() -> None:
     """Issue 32, `bare` over two workers: each relay's cold start of four went into a
     spent key and was refused, and its throttle, on a guess of 3.6 a second, let two
@@ -291,7 +287,7 @@ def test_a_cold_start_all_refused_holds_the_rest_of_its_second() -> None:
     # the next goes a second after the second of the four: from then on only three of
     # them are within a second, and it makes the guess's three
     assert after[0] == pytest.approx(cold[len(cold) - most] + 1.0)
-    assert _most_in_a_second(cold + after) <= len(cold)
+    assert most_in_a_second(cold + after) <= len(cold)
     assert t.due(0.5, alone=True) == 0.5  # a request alone is never held
 
 
